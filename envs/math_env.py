@@ -1,0 +1,343 @@
+"""MathEnv: one math problem per episode; an action is one reasoning step (text) or one token.
+
+The episode logic lives in ``MathTask`` so that ``MathEnv`` (one episode) and ``MathVectorEnv``
+(N episodes, rewards scored in one batch) share it: a task builds episodes, applies actions, and
+scores every step completed in a batch with one call to the reward model.
+
+Observation: the prompt (problem inside a template) followed by the steps so far, each ending
+with the step delimiter; the gold answer is never in it. Reward: whatever the reward model pays
+for each completed step (default: the verified outcome, 1 if correct, at the end of the episode).
+``terminated`` when a step holds a final answer (or the end-of-solution marker / EOS token),
+``truncated`` at ``max_steps`` steps or ``max_solution_chars`` (step mode) / ``max_solution_tokens``
+(token mode).
+"""
+
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import gymnasium
+import numpy as np
+from gymnasium import spaces
+
+from envs.datasets import Arith, Problem, load_problems
+from envs.grader import extract_answer
+from envs.prompts import DEFAULT_TEMPLATE, STEP_DELIMITER, format_prompt, resolve_template
+from reward_models.base import RewardModel, StepContext
+from reward_models.outcome import OutcomeReward, verify
+
+MODES = ("step", "token")
+
+
+class UnicodeText(spaces.Text):
+    """A Text space that contains any Python string up to ``max_length`` characters.
+
+    Model output and MATH problems hold arbitrary Unicode (LaTeX, non-ASCII), so membership is
+    checked on length only; ``sample`` draws from printable ASCII.
+    """
+
+    def __init__(self, max_length: int, min_length: int = 0, seed: int | None = None):
+        super().__init__(max_length, min_length=min_length, charset=string.printable, seed=seed)
+
+    def contains(self, x: Any) -> bool:
+        return isinstance(x, str) and self.min_length <= len(x) <= self.max_length
+
+    def __repr__(self) -> str:
+        return f"UnicodeText({self.min_length}, {self.max_length})"
+
+
+def build_problems(
+    problems: Sequence[Problem] | None = None,
+    dataset_path: str | None = None,
+    split: str | None = None,
+    subjects: Sequence[str] | None = None,
+    levels: Sequence[int] | None = None,
+    limit: int | None = None,
+    arith: dict | None = None,
+) -> list[Problem]:
+    """The problem list from exactly one source: ``problems``, ``dataset_path`` (+ filters) or
+    ``arith`` (knobs of ``Arith`` plus ``num_train``, ``num_test``, ``seed``; ``split`` picks
+    "train" or "test" of that disjoint split)."""
+    given = [name for name, value in (("problems", problems), ("dataset_path", dataset_path), ("arith", arith))
+             if value is not None]
+    if len(given) != 1:
+        raise ValueError(f"give exactly one problem source of problems=, dataset_path=, arith=; got {given or 'none'}")
+    if problems is not None:
+        if not problems or not all(isinstance(p, Problem) for p in problems):
+            raise ValueError("problems= must be a non-empty list of envs.datasets.Problem")
+        return list(problems)
+    if dataset_path is not None:
+        return load_problems(dataset_path, split=split, subjects=subjects, levels=levels, limit=limit)
+    knobs = dict(arith)
+    sizes = {key: knobs.pop(key) for key in ("num_train", "num_test", "seed") if key in knobs}
+    train, test = Arith(**knobs).split(sizes.get("num_train", 20_000), sizes.get("num_test", 1_000), sizes.get("seed", 0))
+    if split not in (None, "train", "test"):
+        raise ValueError(f"Arith split={split!r} must be 'train' or 'test'")
+    chosen = test if split == "test" else train
+    return chosen[:limit] if limit else chosen
+
+
+class ProblemSampler:
+    """Draws problems without replacement, reshuffling every epoch (or in order if not shuffled)."""
+
+    def __init__(self, problems: Sequence[Problem], shuffle: bool = True):
+        self.problems = list(problems)
+        self.shuffle = shuffle
+        self.rng = np.random.default_rng()
+        self.order = np.arange(len(self.problems))
+        self.position = len(self.problems)  # empty: the first draw starts an epoch
+        self.epoch = -1
+        self.index = {p.id: i for i, p in enumerate(self.problems)}
+
+    def seed(self, seed: int | None) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.position, self.epoch = len(self.problems), -1
+
+    def draw(self) -> Problem:
+        if self.position == len(self.problems):
+            self.order = self.rng.permutation(len(self.problems)) if self.shuffle else np.arange(len(self.problems))
+            self.position, self.epoch = 0, self.epoch + 1
+        problem = self.problems[self.order[self.position]]
+        self.position += 1
+        return problem
+
+    def get(self, problem_id: str) -> Problem:
+        if problem_id not in self.index:
+            raise KeyError(f"problem_id {problem_id!r} is not among the env's {len(self.problems)} problems")
+        return self.problems[self.index[problem_id]]
+
+
+@dataclass
+class Episode:
+    """The state of one episode. ``solution_ids``, ``step_start`` and ``completed_text`` are used
+    in token mode only; ``solution_text`` is what the observation shows after the prompt."""
+
+    problem: Problem
+    group_id: int
+    prompt: str
+    steps: list[str] = field(default_factory=list)
+    solution_ids: list[int] = field(default_factory=list)
+    step_start: int = 0
+    completed_text: str = ""  # token mode: decoded text of the completed steps
+    solution_text: str = ""
+    done: bool = False
+
+
+@dataclass
+class Transition:
+    """What one action did to an episode: the step it completed (if any) and the end flags."""
+
+    completed_step: str | None
+    terminated: bool
+    truncated: bool
+
+
+class MathTask:
+    """Everything about the MATH task that does not depend on how many episodes run at once.
+
+    Args:
+        problems / dataset_path (+ split, subjects, levels, limit) / arith: the problem source
+            (exactly one; see ``build_problems``).
+        mode: "step" (action = one step of text) or "token" (action = one token id of ``tokenizer``).
+        tokenizer: a Hugging Face tokenizer, required in token mode (decoding only).
+        reward_model: a ``RewardModel``; default ``OutcomeReward()`` (1 for a verified answer).
+        template: prompt template (key of ``envs.prompts.TEMPLATES`` or a string with ``{problem}``).
+        step_delimiter: text between steps. max_steps: truncation in steps.
+        max_step_chars: longest step text kept (longer actions are clipped, and info says so).
+        max_solution_chars / max_solution_tokens: truncation by solution length.
+        end_marker: text that ends a solution without an answer (e.g. the tokenizer's EOS text).
+        shuffle: draw problems in a fresh random order each epoch (False: in dataset order).
+    """
+
+    def __init__(
+        self,
+        problems: Sequence[Problem] | None = None,
+        dataset_path: str | None = None,
+        split: str | None = None,
+        subjects: Sequence[str] | None = None,
+        levels: Sequence[int] | None = None,
+        limit: int | None = None,
+        arith: dict | None = None,
+        mode: str = "step",
+        tokenizer: Any = None,
+        reward_model: RewardModel | None = None,
+        template: str = DEFAULT_TEMPLATE,
+        step_delimiter: str = STEP_DELIMITER,
+        max_steps: int = 16,
+        max_step_chars: int = 4096,
+        max_solution_chars: int = 16384,
+        max_solution_tokens: int = 1024,
+        end_marker: str | None = None,
+        shuffle: bool = True,
+    ):
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r} must be one of {MODES}")
+        if mode == "token" and tokenizer is None:
+            raise ValueError("mode='token' needs tokenizer= (a Hugging Face tokenizer to decode the token actions)")
+        if not step_delimiter:
+            raise ValueError("step_delimiter must be a non-empty string, e.g. '\\n\\n'")
+        for name, value in (("max_steps", max_steps), ("max_step_chars", max_step_chars),
+                            ("max_solution_chars", max_solution_chars), ("max_solution_tokens", max_solution_tokens)):
+            if value < 1:
+                raise ValueError(f"{name}={value} must be >= 1")
+        self.sampler = ProblemSampler(
+            build_problems(problems, dataset_path, split, subjects, levels, limit, arith), shuffle=shuffle
+        )
+        self.mode = mode
+        self.tokenizer = tokenizer
+        self.reward_model = reward_model if reward_model is not None else OutcomeReward()
+        self.template = resolve_template(template)
+        self.step_delimiter = step_delimiter
+        self.max_steps = max_steps
+        self.max_step_chars = max_step_chars
+        self.max_solution_chars = max_solution_chars
+        self.max_solution_tokens = max_solution_tokens
+        self.end_marker = end_marker
+        self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
+
+        longest_prompt = max(len(self.prompt(p)) for p in self.sampler.problems)
+        if mode == "step":
+            self.action_space = UnicodeText(max_step_chars)
+            longest_solution = max_solution_chars + max_step_chars + len(step_delimiter)
+        else:
+            self.action_space = spaces.Discrete(len(tokenizer))
+            longest_token = max(len(t) for t in tokenizer.convert_ids_to_tokens(range(len(tokenizer))) if t)
+            longest_solution = (max_solution_tokens + 1) * max(longest_token, 8)
+        self.observation_space = UnicodeText(longest_prompt + longest_solution)
+
+    def prompt(self, problem: Problem) -> str:
+        return format_prompt(problem.problem, self.template)
+
+    def new_episode(self, problem: Problem, group_id: int) -> Episode:
+        return Episode(problem=problem, group_id=group_id, prompt=self.prompt(problem))
+
+    def observation(self, episode: Episode) -> str:
+        return episode.prompt + episode.solution_text
+
+    def info(self, episode: Episode) -> dict[str, Any]:
+        return {"problem_id": episode.problem.id, "group_id": episode.group_id, "step": len(episode.steps)}
+
+    def apply(self, episode: Episode, action: Any) -> tuple[Transition, dict[str, Any]]:
+        """Applies one action to a live episode; returns the transition and action info."""
+        if episode.done:
+            raise RuntimeError("step() called on a finished episode; call reset() first")
+        return self._apply_step(episode, action) if self.mode == "step" else self._apply_token(episode, action)
+
+    def _apply_step(self, episode: Episode, action: Any) -> tuple[Transition, dict[str, Any]]:
+        if not isinstance(action, str):
+            raise TypeError(f"step mode takes one reasoning step as str, got {type(action).__name__}")
+        clipped = len(action) > self.max_step_chars
+        step = action[: self.max_step_chars].strip().removesuffix(self.step_delimiter.strip()).rstrip()
+        episode.steps.append(step)
+        episode.solution_text += step + self.step_delimiter
+        terminated = self._ends_solution(step)
+        truncated = not terminated and (
+            len(episode.steps) >= self.max_steps or len(episode.solution_text) >= self.max_solution_chars
+        )
+        return Transition(step, terminated, truncated), {"action_clipped": clipped}
+
+    def _apply_token(self, episode: Episode, action: Any) -> tuple[Transition, dict[str, Any]]:
+        token_id = int(action)
+        if not 0 <= token_id < self.action_space.n:
+            raise ValueError(f"token action {token_id} is outside the vocabulary [0, {self.action_space.n})")
+        episode.solution_ids.append(token_id)
+        # Decode only the current step (not the whole solution) so an episode costs O(L) decodes of
+        # short spans rather than O(L^2) characters.
+        step_text = self.tokenizer.decode(episode.solution_ids[episode.step_start:], skip_special_tokens=True)
+        episode.solution_text = episode.completed_text + step_text
+        is_eos = token_id == self.eos_token_id
+        step_ended = self.step_delimiter in step_text or is_eos
+        too_long = len(episode.solution_ids) >= self.max_solution_tokens
+        if not (step_ended or too_long):
+            return Transition(None, False, False), {}
+        step = step_text.split(self.step_delimiter)[0].strip()
+        episode.steps.append(step)
+        episode.step_start = len(episode.solution_ids)
+        episode.completed_text = episode.solution_text
+        terminated = is_eos or self._ends_solution(step)
+        truncated = not terminated and (too_long or len(episode.steps) >= self.max_steps)
+        return Transition(step, terminated, truncated), {}
+
+    def _ends_solution(self, step: str) -> bool:
+        return extract_answer(step) is not None or (self.end_marker is not None and self.end_marker in step)
+
+    def score(self, episodes: Sequence[Episode], transitions: Sequence[Transition]) -> list[dict[str, Any]]:
+        """Scores every completed step of a batch with ONE reward-model call (and grades finished
+        episodes once). Returns per-episode dicts with "reward" and reward/accuracy info."""
+        results: list[dict[str, Any]] = [{"reward": 0.0} for _ in episodes]
+        scored = [i for i, t in enumerate(transitions) if t.completed_step is not None]
+        if not scored:
+            return results
+        contexts = [
+            StepContext(
+                problem=episodes[i].problem,
+                previous_steps=tuple(episodes[i].steps[:-1]),
+                new_step=episodes[i].steps[-1],
+                done=transitions[i].terminated or transitions[i].truncated,
+            )
+            for i in scored
+        ]
+        output = self.reward_model.score(contexts)
+        rewards = np.asarray(output.rewards, dtype=np.float64)
+        if rewards.shape != (len(contexts),):
+            raise ValueError(
+                f"reward model {self.reward_model.name!r} returned rewards of shape {rewards.shape} for a batch "
+                f"of {len(contexts)} steps; score() must return one reward per context"
+            )
+        correct = output.correct if output.correct is not None else verify(contexts)
+        for k, i in enumerate(scored):
+            results[i]["reward"] = float(rewards[k])
+            for name, values in output.components.items():
+                results[i][f"reward/{name}"] = float(values[k])
+            if contexts[k].done:
+                results[i]["correct"] = bool(correct[k])
+        return results
+
+
+class MathEnv(gymnasium.Env):
+    """One math problem per episode; see ``MathTask`` for the arguments.
+
+    ``reset(seed=..., options={"problem_id": ...})`` returns the prompt and info (problem id, group
+    id, step count). ``step(action)`` takes one step of text (step mode) or one token id (token
+    mode). Info at episode end has ``correct`` (the verifier's verdict) and ``reward/<source>``.
+    """
+
+    metadata = {"render_modes": ["ansi"]}
+
+    def __init__(self, render_mode: str | None = None, **task_kwargs: Any):
+        if render_mode not in (None, "ansi"):
+            raise ValueError(f"render_mode={render_mode!r} must be None or 'ansi'")
+        self.render_mode = render_mode
+        self.task = MathTask(**task_kwargs)
+        self.observation_space = self.task.observation_space
+        self.action_space = self.task.action_space
+        self.episode: Episode | None = None
+        self.episodes_started = 0
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[str, dict[str, Any]]:
+        super().reset(seed=seed)
+        if seed is not None:
+            self.task.sampler.seed(seed)
+            self.episodes_started = 0
+        problem_id = (options or {}).get("problem_id")
+        problem = self.task.sampler.get(problem_id) if problem_id is not None else self.task.sampler.draw()
+        self.episode = self.task.new_episode(problem, group_id=self.episodes_started)
+        self.episodes_started += 1
+        return self.task.observation(self.episode), self.task.info(self.episode)
+
+    def step(self, action: Any) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        if self.episode is None:
+            raise RuntimeError("call reset() before step()")
+        transition, action_info = self.task.apply(self.episode, action)
+        self.episode.done = transition.terminated or transition.truncated
+        (result,) = self.task.score([self.episode], [transition])
+        reward = result.pop("reward")
+        info = {**self.task.info(self.episode), **action_info, **result}
+        return self.task.observation(self.episode), reward, transition.terminated, transition.truncated, info
+
+    def render(self) -> str | None:
+        if self.render_mode == "ansi" and self.episode is not None:
+            return self.task.observation(self.episode)
+        return None

@@ -1,0 +1,153 @@
+import gymnasium
+import numpy as np
+import pytest
+from gymnasium.utils.env_checker import check_env
+
+import envs  # noqa: F401  (registers the env ids)
+from envs.datasets import Arith, Problem
+from envs.math_env import MathEnv
+from envs.prompts import format_prompt, split_steps
+from reward_models.base import RewardOutput
+
+PROBLEMS = Arith().problems(50, seed=0)
+
+
+class StepLengthReward:
+    """A user-style reward model: pays len(step) / 100 for every step; records its batch sizes."""
+
+    name = "length"
+
+    def __init__(self):
+        self.batch_sizes = []
+
+    def score(self, contexts):
+        self.batch_sizes.append(len(contexts))
+        rewards = np.array([len(c.new_step) / 100 for c in contexts])
+        return RewardOutput(rewards=rewards, components={self.name: rewards})
+
+
+def play(env, steps):
+    """Steps through ``steps``; returns the list of (reward, terminated, truncated, info)."""
+    out = []
+    for step in steps:
+        _, reward, terminated, truncated, info = env.step(step)
+        out.append((reward, terminated, truncated, info))
+    return out
+
+
+def test_check_env_step_mode():
+    check_env(MathEnv(problems=PROBLEMS), skip_render_check=True)
+
+
+def test_check_env_token_mode(tiny_tokenizer):
+    check_env(MathEnv(problems=PROBLEMS, mode="token", tokenizer=tiny_tokenizer, max_solution_tokens=16),
+              skip_render_check=True)
+
+
+def test_reference_solution_is_rewarded_and_terminates():
+    env = MathEnv(problems=PROBLEMS)
+    obs, info = env.reset(seed=0)
+    problem = next(p for p in PROBLEMS if p.id == info["problem_id"])
+    assert obs == format_prompt(problem.problem) and info == {"problem_id": problem.id, "group_id": 0, "step": 0}
+    steps = split_steps(problem.solution)
+    results = play(env, [s + "\n\n" for s in steps])
+    assert [r[0] for r in results] == [0.0] * (len(steps) - 1) + [1.0]
+    assert [r[1] for r in results] == [False] * (len(steps) - 1) + [True]
+    assert not any(r[2] for r in results)
+    assert results[-1][3]["correct"] is True and results[-1][3]["reward/outcome"] == 1.0
+    assert env.render() is None
+
+
+def test_wrong_answer_no_answer_and_truncation():
+    env = MathEnv(problems=PROBLEMS, max_steps=3, render_mode="ansi")
+    _, info = env.reset(seed=1)
+    wrong = play(env, ["The answer is \\boxed{123456}."])
+    assert wrong[0][:3] == (0.0, True, False) and wrong[0][3]["correct"] is False
+    env.reset()
+    rambling = play(env, ["hmm", "let me think", "still thinking"])
+    assert [r[1:3] for r in rambling] == [(False, False), (False, False), (False, True)]
+    assert rambling[-1][3]["correct"] is False
+    assert env.render().endswith("hmm\n\nlet me think\n\nstill thinking\n\n")
+    with pytest.raises(RuntimeError, match="finished episode"):
+        env.step("more")
+
+
+def test_gold_answer_never_in_observation():
+    problem = Problem(id="p", problem="What is six times seven?", answer="42")
+    env = MathEnv(problems=[problem])
+    obs, _ = env.reset(seed=0)
+    obs, *_ = env.step("Six sevens.")
+    assert "42" not in obs
+
+
+def test_reset_options_and_seeding():
+    env = MathEnv(problems=PROBLEMS)
+    _, info = env.reset(seed=0, options={"problem_id": PROBLEMS[7].id})
+    assert info["problem_id"] == PROBLEMS[7].id
+    first = [env.reset(seed=3)[1]["problem_id"]] + [env.reset()[1]["problem_id"] for _ in range(49)]
+    again = [env.reset(seed=3)[1]["problem_id"]] + [env.reset()[1]["problem_id"] for _ in range(49)]
+    assert first == again and sorted(first) == sorted(p.id for p in PROBLEMS)  # one epoch, no repeats
+    with pytest.raises(KeyError, match="nope"):
+        env.reset(options={"problem_id": "nope"})
+
+
+def test_custom_reward_model_and_clipping():
+    reward = StepLengthReward()
+    env = MathEnv(problems=PROBLEMS, reward_model=reward, max_step_chars=10)
+    env.reset(seed=0)
+    _, r, _, _, info = env.step("x" * 25)
+    assert r == pytest.approx(0.10) and info["action_clipped"] and info["reward/length"] == pytest.approx(0.10)
+    assert reward.batch_sizes == [1]
+
+
+def test_token_mode_matches_step_mode(tiny_tokenizer):
+    problem = PROBLEMS[0]
+    solution = "".join(s + "\n\n" for s in split_steps(problem.solution))
+    token_env = MathEnv(problems=[problem], mode="token", tokenizer=tiny_tokenizer)
+    token_env.reset(seed=0)
+    rewards, step_ends = [], []
+    for token_id in tiny_tokenizer(solution, add_special_tokens=False)["input_ids"]:
+        obs, reward, terminated, truncated, info = token_env.step(token_id)
+        rewards.append(reward)
+        step_ends.append(info["step"])
+    assert terminated and not truncated and info["correct"] is True
+    assert sum(rewards) == 1.0 and rewards[-1] == 1.0
+    assert obs == format_prompt(problem.problem) + solution
+    assert max(step_ends) == len(split_steps(problem.solution))
+
+
+def test_token_mode_eos_ends_and_length_truncates(tiny_tokenizer):
+    env = MathEnv(problems=PROBLEMS, mode="token", tokenizer=tiny_tokenizer, max_solution_tokens=5)
+    env.reset(seed=0)
+    *_, terminated, truncated, info = env.step(tiny_tokenizer.eos_token_id)
+    assert terminated and not truncated and info["correct"] is False
+    env.reset()
+    digit = tiny_tokenizer.convert_tokens_to_ids("1")
+    flags = [env.step(digit)[2:4] for _ in range(5)]
+    assert flags[-1] == (False, True) and not any(any(f) for f in flags[:-1])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        env.reset()
+        env.step(len(tiny_tokenizer) + 5)
+
+
+def test_bad_arguments_fail_clearly():
+    with pytest.raises(ValueError, match="exactly one problem source"):
+        MathEnv()
+    with pytest.raises(ValueError, match="needs tokenizer"):
+        MathEnv(problems=PROBLEMS, mode="token")
+    with pytest.raises(ValueError, match="mode='chars'"):
+        MathEnv(problems=PROBLEMS, mode="chars")
+    with pytest.raises(ValueError, match="max_steps=0"):
+        MathEnv(problems=PROBLEMS, max_steps=0)
+    with pytest.raises(TypeError, match="one reasoning step as str"):
+        env = MathEnv(problems=PROBLEMS)
+        env.reset(seed=0)
+        env.step(5)
+
+
+def test_gymnasium_make_arith_and_math500(tmp_path):
+    env = gymnasium.make("Arith-v0")
+    obs, info = env.reset(seed=0)
+    assert obs.startswith("Problem: Compute ") and info["problem_id"].startswith("arith:")
+    with pytest.raises(ValueError, match="exactly one problem source"):
+        gymnasium.make("MATH-v0")

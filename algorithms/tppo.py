@@ -1,0 +1,52 @@
+"""TPPO: token-level PPO with action decomposition (BAD, POAD paper arXiv 2405.15821).
+
+A step (action) of L tokens is decomposed into L token decisions. Inside a step there is no
+reward and no discount between tokens; across steps the env's reward and gamma apply. The critic
+gives a value per token, V_{t,j} = V(prompt_t, first j tokens of action t).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from algorithms.losses import discounted_reverse_cumsum
+
+
+def tppo_advantages(
+    rewards: torch.Tensor,
+    token_values: torch.Tensor,
+    lengths: torch.Tensor,
+    next_values: torch.Tensor,
+    episode_ends: torch.Tensor,
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token advantages and returns, each [T, N, L] (0 beyond each action's length).
+
+    rewards: [T, N] reward of action t. token_values: [T, N, L] V_{t,j}. lengths: [T, N] tokens
+    in action t (>= 1). next_values: [T, N] V_{t+1,first} to bootstrap from after action t (0 where
+    the episode terminated). episode_ends: [T, N] 1 where the episode ended after action t.
+
+    Last token of step t:  delta = r_t + gamma * next_value_t - V_{t,last};
+                           A = delta + gamma * lam * (1 - end_t) * A_{t+1,first}.
+    Inside the step:       delta = V_{t,j+1} - V_{t,j};  A = delta + lam * A_{t,j+1}.
+    R = A + V. Loops over steps only; within a step all envs and tokens go through one
+    discounted reverse cumsum (a matmul), so there is no Python loop over tokens.
+    """
+    num_steps, _, max_len = token_values.shape
+    positions = torch.arange(max_len, device=token_values.device)
+    valid = positions < lengths[..., None]  # [T, N, L]
+    is_last = positions == (lengths[..., None] - 1)
+    following_values = torch.cat([token_values[..., 1:], torch.zeros_like(token_values[..., :1])], dim=-1)
+    inner_deltas = torch.where(is_last, torch.zeros_like(token_values), following_values - token_values)
+    last_values = token_values.gather(-1, (lengths - 1).clamp(min=0)[..., None]).squeeze(-1)  # [T, N]
+    last_deltas = rewards + gamma * next_values - last_values
+    carry = gamma * lam * (1.0 - episode_ends.to(token_values.dtype))
+    advantages = torch.zeros_like(token_values)
+    next_first = torch.zeros_like(rewards[0])  # A_{t+1, first}
+    for t in reversed(range(num_steps)):
+        # The last token's delta takes the step reward and the advantage carried in from step t+1.
+        deltas = inner_deltas[t] + is_last[t] * (last_deltas[t] + carry[t] * next_first)[:, None]
+        advantages[t] = discounted_reverse_cumsum(deltas * valid[t], lam) * valid[t]
+        next_first = advantages[t, :, 0]
+    return advantages, (advantages + token_values) * valid

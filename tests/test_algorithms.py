@@ -1,0 +1,166 @@
+import math
+
+import pytest
+import torch
+
+from algorithms.appo import gae
+from algorithms.grpo import group_advantages
+from algorithms.losses import aggregate, clipped_surrogate, discounted_reverse_cumsum, huber, kl_k3, value_loss
+from algorithms.rloo import filter_groups, leave_one_out_baseline, rloo_returns
+from algorithms.tppo import tppo_advantages
+
+
+
+@pytest.fixture(autouse=True)
+def float64_default():
+    """Hand-computed values are compared in float64; the default is restored for other modules."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
+
+
+def test_gae_by_hand():
+    # one env, 3 steps; the episode terminates after step 2 (index 1), a new one starts at step 3
+    rewards = torch.tensor([[0.0], [1.0], [0.5]])
+    values = torch.tensor([[0.2], [0.4], [0.3]])
+    next_values = torch.tensor([[0.4], [0.0], [0.6]])  # V(s1); terminated -> 0; bootstrap V(s3)=0.6
+    ends = torch.tensor([[0.0], [1.0], [0.0]])
+    gamma, lam = 0.9, 0.8
+    advantages, returns = gae(rewards, values, next_values, ends, gamma, lam)
+    d2 = 0.5 + 0.9 * 0.6 - 0.3          # 0.74
+    d1 = 1.0 + 0.0 - 0.4                # 0.6
+    d0 = 0.0 + 0.9 * 0.4 - 0.2          # 0.16
+    expected = [d0 + 0.72 * d1, d1, d2]  # A1 does not see A2 (episode ended)
+    torch.testing.assert_close(advantages[:, 0], torch.tensor(expected))
+    torch.testing.assert_close(returns, advantages + values)
+
+
+def test_grpo_group_zscores_by_hand():
+    returns = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 5.0])
+    groups = torch.tensor([7, 7, 7, 7, 3, 3, 3, 3])
+    a = group_advantages(returns, groups, "group", eps=0.0)
+    std1 = math.sqrt(((0.5**2) * 4) / 3)  # mean 0.5, unbiased std
+    std2 = math.sqrt((3 * 0.75**2 + 2.25**2) / 3)  # mean 2.75
+    expected = [0.5 / std1, -0.5 / std1, -0.5 / std1, 0.5 / std1] + [-0.75 / std2] * 3 + [2.25 / std2]
+    torch.testing.assert_close(a, torch.tensor(expected))
+    torch.testing.assert_close(group_advantages(returns, groups, "none"), torch.tensor([0.5, -0.5, -0.5, 0.5, -0.75, -0.75, -0.75, 2.25]))
+    torch.testing.assert_close(group_advantages(returns, groups, "batch", eps=0.0),
+                               torch.tensor([0.5, -0.5, -0.5, 0.5, -0.75, -0.75, -0.75, 2.25]) / returns.std())
+    # a group where everyone is right has zero advantage, not NaN
+    assert group_advantages(torch.ones(4), torch.zeros(4, dtype=torch.long)).abs().max() == 0
+    with pytest.raises(ValueError, match="group_size >= 2"):
+        group_advantages(torch.ones(3), torch.tensor([0, 1, 1]))
+    with pytest.raises(ValueError, match="scale_rewards='zscore'"):
+        group_advantages(returns, groups, "zscore")
+
+
+def test_kl_k3_by_hand():
+    log_probs, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -2.0])
+    torch.testing.assert_close(kl_k3(log_probs, ref), torch.tensor([math.exp(-0.5) + 0.5 - 1.0, 0.0]))
+
+
+def test_clipped_surrogate_by_hand():
+    old = torch.zeros(4)
+    new = torch.log(torch.tensor([1.5, 1.5, 0.5, 1.1]))
+    adv = torch.tensor([1.0, -1.0, -2.0, 3.0])
+    loss, clipped = clipped_surrogate(new, old, adv, clip_param=0.2)
+    # ratio 1.5, A>0: min(1.5, 1.2) -> 1.2 (clipped); A<0: min(-1.5, -1.2) -> -1.5 (unclipped)
+    # ratio 0.5, A=-2: min(-1.0, -1.6) -> -1.6 (clipped); ratio 1.1 in range
+    torch.testing.assert_close(loss, torch.tensor([-1.2, 1.5, 1.6, -3.3]))
+    torch.testing.assert_close(clipped, torch.tensor([1.0, 0.0, 1.0, 0.0]))
+
+
+def test_value_loss_and_huber_use_absolute_error():
+    torch.testing.assert_close(huber(torch.tensor([-3.0, 3.0, 0.5]), 1.0), torch.tensor([2.5, 2.5, 0.125]))
+    values, old, returns = torch.tensor([1.0, -1.0]), torch.tensor([0.0, 0.0]), torch.tensor([0.0, 2.0])
+    # unclipped MSE: 0.5, 4.5; clipped values (0.2, -0.2): 0.02, 2.42 -> max
+    torch.testing.assert_close(value_loss(values, old, returns, clip_param=0.2), torch.tensor([0.5, 4.5]))
+    torch.testing.assert_close(value_loss(values, old, returns, clip_param=None, huber_delta=1.0), torch.tensor([0.5, 2.5]))
+
+
+def test_aggregation_modes():
+    loss = torch.tensor([[1.0, 3.0, 0.0], [2.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    assert aggregate(loss, mask, "token_mean").item() == pytest.approx(2.0)
+    assert aggregate(loss, mask, "seq_mean").item() == pytest.approx(2.0)  # (2 + 2) / 2
+    loss[0, 1] = 6.0
+    assert aggregate(loss, mask, "token_mean").item() == pytest.approx(3.0)
+    assert aggregate(loss, mask, "seq_mean").item() == pytest.approx(2.75)
+
+
+def test_discounted_reverse_cumsum_matches_loop():
+    x = torch.randn(3, 7, generator=torch.Generator().manual_seed(0))
+    expected = torch.zeros_like(x)
+    running = torch.zeros(3)
+    for j in reversed(range(7)):
+        running = x[:, j] + 0.9 * running
+        expected[:, j] = running
+    torch.testing.assert_close(discounted_reverse_cumsum(x, 0.9), expected)
+
+
+def tppo_loop(rewards, token_values, lengths, next_values, ends, gamma, lam):
+    """The POAD recursion written as plain loops over steps, envs and tokens."""
+    T, N, L = token_values.shape
+    adv = torch.zeros(T, N, L)
+    for n in range(N):
+        next_first = 0.0
+        for t in reversed(range(T)):
+            last = int(lengths[t, n]) - 1
+            for j in reversed(range(last + 1)):
+                if j == last:
+                    delta = rewards[t, n] + gamma * next_values[t, n] - token_values[t, n, j]
+                    adv[t, n, j] = delta + gamma * lam * (1 - ends[t, n]) * next_first
+                else:
+                    delta = token_values[t, n, j + 1] - token_values[t, n, j]
+                    adv[t, n, j] = delta + lam * adv[t, n, j + 1]
+            next_first = adv[t, n, 0]
+    returns = adv + token_values * (torch.arange(L) < lengths[..., None])
+    return adv, returns
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_tppo_vectorised_equals_loop(seed):
+    g = torch.Generator().manual_seed(seed)
+    T, N, L = 5, 6, 9
+    rewards = torch.randn(T, N, generator=g)
+    token_values = torch.randn(T, N, L, generator=g)
+    lengths = torch.randint(1, L + 1, (T, N), generator=g)
+    ends = (torch.rand(T, N, generator=g) < 0.3).double()
+    next_values = torch.randn(T, N, generator=g) * (torch.rand(T, N, generator=g) < 0.8)
+    gamma, lam = 0.97, 0.9
+    advantages, returns = tppo_advantages(rewards, token_values, lengths, next_values, ends, gamma, lam)
+    expected_adv, expected_ret = tppo_loop(rewards, token_values, lengths, next_values, ends, gamma, lam)
+    torch.testing.assert_close(advantages, expected_adv, atol=1e-6, rtol=0)
+    torch.testing.assert_close(returns, expected_ret, atol=1e-6, rtol=0)
+
+
+def test_rloo_leave_one_out_by_hand():
+    scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 3.0, 5.0])
+    groups = torch.tensor([0, 0, 0, 0, 1, 1])
+    torch.testing.assert_close(leave_one_out_baseline(scores, groups), torch.tensor([1 / 3, 2 / 3, 2 / 3, 1 / 3, 5.0, 3.0]))
+    with pytest.raises(ValueError, match="group_size >= 2"):
+        leave_one_out_baseline(scores, torch.tensor([0, 0, 0, 0, 1, 2]))
+
+
+def test_rloo_returns_prime_combination_by_hand():
+    outcome = torch.tensor([1.0, 0.0])
+    groups = torch.tensor([4, 4])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    process = torch.tensor([[0.3, 0.0, 0.3], [0.1, 0.3, 9.0]])  # 9.0 sits on padding: ignored
+    returns = rloo_returns(outcome, groups, mask, process, outcome_coef=2.0, process_coef=0.5, gamma=1.0)
+    # outcome stream: +1 at token 2 of response 0, -1 at token 1 of response 1 (times 2)
+    # process stream: means 0.2 and 0.2 -> each token minus the other's mean 0.2 (times 0.5)
+    a0 = torch.tensor([0.05, -0.1, 0.05 + 2.0])
+    a1 = torch.tensor([-0.05, 0.05 - 2.0, 0.0])
+    expected = torch.stack([a0.flip(0).cumsum(0).flip(0), a1.flip(0).cumsum(0).flip(0) * mask[1]])
+    torch.testing.assert_close(returns, expected)
+    outcome_only = rloo_returns(outcome, groups, mask)
+    torch.testing.assert_close(outcome_only, torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, 0.0]]))
+
+
+def test_filter_groups_by_accuracy():
+    correct = torch.tensor([1, 1, 1, 1, 0, 1, 0, 0, 0, 0, 0, 0])
+    groups = torch.tensor([0] * 4 + [1] * 4 + [2] * 4)
+    keep = filter_groups(correct, groups, 0.2, 0.8)
+    assert keep.tolist() == [False] * 4 + [True] * 4 + [False] * 4

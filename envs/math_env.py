@@ -148,6 +148,8 @@ class MathTask:
         max_step_chars: longest step text kept (longer actions are clipped, and info says so).
         max_solution_chars / max_solution_tokens: truncation by solution length.
         end_marker: text that ends a solution without an answer (e.g. the tokenizer's EOS text).
+        handoff_steps: Prefix-RL: the episode terminates after this many steps, handing the
+            solution to a target solver (``reward_models.target_solver``) that finishes it.
         shuffle: draw problems in a fresh random order each epoch (False: in dataset order).
     """
 
@@ -170,6 +172,7 @@ class MathTask:
         max_solution_chars: int = 16384,
         max_solution_tokens: int = 1024,
         end_marker: str | None = None,
+        handoff_steps: int | None = None,
         shuffle: bool = True,
     ):
         if mode not in MODES:
@@ -178,8 +181,9 @@ class MathTask:
             raise ValueError("mode='token' needs tokenizer= (a Hugging Face tokenizer to decode the token actions)")
         if not step_delimiter:
             raise ValueError("step_delimiter must be a non-empty string, e.g. '\\n\\n'")
-        for name, value in (("max_steps", max_steps), ("max_step_chars", max_step_chars),
-                            ("max_solution_chars", max_solution_chars), ("max_solution_tokens", max_solution_tokens)):
+        limits = {"max_steps": max_steps, "max_step_chars": max_step_chars, "max_solution_chars": max_solution_chars,
+                  "max_solution_tokens": max_solution_tokens, "handoff_steps": 1 if handoff_steps is None else handoff_steps}
+        for name, value in limits.items():
             if value < 1:
                 raise ValueError(f"{name}={value} must be >= 1")
         self.sampler = ProblemSampler(
@@ -195,6 +199,7 @@ class MathTask:
         self.max_solution_chars = max_solution_chars
         self.max_solution_tokens = max_solution_tokens
         self.end_marker = end_marker
+        self.handoff_steps = handoff_steps
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
 
         longest_prompt = max(len(self.prompt(p)) for p in self.sampler.problems)
@@ -232,7 +237,7 @@ class MathTask:
         step = action[: self.max_step_chars].strip().removesuffix(self.step_delimiter.strip()).rstrip()
         episode.steps.append(step)
         episode.solution_text += step + self.step_delimiter
-        terminated = self._ends_solution(step)
+        terminated = self._ends_solution(step) or self._hands_off(episode)
         truncated = not terminated and (
             len(episode.steps) >= self.max_steps or len(episode.solution_text) >= self.max_solution_chars
         )
@@ -256,9 +261,12 @@ class MathTask:
         episode.steps.append(step)
         episode.step_start = len(episode.solution_ids)
         episode.completed_text = episode.solution_text
-        terminated = is_eos or self._ends_solution(step)
+        terminated = is_eos or self._ends_solution(step) or self._hands_off(episode)
         truncated = not terminated and (too_long or len(episode.steps) >= self.max_steps)
         return Transition(step, terminated, truncated), {}
+
+    def _hands_off(self, episode: Episode) -> bool:
+        return self.handoff_steps is not None and len(episode.steps) >= self.handoff_steps
 
     def _ends_solution(self, step: str) -> bool:
         return extract_answer(step) is not None or (self.end_marker is not None and self.end_marker in step)

@@ -151,3 +151,14 @@ def test_gymnasium_make_arith_and_math500(tmp_path):
     assert obs.startswith("Problem: Compute ") and info["problem_id"].startswith("arith:")
     with pytest.raises(ValueError, match="exactly one problem source"):
         gymnasium.make("MATH-v0")
+
+
+def test_handoff_steps_terminates_for_prefix_rl():
+    reward = StepLengthReward()
+    env = MathEnv(problems=PROBLEMS, handoff_steps=2, reward_model=reward)
+    env.reset(seed=0)
+    assert env.step("12 + 34 = 46")[2:4] == (False, False)
+    _, _, terminated, truncated, info = env.step("46 - 5 = 41")
+    assert terminated and not truncated and info["step"] == 2
+    with pytest.raises(ValueError, match="handoff_steps=0"):
+        MathEnv(problems=PROBLEMS, handoff_steps=0)

@@ -123,7 +123,7 @@ def test_token_mode_batches_only_completed_steps(tiny_tokenizer):
     assert len(delimiter) == 1
     env.step(np.array([digit] * 4))
     _, rewards, _, _, info = env.step(np.array([delimiter[0], digit, delimiter[0], digit]))
-    assert reward.batch_sizes == [2] and rewards.tolist() == [0.02, 0.0, 0.02, 0.0]
+    assert reward.batch_sizes == [2] and rewards.tolist() == [0.01, 0.0, 0.01, 0.0]
     assert info["step"].tolist() == [1, 0, 1, 0]
 
 

@@ -1,0 +1,190 @@
+"""Process reward models: a score in [0, 1] for every step of a solution, all steps of a batch in
+one forward pass.
+
+Two kinds (``prm_type``):
+- ``shepherd``: Math-Shepherd style, a causal LM read at a step-tag token after every step; the
+  score is P('+') / (P('+') + P('-')) of the next-token distribution at the tag. The tag and label
+  tokens are looked up in the PRM's own tokenizer and checked at load: each must be exactly one
+  token, and the tokenizer's special-token prefix must be what we strip (OpenR took ``[1:]`` of an
+  encoding assuming a BOS; with Qwen tokenizers, which add none, that read the wrong token and gave
+  a constant reward).
+- ``classifier``: a 2-class head read at a step-separator token (e.g. Qwen2.5-Math-PRM's
+  ``<extra_0>``); the score is the softmax probability of class 1.
+
+Per-step reward (``aggregation``): ``step`` pays each new step its own score (dense); ``last``,
+``min``, ``product`` and ``mean`` pay the aggregate of all step scores once, when the episode ends.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+from transformers import AutoConfig, AutoModel, AutoModelForTokenClassification, PreTrainedTokenizerBase
+
+from envs.prompts import DEFAULT_TEMPLATE, SHEPHERD_STEP_TAG, STEP_DELIMITER, format_prompt, shepherd_text
+from reward_models.base import RewardOutput, StepContext
+from train.policy import DTYPES, load_causal_lm, load_tokenizer, resolve_device
+
+PRM_TYPES = ("shepherd", "classifier")
+AGGREGATIONS = ("step", "last", "min", "product", "mean")
+
+
+def inference_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``auto``: bfloat16 on CUDA (a 7B PRM never lands in fp32 on a GPU by accident), float32 on CPU."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} must be 'auto' or one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def single_token_id(tokenizer: PreTrainedTokenizerBase, text: str, role: str) -> int:
+    """The id of ``text`` if it is exactly one token of ``tokenizer``; a clear error otherwise.
+
+    Also checks the special-token assumption: encoding with special tokens must give the same id
+    after at most the tokenizer's own BOS, so ids found in encoded inputs are the ones meant.
+    """
+    plain = tokenizer.encode(text, add_special_tokens=False)
+    if len(plain) != 1:
+        raise ValueError(
+            f"the PRM's {role} {text!r} is {len(plain)} tokens {plain} in this tokenizer, not one; pass the "
+            f"{role} the PRM was trained with (a single token of its vocabulary)"
+        )
+    with_special = tokenizer.encode(text)
+    prefix = with_special[: len(with_special) - 1]
+    if with_special[-1:] != plain or prefix not in ([], [tokenizer.bos_token_id]):
+        raise ValueError(
+            f"encoding {text!r} with special tokens gives {with_special}, not [BOS?] + {plain}: this tokenizer "
+            "adds tokens other than a BOS, so step-tag positions cannot be located reliably"
+        )
+    return plain[0]
+
+
+def aggregate_step_scores(step_scores: Sequence[np.ndarray], how: str) -> np.ndarray:
+    """One number per trajectory from its step scores: last, min, product or mean."""
+    functions = {"last": lambda s: s[-1], "min": np.min, "product": np.prod, "mean": np.mean}
+    if how not in functions:
+        raise ValueError(f"aggregation {how!r} must be one of {sorted(functions)}")
+    return np.array([functions[how](s) if len(s) else np.nan for s in step_scores], dtype=np.float64)
+
+
+class ProcessRewardModel:
+    """A PRM behind the ``RewardModel`` protocol (see the module docstring).
+
+    Args:
+        model_dir: a Hugging Face model directory (causal LM for shepherd, token classifier or
+            remote-code PRM for classifier).
+        adapter_path: optional LoRA adapter directory applied on top (``--prm_checkpoint_path``).
+        template: the prompt template the PRM was trained with.
+        step_tag / good_token / bad_token: Math-Shepherd tokens (shepherd); separator: classifier.
+        batch_size: sequences per forward pass; max_length: longest input in tokens (older steps
+            are cut from the left; their scores are then missing, the newest are kept).
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        prm_type: str = "shepherd",
+        device: str = "auto",
+        dtype: str = "auto",
+        aggregation: str = "step",
+        adapter_path: str | Path | None = None,
+        template: str = DEFAULT_TEMPLATE,
+        step_tag: str = SHEPHERD_STEP_TAG,
+        good_token: str = "+",
+        bad_token: str = "-",
+        separator: str = "<extra_0>",
+        batch_size: int = 32,
+        max_length: int = 4096,
+        trust_remote_code: bool = False,
+        name: str = "prm",
+    ):
+        if prm_type not in PRM_TYPES:
+            raise ValueError(f"prm_type={prm_type!r} must be one of {PRM_TYPES}")
+        if aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation={aggregation!r} must be one of {AGGREGATIONS}")
+        self.name, self.prm_type, self.aggregation = name, prm_type, aggregation
+        self.template, self.batch_size, self.max_length = template, batch_size, max_length
+        self.device = resolve_device(device)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.tokenizer.truncation_side = "left"
+        torch_dtype = inference_dtype(dtype, self.device)
+        if prm_type == "shepherd":
+            self.marker = step_tag
+            self.marker_id = single_token_id(self.tokenizer, step_tag, "step tag")
+            self.label_ids = [single_token_id(self.tokenizer, good_token, "'good' label token"),
+                              single_token_id(self.tokenizer, bad_token, "'bad' label token")]
+            self.model = load_causal_lm(model_dir, torch_dtype, self.device)
+        else:
+            self.marker = separator
+            self.marker_id = single_token_id(self.tokenizer, separator, "step separator")
+            self.model = self._load_classifier(model_dir, torch_dtype, trust_remote_code)
+        if adapter_path is not None:
+            from peft import PeftModel
+
+            self.model = PeftModel.from_pretrained(self.model, str(adapter_path)).merge_and_unload()
+        self.model.eval().requires_grad_(False)
+
+    def _load_classifier(self, model_dir, torch_dtype: torch.dtype, trust_remote_code: bool) -> torch.nn.Module:
+        config = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+        if "AutoModel" in (getattr(config, "auto_map", None) or {}):  # e.g. Qwen2.5-Math-PRM's remote code
+            if not trust_remote_code:
+                raise ValueError(f"{model_dir} defines its PRM class in remote code; pass trust_remote_code=True "
+                                 "(--prm_trust_remote_code) if you trust it")
+            loader = AutoModel
+        else:
+            loader = AutoModelForTokenClassification
+        return loader.from_pretrained(str(model_dir), dtype=torch_dtype, trust_remote_code=trust_remote_code).to(self.device)
+
+    def text(self, problem: str, steps: Sequence[str]) -> str:
+        """The PRM's input: the prompt, then each step followed by the marker (and the delimiter)."""
+        prompt = format_prompt(problem, self.template)
+        if self.prm_type == "shepherd":
+            return shepherd_text(prompt, steps, self.marker)
+        return prompt + "".join(f"{step}{self.marker}{STEP_DELIMITER}" for step in steps)
+
+    @torch.no_grad()
+    def step_scores(self, problems: Sequence[str], steps: Sequence[Sequence[str]]) -> list[np.ndarray]:
+        """Scores [S_b] in [0, 1] of every step of each of B solutions, ``batch_size`` per forward."""
+        texts = [self.text(problem, s) for problem, s in zip(problems, steps)]
+        scores: list[np.ndarray] = []
+        for start in range(0, len(texts), self.batch_size):
+            scores += self._score_texts(texts[start : start + self.batch_size])
+        return [s[-len(step_list):] if len(step_list) else s[:0] for s, step_list in zip(scores, steps)]
+
+    def _score_texts(self, texts: list[str]) -> list[np.ndarray]:
+        encoded = self.tokenizer(texts, return_tensors="pt", padding=True, truncation=True, max_length=self.max_length)
+        input_ids = encoded["input_ids"].to(self.device)
+        attention_mask = encoded["attention_mask"].to(self.device)  # from true lengths
+        is_marker = (input_ids == self.marker_id) & attention_mask.bool()
+        rows, positions = is_marker.nonzero(as_tuple=True)
+        if self.prm_type == "shepherd":
+            # Only the marker positions and the two label rows of the LM head: no [B, T, V] logits.
+            decoder = getattr(self.model, self.model.base_model_prefix)
+            hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            head = self.model.get_output_embeddings()
+            logits = hidden[rows, positions] @ head.weight[self.label_ids].T
+            if getattr(head, "bias", None) is not None:
+                logits = logits + head.bias[self.label_ids]
+            probs = logits.float().softmax(-1)[:, 0]
+        else:
+            output = self.model(input_ids=input_ids, attention_mask=attention_mask)
+            logits = output.logits if hasattr(output, "logits") else output[0]
+            probs = logits[rows, positions].float().softmax(-1)[:, 1]
+        probs = probs.cpu().numpy().astype(np.float64)
+        rows = rows.cpu().numpy()
+        return [probs[rows == b] for b in range(len(texts))]
+
+    def score(self, contexts: Sequence[StepContext]) -> RewardOutput:
+        """Per-step reward [B]: the new step's score (``step``), or at episode end the aggregate of
+        all step scores (other aggregations; 0 before the end)."""
+        scores = self.step_scores([c.problem.problem for c in contexts], [c.steps for c in contexts])
+        if self.aggregation == "step":
+            rewards = np.array([s[-1] if len(s) else 0.0 for s in scores], dtype=np.float64)
+        else:
+            done = np.array([c.done for c in contexts])
+            rewards = np.where(done, np.nan_to_num(aggregate_step_scores(scores, self.aggregation)), 0.0)
+        return RewardOutput(rewards=rewards, components={self.name: rewards})

@@ -1,0 +1,83 @@
+"""Prefix-RL: a frozen target model finishes the policy's solution; reward = it got it right.
+
+The policy (a small model) writes a prefix (the env's action(s)); the target (a bigger frozen
+model, HF or vLLM backend) receives the problem and that prefix, writes the rest, and is graded.
+Reward = fraction of ``num_samples`` target completions whose final answer verifies (1 sample:
+binary). All finished trajectories of a step are completed in one batched ``generate`` call and
+graded in one ``grade_batch`` call.
+
+Env configuration: ``handoff_steps=k`` ends an episode (terminated) after k policy steps, handing
+the solution over; with ``k=1`` and a generator capped at ``max_new_tokens`` tokens and no stop
+string, one action is a prefix of up to that many tokens. See the README's Prefix-RL section.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from envs.grader import extract_answer, grade_batch
+from envs.prompts import DEFAULT_TEMPLATE, STEP_DELIMITER, format_prompt, join_steps
+from reward_models.base import RewardOutput, StepContext
+from train.generation import Generator
+
+
+class TargetSolver:
+    """Reward from a frozen target model's verified completions of each finished trajectory.
+
+    Args:
+        generator: a generation backend serving the target model (``HFGenerator`` over a frozen
+            ``LanguagePolicy`` of its directory, or a ``VLLMGenerator``).
+        num_samples: completions per trajectory (m); reward = fraction verified correct.
+        max_new_tokens, temperature: the target's sampling (temperature 0: greedy, m should be 1).
+        template: the prompt template the target expects.
+    """
+
+    def __init__(
+        self,
+        generator: Generator,
+        num_samples: int = 1,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        template: str = DEFAULT_TEMPLATE,
+        seed: int = 0,
+        timeout: float = 1.0,
+        name: str = "target",
+    ):
+        if num_samples < 1:
+            raise ValueError(f"num_samples={num_samples} must be >= 1")
+        if temperature == 0.0 and num_samples > 1:
+            raise ValueError(f"num_samples={num_samples} greedy completions would all be the same; "
+                             "use temperature > 0 or num_samples=1")
+        self.generator, self.num_samples = generator, num_samples
+        self.max_new_tokens, self.temperature = max_new_tokens, temperature
+        self.template, self.seed, self.timeout, self.name = template, seed, timeout, name
+        self.calls = 0
+
+    def prompts(self, contexts: Sequence[StepContext]) -> list[str]:
+        """The target's input: the problem in its template, then the policy's steps as the prefix."""
+        return [format_prompt(c.problem.problem, self.template) + join_steps(c.steps) for c in contexts]
+
+    def solve_rates(self, contexts: Sequence[StepContext]) -> np.ndarray:
+        """Fraction [B] of the target's completions of each context that verify against its gold answer."""
+        self.calls += 1
+        output = self.generator.generate(
+            self.prompts(contexts), n=self.num_samples, max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature, seed=self.seed + self.calls,
+        )
+        m = self.num_samples
+        # The answer may sit in the prefix itself (the policy finished) or in the target's completion.
+        answers = [extract_answer(STEP_DELIMITER.join(contexts[k // m].steps) + STEP_DELIMITER + text)
+                   for k, text in enumerate(output.texts)]
+        verdicts = grade_batch(answers, [contexts[k // m].problem.answer for k in range(len(answers))],
+                               timeout=self.timeout)
+        return np.asarray(verdicts, dtype=np.float64).reshape(len(contexts), m).mean(axis=1)
+
+    def score(self, contexts: Sequence[StepContext]) -> RewardOutput:
+        """Reward [B]: the solve rate for finished contexts (one batched generate), 0 for the others."""
+        rewards = np.zeros(len(contexts), dtype=np.float64)
+        finished = [i for i, c in enumerate(contexts) if c.done]
+        if finished:
+            rewards[finished] = self.solve_rates([contexts[i] for i in finished])
+        return RewardOutput(rewards=rewards, components={self.name: rewards})

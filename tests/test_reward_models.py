@@ -1,0 +1,211 @@
+"""PRMs, the Prefix-RL target solver and PRIME's implicit PRM on the tiny models."""
+
+import copy
+import re
+
+import numpy as np
+import pytest
+import torch
+from tokenizers.processors import TemplateProcessing
+from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForTokenClassification
+
+from envs.datasets import Arith, Problem
+from envs.prompts import format_prompt, join_steps, split_steps
+from reward_models.base import StepContext
+from reward_models.implicit_prm import ImplicitPRM
+from reward_models.prm import ProcessRewardModel, aggregate_step_scores, single_token_id
+from reward_models.target_solver import TargetSolver
+from train.generation import HFGenerator
+from train.policy import LanguagePolicy
+
+
+def with_post_processor(tokenizer, template: str):
+    """A copy of ``tokenizer`` whose encodings are wrapped as ``template`` (e.g. "<bos> $A")."""
+    tokenizer = copy.deepcopy(tokenizer)
+    special = tokenizer.eos_token
+    tokenizer._tokenizer.post_processor = TemplateProcessing(
+        single=template.replace("<s>", special), special_tokens=[(special, tokenizer.eos_token_id)])
+    return tokenizer
+
+
+def test_single_token_detection_with_and_without_bos(tiny_tokenizer):
+    plus = single_token_id(tiny_tokenizer, "+", "label")
+    assert tiny_tokenizer.convert_ids_to_tokens(plus) == "+"
+    with_bos = with_post_processor(tiny_tokenizer, "<s> $A")
+    with_bos.bos_token = with_bos.eos_token
+    assert with_bos.encode("+")[0] == with_bos.bos_token_id
+    assert single_token_id(with_bos, "+", "label") == plus
+    with pytest.raises(ValueError, match=r"'the answer' is \d+ tokens .* not one"):
+        single_token_id(tiny_tokenizer, "the answer", "label")
+    appends_eos = with_post_processor(tiny_tokenizer, "$A <s>")
+    with pytest.raises(ValueError, match="adds tokens other than a BOS"):
+        single_token_id(appends_eos, "+", "label")
+
+
+def test_aggregations_by_hand():
+    scores = [np.array([0.9, 0.5, 0.8]), np.array([0.4])]
+    np.testing.assert_allclose(aggregate_step_scores(scores, "last"), [0.8, 0.4])
+    np.testing.assert_allclose(aggregate_step_scores(scores, "min"), [0.5, 0.4])
+    np.testing.assert_allclose(aggregate_step_scores(scores, "product"), [0.36, 0.4])
+    np.testing.assert_allclose(aggregate_step_scores(scores, "mean"), [2.2 / 3, 0.4])
+    with pytest.raises(ValueError, match="'max'"):
+        aggregate_step_scores(scores, "max")
+
+
+PROBLEMS = Arith().problems(6, seed=11)
+
+
+def contexts_for(problems, done=True):
+    return [StepContext(problem=p, previous_steps=tuple(split_steps(p.solution)[:-1]),
+                        new_step=split_steps(p.solution)[-1], done=done) for p in problems]
+
+
+def test_shepherd_prm_batched_equals_one_at_a_time(untrained_policy_dir):
+    prm = ProcessRewardModel(untrained_policy_dir, device="cpu", batch_size=4)
+    problems = [p.problem for p in PROBLEMS]
+    steps = [split_steps(p.solution) for p in PROBLEMS]
+    batched = prm.step_scores(problems, steps)
+    assert [len(s) for s in batched] == [len(s) for s in steps]
+    for problem, step_list, scores in zip(problems, steps, batched):
+        assert np.all((scores > 0) & (scores < 1))
+        np.testing.assert_allclose(prm.step_scores([problem], [step_list])[0], scores, atol=1e-5)
+    # the score is P('+') / (P('+') + P('-')) of the full next-token distribution at each tag
+    text = prm.text(problems[0], steps[0])
+    ids = prm.tokenizer(text, return_tensors="pt")["input_ids"]
+    logits = prm.model(ids).logits[0]
+    at_tags = logits[ids[0] == prm.marker_id][:, prm.label_ids].softmax(-1)[:, 0]
+    np.testing.assert_allclose(batched[0], at_tags.detach().numpy(), atol=1e-5)
+
+
+def test_shepherd_prm_rewards_per_aggregation(untrained_policy_dir):
+    contexts = contexts_for(PROBLEMS[:3]) + contexts_for(PROBLEMS[3:], done=False)
+    step = ProcessRewardModel(untrained_policy_dir, device="cpu")
+    scores = step.step_scores([c.problem.problem for c in contexts], [c.steps for c in contexts])
+    np.testing.assert_allclose(step.score(contexts).rewards, [s[-1] for s in scores])
+    minimum = ProcessRewardModel(untrained_policy_dir, device="cpu", aggregation="min")
+    np.testing.assert_allclose(minimum.score(contexts).rewards, [s.min() for s in scores[:3]] + [0, 0, 0], atol=1e-6)
+    with pytest.raises(ValueError, match="step tag 'the answer'"):
+        ProcessRewardModel(untrained_policy_dir, device="cpu", step_tag="the answer")
+
+
+def test_classifier_prm_reads_separator_positions(tiny_tokenizer, tmp_path):
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<extra_0>"]})
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, num_labels=2,
+                         pad_token_id=tokenizer.pad_token_id)
+    Qwen2ForTokenClassification(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    prm = ProcessRewardModel(tmp_path, prm_type="classifier", device="cpu")
+    steps = split_steps(PROBLEMS[0].solution)
+    (scores,) = prm.step_scores([PROBLEMS[0].problem], [steps])
+    ids = prm.tokenizer(prm.text(PROBLEMS[0].problem, steps), return_tensors="pt")["input_ids"]
+    expected = prm.model(ids).logits[0][ids[0] == prm.marker_id].softmax(-1)[:, 1]
+    assert len(scores) == len(steps)
+    np.testing.assert_allclose(scores, expected.detach().numpy(), atol=1e-5)
+
+
+@torch.no_grad()
+def hand_log_prob_sum(model, prompt_ids, action_ids) -> float:
+    ids = torch.tensor([prompt_ids + action_ids])
+    log_probs = model(ids).logits[0, :-1].log_softmax(-1)
+    targets = ids[0, 1:]
+    return float(log_probs[torch.arange(len(targets)), targets][len(prompt_ids) - 1:].sum())
+
+
+def test_implicit_prm_reward_by_hand_and_update_direction(untrained_policy_dir):
+    prm = ImplicitPRM(untrained_policy_dir, beta=0.5, lr=3e-3, device="cpu")
+    tokenizer = prm.model.tokenizer
+    prompts = [tokenizer.encode(format_prompt(p.problem)) for p in PROBLEMS[:4]]
+    actions = [tokenizer.encode(join_steps(split_steps(p.solution)), add_special_tokens=False) for p in PROBLEMS[:4]]
+    labels = torch.tensor([1.0, 0.0, 1.0, 0.0])
+
+    def sequence_probability():
+        with torch.no_grad():
+            log_ratio, _ = prm.log_ratios(prompts, actions)
+        return torch.sigmoid(prm.beta * log_ratio.sum(-1))
+
+    before = sequence_probability()
+    torch.testing.assert_close(before, torch.full((4,), 0.5))  # psi starts as ref
+    prm.update(prompts, actions, labels)
+    after = sequence_probability()
+    assert torch.all((after - before) * (labels - 0.5) > 0), (before, after)
+
+    rewards = prm.token_rewards(prompts, actions)
+    reference = AutoModelForCausalLM.from_pretrained(untrained_policy_dir)
+    for b in range(4):
+        by_hand = prm.beta * (hand_log_prob_sum(prm.model.causal_lm, prompts[b], actions[b])
+                              - hand_log_prob_sum(reference, prompts[b], actions[b]))
+        assert float(rewards[b].sum()) == pytest.approx(by_hand, abs=1e-4)
+    step_prm = ImplicitPRM(untrained_policy_dir, beta=0.5, granularity="step", device="cpu")
+    step_prm.model.load_state_dict(prm.model.state_dict())
+    step_rewards = step_prm.token_rewards(prompts, actions)
+    torch.testing.assert_close(step_rewards.sum(-1), rewards.sum(-1), atol=1e-5, rtol=0)
+    assert int((step_rewards != 0).sum()) == 4  # one summed reward per action, at its last token
+
+
+# ---------------------------------------------------------------------------------------------
+# Trained tiny models (slow)
+# ---------------------------------------------------------------------------------------------
+
+def corrupt(step: str, offset: int) -> str:
+    """'a op b = c' -> 'a op b = c+offset'; the final step's boxed value likewise."""
+    if step.startswith("The answer"):
+        value = int(re.search(r"\\boxed\{(-?\d+)\}", step).group(1))
+        return f"The answer is \\boxed{{{value + offset}}}."
+    left, result = step.rsplit(" = ", 1)
+    return f"{left} = {int(result) + offset}"
+
+
+def roc_auc(positive: np.ndarray, negative: np.ndarray) -> float:
+    """P(score of a random positive > score of a random negative), ties counting half."""
+    greater = (positive[:, None] > negative[None, :]).mean()
+    ties = (positive[:, None] == negative[None, :]).mean()
+    return float(greater + 0.5 * ties)
+
+
+@pytest.mark.slow
+def test_tiny_prm_ranks_correct_steps_above_corrupted(tiny_models):
+    prm = ProcessRewardModel(tiny_models.prm, device="cpu", batch_size=64)
+    rng = np.random.default_rng(0)
+    problems = Arith().problems(300, seed=98765)
+    good, bad = [], []
+    for problem in problems:
+        steps = split_steps(problem.solution)
+        k = int(rng.integers(0, len(steps)))
+        good.append((problem.problem, steps[: k + 1]))
+        bad.append((problem.problem, steps[:k] + [corrupt(steps[k], int(rng.choice([-10, -2, -1, 1, 2, 10])))]))
+    good_scores = [s[-1] for s in prm.step_scores([p for p, _ in good], [s for _, s in good])]
+    bad_scores = [s[-1] for s in prm.step_scores([p for p, _ in bad], [s for _, s in bad])]
+    auc = roc_auc(np.array(good_scores), np.array(bad_scores))
+    print(f"tiny PRM ROC-AUC on {len(good)} correct vs {len(bad)} corrupted held-out steps: {auc:.3f}")
+    assert auc >= 0.9
+
+
+@pytest.mark.slow
+def test_target_solver_rewards_correct_prefixes_more(tiny_models):
+    generator = HFGenerator(LanguagePolicy(tiny_models.target, device="cpu"), batch_size=64)
+    solver = TargetSolver(generator, max_new_tokens=48)
+    problems = [p for p in Arith(min_ops=2).problems(200, seed=4242)]
+    correct = [StepContext(p, (), split_steps(p.solution)[0], done=True) for p in problems]
+    corrupted = [StepContext(p, (), corrupt(split_steps(p.solution)[0], 7), done=True) for p in problems]
+    correct_rate = solver.score(correct).rewards.mean()
+    corrupted_rate = solver.score(corrupted).rewards.mean()
+    print(f"target solve rate with a correct 1-step prefix {correct_rate:.3f}, corrupted {corrupted_rate:.3f}")
+    assert correct_rate > corrupted_rate + 0.2
+    unfinished = StepContext(problems[0], (), "x", done=False)
+    assert solver.score([unfinished]).rewards.tolist() == [0.0]
+    with pytest.raises(ValueError, match="greedy completions would all be the same"):
+        TargetSolver(generator, num_samples=4, temperature=0.0)
+
+
+@pytest.mark.slow
+def test_env_with_tiny_prm_pays_step_scores(tiny_models):
+    from envs.vector import MathVectorEnv
+
+    prm = ProcessRewardModel(tiny_models.prm, device="cpu")
+    env = MathVectorEnv(num_envs=4, problems=[Problem("q", "Compute 10 + 5.", "15")], reward_model=prm)
+    env.reset(seed=0)
+    _, rewards, *_ = env.step(["10 + 5 = 15", "10 + 5 = 15", "10 + 5 = 16", "10 + 5 = 51"])
+    assert rewards[0] == rewards[1] and min(rewards[:2]) > max(rewards[2:])

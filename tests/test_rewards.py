@@ -1,0 +1,76 @@
+import numpy as np
+import pytest
+
+from envs.datasets import Problem
+from reward_models.base import RewardModel, StepContext
+from reward_models.mixture import RewardMixture, parse_reward_spec
+from reward_models.outcome import OutcomeReward
+
+PROBLEM = Problem(id="p", problem="What is 1/2 + 1/4?", answer="\\frac{3}{4}")
+
+
+def context(steps: list[str], done: bool) -> StepContext:
+    return StepContext(problem=PROBLEM, previous_steps=tuple(steps[:-1]), new_step=steps[-1], done=done)
+
+
+BATCH = [
+    context(["1/2 = 2/4", "The answer is \\boxed{0.75}."], done=True),       # right, other form
+    context(["The answer is \\boxed{\\dfrac{3}{4}}."], done=True),           # right
+    context(["1/2 + 1/4 = 2/6", "The answer is \\boxed{\\frac{1}{3}}."], done=True),  # wrong
+    context(["1/2 + 1/4 is", "hmm"], done=True),                             # truncated, no answer
+    context(["1/2 = 2/4"], done=False),                                      # not finished
+]
+
+
+def test_outcome_reward_values():
+    reward = OutcomeReward(correct=1.0, wrong=-0.5, no_answer=-1.0)
+    assert isinstance(reward, RewardModel)
+    output = reward.score(BATCH)
+    np.testing.assert_array_equal(output.rewards, [1.0, 1.0, -0.5, -1.0, 0.0])
+    np.testing.assert_array_equal(output.correct[:4], [1.0, 1.0, 0.0, 0.0])
+    assert np.isnan(output.correct[4])
+    np.testing.assert_array_equal(output.components["outcome"], output.rewards)
+
+
+class ConstantPerStep:
+    """A reward source paying a fixed amount for every step; records how often it was called."""
+
+    def __init__(self, name: str, value: float):
+        self.name, self.value, self.calls = name, value, 0
+
+    def score(self, contexts):
+        from reward_models.base import RewardOutput
+
+        self.calls += 1
+        rewards = np.full(len(contexts), self.value)
+        return RewardOutput(rewards=rewards, components={self.name: rewards})
+
+
+def test_mixture_combines_weights_and_keeps_components():
+    prm = ConstantPerStep("prm", 0.5)
+    mixture = RewardMixture({"outcome": OutcomeReward(), "prm": prm}, parse_reward_spec("outcome:1.0,prm:0.2", ["outcome", "prm"]))
+    output = mixture.score(BATCH)
+    np.testing.assert_allclose(output.rewards, [1.1, 1.1, 0.1, 0.1, 0.1])
+    np.testing.assert_array_equal(output.components["outcome"], [1.0, 1.0, 0.0, 0.0, 0.0])
+    np.testing.assert_array_equal(output.components["prm"], [0.5] * 5)
+    np.testing.assert_array_equal(output.correct[:4], [1.0, 1.0, 0.0, 0.0])
+    assert prm.calls == 1
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("outcome:1.0,critic:0.2", "unknown source 'critic'"),
+        ("outcome:abc", "weight 'abc' of 'outcome' is not a number"),
+        ("outcome:nan", "must be finite"),
+        ("outcome,outcome:2", "names 'outcome' twice"),
+        (" , ", "names no source"),
+    ],
+)
+def test_reward_spec_errors(spec, message):
+    with pytest.raises(ValueError, match=message):
+        parse_reward_spec(spec, ["outcome", "prm"])
+
+
+def test_reward_spec_defaults_weight_one():
+    assert parse_reward_spec("outcome, prm:0.25", ["outcome", "prm"]) == {"outcome": 1.0, "prm": 0.25}

@@ -8,9 +8,11 @@ drawn once from the shared sampler (without replacement per epoch, reproducible 
 carries the same ``group_id`` (unique across the run).
 
 Autoreset follows gymnasium 1.x ``AutoresetMode``: ``NEXT_STEP`` (gymnasium's default: the step
-after an episode ends resets that env and ignores its action) or ``SAME_STEP`` (the ending step
+after an episode ends resets that env and ignores its action), ``SAME_STEP`` (the ending step
 already returns the next episode's first observation; the final observation and info are in
-``info["final_obs"]`` / ``info["final_info"]``, masked by ``info["_final_obs"]``).
+``info["final_obs"]`` / ``info["final_info"]``, masked by ``info["_final_obs"]``), or ``DISABLED``
+(a finished env stays finished, its actions ignored with reward 0, until
+``reset(options={"reset_mask": mask})`` or a full reset: one episode per env, as GRPO wants).
 """
 
 from __future__ import annotations
@@ -47,8 +49,6 @@ class MathVectorEnv(VectorEnv):
         if group_size < 1 or num_envs % group_size:
             raise ValueError(f"group_size={group_size} must be >= 1 and divide num_envs={num_envs}")
         self.autoreset_mode = AutoresetMode(autoreset_mode)
-        if self.autoreset_mode not in (AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP):
-            raise ValueError(f"autoreset_mode={autoreset_mode!r} must be NEXT_STEP or SAME_STEP")
         self.metadata = {**self.metadata, "autoreset_mode": self.autoreset_mode}
         self.num_envs = num_envs
         self.group_size = group_size
@@ -61,27 +61,37 @@ class MathVectorEnv(VectorEnv):
         self.episode_counts = np.zeros(num_envs, dtype=np.int64)  # episodes started per env
         self.group_draws: dict[tuple[int, int], list] = {}  # (group, j) -> [problem, group_id, members left]
         self.next_group_id = 0
-        self.needs_reset = np.zeros(num_envs, dtype=bool)
+        self.needs_reset = np.zeros(num_envs, dtype=bool)  # ended, not reset yet (NEXT_STEP, DISABLED)
 
     @property
     def problems(self) -> list:
         return self.task.sampler.problems
 
     def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[tuple[str, ...], dict]:
-        """Starts a new episode in every env. ``options={"problem_ids": [...]}`` gives one problem id
-        per group (num_envs // group_size of them) instead of drawing."""
+        """Starts a new episode in every env, or only where ``options["reset_mask"]`` [N] is True
+        (whole groups; the others keep their episodes). ``options={"problem_ids": [...]}`` gives one
+        problem id per group (num_envs // group_size of them) instead of drawing."""
         super().reset(seed=seed)
         if seed is not None:
             self.task.sampler.seed(seed)
             self.action_space.seed(seed)
-        problem_ids = (options or {}).get("problem_ids")
+        options = options or {}
+        problem_ids = options.get("problem_ids")
         num_groups = self.num_envs // self.group_size
         if problem_ids is not None and len(problem_ids) != num_groups:
             raise ValueError(f"options['problem_ids'] has {len(problem_ids)} ids; give one per group ({num_groups})")
-        self.episode_counts[:] = 0
-        self.group_draws.clear()
-        self.episodes = [self._start_episode(i, problem_ids) for i in range(self.num_envs)]
-        self.needs_reset[:] = False
+        mask = np.asarray(options.get("reset_mask", np.ones(self.num_envs, dtype=bool)), dtype=bool)
+        if mask.shape != (self.num_envs,) or not (mask.reshape(num_groups, self.group_size).all(1)
+                                                  == mask.reshape(num_groups, self.group_size).any(1)).all():
+            raise ValueError(f"options['reset_mask'] must be {self.num_envs} booleans covering whole groups of "
+                             f"{self.group_size}")
+        if mask.all():
+            self.episode_counts[:] = 0
+            self.group_draws.clear()
+            self.episodes = [None] * self.num_envs
+        for i in np.flatnonzero(mask):
+            self.episodes[i] = self._start_episode(i, problem_ids)
+        self.needs_reset[mask] = False
         return self._observations(), self._infos([self.task.info(e) for e in self.episodes])
 
     def step(self, actions: Sequence[Any]) -> tuple[tuple[str, ...], np.ndarray, np.ndarray, np.ndarray, dict]:
@@ -92,8 +102,9 @@ class MathVectorEnv(VectorEnv):
         truncated = np.zeros(self.num_envs, dtype=bool)
         env_infos: list[dict[str, Any]] = [{} for _ in range(self.num_envs)]
         acting = [i for i in range(self.num_envs) if not self.needs_reset[i]]
-        for i in np.flatnonzero(self.needs_reset):  # NEXT_STEP: this step resets, its action is ignored
-            self.episodes[i] = self._start_episode(i)
+        if self.autoreset_mode == AutoresetMode.NEXT_STEP:  # this step resets, its action is ignored
+            for i in np.flatnonzero(self.needs_reset):
+                self.episodes[i] = self._start_episode(i)
         transitions: list[Transition] = []
         for i in acting:
             transition, env_infos[i] = self.task.apply(self.episodes[i], actions[i])
@@ -107,6 +118,9 @@ class MathVectorEnv(VectorEnv):
         for i in np.flatnonzero(self.needs_reset):
             env_infos[i] = self.task.info(self.episodes[i])
         ended = terminated | truncated
+        if self.autoreset_mode == AutoresetMode.DISABLED:
+            self.needs_reset |= ended
+            return self._observations(), rewards, terminated, truncated, self._infos(env_infos)
         if self.autoreset_mode == AutoresetMode.NEXT_STEP:
             self.needs_reset = ended
             return self._observations(), rewards, terminated, truncated, self._infos(env_infos)

@@ -152,3 +152,17 @@ def test_user_registers_own_dataset(tmp_path):
     assert reward == 1.0 and terminated
     vec = gymnasium.make_vec("MyMath-v0", num_envs=4, vectorization_mode="vector_entry_point")
     assert isinstance(vec.unwrapped, MathVectorEnv)
+
+
+def test_disabled_autoreset_keeps_one_episode_per_env_until_reset():
+    env = MathVectorEnv(num_envs=4, group_size=2, problems=PROBLEMS, autoreset_mode=AutoresetMode.DISABLED)
+    obs, info = env.reset(seed=0)
+    first_ids = list(info["problem_id"])
+    env.step(["The answer is \\boxed{1}."] * 2 + ["step"] * 2)
+    obs, rewards, terminated, truncated, info = env.step(["ignored"] * 2 + ["The answer is \\boxed{1}."] * 2)
+    assert rewards[:2].tolist() == [0.0, 0.0] and not terminated[:2].any() and terminated[2:].all()
+    assert list(info["problem_id"]) == first_ids and obs[0].endswith("\\boxed{1}.\n\n")
+    _, info = env.reset(options={"reset_mask": np.array([True, True, False, False])})
+    assert info["step"].tolist() == [0, 0, 2, 2] and info["group_id"].tolist() == [2, 2, 1, 1]
+    with pytest.raises(ValueError, match="whole groups"):
+        env.reset(options={"reset_mask": np.array([True, False, False, False])})

@@ -1,0 +1,211 @@
+"""LanguagePolicy: log-probs from true lengths, LoRA / full fine-tuning, critic, reference, save/load."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, ViTConfig
+
+from train.policy import LanguagePolicy, LoraSettings, ensure_pad_token, hf_param_name, pack
+
+LORA = LoraSettings(rank=4, alpha=8.0)
+MODES = {"full": None, "lora": LORA}
+
+
+@pytest.fixture(scope="module")
+def policy(untrained_policy_dir):
+    return LanguagePolicy(untrained_policy_dir, device="cpu", with_critic=True).eval()
+
+
+@pytest.fixture(scope="module")
+def pairs(policy):
+    """Prompts and actions of different lengths that contain the pad id as a real token."""
+    pad = policy.tokenizer.pad_token_id
+    prompts = [[5, 6, 7, pad], [pad, 9], [10, 11, 12, 13, 14, 15, 16]]
+    actions = [[pad, 3], [4, 5, 6, 7, pad], [8]]
+    return prompts, actions
+
+
+def one_step(policy: LanguagePolicy, prompts, actions, lr: float = 1e-2) -> None:
+    """One Adam step raising the log-likelihood of ``actions``."""
+    optimizer = torch.optim.Adam(policy.actor_parameters(), lr=lr)
+    loss = -policy.evaluate(prompts, actions, with_entropy=False).logprobs.sum()
+    loss.backward()
+    optimizer.step()
+
+
+def direct_scores(policy: LanguagePolicy, prompt: list[int], action: list[int], temperature: float):
+    """Log-probs and entropies of one unpadded sequence from the full [T, V] logits."""
+    logits = policy.causal_lm(torch.tensor([prompt + action])).logits[0].float() / temperature
+    log_probs = logits.log_softmax(-1)[len(prompt) - 1: len(prompt) - 1 + len(action)]
+    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    return log_probs.gather(1, torch.tensor(action)[:, None]).squeeze(1), entropy
+
+
+@pytest.mark.parametrize("padding_side", ["left", "right"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@torch.no_grad()
+def test_batched_scores_equal_direct_unbatched_computation(policy, pairs, padding_side, temperature):
+    prompts, actions = pairs
+    scores = policy.evaluate(prompts, actions, temperature, padding_side=padding_side, with_values=True)
+    assert scores.logprobs.shape == scores.mask.shape == scores.entropy.shape == scores.values.shape == (3, 5)
+    assert scores.mask.sum(1).tolist() == [2, 5, 1]
+    for row, (prompt, action) in enumerate(zip(prompts, actions)):
+        logprobs, entropy = direct_scores(policy, prompt, action, temperature)
+        length = len(action)
+        torch.testing.assert_close(scores.logprobs[row, :length], logprobs, atol=1e-5, rtol=0)
+        torch.testing.assert_close(scores.entropy[row, :length], entropy, atol=1e-5, rtol=0)
+        alone = policy.evaluate([prompt], [action], temperature, with_values=True)
+        torch.testing.assert_close(scores.values[row, :length], alone.values[0], atol=1e-5, rtol=0)
+        assert scores.logprobs[row, length:].eq(0).all() and scores.values[row, length:].eq(0).all()
+
+
+def test_padded_tensor_input_equals_list_input(policy, pairs):
+    prompts, actions = pairs
+    as_tensors = [(torch.nn.utils.rnn.pad_sequence([torch.tensor(r) for r in rows], batch_first=True,
+                                                   padding_value=7), torch.tensor([len(r) for r in rows]))
+                  for rows in (prompts, actions)]
+    with torch.no_grad():
+        torch.testing.assert_close(policy.evaluate(*as_tensors).logprobs, policy.evaluate(prompts, actions).logprobs)
+
+
+def test_pack_builds_masks_and_positions_from_lengths():
+    batch = pack([[1, 2, 3], [4]], [[5], [6, 7]], pad_id=1, device=torch.device("cpu"), padding_side="left")
+    assert batch.input_ids.tolist() == [[1, 2, 3, 5], [1, 4, 6, 7]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1], [0, 1, 1, 1]]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3], [0, 0, 1, 2]]
+    assert batch.read_positions.tolist() == [[2, 3], [1, 2]]
+    assert batch.action_mask.tolist() == [[True, False], [True, True]]
+
+
+def test_values_read_at_last_prompt_token(policy, pairs):
+    prompts, actions = pairs
+    with torch.no_grad():
+        torch.testing.assert_close(policy.values(prompts), policy.token_values(prompts, actions)[:, 0])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_one_optimizer_step_changes_outputs_and_not_the_reference(untrained_policy_dir, pairs, mode):
+    policy = LanguagePolicy(untrained_policy_dir, device="cpu", lora=MODES[mode])
+    prompts, actions = pairs
+    with torch.no_grad():
+        before = policy.evaluate(prompts, actions).logprobs
+        torch.testing.assert_close(policy.ref_log_probs(prompts, actions), before)
+    one_step(policy, prompts, actions)
+    with torch.no_grad():
+        after = policy.evaluate(prompts, actions).logprobs
+        reference = policy.ref_log_probs(prompts, actions)
+    assert (after - before).abs().max() > 1e-3
+    torch.testing.assert_close(reference, before)
+    assert all(p.requires_grad for p in policy.actor_parameters())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_save_load_round_trip_and_plain_transformers_load(untrained_policy_dir, pairs, tmp_path, mode):
+    policy = LanguagePolicy(untrained_policy_dir, device="cpu", lora=MODES[mode], with_critic=True)
+    prompts, actions = pairs
+    one_step(policy, prompts, actions)
+    with torch.no_grad():
+        policy.value_head.bias.fill_(0.5)
+        expected = policy.evaluate(prompts, actions, with_values=True)
+        expected_reference = policy.ref_log_probs(prompts, actions)
+        sequence = torch.tensor([prompts[2] + actions[2]])
+        expected_logits = policy.causal_lm(sequence).logits
+    saved = policy.save(tmp_path / "ckpt")
+    restored = LanguagePolicy.load(saved, device="cpu")
+    with torch.no_grad():
+        got = restored.evaluate(prompts, actions, with_values=True)
+        torch.testing.assert_close(got.logprobs, expected.logprobs, atol=1e-5, rtol=0)
+        torch.testing.assert_close(got.values, expected.values, atol=1e-5, rtol=0)
+        torch.testing.assert_close(restored.ref_log_probs(prompts, actions), expected_reference, atol=1e-5, rtol=0)
+        plain = AutoModelForCausalLM.from_pretrained(saved)
+        torch.testing.assert_close(plain(sequence).logits, expected_logits, atol=1e-5, rtol=0)
+    assert json.loads((saved / "mathrl_policy.json").read_text())["with_critic"]
+
+
+def test_named_weights_for_inference_are_plain_hf_names_with_lora_merged(untrained_policy_dir, pairs):
+    policy = LanguagePolicy(untrained_policy_dir, device="cpu", lora=LORA, with_critic=True)
+    one_step(policy, *pairs)
+    weights = dict(policy.named_weights_for_inference())
+    plain = AutoModelForCausalLM.from_pretrained(untrained_policy_dir)
+    assert set(weights) == set(plain.state_dict())
+    merged = policy.model.merge_and_unload()  # peft's own merge, for comparison
+    for name, tensor in merged.state_dict().items():
+        torch.testing.assert_close(weights[name], tensor)
+
+
+def test_hf_param_name_strips_wrappers():
+    assert hf_param_name("module._orig_mod.base_model.model.model.layers.0.q_proj.base_layer.weight") == \
+        "model.layers.0.q_proj.weight"
+    assert hf_param_name("model.layers.1._orig_mod.mlp.up_proj.weight") == "model.layers.1.mlp.up_proj.weight"
+
+
+@pytest.mark.parametrize("level", ["action", "token"])
+@pytest.mark.parametrize("mode", MODES)
+def test_critic_fits_fixed_targets_through_the_backbone(untrained_policy_dir, mode, level):
+    torch.manual_seed(0)
+    policy = LanguagePolicy(untrained_policy_dir, device="cpu", lora=MODES[mode], with_critic=True)
+    prompts = [[int(t) for t in torch.randint(3, 200, (int(n),))] for n in torch.randint(3, 9, (8,))]
+    actions = [[int(t) for t in torch.randint(3, 200, (4,))] for _ in prompts]
+    targets = torch.linspace(-1.0, 1.0, 8)
+    groups = policy.param_groups(lr=1e-3, critic_lr=3e-3)
+    optimizer = torch.optim.Adam(groups)
+
+    def value_loss() -> torch.Tensor:
+        if level == "action":
+            return (policy.values(prompts) - targets).pow(2).mean()
+        return (policy.token_values(prompts, actions) - targets[:, None]).pow(2).mean()
+
+    losses = []
+    for step in range(50):
+        optimizer.zero_grad()
+        loss = value_loss()
+        loss.backward()
+        if step == 0:
+            head = {id(p) for p in policy.value_head.parameters()}
+            trunk = [p for group in groups for p in group["params"] if id(p) not in head]
+            assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in trunk), "no gradient reached the trunk"
+            if mode == "lora":
+                assert all(p.grad is None for p in groups[0]["params"]), "value loss leaked into the actor adapter"
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0], losses[::10]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gradient_checkpointing_gives_the_same_gradients(untrained_policy_dir, pairs, mode):
+    grads = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)  # same LoRA init both times
+        policy = LanguagePolicy(untrained_policy_dir, device="cpu", lora=MODES[mode],
+                                gradient_checkpointing=checkpointing).train()
+        policy.evaluate(*pairs).logprobs.sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in policy.actor_parameters()]))
+    torch.testing.assert_close(grads[0], grads[1])
+
+
+def test_bad_inputs_fail_clearly(untrained_policy_dir, tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        LanguagePolicy(tmp_path / "missing", device="cpu")
+    not_causal = ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    not_causal.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="causal language model"):
+        LanguagePolicy(tmp_path, device="cpu")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        LanguagePolicy(untrained_policy_dir, device="cpu", dtype="float16")
+    with pytest.raises(ValueError, match="not one of"):
+        LanguagePolicy(untrained_policy_dir, device="cpu", dtype="fp8")
+    with pytest.raises(FileNotFoundError, match="not a LanguagePolicy.save"):
+        LanguagePolicy.load(untrained_policy_dir, device="cpu")
+
+
+def test_missing_pad_token_becomes_eos_with_a_warning(untrained_policy_dir, caplog):
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(untrained_policy_dir)
+    tokenizer.pad_token = None
+    with caplog.at_level(logging.WARNING, logger="train.policy"):
+        ensure_pad_token(tokenizer, "test")
+    assert tokenizer.pad_token_id == tokenizer.eos_token_id is not None
+    assert "no pad token" in caplog.text

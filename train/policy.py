@@ -1,0 +1,515 @@
+"""The trained language model: a causal LM (optionally LoRA), a value head, log-probs, save/load.
+
+Shapes: ``B`` rows (prompt, action) pairs, ``T`` packed tokens per row, ``L`` action tokens (the
+longest action in the batch), ``H`` hidden size, ``V`` vocabulary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+from peft.tuners.lora import LoraLayer
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ACTOR_ADAPTER = "default"  # peft's name for the first adapter; the one vLLM and save() merge
+CRITIC_ADAPTER = "critic"
+POLICY_META = "mathrl_policy.json"
+ADAPTER_DIR = "adapters"  # peft layout: actor adapter here, critic adapter in adapters/critic/
+VALUE_HEAD_FILE = "critic/value_head.safetensors"  # a subfolder: vLLM globs top-level *.safetensors
+WRAPPER_PREFIXES = ("base_model.model.", "module.", "_orig_mod.")
+
+TokenBatch = Sequence[Sequence[int]] | tuple[torch.Tensor, torch.Tensor]
+"""Token ids of B sequences: lists of ids, or a right-padded ``[B, N]`` tensor with its ``[B]`` true lengths."""
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``auto`` -> cuda when available, else cpu; anything else as given (cuda must exist)."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={str(device)!r} but CUDA is not available here; use --device cpu or auto")
+    return resolved
+
+
+@dataclass(frozen=True)
+class Precision:
+    """``compute``: dtype of the matmuls (autocast); ``weights``: dtype the trained weights are stored in."""
+
+    compute: torch.dtype
+    weights: torch.dtype
+
+    @property
+    def autocast_enabled(self) -> bool:
+        return self.compute != torch.float32
+
+
+def resolve_precision(dtype: str, device: torch.device, low_precision_weights: bool = False) -> Precision:
+    """fp32 master weights + autocast for bfloat16/float16 (the default); ``low_precision_weights``
+    stores bfloat16 weights directly (no fp32 master copy; half the memory). float16 weights without
+    an fp32 master copy lose small updates to rounding, so they are refused; float16 autocast needs a
+    loss scaler in the trainer (torch.amp.GradScaler)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not one of {sorted(DTYPES)}")
+    compute = DTYPES[dtype]
+    if compute == torch.float16 and device.type == "cpu":
+        raise ValueError("dtype='float16' needs a CUDA device; use float32 or bfloat16 on CPU")
+    if low_precision_weights and compute != torch.bfloat16:
+        raise ValueError(f"low_precision_weights needs dtype='bfloat16' (got {dtype!r}): float16/float32 "
+                         "weights keep an fp32 master copy")
+    return Precision(compute=compute, weights=compute if low_precision_weights else torch.float32)
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """LoRA hyper-parameters; ``target_modules`` are module-name suffixes or peft's ``"all-linear"``."""
+
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] | str = "all-linear"
+
+    def peft_config(self) -> LoraConfig:
+        if self.rank < 1:
+            raise ValueError(f"LoRA rank={self.rank} must be >= 1 (use lora=None for full fine-tuning)")
+        targets = self.target_modules if isinstance(self.target_modules, str) else list(self.target_modules)
+        return LoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout,
+                          target_modules=targets, task_type="CAUSAL_LM")
+
+
+@dataclass
+class PackedBatch:
+    """(prompt, action) pairs packed into one padded ``[B, T]`` batch for a single forward pass."""
+
+    input_ids: torch.Tensor  # [B, T]
+    attention_mask: torch.Tensor  # [B, T] 1 on real tokens (from true lengths)
+    position_ids: torch.Tensor  # [B, T] 0.. from each row's first real token (left padding shifts it)
+    read_positions: torch.Tensor  # [B, L] column whose hidden state predicts action token k (prompt_len-1+k)
+    action_ids: torch.Tensor  # [B, L]
+    action_mask: torch.Tensor  # [B, L] True on real action tokens
+
+
+@dataclass
+class ActionScores:
+    """Per-token scores of actions; every tensor is 0 where ``mask`` is False."""
+
+    logprobs: torch.Tensor  # [B, L] log pi(a_k | prompt, a_<k) under logits / temperature
+    mask: torch.Tensor  # [B, L] bool
+    entropy: torch.Tensor | None = None  # [B, L] entropy of that temperature-scaled distribution
+    values: torch.Tensor | None = None  # [B, L] V(prompt, a_<k); values[:, 0] = V(prompt)
+
+
+def _right_padded(ids: TokenBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([B, max(N, 1)] right-padded ids, [B] lengths)``; width >= 1 so gathers on empty actions stay valid."""
+    if isinstance(ids, tuple):
+        padded, lengths = ids[0].to(device=device, dtype=torch.long), ids[1].to(device=device, dtype=torch.long)
+        if padded.dim() != 2 or lengths.shape != padded.shape[:1] or bool((lengths > padded.shape[1]).any()):
+            raise ValueError(f"expected a [B, N] id tensor with [B] lengths <= N, got {tuple(padded.shape)} "
+                             f"and {tuple(lengths.shape)}")
+    else:
+        rows = [torch.as_tensor(list(row), dtype=torch.long) for row in ids]
+        lengths = torch.tensor([len(row) for row in rows], dtype=torch.long, device=device)
+        padded = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True).to(device)
+    if padded.shape[1] == 0:
+        padded = padded.new_zeros(padded.shape[0], 1)
+    return padded, lengths
+
+
+def pack(prompts: TokenBatch, actions: TokenBatch, pad_id: int, device: torch.device,
+         padding_side: str = "right") -> PackedBatch:
+    """Packs each prompt followed by its action into one row, padded on ``padding_side``.
+
+    Masks and positions come from the true lengths only, so a pad id that is also a real token is harmless.
+    """
+    if padding_side not in ("left", "right"):
+        raise ValueError(f"padding_side={padding_side!r} must be 'left' or 'right'")
+    prompt_ids, prompt_len = _right_padded(prompts, device)
+    action_ids, action_len = _right_padded(actions, device)
+    if prompt_len.shape != action_len.shape:
+        raise ValueError(f"{len(prompt_len)} prompts but {len(action_len)} actions: pass one action per prompt")
+    if bool((prompt_len < 1).any()):
+        raise ValueError("every prompt needs >= 1 token: an action's first log-prob is read at the last prompt token")
+    total_len = prompt_len + action_len  # [B]
+    width = int(total_len.max())
+    offset = width - total_len if padding_side == "left" else torch.zeros_like(total_len)  # [B] pad columns in front
+    within = torch.arange(width, device=device)[None] - offset[:, None]  # [B, T] index inside the row's own sequence
+    in_prompt = (within >= 0) & (within < prompt_len[:, None])
+    in_action = (within >= prompt_len[:, None]) & (within < total_len[:, None])
+    prompt_tokens = prompt_ids.gather(1, within.clamp(0, prompt_ids.shape[1] - 1))
+    action_tokens = action_ids.gather(1, (within - prompt_len[:, None]).clamp(0, action_ids.shape[1] - 1))
+    input_ids = torch.where(in_prompt, prompt_tokens, torch.where(in_action, action_tokens, pad_id))
+    attention_mask = in_prompt | in_action
+    steps = torch.arange(action_ids.shape[1], device=device)[None]  # [1, L]
+    read_positions = (offset + prompt_len - 1)[:, None] + steps
+    return PackedBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask.long(),
+        position_ids=torch.where(attention_mask, within, 0),
+        read_positions=read_positions.clamp(max=width - 1),
+        action_ids=action_ids,
+        action_mask=steps < action_len[:, None],
+    )
+
+
+def hf_param_name(name: str) -> str:
+    """Plain HF parameter name: wrapper prefixes (peft, DDP, torch.compile) and peft's ``.base_layer`` removed."""
+    name = name.replace("._orig_mod.", ".").replace(".base_layer.", ".")
+    while name.startswith(WRAPPER_PREFIXES):
+        name = name[len(next(p for p in WRAPPER_PREFIXES if name.startswith(p))):]
+    return name
+
+
+def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
+    """The tokenizer saved with a model, with a pad token (see ``ensure_pad_token``)."""
+    return ensure_pad_token(AutoTokenizer.from_pretrained(str(model_dir)), str(model_dir))
+
+
+def ensure_pad_token(tokenizer: PreTrainedTokenizerBase, where: str) -> PreTrainedTokenizerBase:
+    """A missing pad token becomes eos, with a warning (harmless here: masks never rely on pad ids)."""
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token_id is None:
+            raise ValueError(f"the tokenizer in {where} has neither a pad nor an eos token; add one of them")
+        logger.warning("tokenizer in %s has no pad token; using eos %r as pad (masks come from lengths)",
+                       where, tokenizer.eos_token)
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_causal_lm(model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
+    """``AutoModelForCausalLM`` from a local directory, with errors that say what to pass instead."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory {str(model_dir)!r} does not exist; pass a local directory "
+                                "holding config.json and weights (e.g. from train.tiny or save_pretrained)")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    except ValueError as error:
+        raise ValueError(f"{path} does not hold a causal language model (AutoModelForCausalLM could not "
+                         f"load it): {error}") from error
+    return model.to(device)
+
+
+class LanguagePolicy(nn.Module):
+    """A causal LM policy with optional LoRA and an optional critic.
+
+    Critic design. The value head is a linear layer on the final hidden state, fed by a trunk that the
+    value loss trains (never a frozen no-grad trunk):
+    - LoRA: the critic has its own LoRA adapter (``"critic"``) on the shared frozen base weights, so it
+      learns through every targeted layer of the backbone while the actor adapter never sees the value
+      loss. It costs a second forward pass (with the critic adapter active) but no extra copy of the base.
+    - Full fine-tuning: the critic shares the trunk with the actor, and the value loss' gradient flows
+      into the whole trunk (scaled by the trainer's value coefficient); no second model in memory, and
+      ``evaluate(..., with_values=True)`` gets log-probs and values from one forward pass.
+    ``param_groups(lr, critic_lr)`` puts the actor's parameters (actor adapter, or the full trunk) and the
+    critic's (critic adapter + value head) in separate optimizer groups.
+
+    Reference policy for KL: the base with adapters disabled (LoRA), or a frozen copy of the starting
+    weights (full fine-tuning) loaded lazily from ``reference_dir`` on the first ``ref_log_probs`` call.
+
+    Precision: ``dtype`` is the compute dtype. float32: plain. bfloat16/float16: fp32 master weights
+    and autocast (float16 needs CUDA and a GradScaler in the trainer); ``low_precision_weights=True``
+    stores bfloat16 weights outright. A frozen LoRA base is stored in the compute dtype.
+
+    The policy starts in eval mode: call ``train()`` for updates (dropout and gradient checkpointing
+    act only in training mode) and ``eval()`` when scoring must match the sampler exactly.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        device: str | torch.device = "auto",
+        dtype: str = "float32",
+        low_precision_weights: bool = False,
+        lora: LoraSettings | None = None,
+        with_critic: bool = False,
+        gradient_checkpointing: bool = False,
+        reference_dir: str | Path | None = None,
+    ) -> None:
+        super().__init__()
+        self.model_dir = Path(model_dir)
+        self.device = resolve_device(device)
+        self.precision = resolve_precision(dtype, self.device, low_precision_weights)
+        self.dtype_name = dtype
+        self.lora = lora
+        self.reference_dir = Path(reference_dir) if reference_dir is not None else self.model_dir
+        # A frozen LoRA base needs no fp32 master copy: it is stored in the compute dtype (peft keeps
+        # the adapters in fp32).
+        base_dtype = self.precision.weights if lora is None else self.precision.compute
+        causal_lm = load_causal_lm(model_dir, base_dtype, self.device)
+        self.tokenizer = load_tokenizer(model_dir)
+        if gradient_checkpointing:
+            causal_lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.model = causal_lm if lora is None else self._with_adapters(causal_lm, lora, with_critic)
+        hidden_size = causal_lm.config.get_text_config().hidden_size
+        self.value_head = nn.Linear(hidden_size, 1, device=self.device) if with_critic else None
+        self._trainable = [p for p in self.parameters() if p.requires_grad]
+        object.__setattr__(self, "_reference", None)  # not a submodule: no state_dict/parameters/optimizer
+        self.eval()
+
+    @staticmethod
+    def _with_adapters(causal_lm: PreTrainedModel, lora: LoraSettings, with_critic: bool) -> nn.Module:
+        peft_model = get_peft_model(causal_lm, lora.peft_config())
+        if with_critic:
+            peft_model.add_adapter(CRITIC_ADAPTER, lora.peft_config())
+            for name, param in peft_model.named_parameters():  # peft creates inactive adapters frozen
+                if f".{CRITIC_ADAPTER}." in name:
+                    param.requires_grad_(True)
+        return peft_model
+
+    # ---------------------------------------------------------------------------------------------
+    # Views of the model
+    # ---------------------------------------------------------------------------------------------
+
+    @property
+    def causal_lm(self) -> PreTrainedModel:
+        """The HF model (with LoRA layers injected when LoRA is on); what generate() and save() use."""
+        return self.model if self.lora is None else self.model.get_base_model()
+
+    @property
+    def with_critic(self) -> bool:
+        return self.value_head is not None
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Mixed precision for forward passes: matmuls in the compute dtype, master weights as stored."""
+        return torch.autocast(self.device.type, dtype=self.precision.compute,
+                              enabled=self.precision.autocast_enabled)
+
+    def actor_parameters(self) -> list[nn.Parameter]:
+        """Trainable parameters of the policy: the actor adapter (LoRA) or the whole trunk."""
+        critic_ids = {id(p) for p in self.critic_parameters()}
+        return [p for p in self._trainable if id(p) not in critic_ids]
+
+    def critic_parameters(self) -> list[nn.Parameter]:
+        """Trainable parameters only the value loss reaches: the critic adapter and the value head."""
+        if self.value_head is None:
+            return []
+        adapter = [p for name, p in self.model.named_parameters() if f".{CRITIC_ADAPTER}." in name] if self.lora else []
+        return adapter + list(self.value_head.parameters())
+
+    def param_groups(self, lr: float, critic_lr: float | None = None) -> list[dict]:
+        """Optimizer groups: actor at ``lr``, critic at ``critic_lr`` (default ``lr``)."""
+        groups = [{"params": self.actor_parameters(), "lr": lr, "name": "actor"}]
+        if self.with_critic:
+            groups.append({"params": self.critic_parameters(), "lr": lr if critic_lr is None else critic_lr,
+                           "name": "critic"})
+        return groups
+
+    @contextlib.contextmanager
+    def _adapter(self, name: str | None) -> Iterator[None]:
+        """Runs the enclosed forward with LoRA adapter ``name`` active (None: adapters off, the base model).
+
+        peft's switches also set requires_grad=False on inactive adapters, which would silently drop
+        their gradients from graphs built earlier (AccumulateGrad skips leaves that no longer require
+        grad); every trainable parameter is made trainable again on the way in and out.
+        """
+        switch = self.model.disable_adapter() if name is None else contextlib.nullcontext()
+        try:
+            if name is not None:
+                self.model.set_adapter(name)
+            with switch:
+                self._restore_trainable()
+                yield
+        finally:
+            self.model.set_adapter(ACTOR_ADAPTER)
+            self._restore_trainable()
+
+    def _restore_trainable(self) -> None:
+        for param in self._trainable:
+            param.requires_grad_(True)
+
+    # ---------------------------------------------------------------------------------------------
+    # Forward passes
+    # ---------------------------------------------------------------------------------------------
+
+    def _hidden_at_actions(self, causal_lm: PreTrainedModel, batch: PackedBatch) -> torch.Tensor:
+        """``[B, L, H]`` final hidden states at the positions that predict each action token."""
+        with self.autocast():
+            hidden = causal_lm.get_decoder()(
+                input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                position_ids=batch.position_ids, use_cache=False,
+            ).last_hidden_state  # [B, T, H]
+        index = batch.read_positions[..., None].expand(-1, -1, hidden.shape[-1])
+        return hidden.gather(1, index)
+
+    def _token_scores(self, causal_lm: PreTrainedModel, hidden: torch.Tensor, batch: PackedBatch,
+                      temperature: float, with_entropy: bool) -> ActionScores:
+        """Log-probs (and entropies) of the action tokens; the vocabulary projection runs on the
+        ``[B, L]`` action positions only, never on all ``T`` positions. (Logits are ``lm_head(hidden)``:
+        models whose causal-LM forward post-processes logits, e.g. Gemma-2 softcapping, are not handled.)"""
+        if temperature <= 0:
+            raise ValueError(f"temperature={temperature} must be > 0 (score greedy samples at temperature 1.0)")
+        with self.autocast():
+            logits = causal_lm.get_output_embeddings()(hidden)  # [B, L, V]
+        log_probs = (logits.float() / temperature).log_softmax(-1)
+        token_logprobs = log_probs.gather(-1, batch.action_ids[..., None]).squeeze(-1)
+        mask = batch.action_mask
+        entropy = -(log_probs.exp() * log_probs).sum(-1) if with_entropy else None
+        return ActionScores(
+            logprobs=torch.where(mask, token_logprobs, 0.0),
+            mask=mask,
+            entropy=torch.where(mask, entropy, 0.0) if with_entropy else None,
+        )
+
+    def _values(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``[B, L]`` values from ``[B, L, H]`` hidden states; the head runs in fp32."""
+        self._require_critic()
+        values = self.value_head(hidden.float()).squeeze(-1)
+        return torch.where(mask, values, 0.0)
+
+    def _require_critic(self) -> None:
+        if self.value_head is None:
+            raise ValueError("this policy has no critic; construct it with with_critic=True")
+
+    def _critic_hidden(self, batch: PackedBatch) -> torch.Tensor:
+        self._require_critic()
+        if self.lora is None:
+            return self._hidden_at_actions(self.causal_lm, batch)
+        with self._adapter(CRITIC_ADAPTER):
+            return self._hidden_at_actions(self.causal_lm, batch)
+
+    def pack(self, prompts: TokenBatch, actions: TokenBatch, padding_side: str = "right") -> PackedBatch:
+        return pack(prompts, actions, self.tokenizer.pad_token_id, self.device, padding_side)
+
+    def evaluate(self, prompts: TokenBatch, actions: TokenBatch, temperature: float = 1.0, *,
+                 with_entropy: bool = True, with_values: bool = False,
+                 padding_side: str = "right") -> ActionScores:
+        """Scores ``actions`` given ``prompts`` in one forward pass (two with a LoRA critic).
+
+        ``temperature`` divides the logits, so log-probs are those of the distribution the sampler
+        drew from (top-p/top-k filtering is not re-applied). Returns ``[B, L]`` tensors, L = longest action.
+        """
+        batch = self.pack(prompts, actions, padding_side)
+        hidden = self._hidden_at_actions(self.causal_lm, batch)
+        scores = self._token_scores(self.causal_lm, hidden, batch, temperature, with_entropy)
+        if with_values:
+            critic_hidden = hidden if self.lora is None else self._critic_hidden(batch)
+            scores.values = self._values(critic_hidden, batch.action_mask)
+        return scores
+
+    def token_values(self, prompts: TokenBatch, actions: TokenBatch, padding_side: str = "right") -> torch.Tensor:
+        """``[B, L]`` token-level values V(prompt, a_<k) (TPPO); 0 past each action's end."""
+        batch = self.pack(prompts, actions, padding_side)
+        return self._values(self._critic_hidden(batch), batch.action_mask)
+
+    def values(self, prompts: TokenBatch) -> torch.Tensor:
+        """``[B]`` action-level values V(prompt), read at the last prompt token."""
+        empty_actions = [[] for _ in range(len(prompts[1] if isinstance(prompts, tuple) else prompts))]
+        batch = self.pack(prompts, empty_actions)
+        first = torch.ones_like(batch.action_mask[:, :1])
+        return self._values(self._critic_hidden(batch)[:, :1], first).squeeze(1)
+
+    @torch.no_grad()
+    def ref_log_probs(self, prompts: TokenBatch, actions: TokenBatch, temperature: float = 1.0,
+                      padding_side: str = "right") -> torch.Tensor:
+        """``[B, L]`` log-probs under the reference policy (for KL), 0 where the action mask is False."""
+        batch = self.pack(prompts, actions, padding_side)
+        if self.lora is not None:
+            with self._adapter(None):
+                hidden = self._hidden_at_actions(self.causal_lm, batch)
+            return self._token_scores(self.causal_lm, hidden, batch, temperature, with_entropy=False).logprobs
+        reference = self._reference_model()
+        hidden = self._hidden_at_actions(reference, batch)
+        return self._token_scores(reference, hidden, batch, temperature, with_entropy=False).logprobs
+
+    def _reference_model(self) -> PreTrainedModel:
+        """The frozen starting weights, loaded on first use so runs without KL never hold a copy."""
+        if self._reference is None:
+            reference = load_causal_lm(self.reference_dir, self.precision.weights, self.device).eval()
+            reference.requires_grad_(False)
+            object.__setattr__(self, "_reference", reference)
+        return self._reference
+
+    # ---------------------------------------------------------------------------------------------
+    # Weights out: inference engines and checkpoints
+    # ---------------------------------------------------------------------------------------------
+
+    def named_weights_for_inference(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(hf_name, tensor)`` of the current actor weights in plain HF names, LoRA merged.
+
+        Merging is computed per layer (W + delta), never written into the model, so repeated syncs do
+        not accumulate merge/unmerge rounding. Tensors are detached views except merged layers (new).
+        Tied weights appear under both names (HF loaders and vLLM skip the tied duplicate).
+        """
+        causal_lm = self.causal_lm
+        for name, tensor in causal_lm.state_dict().items():
+            if "lora_" in name:
+                continue
+            module_name, _, leaf = name.rpartition(".")
+            if module_name.endswith(".base_layer") and leaf == "weight":
+                lora_layer = causal_lm.get_submodule(module_name.rsplit(".", 1)[0])
+                if isinstance(lora_layer, LoraLayer) and ACTOR_ADAPTER in lora_layer.lora_A:
+                    tensor = tensor + lora_layer.get_delta_weight(ACTOR_ADAPTER).to(tensor.dtype)
+            yield hf_param_name(name), tensor.detach()
+
+    def save(self, out_dir: str | Path) -> Path:
+        """Saves a directory that plain ``AutoModelForCausalLM.from_pretrained`` and vLLM load (merged
+        actor weights + tokenizer at top level) and that ``LanguagePolicy.load`` restores exactly
+        (LoRA adapters in ``adapters/``, value head in ``critic/``, settings in ``mathrl_policy.json``)."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        merged = dict(self.named_weights_for_inference())
+        self.causal_lm.save_pretrained(out, state_dict=merged)
+        self.tokenizer.save_pretrained(out)
+        if self.lora is not None:
+            self.model.save_pretrained(out / ADAPTER_DIR)
+        if self.value_head is not None:
+            (out / VALUE_HEAD_FILE).parent.mkdir(exist_ok=True)
+            save_file({k: v.detach().contiguous() for k, v in self.value_head.state_dict().items()},
+                      out / VALUE_HEAD_FILE)
+        meta = {"lora": asdict(self.lora) if self.lora else None, "with_critic": self.with_critic,
+                "reference_dir": str(self.reference_dir)}
+        (out / POLICY_META).write_text(json.dumps(meta, indent=2))
+        return out
+
+    @classmethod
+    def load(cls, checkpoint_dir: str | Path, **kwargs) -> "LanguagePolicy":
+        """Restores a policy written by ``save`` (device/dtype/gradient_checkpointing via ``kwargs``).
+
+        With LoRA the top-level weights are base + delta; the base is recovered by subtracting the saved
+        adapter's delta, so the checkpoint directory alone suffices (reference = that base).
+        """
+        path = Path(checkpoint_dir)
+        meta_file = path / POLICY_META
+        if not meta_file.is_file():
+            raise FileNotFoundError(f"{meta_file} not found: {path} is not a LanguagePolicy.save() directory; "
+                                    "use LanguagePolicy(path) to start from plain HF weights")
+        meta = json.loads(meta_file.read_text())
+        lora = None
+        if meta["lora"]:
+            lora_fields = dict(meta["lora"])
+            if isinstance(lora_fields["target_modules"], list):
+                lora_fields["target_modules"] = tuple(lora_fields["target_modules"])
+            lora = LoraSettings(**lora_fields)
+        policy = cls(path, lora=lora, with_critic=meta["with_critic"], reference_dir=meta["reference_dir"], **kwargs)
+        if lora is not None:
+            policy._restore_adapters(path / ADAPTER_DIR)
+        if policy.value_head is not None:
+            policy.value_head.load_state_dict(load_file(path / VALUE_HEAD_FILE, device=str(policy.device)))
+        return policy
+
+    @torch.no_grad()
+    def _restore_adapters(self, adapters_dir: Path) -> None:
+        """Loads saved adapter weights, then turns the merged top-level weights back into the base."""
+        adapter_files = {ACTOR_ADAPTER: adapters_dir / "adapter_model.safetensors"}
+        if self.with_critic:
+            adapter_files[CRITIC_ADAPTER] = adapters_dir / CRITIC_ADAPTER / "adapter_model.safetensors"
+        for adapter, file in adapter_files.items():
+            set_peft_model_state_dict(self.model, load_file(file, device=str(self.device)), adapter_name=adapter)
+        for module in self.causal_lm.modules():
+            if isinstance(module, LoraLayer) and ACTOR_ADAPTER in module.lora_A:
+                weight = module.get_base_layer().weight
+                weight -= module.get_delta_weight(ACTOR_ADAPTER).to(weight.dtype)
+        self._restore_trainable()

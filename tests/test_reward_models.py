@@ -1,6 +1,7 @@
 """PRMs, the Prefix-RL target solver and PRIME's implicit PRM on the tiny models."""
 
 import copy
+import math
 import re
 
 import numpy as np
@@ -115,7 +116,7 @@ def hand_log_prob_sum(model, prompt_ids, action_ids) -> float:
 
 
 def test_implicit_prm_reward_by_hand_and_update_direction(untrained_policy_dir):
-    prm = ImplicitPRM(untrained_policy_dir, beta=0.5, lr=3e-3, device="cpu")
+    prm = ImplicitPRM(untrained_policy_dir, beta=0.5, lr=1e-4, device="cpu")
     tokenizer = prm.model.tokenizer
     prompts = [tokenizer.encode(format_prompt(p.problem)) for p in PROBLEMS[:4]]
     actions = [tokenizer.encode(join_steps(split_steps(p.solution)), add_special_tokens=False) for p in PROBLEMS[:4]]
@@ -128,9 +129,12 @@ def test_implicit_prm_reward_by_hand_and_update_direction(untrained_policy_dir):
 
     before = sequence_probability()
     torch.testing.assert_close(before, torch.full((4,), 0.5))  # psi starts as ref
-    prm.update(prompts, actions, labels)
+    loss_before = prm.update(prompts, actions, labels)
     after = sequence_probability()
-    assert torch.all((after - before) * (labels - 0.5) > 0), (before, after)
+    loss_after = float(torch.nn.functional.binary_cross_entropy(after, labels))
+    # one step lowers the cross-entropy and separates the correct answers from the wrong ones
+    assert loss_after < loss_before == pytest.approx(math.log(2))
+    assert after[labels == 1].min() > after[labels == 0].max(), after
 
     rewards = prm.token_rewards(prompts, actions)
     reference = AutoModelForCausalLM.from_pretrained(untrained_policy_dir)

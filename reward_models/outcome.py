@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -11,11 +12,15 @@ from envs.grader import extract_answer, grade_batch
 from envs.prompts import STEP_DELIMITER
 from reward_models.base import RewardOutput, StepContext
 
+BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+
 
 @dataclass
 class OutcomeReward:
     """``correct`` for a verified final answer, ``wrong`` for a wrong one, ``no_answer`` when a
-    finished trajectory has none; 0 for steps that do not end the episode.
+    finished trajectory has none; 0 for steps that do not end the episode. ``format_penalty`` is
+    subtracted from a finished trajectory whose answer is not in ``\\boxed{}`` (the format the
+    prompt asks for), whatever its correctness.
 
     All finished trajectories of a batch are graded in one parallel ``grade_batch`` call, each
     bounded by ``timeout`` seconds.
@@ -24,6 +29,7 @@ class OutcomeReward:
     correct: float = 1.0
     wrong: float = 0.0
     no_answer: float = 0.0
+    format_penalty: float = 0.0
     timeout: float = 1.0
     name: str = "outcome"
 
@@ -33,6 +39,8 @@ class OutcomeReward:
         correct = verify(contexts, answers, timeout=self.timeout)
         rewards = np.where(correct == 1.0, self.correct, self.wrong)
         rewards[[a is None for a in answers]] = self.no_answer
+        unboxed = [c.done and BOXED.search(STEP_DELIMITER.join(c.steps)) is None for c in contexts]
+        rewards[unboxed] -= self.format_penalty
         rewards[np.isnan(correct)] = 0.0
         return RewardOutput(rewards=rewards, components={self.name: rewards}, correct=correct)
 

@@ -30,6 +30,8 @@ def test_outcome_reward_values():
     np.testing.assert_array_equal(output.correct[:4], [1.0, 1.0, 0.0, 0.0])
     assert np.isnan(output.correct[4])
     np.testing.assert_array_equal(output.components["outcome"], output.rewards)
+    penalised = OutcomeReward(format_penalty=0.25).score(BATCH + [context(["So it is 3/4.", "The answer is 3/4"], True)])
+    np.testing.assert_array_equal(penalised.rewards, [1.0, 1.0, 0.0, -0.25, 0.0, 0.75])
 
 
 class ConstantPerStep:

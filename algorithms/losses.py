@@ -79,13 +79,18 @@ def kl_k3(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
     return torch.exp(log_ratio) - log_ratio - 1.0
 
 
-def discounted_reverse_cumsum(x: torch.Tensor, discount: float) -> torch.Tensor:
-    """y[..., j] = sum_{k >= j} discount^(k - j) x[..., k] along the last axis, without a loop over
-    positions: one matmul with the [L, L] upper-triangular matrix of discount powers (stable for any
-    length, unlike dividing by discount^k)."""
-    length = x.shape[-1]
-    positions = torch.arange(length, device=x.device)
+def discount_matrix(length: int, discount: float, like: torch.Tensor) -> torch.Tensor:
+    """[L, L] upper-triangular W with W[k, j] = discount^(k - j) for k >= j, else 0 (dtype/device of ``like``)."""
+    positions = torch.arange(length, device=like.device)
     offsets = positions[:, None] - positions[None, :]  # [k, j] = k - j
-    weights = torch.where(offsets >= 0, torch.tensor(discount, dtype=x.dtype, device=x.device) ** offsets.clamp(min=0),
-                          torch.zeros((), dtype=x.dtype, device=x.device))
+    powers = torch.full((length, length), discount, dtype=like.dtype, device=like.device) ** offsets.clamp(min=0)
+    return torch.where(offsets >= 0, powers, torch.zeros_like(powers))
+
+
+def discounted_reverse_cumsum(x: torch.Tensor, discount: float, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """y[..., j] = sum_{k >= j} discount^(k - j) x[..., k] along the last axis, without a loop over
+    positions: one matmul with ``discount_matrix`` (stable for any length, unlike dividing by
+    discount^k). Pass ``weights`` to reuse a matrix across calls."""
+    if weights is None:
+        weights = discount_matrix(x.shape[-1], discount, x)
     return x @ weights

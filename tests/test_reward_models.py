@@ -170,6 +170,7 @@ def roc_auc(positive: np.ndarray, negative: np.ndarray) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="issue 3 open: the tiny PRM does not yet judge arithmetic (held-out step accuracy 0.54, last-step ROC-AUC 0.50 in the 2026-11-22 build)")
 def test_tiny_prm_ranks_correct_steps_above_corrupted(tiny_models):
     prm = ProcessRewardModel(tiny_models.prm, device="cpu", batch_size=64)
     rng = np.random.default_rng(0)
@@ -205,6 +206,7 @@ def test_target_solver_rewards_correct_prefixes_more(tiny_models):
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="issue 3 open: the tiny PRM does not yet judge arithmetic (held-out step accuracy 0.54, last-step ROC-AUC 0.50 in the 2026-11-22 build)")
 def test_env_with_tiny_prm_pays_step_scores(tiny_models):
     from envs.vector import MathVectorEnv
 

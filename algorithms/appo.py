@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+from algorithms.base import AlgorithmConfig, detached
+from algorithms.losses import clipped_surrogate, kl_k3, masked_mean, value_loss
+
+if TYPE_CHECKING:
+    from train.buffer import Batch, RolloutBuffer
+    from train.policy import ActionScores
 
 
 def gae(
@@ -31,3 +40,52 @@ def gae(
         running = deltas[t] + carry[t] * running
         advantages[t] = running
     return advantages, advantages + values
+
+
+class APPO:
+    """Action-level PPO with a critic: GAE over env steps, the clipped ratio on the joint log-prob
+    of each action (sum over its tokens), a clipped value loss on V(s_t) and an entropy bonus.
+    Asynchronous collection (``--async_rollouts``) lives in the runner: the ratio is always taken
+    against the behaviour log-probs recorded at generation time."""
+
+    name = "APPO"
+    episodic = False
+    critic = "action"
+    needs_reference = False
+    needs_process_rewards = False
+
+    def __init__(self, config: AlgorithmConfig):
+        self.config = config
+
+    def compute_advantages(self, buffer: RolloutBuffer) -> dict[str, torch.Tensor]:
+        """advantages, returns: [T, N, A]; advantages normalised over the live slots."""
+        live = buffer.live
+        advantages, returns = gae(buffer.rewards * live, buffer.values, buffer.next_values, buffer.episode_ends(),
+                                  self.config.gamma, self.config.gae_lambda)
+        buffer.returns = returns
+        buffer.advantages = normalized(advantages, live)
+        return {"advantages": advantages[live], "returns": returns[live], "values": buffer.values[live]}
+
+    def loss(self, scores: ActionScores, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        config, mask = self.config, batch.token_mask.to(scores.logprobs.dtype)
+        log_prob = scores.logprobs.sum(-1)  # [B] joint log-prob of the action
+        old_log_prob = batch.old_logprobs.sum(-1)
+        surrogate, clipped = clipped_surrogate(log_prob, old_log_prob, batch.advantages, config.clip_param)
+        value = scores.values[:, 0]  # V(s_t), read at the last prompt token
+        critic_loss = value_loss(value, batch.old_values, batch.returns, config.value_clip_param, config.huber_delta)
+        entropy = masked_mean(scores.entropy, mask, dim=-1)  # [B] mean token entropy of each action
+        per_sample = surrogate + config.value_coef * critic_loss - config.entropy_coef * entropy
+        stats = {"policy_loss": surrogate.mean(), "value_loss": critic_loss.mean(), "entropy": entropy.mean(),
+                 "clip_fraction": clipped.mean(), "approx_kl": kl_k3(old_log_prob, log_prob).mean()}
+        weight = batch.weight("sample")
+        return per_sample.mean() * weight, detached(stats)
+
+    def skippable_rows(self, batch: Batch) -> torch.Tensor:
+        return torch.zeros(batch.num_samples, dtype=torch.bool)
+
+
+def normalized(advantages: torch.Tensor, live: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Advantages standardised over the live slots (PPO's per-batch normalisation), 0 elsewhere."""
+    values = advantages[live]
+    std = values.std() if values.numel() > 1 else values.new_tensor(1.0)
+    return torch.where(live, (advantages - values.mean()) / (std + eps), torch.zeros_like(advantages))

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+from algorithms.base import AlgorithmConfig, token_policy_loss, zero_advantage_rows
+
+if TYPE_CHECKING:
+    from train.buffer import Batch, RolloutBuffer
+    from train.policy import ActionScores
 
 SCALE_REWARDS = ("group", "batch", "none")
 
@@ -31,3 +39,32 @@ def group_advantages(
         raise ValueError("scale_rewards='group' needs at least 2 episodes per group; use group_size >= 2")
     variances = torch.zeros_like(counts).index_add_(0, groups, centered**2) / (counts - 1)
     return centered / (variances.sqrt()[groups] + eps)
+
+
+class GRPO:
+    """Critic-free PPO over whole episodes: each episode's summed reward, z-scored within its
+    prompt group (``scale_rewards``), is the advantage of every token of every step it took; the
+    loss is the per-token clipped surrogate plus ``kl_coef`` * k3 KL to the reference policy."""
+
+    name = "GRPO"
+    episodic = True
+    critic = None
+    needs_process_rewards = False
+
+    def __init__(self, config: AlgorithmConfig):
+        self.config = config
+        self.needs_reference = config.kl_coef > 0
+
+    def compute_advantages(self, buffer: RolloutBuffer) -> dict[str, torch.Tensor]:
+        """advantages [T, N, A]: the episode's group advantage on each of its live steps."""
+        returns = buffer.episode_returns()  # [N, A]
+        group_ids = buffer.group_ids[0]  # [N, A]: constant over an episode
+        advantages = group_advantages(returns.flatten(), group_ids.flatten(), self.config.scale_rewards)
+        buffer.advantages = advantages.reshape(returns.shape)[None] * buffer.live
+        return {"episode_returns": returns.flatten(), "advantages": advantages}
+
+    def loss(self, scores: ActionScores, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return token_policy_loss(scores, batch, batch.advantages[:, None], self.config)
+
+    def skippable_rows(self, batch: Batch) -> torch.Tensor:
+        return zero_advantage_rows(batch.advantages, self.config)

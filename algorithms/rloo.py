@@ -4,9 +4,16 @@ summed and turned into per-token returns (PRIME, arXiv 2502.01456)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
+from algorithms.base import AlgorithmConfig, token_policy_loss, zero_advantage_rows
 from algorithms.losses import discounted_reverse_cumsum
+
+if TYPE_CHECKING:
+    from train.buffer import Batch, RolloutBuffer
+    from train.policy import ActionScores
 
 
 def _group_index(group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,3 +70,47 @@ def filter_groups(
         0, groups, correct.to(torch.float64)) / sizes
     keep = (accuracy >= accuracy_lower_bound) & (accuracy <= accuracy_upper_bound)
     return keep[groups]
+
+
+class RLOO:
+    """RLOO with PRIME: outcome and implicit-PRM token rewards get separate leave-one-out
+    baselines within each prompt group (``rloo_returns``); groups whose accuracy lies outside
+    [accuracy_lower_bound, accuracy_upper_bound] are dropped first (PRIME's online filter), keeping
+    at most ``max_groups``. The loss is the per-token clipped surrogate on those returns."""
+
+    name = "RLOO"
+    episodic = True
+    critic = None
+    needs_process_rewards = True
+
+    def __init__(self, config: AlgorithmConfig):
+        self.config = config
+        self.needs_reference = config.kl_coef > 0
+
+    def compute_advantages(self, buffer: RolloutBuffer) -> dict[str, torch.Tensor]:
+        """advantages [T, N, A, L]; filtered-out groups become not live."""
+        config = self.config
+        outcome = buffer.episode_returns().flatten()  # [E] episodes, E = N * A
+        group_ids = buffer.group_ids[0].flatten()
+        correct = buffer.episode_correct().flatten()
+        keep = filter_groups(correct, group_ids, config.accuracy_lower_bound, config.accuracy_upper_bound)
+        if config.max_groups is not None:
+            kept_groups = group_ids[keep].unique(sorted=False)[: config.max_groups]
+            keep &= torch.isin(group_ids, kept_groups)
+        buffer.live &= keep.reshape(buffer.shape[1:])[None]
+        order, token_mask = buffer.episode_token_order()
+        process = None if buffer.token_rewards is None else buffer.to_episodes(buffer.token_rewards, order)
+        advantages = torch.zeros_like(token_mask, dtype=torch.float32)
+        if keep.any():
+            advantages[keep] = rloo_returns(outcome[keep], group_ids[keep], token_mask[keep],
+                                            None if process is None else process[keep],
+                                            process_coef=config.process_coef, gamma=config.gamma)
+        buffer.advantages = buffer.from_episodes(advantages, order)
+        return {"episode_returns": outcome, "kept_fraction": keep.float().mean()[None],
+                "advantages": buffer.advantages[buffer.token_mask()]}
+
+    def loss(self, scores: ActionScores, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return token_policy_loss(scores, batch, batch.advantages, self.config)
+
+    def skippable_rows(self, batch: Batch) -> torch.Tensor:
+        return zero_advantage_rows(batch.advantages, self.config)

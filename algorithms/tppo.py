@@ -7,9 +7,17 @@ gives a value per token, V_{t,j} = V(prompt_t, first j tokens of action t).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from algorithms.losses import discounted_reverse_cumsum
+from algorithms.appo import normalized
+from algorithms.base import AlgorithmConfig, token_policy_loss
+from algorithms.losses import aggregate, discount_matrix, discounted_reverse_cumsum, value_loss
+
+if TYPE_CHECKING:
+    from train.buffer import Batch, RolloutBuffer
+    from train.policy import ActionScores
 
 
 def tppo_advantages(
@@ -42,11 +50,53 @@ def tppo_advantages(
     last_values = token_values.gather(-1, (lengths - 1).clamp(min=0)[..., None]).squeeze(-1)  # [T, N]
     last_deltas = rewards + gamma * next_values - last_values
     carry = gamma * lam * (1.0 - episode_ends.to(token_values.dtype))
+    weights = discount_matrix(max_len, lam, token_values)  # built once, reused for every step
     advantages = torch.zeros_like(token_values)
     next_first = torch.zeros_like(rewards[0])  # A_{t+1, first}
     for t in reversed(range(num_steps)):
         # The last token's delta takes the step reward and the advantage carried in from step t+1.
         deltas = inner_deltas[t] + is_last[t] * (last_deltas[t] + carry[t] * next_first)[:, None]
-        advantages[t] = discounted_reverse_cumsum(deltas * valid[t], lam) * valid[t]
+        advantages[t] = discounted_reverse_cumsum(deltas * valid[t], lam, weights) * valid[t]
         next_first = advantages[t, :, 0]
     return advantages, (advantages + token_values) * valid
+
+
+class TPPO:
+    """Token-level PPO with action decomposition: per-token advantages from ``tppo_advantages``
+    over the token critic's values, the per-token clipped surrogate masked by true lengths, and a
+    per-token (clipped) value loss."""
+
+    name = "TPPO"
+    episodic = False
+    critic = "token"
+    needs_process_rewards = False
+
+    def __init__(self, config: AlgorithmConfig):
+        self.config = config
+        self.needs_reference = config.kl_coef > 0
+
+    def compute_advantages(self, buffer: RolloutBuffer) -> dict[str, torch.Tensor]:
+        """advantages, returns: [T, N, A, L]; advantages normalised over live tokens."""
+        num_steps, num_envs, num_agents = buffer.shape
+        flat = (num_steps, num_envs * num_agents)
+        advantages, returns = tppo_advantages(
+            (buffer.rewards * buffer.live).reshape(flat), buffer.token_values.reshape(*flat, -1),
+            buffer.action_lengths.clamp(min=1).reshape(flat), buffer.next_values.reshape(flat),
+            buffer.episode_ends().reshape(flat), self.config.gamma, self.config.gae_lambda)
+        mask = buffer.token_mask()
+        advantages = advantages.reshape(mask.shape)
+        buffer.returns = returns.reshape(mask.shape)
+        buffer.advantages = normalized(advantages, mask)
+        return {"advantages": advantages[mask], "returns": buffer.returns[mask], "values": buffer.token_values[mask]}
+
+    def loss(self, scores: ActionScores, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        config, mask = self.config, batch.token_mask.to(scores.logprobs.dtype)
+        policy_loss, stats = token_policy_loss(scores, batch, batch.advantages, config)
+        critic_loss = value_loss(scores.values, batch.old_values, batch.returns, config.value_clip_param,
+                                 config.huber_delta)
+        stats["value_loss"] = aggregate(critic_loss, mask, config.loss_agg).detach()
+        weight = batch.weight(config.loss_agg)
+        return policy_loss + config.value_coef * aggregate(critic_loss, mask, config.loss_agg) * weight, stats
+
+    def skippable_rows(self, batch: Batch) -> torch.Tensor:
+        return torch.zeros(batch.num_samples, dtype=torch.bool)

@@ -1,0 +1,156 @@
+"""train_math.py: flag parsing and validation (unknown flags, bad paths, contradictory combinations,
+--flagfile, --helpfull), a smoke run of every algorithm on the untrained tiny policy, and (slow)
+OpenR's command with the tiny models writing TensorBoard event files that read back."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from absl import flags
+
+from test_trainer import read_scalars, run_train_math
+from train import flags as train_flags
+
+ROOT = Path(__file__).resolve().parents[1]
+MATH500 = ROOT.parent / "shared" / "data" / "math500.jsonl"
+FLAGS = train_flags.FLAGS
+
+
+def run_cli(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "train_math.py"), *argv], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+def parse(*argv: str) -> None:
+    """Parses ``argv`` into the global FLAGS (validators run), leaving them unparsed afterwards."""
+    FLAGS.unparse_flags()
+    try:
+        FLAGS(["train_math", *argv])
+        train_flags.check_algorithm_specific()
+    finally:
+        FLAGS.unparse_flags()
+
+
+def test_unknown_flag_is_an_error():
+    result = run_cli("--num_mini_batchs", "4")
+    assert result.returncode != 0
+    assert "num_mini_batchs" in result.stderr
+
+
+def test_bad_path_fails_fast_naming_the_flag():
+    started = time.perf_counter()
+    result = run_cli("--dataset_path", "/no/such/math_500.jsonl")
+    elapsed = time.perf_counter() - started
+    assert result.returncode != 0
+    assert "--dataset_path" in result.stderr and "does not exist" in result.stderr
+    # Interpreter start plus absl only (no torch, no model); generous for a loaded 2-core machine.
+    assert elapsed < 15, f"took {elapsed:.1f} s"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--algorithm_name", "GRPO", "--group_size", "1"], "group_size=1 must be >= 2"),
+    (["--algorithm_name", "RLOO", "--group_size", "1"], "group_size=1 must be >= 2"),
+    (["--algorithm_name", "TPPO", "--critic", "off"], "needs a critic"),
+    (["--n_rollout_threads", "12", "--group_size", "8"], "multiple of --group_size"),
+    (["--reward", "outcome:1.0,prm:0.2"], "no --prm_model_name_or_path"),
+    (["--reward", "outcom"], "unknown source"),
+    (["--env_id", "Arith-v0", "--dataset_path", str(MATH500)], "drop --dataset_path"),
+    (["--env_id", "MATH-v0"], "needs --dataset_path"),
+    (["--accuracy_lower_bound", "0.9", "--accuracy_upper_bound", "0.1", "--algorithm_name", "RLOO"], "<="),
+    (["--accuracy_lower_bound", "0.1"], "only affects RLOO"),
+    (["--algorithm_name", "GRPO", "--gae_lambda", "0.9"], "configures a critic"),
+    (["--lr", "-1"], "must be > 0"),
+    (["--top_p", "0"], "(0, 1]"),
+    (["--noshare_policy"], "more than one agent"),
+    (["--model_name_or_path", str(MATH500)], "not a directory"),
+])
+def test_bad_values_and_contradictions_fail_naming_the_flag(argv, message):
+    with pytest.raises(flags.Error, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        parse(*argv)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
+def test_vllm_backend_without_vllm_fails_early():
+    with pytest.raises(flags.Error, match="pip install 'mathrl\\[vllm\\]'"):
+        parse("--generation_backend", "vllm")
+
+
+def test_openr_command_parses_unchanged(tmp_path):
+    model, prm = tmp_path / "Qwen2.5-Math-1.5B", tmp_path / "Qwen2.5-Math-7B-Instruct"
+    model.mkdir()
+    prm.mkdir()
+    FLAGS.unparse_flags()
+    FLAGS(["train_math.py", "--dataset_path", str(MATH500), "--model_name_or_path", str(model),
+           "--prm_model_name_or_path", str(prm), "--algorithm_name", "APPO", "--num_mini_batch", "4",
+           "--ppo_epoch", "1", "--dataset_name", "Algebra", "--num_env_steps", "100", "--episode_length", "4",
+           "--n_rollout_threads", "4", "--eval_interval", "5", "--log_interval", "1", "--save_interval", "10",
+           "--prm_type", "MS", "--max_new_tokens", "256", "--gradient_cp_steps", "2", "--seed", "10",
+           "--experiment_name", "ms_single"])
+    try:
+        train_flags.check_algorithm_specific()
+        assert train_flags.resolved_env_id() == "MATH-v0"
+        assert train_flags.resolved_reward() == train_flags.DEFAULT_PRM_REWARD
+        assert train_flags.resolved_prm_type() == "shepherd"
+        assert train_flags.resolved_async_rollouts() is True
+        assert FLAGS.num_mini_batch == 4 and FLAGS.gradient_cp_steps == 2  # nothing overridden
+    finally:
+        FLAGS.unparse_flags()
+
+
+def test_flagfile_is_read(tmp_path):
+    flagfile = tmp_path / "run.flags"
+    flagfile.write_text("--algorithm_name=RLOO\n--group_size=4\n--n_rollout_threads=16\n")
+    FLAGS.unparse_flags()
+    FLAGS(["train_math", f"--flagfile={flagfile}"])
+    try:
+        assert (FLAGS.algorithm_name, FLAGS.group_size, FLAGS.n_rollout_threads) == ("RLOO", 4, 16)
+    finally:
+        FLAGS.unparse_flags()
+
+
+def test_helpfull_documents_every_flag():
+    result = run_cli("--helpfull")  # absl prints the help and exits (status 1, its convention)
+    assert "train.flags:" in result.stdout
+    for name in train_flags.flag_dict():
+        assert f"--{name}" in result.stdout or f"--[no]{name}" in result.stdout, name
+
+
+@pytest.mark.parametrize("name, extra", [
+    ("GRPO", []), ("APPO", []), ("TPPO", []), ("RLOO", []),
+    ("GRPO", ["--kl_coef", "0.05", "--loss_agg", "seq_mean", "--scale_rewards", "none", "--lora_rank", "4"]),
+    ("TPPO", ["--action_level", "step", "--episode_length", "2", "--gradient_cp_steps", "3", "--num_mini_batch", "2",
+              "--num_env_steps", "32"]),
+])
+def test_every_algorithm_runs_an_iteration(untrained_policy_dir, tmp_path, name, extra):
+    run_dir = run_train_math(["--algorithm_name", name, "--model_name_or_path", str(untrained_policy_dir),
+                              "--num_env_steps", "16", "--n_rollout_threads", "8", "--group_size", "4",
+                              "--max_new_tokens", "6", "--eval_interval", "2", "--eval_limit", "4",
+                              "--eval_batch_size", "4", "--logdir", str(tmp_path), *extra])  # later flags win
+    scalars = read_scalars(run_dir)
+    assert [step for step, _ in scalars["eval/accuracy"]] == [0, 2]
+    assert len(scalars["train/reward"]) == 2 and "grad/norm" in scalars and "time/generate" in scalars
+    if name == "APPO":  # asynchronous by default: the second batch was generated by the previous policy
+        assert [lag for _, lag in scalars["train/policy_lag"]] == [0.0, 1.0]
+    assert (Path(run_dir) / "checkpoints" / "iter_2" / "mathrl_policy.json").is_file()
+
+
+@pytest.mark.slow
+def test_openr_command_runs_with_tiny_models_and_writes_readable_events(tiny_models, tmp_path):
+    """OpenR's command, paths swapped for the tiny models and MATH-500, for two iterations."""
+    result = run_cli("--dataset_path", str(MATH500), "--model_name_or_path", str(tiny_models.policy),
+                     "--prm_model_name_or_path", str(tiny_models.prm), "--algorithm_name", "APPO",
+                     "--num_mini_batch", "4", "--ppo_epoch", "1",
+                     "--num_env_steps", "32", "--n_rollout_threads", "16", "--eval_interval", "1",
+                     "--eval_limit", "16", "--eval_batch_size", "16", "--logdir", str(tmp_path), timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = (tmp_path / "APPO_MATH-v0").glob("run_*")
+    scalars = read_scalars(run_dir)
+    for tag in ("eval/accuracy", "eval/prm_score", "train/reward/prm", "train/reward/outcome", "loss/value_loss",
+                "loss/policy_loss", "grad/norm", "lr/actor", "time/generate", "time/update"):
+        assert tag in scalars, f"{tag} missing from {sorted(scalars)}"
+    assert len(scalars["train/reward"]) == 2

@@ -1,0 +1,155 @@
+"""Algorithms on a real (tiny) policy: advantages from a filled buffer, and one optimizer step on
+each algorithm's loss moves log-probs the way the advantage says. Slow: each algorithm raises the
+mean training reward on Arith with the tiny trained policy."""
+
+from __future__ import annotations
+
+import glob
+import math
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from algorithms.base import ALGORITHMS, AlgorithmConfig, make_algorithm
+from train.buffer import RolloutBuffer
+from train.policy import LanguagePolicy
+
+
+@pytest.fixture(scope="module")
+def policy(untrained_policy_dir):
+    torch.manual_seed(0)
+    return LanguagePolicy(untrained_policy_dir, device="cpu", with_critic=True).eval()
+
+
+def one_step_buffer(policy: LanguagePolicy, algorithm) -> RolloutBuffer:
+    """Two envs of one group, one action each: env 0 right (reward 1), env 1 wrong (reward 0). The
+    critic's values are recorded as 0 (an untrained critic's values would decide the signs)."""
+    prompts = [[5, 6, 7], [5, 6, 7]]
+    actions = [[8, 9, 10, 11], [12, 13]]
+    with torch.no_grad():
+        scores = policy.evaluate(prompts, actions, with_values=True)
+    scores.values.zero_()
+    logprobs = [scores.logprobs[i, :len(a)].tolist() for i, a in enumerate(actions)]
+    buffer = RolloutBuffer(1, 2, 1, 6, token_values=algorithm.critic == "token")
+    buffer.add(0, [0, 1], prompts, actions, logprobs, torch.tensor([1.0, 0.0]), torch.ones(2, dtype=torch.bool),
+               torch.zeros(2, dtype=torch.bool), torch.zeros(2, dtype=torch.long), torch.tensor([1.0, 0.0]), ["a", "b"],
+               values=scores.values[:, 0], token_values=scores.values if algorithm.critic == "token" else None)
+    buffer.next_values = torch.zeros(buffer.shape)  # both episodes terminated
+    return buffer
+
+
+def joint_logprobs(policy, batch) -> torch.Tensor:
+    return policy.evaluate(batch.prompts, (batch.action_ids, batch.action_lengths)).logprobs.sum(-1)
+
+
+@pytest.mark.parametrize("name", list(ALGORITHMS))
+def test_one_update_moves_log_probs_with_the_advantage(policy, name):
+    algorithm = make_algorithm(name, AlgorithmConfig(accuracy_lower_bound=0.0, accuracy_upper_bound=1.0))
+    buffer = one_step_buffer(policy, algorithm)
+    algorithm.compute_advantages(buffer)
+    batch = buffer.live_rows()
+    signs = buffer.advantages.reshape(2, -1)[:, 0].sign()
+    assert signs.tolist() == [1.0, -1.0], f"{name}: the right answer must get the positive advantage"
+    with torch.no_grad():
+        before = joint_logprobs(policy, batch)
+    state = {k: v.clone() for k, v in policy.state_dict().items()}
+    optimizer = torch.optim.SGD(policy.actor_parameters(), lr=0.02)
+    scores = policy.evaluate(batch.prompts, (batch.action_ids, batch.action_lengths), with_values=True)
+    loss, stats = algorithm.loss(scores, batch)
+    loss.backward()
+    optimizer.step()
+    with torch.no_grad():
+        after = joint_logprobs(policy, batch)
+    policy.load_state_dict(state)
+    assert after[0] > before[0] and after[1] < before[1], f"{name}: {before.tolist()} -> {after.tolist()}"
+    assert all(math.isfinite(float(v)) for v in stats.values())
+
+
+def test_grpo_gives_each_episode_its_group_advantage_on_every_step():
+    buffer = RolloutBuffer(2, 4, 1, 3)
+    nan = float("nan")
+    # group 0 = envs 0, 1; group 1 = envs 2, 3. Env 0 takes two steps (0.5 each), the others one.
+    step0 = dict(rewards=[0.5, 0.0, 1.0, 1.0], ends=[False, True, True, True], correct=[nan, 0.0, 1.0, 1.0])
+    buffer.add(0, range(4), [[1]] * 4, [[2]] * 4, [[-1.0]] * 4, torch.tensor(step0["rewards"]),
+               torch.tensor(step0["ends"]), torch.zeros(4, dtype=torch.bool), torch.tensor([0, 0, 1, 1]),
+               torch.tensor(step0["correct"]), ["s"] * 4)
+    buffer.add(1, [0], [[1]], [[2]], [[-1.0]], torch.tensor([0.5]), torch.tensor([True]), torch.tensor([False]),
+               torch.tensor([0]), torch.tensor([1.0]), ["s"])
+    grpo = make_algorithm("GRPO", AlgorithmConfig())
+    grpo.compute_advantages(buffer)
+    z = 0.5 / (math.sqrt(0.5) + 1e-4)  # returns (1, 0): mean 0.5, unbiased std sqrt(0.5)
+    expected = torch.tensor([[z, -z, 0.0, 0.0], [z, 0.0, 0.0, 0.0]])
+    torch.testing.assert_close(buffer.advantages[..., 0], expected)
+
+
+def test_rloo_filters_groups_outside_the_accuracy_bounds():
+    buffer = RolloutBuffer(1, 6, 1, 2)
+    correct = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0])  # groups: all right, mixed, all wrong
+    buffer.add(0, range(6), [[1]] * 6, [[2, 3]] * 6, [[-1.0, -1.0]] * 6, correct, torch.ones(6, dtype=torch.bool),
+               torch.zeros(6, dtype=torch.bool), torch.tensor([0, 0, 1, 1, 2, 2]), correct, ["s"] * 6)
+    rloo = make_algorithm("RLOO", AlgorithmConfig())
+    rloo.compute_advantages(buffer)
+    assert buffer.live[0, :, 0].tolist() == [False, False, True, True, False, False]
+    torch.testing.assert_close(buffer.advantages[0, 2:4, 0], torch.tensor([[1.0, 1.0], [-1.0, -1.0]]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Slow: each algorithm raises the mean training reward on Arith
+# ---------------------------------------------------------------------------------------------
+
+def read_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
+    """Scalars of the run's event files (not the hparams subfolder), read with tensorboardX's
+    protobufs from the TFRecord framing (length, crc, data, crc)."""
+    from tensorboardX.proto import event_pb2
+
+    scalars: dict[str, list[tuple[int, float]]] = {}
+    for path in glob.glob(f"{run_dir}/events.out.tfevents.*"):
+        data, offset = open(path, "rb").read(), 0
+        while offset < len(data):
+            (length,) = struct.unpack("<Q", data[offset:offset + 8])
+            event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
+            offset += 12 + length + 4
+            for value in event.summary.value:
+                if value.HasField("simple_value"):
+                    scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return scalars
+
+
+def run_train_math(argv: list[str]):
+    """Runs train_math.main in-process with ``argv`` flags; returns the run directory."""
+    import train_math
+    from train.flags import FLAGS
+
+    FLAGS.unparse_flags()
+    FLAGS(["train_math", *argv])
+    try:
+        train_math.main(["train_math"])
+    finally:
+        FLAGS.unparse_flags()
+    return sorted(glob.glob(f"{argv[argv.index('--logdir') + 1]}/*/run_*"))[-1]
+
+
+SLOW_SETTINGS = {
+    "GRPO": ["--num_env_steps", "4096"],
+    "RLOO": ["--num_env_steps", "4096"],
+    "APPO": ["--num_env_steps", "4096"],
+    "TPPO": ["--num_env_steps", "4096"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="issue 5 open: on the tiny policy no algorithm yet raises reward over 64 "
+                   "iterations (GRPO 0.249 -> 0.215; a frozen-policy control drifts 0.240 -> 0.218 on the same "
+                   "problem stream, so the test should compare against that control)")
+@pytest.mark.parametrize("name", list(SLOW_SETTINGS))
+def test_algorithm_raises_training_reward_on_arith(tiny_models, tmp_path, name):
+    run_dir = run_train_math(["--algorithm_name", name, "--model_name_or_path", str(tiny_models.policy),
+                              "--eval_interval", "0", "--logdir", str(tmp_path), "--save_interval", "0",
+                              *SLOW_SETTINGS[name]])
+    rewards = [value for _, value in sorted(read_scalars(run_dir)["train/reward"])]
+    window = len(rewards) // 4
+    first, last = np.mean(rewards[:window]), np.mean(rewards[-window:])
+    print(f"{name}: mean training reward {first:.3f} (first {window} iterations) -> {last:.3f} (last {window})")
+    assert last > first + 0.05, f"{name} did not raise the training reward: {first:.3f} -> {last:.3f}"

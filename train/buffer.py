@@ -1,0 +1,254 @@
+"""RolloutBuffer: what one iteration of collection produced, shaped [T, N, A] (steps x envs x
+agents) and per action token [T, N, A, L], and its minibatch / gradient-accumulation iteration.
+
+Token masks always come from the true action lengths, never from comparing ids with the pad id.
+``live`` marks the (t, n, a) slots that hold an action: in episodic collection an env whose
+episode ended stops acting, and PRIME's filter can drop whole groups; every reduction and every
+minibatch uses live slots only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+
+
+@dataclass
+class Batch:
+    """One micro-batch of B live slots, flattened. ``L`` is the longest action in it.
+
+    ``weight(unit)`` is the micro-batch's share of its minibatch, counted in samples
+    ("seq_mean"/"sample") or in tokens ("token_mean"): multiplying a micro-batch mean by it and
+    summing over the micro-batches gives the minibatch mean with every sample (or token) weighted
+    equally, whatever the remainders of the split.
+    """
+
+    index: torch.Tensor  # [B] flat slot indices into T * N * A
+    prompts: list[list[int]]
+    action_ids: torch.Tensor  # [B, L]
+    action_lengths: torch.Tensor  # [B]
+    token_mask: torch.Tensor  # [B, L] bool, from lengths
+    old_logprobs: torch.Tensor  # [B, L] behaviour log-probs recorded at generation
+    old_values: torch.Tensor | None  # [B] or [B, L] critic values at collection
+    ref_logprobs: torch.Tensor | None  # [B, L]
+    advantages: torch.Tensor  # [B] or [B, L]
+    returns: torch.Tensor | None  # [B] or [B, L]
+    num_samples: int
+    num_tokens: int
+    minibatch_samples: int
+    minibatch_tokens: int
+
+    def weight(self, unit: str) -> float:
+        if unit == "token_mean":
+            return self.num_tokens / self.minibatch_tokens
+        if unit in ("seq_mean", "sample"):
+            return self.num_samples / self.minibatch_samples
+        raise ValueError(f"weight unit {unit!r} must be 'token_mean', 'seq_mean' or 'sample'")
+
+
+class RolloutBuffer:
+    """Storage for T steps of N envs with A agents; actions up to L tokens.
+
+    Filled by ``add`` (one call per env step, live envs only); the algorithm then writes
+    ``advantages`` ([T, N, A] per action or [T, N, A, L] per token) and ``returns``.
+    ``next_values`` [T, N, A] is the value to bootstrap from after each action (0 where the episode
+    terminated), written by the runner in continuing collection.
+    """
+
+    def __init__(self, num_steps: int, num_envs: int, num_agents: int, max_action_tokens: int,
+                 device: torch.device | str = "cpu", token_values: bool = False):
+        self.shape = (num_steps, num_envs, num_agents)
+        self.max_action_tokens = max_action_tokens
+        self.device = torch.device(device)
+        slots = dict(device=self.device)
+        tokens = (*self.shape, max_action_tokens)
+        self.action_ids = torch.zeros(tokens, dtype=torch.long, **slots)
+        self.action_lengths = torch.zeros(self.shape, dtype=torch.long, **slots)
+        self.behaviour_logprobs = torch.zeros(tokens, **slots)
+        self.values = torch.zeros(self.shape, **slots)  # V(s_t), action-level critic
+        self.token_values = torch.zeros(tokens, **slots) if token_values else None  # V_{t,j}, token critic
+        self.next_values = torch.zeros(self.shape, **slots)
+        self.rewards = torch.zeros(self.shape, **slots)
+        self.token_rewards: torch.Tensor | None = None  # [T, N, A, L] per-token rewards (implicit PRM)
+        self.ref_logprobs: torch.Tensor | None = None  # [T, N, A, L]
+        self.terminated = torch.zeros(self.shape, dtype=torch.bool, **slots)
+        self.truncated = torch.zeros(self.shape, dtype=torch.bool, **slots)
+        self.live = torch.zeros(self.shape, dtype=torch.bool, **slots)
+        self.correct = torch.full(self.shape, float("nan"), **slots)  # verdict where an episode ended
+        self.group_ids = torch.zeros(self.shape, dtype=torch.long, **slots)
+        self.prompt_ids: list[list[int] | None] = [None] * self.num_slots
+        self.texts: list[str | None] = [None] * self.num_slots
+        self.advantages: torch.Tensor | None = None
+        self.returns: torch.Tensor | None = None
+        self.steps_filled = 0
+
+    @property
+    def num_slots(self) -> int:
+        return self.shape[0] * self.shape[1] * self.shape[2]
+
+    def slot_index(self, step: int, envs: torch.Tensor, agents: torch.Tensor) -> torch.Tensor:
+        """Flat indices [B] of (step, envs[b], agents[b])."""
+        _, num_envs, num_agents = self.shape
+        return step * num_envs * num_agents + envs * num_agents + agents
+
+    def add(self, step: int, envs: Sequence[int], prompt_ids: Sequence[list[int]], action_ids: Sequence[list[int]],
+            logprobs: Sequence[list[float]], rewards: torch.Tensor, terminated: torch.Tensor,
+            truncated: torch.Tensor, group_ids: torch.Tensor, correct: torch.Tensor, texts: Sequence[str],
+            values: torch.Tensor | None = None, token_values: torch.Tensor | None = None,
+            agents: Sequence[int] | None = None) -> None:
+        """Records the actions taken at ``step`` by the B (env, agent) pairs that acted.
+
+        action_ids / logprobs: B lists (the generated tokens and their behaviour log-probs, up to
+        L each). rewards, terminated, truncated, group_ids, correct (NaN where the episode goes
+        on), values: [B]. token_values: [B, L'] with L' <= L.
+        """
+        envs_t = torch.as_tensor(list(envs), dtype=torch.long, device=self.device)
+        agents_t = torch.zeros_like(envs_t) if agents is None else torch.as_tensor(list(agents), device=self.device)
+        lengths = [len(ids) for ids in action_ids]
+        if max(lengths, default=0) > self.max_action_tokens:
+            raise ValueError(f"an action has {max(lengths)} tokens; the buffer holds at most {self.max_action_tokens}")
+        ids = _right_pad([list(a) for a in action_ids], self.max_action_tokens, 0, torch.long, self.device)
+        lps = _right_pad([list(lp) for lp in logprobs], self.max_action_tokens, 0.0, torch.float32, self.device)
+        at = (step, envs_t, agents_t)
+        self.action_ids[at] = ids
+        self.behaviour_logprobs[at] = lps
+        self.action_lengths[at] = torch.tensor(lengths, dtype=torch.long, device=self.device)
+        self.rewards[at] = rewards.to(self.device, torch.float32)
+        self.terminated[at] = terminated.to(self.device)
+        self.truncated[at] = truncated.to(self.device)
+        self.group_ids[at] = group_ids.to(self.device)
+        self.correct[at] = correct.to(self.device, torch.float32)
+        self.live[at] = True
+        if values is not None:
+            self.values[at] = values.to(self.device, torch.float32)
+        if token_values is not None:
+            self.token_values[at] = torch.nn.functional.pad(token_values, (0, self.max_action_tokens - token_values.shape[-1])).to(self.device)
+        for flat, prompt, text in zip(self.slot_index(step, envs_t, agents_t).tolist(), prompt_ids, texts):
+            self.prompt_ids[flat] = list(prompt)
+            self.texts[flat] = text
+        self.steps_filled = max(self.steps_filled, step + 1)
+
+    def token_mask(self) -> torch.Tensor:
+        """[T, N, A, L] True on each live action's real tokens (from lengths)."""
+        positions = torch.arange(self.max_action_tokens, device=self.device)
+        return (positions < self.action_lengths[..., None]) & self.live[..., None]
+
+    def episode_ends(self) -> torch.Tensor:
+        """[T, N, A] True where an episode ended after the action (terminated or truncated)."""
+        return self.terminated | self.truncated
+
+    def episode_returns(self) -> torch.Tensor:
+        """[N, A] summed rewards of each env's episode (episodic collection: one episode per env)."""
+        return (self.rewards * self.live).sum(0)
+
+    def episode_correct(self) -> torch.Tensor:
+        """[N, A] 1.0 where the env's episode ended with a verified answer (episodic collection);
+        an episode cut by the rollout length counts as not correct."""
+        return torch.nan_to_num(self.correct, nan=0.0).amax(0)
+
+    def episode_token_order(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(order, mask), each [E, T * L] with E = N * A episodes (episodic collection): ``order``
+        lists, for each episode, the positions of its [T * L] step-major token sequence with the
+        real tokens first in time order; ``mask`` is True on those first real tokens. Together with
+        ``to_episodes``/``from_episodes`` this turns a multi-step episode into one contiguous
+        response (what sequence-level formulas such as ``rloo_returns`` expect), without loops."""
+        per_episode = self._episode_major(self.token_mask())
+        order = torch.sort((~per_episode).to(torch.int8), dim=1, stable=True).indices
+        return order, per_episode.gather(1, order)
+
+    def to_episodes(self, x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+        """[T, N, A, L] -> [E, T * L] in ``order``."""
+        return self._episode_major(x).gather(1, order)
+
+    def from_episodes(self, y: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+        """Inverse of ``to_episodes``: [E, T * L] -> [T, N, A, L]."""
+        num_steps, num_envs, num_agents = self.shape
+        flat = torch.zeros_like(y).scatter_(1, order, y)
+        return flat.reshape(num_envs, num_agents, num_steps, -1).permute(2, 0, 1, 3).contiguous()
+
+    def _episode_major(self, x: torch.Tensor) -> torch.Tensor:
+        num_steps, num_envs, num_agents = self.shape
+        return x.permute(1, 2, 0, 3).reshape(num_envs * num_agents, num_steps * x.shape[-1])
+
+    def minibatches(self, num_mini_batch: int, micro_batches: int, generator: torch.Generator | None = None,
+                    skip: "callable | None" = None) -> Iterator[list[Batch]]:
+        """Shuffles the live slots into ``num_mini_batch`` minibatches (one optimizer step each),
+        each split into up to ``micro_batches`` micro-batches (gradient accumulation).
+
+        Sizes differ by at most one when the counts do not divide; every micro-batch carries its
+        minibatch's sample and token totals, so each sample weighs the same. ``skip(batch) -> [B]``
+        drops rows whose loss is exactly zero before they are forwarded; they still count in the
+        totals, so the gradient is unchanged.
+        """
+        if num_mini_batch < 1 or micro_batches < 1:
+            raise ValueError(f"num_mini_batch={num_mini_batch} and micro_batches={micro_batches} must be >= 1")
+        if self.advantages is None:
+            raise RuntimeError("advantages are not computed yet; call algorithm.compute_advantages(buffer) first")
+        live = self.live.flatten().nonzero().squeeze(1)
+        order = live[torch.randperm(len(live), generator=generator, device="cpu").to(live.device)]
+        lengths = self.action_lengths.flatten()
+        for minibatch in torch.tensor_split(order, num_mini_batch):
+            if len(minibatch) == 0:
+                continue
+            totals = (len(minibatch), int(lengths[minibatch].sum()))
+            if skip is not None:
+                minibatch = minibatch[~skip(self.batch(minibatch, *totals)).to(minibatch.device)]
+            chunks = [chunk for chunk in torch.tensor_split(minibatch, micro_batches) if len(chunk)]
+            if chunks:  # a minibatch whose rows were all skipped has no gradient: no optimizer step
+                yield [self.batch(chunk, *totals) for chunk in chunks]
+
+    def batch(self, index: torch.Tensor, minibatch_samples: int, minibatch_tokens: int) -> Batch:
+        """The slots ``index`` [B] as a Batch, actions trimmed to their longest length."""
+        lengths = self.action_lengths.flatten()[index]
+        width = max(int(lengths.max()) if len(index) else 1, 1)
+
+        def tokens(x: torch.Tensor | None) -> torch.Tensor | None:
+            return None if x is None else x.reshape(self.num_slots, -1)[index, :width]
+
+        def per_slot(x: torch.Tensor | None) -> torch.Tensor | None:
+            """[B] for per-action tensors, [B, L] for per-token ones."""
+            if x is None:
+                return None
+            return x.flatten()[index] if x.dim() == 3 else tokens(x)
+
+        token_mask = torch.arange(width, device=self.device) < lengths[:, None]
+        old_values = tokens(self.token_values) if self.token_values is not None else per_slot(self.values)
+        return Batch(
+            index=index,
+            prompts=[self.prompt_ids[i] for i in index.tolist()],
+            action_ids=tokens(self.action_ids),
+            action_lengths=lengths,
+            token_mask=token_mask,
+            old_logprobs=tokens(self.behaviour_logprobs),
+            old_values=old_values,
+            ref_logprobs=tokens(self.ref_logprobs),
+            advantages=per_slot(self.advantages),
+            returns=per_slot(self.returns),
+            num_samples=len(index),
+            num_tokens=int(lengths.sum()),
+            minibatch_samples=minibatch_samples,
+            minibatch_tokens=max(minibatch_tokens, 1),
+        )
+
+    def live_rows(self) -> Batch:
+        """Every live slot as one Batch (for forward passes over the whole rollout, e.g. reference
+        log-probs or implicit-PRM rewards)."""
+        index = self.live.flatten().nonzero().squeeze(1)
+        return self.batch(index, len(index), int(self.action_lengths.flatten()[index].sum()))
+
+    def scatter_tokens(self, index: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """[T, N, A, L] zeros with ``values`` [B, L'] written at the slots ``index`` [B]."""
+        out = torch.zeros(self.num_slots, self.max_action_tokens, device=self.device)
+        out[index, :values.shape[1]] = values.to(self.device, torch.float32)
+        return out.reshape(*self.shape, self.max_action_tokens)
+
+
+def _right_pad(rows: list[list], width: int, fill, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[B, width] tensor of rows padded with ``fill`` on the right."""
+    out = torch.full((len(rows), width), fill, dtype=dtype, device=device)
+    lengths = torch.tensor([len(r) for r in rows], device=device)
+    mask = torch.arange(width, device=device)[None] < lengths[:, None]
+    out[mask] = torch.tensor([x for r in rows for x in r], dtype=dtype, device=device)
+    return out

@@ -1,0 +1,444 @@
+"""The one training loop every algorithm shares:
+
+    collect (vector env + generator + critic values) -> reference / implicit-PRM scores
+    -> algorithm.compute_advantages -> update epochs over minibatches -> generator.sync
+    -> log -> eval -> checkpoint
+
+Collection is episodic for GRPO/RLOO (reset every env, step until every episode ended, generating
+only for live envs) and continuing for APPO/TPPO (``episode_length`` steps, episodes spanning
+iterations, bootstrapped from V of the last observation unless terminated). With
+``async_rollouts`` a background thread generates the next batch with a copy of the policy while
+the current batch trains; the copy is refreshed so no batch lags more than ``max_policy_lag``
+policy versions, and ratios use the behaviour log-probs recorded at generation time.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from algorithms.base import Algorithm
+from envs.prompts import STEP_DELIMITER
+from train.buffer import RolloutBuffer
+from train.generation import Generator
+from train.policy import LanguagePolicy
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    num_iterations: int
+    episode_length: int
+    max_new_tokens: int
+    action_level: str = "solution"  # "solution": one generate call per episode; "step": stop at the delimiter
+    temperature: float = 1.0
+    top_p: float = 1.0
+    num_mini_batch: int = 1
+    ppo_epoch: int = 1
+    gradient_cp_steps: int = 1
+    max_grad_norm: float = 1.0  # 0: no clipping
+    target_kl: float = 0.0  # 0: off
+    eval_interval: int = 50  # 0: never
+    eval_limit: int = 1000
+    log_interval: int = 1
+    save_interval: int = 0  # 0: only at the end
+    seed: int = 0
+    async_rollouts: bool = False
+    max_policy_lag: int = 1
+    num_text_samples: int = 4
+
+
+class Runner:
+    """Drives training; see the module docstring. ``eval_env`` is a vector env over held-out
+    problems (group size 1); ``rollout_policy``/``rollout_generator`` are the copy used by
+    asynchronous collection (required when ``config.async_rollouts``)."""
+
+    def __init__(self, config: RunnerConfig, env, eval_env, policy: LanguagePolicy, generator: Generator,
+                 algorithm: Algorithm, optimizer: torch.optim.Optimizer, scheduler, writer, run_dir: Path,
+                 implicit_prm=None, rollout_policy: LanguagePolicy | None = None,
+                 rollout_generator: Generator | None = None):
+        if config.async_rollouts and (rollout_policy is None or rollout_generator is None):
+            raise ValueError("async_rollouts needs rollout_policy and rollout_generator (a copy of the policy)")
+        if algorithm.needs_process_rewards and implicit_prm is None:
+            raise ValueError(f"{algorithm.name} needs an implicit PRM for its process rewards")
+        self.config, self.env, self.eval_env = config, env, eval_env
+        self.policy, self.generator, self.algorithm = policy, generator, algorithm
+        self.optimizer, self.scheduler, self.writer, self.run_dir = optimizer, scheduler, writer, Path(run_dir)
+        self.implicit_prm = implicit_prm
+        self.rollout_policy, self.rollout_generator = rollout_policy, rollout_generator
+        self.stop = [STEP_DELIMITER] if config.action_level == "step" else None
+        self.eos_text = policy.tokenizer.eos_token or ""
+        self.shuffle = torch.Generator().manual_seed(config.seed)
+        self.obs, self.info = env.reset(seed=config.seed)
+        self.episode_return = np.zeros(env.num_envs)
+        self.version = 0  # optimizer updates so far (policy version)
+        self.rollout_version = 0  # version the rollout copy holds
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1) if config.async_rollouts else None
+        self.pending: concurrent.futures.Future | None = None
+        self.env_steps = 0
+        self.history: list[dict[str, float]] = []  # eval results, for the caller
+        self.last_buffer: RolloutBuffer | None = None  # for the text panel of sampled solutions
+
+    # ---------------------------------------------------------------------------------------------
+    # The loop
+    # ---------------------------------------------------------------------------------------------
+
+    def run(self) -> list[dict[str, float]]:
+        config = self.config
+        progress = tqdm(range(config.num_iterations), desc=self.algorithm.name, dynamic_ncols=True)
+        postfix: dict[str, str] = {}
+        try:
+            for iteration in progress:
+                if config.eval_interval and iteration % config.eval_interval == 0:
+                    postfix["acc"] = f"{self.evaluate(iteration)['eval/accuracy']:.3f}"
+                buffer, stats = self.next_rollout(iteration)
+                stats.update(self.update(buffer))
+                stats["time/sync"] = self.generator.sync(self.policy)
+                self.version += 1
+                if iteration % config.log_interval == 0:
+                    self.log(iteration, buffer, stats)
+                postfix.update(reward=f"{stats['train/reward']:.3f}", train_acc=f"{stats['train/accuracy']:.3f}")
+                progress.set_postfix(postfix, refresh=False)
+                if config.save_interval and (iteration + 1) % config.save_interval == 0:
+                    self.save(iteration + 1)
+            if config.eval_interval:
+                self.evaluate(config.num_iterations)
+            self.save(config.num_iterations)
+        finally:
+            progress.close()
+            if self.pool is not None:
+                self.pool.shutdown(wait=True, cancel_futures=True)
+            self.writer.flush()
+        return self.history
+
+    def next_rollout(self, iteration: int) -> tuple[RolloutBuffer, dict[str, float]]:
+        """This iteration's batch: collected now, or (async) the one generated in the background,
+        after starting the next one with a policy copy at most ``max_policy_lag`` versions old."""
+        seed = self.config.seed * 1_000_003 + iteration * 1_009
+        if self.pool is None:
+            return self.collect(self.policy, self.generator, seed)
+        result = self.pending.result() if self.pending is not None else self.collect(
+            self.rollout_policy, self.rollout_generator, seed)
+        buffer, stats = result
+        stats["train/policy_lag"] = float(self.version - stats.pop("rollout_version"))
+        # The next batch is trained on after this iteration's update, at version + 1.
+        if self.version + 1 - self.rollout_version > self.config.max_policy_lag:
+            self.rollout_policy.load_state_dict(self.policy.state_dict())
+            self.rollout_generator.sync(self.rollout_policy)
+            self.rollout_version = self.version
+        self.pending = self.pool.submit(self.collect, self.rollout_policy, self.rollout_generator, seed + 1)
+        return buffer, stats
+
+    # ---------------------------------------------------------------------------------------------
+    # Collection
+    # ---------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def collect(self, policy: LanguagePolicy, generator: Generator, seed: int) -> tuple[RolloutBuffer, dict]:
+        """One rollout of ``episode_length`` steps (episodic: until every episode ended)."""
+        config, algorithm, env = self.config, self.algorithm, self.env
+        num_envs = env.num_envs
+        buffer = RolloutBuffer(config.episode_length, num_envs, 1, config.max_new_tokens, policy.device,
+                               token_values=algorithm.critic == "token")
+        if algorithm.episodic:
+            self.obs, self.info = env.reset()
+            self.episode_return[:] = 0
+        done = np.zeros(num_envs, dtype=bool)
+        bootstrap = torch.zeros(buffer.shape[:2])  # V(final observation) of truncated episodes
+        timers, counts = defaultdict(float), defaultdict(float)
+        components: dict[str, list[float]] = defaultdict(list)
+        returns, correct = [], []
+        for step in range(config.episode_length):
+            acting = np.flatnonzero(~done)
+            if len(acting) == 0:
+                break
+            started = time.perf_counter()
+            out = generator.generate([self.obs[i] for i in acting], n=1, max_new_tokens=config.max_new_tokens,
+                                     temperature=config.temperature, top_p=config.top_p, stop=self.stop,
+                                     seed=seed + step)
+            timers["generate"] += time.perf_counter() - started
+            counts["tokens"] += sum(len(ids) for ids in out.token_ids)
+            texts = self.action_texts(out.texts, out.finish_reasons)
+            values, token_values = self.critic_values(policy, out.prompt_token_ids, out.token_ids)
+            actions = [""] * num_envs
+            for k, i in enumerate(acting):
+                actions[i] = texts[k]
+            group_ids = info_array(self.info, "group_id", num_envs, fill=-1)[acting].astype(np.int64)
+            started = time.perf_counter()
+            self.obs, rewards, terminated, truncated, self.info = env.step(actions)
+            timers["reward"] += time.perf_counter() - started
+            ended = terminated | truncated
+            step_correct = step_info(self.info, "correct", ended)
+            for key in {*self.info, *self.info.get("final_info", {})}:
+                if key.startswith("reward/"):
+                    components[key].extend(step_info(self.info, key, ended)[acting].tolist())
+            buffer.add(step, acting, out.prompt_token_ids, out.token_ids, out.logprobs,
+                       torch.as_tensor(rewards[acting]), torch.as_tensor(terminated[acting]),
+                       torch.as_tensor(truncated[acting]), torch.as_tensor(group_ids),
+                       torch.as_tensor(np.where(ended, step_correct, np.nan)[acting]), texts,
+                       values=values, token_values=token_values)
+            self.episode_return[acting] += rewards[acting]
+            returns += self.episode_return[ended].tolist()
+            correct += np.nan_to_num(step_correct[ended]).tolist()
+            self.episode_return[ended] = 0
+            if algorithm.critic is not None and truncated.any() and not algorithm.episodic:
+                bootstrap[step] = self.values_of_final_observations(policy, truncated)
+            if algorithm.episodic:
+                done |= ended
+            self.env_steps += len(acting)
+        if algorithm.episodic:
+            self.episode_return[:] = 0
+        elif algorithm.critic is not None:
+            buffer.next_values = self.next_values(policy, buffer, bootstrap)
+        step_reward = float(buffer.rewards[buffer.live].mean())
+        stats = {
+            "time/generate": timers["generate"], "time/reward": timers["reward"],
+            "perf/tokens_per_second": counts["tokens"] / max(timers["generate"], 1e-9),
+            "train/step_reward": step_reward,
+            # mean return of the episodes that ended in this rollout (every episode, when episodic)
+            "train/reward": float(np.mean(returns)) if returns else step_reward,
+            "train/accuracy": float(np.mean(correct)) if correct else math.nan,
+            "train/episodes": float(len(returns)),
+            "train/action_tokens": float(buffer.action_lengths[buffer.live].float().mean()),
+            **{f"train/{key}": float(np.mean(values)) for key, values in components.items()},
+        }
+        if self.pool is not None:
+            stats["rollout_version"] = self.rollout_version
+        return buffer, stats
+
+    def action_texts(self, texts: list[str], finish_reasons: list[str]) -> list[str]:
+        """Env actions: in step mode a sample that ended on EOS carries the EOS text (the env's
+        end marker) so that the episode ends even without an answer."""
+        if self.stop is None:
+            return list(texts)
+        return [text + self.eos_text if reason == "eos" else text for text, reason in zip(texts, finish_reasons)]
+
+    def critic_values(self, policy: LanguagePolicy, prompts: list[list[int]], actions: list[list[int]],
+                      ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(values [B] = V(s_t), token values [B, L] for a token critic) at collection time."""
+        if self.algorithm.critic == "token":
+            token_values = policy.token_values(prompts, actions)
+            return token_values[:, 0], token_values
+        if self.algorithm.critic == "action":
+            return policy.values(prompts), None
+        return None, None
+
+    def values_of_final_observations(self, policy: LanguagePolicy, truncated: np.ndarray) -> torch.Tensor:
+        """[N] V(final observation) where an episode was truncated (0 elsewhere)."""
+        values = torch.zeros(len(truncated))
+        final_obs = self.info["final_obs"]
+        index = np.flatnonzero(truncated)
+        prompts = policy.tokenizer([final_obs[i] for i in index])["input_ids"]
+        values[index] = policy.values(prompts).float().cpu()
+        return values
+
+    def next_values(self, policy: LanguagePolicy, buffer: RolloutBuffer, bootstrap: torch.Tensor) -> torch.Tensor:
+        """[T, N, A]: V(s_{t+1}) while the episode goes on, V(final obs) where truncated, 0 where
+        terminated; after the last step, V of the current observation."""
+        last = policy.values(policy.tokenizer(list(self.obs))["input_ids"]).float().to(buffer.device)
+        following = torch.cat([buffer.values[1:, :, 0], last[None]], dim=0)
+        following = torch.where(buffer.truncated[..., 0], bootstrap.to(buffer.device), following)
+        return torch.where(buffer.terminated[..., 0], 0.0, following)[..., None]
+
+    # ---------------------------------------------------------------------------------------------
+    # Update
+    # ---------------------------------------------------------------------------------------------
+
+    def score_rollout(self, buffer: RolloutBuffer) -> None:
+        """Reference log-probs (KL) and implicit-PRM token rewards of every live action."""
+        if not (self.algorithm.needs_reference or self.algorithm.needs_process_rewards):
+            return
+        rows = buffer.live_rows()
+        actions = (rows.action_ids, rows.action_lengths)
+        with torch.no_grad():
+            if self.algorithm.needs_reference:
+                ref = self.policy.ref_log_probs(rows.prompts, actions, self.config.temperature)
+                buffer.ref_logprobs = buffer.scatter_tokens(rows.index, ref)
+            if self.algorithm.needs_process_rewards:
+                process = self.implicit_prm.token_rewards(rows.prompts, actions)
+                buffer.token_rewards = buffer.scatter_tokens(rows.index, process)
+
+    def update(self, buffer: RolloutBuffer) -> dict[str, Any]:
+        """Advantages, then ``ppo_epoch`` epochs of minibatch steps; returns statistics."""
+        config, algorithm, policy = self.config, self.algorithm, self.policy
+        started = time.perf_counter()
+        self.score_rollout(buffer)
+        advantage_stats = algorithm.compute_advantages(buffer)
+        sums, weights = defaultdict(float), defaultdict(float)
+        grad_norms, steps, stopped_early = [], 0, False
+        for _ in range(config.ppo_epoch):
+            for minibatch in buffer.minibatches(config.num_mini_batch, config.gradient_cp_steps, self.shuffle,
+                                                skip=algorithm.skippable_rows):
+                minibatch_kl = self.minibatch_step(minibatch, sums, weights, grad_norms)
+                steps += 1
+                if config.target_kl and minibatch_kl > config.target_kl:
+                    stopped_early = True
+                    break
+            if stopped_early:
+                break
+        if steps:  # the schedule advances with iterations that updated the policy
+            self.scheduler.step()
+        stats: dict[str, Any] = {f"loss/{key}": sums[key] / weights[key] for key in sums}
+        if self.implicit_prm is not None:
+            stats["loss/implicit_prm"] = self.update_implicit_prm(buffer)
+        stats.update({
+            "grad/norm": float(np.mean(grad_norms)) if grad_norms else 0.0,
+            "train/optimizer_steps": float(steps), "train/early_stopped": float(stopped_early),
+            "train/trained_samples": float(buffer.live.sum()), "time/update": time.perf_counter() - started,
+            "histograms": advantage_stats,
+        })
+        for group in self.optimizer.param_groups:
+            stats[f"lr/{group.get('name', 'group')}"] = group["lr"]
+        return stats
+
+    def minibatch_step(self, minibatch, sums: dict, weights: dict, grad_norms: list) -> float:
+        """Accumulates the micro-batches' gradients, clips, steps; returns the minibatch's approx KL."""
+        policy, algorithm = self.policy, self.algorithm
+        self.optimizer.zero_grad(set_to_none=True)
+        kl_sum, kl_weight = 0.0, 0
+        for batch in minibatch:
+            scores = policy.evaluate(batch.prompts, (batch.action_ids, batch.action_lengths), self.config.temperature,
+                                     with_entropy=True, with_values=algorithm.critic is not None)
+            loss, micro_stats = algorithm.loss(scores, batch)
+            loss.backward()
+            for key, value in micro_stats.items():
+                sums[key] += float(value) * batch.num_samples
+                weights[key] += batch.num_samples
+            kl_sum += float(micro_stats["approx_kl"]) * batch.num_samples
+            kl_weight += batch.num_samples
+        parameters = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+        max_norm = self.config.max_grad_norm or math.inf
+        grad_norms.append(float(torch.nn.utils.clip_grad_norm_(parameters, max_norm)))
+        self.optimizer.step()
+        return kl_sum / max(kl_weight, 1)
+
+    def update_implicit_prm(self, buffer: RolloutBuffer) -> float:
+        """PRIME: one step of the implicit PRM on this rollout's live actions, labelled by whether
+        their episode's answer verified."""
+        rows = buffer.live_rows()
+        if rows.num_samples == 0:
+            return math.nan
+        num_envs = buffer.shape[1] * buffer.shape[2]
+        labels = buffer.episode_correct().flatten()[rows.index % num_envs]
+        return self.implicit_prm.update(rows.prompts, (rows.action_ids, rows.action_lengths), labels)
+
+    # ---------------------------------------------------------------------------------------------
+    # Evaluation, logging, checkpoints
+    # ---------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self, iteration: int) -> dict[str, float]:
+        """Greedy accuracy, mean PRM score (if any) and mean solution length on held-out problems,
+        ``eval_env.num_envs`` problems per batch."""
+        if self.pending is not None:  # the env reward models must not run in two threads at once
+            self.pending.result()
+        started = time.perf_counter()
+        env, generator = self.eval_env, self.generator
+        problem_ids = [p.id for p in env.problems][: self.config.eval_limit]
+        correct, lengths, prm_scores = [], [], []
+        for start in range(0, len(problem_ids), env.num_envs):
+            chunk = problem_ids[start:start + env.num_envs]
+            padded = chunk + [chunk[0]] * (env.num_envs - len(chunk))  # the env has a fixed size; extras ignored
+            obs, info = env.reset(options={"problem_ids": padded})
+            done = np.zeros(env.num_envs, dtype=bool)
+            done[len(chunk):] = True
+            tokens = np.zeros(env.num_envs)
+            verdicts = np.zeros(env.num_envs)
+            while not done.all():
+                acting = np.flatnonzero(~done)
+                out = generator.generate([obs[i] for i in acting], n=1, max_new_tokens=self.config.max_new_tokens,
+                                         temperature=0.0, stop=self.stop)
+                actions = [""] * env.num_envs
+                for k, text in zip(acting, self.action_texts(out.texts, out.finish_reasons)):
+                    actions[k] = text
+                obs, _, terminated, truncated, info = env.step(actions)
+                tokens[acting] += [len(ids) for ids in out.token_ids]
+                ended = (terminated | truncated) & ~done
+                verdicts[ended] = np.nan_to_num(info_array(info, "correct", env.num_envs)[ended])
+                if "reward/prm" in info:
+                    prm_scores += info_array(info, "reward/prm", env.num_envs)[acting].tolist()
+                done |= terminated | truncated
+            correct += verdicts[: len(chunk)].tolist()
+            lengths += tokens[: len(chunk)].tolist()
+        result = {"eval/accuracy": float(np.mean(correct)), "eval/mean_length": float(np.mean(lengths)),
+                  "time/eval": time.perf_counter() - started}
+        if prm_scores:
+            result["eval/prm_score"] = float(np.nanmean(prm_scores))
+        for key, value in result.items():
+            self.writer.add_scalar(key, value, iteration)
+        self.history.append({"iteration": iteration, "env_steps": self.env_steps, **result})
+        log.info("eval iteration %d (%d env steps): greedy accuracy %.3f on %d problems, mean length %.1f tokens%s",
+                 iteration, self.env_steps, result["eval/accuracy"], len(correct), result["eval/mean_length"],
+                 f", PRM score {result['eval/prm_score']:.3f}" if prm_scores else "")
+        if self.last_buffer is not None:
+            self.writer.add_text("samples", self.samples_markdown(self.last_buffer), iteration)
+        return result
+
+    def log(self, iteration: int, buffer: RolloutBuffer, stats: dict[str, Any]) -> None:
+        self.last_buffer = buffer
+        histograms = stats.pop("histograms", {})
+        for key, values in histograms.items():
+            values = values.detach().float().cpu()
+            if values.numel() > 1:
+                self.writer.add_histogram(f"hist/{key}", values.numpy(), iteration)
+            if values.numel():
+                self.writer.add_scalar(f"train/{key}_mean", float(values.mean()), iteration)
+        for key, value in stats.items():
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                self.writer.add_scalar(key, value, iteration)
+        self.writer.add_scalar("train/env_steps", self.env_steps, iteration)
+
+    def samples_markdown(self, buffer: RolloutBuffer) -> str:
+        """A few sampled solutions of the last rollout: each step with its reward."""
+        tokenizer = self.policy.tokenizer
+        lines = []
+        for env_index in range(min(self.config.num_text_samples, buffer.shape[1])):
+            steps = [t for t in range(buffer.shape[0]) if buffer.live[t, env_index, 0]]
+            if not steps:
+                continue
+            flat = [int(buffer.slot_index(t, torch.tensor(env_index), torch.tensor(0))) for t in steps]
+            prompt = tokenizer.decode(buffer.prompt_ids[flat[0]], skip_special_tokens=True)
+            lines.append(f"**env {env_index}** (group {int(buffer.group_ids[steps[0], env_index, 0])})\n\n"
+                         f"    {prompt.strip()}\n")
+            for t, slot in zip(steps, flat):
+                reward = float(buffer.rewards[t, env_index, 0])
+                verdict = buffer.correct[t, env_index, 0]
+                end = "" if torch.isnan(verdict) else f" (episode end, correct={bool(verdict)})"
+                text = (buffer.texts[slot] or "").strip().replace("\n", " ")
+                lines.append(f"- step {t}: `{text}` → reward {reward:.3f}{end}")
+            lines.append("")
+        return "\n".join(lines)
+
+    def save(self, iteration: int) -> Path:
+        path = self.policy.save(self.run_dir / "checkpoints" / f"iter_{iteration}")
+        log.info("saved policy to %s", path)
+        return path
+
+
+def step_info(info: dict, key: str, ended: np.ndarray) -> np.ndarray:
+    """[N] ``key`` of the episode each env just acted in: from ``info["final_info"]`` where the
+    episode ended and the env already reset (SAME_STEP autoreset), else from ``info``."""
+    values = info_array(info, key, len(ended))
+    if "final_info" in info:
+        values[ended] = info_array(info["final_info"], key, len(ended))[ended]
+    return values
+
+
+def info_array(info: dict, key: str, num_envs: int, fill: float = math.nan) -> np.ndarray:
+    """[N] float array of ``info[key]`` where gymnasium's ``_key`` mask is set, ``fill`` elsewhere."""
+    out = np.full(num_envs, fill, dtype=np.float64)
+    if key in info:
+        mask = np.asarray(info.get(f"_{key}", np.ones(num_envs, dtype=bool)), dtype=bool)
+        out[mask] = np.asarray(info[key], dtype=np.float64)[mask]
+    return out

@@ -26,19 +26,10 @@ from transformers import AutoConfig, AutoModel, AutoModelForTokenClassification,
 
 from envs.prompts import DEFAULT_TEMPLATE, SHEPHERD_STEP_TAG, STEP_DELIMITER, format_prompt, shepherd_text
 from reward_models.base import RewardOutput, StepContext
-from train.policy import DTYPES, load_causal_lm, load_tokenizer, resolve_device
+from train.policy import inference_dtype, load_causal_lm, load_tokenizer, resolve_device
 
 PRM_TYPES = ("shepherd", "classifier")
 AGGREGATIONS = ("step", "last", "min", "product", "mean")
-
-
-def inference_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """``auto``: bfloat16 on CUDA (a 7B PRM never lands in fp32 on a GPU by accident), float32 on CPU."""
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} must be 'auto' or one of {sorted(DTYPES)}")
-    return DTYPES[dtype]
 
 
 def single_token_id(tokenizer: PreTrainedTokenizerBase, text: str, role: str) -> int:
@@ -126,7 +117,7 @@ class ProcessRewardModel:
             from peft import PeftModel
 
             self.model = PeftModel.from_pretrained(self.model, str(adapter_path)).merge_and_unload()
-        self.model.eval().requires_grad_(False)
+        self.model.train(False).requires_grad_(False)
 
     def _load_classifier(self, model_dir, torch_dtype: torch.dtype, trust_remote_code: bool) -> torch.nn.Module:
         config = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)

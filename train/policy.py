@@ -44,6 +44,15 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return resolved
 
 
+def inference_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``auto``: bfloat16 on CUDA (a 7B PRM never lands in fp32 on a GPU by accident), float32 on CPU."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} must be 'auto' or one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
 @dataclass(frozen=True)
 class Precision:
     """``compute``: dtype of the matmuls (autocast); ``weights``: dtype the trained weights are stored in."""

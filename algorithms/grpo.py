@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from algorithms.base import AlgorithmConfig, token_policy_loss, zero_advantage_rows
+from algorithms.losses import group_index, group_means
 
 if TYPE_CHECKING:
     from train.buffer import Batch, RolloutBuffer
@@ -26,18 +27,13 @@ def group_advantages(
     """
     if scale_rewards not in SCALE_REWARDS:
         raise ValueError(f"scale_rewards={scale_rewards!r} must be one of {SCALE_REWARDS}")
-    _, groups = torch.unique(group_ids, return_inverse=True)
-    num_groups = int(groups.max()) + 1
-    counts = torch.zeros(num_groups, dtype=returns.dtype, device=returns.device).index_add_(0, groups, torch.ones_like(returns))
-    means = torch.zeros_like(counts).index_add_(0, groups, returns) / counts
-    centered = returns - means[groups]
+    groups, sizes = group_index(group_ids, min_size=2 if scale_rewards == "group" else 1)
+    centered = returns - group_means(returns, groups, sizes)[groups]
     if scale_rewards == "none":
         return centered
     if scale_rewards == "batch":
         return centered / (returns.std() + eps)
-    if int(counts.min()) < 2:
-        raise ValueError("scale_rewards='group' needs at least 2 episodes per group; use group_size >= 2")
-    variances = torch.zeros_like(counts).index_add_(0, groups, centered**2) / (counts - 1)
+    variances = group_means(centered**2, groups, sizes) * sizes / (sizes - 1)  # unbiased
     return centered / (variances.sqrt()[groups] + eps)
 
 

@@ -30,6 +30,22 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor
     raise ValueError(f"loss aggregation {mode!r} must be one of {LOSS_AGGREGATIONS}")
 
 
+def group_index(group_ids: torch.Tensor, min_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dense group index [B] in 0..G-1, group sizes [G]) of ``group_ids`` [B]; every group must have
+    at least ``min_size`` members (group baselines need >= 2)."""
+    _, groups = torch.unique(group_ids, return_inverse=True)
+    sizes = torch.bincount(groups)
+    if int(sizes.min()) < min_size:
+        raise ValueError(f"a group has {int(sizes.min())} sample(s), fewer than the {min_size} a group baseline "
+                         f"needs; use group_size >= {min_size}")
+    return groups, sizes
+
+
+def group_means(values: torch.Tensor, groups: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    """Mean [G] of ``values`` [B] within each group (``groups``, ``sizes`` from ``group_index``)."""
+    return torch.zeros(len(sizes), dtype=values.dtype, device=values.device).index_add_(0, groups, values) / sizes
+
+
 def clipped_surrogate(
     log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor, clip_param: float
 ) -> tuple[torch.Tensor, torch.Tensor]:

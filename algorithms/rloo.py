@@ -9,26 +9,17 @@ from typing import TYPE_CHECKING
 import torch
 
 from algorithms.base import AlgorithmConfig, token_policy_loss, zero_advantage_rows
-from algorithms.losses import discounted_reverse_cumsum
+from algorithms.losses import discounted_reverse_cumsum, group_index, group_means
 
 if TYPE_CHECKING:
     from train.buffer import Batch, RolloutBuffer
     from train.policy import ActionScores
 
 
-def _group_index(group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dense group index [B], group sizes [G]); every group needs >= 2 members for a baseline."""
-    _, groups = torch.unique(group_ids, return_inverse=True)
-    sizes = torch.bincount(groups)
-    if int(sizes.min()) < 2:
-        raise ValueError("RLOO needs at least 2 samples per group for a leave-one-out baseline; use group_size >= 2")
-    return groups, sizes
-
-
 def leave_one_out_baseline(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     """b_i = mean of the OTHER members' scores in i's group; scores, group_ids, result: [B]."""
-    groups, sizes = _group_index(group_ids)
-    sums = torch.zeros(len(sizes), dtype=scores.dtype, device=scores.device).index_add_(0, groups, scores)
+    groups, sizes = group_index(group_ids, min_size=2)
+    sums = group_means(scores, groups, sizes) * sizes
     return (sums[groups] - scores) / (sizes[groups] - 1).to(scores.dtype)
 
 
@@ -65,9 +56,8 @@ def filter_groups(
 ) -> torch.Tensor:
     """PRIME's online prompt filter: keep mask [B] of responses whose group's accuracy (mean of
     ``correct`` [B]) lies in [lower, upper]; all-right and all-wrong groups teach nothing."""
-    groups, sizes = _group_index(group_ids)
-    accuracy = torch.zeros(len(sizes), dtype=torch.float64, device=correct.device).index_add_(
-        0, groups, correct.to(torch.float64)) / sizes
+    groups, sizes = group_index(group_ids, min_size=2)
+    accuracy = group_means(correct.to(torch.float64), groups, sizes)
     keep = (accuracy >= accuracy_lower_bound) & (accuracy <= accuracy_upper_bound)
     return keep[groups]
 

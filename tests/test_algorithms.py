@@ -49,7 +49,7 @@ def test_grpo_group_zscores_by_hand():
                                torch.tensor([0.5, -0.5, -0.5, 0.5, -0.75, -0.75, -0.75, 2.25]) / returns.std())
     # a group where everyone is right has zero advantage, not NaN
     assert group_advantages(torch.ones(4), torch.zeros(4, dtype=torch.long)).abs().max() == 0
-    with pytest.raises(ValueError, match="group_size >= 2"):
+    with pytest.raises(ValueError, match="use group_size >= 2"):
         group_advantages(torch.ones(3), torch.tensor([0, 1, 1]))
     with pytest.raises(ValueError, match="scale_rewards='zscore'"):
         group_advantages(returns, groups, "zscore")
@@ -139,7 +139,7 @@ def test_rloo_leave_one_out_by_hand():
     scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 3.0, 5.0])
     groups = torch.tensor([0, 0, 0, 0, 1, 1])
     torch.testing.assert_close(leave_one_out_baseline(scores, groups), torch.tensor([1 / 3, 2 / 3, 2 / 3, 1 / 3, 5.0, 3.0]))
-    with pytest.raises(ValueError, match="group_size >= 2"):
+    with pytest.raises(ValueError, match="use group_size >= 2"):
         leave_one_out_baseline(scores, torch.tensor([0, 0, 0, 0, 1, 2]))
 
 

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from envs.datasets import Problem
-from reward_models.base import RewardModel, StepContext
+from reward_models.base import RewardModel, RewardOutput, StepContext
 from reward_models.mixture import RewardMixture, parse_reward_spec
 from reward_models.outcome import OutcomeReward
 
@@ -41,8 +41,6 @@ class ConstantPerStep:
         self.name, self.value, self.calls = name, value, 0
 
     def score(self, contexts):
-        from reward_models.base import RewardOutput
-
         self.calls += 1
         rewards = np.full(len(contexts), self.value)
         return RewardOutput(rewards=rewards, components={self.name: rewards})

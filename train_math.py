@@ -6,7 +6,9 @@
         --prm_model_name_or_path ./Qwen2.5-Math-7B-Instruct --algorithm_name APPO --num_mini_batch 4 --ppo_epoch 1
 
 Flags are parsed and validated (train/flags.py) before anything heavy is imported or loaded.
-TensorBoard logs and checkpoints go to <logdir>/<experiment>/<run>.
+TensorBoard logs and checkpoints go to <logdir>/<experiment>/<run>; ``--resume auto`` continues the
+newest complete checkpoint in the same run directory (train/checkpoint.py). SIGINT/SIGTERM save a
+checkpoint after the current iteration and exit 0 with the command that resumes.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import shlex
+import sys
 import time
 from pathlib import Path
 
@@ -105,6 +109,45 @@ def lr_lambda(num_iterations: int):
     return factor
 
 
+def prepare_run_dir(saved) -> Path:
+    """The run directory: the resumed checkpoint's, else a new <logdir>/<experiment>/run_<time>.
+    Created (and checked writable) before any model loads."""
+    if saved is not None and saved.run_dir is not None:
+        run_dir = saved.run_dir
+    else:
+        run_dir = Path(FLAGS.logdir) / train_flags.resolved_experiment_name() / time.strftime("run_%Y%m%d_%H%M%S")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".write_test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as error:
+        raise app.UsageError(f"--logdir={FLAGS.logdir}: cannot write to {run_dir} ({error.strerror}); "
+                             "pass a writable --logdir") from error
+    return run_dir
+
+
+def log_changed_flags(saved_flags: dict, current: dict) -> None:
+    """Resuming with other flags is allowed (e.g. more --num_env_steps); the differences are logged."""
+    changed = [f"--{name}={current[name]} (checkpoint: {saved_flags[name]})" for name in sorted(current)
+               if name != "resume" and name in saved_flags and saved_flags[name] != current[name]]
+    if changed:
+        logging.warning("resuming with flags that differ from the checkpoint's: %s", ", ".join(changed))
+
+
+def resume_command(path: Path) -> str:
+    """This process's command line with ``--resume=<path>`` instead of any --resume it had."""
+    args, skip_next = [], False
+    for arg in sys.argv[1:]:
+        if skip_next or arg.startswith(("--resume=", "-resume=")):
+            skip_next = False
+            continue
+        skip_next = arg in ("--resume", "-resume")
+        if not skip_next:
+            args.append(arg)
+    return shlex.join([sys.executable, sys.argv[0], *args, f"--resume={path}"])
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected positional arguments {argv[1:]}; every setting is a --flag")
@@ -120,9 +163,21 @@ def main(argv: list[str]) -> None:
 
     from algorithms.base import AlgorithmConfig, make_algorithm
     from reward_models.implicit_prm import ImplicitPRM
+    from train import checkpoint
     from train.generation import make_generator
     from train.policy import LanguagePolicy, LoraSettings, resolve_device
     from train.runner import Runner, RunnerConfig
+
+    try:
+        resume_path = checkpoint.resolve_resume(FLAGS.resume, Path(FLAGS.logdir) / train_flags.resolved_experiment_name())
+    except checkpoint.CheckpointError as error:
+        raise app.UsageError(str(error)) from error
+    saved = checkpoint.load(resume_path) if resume_path is not None else None
+    run_dir = prepare_run_dir(saved)
+    if saved is not None:
+        logging.info("resuming from %s (iteration %d)", saved.path, saved.iteration)
+        checkpoint.retire_newer(saved)
+        log_changed_flags(saved.flags, train_flags.flag_dict())
 
     torch.set_num_threads(FLAGS.torch_threads)
     torch.manual_seed(FLAGS.seed)
@@ -141,12 +196,8 @@ def main(argv: list[str]) -> None:
     lora = LoraSettings(rank=FLAGS.lora_rank, alpha=2.0 * FLAGS.lora_rank) if FLAGS.lora_rank else None
     with_critic = algorithm_name in train_flags.WITH_CRITIC
     policy_kwargs = dict(device=device, dtype=FLAGS.dtype, gradient_checkpointing=FLAGS.gradient_checkpointing)
-    if FLAGS.resume is not None:
-        policy = LanguagePolicy.load(FLAGS.resume, **policy_kwargs)
-        if policy.with_critic != with_critic:
-            raise app.UsageError(f"--resume={FLAGS.resume}: the checkpoint {'has a' if policy.with_critic else 'has no'} "
-                                 f"critic but --algorithm_name={algorithm_name} {'trains one' if with_critic else 'uses none'}; "
-                                 "resume with the algorithm it was trained with")
+    if saved is not None:
+        policy = checkpoint.load_policy(saved, model_dir, lora, with_critic, **policy_kwargs)
     else:
         policy = LanguagePolicy(model_dir, lora=lora, with_critic=with_critic, **policy_kwargs)
     policy.eval()  # no dropout: recomputed log-probs must match the sampler's
@@ -188,14 +239,15 @@ def main(argv: list[str]) -> None:
     optimizer = torch.optim.AdamW(policy.param_groups(FLAGS.lr, FLAGS.critic_lr), weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(num_iterations))
 
-    run_dir = Path(FLAGS.logdir) / train_flags.resolved_experiment_name() / time.strftime("run_%Y%m%d_%H%M%S")
-    writer = SummaryWriter(str(run_dir))
+    start = saved.iteration if saved is not None else 0
+    # purge_step: TensorBoard drops points a killed run logged at or after the checkpoint's iteration.
+    writer = SummaryWriter(str(run_dir), purge_step=start if saved is not None else None)
     settings = train_flags.flag_dict()
     resolved = {"env_id": env_id, "reward": train_flags.resolved_reward(), "episode_length": episode_length,
                 "async_rollouts": async_rollouts, "group_size": group_size, "model_dir": model_dir, "num_iterations": num_iterations,
-                "device": device}
-    writer.add_text("flags", "\n".join(f"    --{k}={v}" for k, v in settings.items()), 0)
-    writer.add_text("resolved", "\n".join(f"    {k}: {v}" for k, v in resolved.items()), 0)
+                "device": device, "resumed_from": str(saved.path) if saved is not None else None}
+    writer.add_text("flags", "\n".join(f"    --{k}={v}" for k, v in settings.items()), start)
+    writer.add_text("resolved", "\n".join(f"    {k}: {v}" for k, v in resolved.items()), start)
     logging.info("run directory %s; %s, %d iterations of %d envs x %d steps", run_dir, algorithm_name,
                  num_iterations, num_envs, episode_length)
 
@@ -206,15 +258,24 @@ def main(argv: list[str]) -> None:
                      gradient_cp_steps=FLAGS.gradient_cp_steps, max_grad_norm=FLAGS.max_grad_norm,
                      target_kl=FLAGS.target_kl, eval_interval=FLAGS.eval_interval, eval_limit=FLAGS.eval_limit,
                      log_interval=FLAGS.log_interval, save_interval=FLAGS.save_interval, seed=FLAGS.seed,
-                     async_rollouts=async_rollouts, max_policy_lag=FLAGS.max_policy_lag),
+                     async_rollouts=async_rollouts, max_policy_lag=FLAGS.max_policy_lag,
+                     keep_checkpoints=FLAGS.keep_checkpoints, max_nonfinite_steps=FLAGS.max_nonfinite_steps),
         env, eval_env, policy, generator, algorithm, optimizer, scheduler, writer, run_dir,
-        implicit_prm=implicit_prm, rollout_policy=rollout_policy, rollout_generator=rollout_generator)
+        implicit_prm=implicit_prm, rollout_policy=rollout_policy, rollout_generator=rollout_generator,
+        run_flags=settings)
+    if saved is not None:
+        runner.restore(saved)
     history = runner.run()
+    (run_dir / "eval_history.json").write_text(json.dumps(history, indent=1))
+    if runner.stop_signal is not None:
+        writer.close()
+        print(f"stopped by {runner.stop_signal} after iteration {runner.iteration}: checkpoint "
+              f"{runner.last_checkpoint}; resume with: {resume_command(runner.last_checkpoint)}", flush=True)
+        return
     hparams = {k: v for k, v in {**settings, **resolved}.items() if isinstance(v, (int, float, str, bool))}
     final = {k: v for k, v in (history[-1] if history else {}).items() if k.startswith("eval/")}
     writer.add_hparams(hparams, final or {"eval/accuracy": float("nan")}, name="hparams")
     writer.close()
-    (run_dir / "eval_history.json").write_text(json.dumps(history, indent=1))
     if history:
         logging.info("greedy accuracy: %.3f at the start -> %.3f at the end (%d evaluations)",
                      history[0]["eval/accuracy"], history[-1]["eval/accuracy"], len(history))

@@ -14,8 +14,9 @@ for each completed step (default: the verified outcome, 1 if correct, at the end
 
 from __future__ import annotations
 
+import hashlib
 import string
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Sequence
 
 import gymnasium
@@ -29,6 +30,17 @@ from reward_models.base import RewardModel, StepContext
 from reward_models.outcome import OutcomeReward, verify
 
 MODES = ("step", "token")
+
+
+class RewardModelError(RuntimeError):
+    """A reward model raised while scoring a batch; the message names the model and the batch."""
+
+    def __init__(self, reward_model: RewardModel, contexts: Sequence[StepContext], error: Exception):
+        ids = [c.problem.id for c in contexts]
+        shown = ", ".join(ids[:8]) + (f", ... ({len(ids)} in all)" if len(ids) > 8 else "")
+        super().__init__(f"reward model {getattr(reward_model, 'name', '?')!r} ({type(reward_model).__name__}) "
+                         f"raised {type(error).__name__}: {error} while scoring a batch of {len(contexts)} steps "
+                         f"of problems [{shown}]")
 
 
 class UnicodeText(spaces.Text):
@@ -108,6 +120,25 @@ class ProblemSampler:
             raise KeyError(f"problem_id {problem_id!r} is not among the env's {len(self.problems)} problems")
         return self.problems[self.index[problem_id]]
 
+    def fingerprint(self) -> str:
+        """A hash of the problem ids in order: a saved state only fits the same problem list."""
+        return hashlib.sha1("\n".join(p.id for p in self.problems).encode()).hexdigest()
+
+    def get_state(self) -> dict[str, Any]:
+        """JSON-serialisable draw position: the RNG, this epoch's order and the next index in it."""
+        return {"fingerprint": self.fingerprint(), "rng": self.rng.bit_generator.state,
+                "order": self.order.tolist(), "position": self.position, "epoch": self.epoch}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Continues drawing exactly where ``get_state`` was called (on the same problem list)."""
+        if state["fingerprint"] != self.fingerprint():
+            raise ValueError(f"the saved sampler state is for a different problem list than this env's "
+                             f"{len(self.problems)} problems; resume with the same dataset, filters and split")
+        self.rng = np.random.default_rng()
+        self.rng.bit_generator.state = state["rng"]
+        self.order = np.asarray(state["order"], dtype=np.int64)
+        self.position, self.epoch = state["position"], state["epoch"]
+
 
 @dataclass
 class Episode:
@@ -123,6 +154,12 @@ class Episode:
     completed_text: str = ""  # token mode: decoded text of the completed steps
     solution_text: str = ""
     done: bool = False
+
+    def get_state(self) -> dict[str, Any]:
+        """JSON-serialisable copy; the problem by id, the prompt left out (rebuilt from the problem)."""
+        state = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("problem", "prompt")}
+        return {**state, "steps": list(self.steps), "solution_ids": list(self.solution_ids),
+                "problem_id": self.problem.id}
 
 
 @dataclass
@@ -218,6 +255,12 @@ class MathTask:
     def new_episode(self, problem: Problem, group_id: int) -> Episode:
         return Episode(problem=problem, group_id=group_id, prompt=self.prompt(problem))
 
+    def restore_episode(self, state: dict[str, Any]) -> Episode:
+        """The episode ``Episode.get_state`` described."""
+        problem = self.sampler.get(state["problem_id"])
+        rest = {key: value for key, value in state.items() if key != "problem_id"}
+        return Episode(problem=problem, prompt=self.prompt(problem), **rest)
+
     def observation(self, episode: Episode) -> str:
         return episode.prompt + episode.solution_text
 
@@ -287,7 +330,10 @@ class MathTask:
             )
             for i in scored
         ]
-        output = self.reward_model.score(contexts)
+        try:
+            output = self.reward_model.score(contexts)
+        except Exception as error:
+            raise RewardModelError(self.reward_model, contexts, error) from error
         rewards = np.asarray(output.rewards, dtype=np.float64)
         if rewards.shape != (len(contexts),):
             raise ValueError(

@@ -137,10 +137,41 @@ class MathVectorEnv(VectorEnv):
             infos["_final_info"] = ended.copy()
         return self._observations(), rewards, terminated, truncated, infos
 
+    def get_state(self) -> dict[str, Any]:
+        """JSON-serialisable state of everything ``step`` and ``reset`` will read: the problem
+        sampler, the episodes in progress and the group bookkeeping (checkpoints save it)."""
+        return {
+            "num_envs": self.num_envs,
+            "group_size": self.group_size,
+            "sampler": self.task.sampler.get_state(),
+            "episodes": [episode.get_state() for episode in self.episodes],
+            "episode_counts": self.episode_counts.tolist(),
+            "group_draws": [[group, j, problem.id, group_id, left]
+                            for (group, j), (problem, group_id, left) in self.group_draws.items()],
+            "next_group_id": self.next_group_id,
+            "needs_reset": self.needs_reset.tolist(),
+        }
+
+    def set_state(self, state: dict[str, Any]) -> tuple[tuple[str, ...], dict]:
+        """Continues exactly where ``get_state`` was called (same problems, ``num_envs`` and
+        ``group_size``); returns the observations and infos of the restored episodes, as ``reset`` does."""
+        if (state["num_envs"], state["group_size"]) != (self.num_envs, self.group_size):
+            raise ValueError(f"the saved env state has {state['num_envs']} envs in groups of {state['group_size']}, "
+                             f"this env {self.num_envs} in groups of {self.group_size}; restore it into an env of "
+                             "the same num_envs and group_size")
+        self.task.sampler.set_state(state["sampler"])
+        self.episodes = [self.task.restore_episode(episode) for episode in state["episodes"]]
+        self.episode_counts = np.asarray(state["episode_counts"], dtype=np.int64)
+        self.group_draws = {(group, j): [self.task.sampler.get(problem_id), group_id, left]
+                            for group, j, problem_id, group_id, left in state["group_draws"]}
+        self.next_group_id = state["next_group_id"]
+        self.needs_reset = np.asarray(state["needs_reset"], dtype=bool)
+        return self._observations(), self._infos([self.task.info(e) for e in self.episodes])
+
     def _start_episode(self, env_index: int, problem_ids: Sequence[str] | None = None) -> Episode:
         """The next episode of env ``env_index``: its group's j-th problem, drawn by the first
         member that gets there and forgotten once every member has taken it."""
-        group = env_index // self.group_size
+        group = int(env_index) // self.group_size
         key = (group, int(self.episode_counts[env_index]))
         self.episode_counts[env_index] += 1
         if key not in self.group_draws:

@@ -54,7 +54,7 @@ flags.DEFINE_integer("n_rollout_threads", 64, "Parallel envs (= samples per iter
 flags.DEFINE_integer("eval_interval", 50, "Evaluate every this many iterations (and at the start and end); 0: "
                      "never.", lower_bound=0)
 flags.DEFINE_integer("log_interval", 1, "Write training scalars every this many iterations.", lower_bound=1)
-flags.DEFINE_integer("save_interval", 100, "Save the policy every this many iterations (and at the end); 0: only "
+flags.DEFINE_integer("save_interval", 100, "Save a checkpoint every this many iterations (and at the end); 0: only "
                      "at the end.", lower_bound=0)
 flags.DEFINE_integer("max_new_tokens", 64, "Most tokens per action (per step, or per solution).", lower_bound=1)
 flags.DEFINE_integer("gradient_cp_steps", 1, "Gradient accumulation: micro-batches per minibatch.", lower_bound=1)
@@ -92,8 +92,15 @@ flags.DEFINE_integer("torch_threads", 1, "torch intra-op CPU threads. 1 by defau
 flags.DEFINE_float("temperature", 1.0, "Sampling temperature for rollouts (> 0; evaluation is greedy).")
 flags.DEFINE_float("top_p", 1.0, "Nucleus sampling for rollouts (1: off).")
 flags.DEFINE_string("logdir", "runs", "TensorBoard and checkpoint root: <logdir>/<experiment>/<run>.")
-flags.DEFINE_string("resume", None, "Start from a policy saved by this trainer (a checkpoint directory). "
-                    "Restores weights only; optimizer state and counters start afresh.")
+flags.DEFINE_string("resume", None, "Continue a run from a checkpoint: 'auto' = the newest complete checkpoint "
+                    "under <logdir>/<experiment> (a fresh start if there is none), or a checkpoint directory "
+                    "<run>/checkpoints/iter_N. Restores weights, optimizer, scheduler, RNGs, the env's problem "
+                    "order and the counters; TensorBoard continues in the same run directory.")
+flags.DEFINE_integer("keep_checkpoints", 0, "Keep only the newest this many checkpoints (older complete ones are "
+                     "deleted after each save); 0: keep all.", lower_bound=0)
+flags.DEFINE_integer("max_nonfinite_steps", 3, "A non-finite loss or gradient skips that optimizer step; this many "
+                     "in a row stop the run with an error (the last checkpoint is kept as the last good one).",
+                     lower_bound=1)
 
 # --- Optimisation -----------------------------------------------------------------------------
 flags.DEFINE_float("lr", 5e-5, "Policy learning rate (AdamW). On the tiny Arith policy 1e-4 collapsed held-out "
@@ -143,18 +150,21 @@ algorithm is an error rather than silently ignored."""
 
 
 def _register_path(name: str, kind: str) -> None:
-    """--name must be an existing ``kind`` ("file-or-dir", "dir", "checkpoint") when given."""
+    """--name must be an existing ``kind`` ("file-or-dir", "dir", "checkpoint") when given ("checkpoint"
+    also takes 'auto')."""
     def check(value: str | None) -> bool:
-        if value is None or (kind == "file-or-dir" and value.startswith("hf://")):
+        if value is None or (kind == "file-or-dir" and value.startswith("hf://")) or (kind == "checkpoint"
+                                                                                    and value == "auto"):
             return True
         path = Path(value).expanduser()
         if not path.exists():
             raise flags.ValidationError(f"{value!r} does not exist; pass an existing path or leave --{name} out")
         if kind == "dir" and not path.is_dir():
             raise flags.ValidationError(f"{value!r} is not a directory; pass a Hugging Face model directory")
-        if kind == "checkpoint" and not (path / "mathrl_policy.json").is_file():
-            raise flags.ValidationError(f"{value!r} has no mathrl_policy.json: pass a checkpoint directory saved by "
-                                        "this trainer (<logdir>/<experiment>/<run>/checkpoints/iter_N)")
+        if kind == "checkpoint" and not (path / "manifest.json").is_file():
+            raise flags.ValidationError(f"{value!r} has no manifest.json: pass 'auto' or a complete checkpoint "
+                                        "directory written by this trainer (<logdir>/<experiment>/<run>/checkpoints/"
+                                        "iter_N)")
         return True
     flags.register_validator(name, check)
 

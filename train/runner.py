@@ -10,18 +10,33 @@ iterations, bootstrapped from V of the last observation unless terminated). With
 ``async_rollouts`` a background thread generates the next batch with a copy of the policy while
 the current batch trains; the copy is refreshed so no batch lags more than ``max_policy_lag``
 policy versions, and ratios use the behaviour log-probs recorded at generation time.
+
+Surviving faults:
+- Checkpoints (``train.checkpoint``) every ``save_interval`` iterations and at the end hold the weights,
+  optimizer and scheduler, RNG states, the env's state and the counters; ``restore`` continues from
+  one exactly (synchronous collection: the same parameters and logged values as a run never stopped).
+- SIGINT/SIGTERM: the current iteration finishes, a checkpoint is written, ``run`` returns with
+  ``stop_signal`` set. A second signal interrupts at once (KeyboardInterrupt).
+- A non-finite loss or gradient norm skips that optimizer step (logged, counted in
+  ``train/nonfinite_steps``); ``max_nonfinite_steps`` in a row raise ``NonFiniteError`` without saving,
+  so the last checkpoint stays the last good one.
+- An exception before the update (a reward model raising in evaluation or collection) writes a
+  checkpoint of the state at the start of that iteration, then propagates.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import math
+import signal
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -29,11 +44,16 @@ from tqdm import tqdm
 
 from algorithms.base import Algorithm
 from envs.prompts import STEP_DELIMITER
+from train import checkpoint
 from train.buffer import RolloutBuffer
 from train.generation import Generator
 from train.policy import LanguagePolicy
 
 log = logging.getLogger(__name__)
+
+
+class NonFiniteError(RuntimeError):
+    """Too many optimizer steps in a row had a non-finite loss or gradient norm."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +73,8 @@ class RunnerConfig:
     eval_limit: int = 1000
     log_interval: int = 1
     save_interval: int = 0  # 0: only at the end
+    keep_checkpoints: int = 0  # 0: keep all
+    max_nonfinite_steps: int = 3
     seed: int = 0
     async_rollouts: bool = False
     max_policy_lag: int = 1
@@ -67,7 +89,7 @@ class Runner:
     def __init__(self, config: RunnerConfig, env, eval_env, policy: LanguagePolicy, generator: Generator,
                  algorithm: Algorithm, optimizer: torch.optim.Optimizer, scheduler, writer, run_dir: Path,
                  implicit_prm=None, rollout_policy: LanguagePolicy | None = None,
-                 rollout_generator: Generator | None = None):
+                 rollout_generator: Generator | None = None, run_flags: dict[str, Any] | None = None):
         if config.async_rollouts and (rollout_policy is None or rollout_generator is None):
             raise ValueError("async_rollouts needs rollout_policy and rollout_generator (a copy of the policy)")
         if algorithm.needs_process_rewards and implicit_prm is None:
@@ -89,38 +111,87 @@ class Runner:
         self.env_steps = 0
         self.history: list[dict[str, float]] = []  # eval results, for the caller
         self.last_buffer: RolloutBuffer | None = None  # for the text panel of sampled solutions
+        self.run_flags = run_flags or {}  # saved with every checkpoint
+        self.iteration = 0  # completed iterations; the next one to run
+        self.nonfinite_steps = 0  # skipped optimizer steps in the whole run
+        self.nonfinite_in_a_row = 0
+        self.last_checkpoint: Path | None = None
+        self.stop_signal: str | None = None  # name of the signal that asked the run to stop
 
     # ---------------------------------------------------------------------------------------------
     # The loop
     # ---------------------------------------------------------------------------------------------
 
     def run(self) -> list[dict[str, float]]:
+        """Trains from ``self.iteration`` (0, or where ``restore`` left it) to ``num_iterations``;
+        returns the evaluation history. Stops early, after saving, on SIGINT/SIGTERM."""
         config = self.config
-        progress = tqdm(range(config.num_iterations), desc=self.algorithm.name, dynamic_ncols=True)
+        progress = tqdm(range(self.iteration, config.num_iterations), initial=self.iteration,
+                        total=config.num_iterations, desc=self.algorithm.name, dynamic_ncols=True)
         postfix: dict[str, str] = {}
         try:
-            for iteration in progress:
-                if config.eval_interval and iteration % config.eval_interval == 0:
-                    postfix["acc"] = f"{self.evaluate(iteration)['eval/accuracy']:.3f}"
-                buffer, stats = self.next_rollout(iteration)
-                stats.update(self.update(buffer))
-                stats["time/sync"] = self.generator.sync(self.policy)
-                self.version += 1
-                if iteration % config.log_interval == 0:
-                    self.log(iteration, buffer, stats)
-                postfix.update(reward=f"{stats['train/reward']:.3f}", train_acc=f"{stats['train/accuracy']:.3f}")
-                progress.set_postfix(postfix, refresh=False)
-                if config.save_interval and (iteration + 1) % config.save_interval == 0:
-                    self.save(iteration + 1)
-            if config.eval_interval:
-                self.evaluate(config.num_iterations)
-            self.save(config.num_iterations)
+            with self.signals_stop_after_iteration():
+                for iteration in progress:
+                    self.train_iteration(iteration, postfix)
+                    progress.set_postfix(postfix, refresh=False)
+                    if self.stop_signal is not None:
+                        self.save()
+                        return self.history
+                    if config.save_interval and self.iteration % config.save_interval == 0:
+                        self.save()
+                if config.eval_interval:
+                    self.evaluate(config.num_iterations)
+                self.save()
         finally:
             progress.close()
             if self.pool is not None:
                 self.pool.shutdown(wait=True, cancel_futures=True)
             self.writer.flush()
         return self.history
+
+    def train_iteration(self, iteration: int, postfix: dict[str, str]) -> None:
+        """(Eval,) collect, update, sync, log. An exception before the update, when weights and
+        optimizer are still those of the iteration's start, first saves that start state."""
+        config = self.config
+        start = self.snapshot() if self.pool is None else None  # async: the env is busy in the other thread
+        try:
+            if config.eval_interval and iteration % config.eval_interval == 0:
+                postfix["acc"] = f"{self.evaluate(iteration)['eval/accuracy']:.3f}"
+            buffer, stats = self.next_rollout(iteration)
+        except Exception:
+            path = self.save(start)
+            log.error("iteration %d failed before its update; saved the state at its start to %s", iteration, path)
+            raise
+        stats.update(self.update(buffer))
+        stats["time/sync"] = self.generator.sync(self.policy)
+        self.version += 1
+        if iteration % config.log_interval == 0:
+            self.log(iteration, buffer, stats)
+        postfix.update(reward=f"{stats['train/reward']:.3f}", train_acc=f"{stats['train/accuracy']:.3f}")
+        self.iteration = iteration + 1
+
+    @contextlib.contextmanager
+    def signals_stop_after_iteration(self) -> Iterator[None]:
+        """SIGINT/SIGTERM set ``stop_signal`` (the loop saves and returns after the current iteration);
+        a second one raises KeyboardInterrupt. Only the main thread can install handlers: elsewhere
+        signals keep their default behaviour."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def request_stop(signum: int, frame) -> None:
+            if self.stop_signal is not None:
+                raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopping without saving")
+            self.stop_signal = signal.Signals(signum).name
+            log.warning("%s received: finishing iteration %d, then saving a checkpoint and exiting (send it again "
+                        "to stop at once without saving)", self.stop_signal, self.iteration)
+
+        previous = {signum: signal.signal(signum, request_stop) for signum in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
 
     def next_rollout(self, iteration: int) -> tuple[RolloutBuffer, dict[str, float]]:
         """This iteration's batch: collected now, or (async) the one generated in the background,
@@ -280,8 +351,8 @@ class Runner:
         for _ in range(config.ppo_epoch):
             for minibatch in buffer.minibatches(config.num_mini_batch, config.gradient_cp_steps, self.shuffle,
                                                 skip=algorithm.skippable_rows):
-                minibatch_kl = self.minibatch_step(minibatch, sums, weights, grad_norms)
-                steps += 1
+                minibatch_kl, stepped = self.minibatch_step(minibatch, sums, weights, grad_norms)
+                steps += stepped
                 if config.target_kl and minibatch_kl > config.target_kl:
                     stopped_early = True
                     break
@@ -295,6 +366,7 @@ class Runner:
         stats.update({
             "grad/norm": float(np.mean(grad_norms)) if grad_norms else 0.0,
             "train/optimizer_steps": float(steps), "train/early_stopped": float(stopped_early),
+            "train/nonfinite_steps": float(self.nonfinite_steps),
             "train/trained_samples": float(buffer.live.sum()), "time/update": time.perf_counter() - started,
             "histograms": advantage_stats,
         })
@@ -302,15 +374,17 @@ class Runner:
             stats[f"lr/{group.get('name', 'group')}"] = group["lr"]
         return stats
 
-    def minibatch_step(self, minibatch, sums: dict, weights: dict, grad_norms: list) -> float:
-        """Accumulates the micro-batches' gradients, clips, steps; returns the minibatch's approx KL."""
+    def minibatch_step(self, minibatch, sums: dict, weights: dict, grad_norms: list) -> tuple[float, bool]:
+        """Accumulates the micro-batches' gradients, clips, steps; returns (the minibatch's approx KL,
+        whether the optimizer stepped: not when the loss or the gradient norm is non-finite)."""
         policy, algorithm = self.policy, self.algorithm
         self.optimizer.zero_grad(set_to_none=True)
-        kl_sum, kl_weight = 0.0, 0
+        kl_sum, kl_weight, finite_loss = 0.0, 0, True
         for batch in minibatch:
             scores = policy.evaluate(batch.prompts, (batch.action_ids, batch.action_lengths), self.config.temperature,
                                      with_entropy=True, with_values=algorithm.critic is not None)
             loss, micro_stats = algorithm.loss(scores, batch)
+            finite_loss &= bool(torch.isfinite(loss))
             loss.backward()
             for key, value in micro_stats.items():
                 sums[key] += float(value) * batch.num_samples
@@ -319,9 +393,30 @@ class Runner:
             kl_weight += batch.num_samples
         parameters = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
         max_norm = self.config.max_grad_norm or math.inf
-        grad_norms.append(float(torch.nn.utils.clip_grad_norm_(parameters, max_norm)))
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(parameters, max_norm))
+        kl = kl_sum / max(kl_weight, 1)
+        if not (finite_loss and math.isfinite(grad_norm)):
+            self.skip_nonfinite_step("loss" if not finite_loss else f"gradient norm ({grad_norm})")
+            return kl, False
+        self.nonfinite_in_a_row = 0
+        grad_norms.append(grad_norm)
         self.optimizer.step()
-        return kl_sum / max(kl_weight, 1)
+        return kl, True
+
+    def skip_nonfinite_step(self, what: str) -> None:
+        """Drops the step's gradients; ``max_nonfinite_steps`` in a row stop the run (without saving:
+        the last checkpoint stays the last good state)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.nonfinite_steps += 1
+        self.nonfinite_in_a_row += 1
+        log.warning("iteration %d: non-finite %s; optimizer step skipped (%d in a row, %d in the run)",
+                    self.iteration, what, self.nonfinite_in_a_row, self.nonfinite_steps)
+        if self.nonfinite_in_a_row >= self.config.max_nonfinite_steps:
+            raise NonFiniteError(
+                f"iteration {self.iteration}: {self.nonfinite_in_a_row} optimizer steps in a row had a non-finite "
+                f"{what} (--max_nonfinite_steps={self.config.max_nonfinite_steps}); stopped without saving. Last good "
+                f"checkpoint: {self.last_checkpoint or 'none written yet'}. Check the rewards and the learning rate "
+                "(--lr, --max_grad_norm) before resuming from it")
 
     def update_implicit_prm(self, buffer: RolloutBuffer) -> float:
         """PRIME: one step of the implicit PRM on this rollout's live actions, labelled by whether
@@ -420,10 +515,78 @@ class Runner:
             lines.append("")
         return "\n".join(lines)
 
-    def save(self, iteration: int) -> Path:
-        path = self.policy.save(self.run_dir / "checkpoints" / f"iter_{iteration}")
-        log.info("saved policy to %s", path)
+    def snapshot(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(JSON state, RNG states) of everything but weights and optimizers: counters, eval history,
+        the env (problem sampler, episodes in progress), episode returns; python/numpy/torch RNGs and
+        the minibatch shuffle."""
+        state = {"iteration": self.iteration, "env_steps": self.env_steps, "version": self.version,
+                 "rollout_version": self.rollout_version, "nonfinite_steps": self.nonfinite_steps,
+                 "nonfinite_in_a_row": self.nonfinite_in_a_row, "history": list(self.history),
+                 "env": self.env.get_state(), "episode_return": self.episode_return.tolist()}
+        return state, {**checkpoint.rng_state(), "shuffle": self.shuffle.get_state()}
+
+    def save(self, snapshot: tuple[dict[str, Any], dict[str, Any]] | None = None) -> Path:
+        """Writes checkpoint ``iter_<iteration>`` of ``snapshot`` (default: now) with the current weights
+        and optimizers (``train.checkpoint.save``: atomic), then prunes to ``keep_checkpoints``."""
+        if self.pending is not None:  # the rollout thread steps the env: let it finish first
+            concurrent.futures.wait([self.pending])
+        state, rng = snapshot or self.snapshot()
+        checkpoints_dir = self.run_dir / "checkpoints"
+        if self.last_checkpoint == checkpoints_dir / f"{checkpoint.PREFIX}{state['iteration']}":
+            return self.last_checkpoint  # nothing trained since (e.g. the final save right after a periodic one)
+        write_out(self.writer)  # every point logged before this checkpoint is on disk when it exists
+        optimizers = {"policy": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        if self.implicit_prm is not None:
+            optimizers["implicit_prm"] = self.implicit_prm.optimizer.state_dict()
+        path = checkpoint.save(checkpoints_dir, state["iteration"], policy=self.policy, optimizers=optimizers,
+                               rng=rng, state=state, flags=self.run_flags,
+                               implicit_prm=self.implicit_prm.model if self.implicit_prm is not None else None)
+        self.last_checkpoint = path
+        log.info("saved checkpoint %s", path)
+        if self.config.keep_checkpoints:
+            checkpoint.prune(checkpoints_dir, self.config.keep_checkpoints)
         return path
+
+    def restore(self, saved: checkpoint.Checkpoint) -> None:
+        """Continues from ``saved``: optimizers, scheduler, implicit PRM, RNGs, env and counters. The
+        policy's weights are the caller's to load (``checkpoint.load_policy``), since the caller builds
+        the policy."""
+        optimizers = saved.optimizers(self.policy.device)
+        if ("implicit_prm" in optimizers) != (self.implicit_prm is not None):
+            raise checkpoint.CheckpointError(
+                f"{saved.path} was trained {'with' if 'implicit_prm' in optimizers else 'without'} an implicit PRM, "
+                f"this run {'trains one' if self.implicit_prm is not None else 'trains none'}: resume with the "
+                "algorithm it was trained with")
+        self.optimizer.load_state_dict(optimizers["policy"])
+        self.scheduler.load_state_dict(optimizers["scheduler"])
+        if self.implicit_prm is not None:
+            saved.load_implicit_prm(self.implicit_prm.model)
+            self.implicit_prm.optimizer.load_state_dict(optimizers["implicit_prm"])
+        state, rng = saved.state, saved.rng()
+        self.obs, self.info = self.env.set_state(state["env"])
+        self.episode_return = np.asarray(state["episode_return"], dtype=np.float64)
+        self.iteration, self.env_steps, self.version = state["iteration"], state["env_steps"], state["version"]
+        self.rollout_version = state["rollout_version"]
+        self.nonfinite_steps, self.nonfinite_in_a_row = state["nonfinite_steps"], state["nonfinite_in_a_row"]
+        self.history = list(state["history"])
+        checkpoint.set_rng_state(rng)
+        self.shuffle.set_state(rng["shuffle"])
+        self.last_checkpoint = saved.path
+        log.info("resumed from %s: iteration %d, %d env steps", saved.path, self.iteration, self.env_steps)
+
+
+def write_out(writer) -> None:
+    """Every event logged to ``writer`` (a tensorboardX SummaryWriter) so far is in its file when this returns.
+
+    tensorboardX's ``flush()`` flushes the file but not the events still queued for its writer thread,
+    so a kill just after a checkpoint could lose the points logged just before it. Stopping the thread
+    drains the queue in order; ``reopen`` starts a new one on the same queue and file (tensorboardX 2.x
+    internals; tests/test_checkpoint.py reads the file back to check)."""
+    events = writer.file_writer.event_writer
+    events._worker.stop()
+    events._closed = True
+    events.reopen()
+    events.flush()
 
 
 def step_info(info: dict, key: str, ended: np.ndarray) -> np.ndarray:

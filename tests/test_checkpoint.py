@@ -1,0 +1,390 @@
+"""Checkpoints (train/checkpoint.py, Runner.save/restore): the env's state round trip, atomic writes
+that leave the previous checkpoint intact when the disk is full, incomplete directories skipped and
+reported, pruning, exact resume (k + resume + k iterations = 2k in one go, same parameters,
+optimizer state and logged values), non-finite steps, and a reward model that raises."""
+
+from __future__ import annotations
+
+import errno
+import glob
+import json
+import logging
+import os
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from absl import flags, app
+from gymnasium.vector import AutoresetMode
+from safetensors.torch import load_file
+
+import train_math
+from algorithms.base import algorithm_class
+from envs.datasets import Arith
+from envs.math_env import RewardModelError
+from envs.vector import MathVectorEnv
+from test_env import StepLengthReward
+from test_train_math import parse
+from test_trainer import run_train_math
+from train import checkpoint
+from train.runner import NonFiniteError, Runner, write_out
+
+PROBLEMS = Arith().problems(30, seed=2)
+
+
+def read_scalars_purged(run_dir) -> dict[str, list[tuple[int, float]]]:
+    """Scalars of a run directory as TensorBoard shows them: event files in order, and a
+    SessionLog START at step s (a writer's purge_step) drops the points already read at steps >= s."""
+    from tensorboardX.proto import event_pb2
+
+    scalars: dict[str, list[tuple[int, float]]] = {}
+    for path in sorted(glob.glob(f"{run_dir}/events.out.tfevents.*")):
+        data, offset = open(path, "rb").read(), 0
+        while offset + 12 <= len(data):
+            length = int.from_bytes(data[offset:offset + 8], "little")
+            if offset + 12 + length + 4 > len(data):
+                break  # a record cut by SIGKILL (TensorBoard skips it too)
+            event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
+            offset += 12 + length + 4
+            if event.HasField("session_log") and event.session_log.status == event_pb2.SessionLog.START:
+                scalars = {tag: [(s, v) for s, v in points if s < event.step] for tag, points in scalars.items()}
+            for value in event.summary.value:
+                if value.HasField("simple_value"):
+                    scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return scalars
+
+
+def deterministic_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar except wall-clock ones (time/, perf/)."""
+    return {tag: sorted(points) for tag, points in read_scalars_purged(run_dir).items()
+            if not tag.startswith(("time/", "perf/"))}
+
+
+def assert_same_training_state(a: Path, b: Path) -> None:
+    """Two checkpoints hold bit-identical weights (policy, LoRA adapters, value head, implicit PRM),
+    optimizer moments and trainer state."""
+    files = sorted(p.relative_to(a) for p in a.rglob("*.safetensors"))
+    assert files == sorted(p.relative_to(b) for p in b.rglob("*.safetensors"))
+    for file in files:
+        left, right = load_file(a / file), load_file(b / file)
+        assert left.keys() == right.keys()
+        for name in left:
+            assert torch.equal(left[name], right[name]), f"{file}:{name} differs"
+    optimizers_a, optimizers_b = (torch.load(p / "optimizers.pt", weights_only=True) for p in (a, b))
+    assert optimizers_a.keys() == optimizers_b.keys() and optimizers_a["policy"]["state"], "the run never stepped"
+    for optimizer in optimizers_a.keys() - {"scheduler"}:
+        state_a, state_b = optimizers_a[optimizer]["state"], optimizers_b[optimizer]["state"]
+        assert state_a.keys() == state_b.keys()
+        for index in state_a:
+            for key in state_a[index]:
+                assert torch.equal(state_a[index][key], state_b[index][key]), f"{optimizer} {index}/{key} differs"
+    assert optimizers_a["scheduler"] == optimizers_b["scheduler"]
+    state_a, state_b = (json.loads((p / "trainer_state.json").read_text()) for p in (a, b))
+    for state in (state_a, state_b):  # eval history entries carry their wall-clock time/eval
+        state["history"] = [{k: v for k, v in h.items() if not k.startswith("time/")} for h in state["history"]]
+    assert state_a == state_b
+
+
+# ---------------------------------------------------------------------------------------------
+# The env's state
+# ---------------------------------------------------------------------------------------------
+
+def test_vector_env_state_round_trip_continues_identically():
+    """Episodes in progress, group bookkeeping and the sampler's epoch position survive a JSON
+    round trip: the copy then steps exactly like the original."""
+    make = lambda: MathVectorEnv(num_envs=6, group_size=3, problems=PROBLEMS, max_steps=3,  # noqa: E731
+                                 autoreset_mode=AutoresetMode.SAME_STEP)
+    original = make()
+    original.reset(seed=5)
+    rng = np.random.default_rng(0)
+    choices = ["thinking", "The answer is \\boxed{1}.", "more"]
+    for _ in range(4):
+        original.step([choices[i] for i in rng.integers(0, 3, 6)])
+    copy = make()
+    copy.reset(seed=99)
+    obs, info = copy.set_state(json.loads(json.dumps(original.get_state())))
+    assert obs == original._observations()
+    for _ in range(40):  # more than one epoch of the 30 problems
+        actions = [choices[i] for i in rng.integers(0, 3, 6)]
+        expected, got = original.step(actions), copy.step(actions)
+        assert got[0] == expected[0]
+        np.testing.assert_array_equal(got[1], expected[1])
+        assert list(got[4]["group_id"]) == list(expected[4]["group_id"])
+        assert list(got[4]["problem_id"]) == list(expected[4]["problem_id"])
+
+
+def test_env_state_refuses_another_problem_list_or_shape():
+    env = MathVectorEnv(num_envs=4, group_size=2, problems=PROBLEMS)
+    env.reset(seed=0)
+    state = env.get_state()
+    with pytest.raises(ValueError, match="different problem list"):
+        MathVectorEnv(num_envs=4, group_size=2, problems=PROBLEMS[:20]).set_state(state)
+    with pytest.raises(ValueError, match="4 envs in groups of 2, this env 4 in groups of 4"):
+        MathVectorEnv(num_envs=4, group_size=4, problems=PROBLEMS).set_state(state)
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing, finding, pruning
+# ---------------------------------------------------------------------------------------------
+
+def write_files(directory: Path) -> None:
+    (directory / "weights.bin").write_bytes(b"\0" * 1000)
+
+
+def test_incomplete_directories_are_skipped_and_reported(tmp_path, caplog):
+    checkpoints = tmp_path / "exp" / "run_1" / "checkpoints"
+    first = checkpoint.atomic_write(checkpoints / "iter_1", 1, write_files)
+    checkpoint.atomic_write(checkpoints / "iter_3", 3, write_files)
+    (checkpoints / "iter_4").mkdir()  # no manifest: a foreign or torn directory
+    with open(checkpoints / "iter_3" / "weights.bin", "r+b") as f:
+        f.truncate(10)  # manifest present, file cut short
+    (checkpoints / ".tmp-iter_5-123").mkdir()  # a save killed mid-write
+    with caplog.at_level(logging.WARNING, logger="train.checkpoint"):
+        assert checkpoint.find_latest(tmp_path / "exp" / "run_1") == first
+        assert checkpoint.resolve_resume("auto", tmp_path / "exp") == first
+    assert "iter_4: no manifest.json" in caplog.text
+    assert "iter_3: weights.bin has 10 bytes, the manifest says 1000" in caplog.text
+    with pytest.raises(checkpoint.CheckpointError, match="iter_3 is not a complete checkpoint: weights.bin"):
+        checkpoint.resolve_resume(str(checkpoints / "iter_3"), tmp_path / "exp")
+    assert checkpoint.resolve_resume("auto", tmp_path / "empty_experiment") is None  # a fresh start
+    checkpoint.atomic_write(checkpoints / "iter_6", 6, write_files)
+    assert not list(checkpoints.glob(".tmp-*")), "the next save removes what killed saves left"
+
+
+def test_failed_write_raises_naming_the_path_and_keeps_the_previous(tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    previous = checkpoint.atomic_write(checkpoints / "iter_1", 1, write_files)
+
+    def disk_full(directory: Path) -> None:
+        write_files(directory)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory / "more.bin"))
+
+    with pytest.raises(checkpoint.CheckpointError, match=r"could not write checkpoint .*iter_2: OSError: .*No space"):
+        checkpoint.atomic_write(checkpoints / "iter_2", 2, disk_full)
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["iter_1"]
+    assert checkpoint.invalid_reason(previous) is None
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    with pytest.raises(checkpoint.CheckpointError, match=r"could not write checkpoint .*file/iter_1"):
+        checkpoint.atomic_write(not_a_dir / "iter_1", 1, write_files)
+
+
+def test_saving_the_same_iteration_again_replaces_it_whole(tmp_path):
+    checkpoint.atomic_write(tmp_path / "iter_1", 1, write_files)
+    checkpoint.atomic_write(tmp_path / "iter_1", 1, lambda d: (d / "other.bin").write_bytes(b"x"))
+    assert sorted(p.name for p in (tmp_path / "iter_1").iterdir()) == ["manifest.json", "other.bin"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_1"]
+
+
+def test_prune_deletes_the_oldest_complete_checkpoints(tmp_path):
+    for n in (1, 2, 5, 10):
+        checkpoint.atomic_write(tmp_path / f"iter_{n}", n, write_files)
+    (tmp_path / "iter_11").mkdir()  # incomplete: reported by find_latest, never counted or deleted
+    removed = checkpoint.prune(tmp_path, keep=2)
+    assert [p.name for p in removed] == ["iter_1", "iter_2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_10", "iter_11", "iter_5"]
+
+
+def test_write_out_puts_every_logged_point_in_the_file(tmp_path):
+    """What a checkpoint relies on: after write_out, the event file on disk holds every point."""
+    from tensorboardX import SummaryWriter
+
+    writer = SummaryWriter(str(tmp_path), purge_step=3)
+    for round_ in range(3):
+        for step in range(50):
+            writer.add_scalar("x", float(step + round_), 50 * round_ + step)
+        write_out(writer)
+        assert len(read_scalars_purged(tmp_path)["x"]) == 50 * (round_ + 1)
+    writer.add_scalar("x", -1.0, 150)
+    writer.close()
+    points = read_scalars_purged(tmp_path)["x"]
+    assert [step for step, _ in points] == list(range(151)) and points[-1] == (150, -1.0)
+
+
+def test_rng_states_round_trip_through_weights_only_load(tmp_path):
+    torch.manual_seed(1)
+    np.random.seed(1)
+    torch.save(checkpoint.rng_state(), tmp_path / "rng.pt")
+    expected = (torch.rand(3), np.random.rand(3), __import__("random").random())
+    checkpoint.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    assert torch.equal(torch.rand(3), expected[0])
+    np.testing.assert_array_equal(np.random.rand(3), expected[1])
+    assert __import__("random").random() == expected[2]
+
+
+# ---------------------------------------------------------------------------------------------
+# Through train_math: exact resume, signals, non-finite steps, failures
+# ---------------------------------------------------------------------------------------------
+
+def flags_for(policy_dir, logdir, algorithm: str, iterations: int, *extra: str) -> list[str]:
+    """Small settings; APPO in step mode so that episodes run across iterations (its env state
+    holds episodes in progress); GRPO/RLOO in groups of 2, evaluated every 2 iterations."""
+    common = ["--model_name_or_path", str(policy_dir), "--logdir", str(logdir), "--n_rollout_threads", "4",
+              "--max_new_tokens", "5", "--seed", "3", "--warmup_iterations", "0", "--lr", "1e-3"]
+    if algorithm == "APPO":
+        common += ["--algorithm_name", "APPO", "--noasync_rollouts", "--action_level", "step", "--episode_length", "2",
+                   "--eval_interval", "0", "--num_env_steps", str(8 * iterations)]
+    else:
+        common += ["--algorithm_name", algorithm, "--group_size", "2", "--eval_interval", "2", "--eval_limit", "4",
+                   "--eval_batch_size", "4", "--num_env_steps", str(4 * iterations)]
+    return common + list(extra)
+
+
+@pytest.fixture
+def length_reward(monkeypatch):
+    """train_math's env pays len(step) / 100 (the untrained policy never answers correctly)."""
+    monkeypatch.setattr(train_math, "build_reward_model", lambda device, dtype: StepLengthReward())
+
+
+def sigterm_after_iteration(monkeypatch, last: int) -> None:
+    """Sends this process SIGTERM right after iteration ``last`` is logged."""
+    log = Runner.log
+
+    def log_then_signal(self, iteration, buffer, stats):
+        log(self, iteration, buffer, stats)
+        if iteration == last:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(Runner, "log", log_then_signal)
+
+
+@pytest.mark.parametrize("algorithm, extra", [
+    ("APPO", []), ("GRPO", []), ("APPO", ["--lora_rank", "4"]),
+    ("RLOO", ["--accuracy_lower_bound", "0"]),  # keeps the groups the untrained policy gets all wrong
+], ids=["APPO", "GRPO", "APPO-LoRA", "RLOO-implicit-PRM"])
+def test_k_then_resume_then_k_equals_2k_in_one_go(untrained_policy_dir, tmp_path, monkeypatch, capsys,
+                                                 length_reward, algorithm, extra):
+    """Stopped by SIGTERM after k iterations and resumed with --resume auto, a run ends with the
+    weights, optimizer state, trainer state and TensorBoard scalars of a run never stopped."""
+    k = 2
+    straight = run_train_math(flags_for(untrained_policy_dir, tmp_path / "straight", algorithm, 2 * k, *extra))
+    with monkeypatch.context() as patch:
+        sigterm_after_iteration(patch, k - 1)
+        stopped = run_train_math(flags_for(untrained_policy_dir, tmp_path / "resumed", algorithm, 2 * k, *extra))
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith(f"stopped by SIGTERM after iteration {k}: checkpoint {stopped}/checkpoints/iter_{k}; "
+                           "resume with: ") and line.endswith(f"--resume={stopped}/checkpoints/iter_{k}")
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the runner put the handlers back
+    resumed = run_train_math(flags_for(untrained_policy_dir, tmp_path / "resumed", algorithm, 2 * k, *extra,
+                                       "--resume", "auto"))
+    assert resumed == stopped  # the same run directory, TensorBoard continued in it
+    assert_same_training_state(Path(straight) / "checkpoints" / f"iter_{2 * k}",
+                               Path(resumed) / "checkpoints" / f"iter_{2 * k}")
+    expected, got = deterministic_scalars(straight), deterministic_scalars(resumed)
+    assert [step for step, _ in got["train/reward"]] == list(range(2 * k))  # no duplicated or missing points
+    assert got == expected
+    if algorithm != "APPO":
+        assert [step for step, _ in got["eval/accuracy"]] == [0, 2, 4]  # every 2 iterations and at the end
+        history = json.loads((Path(resumed) / "eval_history.json").read_text())
+        assert [h["iteration"] for h in history] == [0, 2, 4]
+
+
+def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(untrained_policy_dir, tmp_path, monkeypatch, caplog):
+    """A NaN loss at iteration 1 is skipped (the weights do not move) and counted; from iteration 3
+    on every loss is NaN: with --max_nonfinite_steps=2 the run stops in iteration 4, naming it and
+    the last checkpoint (iter_4, written after iteration 3), which skipped steps left untouched."""
+    appo = algorithm_class("APPO")
+    loss, calls = appo.loss, []
+
+    def sometimes_nan(self, scores, batch):  # one loss call per iteration with these settings
+        calls.append(len(calls))
+        value, stats = loss(self, scores, batch)
+        return (value * float("nan"), stats) if calls[-1] == 1 or calls[-1] >= 3 else (value, stats)
+
+    monkeypatch.setattr(appo, "loss", sometimes_nan)
+    argv = flags_for(untrained_policy_dir, tmp_path, "APPO", 10, "--save_interval", "1", "--max_nonfinite_steps", "2")
+    with pytest.raises(NonFiniteError, match=r"iteration 4: 2 optimizer steps in a row had a non-finite loss "
+                                             r"\(--max_nonfinite_steps=2\); stopped without saving\. Last good "
+                                             r"checkpoint: .*checkpoints/iter_4\."):
+        with caplog.at_level(logging.WARNING, logger="train.runner"):
+            run_train_math(argv)
+    assert "iteration 1: non-finite loss; optimizer step skipped (1 in a row, 1 in the run)" in caplog.text
+    (run_dir,) = glob.glob(f"{tmp_path}/APPO_Arith-v0/run_*")
+    checkpoints = Path(run_dir) / "checkpoints"
+    assert [p.name for p in checkpoint.checkpoint_dirs(checkpoints)] == ["iter_1", "iter_2", "iter_3", "iter_4"]
+    weights = [load_file(checkpoints / f"iter_{n}" / "policy" / "model.safetensors") for n in (1, 2, 3, 4)]
+    same = [all(torch.equal(before[k], after[k]) for k in before) for before, after in zip(weights, weights[1:])]
+    assert same == [True, False, True]  # iterations 1 and 3 skipped their step, iteration 2 trained
+    counts = read_scalars_purged(run_dir)["train/nonfinite_steps"]
+    assert counts == [(0, 0.0), (1, 1.0), (2, 1.0), (3, 2.0)]
+
+
+class FailingReward(StepLengthReward):
+    """Pays like StepLengthReward, then raises on its ``fail_at``-th call."""
+
+    name = "flaky"
+
+    def __init__(self, fail_at: int):
+        super().__init__()
+        self.fail_at = fail_at
+
+    def score(self, contexts):
+        if len(self.batch_sizes) + 1 == self.fail_at:
+            raise RuntimeError("CUDA error: device-side assert triggered")
+        return super().score(contexts)
+
+
+def test_reward_model_error_names_model_and_batch_and_saves_first(untrained_policy_dir, tmp_path, monkeypatch):
+    """One scoring call per iteration (solution mode, no eval): the 3rd fails in iteration 2, whose
+    start state is saved as iter_2, from which the run then resumes and finishes."""
+    monkeypatch.setattr(train_math, "build_reward_model", lambda device, dtype: FailingReward(fail_at=3))
+    argv = flags_for(untrained_policy_dir, tmp_path, "GRPO", 4, "--eval_interval", "0", "--save_interval", "0")
+    with pytest.raises(RewardModelError, match=r"reward model 'flaky' \(FailingReward\) raised RuntimeError: CUDA "
+                                               r"error: device-side assert triggered while scoring a batch of 4 steps "
+                                               r"of problems \[arith:[^,]+(, arith:[^,]+){3}\]$"):
+        run_train_math(argv)
+    (run_dir,) = glob.glob(f"{tmp_path}/GRPO_Arith-v0/run_*")
+    saved = checkpoint.find_latest(run_dir)
+    assert saved is not None and saved.name == "iter_2"
+    monkeypatch.setattr(train_math, "build_reward_model", lambda device, dtype: StepLengthReward())
+    assert run_train_math([*argv, "--resume", "auto"]) == run_dir
+    assert checkpoint.find_latest(run_dir).name == "iter_4"
+
+
+def test_disk_full_on_save_names_the_checkpoint_and_keeps_the_previous(untrained_policy_dir, tmp_path, monkeypatch):
+    save = torch.save
+
+    def full_on_third_save(obj, path, *args, **kwargs):
+        if str(path).endswith("optimizers.pt") and ".tmp-iter_3" in str(path):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", full_on_third_save)
+    argv = flags_for(untrained_policy_dir, tmp_path, "GRPO", 4, "--eval_interval", "0", "--save_interval", "1")
+    with pytest.raises(checkpoint.CheckpointError, match=r"could not write checkpoint .*/checkpoints/iter_3: OSError: "
+                                                         r"\[Errno 28\] No space left on device.* Earlier checkpoints "
+                                                         r"in .*/checkpoints are intact"):
+        run_train_math(argv)
+    (run_dir,) = glob.glob(f"{tmp_path}/GRPO_Arith-v0/run_*")
+    checkpoints = Path(run_dir) / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["iter_1", "iter_2"]
+    assert checkpoint.find_latest(run_dir).name == "iter_2"
+
+
+def test_unwritable_logdir_fails_before_any_model_loads(tmp_path, monkeypatch):
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr("train.policy.LanguagePolicy.__init__", no_model)
+    logdir = tmp_path / "not_a_directory"
+    logdir.write_text("")
+    with pytest.raises(app.UsageError, match=f"--logdir={logdir}: cannot write to {logdir}/GRPO_Arith-v0/run_"):
+        run_train_math(["--logdir", str(logdir), "--model_name_or_path", str(tmp_path)])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--keep_checkpoints", "-1"], "not a non-negative integer"),
+    (["--max_nonfinite_steps", "0"], "not a positive integer"),
+    (["--resume", "/no/such/iter_3"], "does not exist"),
+])
+def test_checkpoint_flags_are_validated(argv, message):
+    with pytest.raises(flags.Error, match=message):
+        parse(*argv)
+
+
+def test_resume_of_a_directory_without_manifest_fails_at_parse(tmp_path):
+    with pytest.raises(flags.Error, match="has no manifest.json: pass 'auto' or a complete checkpoint"):
+        parse("--resume", str(tmp_path))
+    parse("--resume", "auto")

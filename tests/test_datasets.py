@@ -72,6 +72,13 @@ def test_bad_lines_name_file_line_and_field(tmp_path, lines, message):
         load_problems(path)
 
 
+def test_non_utf8_file_names_file_and_line(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"problem": "a", "answer": "1"}\n{"problem": "caf\xe9", "answer": "2"}\n')
+    with pytest.raises(ValueError, match=r"latin1\.jsonl:2: not UTF-8 \(byte 0xe9"):
+        load_problems(path)
+
+
 def test_missing_file_and_empty_filters(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.jsonl does not exist"):
         load_problems(tmp_path / "nope.jsonl")

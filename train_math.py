@@ -60,6 +60,10 @@ def build_reward_model(device: str, dtype: str):
     for name in weights:
         if name == "outcome":
             models[name] = OutcomeReward()
+        elif name == "steps":
+            from reward_models.reference_steps import ReferenceStepsReward
+
+            models[name] = ReferenceStepsReward()
         elif name == "prm":
             from reward_models.prm import ProcessRewardModel
 

@@ -74,3 +74,21 @@ def test_reward_spec_errors(spec, message):
 
 def test_reward_spec_defaults_weight_one():
     assert parse_reward_spec("outcome, prm:0.25", ["outcome", "prm"]) == {"outcome": 1.0, "prm": 0.25}
+
+
+def test_reference_steps_reward_pays_the_matched_share_in_increments():
+    from reward_models.reference_steps import ReferenceStepsReward
+
+    problem = Problem("a1", "Compute 57 + 25 - 43.", "39", solution="57 + 25 = 82\n\n82 - 43 = 39\n\nThe answer is \\boxed{39}.")
+    reward = ReferenceStepsReward()
+    # step mode: right, right, wrong answer -> 1/3, 1/3, 0; a step after a deviation earns nothing
+    steps = ["57 + 25 = 82", "82 - 43 = 39", "The answer is \\boxed{40}."]
+    contexts = [StepContext(problem, tuple(steps[:k]), steps[k], k == 2) for k in range(3)]
+    np.testing.assert_allclose(reward.score(contexts).rewards, [1 / 3, 1 / 3, 0.0])
+    after_error = StepContext(problem, ("57 + 25 = 83",), "82 - 43 = 39", False)
+    assert reward.score([after_error]).rewards[0] == 0.0
+    # solution mode: the whole solution is one action; whitespace around steps does not matter
+    whole = StepContext(problem, (), " 57 + 25 = 82 \n\n82 - 43 = 39\n\nThe answer is \\boxed{39}.", True)
+    assert reward.score([whole]).rewards[0] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="no reference solution"):
+        reward.score([StepContext(Problem("m1", "Find x.", "2"), (), "x = 2", True)])

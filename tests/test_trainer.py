@@ -140,9 +140,11 @@ SLOW_SETTINGS = {
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="issue 5 open: on the tiny policy no algorithm yet raises reward over 64 "
-                   "iterations (GRPO 0.249 -> 0.215; a frozen-policy control drifts 0.240 -> 0.218 on the same "
-                   "problem stream, so the test should compare against that control)")
+@pytest.mark.xfail(strict=True, reason="issue 5 open: over 64 iterations the change is within noise on the 1.1M "
+                   "tiny policy (2026-11-23: GRPO 0.172 -> 0.132, RLOO 0.173 -> 0.118, APPO 0.175 -> 0.189, TPPO "
+                   "0.148 -> 0.177); the default GRPO run needs ~150+ iterations to show it (0.166 over the first "
+                   "150 -> 0.278 over the last 150 of 1500), so this test needs a longer run or a lower-variance "
+                   "measure")
 @pytest.mark.parametrize("name", list(SLOW_SETTINGS))
 def test_algorithm_raises_training_reward_on_arith(tiny_models, tmp_path, name):
     run_dir = run_train_math(["--algorithm_name", name, "--model_name_or_path", str(tiny_models.policy),

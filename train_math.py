@@ -263,7 +263,8 @@ def main(argv: list[str]) -> None:
                      target_kl=FLAGS.target_kl, eval_interval=FLAGS.eval_interval, eval_limit=FLAGS.eval_limit,
                      log_interval=FLAGS.log_interval, save_interval=FLAGS.save_interval, seed=FLAGS.seed,
                      async_rollouts=async_rollouts, max_policy_lag=FLAGS.max_policy_lag,
-                     keep_checkpoints=FLAGS.keep_checkpoints, max_nonfinite_steps=FLAGS.max_nonfinite_steps),
+                     keep_checkpoints=FLAGS.keep_checkpoints, save_best=FLAGS.save_best,
+                     max_nonfinite_steps=FLAGS.max_nonfinite_steps),
         env, eval_env, policy, generator, algorithm, optimizer, scheduler, writer, run_dir,
         implicit_prm=implicit_prm, rollout_policy=rollout_policy, rollout_generator=rollout_generator,
         run_flags=settings)

@@ -388,3 +388,60 @@ def test_resume_of_a_directory_without_manifest_fails_at_parse(tmp_path):
     with pytest.raises(flags.Error, match="has no manifest.json: pass 'auto' or a complete checkpoint"):
         parse("--resume", str(tmp_path))
     parse("--resume", "auto")
+
+
+class ScheduledVerdicts:
+    """Verdicts on finished episodes: during evaluation number k, the first ``accuracies[k] * batch``
+    are right; during training every other one."""
+
+    name = "scheduled"
+
+    def __init__(self, accuracies: list[float], batch: int):
+        self.accuracies, self.batch, self.eval_index = accuracies, batch, -1
+
+    def score(self, contexts):
+        from reward_models.base import RewardOutput
+
+        if self.eval_index >= 0:
+            right = round(self.accuracies[self.eval_index] * self.batch)
+            verdicts = [float(i < right) for i in range(len(contexts))]
+        else:  # training: one of each group of 2 right, so every update moves the weights
+            verdicts = [float(i % 2 == 0) for i in range(len(contexts))]
+        correct = np.array([v if c.done else np.nan for v, c in zip(verdicts, contexts)])
+        return RewardOutput(rewards=np.nan_to_num(correct), components={self.name: np.nan_to_num(correct)},
+                            correct=correct)
+
+
+def test_best_policy_is_saved_when_eval_accuracy_improves(untrained_policy_dir, tmp_path, monkeypatch):
+    """Evals at iterations 0, 2, 4, 6 score 0.25, 0.75, 0.5, 0.75: <run>/best is written at 0 and 2
+    only (a tie does not replace it) and holds the weights of iteration 2, loadable by transformers."""
+    from transformers import AutoModelForCausalLM
+
+    verdicts = ScheduledVerdicts([0.25, 0.75, 0.5, 0.75], batch=4)
+    monkeypatch.setattr(train_math, "build_reward_model", lambda device, dtype: verdicts)
+    evaluate, saved, evals = Runner.evaluate, [], []
+
+    def counted(self, iteration):
+        verdicts.eval_index = len(evals)
+        evals.append(iteration)
+        result = evaluate(self, iteration)
+        verdicts.eval_index = -1
+        return result
+
+    save_best = Runner.save_best
+
+    def recorded(self, iteration, accuracy):
+        saved.append((iteration, accuracy, {k: v.clone() for k, v in self.policy.causal_lm.state_dict().items()}))
+        return save_best(self, iteration, accuracy)
+
+    monkeypatch.setattr(Runner, "evaluate", counted)
+    monkeypatch.setattr(Runner, "save_best", recorded)
+    run_dir = Path(run_train_math(flags_for(untrained_policy_dir, tmp_path, "GRPO", 6)))
+    assert evals == [0, 2, 4, 6]
+    assert [(iteration, accuracy) for iteration, accuracy, _ in saved] == [(0, 0.25), (2, 0.75)]
+    assert json.loads((run_dir / "best" / "manifest.json").read_text())["iteration"] == 2
+    best = AutoModelForCausalLM.from_pretrained(run_dir / "best").state_dict()
+    for name, tensor in best.items():
+        torch.testing.assert_close(tensor, saved[-1][2][name], rtol=0, atol=0)
+    final = AutoModelForCausalLM.from_pretrained(run_dir / "checkpoints" / "iter_6" / "policy").state_dict()
+    assert any(not torch.equal(final[name], best[name]) for name in best)  # training went on after the best

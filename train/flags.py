@@ -98,6 +98,9 @@ flags.DEFINE_string("resume", None, "Continue a run from a checkpoint: 'auto' = 
                     "order and the counters; TensorBoard continues in the same run directory.")
 flags.DEFINE_integer("keep_checkpoints", 0, "Keep only the newest this many checkpoints (older complete ones are "
                      "deleted after each save); 0: keep all.", lower_bound=0)
+flags.DEFINE_boolean("save_best", True, "After an evaluation whose held-out accuracy beats every earlier one, "
+                     "write the policy to <run>/best (Hugging Face format; loadable by from_pretrained and "
+                     "--model_name_or_path).")
 flags.DEFINE_integer("max_nonfinite_steps", 3, "A non-finite loss or gradient skips that optimizer step; this many "
                      "in a row stop the run with an error (the last checkpoint is kept as the last good one).",
                      lower_bound=1)

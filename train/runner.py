@@ -74,6 +74,7 @@ class RunnerConfig:
     log_interval: int = 1
     save_interval: int = 0  # 0: only at the end
     keep_checkpoints: int = 0  # 0: keep all
+    save_best: bool = True  # after an eval that beats every earlier one, write the policy to <run>/best
     max_nonfinite_steps: int = 3
     seed: int = 0
     async_rollouts: bool = False
@@ -470,9 +471,12 @@ class Runner:
                   "time/eval": time.perf_counter() - started}
         if prm_scores:
             result["eval/prm_score"] = float(np.nanmean(prm_scores))
+        best_before = max((h["eval/accuracy"] for h in self.history), default=-math.inf)
         for key, value in result.items():
             self.writer.add_scalar(key, value, iteration)
         self.history.append({"iteration": iteration, "env_steps": self.env_steps, **result})
+        if self.config.save_best and result["eval/accuracy"] > best_before:
+            self.save_best(iteration, result["eval/accuracy"])
         log.info("eval iteration %d (%d env steps): greedy accuracy %.3f on %d problems, mean length %.1f tokens%s",
                  iteration, self.env_steps, result["eval/accuracy"], len(correct), result["eval/mean_length"],
                  f", PRM score {result['eval/prm_score']:.3f}" if prm_scores else "")
@@ -545,6 +549,14 @@ class Runner:
         log.info("saved checkpoint %s", path)
         if self.config.keep_checkpoints:
             checkpoint.prune(checkpoints_dir, self.config.keep_checkpoints)
+        return path
+
+    def save_best(self, iteration: int, accuracy: float) -> Path:
+        """The policy alone (``LanguagePolicy.save``: ``from_pretrained`` and ``--model_name_or_path`` load
+        it) to ``<run>/best``, atomically replacing the previous best: RL's held-out accuracy swings, and
+        the last iteration is rarely the best one."""
+        path = checkpoint.atomic_write(self.run_dir / "best", iteration, self.policy.save)
+        log.info("new best held-out accuracy %.3f at iteration %d: policy saved to %s", accuracy, iteration, path)
         return path
 
     def restore(self, saved: checkpoint.Checkpoint) -> None:

@@ -51,12 +51,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--prm_dir", default=None, help="a Math-Shepherd PRM directory (default: the tiny PRM)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--batch_size", type=int, default=None,
+                        help="sequences per PRM forward within the one call (default: the PRM's own)")
     args = parser.parse_args()
     if args.prm_dir is None:
         from train.tiny import build_tiny_models
 
         args.prm_dir = build_tiny_models().prm
-    prm = ProcessRewardModel(args.prm_dir, device=args.device, batch_size=args.num_envs)
+    kwargs = {} if args.batch_size is None else {"batch_size": args.batch_size}
+    prm = ProcessRewardModel(args.prm_dir, device=args.device, **kwargs)
     batch = contexts(args.num_envs, seed=0)
     prm.score(batch)  # warm-up
     batched = steps_per_second(prm, batch, batched=True, repeats=args.repeats)

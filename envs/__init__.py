@@ -39,7 +39,6 @@ _register("MATH-v0")
 _register("Arith-v0", arith=DEFAULT_ARITH, max_steps=8)
 
 
-
 def __getattr__(name: str):
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)

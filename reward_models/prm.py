@@ -26,7 +26,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForTokenClassification,
 
 from envs.prompts import DEFAULT_TEMPLATE, SHEPHERD_STEP_TAG, STEP_DELIMITER, format_prompt, shepherd_text
 from reward_models.base import RewardOutput, StepContext
-from train.policy import inference_dtype, load_causal_lm, load_tokenizer, resolve_device
+from train.policy import inference_dtype, load_causal_lm, load_tokenizer, resolve_device, right_padded
 
 PRM_TYPES = ("shepherd", "classifier")
 AGGREGATIONS = ("step", "last", "min", "product", "mean")
@@ -104,8 +104,6 @@ class ProcessRewardModel:
         self.batch_size = batch_size if batch_size is not None else (8 if self.device.type == "cpu" else 32)
         self.tokenizer = load_tokenizer(model_dir)
         self.tokenizer.truncation_side = "left"
-        # Any id will do for the right padding: pads are never attended to nor read.
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         torch_dtype = inference_dtype(dtype, self.device)
         if prm_type == "shepherd":
             self.marker = step_tag
@@ -158,12 +156,9 @@ class ProcessRewardModel:
         return [s[-len(step_list):] if len(step_list) else s[:0] for s, step_list in zip(scores, steps)]
 
     def _score_ids(self, encoded: list[list[int]]) -> list[np.ndarray]:
-        # Right padding and no attention mask: causal attention never lets a real token see the pads
-        # after it, and only real (marker) positions are read, so the pads change nothing.
-        lengths = torch.tensor([len(ids) for ids in encoded], device=self.device)
-        input_ids = torch.full((len(encoded), int(lengths.max())), self.pad_id, dtype=torch.long, device=self.device)
-        for row, ids in enumerate(encoded):
-            input_ids[row, : len(ids)] = torch.tensor(ids, device=self.device)
+        # Right padding (with id 0) and no attention mask: causal attention never lets a real token
+        # see the pads after it, and only real (marker) positions are read, so the pads change nothing.
+        input_ids, lengths = right_padded(encoded, self.device)
         is_real = torch.arange(input_ids.shape[1], device=self.device)[None] < lengths[:, None]
         is_marker = (input_ids == self.marker_id) & is_real
         rows, positions = is_marker.nonzero(as_tuple=True)

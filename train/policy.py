@@ -120,7 +120,7 @@ class ActionScores:
     values: torch.Tensor | None = None  # [B, L] V(prompt, a_<k); values[:, 0] = V(prompt)
 
 
-def _right_padded(ids: TokenBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def right_padded(ids: TokenBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """``([B, max(N, 1)] right-padded ids, [B] lengths)``; width >= 1 so gathers on empty actions stay valid."""
     if isinstance(ids, tuple):
         padded, lengths = ids[0].to(device=device, dtype=torch.long), ids[1].to(device=device, dtype=torch.long)
@@ -144,8 +144,8 @@ def pack(prompts: TokenBatch, actions: TokenBatch, pad_id: int, device: torch.de
     """
     if padding_side not in ("left", "right"):
         raise ValueError(f"padding_side={padding_side!r} must be 'left' or 'right'")
-    prompt_ids, prompt_len = _right_padded(prompts, device)
-    action_ids, action_len = _right_padded(actions, device)
+    prompt_ids, prompt_len = right_padded(prompts, device)
+    action_ids, action_len = right_padded(actions, device)
     if prompt_len.shape != action_len.shape:
         raise ValueError(f"{len(prompt_len)} prompts but {len(action_len)} actions: pass one action per prompt")
     if bool((prompt_len < 1).any()):

@@ -131,6 +131,15 @@ def prepare_run_dir(saved) -> Path:
     return run_dir
 
 
+def open_writer(run_dir: Path, purge_step: int | None = None):
+    """A TensorBoard writer for ``run_dir``. tensorboardX names event files by the second and the host
+    only, so a resume within the same second as the run it continues would overwrite that run's file;
+    a nanosecond suffix keeps the files apart and in time order (TensorBoard reads them in name order)."""
+    from tensorboardX import SummaryWriter
+
+    return SummaryWriter(str(run_dir), purge_step=purge_step, filename_suffix=f".{time.time_ns()}")
+
+
 def log_changed_flags(saved_flags: dict, current: dict) -> None:
     """Resuming with other flags is allowed (e.g. more --num_env_steps); the differences are logged."""
     changed = [f"--{name}={current[name]} (checkpoint: {saved_flags[name]})" for name in sorted(current)
@@ -163,7 +172,6 @@ def main(argv: list[str]) -> None:
     import numpy as np
     import torch
     from gymnasium.vector import AutoresetMode
-    from tensorboardX import SummaryWriter
 
     from algorithms.base import AlgorithmConfig, make_algorithm
     from reward_models.implicit_prm import ImplicitPRM
@@ -245,7 +253,7 @@ def main(argv: list[str]) -> None:
 
     start = saved.iteration if saved is not None else 0
     # purge_step: TensorBoard drops points a killed run logged at or after the checkpoint's iteration.
-    writer = SummaryWriter(str(run_dir), purge_step=start if saved is not None else None)
+    writer = open_writer(run_dir, purge_step=start if saved is not None else None)
     settings = train_flags.flag_dict()
     resolved = {"env_id": env_id, "reward": train_flags.resolved_reward(), "episode_length": episode_length,
                 "async_rollouts": async_rollouts, "group_size": group_size, "model_dir": model_dir, "num_iterations": num_iterations,

@@ -445,3 +445,16 @@ def test_best_policy_is_saved_when_eval_accuracy_improves(untrained_policy_dir, 
         torch.testing.assert_close(tensor, saved[-1][2][name], rtol=0, atol=0)
     final = AutoModelForCausalLM.from_pretrained(run_dir / "checkpoints" / "iter_6" / "policy").state_dict()
     assert any(not torch.equal(final[name], best[name]) for name in best)  # training went on after the best
+
+
+def test_writers_opened_in_the_same_second_keep_their_own_event_files(tmp_path):
+    """A resume right after a stop opens a second writer in the run directory, often within the same
+    second: tensorboardX alone would name both files alike and the second would overwrite the first."""
+    first = train_math.open_writer(tmp_path)
+    first.add_scalar("x", 1.0, 0)
+    first.close()
+    second = train_math.open_writer(tmp_path, purge_step=1)
+    second.add_scalar("x", 2.0, 1)
+    second.close()
+    assert len(glob.glob(f"{tmp_path}/events.out.tfevents.*")) == 2
+    assert read_scalars_purged(tmp_path)["x"] == [(0, 1.0), (1, 2.0)]

@@ -42,7 +42,7 @@ class ReferenceStepsReward:
             if not reference:
                 raise ValueError(f"problem {context.problem.id!r} has no reference solution; the 'steps' reward "
                                  "needs problems with a canonical step-by-step solution (Arith-v0)")
-            steps = [s for step in context.steps for s in split_steps(step)]  # a solution-level action holds several
             before = [s for step in context.previous_steps for s in split_steps(step)]
+            steps = before + split_steps(context.new_step)  # a solution-level action holds several steps
             rewards[i] = (matched_prefix(steps, reference) - matched_prefix(before, reference)) / len(reference)
         return RewardOutput(rewards=rewards, components={self.name: rewards})

@@ -290,8 +290,10 @@ def main(argv: list[str]) -> None:
     writer.add_hparams(hparams, final or {"eval/accuracy": float("nan")}, name="hparams")
     writer.close()
     if history:
-        logging.info("greedy accuracy: %.3f at the start -> %.3f at the end (%d evaluations)",
-                     history[0]["eval/accuracy"], history[-1]["eval/accuracy"], len(history))
+        best = max(history, key=lambda h: h["eval/accuracy"])
+        logging.info("greedy accuracy: %.3f at the start -> %.3f at the end (%d evaluations); best %.3f at "
+                     "iteration %d%s", history[0]["eval/accuracy"], history[-1]["eval/accuracy"], len(history),
+                     best["eval/accuracy"], best["iteration"], f" ({run_dir / 'best'})" if FLAGS.save_best else "")
 
 
 def run() -> None:

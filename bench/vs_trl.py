@@ -18,6 +18,11 @@ share whatever load the machine has; one TRL step is timed from its resume to it
 ``on_step_end`` (dataloader, generation, reward, loss, backward, optimizer). completions/s = 64 /
 step seconds; the figure is the median over ``--steps`` steps per side after ``--warmup`` steps.
 
+Same settings, different implementations: TRL samples with ``transformers`` ``generate``; our
+``HFGenerator`` runs its own decode loop on the same model (each distinct prompt prefilled once for its
+group, a preallocated KV cache, rows leaving the batch as they end, one uniform per row for sampling),
+drawing from the same distribution (softmax of logits / T, no top-k/top-p on either side).
+
 The ``zero-adv`` column is the share of samples in groups whose rewards are all equal: their
 advantage is 0, and our runner skips their forward and backward passes (TRL computes them). On a
 random-init policy every reward is 0, ours then skips the whole update and the ratio means little:

@@ -1,14 +1,18 @@
-"""HFGenerator: behaviour log-probs equal the policy's, stop strings, finish reasons, order, seeds."""
+"""HFGenerator: behaviour log-probs equal the policy's, greedy tokens equal transformers' generate, stop
+strings, finish reasons, order, seeds, shared prompts, the inverse-CDF sampler."""
 
 from __future__ import annotations
 
 import importlib.util
+from types import SimpleNamespace
 
 import pytest
 import torch
+from transformers import GenerationConfig
 
 from envs.prompts import STEP_DELIMITER, format_prompt
-from train.generation import HFGenerator, VLLMGenerator, filter_logits, make_generator
+from train.generation import (HFGenerator, VLLMGenerator, eos_token_ids, filter_logits, inverse_cdf_sample,
+                              make_generator, preallocated_cache)
 from train.policy import LanguagePolicy, LoraSettings
 
 PROMPTS = [format_prompt("Compute 3 + 4."), format_prompt("Compute 12 - 5 + 40 - 7."), "Step"]
@@ -56,7 +60,40 @@ def test_behaviour_logprobs_equal_policy_recomputation(policy, temperature, padd
         scores = policy.evaluate(out.prompt_token_ids, out.token_ids, temperature, padding_side=padding_side)
     behaviour = padded(out.logprobs)
     assert behaviour.shape == scores.logprobs.shape
-    assert (behaviour - scores.logprobs).abs().max() <= 1e-4
+    assert (behaviour - scores.logprobs).abs().max() <= 1e-5
+
+
+def test_logprobs_stay_exact_as_rows_leave_the_batch(taught_policy):
+    """Rows end at different steps (stop string, EOS, length) and leave the batch; the rows still going
+    keep log-probs equal to a teacher-forced forward at the sampling temperature."""
+    temperature = 0.8
+    out = HFGenerator(taught_policy).generate(PROMPTS, n=4, max_new_tokens=24, temperature=temperature,
+                                              stop=[STEP_DELIMITER], seed=3)
+    assert len({len(ids) for ids in out.token_ids}) > 2, "rows should end at different steps"
+    with torch.no_grad():
+        scores = taught_policy.evaluate(out.prompt_token_ids, out.token_ids, temperature)
+    assert (padded(out.logprobs) - scores.logprobs).abs().max() <= 1e-5
+    for ids, text, reason in zip(out.token_ids, out.texts, out.finish_reasons):
+        assert (reason == "stop") == text.endswith(STEP_DELIMITER)
+        assert (reason == "eos") == (ids[-1] == taught_policy.tokenizer.eos_token_id)
+        assert (reason == "length") == (len(ids) == 24 and not text.endswith(STEP_DELIMITER))
+
+
+@pytest.mark.parametrize("policy_name", ["policy", "taught_policy"])
+def test_greedy_tokens_equal_transformers_generate(policy_name, request):
+    """Token for token against ``model.generate`` on left-padded prompts of different lengths (the taught
+    policy ends some rows on EOS early; transformers pads those rows after it)."""
+    policy = request.getfixturevalue(policy_name)
+    out = HFGenerator(policy).generate(PROMPTS, n=2, max_new_tokens=20, temperature=0.0)
+    tokenizer, model = policy.tokenizer, policy.causal_lm
+    eos_ids = eos_token_ids(tokenizer, model)
+    batch = tokenizer.pad(tokenizer(PROMPTS), padding_side="left", return_tensors="pt")
+    config = GenerationConfig(do_sample=False, max_new_tokens=20, pad_token_id=tokenizer.pad_token_id,
+                              eos_token_id=eos_ids)
+    with torch.no_grad():
+        reference = model.generate(**batch, generation_config=config)[:, batch["input_ids"].shape[1]:].tolist()
+    assert out.token_ids == [reference[i // 2][:len(ids)] for i, ids in enumerate(out.token_ids)]
+    assert all(len(ids) == 20 or ids[-1] in eos_ids for ids in out.token_ids)
 
 
 @pytest.mark.parametrize("top_k, top_p", [(5, 1.0), (-1, 0.8), (20, 0.9)])
@@ -118,6 +155,38 @@ def test_seeds_reproduce_samples_without_touching_the_global_rng(policy):
                            for seed in (7, 7, 8))
     assert first == again and first != other
     assert torch.equal(torch.get_rng_state(), global_state)
+
+
+def test_repeated_prompts_sample_exactly_as_n_samples_of_one(policy):
+    """The runner passes a GRPO group as n=1 copies of its prompt; each distinct prompt is prefilled once
+    either way, and the samples are those of n samples of it."""
+    generator = HFGenerator(policy)
+    as_n = generator.generate(PROMPTS[:2], n=3, max_new_tokens=8, seed=5)
+    as_copies = generator.generate([p for p in PROMPTS[:2] for _ in range(3)], n=1, max_new_tokens=8, seed=5)
+    assert as_copies.token_ids == as_n.token_ids and as_copies.logprobs == as_n.logprobs
+    assert as_copies.prompt_token_ids == as_n.prompt_token_ids
+
+
+def test_inverse_cdf_sample_draws_the_distribution():
+    generator = torch.Generator().manual_seed(0)
+    probs = torch.tensor([0.1, 0.0, 0.6, 0.3]) * 3  # unnormalised on purpose
+    draws = inverse_cdf_sample(probs.expand(200_000, -1), generator)
+    frequencies = torch.bincount(draws, minlength=4) / len(draws)
+    assert frequencies[1] == 0, "a zero-probability token was drawn"
+    torch.testing.assert_close(frequencies, probs / probs.sum(), atol=5e-3, rtol=0)
+    edges = torch.tensor([[0.0, 0.0, 0.0, 1.0], [1.0, 0.0, 0.0, 0.0], [0.0, 0.5, 0.5, 0.0]])
+    drawn = inverse_cdf_sample(edges.repeat(1000, 1), generator).view(1000, 3)
+    assert (drawn[:, 0] == 3).all() and (drawn[:, 1] == 0).all() and set(drawn[:, 2].tolist()) == {1, 2}
+    with pytest.raises(ValueError, match="not finite"):
+        inverse_cdf_sample(torch.tensor([[float("nan"), 1.0]]), generator)
+
+
+def test_models_with_non_attention_layers_are_refused():
+    text_config = SimpleNamespace(layer_types=["full_attention", "linear_attention"], model_type="hybrid",
+                                  num_hidden_layers=2)
+    model = SimpleNamespace(config=SimpleNamespace(get_text_config=lambda: text_config))
+    with pytest.raises(ValueError, match="linear_attention"):
+        preallocated_cache(model, capacity=8)
 
 
 def test_generation_leaves_training_mode_and_generation_config_alone(untrained_policy_dir):

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Iterator, Protocol, Sequence
 
 import torch
-from transformers import (AutoConfig, GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedModel,
-                          PreTrainedTokenizerBase, StoppingCriteria, StoppingCriteriaList, StopStringCriteria)
+from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase, StopStringCriteria
+from transformers.cache_utils import Cache, DynamicLayer
 
 from train.policy import LanguagePolicy, load_tokenizer
 
@@ -108,63 +108,104 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 # HF transformers backend
 # -------------------------------------------------------------------------------------------------
 
-class _SampleAndRecord(LogitsProcessor):
-    """The last logits processor: draws the next token itself (own torch.Generator, our temperature
-    and filtering) and records its log-prob, then returns logits under which generate()'s greedy step
-    picks exactly that token. Behaviour log-probs are thus those of the distribution sampled from."""
+@dataclass(frozen=True)
+class Sampler:
+    """Draws next tokens and scores them under the distribution drawn from (module docstring)."""
 
-    def __init__(self, temperature: float, top_k: int, top_p: float, generator: torch.Generator) -> None:
-        self.temperature, self.top_k, self.top_p, self.generator = temperature, top_k, top_p, generator
-        self.logprobs: list[torch.Tensor] = []  # one [B] per step
+    temperature: float
+    top_k: int
+    top_p: float
+    generator: torch.Generator
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        logits = scores.float()
+    def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``([A] token ids, [A] behaviour log-probs)`` from ``[A, V]`` next-token logits."""
+        logits = logits.float()
         if self.temperature == 0:
             tokens = logits.argmax(-1)
+            log_probs = logits.log_softmax(-1)
         else:
-            logits = filter_logits(logits / self.temperature, self.top_k, self.top_p)
-            tokens = torch.multinomial(logits.softmax(-1), 1, generator=self.generator).squeeze(1)
-        self.logprobs.append(logits.log_softmax(-1).gather(1, tokens[:, None]).squeeze(1))
-        return torch.full_like(scores, float("-inf")).scatter_(1, tokens[:, None], 0.0)
+            log_probs = filter_logits(logits / self.temperature, self.top_k, self.top_p).log_softmax(-1)
+            tokens = inverse_cdf_sample(log_probs.exp(), self.generator)
+        return tokens, log_probs.gather(1, tokens[:, None]).squeeze(1)
 
 
-class _FinishTracker(StoppingCriteria):
-    """Ends each row at EOS or a stop string and remembers when and why (rows keep generating junk
-    until all are done; lengths, not pad ids, say where each sample ends). Stop strings are matched in
-    the generated tokens only, as vLLM does: a prompt ending in a newline followed by a generated
-    newline is no stop at the step delimiter."""
+def inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """``[A]`` column indices, one drawn per row of ``[A, V]`` non-negative (unnormalised) ``probs``.
 
-    def __init__(self, eos_ids: torch.Tensor, stop_criteria: StopStringCriteria | None, batch_size: int,
-                 prompt_width: int) -> None:
-        self.eos_ids, self.stop_criteria, self.prompt_width = eos_ids, stop_criteria, prompt_width
-        self.lengths = torch.full((batch_size,), -1, device=eos_ids.device)  # -1 while unfinished
-        self.ended_on_eos = torch.zeros(batch_size, dtype=torch.bool, device=eos_ids.device)
-        self.steps = 0
+    The distribution ``torch.multinomial`` samples, from one uniform per row instead of one exponential
+    per vocabulary entry (which made multinomial ~10% of a CPU decode step). In float64, ``u * total``
+    with ``u < 1`` stays below ``total``, so the draw falls in some token's interval
+    ``[cdf[k-1], cdf[k])``; a zero-probability token's interval is empty, so it is never drawn.
+    """
+    cdf = probs.double().cumsum(-1)  # [A, V]
+    total = cdf[:, -1:]  # [A, 1]
+    if not bool(total.isfinite().all()):
+        raise ValueError("next-token probabilities are not finite (NaN or inf logits): the model's weights or "
+                         "inputs have diverged")
+    draws = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=probs.device) * total
+    return torch.searchsorted(cdf, draws, right=True).squeeze(1)
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
-        self.steps += 1
-        is_eos = torch.isin(input_ids[:, -1], self.eos_ids)
-        if self.stop_criteria is None:
-            done = is_eos
-        else:
-            done = is_eos | self.stop_criteria(input_ids[:, self.prompt_width:], scores)
-        newly_done = done & (self.lengths < 0)
-        self.lengths[newly_done] = self.steps
-        self.ended_on_eos |= newly_done & is_eos
-        return self.lengths >= 0
+
+class _PreallocatedLayer(DynamicLayer):
+    """One layer's keys and values in ``[A, heads, capacity, head_dim]`` buffers allocated at the first
+    update; later updates write in place and return views of the filled part. (DynamicLayer concatenates,
+    copying the whole cache every token: half of a decode step at 50 cached tokens on the tiny model.)"""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity, self.length = capacity, 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.key_buffer = key_states.new_empty(*key_states.shape[:2], self.capacity, key_states.shape[3])
+        self.value_buffer = value_states.new_empty(*value_states.shape[:2], self.capacity, value_states.shape[3])
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs,
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Appends ``[A, heads, q, head_dim]`` states; returns all cached ``[A, heads, length, head_dim]``."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if end > self.capacity:
+            raise RuntimeError(f"KV cache overflow: {end} positions > capacity {self.capacity}")
+        self.key_buffer[:, :, self.length:end] = key_states
+        self.value_buffer[:, :, self.length:end] = value_states
+        self.length = end
+        self._refresh_views()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keeps batch rows ``indices`` (``[A']``, repeats allowed: one prompt's cache for its n samples)."""
+        self.key_buffer, self.value_buffer = self.key_buffer[indices], self.value_buffer[indices]
+        self._refresh_views()
+
+    def _refresh_views(self) -> None:
+        self.keys, self.values = self.key_buffer[:, :, :self.length], self.value_buffer[:, :, :self.length]
+
+
+def preallocated_cache(model: PreTrainedModel, capacity: int) -> Cache:
+    """A KV cache of ``capacity`` positions per layer; masks stay HF's own (built from the 2D mask and
+    the cache length), so sliding-window layers, kept whole here, still see only their window."""
+    config = model.config.get_text_config()
+    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if not kinds <= {"full_attention", "sliding_attention"}:
+        raise ValueError(f"HFGenerator supports attention layers only; {config.model_type} has layer types "
+                         f"{sorted(kinds)}: use the vllm backend for it")
+    return Cache(layers=[_PreallocatedLayer(capacity) for _ in range(config.num_hidden_layers)])
 
 
 @contextlib.contextmanager
-def _plain_generation(model: PreTrainedModel, pad_id: int) -> Iterator[None]:
-    """Eval mode and a blank generation config for the enclosed generate(): the model's saved
-    defaults (repetition penalty, top_p, ...) would otherwise reshape the distribution behind our back."""
-    saved_config, was_training = model.generation_config, model.training
-    model.generation_config = GenerationConfig(pad_token_id=pad_id)
+def _eval_mode(model: PreTrainedModel) -> Iterator[None]:
+    """Eval mode (no dropout) for the enclosed forwards; the caller's mode afterwards."""
+    was_training = model.training
     model.eval()
     try:
         yield
     finally:
-        model.generation_config = saved_config
         model.train(was_training)
 
 
@@ -175,10 +216,46 @@ def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) ->
     return sorted({tokenizer.eos_token_id, *configured} - {None})
 
 
-class HFGenerator:
-    """Batched, KV-cached ``transformers.generate`` on the policy's own model (CPU or GPU), left padding.
+def distinct_rows(rows: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+    """``(distinct prompts in first-seen order, [B] index of each row's prompt among them)``."""
+    first_seen: dict[tuple[int, ...], int] = {}
+    index = [first_seen.setdefault(tuple(row), len(first_seen)) for row in rows]
+    return [list(key) for key in first_seen], index
 
-    ``batch_size`` caps the rows (prompts x n) per generate call. Uses the live policy, so ``sync`` is free.
+
+@dataclass
+class _Samples:
+    """What B rows generated so far: ``[B, S]`` buffers (S = max_new_tokens) and where rows ended."""
+
+    token_ids: torch.Tensor  # [B, S] (pad after a row's end)
+    logprobs: torch.Tensor  # [B, S]
+    ends: torch.Tensor  # [B] tokens generated when the row ended; 0 while it goes on
+    on_eos: torch.Tensor  # [B] ended on an EOS token (else on a stop string)
+
+    @classmethod
+    def empty(cls, rows: int, max_new_tokens: int, pad_id: int, device: torch.device) -> "_Samples":
+        return cls(torch.full((rows, max_new_tokens), pad_id, dtype=torch.long, device=device),
+                   torch.zeros(rows, max_new_tokens, device=device),
+                   torch.zeros(rows, dtype=torch.long, device=device),
+                   torch.zeros(rows, dtype=torch.bool, device=device))
+
+    def outputs(self) -> tuple[list[list[int]], list[list[float]], list[str]]:
+        """Per row: generated ids and log-probs up to its end, and its finish reason."""
+        lengths = torch.where(self.ends == 0, self.token_ids.shape[1], self.ends).tolist()
+        reasons = ["length" if end == 0 else "eos" if eos else "stop"
+                   for end, eos in zip(self.ends.tolist(), self.on_eos.tolist())]
+        token_ids = [ids[:length] for ids, length in zip(self.token_ids.tolist(), lengths)]
+        logprobs = [lps[:length] for lps, length in zip(self.logprobs.tolist(), lengths)]
+        return token_ids, logprobs, reasons
+
+
+class HFGenerator:
+    """KV-cached decoding with the policy's own HF model (CPU or GPU), left padding, plain torch sampling.
+
+    Per call: each distinct prompt is prefilled once and its cache copied to its rows (GRPO's n samples
+    of a prompt share it); the cache is preallocated for the longest sample; rows leave the batch as
+    they end (EOS or stop string), so later tokens cost only the rows still going. ``batch_size`` caps
+    the rows (prompts x n) decoded together. Uses the live policy, so ``sync`` is free.
     """
 
     def __init__(self, policy: LanguagePolicy, batch_size: int | None = None) -> None:
@@ -203,10 +280,10 @@ class HFGenerator:
             generator.seed()
         else:
             generator.manual_seed(seed)
+        sampler = Sampler(temperature, top_k, top_p, generator)
         chunk = self.batch_size or len(rows)
         token_ids, logprobs, reasons = [], [], []
         for start in range(0, len(rows), chunk):
-            sampler = _SampleAndRecord(temperature, top_k, top_p, generator)
             chunk_ids, chunk_logprobs, chunk_reasons = self._generate_rows(
                 rows[start:start + chunk], max_new_tokens, sampler, stop)
             token_ids += chunk_ids
@@ -215,26 +292,52 @@ class HFGenerator:
         return GenerationOutput(texts=finish_texts(tokenizer, token_ids, reasons, stop), token_ids=token_ids,
                                 logprobs=logprobs, finish_reasons=reasons, prompt_token_ids=rows)
 
-    def _generate_rows(self, rows: list[list[int]], max_new_tokens: int, sampler: _SampleAndRecord,
+    def _generate_rows(self, rows: list[list[int]], max_new_tokens: int, sampler: Sampler,
                        stop: list[str] | None) -> tuple[list[list[int]], list[list[float]], list[str]]:
-        model, tokenizer, device = self.policy.causal_lm, self.policy.tokenizer, self.policy.device
-        input_ids, attention_mask = left_padded(rows, tokenizer.pad_token_id, device)
-        eos_ids = torch.tensor(eos_token_ids(tokenizer, model), device=device)
-        tracker = _FinishTracker(eos_ids, self._stop_criterion(stop), len(rows), input_ids.shape[1])
-        with _plain_generation(model, tokenizer.pad_token_id), torch.no_grad(), self.policy.autocast():
-            sequences = model.generate(
-                input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
-                do_sample=False, logits_processor=LogitsProcessorList([sampler]),
-                stopping_criteria=StoppingCriteriaList([tracker]),
-            )
-        generated = sequences[:, input_ids.shape[1]:]  # [B, S]
-        lengths = torch.where(tracker.lengths < 0, generated.shape[1], tracker.lengths).tolist()
-        reasons = ["length" if done < 0 else "eos" if eos else "stop"
-                   for done, eos in zip(tracker.lengths.tolist(), tracker.ended_on_eos.tolist())]
-        all_logprobs = torch.stack(sampler.logprobs, dim=1).tolist()  # [B, S]
-        token_ids = [ids[:length] for ids, length in zip(generated.tolist(), lengths)]
-        logprobs = [lps[:length] for lps, length in zip(all_logprobs, lengths)]
-        return token_ids, logprobs, reasons
+        model, pad_id, device = self.policy.causal_lm, self.policy.tokenizer.pad_token_id, self.policy.device
+        prompts, prompt_of_row = distinct_rows(rows)
+        input_ids, attention_mask = left_padded(prompts, pad_id, device)  # [U, P]
+        cache = preallocated_cache(model, input_ids.shape[1] + max_new_tokens)
+        samples = _Samples.empty(len(rows), max_new_tokens, pad_id, device)
+        with _eval_mode(model), torch.no_grad(), self.policy.autocast():
+            logits = model(input_ids=input_ids, attention_mask=attention_mask,
+                           position_ids=(attention_mask.cumsum(1) - 1).clamp(min=0), past_key_values=cache,
+                           use_cache=True, logits_to_keep=1).logits[:, -1]  # [U, V]
+            prompt_of_row = torch.tensor(prompt_of_row, device=device)
+            cache.batch_select_indices(prompt_of_row)
+            self._decode(model, cache, logits[prompt_of_row], attention_mask.sum(1)[prompt_of_row], samples,
+                         sampler, stop)
+        return samples.outputs()
+
+    def _decode(self, model: PreTrainedModel, cache: Cache, logits: torch.Tensor, prompt_lengths: torch.Tensor,
+                samples: _Samples, sampler: Sampler, stop: list[str] | None) -> None:
+        """Samples into ``samples`` from the prefilled ``cache`` (``[B, V]`` next-token ``logits``, ``[B]``
+        prompt lengths), one token per live row per step. Rows leave the batch (and the cache) at the step
+        they end: later steps cost only the rows still going (~15% less decode time on GRPO batches)."""
+        eos_ids = torch.tensor(eos_token_ids(self.policy.tokenizer, model), dtype=torch.long, device=logits.device)
+        stop_criterion = self._stop_criterion(stop)
+        live = torch.arange(len(logits), device=logits.device)  # [A] the sample each batch row generates
+        prompt_width, max_new_tokens = cache.get_seq_length(), samples.token_ids.shape[1]
+        for step in range(max_new_tokens):
+            tokens, logprobs = sampler(logits)  # [A]
+            samples.token_ids[live, step], samples.logprobs[live, step] = tokens, logprobs
+            is_eos = torch.isin(tokens, eos_ids)
+            ended = is_eos
+            if stop_criterion is not None:  # matched in the generated tokens only, as vLLM does
+                ended = ended | stop_criterion(samples.token_ids[live, :step + 1], None)
+            samples.ends[live[ended]] = step + 1
+            samples.on_eos[live] = is_eos
+            going = (~ended).nonzero().squeeze(1)
+            if step + 1 == max_new_tokens or len(going) == 0:
+                return
+            if len(going) < len(live):
+                live, tokens, prompt_lengths = live[going], tokens[going], prompt_lengths[going]
+                cache.batch_select_indices(going)
+            width = prompt_width + step + 1  # cached positions once this step's tokens are in
+            attention_mask = torch.arange(width, device=live.device)[None] >= (prompt_width - prompt_lengths)[:, None]
+            logits = model(input_ids=tokens[:, None], attention_mask=attention_mask,
+                           position_ids=(prompt_lengths + step)[:, None], past_key_values=cache,
+                           use_cache=True).logits[:, -1]
 
     def _stop_criterion(self, stop: list[str] | None) -> StopStringCriteria | None:
         if not stop:

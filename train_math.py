@@ -68,7 +68,8 @@ def build_reward_model(device: str, dtype: str):
             from reward_models.prm import ProcessRewardModel
 
             models[name] = ProcessRewardModel(FLAGS.prm_model_name_or_path, prm_type=train_flags.resolved_prm_type(),
-                                              device=device, dtype=dtype, adapter_path=FLAGS.prm_checkpoint_path)
+                                              device=device, dtype=dtype, adapter_path=FLAGS.prm_checkpoint_path,
+                                              kv_cache_mb=FLAGS.prm_kv_cache_mb)
         elif name == "target":
             from reward_models.target_solver import TargetSolver
             from train.generation import make_generator

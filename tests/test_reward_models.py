@@ -62,7 +62,8 @@ def contexts_for(problems, done=True):
 
 
 def test_shepherd_prm_batched_equals_one_at_a_time(untrained_policy_dir):
-    prm = ProcessRewardModel(untrained_policy_dir, device="cpu", batch_size=4)
+    # no KV cache: each one-at-a-time call must run its own forward, not return the batched scores
+    prm = ProcessRewardModel(untrained_policy_dir, device="cpu", batch_size=4, kv_cache_mb=0)
     problems = [p.problem for p in PROBLEMS]
     steps = [split_steps(p.solution) for p in PROBLEMS]
     batched = prm.step_scores(problems, steps)

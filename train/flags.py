@@ -42,6 +42,10 @@ flags.DEFINE_string("prm_model_name_or_path", None, "Process reward model direct
 flags.DEFINE_string("prm_checkpoint_path", None, "Optional LoRA adapter directory applied on top of the PRM.")
 flags.DEFINE_enum("prm_type", "shepherd", sorted(PRM_TYPES), "PRM kind: shepherd (Math-Shepherd step tags; "
                   "OpenR's 'MS') or classifier (Qwen2.5-Math-PRM style; OpenR's 'Qwen').", case_sensitive=False)
+flags.DEFINE_float("prm_kv_cache_mb", None, "MiB of PRM key/values kept between env steps, so each step runs only "
+                   "the new step's tokens (same scores); size it for every env's trajectory or it thrashes. 0 "
+                   "recomputes every text in full. Default: 1024 for shepherd PRMs; classifier PRMs always "
+                   "recompute (only 0 is allowed).", lower_bound=0)
 flags.DEFINE_enum("algorithm_name", "GRPO", ALGORITHM_NAMES, "RL algorithm.")
 flags.DEFINE_integer("num_mini_batch", 1, "Minibatches (optimizer steps) per epoch over each rollout.", lower_bound=1)
 flags.DEFINE_integer("ppo_epoch", 1, "Epochs over each rollout.", lower_bound=1)
@@ -257,6 +261,14 @@ def _check_reward(f: dict) -> bool:
                                     "'prm'; add e.g. 'prm:0.2' or drop the PRM")
     if f["prm_checkpoint_path"] is not None and f["prm_model_name_or_path"] is None:
         raise flags.ValidationError("--prm_checkpoint_path is an adapter for a PRM: give --prm_model_name_or_path")
+    return True
+
+
+@flags.multi_flags_validator(["prm_kv_cache_mb", "prm_type"])
+def _check_prm_kv_cache(f: dict) -> bool:
+    if f["prm_kv_cache_mb"] and PRM_TYPES[f["prm_type"].lower()] != "shepherd":
+        raise flags.ValidationError(f"--prm_kv_cache_mb={f['prm_kv_cache_mb']} needs --prm_type=shepherd; "
+                                    f"--prm_type={f['prm_type']} always recomputes (drop the flag or pass 0)")
     return True
 
 

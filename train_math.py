@@ -288,7 +288,7 @@ def main(argv: list[str]) -> None:
         return
     hparams = {k: v for k, v in {**settings, **resolved}.items() if isinstance(v, (int, float, str, bool))}
     final = {k: v for k, v in (history[-1] if history else {}).items() if k.startswith("eval/")}
-    writer.add_hparams(hparams, final or {"eval/accuracy": float("nan")}, name="hparams")
+    writer.add_hparams(hparams, final, name="hparams")  # no evaluation (--eval_interval 0): no metric columns
     writer.close()
     if history:
         best = max(history, key=lambda h: h["eval/accuracy"])

@@ -1,5 +1,5 @@
 """Answer grading: throughput and agreement of envs.grader on the labelled cases, and of
-math-verify when it is installed (optional; ``pip install math-verify``, never a dependency).
+math-verify when it is installed (``pip install -e ".[bench]"`` pins it; never a runtime dependency).
 
     python bench/grader.py [--repeats 13] [--batch-size 64] [--math-verify-repeats 3]
 

@@ -131,27 +131,36 @@ def run_train_math(argv: list[str]):
     return sorted(glob.glob(f"{argv[argv.index('--logdir') + 1]}/*/run_*"))[-1]
 
 
-SLOW_SETTINGS = {
-    "GRPO": ["--num_env_steps", "4096"],
-    "RLOO": ["--num_env_steps", "4096"],
-    "APPO": ["--num_env_steps", "4096"],
-    "TPPO": ["--num_env_steps", "4096"],
-}
+SLOW_ITERATIONS = 300
+"""64 samples per iteration on the 1.1M tiny policy: the mean training reward of the first and the last
+quarter (75 iterations, 4,800 samples each) then differ by 0.05-0.07 (2026-11-23, seed 0: GRPO 0.160 ->
+0.231, APPO 0.186 -> 0.254, TPPO 0.162 -> 0.234, RLOO on the outcome stream 0.162 -> 0.226), while a
+quarter's mean has a standard error of ~0.012. Over 64 iterations the change was within noise."""
+
+SLOW_CASES = [
+    pytest.param("GRPO", [], id="GRPO"),
+    pytest.param("APPO", [], id="APPO"),
+    pytest.param("TPPO", [], id="TPPO"),
+    # RLOO's leave-one-out machinery on the verified outcome alone, every group kept
+    pytest.param("RLOO", ["--process_coef", "0", "--accuracy_lower_bound", "0", "--accuracy_upper_bound", "1"],
+                 id="RLOO-outcome"),
+    pytest.param("RLOO", [], id="RLOO-PRIME", marks=pytest.mark.xfail(strict=True, reason=(
+        "issue 5 open: PRIME's combination at its defaults does not raise the reward on the tiny policy in 300 "
+        "iterations (0.156 -> 0.165): the [0.2, 0.8] accuracy filter keeps ~25% of the groups (most have 0 or 1 "
+        "correct of 8) and the implicit PRM at lr 1e-5 stays at loss 0.693; without the filter, its labels are "
+        "mostly 'wrong', it learns to lower every sampled response's likelihood, the process stream then pays "
+        "unlikely tokens, entropy rises and the reward collapses (0.146 -> 0.013)"))),
+]
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="issue 5 open: over 64 iterations the change is within noise on the 1.1M "
-                   "tiny policy (2026-11-23: GRPO 0.172 -> 0.132, RLOO 0.173 -> 0.118, APPO 0.175 -> 0.189, TPPO "
-                   "0.148 -> 0.177); the default GRPO run needs ~150+ iterations to show it (0.166 over the first "
-                   "150 -> 0.278 over the last 150 of 1500), so this test needs a longer run or a lower-variance "
-                   "measure")
-@pytest.mark.parametrize("name", list(SLOW_SETTINGS))
-def test_algorithm_raises_training_reward_on_arith(tiny_models, tmp_path, name):
+@pytest.mark.parametrize(("name", "settings"), SLOW_CASES)
+def test_algorithm_raises_training_reward_on_arith(tiny_models, tmp_path, name, settings):
     run_dir = run_train_math(["--algorithm_name", name, "--model_name_or_path", str(tiny_models.policy),
                               "--eval_interval", "0", "--logdir", str(tmp_path), "--save_interval", "0",
-                              *SLOW_SETTINGS[name]])
+                              "--num_env_steps", str(64 * SLOW_ITERATIONS), *settings])
     rewards = [value for _, value in sorted(read_scalars(run_dir)["train/reward"])]
     window = len(rewards) // 4
     first, last = np.mean(rewards[:window]), np.mean(rewards[-window:])
     print(f"{name}: mean training reward {first:.3f} (first {window} iterations) -> {last:.3f} (last {window})")
-    assert last > first + 0.05, f"{name} did not raise the training reward: {first:.3f} -> {last:.3f}"
+    assert last > first + 0.04, f"{name} did not raise the training reward: {first:.3f} -> {last:.3f}"

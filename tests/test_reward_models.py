@@ -18,6 +18,7 @@ from reward_models.prm import ProcessRewardModel, aggregate_step_scores, single_
 from reward_models.target_solver import TargetSolver
 from train.generation import HFGenerator
 from train.policy import LanguagePolicy
+from conftest import TINY_PRM_NOT_READY
 
 
 def with_post_processor(tokenizer, template: str):
@@ -171,7 +172,7 @@ def roc_auc(positive: np.ndarray, negative: np.ndarray) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="issue 3 open: the tiny PRM does not yet judge arithmetic (held-out step accuracy 0.50, ROC-AUC 0.53 in the 2026-11-23 1.1M build; dense per-token labels, extra layers on a frozen trunk and a same-position denoising objective all stayed below AUC 0.7, see the issue 3 notes)")
+@TINY_PRM_NOT_READY
 def test_tiny_prm_ranks_correct_steps_above_corrupted(tiny_models):
     prm = ProcessRewardModel(tiny_models.prm, device="cpu", batch_size=64)
     rng = np.random.default_rng(0)
@@ -207,7 +208,7 @@ def test_target_solver_rewards_correct_prefixes_more(tiny_models):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="issue 3 open: the tiny PRM does not yet judge arithmetic (held-out step accuracy 0.50, ROC-AUC 0.53 in the 2026-11-23 1.1M build; dense per-token labels, extra layers on a frozen trunk and a same-position denoising objective all stayed below AUC 0.7, see the issue 3 notes)")
+@TINY_PRM_NOT_READY
 def test_env_with_tiny_prm_pays_step_scores(tiny_models):
     from envs.vector import MathVectorEnv
 
@@ -215,4 +216,5 @@ def test_env_with_tiny_prm_pays_step_scores(tiny_models):
     env = MathVectorEnv(num_envs=4, problems=[Problem("q", "Compute 10 + 5.", "15")], reward_model=prm)
     env.reset(seed=0)
     _, rewards, *_ = env.step(["10 + 5 = 15", "10 + 5 = 15", "10 + 5 = 16", "10 + 5 = 51"])
-    assert rewards[0] == rewards[1] and min(rewards[:2]) > max(rewards[2:])
+    # a clear margin: the 2026-11-23 tiny PRM pays 0.419 for the right step and 0.415 for the wrong ones
+    assert rewards[0] == rewards[1] and min(rewards[:2]) > max(rewards[2:]) + 0.2

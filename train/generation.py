@@ -149,7 +149,9 @@ def inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator) -> torch
 class _PreallocatedLayer(DynamicLayer):
     """One layer's keys and values in ``[A, heads, capacity, head_dim]`` buffers allocated at the first
     update; later updates write in place and return views of the filled part. (DynamicLayer concatenates,
-    copying the whole cache every token: half of a decode step at 50 cached tokens on the tiny model.)"""
+    copying the whole cache every token: half of a decode step at 50 cached tokens on the tiny model.
+    transformers' StaticLayer preallocates too, but returns the whole buffer, so every token attends over
+    the full capacity, and it cannot drop the rows that have finished.)"""
 
     def __init__(self, capacity: int) -> None:
         super().__init__()

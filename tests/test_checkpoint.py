@@ -219,12 +219,13 @@ def test_rng_states_round_trip_through_weights_only_load(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 def flags_for(policy_dir, logdir, algorithm: str, iterations: int, *extra: str) -> list[str]:
-    """Small settings; APPO in step mode so that episodes run across iterations (its env state
-    holds episodes in progress); GRPO/RLOO in groups of 2, evaluated every 2 iterations."""
+    """Small settings, synchronous collection (exact resume); APPO in step mode so that episodes run
+    across iterations (its env state holds episodes in progress); GRPO/RLOO in groups of 2, evaluated
+    every 2 iterations."""
     common = ["--model_name_or_path", str(policy_dir), "--logdir", str(logdir), "--n_rollout_threads", "4",
-              "--max_new_tokens", "5", "--seed", "3", "--warmup_iterations", "0", "--lr", "1e-3"]
+              "--max_new_tokens", "5", "--seed", "3", "--warmup_iterations", "0", "--lr", "1e-3", "--noasync_rollouts"]
     if algorithm == "APPO":
-        common += ["--algorithm_name", "APPO", "--noasync_rollouts", "--action_level", "step", "--episode_length", "2",
+        common += ["--algorithm_name", "APPO", "--action_level", "step", "--episode_length", "2",
                    "--eval_interval", "0", "--num_env_steps", str(8 * iterations)]
     else:
         common += ["--algorithm_name", algorithm, "--group_size", "2", "--eval_interval", "2", "--eval_limit", "4",

@@ -158,7 +158,7 @@ SLOW_CASES = [
 def test_algorithm_raises_training_reward_on_arith(tiny_models, tmp_path, name, settings):
     run_dir = run_train_math(["--algorithm_name", name, "--model_name_or_path", str(tiny_models.policy),
                               "--eval_interval", "0", "--logdir", str(tmp_path), "--save_interval", "0",
-                              "--num_env_steps", str(64 * SLOW_ITERATIONS), *settings])
+                              "--n_rollout_threads", "64", "--num_env_steps", str(64 * SLOW_ITERATIONS), *settings])
     rewards = [value for _, value in sorted(read_scalars(run_dir)["train/reward"])]
     window = len(rewards) // 4
     first, last = np.mean(rewards[:window]), np.mean(rewards[-window:])

@@ -91,7 +91,8 @@ def test_greedy_tokens_equal_transformers_generate(policy_name, request):
     config = GenerationConfig(do_sample=False, max_new_tokens=20, pad_token_id=tokenizer.pad_token_id,
                               eos_token_id=eos_ids)
     with torch.no_grad():
-        reference = model.generate(**batch, generation_config=config)[:, batch["input_ids"].shape[1]:].tolist()
+        reference = model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                   generation_config=config)[:, batch["input_ids"].shape[1]:].tolist()
     assert out.token_ids == [reference[i // 2][:len(ids)] for i, ids in enumerate(out.token_ids)]
     assert all(len(ids) == 20 or ids[-1] in eos_ids for ids in out.token_ids)
 

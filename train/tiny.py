@@ -59,6 +59,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from envs.datasets import OPERATORS, PRECEDENCE, Arith, Problem
 from envs.prompts import SHEPHERD_STEP_TAG, format_prompt, join_steps, shepherd_text, split_steps
+from train.generation import left_padded
+from train.policy import right_padded
 
 log = logging.getLogger(__name__)
 
@@ -245,26 +247,6 @@ def num_parameters(model: torch.nn.Module) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def _right_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids [B, L] right-padded, lengths [B]."""
-    lengths = torch.tensor([len(s) for s in seqs])
-    ids = torch.full((len(seqs), int(lengths.max())), pad_id, dtype=torch.long)
-    for i, seq in enumerate(seqs):
-        ids[i, : len(seq)] = torch.tensor(seq)
-    return ids, lengths
-
-
-def _left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids [B, L] left-padded, attention_mask [B, L] (1 on real tokens)."""
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, seq in enumerate(seqs):
-        ids[i, width - len(seq):] = torch.tensor(seq)
-        attention_mask[i, width - len(seq):] = 1
-    return ids, attention_mask
-
-
 def _sft_batch(tokenizer: PreTrainedTokenizerFast, problems: list[Problem]) -> tuple[torch.Tensor, torch.Tensor]:
     """Prompt + reference solution + eos, tokenized apart as the policy sees them at generation.
 
@@ -273,7 +255,7 @@ def _sft_batch(tokenizer: PreTrainedTokenizerFast, problems: list[Problem]) -> t
     """
     prompts = tokenizer([format_prompt(p.problem) for p in problems])["input_ids"]
     solutions = tokenizer([join_steps(split_steps(p.solution)) for p in problems])["input_ids"]
-    ids, lengths = _right_pad([p + s + [tokenizer.eos_token_id] for p, s in zip(prompts, solutions)], tokenizer.pad_token_id)
+    ids, lengths = right_padded([p + s + [tokenizer.eos_token_id] for p, s in zip(prompts, solutions)], torch.device("cpu"))
     starts = torch.tensor([len(p) for p in prompts])
     positions = torch.arange(1, ids.shape[1])
     target_mask = (positions[None] >= starts[:, None]) & (positions[None] < lengths[:, None])
@@ -308,7 +290,7 @@ def greedy_completions(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFa
     completions = []
     for start in range(0, len(prompts), batch_size):
         encoded = tokenizer(prompts[start: start + batch_size])["input_ids"]
-        ids, attention_mask = _left_pad(encoded, tokenizer.pad_token_id)
+        ids, attention_mask = left_padded(encoded, tokenizer.pad_token_id, device)
         out = model.generate(input_ids=ids.to(device), attention_mask=attention_mask.to(device), do_sample=False,
                              max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
                              pad_token_id=tokenizer.pad_token_id)
@@ -488,7 +470,7 @@ def _prm_batch(tokenizer: PreTrainedTokenizerFast, problems: list[Problem], solu
     tag_labels [S] 1/0 and tag_steps [S] step index (-1 for the answer step) for the S tags in
     row-major order."""
     texts = [shepherd_text(format_prompt(p.problem), steps) for p, steps in zip(problems, solutions)]
-    ids, lengths = _right_pad(tokenizer(texts)["input_ids"], tokenizer.pad_token_id)
+    ids, lengths = right_padded(tokenizer(texts)["input_ids"], torch.device("cpu"))
     tag_id = tokenizer.convert_tokens_to_ids(SHEPHERD_STEP_TAG)
     real = torch.arange(ids.shape[1])[None] < lengths[:, None]
     tag_mask = (ids == tag_id) & real

@@ -291,7 +291,7 @@ def greedy_completions(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFa
     for start in range(0, len(prompts), batch_size):
         encoded = tokenizer(prompts[start: start + batch_size])["input_ids"]
         ids, attention_mask = left_padded(encoded, tokenizer.pad_token_id, device)
-        out = model.generate(input_ids=ids.to(device), attention_mask=attention_mask.to(device), do_sample=False,
+        out = model.generate(input_ids=ids, attention_mask=attention_mask, do_sample=False,
                              max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
                              pad_token_id=tokenizer.pad_token_id)
         completions += tokenizer.batch_decode(out[:, ids.shape[1]:], skip_special_tokens=True)

@@ -118,6 +118,11 @@ def test_config_hash_keys_the_cache(tmp_path, monkeypatch):
     assert len({config_hash(replace(TinyConfig(), lr=lr)) for lr in (1e-3, 2e-3, 3e-3)}) == 3
     monkeypatch.setenv("MATHRL_CACHE", str(tmp_path))
     assert tiny.cache_dir(TinyConfig()) == tmp_path / "tiny" / config_hash(TinyConfig())
+    keys = {}
+    for version in ("4.57.6", "4.46.0", "5.23.0"):  # a tokenizer saved by transformers 5 does not load in 4.x
+        monkeypatch.setattr(tiny.transformers, "__version__", version)
+        keys[version] = config_hash(TinyConfig())
+    assert keys["4.57.6"] == keys["4.46.0"] != keys["5.23.0"]
 
 
 def test_position_balanced_weights_even_out_labels_per_step():

@@ -53,6 +53,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import transformers
 import torch.nn.functional as F
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -616,8 +617,10 @@ def prm_last_step_auc(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFas
 
 
 def config_hash(config: TinyConfig) -> str:
-    """16 hex digits naming ``config`` (and BUILD_VERSION): the cache key."""
-    payload = json.dumps({"build_version": BUILD_VERSION, **asdict(config)}, sort_keys=True)
+    """16 hex digits naming ``config``, BUILD_VERSION and the transformers major version: the cache key.
+    (A tokenizer saved by transformers 5 names the class "TokenizersBackend", which 4.x cannot load.)"""
+    payload = json.dumps({"build_version": BUILD_VERSION, "transformers_major": transformers.__version__.split(".")[0],
+                          **asdict(config)}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 

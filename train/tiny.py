@@ -53,8 +53,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import transformers
 import torch.nn.functional as F
+import transformers
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 

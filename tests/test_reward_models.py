@@ -18,7 +18,6 @@ from reward_models.prm import ProcessRewardModel, aggregate_step_scores, single_
 from reward_models.target_solver import TargetSolver
 from train.generation import HFGenerator
 from train.policy import LanguagePolicy
-from conftest import TINY_PRM_NOT_READY
 
 
 def with_post_processor(tokenizer, template: str):
@@ -172,7 +171,6 @@ def roc_auc(positive: np.ndarray, negative: np.ndarray) -> float:
 
 
 @pytest.mark.slow
-@TINY_PRM_NOT_READY
 def test_tiny_prm_ranks_correct_steps_above_corrupted(tiny_models):
     prm = ProcessRewardModel(tiny_models.prm, device="cpu", batch_size=64)
     rng = np.random.default_rng(0)
@@ -208,13 +206,14 @@ def test_target_solver_rewards_correct_prefixes_more(tiny_models):
 
 
 @pytest.mark.slow
-@TINY_PRM_NOT_READY
 def test_env_with_tiny_prm_pays_step_scores(tiny_models):
     from envs.vector import MathVectorEnv
 
     prm = ProcessRewardModel(tiny_models.prm, device="cpu")
-    env = MathVectorEnv(num_envs=4, problems=[Problem("q", "Compute 10 + 5.", "15")], reward_model=prm)
+    # two-digit operands, as in every Arith problem the tiny models saw (it flags "10 + 5 = 15": its
+    # trunk never read a one-digit operand)
+    env = MathVectorEnv(num_envs=4, problems=[Problem("q", "Compute 12 + 35.", "47")], reward_model=prm)
     env.reset(seed=0)
-    _, rewards, *_ = env.step(["10 + 5 = 15", "10 + 5 = 15", "10 + 5 = 16", "10 + 5 = 51"])
-    # a clear margin: the 2026-11-23 tiny PRM pays 0.419 for the right step and 0.415 for the wrong ones
-    assert rewards[0] == rewards[1] and min(rewards[:2]) > max(rewards[2:]) + 0.2
+    _, rewards, *_ = env.step(["12 + 35 = 47", "12 + 35 = 47", "12 + 35 = 48", "12 + 35 = 74"])
+    print(f"tiny PRM pays {rewards} for a right step (twice) and two wrong ones")
+    assert rewards[0] == rewards[1] and min(rewards[:2]) > max(rewards[2:]) + 0.5

@@ -13,7 +13,6 @@ from envs.datasets import Arith
 from envs.prompts import SHEPHERD_STEP_TAG, STEP_DELIMITER, format_prompt, join_steps, shepherd_text, split_steps
 from train import tiny
 from train.tiny import LATEX_SNIPPETS, TinyConfig, arith_accuracy, config_hash, prm_metrics
-from conftest import TINY_PRM_NOT_READY
 
 MATH500 = Path(__file__).resolve().parents[2] / "shared" / "data" / "math500.jsonl"
 ARITH_TEXTS = [format_prompt(p.problem) + join_steps(split_steps(p.solution)) for p in Arith(digits=3, max_ops=4).problems(200, seed=5)]
@@ -87,12 +86,15 @@ def test_corrupted_solutions_and_labels():
         assert labels == [1] * first_bad + [0] * (len(steps) - first_bad)  # Math-Shepherd: bad from the first error on
 
 
-def test_sft_batch_trains_solution_tokens_only(tiny_tokenizer):
+@pytest.mark.parametrize("step_tags", [False, True])
+def test_sft_batch_trains_solution_tokens_only(tiny_tokenizer, step_tags):
     problems = HELD_OUT[:3]
-    ids, target_mask = tiny._sft_batch(tiny_tokenizer, problems)
+    ids, target_mask = tiny._sft_batch(tiny_tokenizer, problems, step_tags)
     for row, problem in enumerate(problems):
+        steps = split_steps(problem.solution)
+        solution = shepherd_text("", steps) if step_tags else join_steps(steps)
         targets = ids[row, 1:][target_mask[row]].tolist()
-        assert tiny_tokenizer.decode(targets) == join_steps(split_steps(problem.solution)) + tiny_tokenizer.eos_token
+        assert tiny_tokenizer.decode(targets) == solution + tiny_tokenizer.eos_token
 
 
 def test_training_is_deterministic_for_a_seed(tiny_tokenizer):
@@ -123,16 +125,6 @@ def test_config_hash_keys_the_cache(tmp_path, monkeypatch):
         monkeypatch.setattr(tiny.transformers, "__version__", version)
         keys[version] = config_hash(TinyConfig())
     assert keys["4.57.6"] == keys["4.46.0"] != keys["5.23.0"]
-
-
-def test_position_balanced_weights_even_out_labels_per_step():
-    labels = torch.tensor([1, 1, 1, 0, 1, 0, 0, 0])
-    steps = torch.tensor([0, 0, 0, 0, -1, -1, -1, 1])
-    weights = tiny._position_balanced_weights(labels, steps)
-    for step in (0, -1):
-        group = steps == step
-        assert weights[group & (labels == 1)].sum() == pytest.approx(weights[group & (labels == 0)].sum())
-    assert weights.mean() == pytest.approx(1.0)
 
 
 def test_roc_auc_by_hand():
@@ -174,7 +166,6 @@ def test_policy_accuracy_leaves_room_for_rl(tiny_models):
 
 
 @pytest.mark.slow
-@TINY_PRM_NOT_READY
 def test_prm_judges_held_out_steps(tiny_models):
     model, tokenizer = load(tiny_models.prm)
     metrics = prm_metrics(model, tokenizer, HELD_OUT, seed=99)

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoModel, AutoModelForTokenClassification, DynamicCache, PreTrainedTokenizerBase
 
-from envs.prompts import DEFAULT_TEMPLATE, SHEPHERD_STEP_TAG, STEP_DELIMITER, format_prompt, shepherd_text
+from envs.prompts import DEFAULT_TEMPLATE, SHEPHERD_STEP_TAG, STEP_DELIMITER, format_prompt, shepherd_text, split_steps
 from reward_models.base import RewardOutput, StepContext
 from train.policy import inference_dtype, load_causal_lm, load_tokenizer, resolve_device, right_padded
 
@@ -160,6 +160,14 @@ def padded_past(pasts: Sequence[Past | None], width: int) -> DynamicCache:
     return DynamicCache(ddp_cache_data=[(padded[i], padded[i + 1]) for i in range(0, two_layers, 2)])
 
 
+def marked_pieces(step: str, marker: str) -> list[str]:
+    """The pieces of an (untrusted) action that each get a marker: its steps split at the delimiter,
+    or the action itself when it holds none, so every action is scored. Marker text inside the
+    action is removed first: only the markers placed here are read."""
+    step = step.replace(marker, "")
+    return split_steps(step) or [step]
+
+
 def split_by_row(values: torch.Tensor, rows: torch.Tensor, num_rows: int) -> list[np.ndarray]:
     """Values [M] of rows [M] (sorted) as ``num_rows`` float64 arrays, one per row."""
     counts = torch.bincount(rows, minlength=num_rows).tolist()
@@ -248,16 +256,21 @@ class ProcessRewardModel:
         return loader.from_pretrained(str(model_dir), dtype=torch_dtype, trust_remote_code=trust_remote_code).to(self.device)
 
     def text(self, problem: str, steps: Sequence[str]) -> str:
-        """The PRM's input: the prompt, then each step followed by the marker (and the delimiter)."""
-        prompt = format_prompt(problem, self.template)
+        """The PRM's input: the prompt, then each step followed by the marker (and the delimiter).
+        An action that holds several steps (a whole solution, as under ``--action_level solution``)
+        is split at the delimiter, so the PRM reads every step as it was trained to."""
+        prompt = format_prompt(problem.replace(self.marker, ""), self.template)
+        pieces = [piece for step in steps for piece in marked_pieces(step, self.marker)]
         if self.prm_type == "shepherd":
-            return shepherd_text(prompt, steps, self.marker)
-        return prompt + "".join(f"{step}{self.marker}{STEP_DELIMITER}" for step in steps)
+            return shepherd_text(prompt, pieces, self.marker)
+        return prompt + "".join(f"{piece}{self.marker}{STEP_DELIMITER}" for piece in pieces)
 
     @torch.no_grad()
     def step_scores(self, problems: Sequence[str], steps: Sequence[Sequence[str]],
                     finished: Sequence[bool] | None = None) -> list[np.ndarray]:
         """Scores [S_b] in [0, 1] of every step of each of B solutions, ``batch_size`` per forward.
+        An action holding several steps gets one score per step (its last is the action's score);
+        left truncation drops the earliest.
 
         With the KV cache on, ``finished[b]`` True says solution b will not be extended, so its
         key/values are not kept (default: all are kept)."""
@@ -270,7 +283,7 @@ class ProcessRewardModel:
             previous = [self.text(problem, s[:-1]) for problem, s in zip(problems, steps)]
             keep = [True] * len(encoded) if finished is None else [not f for f in finished]
             scores = self._cached_scores(texts, encoded, previous, keep)
-        return [s[-len(step_list):] if len(step_list) else s[:0] for s, step_list in zip(scores, steps)]
+        return scores
 
     def _full_scores(self, encoded: list[list[int]]) -> list[np.ndarray]:
         """Marker scores of each encoded text, recomputed in full.

@@ -79,6 +79,31 @@ def test_shepherd_prm_batched_equals_one_at_a_time(untrained_policy_dir):
     np.testing.assert_allclose(batched[0], at_tags.detach().numpy(), atol=1e-5)
 
 
+def test_shepherd_prm_scores_a_whole_solution_step_by_step(untrained_policy_dir):
+    # --action_level solution hands the PRM one action holding every step: it must read them as steps
+    prm = ProcessRewardModel(untrained_policy_dir, device="cpu")
+    problems = [p.problem for p in PROBLEMS]
+    split = prm.step_scores(problems, [split_steps(p.solution) for p in PROBLEMS])
+    whole = prm.step_scores(problems, [[p.solution] for p in PROBLEMS])
+    for want, have in zip(split, whole):
+        assert len(want) >= 2
+        np.testing.assert_allclose(have, want, atol=1e-5)
+    # cut the text just after its first marker: the first step drops out, the others keep their score
+    ids = prm.tokenizer(prm.text(problems[0], [PROBLEMS[0].solution]))["input_ids"]
+    short = ProcessRewardModel(untrained_policy_dir, device="cpu", max_length=len(ids) - ids.index(prm.marker_id) - 1)
+    assert len(short.step_scores(problems[:1], [[PROBLEMS[0].solution]])[0]) == len(split[0]) - 1
+
+
+def test_prm_reads_only_the_markers_it_places(untrained_policy_dir):
+    # a policy that writes the step tag itself must not add scores or move the real ones
+    prm = ProcessRewardModel(untrained_policy_dir, device="cpu")
+    steps = split_steps(PROBLEMS[0].solution)
+    injected = [f"{prm.marker} {steps[0]} {prm.marker}", *steps[1:]]
+    assert prm.text(PROBLEMS[0].problem, injected).count(prm.marker) == len(steps)
+    (scores,) = prm.step_scores([PROBLEMS[0].problem + prm.marker], [injected])
+    assert len(scores) == len(steps)
+
+
 def test_shepherd_prm_rewards_per_aggregation(untrained_policy_dir):
     contexts = contexts_for(PROBLEMS[:3]) + contexts_for(PROBLEMS[3:], done=False)
     step = ProcessRewardModel(untrained_policy_dir, device="cpu")

@@ -58,6 +58,12 @@ REMEMBER_SHARPNESS = 300.0
 """Attention logit per unit of normalised flag in the "remember" head: the largest flag outweighs
 every unflagged position by tens of nats, so the verdict is close to the largest flag so far."""
 
+MIN_THRESHOLD = 1e-2
+"""Smallest threshold ``fit_readout`` may pick on verdict / one (flag units). Below it, the readout
+weight -one_weight / threshold leaves float16's range (a build that picked 1.4e-5, between the
+unflagged steps' ~1e-13 and a few faint flags, wrote -3.9e6 and scored every step 0 in float16),
+and faint flags are rounding, not evidence: on that build 1e-2 was as accurate (98.3% held out)."""
+
 ROPE_DECAY = 0.7
 """Weight ratio of successive RoPE frequencies in the previous-token head: the high frequencies
 tell t-1 from its neighbours, the low ones keep far positions apart (min gap 0.16 of the peak over
@@ -310,7 +316,7 @@ def fit_readout(features: torch.Tensor, labels: torch.Tensor, iterations: int = 
 
     The readout is ``w * (one - verdict / threshold)``. The threshold (on verdict / one, which
     share the final norm's divisor) is the midpoint between two observed ratios with the best
-    accuracy on these labels. ``w`` is a
+    accuracy on these labels, at least ``MIN_THRESHOLD``. ``w`` is a
     one-weight logistic regression on the steps under the threshold, so that P("+") of an
     unflagged step matches how often such steps are good; a flagged step's P("+") falls from 1/2
     at the threshold to 0 within a few thresholds. (Fitting ``w`` on all steps, or both weights
@@ -321,11 +327,12 @@ def fit_readout(features: torch.Tensor, labels: torch.Tensor, iterations: int = 
     ratio = verdict / one
     quantiles = torch.quantile(ratio, torch.linspace(0, 1, 201, dtype=torch.float64)).unique()
     candidates = (quantiles[:-1] + quantiles[1:]) / 2  # between observed ratios, so none sits on it
+    candidates = candidates[candidates >= MIN_THRESHOLD]
+    if len(candidates) == 0:
+        raise ValueError(f"fit_readout: no step has verdict / one above {MIN_THRESHOLD} (largest {ratio.max():.3g}): "
+                         "the margin flags nothing; pick a smaller one")
     accuracy = ((ratio[None] <= candidates[:, None]) == labels.bool()[None]).double().mean(1)  # [C]
     threshold = float(candidates[accuracy.argmax()])
-    if threshold <= 0:
-        raise ValueError(f"fit_readout: the best threshold on verdict / one is {threshold:.3g}, not > 0: the labels do "
-                         "not follow the flags (wrong labels, or a margin that flags nothing)")
     below = ratio <= threshold
     x, y = one[below], labels[below].double()
     w = torch.zeros((), dtype=torch.float64)

@@ -69,7 +69,7 @@ from train.policy import right_padded
 
 log = logging.getLogger(__name__)
 
-BUILD_VERSION = 2
+BUILD_VERSION = 3
 """Part of the cache key: bump when a change here changes what a build produces."""
 
 EOS_TOKEN = "<|endoftext|>"

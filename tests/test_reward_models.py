@@ -18,6 +18,7 @@ from reward_models.prm import ProcessRewardModel, aggregate_step_scores, single_
 from reward_models.target_solver import TargetSolver
 from train.generation import HFGenerator
 from train.policy import LanguagePolicy
+from train.tiny import roc_auc
 
 
 def with_post_processor(tokenizer, template: str):
@@ -188,13 +189,6 @@ def corrupt(step: str, offset: int) -> str:
     return f"{left} = {int(result) + offset}"
 
 
-def roc_auc(positive: np.ndarray, negative: np.ndarray) -> float:
-    """P(score of a random positive > score of a random negative), ties counting half."""
-    greater = (positive[:, None] > negative[None, :]).mean()
-    ties = (positive[:, None] == negative[None, :]).mean()
-    return float(greater + 0.5 * ties)
-
-
 @pytest.mark.slow
 def test_tiny_prm_ranks_correct_steps_above_corrupted(tiny_models):
     prm = ProcessRewardModel(tiny_models.prm, device="cpu", batch_size=64)
@@ -208,7 +202,7 @@ def test_tiny_prm_ranks_correct_steps_above_corrupted(tiny_models):
         bad.append((problem.problem, steps[:k] + [corrupt(steps[k], int(rng.choice([-10, -2, -1, 1, 2, 10])))]))
     good_scores = [s[-1] for s in prm.step_scores([p for p, _ in good], [s for _, s in good])]
     bad_scores = [s[-1] for s in prm.step_scores([p for p, _ in bad], [s for _, s in bad])]
-    auc = roc_auc(np.array(good_scores), np.array(bad_scores))
+    auc = roc_auc(np.array(good_scores + bad_scores), np.repeat([1, 0], [len(good_scores), len(bad_scores)]))
     print(f"tiny PRM ROC-AUC on {len(good)} correct vs {len(bad)} corrupted held-out steps: {auc:.3f}")
     assert auc >= 0.9
 

@@ -143,8 +143,9 @@ def _check_trunk(trunk: LlamaForCausalLM) -> None:
         problems.append("biases in the trunk")
     if config.num_key_value_heads != config.num_attention_heads:
         problems.append(f"grouped key/value heads ({config.num_key_value_heads} for {config.num_attention_heads})")
-    if (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads) * config.num_attention_heads != config.hidden_size:
-        problems.append(f"head_dim {config.head_dim} x {config.num_attention_heads} heads != hidden size {config.hidden_size}")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if head_dim * config.num_attention_heads != config.hidden_size:
+        problems.append(f"head_dim {head_dim} x {config.num_attention_heads} heads != hidden size {config.hidden_size}")
     if problems:
         raise ValueError(f"build_likelihood_prm needs a plain tied-embedding Llama trunk; this one has {', '.join(problems)}")
 

@@ -535,8 +535,8 @@ def build_prm(target: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, conf
               seed: int, device: str) -> tuple[LlamaForCausalLM, dict]:
     """The tiny PRM (``train.likelihood_prm``) on a copy of ``target``: the trunk is tuned on
     tagged reference solutions, then on ``prm_fit_problems`` corrupted solutions the margin is
-    picked from ``prm_margins`` (best step accuracy of ``running_max_margin``) and the readout is
-    fitted by logistic regression. Returns (PRM on the CPU, what was chosen)."""
+    picked from ``prm_margins`` (best step accuracy of ``running_max_margin``) and the readout's
+    threshold and scale are fitted (``likelihood_prm.fit_readout``). Returns (PRM on the CPU, what was chosen)."""
     trunk = copy.deepcopy(target).to(device)
     tune_prm_trunk(trunk, tokenizer, config, batches, device)
     trunk = trunk.cpu()

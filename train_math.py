@@ -53,7 +53,7 @@ def check_env_id(env_id: str) -> None:
 def build_reward_model(device: str, dtype: str):
     """The env's reward model from --reward: one source, or a weighted RewardMixture."""
     from reward_models.mixture import RewardMixture, parse_reward_spec
-    from reward_models.outcome import OutcomeReward
+    from envs.rewards import OutcomeReward
 
     weights = parse_reward_spec(train_flags.resolved_reward(), train_flags.REWARD_SOURCES)
     models = {}
@@ -72,8 +72,8 @@ def build_reward_model(device: str, dtype: str):
                                               kv_cache_mb=FLAGS.prm_kv_cache_mb)
         elif name == "target":
             from reward_models.target_solver import TargetSolver
-            from train.generation import make_generator
-            from train.policy import LanguagePolicy
+            from train.models.generation import make_generator
+            from train.models.policy import LanguagePolicy
 
             target = LanguagePolicy(FLAGS.target_model_name_or_path, device=device, dtype=dtype).eval()
             models[name] = TargetSolver(make_generator("hf", target), seed=FLAGS.seed)
@@ -177,8 +177,8 @@ def main(argv: list[str]) -> None:
     from algorithms.base import AlgorithmConfig, make_algorithm
     from reward_models.implicit_prm import ImplicitPRM
     from train import checkpoint
-    from train.generation import make_generator
-    from train.policy import LanguagePolicy, LoraSettings, resolve_device
+    from train.models.generation import make_generator
+    from train.models.policy import LanguagePolicy, LoraSettings, resolve_device
     from train.runner import Runner, RunnerConfig
 
     try:

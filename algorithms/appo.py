@@ -10,8 +10,8 @@ from algorithms.base import AlgorithmConfig, detached
 from algorithms.losses import clipped_surrogate, kl_k3, masked_mean, value_loss
 
 if TYPE_CHECKING:
-    from train.buffer import Batch, RolloutBuffer
-    from train.policy import ActionScores
+    from algorithms.buffer import Batch, RolloutBuffer
+    from train.models.policy import ActionScores
 
 
 def gae(

@@ -17,8 +17,8 @@ import torch
 from algorithms.losses import aggregate, clipped_surrogate, kl_k3, masked_mean
 
 if TYPE_CHECKING:
-    from train.buffer import Batch, RolloutBuffer
-    from train.policy import ActionScores
+    from algorithms.buffer import Batch, RolloutBuffer
+    from train.models.policy import ActionScores
 
 ALGORITHMS = {
     "APPO": "algorithms.appo:APPO",

@@ -10,8 +10,8 @@ from algorithms.base import AlgorithmConfig, token_policy_loss, zero_advantage_r
 from algorithms.losses import group_index, group_means
 
 if TYPE_CHECKING:
-    from train.buffer import Batch, RolloutBuffer
-    from train.policy import ActionScores
+    from algorithms.buffer import Batch, RolloutBuffer
+    from train.models.policy import ActionScores
 
 SCALE_REWARDS = ("group", "batch", "none")
 

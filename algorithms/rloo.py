@@ -12,8 +12,8 @@ from algorithms.base import AlgorithmConfig, token_policy_loss, zero_advantage_r
 from algorithms.losses import discounted_reverse_cumsum, group_index, group_means
 
 if TYPE_CHECKING:
-    from train.buffer import Batch, RolloutBuffer
-    from train.policy import ActionScores
+    from algorithms.buffer import Batch, RolloutBuffer
+    from train.models.policy import ActionScores
 
 
 def leave_one_out_baseline(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:

@@ -16,8 +16,8 @@ from algorithms.base import AlgorithmConfig, token_policy_loss
 from algorithms.losses import aggregate, discount_matrix, discounted_reverse_cumsum, value_loss
 
 if TYPE_CHECKING:
-    from train.buffer import Batch, RolloutBuffer
-    from train.policy import ActionScores
+    from algorithms.buffer import Batch, RolloutBuffer
+    from train.models.policy import ActionScores
 
 
 def tppo_advantages(

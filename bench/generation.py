@@ -20,8 +20,8 @@ from pathlib import Path
 
 from envs.datasets import Arith
 from envs.prompts import format_prompt
-from train.generation import Generator, make_generator
-from train.policy import LanguagePolicy
+from train.models.generation import Generator, make_generator
+from train.models.policy import LanguagePolicy
 from train.tiny import TinyConfig, cache_dir, save_untrained_policy
 
 

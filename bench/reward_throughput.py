@@ -24,7 +24,7 @@ import torch
 
 from envs.datasets import Arith
 from envs.prompts import split_steps
-from reward_models.base import StepContext
+from envs.rewards import StepContext
 from reward_models.prm import DEFAULT_KV_CACHE_MB, ProcessRewardModel
 
 

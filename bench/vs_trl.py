@@ -7,7 +7,7 @@ Both sides train the same policy on the same Arith-v0 prompt pool (the env's tra
 prompt template): 8 prompts x 8 completions = 64 per step, at most 32 new tokens, temperature 1.0,
 one AdamW update per generation (lr 1e-4, constant, grad-norm clip 1.0, fp32, no gradient
 checkpointing), clipped surrogate with eps 0.2, group-normalised advantages, no KL (so no reference
-model), token-mean loss. The reward on both sides is ``reward_models.outcome.OutcomeReward`` (1 if the
+model), token-mean loss. The reward on both sides is ``envs.rewards.OutcomeReward`` (1 if the
 final answer verifies, else 0), so only the trainers differ.
 
 Ours is built as train_math.py builds it (gymnasium ``Arith-v0`` vector env, LanguagePolicy,
@@ -55,8 +55,8 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from train.generation import Generator
-    from train.policy import LanguagePolicy
+    from train.models.generation import Generator
+    from train.models.policy import LanguagePolicy
 
 GROUP_SIZE = 8
 PROMPTS_PER_STEP = 8
@@ -106,8 +106,8 @@ class OursSide:
 
         import envs  # noqa: F401  (registers Arith-v0)
         from algorithms.base import AlgorithmConfig, make_algorithm
-        from reward_models.outcome import OutcomeReward
-        from train.policy import LanguagePolicy
+        from envs.rewards import OutcomeReward
+        from train.models.policy import LanguagePolicy
         from train.runner import Runner, RunnerConfig
 
         policy = LanguagePolicy(policy_dir, device="cpu", dtype="float32").eval()
@@ -148,7 +148,7 @@ class OursSide:
 
 def make_ours_generator(backend: str, policy: LanguagePolicy) -> Generator:
     """HFGenerator, or an in-process VLLMGenerator (eager on CPU: torch.compile adds ~40 s of start-up)."""
-    from train.generation import make_generator
+    from train.models.generation import make_generator
 
     if backend == "hf":
         return make_generator("hf", policy)
@@ -162,8 +162,7 @@ def make_ours_generator(backend: str, policy: LanguagePolicy) -> Generator:
 def outcome_reward_function(problems: dict[str, Any]) -> Callable[..., list[float]]:
     """A TRL reward function scoring completions with our OutcomeReward, exactly as our env does for
     a one-step solution (the dataset's ``problem_id`` column names each completion's problem)."""
-    from reward_models.base import StepContext
-    from reward_models.outcome import OutcomeReward
+    from envs.rewards import OutcomeReward, StepContext
 
     reward_model = OutcomeReward()
 

@@ -10,16 +10,11 @@ Both have a ``vector_entry_point``, so
 one ``MathVectorEnv`` that scores all envs' rewards in one batch.
 """
 
-import importlib
-
 import gymnasium
 
 from envs.datasets import Arith, Problem, load_problems
-
-# The env classes load on first use: envs.math_env imports the reward models, which import
-# envs.datasets / envs.grader, so importing them here made "import reward_models.outcome" (before
-# any envs import) circular.
-_LAZY = {"MathEnv": "envs.math_env", "MathTask": "envs.math_env", "MathVectorEnv": "envs.vector"}
+from envs.math_env import MathEnv, MathTask
+from envs.vector import MathVectorEnv
 
 DEFAULT_ARITH = {"digits": 2, "min_ops": 1, "max_ops": 3, "operators": "+-", "num_train": 20_000, "num_test": 1_000,
                  "seed": 0}
@@ -37,12 +32,5 @@ def _register(env_id: str, **kwargs) -> None:
 
 _register("MATH-v0")
 _register("Arith-v0", arith=DEFAULT_ARITH, max_steps=8)
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'envs' has no attribute {name!r}")
-
 
 __all__ = ["Arith", "MathEnv", "MathTask", "MathVectorEnv", "Problem", "load_problems"]

@@ -26,8 +26,7 @@ from gymnasium import spaces
 from envs.datasets import Arith, Problem, load_problems
 from envs.grader import extract_answer
 from envs.prompts import DEFAULT_TEMPLATE, STEP_DELIMITER, format_prompt, resolve_template
-from reward_models.base import RewardModel, StepContext
-from reward_models.outcome import OutcomeReward, verify
+from envs.rewards import OutcomeReward, RewardModel, StepContext, verify
 
 MODES = ("step", "token")
 

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from envs.prompts import DEFAULT_TEMPLATE, format_prompt, join_steps
-from reward_models.base import RewardOutput, StepContext
-from train.policy import LanguagePolicy, LoraSettings, TokenBatch
+from envs.rewards import RewardOutput, StepContext
+from train.models.policy import LanguagePolicy, LoraSettings, TokenBatch
 
 REFERENCES = ("freeze", "policy")
 GRANULARITIES = ("token", "step")

@@ -12,7 +12,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from reward_models.base import RewardModel, RewardOutput, StepContext
+from envs.rewards import RewardModel, RewardOutput, StepContext
 
 
 def parse_reward_spec(spec: str, known: Sequence[str]) -> dict[str, float]:

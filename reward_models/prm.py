@@ -39,8 +39,8 @@ import torch
 from transformers import AutoConfig, AutoModel, AutoModelForTokenClassification, DynamicCache, PreTrainedTokenizerBase
 
 from envs.prompts import DEFAULT_TEMPLATE, SHEPHERD_STEP_TAG, STEP_DELIMITER, format_prompt, shepherd_text, split_steps
-from reward_models.base import RewardOutput, StepContext
-from train.policy import inference_dtype, load_causal_lm, load_tokenizer, resolve_device, right_padded
+from envs.rewards import RewardOutput, StepContext
+from train.models.policy import inference_dtype, load_causal_lm, load_tokenizer, resolve_device, right_padded
 
 PRM_TYPES = ("shepherd", "classifier")
 AGGREGATIONS = ("step", "last", "min", "product", "mean")

@@ -16,7 +16,7 @@ from typing import Sequence
 import numpy as np
 
 from envs.prompts import split_steps
-from reward_models.base import RewardOutput, StepContext
+from envs.rewards import RewardOutput, StepContext
 
 
 def matched_prefix(steps: Sequence[str], reference: Sequence[str]) -> int:

@@ -19,8 +19,8 @@ import numpy as np
 
 from envs.grader import extract_answer, grade_batch
 from envs.prompts import DEFAULT_TEMPLATE, STEP_DELIMITER, format_prompt, join_steps
-from reward_models.base import RewardOutput, StepContext
-from train.generation import Generator
+from envs.rewards import RewardOutput, StepContext
+from train.models.generation import Generator
 
 
 class TargetSolver:

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from algorithms.base import AlgorithmConfig, make_algorithm
-from train.buffer import RolloutBuffer
-from train.policy import ActionScores
+from algorithms.buffer import RolloutBuffer
+from train.models.policy import ActionScores
 
 VOCAB = 11
 

@@ -368,7 +368,7 @@ def test_unwritable_logdir_fails_before_any_model_loads(tmp_path, monkeypatch):
     def no_model(*args, **kwargs):
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr("train.policy.LanguagePolicy.__init__", no_model)
+    monkeypatch.setattr("train.models.policy.LanguagePolicy.__init__", no_model)
     logdir = tmp_path / "not_a_directory"
     logdir.write_text("")
     with pytest.raises(app.UsageError, match=f"--logdir={logdir}: cannot write to {logdir}/GRPO_Arith-v0/run_"):
@@ -401,7 +401,7 @@ class ScheduledVerdicts:
         self.accuracies, self.batch, self.eval_index = accuracies, batch, -1
 
     def score(self, contexts):
-        from reward_models.base import RewardOutput
+        from envs.rewards import RewardOutput
 
         if self.eval_index >= 0:
             right = round(self.accuracies[self.eval_index] * self.batch)

@@ -7,7 +7,7 @@ import envs  # noqa: F401  (registers the env ids)
 from envs.datasets import Arith, Problem
 from envs.math_env import MathEnv
 from envs.prompts import format_prompt, split_steps
-from reward_models.base import RewardOutput
+from envs.rewards import RewardOutput
 
 PROBLEMS = Arith().problems(50, seed=0)
 
@@ -164,7 +164,7 @@ def test_handoff_steps_terminates_for_prefix_rl():
         MathEnv(problems=PROBLEMS, handoff_steps=0)
 
 
-@pytest.mark.parametrize("module", ["reward_models.outcome", "reward_models.mixture", "reward_models.prm",
+@pytest.mark.parametrize("module", ["envs.rewards", "reward_models.mixture", "reward_models.prm",
                                     "reward_models.reference_steps", "envs.vector", "train.flags"])
 def test_any_module_imports_first(module):
     """A fresh interpreter importing ``module`` before anything else (as train_math's --reward check

@@ -11,9 +11,9 @@ import torch
 from transformers import GenerationConfig
 
 from envs.prompts import STEP_DELIMITER, format_prompt
-from train.generation import (HFGenerator, VLLMGenerator, eos_token_ids, filter_logits, inverse_cdf_sample,
+from train.models.generation import (HFGenerator, VLLMGenerator, eos_token_ids, filter_logits, inverse_cdf_sample,
                               make_generator, preallocated_cache)
-from train.policy import LanguagePolicy, LoraSettings
+from train.models.policy import LanguagePolicy, LoraSettings
 
 PROMPTS = [format_prompt("Compute 3 + 4."), format_prompt("Compute 12 - 5 + 40 - 7."), "Step"]
 SOLUTION = f"Step 1: 3 + 4 = 7{STEP_DELIMITER}The answer is \\boxed{{7}}"

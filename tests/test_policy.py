@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, ViTConfig
 
-from train.policy import LanguagePolicy, LoraSettings, ensure_pad_token, hf_param_name, pack
+from train.models.policy import LanguagePolicy, LoraSettings, ensure_pad_token, hf_param_name, pack
 
 LORA = LoraSettings(rank=4, alpha=8.0)
 MODES = {"full": None, "lora": LORA}
@@ -205,7 +205,7 @@ def test_bad_inputs_fail_clearly(untrained_policy_dir, tmp_path):
 def test_missing_pad_token_becomes_eos_with_a_warning(untrained_policy_dir, caplog):
     tokenizer = PreTrainedTokenizerFast.from_pretrained(untrained_policy_dir)
     tokenizer.pad_token = None
-    with caplog.at_level(logging.WARNING, logger="train.policy"):
+    with caplog.at_level(logging.WARNING, logger="train.models.policy"):
         ensure_pad_token(tokenizer, "test")
     assert tokenizer.pad_token_id == tokenizer.eos_token_id is not None
     assert "no pad token" in caplog.text

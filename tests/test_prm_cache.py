@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, MistralConfig, MistralForCausalLM
 
 from envs.datasets import Arith
 from envs.prompts import split_steps
-from reward_models.base import StepContext
+from envs.rewards import StepContext
 from reward_models.prm import Past, PastCache, ProcessRewardModel
 from train import flags as train_flags
 

@@ -12,12 +12,12 @@ from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForTokenClassif
 
 from envs.datasets import Arith, Problem
 from envs.prompts import format_prompt, join_steps, split_steps
-from reward_models.base import StepContext
+from envs.rewards import StepContext
 from reward_models.implicit_prm import ImplicitPRM
 from reward_models.prm import ProcessRewardModel, aggregate_step_scores, single_token_id
 from reward_models.target_solver import TargetSolver
-from train.generation import HFGenerator
-from train.policy import LanguagePolicy
+from train.models.generation import HFGenerator
+from train.models.policy import LanguagePolicy
 from train.tiny import roc_auc
 
 

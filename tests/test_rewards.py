@@ -2,9 +2,8 @@ import numpy as np
 import pytest
 
 from envs.datasets import Problem
-from reward_models.base import RewardModel, RewardOutput, StepContext
+from envs.rewards import OutcomeReward, RewardModel, RewardOutput, StepContext
 from reward_models.mixture import RewardMixture, parse_reward_spec
-from reward_models.outcome import OutcomeReward
 
 PROBLEM = Problem(id="p", problem="What is 1/2 + 1/4?", answer="\\frac{3}{4}")
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from algorithms.base import ALGORITHMS, AlgorithmConfig, make_algorithm
-from train.buffer import RolloutBuffer
-from train.policy import LanguagePolicy
+from algorithms.buffer import RolloutBuffer
+from train.models.policy import LanguagePolicy
 
 
 @pytest.fixture(scope="module")

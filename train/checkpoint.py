@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 
-from train.policy import LanguagePolicy, LoraSettings
+from train.models.policy import LanguagePolicy, LoraSettings
 
 log = logging.getLogger(__name__)
 

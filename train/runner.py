@@ -45,9 +45,9 @@ from tqdm import tqdm
 from algorithms.base import Algorithm
 from envs.prompts import STEP_DELIMITER
 from train import checkpoint
-from train.buffer import RolloutBuffer
-from train.generation import Generator
-from train.policy import LanguagePolicy
+from algorithms.buffer import RolloutBuffer
+from train.models.generation import Generator
+from train.models.policy import LanguagePolicy
 
 log = logging.getLogger(__name__)
 

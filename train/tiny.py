@@ -64,8 +64,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from envs.datasets import OPERATORS, PRECEDENCE, Arith, Problem
 from envs.prompts import SHEPHERD_STEP_TAG, format_prompt, join_steps, shepherd_text, split_steps
 from train import likelihood_prm
-from train.generation import left_padded
-from train.policy import right_padded
+from train.models.generation import left_padded
+from train.models.policy import right_padded
 
 log = logging.getLogger(__name__)
 

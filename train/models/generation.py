@@ -28,7 +28,7 @@ import torch
 from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase, StopStringCriteria
 from transformers.cache_utils import Cache, DynamicLayer
 
-from train.policy import LanguagePolicy, load_tokenizer
+from train.models.policy import LanguagePolicy, load_tokenizer
 
 Prompts = Sequence[str] | Sequence[Sequence[int]]
 FINISH_REASONS = ("stop", "length", "eos")

@@ -253,17 +253,29 @@ class Arith:
         return self.problems(num_train, seed=seed, exclude=(p.id for p in test)), test
 
 
-def solve_steps(operands: list[int], ops: list[str]) -> tuple[list[str], int]:
+def solve_steps(operands: list[int], ops: list[str], error_step: int | None = None, kind: str = "result",
+                offset: int = 0) -> tuple[list[str], int]:
     """Reference steps for ``operands[0] ops[0] operands[1] ...``: one operation per step,
-    higher precedence first, then left to right. Returns (steps, answer)."""
+    higher precedence first, then left to right. Returns (steps, the boxed answer).
+
+    With ``error_step``, the steps a solver writes after one slip at that step (the PRM's
+    negatives): kind "result" puts that step's result off by ``offset``; "operand" puts its right
+    operand off by ``offset`` (the arithmetic is then right for the wrong number). An error at the
+    last (answer) step boxes the final value plus ``offset``. Later steps carry the wrong value on.
+    """
+    if kind not in ("result", "operand"):
+        raise ValueError(f"solve_steps kind={kind!r} must be 'result' or 'operand'")
     values, ops = list(operands), list(ops)
     steps = []
     while ops:
         top = max(PRECEDENCE[op] for op in ops)
         i = next(k for k, op in enumerate(ops) if PRECEDENCE[op] == top)
-        result = OPERATORS[ops[i]](values[i], values[i + 1])
-        steps.append(f"{values[i]} {ops[i]} {values[i + 1]} = {result}")
+        erred = len(steps) == error_step
+        left, right = values[i], values[i + 1] + (offset if erred and kind == "operand" else 0)
+        result = OPERATORS[ops[i]](left, right) + (offset if erred and kind == "result" else 0)
+        steps.append(f"{left} {ops[i]} {right} = {result}")
         values[i : i + 2] = [result]
         del ops[i]
-    steps.append(f"The answer is \\boxed{{{values[0]}}}.")
-    return steps, values[0]
+    answer = values[0] + (offset if len(steps) == error_step else 0)
+    steps.append(f"The answer is \\boxed{{{answer}}}.")
+    return steps, answer

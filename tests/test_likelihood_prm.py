@@ -1,4 +1,4 @@
-"""The closed-form likelihood PRM (train/likelihood_prm.py) on a small random trunk: it keeps the
+"""The closed-form likelihood PRM (train/tiny/likelihood_prm.py) on a small random trunk: it keeps the
 trunk's computation, copies the previous position's logits, flags exactly the tokens whose margin
 ``running_max_margin`` says, survives save/load, the KV cache, bf16 and fp16, and fits its readout."""
 
@@ -10,7 +10,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from envs.datasets import Arith
 from envs.prompts import format_prompt, shepherd_text
 from reward_models.prm import ProcessRewardModel
-from train import likelihood_prm, tiny
+from train.tiny import likelihood_prm
+from train.tiny.data import PRM_ANCHOR, corrupt_solution, departure_tokens, label_token_ids, prm_batch
+from train.tiny.model import new_model
 
 PROBLEMS = Arith().problems(48, seed=11)
 
@@ -19,8 +21,8 @@ PROBLEMS = Arith().problems(48, seed=11)
 def trunk(tiny_tokenizer):
     """A random tiny Llama whose logits are spread like a trained one's (embeddings x 30), so
     margins of several logits occur."""
-    model = tiny._new_model(tiny_tokenizer, seed=3, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                            num_key_value_heads=2, intermediate_size=128)
+    model = new_model(tiny_tokenizer, seed=3, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=2, intermediate_size=128)
     with torch.no_grad():
         model.model.embed_tokens.weight.mul_(30)
     return model.eval()
@@ -30,25 +32,25 @@ def trunk(tiny_tokenizer):
 def corrupted(tiny_tokenizer):
     """ids [B, L], tag_mask [B, L], tag labels [S] and the steps of corrupted Arith solutions."""
     rng = np.random.default_rng(0)
-    solutions, labels = zip(*(tiny.corrupt_solution(p, rng, clean_fraction=0.3) for p in PROBLEMS))
-    ids, tag_mask, tag_labels, _ = tiny._prm_batch(tiny_tokenizer, PROBLEMS, list(solutions), list(labels))
+    solutions, labels = zip(*(corrupt_solution(p, rng, clean_fraction=0.3) for p in PROBLEMS))
+    ids, tag_mask, tag_labels, _ = prm_batch(tiny_tokenizer, PROBLEMS, list(solutions), list(labels))
     return ids, tag_mask, tag_labels, list(solutions)
 
 
 @pytest.fixture(scope="module")
 def checked(tiny_tokenizer):
-    return tiny.departure_tokens(tiny_tokenizer, Arith().problems(400, seed=1), np.random.default_rng(1))
+    return departure_tokens(tiny_tokenizer, Arith().problems(400, seed=1), np.random.default_rng(1))
 
 
 @pytest.fixture(scope="module")
 def built(trunk, tiny_tokenizer, corrupted, checked):
     """(PRM, running max margins [B, L], margin) at a margin that flags about half of the solutions."""
     ids = corrupted[0]
-    anchor = tiny_tokenizer.convert_tokens_to_ids(tiny.PRM_ANCHOR)
+    anchor = tiny_tokenizer.convert_tokens_to_ids(PRM_ANCHOR)
     with torch.no_grad():
         margins = likelihood_prm.running_max_margin(trunk(input_ids=ids).logits, ids, checked, anchor)
     margin = float(margins[:, -1].median())
-    good, bad = tiny._label_token_ids(tiny_tokenizer).tolist()
+    good, bad = label_token_ids(tiny_tokenizer).tolist()
     return likelihood_prm.build_likelihood_prm(trunk, checked, anchor, good, bad, margin), margins, margin
 
 
@@ -98,7 +100,7 @@ def test_flags_follow_the_running_max_margin(tiny_tokenizer, corrupted, built):
 def test_save_load_kv_cache_and_half_precision_give_the_same_scores(tmp_path, tiny_tokenizer, corrupted, built):
     prm, margins, margin = built
     ids, tag_mask, _, steps = corrupted
-    good, bad = tiny._label_token_ids(tiny_tokenizer).tolist()
+    good, bad = label_token_ids(tiny_tokenizer).tolist()
     likelihood_prm.set_readout(prm, good, bad, 40.0, -40.0 / likelihood_prm.MIN_THRESHOLD)
     prm.save_pretrained(tmp_path)
     tiny_tokenizer.save_pretrained(tmp_path)

@@ -1,4 +1,4 @@
-"""The built-in tiny tokenizer and models (train/tiny.py)."""
+"""The built-in tiny tokenizer and models (train/tiny/)."""
 
 import json
 from dataclasses import replace
@@ -7,16 +7,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from envs.datasets import Arith
+from envs.datasets import Arith, solve_steps
 from envs.prompts import SHEPHERD_STEP_TAG, STEP_DELIMITER, format_prompt, join_steps, shepherd_text, split_steps
-from train import tiny
-from train.tiny import LATEX_SNIPPETS, TinyConfig, arith_accuracy, config_hash, prm_metrics
+from train.tiny import (TinyConfig, arith_accuracy, build_tiny_models, build_tokenizer, cache_dir, config_hash,
+                        heldout_problems, prm_metrics, roc_auc, save_untrained_policy)
+from train.tiny.data import arith_batches, corrupt_solution, parse_arith, sft_batch
+from train.tiny.evaluation import prefix_metrics, prm_last_step_auc
+from train.tiny.model import new_model
+from train.tiny.tokenizer import LATEX_SNIPPETS, _tokenizer_json
+from train.tiny.training import adamw, sft_loss, train_step
 
 MATH500 = Path(__file__).resolve().parents[2] / "shared" / "data" / "math500.jsonl"
 ARITH_TEXTS = [format_prompt(p.problem) + join_steps(split_steps(p.solution)) for p in Arith(digits=3, max_ops=4).problems(200, seed=5)]
-HELD_OUT = tiny.heldout_problems()  # never trained on by the default build
+HELD_OUT = heldout_problems()  # never trained on by the default build
 
 
 def test_tokenizer_round_trips_arith_and_latex(tiny_tokenizer):
@@ -48,10 +54,10 @@ def test_tokenizer_single_tokens_and_special_ids(tiny_tokenizer):
 
 
 def test_tokenizer_is_deterministic_and_a_fresh_object(tiny_tokenizer):
-    again = tiny.build_tokenizer()
+    again = build_tokenizer()
     assert again is not tiny_tokenizer
     assert again.get_vocab() == tiny_tokenizer.get_vocab()
-    assert tiny._tokenizer_json.__wrapped__(512) == tiny._tokenizer_json(512)
+    assert _tokenizer_json.__wrapped__(512) == _tokenizer_json(512)
 
 
 def test_untrained_policy_loads_with_auto_classes(untrained_policy_dir, tiny_tokenizer):
@@ -69,7 +75,7 @@ def test_untrained_policy_loads_with_auto_classes(untrained_policy_dir, tiny_tok
 
 
 def test_save_untrained_policy_config_overrides(tmp_path):
-    path = tiny.save_untrained_policy(tmp_path / "p", seed=1, hidden_size=64, num_hidden_layers=2)
+    path = save_untrained_policy(tmp_path / "p", seed=1, hidden_size=64, num_hidden_layers=2)
     model = AutoModelForCausalLM.from_pretrained(path)
     assert (model.config.hidden_size, model.config.num_hidden_layers) == (64, 2)
 
@@ -77,19 +83,27 @@ def test_save_untrained_policy_config_overrides(tmp_path):
 def test_corrupted_solutions_and_labels():
     rng = np.random.default_rng(0)
     for problem in Arith(max_ops=3, operators="+-*").problems(200, seed=3):
-        operands, ops = tiny.parse_arith(problem)
-        assert tiny.solve_with_error(operands, ops) == split_steps(problem.solution)
-        steps, labels = tiny.corrupt_solution(problem, rng, clean_fraction=0.3)
+        operands, ops = parse_arith(problem)
+        assert solve_steps(operands, ops)[0] == split_steps(problem.solution)
+        steps, labels = corrupt_solution(problem, rng, clean_fraction=0.3)
         reference = split_steps(problem.solution)
         assert len(steps) == len(labels) == len(reference)
         first_bad = next((i for i, (a, b) in enumerate(zip(steps, reference)) if a != b), len(steps))
         assert labels == [1] * first_bad + [0] * (len(steps) - first_bad)  # Math-Shepherd: bad from the first error on
 
 
+def test_solve_steps_with_one_slip_carries_it_on():
+    assert solve_steps([2, 3, 4], ["+", "*"], 0, "result", 1)[0] == ["3 * 4 = 13", "2 + 13 = 15", "The answer is \\boxed{15}."]
+    assert solve_steps([2, 3, 4], ["+", "*"], 0, "operand", 1)[0] == ["3 * 5 = 15", "2 + 15 = 17", "The answer is \\boxed{17}."]
+    assert solve_steps([2, 3, 4], ["+", "*"], 2, "operand", -1) == (["3 * 4 = 12", "2 + 12 = 14", "The answer is \\boxed{13}."], 13)
+    with pytest.raises(ValueError, match="kind"):
+        solve_steps([1, 2], ["+"], 0, "sign", 1)
+
+
 @pytest.mark.parametrize("step_tags", [False, True])
 def test_sft_batch_trains_solution_tokens_only(tiny_tokenizer, step_tags):
     problems = HELD_OUT[:3]
-    ids, target_mask = tiny._sft_batch(tiny_tokenizer, problems, step_tags)
+    ids, target_mask = sft_batch(tiny_tokenizer, problems, step_tags)
     for row, problem in enumerate(problems):
         steps = split_steps(problem.solution)
         solution = shepherd_text("", steps) if step_tags else join_steps(steps)
@@ -101,12 +115,12 @@ def test_training_is_deterministic_for_a_seed(tiny_tokenizer):
     config = TinyConfig(hidden_size=32, num_layers=1, intermediate_size=64, batch_size=8)
 
     def weights_after_three_steps():
-        model = tiny._new_model(tiny_tokenizer, seed=0, hidden_size=32, num_hidden_layers=1, intermediate_size=64)
-        optimizer = tiny._adamw(model, config.lr, config.weight_decay)
-        batches = tiny._arith_batches(config.arith(), config.batch_size, seed=0, exclude=set())
+        model = new_model(tiny_tokenizer, seed=0, hidden_size=32, num_hidden_layers=1, intermediate_size=64)
+        optimizer = adamw(model, config.lr, config.weight_decay)
+        batches = arith_batches(config.arith(), config.batch_size, seed=0, exclude=set())
         for _ in range(3):
-            ids, target_mask = tiny._sft_batch(tiny_tokenizer, next(batches))
-            tiny._train_step(model, optimizer, tiny._sft_loss(model, ids, target_mask)[0], config.lr)
+            ids, target_mask = sft_batch(tiny_tokenizer, next(batches))
+            train_step(model, optimizer, sft_loss(model, ids, target_mask)[0], config.lr)
         return model.state_dict()
 
     first, second = weights_after_three_steps(), weights_after_three_steps()
@@ -119,25 +133,25 @@ def test_config_hash_keys_the_cache(tmp_path, monkeypatch):
     assert config_hash(TinyConfig(seed=1)) != config_hash(TinyConfig())
     assert len({config_hash(replace(TinyConfig(), lr=lr)) for lr in (1e-3, 2e-3, 3e-3)}) == 3
     monkeypatch.setenv("MATHRL_CACHE", str(tmp_path))
-    assert tiny.cache_dir(TinyConfig()) == tmp_path / "tiny" / config_hash(TinyConfig())
+    assert cache_dir(TinyConfig()) == tmp_path / "tiny" / config_hash(TinyConfig())
     keys = {}
     for version in ("4.57.6", "4.46.0", "5.23.0"):  # a tokenizer saved by transformers 5 does not load in 4.x
-        monkeypatch.setattr(tiny.transformers, "__version__", version)
+        monkeypatch.setattr(transformers, "__version__", version)
         keys[version] = config_hash(TinyConfig())
     assert keys["4.57.6"] == keys["4.46.0"] != keys["5.23.0"]
 
 
 def test_roc_auc_by_hand():
-    assert tiny.roc_auc(np.array([0.9, 0.8, 0.3]), np.array([1, 1, 0])) == 1.0
-    assert tiny.roc_auc(np.array([0.5, 0.5]), np.array([1, 0])) == 0.5
+    assert roc_auc(np.array([0.9, 0.8, 0.3]), np.array([1, 1, 0])) == 1.0
+    assert roc_auc(np.array([0.5, 0.5]), np.array([1, 0])) == 0.5
     with pytest.raises(ValueError, match="both classes"):
-        tiny.roc_auc(np.array([0.5]), np.array([1]))
+        roc_auc(np.array([0.5]), np.array([1]))
 
 
 def test_out_dir_with_other_content_is_refused(tmp_path):
     (tmp_path / "junk.txt").write_text("x")
     with pytest.raises(FileExistsError, match="not empty"):
-        tiny.build_tiny_models(tmp_path)
+        build_tiny_models(tmp_path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -152,7 +166,7 @@ def load(path):
 @pytest.mark.slow
 def test_build_is_cached_by_config_hash(tiny_models):
     assert tiny_models.root.name == config_hash(TinyConfig())
-    assert tiny.build_tiny_models() == tiny_models  # found, not rebuilt
+    assert build_tiny_models() == tiny_models  # found, not rebuilt
     for path in (tiny_models.policy, tiny_models.prm, tiny_models.target):
         assert (path / "config.json").is_file() and (path / "tokenizer.json").is_file()
 
@@ -169,7 +183,7 @@ def test_policy_accuracy_leaves_room_for_rl(tiny_models):
 def test_prm_judges_held_out_steps(tiny_models):
     model, tokenizer = load(tiny_models.prm)
     metrics = prm_metrics(model, tokenizer, HELD_OUT, seed=99)
-    last_step = tiny.prm_last_step_auc(model, tokenizer, HELD_OUT, seed=99)
+    last_step = prm_last_step_auc(model, tokenizer, HELD_OUT, seed=99)
     print(f"tiny PRM held-out step accuracy {metrics['step_accuracy']:.3f}, ROC-AUC {metrics['auc']:.3f}; "
           f"last step correct vs corrupted ROC-AUC {last_step}")
     assert metrics["step_accuracy"] >= 0.9 and metrics["auc"] >= 0.9
@@ -180,7 +194,7 @@ def test_prm_judges_held_out_steps(tiny_models):
 def test_target_solves_more_than_policy_and_prefers_correct_prefixes(tiny_models):
     policy, tokenizer = load(tiny_models.policy)
     target, _ = load(tiny_models.target)
-    metrics = tiny._prefix_metrics(target, tokenizer, HELD_OUT, seed=5)
+    metrics = prefix_metrics(target, tokenizer, HELD_OUT, seed=5)
     print(f"tiny target held-out greedy accuracy {metrics}")
     assert metrics["accuracy"] > arith_accuracy(policy, tokenizer, HELD_OUT)
     assert metrics["correct_prefix_accuracy"] > metrics["corrupted_prefix_accuracy"] + 0.2

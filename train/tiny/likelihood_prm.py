@@ -1,13 +1,11 @@
 """A Math-Shepherd PRM that reads a causal LM's own next-token likelihood, built in closed form.
 
 A step is wrong as soon as one of its tokens is not what a good solver would write there, so a
-solver's next-token logits already hold a process reward: the tiny target's "margin" at a token,
-max over the checked tokens of the logit minus the logit of the token actually written, ranks
-held-out Arith steps at ROC-AUC 0.99. Gradient descent does not find that readout within the tiny
-build's budget (five stops of measurements, e.g. two new layers trained 300-3000 steps on per-token
-and per-tag labels reached ROC-AUC 0.60-0.92; the issue-3 notes have the figures), because the
-comparison it needs, "is the token at t the one predicted at t-1", must be computed at t from the
-previous position's final state. So ``build_likelihood_prm`` writes those layers down:
+solver's next-token logits already hold a process reward: the "margin" at a token, max over the
+checked tokens of the logit minus the logit of the token actually written. Gradient descent finds
+that readout only slowly, because the comparison it needs, "is the token at t the one predicted at
+t-1", must be computed at t from the previous position's final state. So ``build_likelihood_prm``
+writes those layers down:
 
     residual [0, d)            the trunk, unchanged (its weights zero-padded into a wider model)
     code     [n one-hot]       which checked token sits here          (from the embedding)
@@ -46,12 +44,13 @@ ATTENTION_MARGIN = 25.0
 position up to ``max_position_embeddings``: the rest share at most 2048 * e^-25 = 3e-8 of its weight."""
 
 ANCHOR_SCORE = 500.0
-"""Attention logit of the anchor token times the RMS of the anchor's residual (4.5-9 on the tiny
-target): 55-110 nats over every other position."""
+"""Attention logit of the anchor token times the RMS of the anchor's residual: with that RMS in the
+single digits, as on the tiny target, the anchor wins by tens of nats over every other position."""
 
 GATE_SHARPNESS = 100.0
-"""Gate units per logit of margin, before the check MLP's RMSNorm (RMS 5-10): a token 0.1 logits
-past the margin opens its gate by 2-4, where SiLU is close to ReLU."""
+"""Gate units per logit of margin, before the check MLP's RMSNorm (whose RMS is in the single
+digits): a token a tenth of a logit past the margin opens its gate by a few units, where SiLU is
+close to ReLU."""
 
 FLAG_GAIN = 40.0
 REMEMBER_SHARPNESS = 300.0
@@ -59,10 +58,9 @@ REMEMBER_SHARPNESS = 300.0
 every unflagged position by tens of nats, so the verdict is close to the largest flag so far."""
 
 MIN_THRESHOLD = 1e-2
-"""Smallest threshold ``fit_readout`` may pick on verdict / one (flag units). Below it, the readout
-weight -one_weight / threshold leaves float16's range (a build that picked 1.4e-5, between the
-unflagged steps' ~1e-13 and a few faint flags, wrote -3.9e6 and scored every step 0 in float16),
-and faint flags are rounding, not evidence: on that build 1e-2 was as accurate (98.3% held out)."""
+"""Smallest threshold ``fit_readout`` may pick on verdict / one (flag units). A smaller one would
+sit among faint flags that are rounding, not evidence, and its readout weight
+-one_weight / threshold could leave float16's range and score every step 0 in half precision."""
 
 ROPE_DECAY = 0.7
 """Weight ratio of successive RoPE frequencies in the previous-token head: the high frequencies
@@ -169,44 +167,17 @@ def build_likelihood_prm(trunk: LlamaForCausalLM, checked_ids: list[int], anchor
     if len(checked_ids) > head_dim or len(set(checked_ids)) != len(checked_ids):
         raise ValueError(f"need at most {head_dim} distinct checked tokens (one head copies their logits), got "
                          f"{len(checked_ids)} ({len(set(checked_ids))} distinct)")
-    hidden = trunk_size + math.ceil((layout.verdict + 1 - trunk_size) / head_dim) * head_dim
     pairs = [(i, k) for i in range(len(checked_ids)) for k in range(len(checked_ids)) if i != k]
-    intermediate = max(config.intermediate_size, math.ceil(len(pairs) / head_dim) * head_dim)
-    prm_config = LlamaConfig(**{
-        **config.to_dict(), "hidden_size": hidden, "num_attention_heads": hidden // head_dim,
-        "num_key_value_heads": hidden // head_dim, "head_dim": head_dim, "intermediate_size": intermediate,
-        "num_hidden_layers": config.num_hidden_layers + 2, "attention_bias": True, "tie_word_embeddings": False,
-        "architectures": ["LlamaForCausalLM"], "likelihood_prm": {"trunk_size": trunk_size, "num_checked": len(checked_ids)}})
+    prm_config = _prm_config(config, layout, len(pairs))
     weights = {name: torch.zeros_like(value) for name, value in LlamaForCausalLM(prm_config).state_dict().items()}
     trunk_weights = {name: value.detach().float() for name, value in trunk.state_dict().items()}
-    _pad_trunk(weights, trunk_weights, trunk_size, hidden)
-    embedding = trunk_weights["model.embed_tokens.weight"]
+    _pad_trunk(weights, trunk_weights, trunk_size, prm_config.hidden_size)
     _write_embedding_codes(weights["model.embed_tokens.weight"], layout, checked_ids, anchor_id)
-
     check, remember = (f"model.layers.{config.num_hidden_layers + k}." for k in (0, 1))
-    inv_freq = 1.0 / config.rope_parameters["rope_theta"] ** (torch.arange(0, head_dim, 2).float() / head_dim)
-    lowest = head_dim // 2 - 1  # the slowest RoPE pair: a near position-free logit over 2048 positions
-    # check, head 0: the trunk's logits over the checked tokens at t-1 -> logits. The norm's trunk
-    # part is the trunk's final norm, so the value is exactly those logits.
-    weights[check + "input_layernorm.weight"][:trunk_size] = trunk_weights["model.norm.weight"] * math.sqrt(trunk_size / hidden)
-    query, key = previous_token_biases(inv_freq, config.max_position_embeddings)
-    weights[check + "self_attn.q_proj.bias"][:head_dim] = query
-    weights[check + "self_attn.k_proj.bias"][:head_dim] = key
-    weights[check + "self_attn.v_proj.weight"][: len(checked_ids), :trunk_size] = embedding[checked_ids]
-    weights[check + "self_attn.o_proj.weight"][layout.logits, : len(checked_ids)] = torch.eye(len(checked_ids))
-    # check, head 1: attend to the anchor (if any came before) and copy its anchor code -> region
-    weights[check + "input_layernorm.weight"][layout.anchor] = 1 / CODE_SCALE
-    weights[check + "self_attn.q_proj.bias"][head_dim + lowest] = 1.0
-    weights[check + "self_attn.k_proj.weight"][head_dim + lowest, layout.anchor] = ANCHOR_SCORE * math.sqrt(head_dim)
-    weights[check + "self_attn.v_proj.weight"][head_dim, layout.anchor] = 1.0
-    weights[check + "self_attn.o_proj.weight"][layout.region, head_dim] = 1.0
-    _write_flag_mlp(weights, check, layout, pairs, embedding, checked_ids, trunk_weights["model.norm.weight"], margin)
-    # remember, head 0: attention logits proportional to the flag, value the flag -> verdict
-    weights[remember + "input_layernorm.weight"][layout.flag] = 1.0
-    weights[remember + "self_attn.q_proj.bias"][lowest] = 1.0
-    weights[remember + "self_attn.k_proj.weight"][lowest, layout.flag] = REMEMBER_SHARPNESS * math.sqrt(head_dim)
-    weights[remember + "self_attn.v_proj.weight"][0, layout.flag] = 1.0
-    weights[remember + "self_attn.o_proj.weight"][layout.verdict, 0] = 1.0
+    _write_check_heads(weights, check, layout, trunk_weights, checked_ids, config, prm_config.hidden_size)
+    _write_flag_mlp(weights, check, layout, pairs, trunk_weights["model.embed_tokens.weight"], checked_ids,
+                    trunk_weights["model.norm.weight"], margin)
+    _write_remember_head(weights, remember, layout, head_dim)
     # the readout: the final norm passes one and verdict, and only the "+" row of the LM head reads
     # them (a PRM is read at its labels; every other token gets logit 0)
     weights["model.norm.weight"][layout.one] = 1 / CODE_SCALE
@@ -216,6 +187,59 @@ def build_likelihood_prm(trunk: LlamaForCausalLM, checked_ids: list[int], anchor
     set_readout(model, good_id, bad_id, 1.0, -1.0)
     model.generation_config = trunk.generation_config
     return model
+
+
+def _prm_config(config: LlamaConfig, layout: Layout, num_pairs: int) -> LlamaConfig:
+    """The trunk's config widened by whole heads to hold the scratch features, with one flag-MLP unit
+    per ordered pair of checked tokens, two more layers, attention biases and an untied LM head."""
+    head_dim = config.hidden_size // config.num_attention_heads
+    hidden = layout.trunk_size + math.ceil((layout.verdict + 1 - layout.trunk_size) / head_dim) * head_dim
+    intermediate = max(config.intermediate_size, math.ceil(num_pairs / head_dim) * head_dim)
+    return LlamaConfig(**{
+        **config.to_dict(), "hidden_size": hidden, "num_attention_heads": hidden // head_dim,
+        "num_key_value_heads": hidden // head_dim, "head_dim": head_dim, "intermediate_size": intermediate,
+        "num_hidden_layers": config.num_hidden_layers + 2, "attention_bias": True, "tie_word_embeddings": False,
+        "architectures": ["LlamaForCausalLM"],
+        "likelihood_prm": {"trunk_size": layout.trunk_size, "num_checked": layout.num_checked}})
+
+
+def _slowest_rope_pair(head_dim: int) -> int:
+    """Index of the slowest RoPE pair: a bias there gives a nearly position-free attention logit."""
+    return head_dim // 2 - 1
+
+
+def _write_check_heads(weights: dict, prefix: str, layout: Layout, trunk_weights: dict, checked_ids: list[int],
+                       config: LlamaConfig, hidden: int) -> None:
+    """The "check" layer's two heads. Head 0 attends to t-1 and copies the trunk's logits there over
+    the checked tokens into ``logits``; the norm's trunk part is the trunk's final norm, so the
+    values are exactly those logits. Head 1 attends to the anchor (if one came before) and copies its
+    anchor code into ``region``."""
+    trunk_size, head_dim = layout.trunk_size, config.hidden_size // config.num_attention_heads
+    norm, q_bias, k_bias, k_proj, v_proj, o_proj = (weights[prefix + name] for name in (
+        "input_layernorm.weight", "self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight", "self_attn.o_proj.weight"))
+    inv_freq = 1.0 / config.rope_parameters["rope_theta"] ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    norm[:trunk_size] = trunk_weights["model.norm.weight"] * math.sqrt(trunk_size / hidden)
+    q_bias[:head_dim], k_bias[:head_dim] = previous_token_biases(inv_freq, config.max_position_embeddings)
+    v_proj[: len(checked_ids), :trunk_size] = trunk_weights["model.embed_tokens.weight"][checked_ids]
+    o_proj[layout.logits, : len(checked_ids)] = torch.eye(len(checked_ids))
+    lowest = _slowest_rope_pair(head_dim)
+    norm[layout.anchor] = 1 / CODE_SCALE
+    q_bias[head_dim + lowest] = 1.0
+    k_proj[head_dim + lowest, layout.anchor] = ANCHOR_SCORE * math.sqrt(head_dim)
+    v_proj[head_dim, layout.anchor] = 1.0
+    o_proj[layout.region, head_dim] = 1.0
+
+
+def _write_remember_head(weights: dict, prefix: str, layout: Layout, head_dim: int) -> None:
+    """The "remember" layer's head 0: attention logits proportional to the flag, value the flag, so
+    ``verdict`` is about the largest flag so far."""
+    lowest = _slowest_rope_pair(head_dim)
+    weights[prefix + "input_layernorm.weight"][layout.flag] = 1.0
+    weights[prefix + "self_attn.q_proj.bias"][lowest] = 1.0
+    weights[prefix + "self_attn.k_proj.weight"][lowest, layout.flag] = REMEMBER_SHARPNESS * math.sqrt(head_dim)
+    weights[prefix + "self_attn.v_proj.weight"][0, layout.flag] = 1.0
+    weights[prefix + "self_attn.o_proj.weight"][layout.verdict, 0] = 1.0
 
 
 def _pad_trunk(weights: dict, trunk_weights: dict, trunk_size: int, hidden: int) -> None:
@@ -271,8 +295,7 @@ def _write_flag_mlp(weights: dict, prefix: str, layout: Layout, pairs: list[tupl
 
 def _max_logit_gap(embedding: torch.Tensor, final_norm: torch.Tensor) -> float:
     """An upper bound of |logit_k - logit_i| over the rows of ``embedding`` [n, d]: the logit gap is
-    ((e_k - e_i) * gain) . x for an RMS-normalised x (|x| = sqrt(d)), so Cauchy-Schwarz bounds it
-    (47 logits on the tiny target)."""
+    ((e_k - e_i) * gain) . x for an RMS-normalised x (|x| = sqrt(d)), so Cauchy-Schwarz bounds it."""
     scaled = embedding * final_norm
     return float(torch.cdist(scaled, scaled).max() * math.sqrt(embedding.shape[1]))
 
@@ -321,9 +344,9 @@ def fit_readout(features: torch.Tensor, labels: torch.Tensor, iterations: int = 
     one-weight logistic regression on the steps under the threshold, so that P("+") of an
     unflagged step matches how often such steps are good; a flagged step's P("+") falls from 1/2
     at the threshold to 0 within a few thresholds. (Fitting ``w`` on all steps, or both weights
-    by logistic regression, let the few good steps with large verdicts pull P("+") of every
-    unflagged step to 0.5, or the threshold to 10x a weakly flagged step's verdict, 4 points of
-    held-out step accuracy.) Returns (one_weight, verdict_weight)."""
+    by logistic regression, would let the few good steps with large verdicts pull P("+") of every
+    unflagged step towards 0.5, or the threshold far above a weakly flagged step's verdict.)
+    Returns (one_weight, verdict_weight)."""
     one, verdict = features.double().unbind(-1)
     ratio = verdict / one
     quantiles = torch.quantile(ratio, torch.linspace(0, 1, 201, dtype=torch.float64)).unique()

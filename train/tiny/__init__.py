@@ -1,0 +1,30 @@
+"""The built-in tiny models: tokenizer, policy, PRM and target solver, trained on a CPU and cached.
+
+    python -m train.tiny --out DIR      # DIR/policy, DIR/prm, DIR/target, DIR/metrics.json
+
+They let the trainer, the tests and the benchmarks run end to end with nothing downloaded. Each
+model directory is an ordinary Hugging Face one (``save_pretrained`` of a Llama causal LM and its
+tokenizer), loaded back with the Auto classes: the code path a user's own model takes.
+
+- policy: a small Llama fine-tuned on Arith reference solutions, stopped at modest accuracy so RL
+  has room to improve it.
+- target: the same run continued (Prefix-RL's frozen solver).
+- prm: Math-Shepherd format (``envs.prompts.shepherd_text``), P("+") over {"+", "-"} at each step
+  tag; a likelihood verifier (``train.tiny.likelihood_prm``) on the target's trunk.
+
+Modules: ``config`` (knobs and cache key), ``tokenizer``, ``model``, ``data`` (Arith batches and
+corrupted solutions), ``training``, ``evaluation``, ``likelihood_prm``, ``build`` (the cached build).
+Only train_math.py's default-model path, the tests and the benchmarks import this package.
+"""
+
+from train.tiny.build import TinyModels, build_tiny_models
+from train.tiny.config import TinyConfig, cache_dir, config_hash
+from train.tiny.data import heldout_problems
+from train.tiny.evaluation import arith_accuracy, prm_metrics, roc_auc
+from train.tiny.model import save_untrained_policy
+from train.tiny.tokenizer import build_tokenizer
+
+__all__ = [
+    "TinyConfig", "TinyModels", "arith_accuracy", "build_tiny_models", "build_tokenizer", "cache_dir", "config_hash",
+    "heldout_problems", "prm_metrics", "roc_auc", "save_untrained_policy",
+]

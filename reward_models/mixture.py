@@ -55,15 +55,15 @@ class RewardMixture:
         self.weights = dict(weights)
 
     def score(self, contexts: Sequence[StepContext]) -> RewardOutput:
+        """Weighted sum [B] of every source's reward, each scoring the batch once; ``correct`` comes from
+        the last source that gives it."""
         rewards = np.zeros(len(contexts), dtype=np.float64)
         components: dict[str, np.ndarray] = {}
         correct = None
-        token_rewards = None
         for name, model in self.models.items():
             output = model.score(contexts)
             rewards += self.weights[name] * np.asarray(output.rewards, dtype=np.float64)
             components.update({key: np.asarray(value) for key, value in output.components.items()})
             components.setdefault(name, np.asarray(output.rewards, dtype=np.float64))
             correct = output.correct if output.correct is not None else correct
-            token_rewards = output.token_rewards if output.token_rewards is not None else token_rewards
-        return RewardOutput(rewards=rewards, token_rewards=token_rewards, components=components, correct=correct)
+        return RewardOutput(rewards=rewards, components=components, correct=correct)

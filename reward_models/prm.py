@@ -5,9 +5,8 @@ Two kinds (``prm_type``):
 - ``shepherd``: Math-Shepherd style, a causal LM read at a step-tag token after every step; the
   score is P('+') / (P('+') + P('-')) of the next-token distribution at the tag. The tag and label
   tokens are looked up in the PRM's own tokenizer and checked at load: each must be exactly one
-  token, and the tokenizer's special-token prefix must be what we strip (OpenR took ``[1:]`` of an
-  encoding assuming a BOS; with Qwen tokenizers, which add none, that read the wrong token and gave
-  a constant reward).
+  token, and the tokenizer's special-token prefix must be at most a BOS (stripping a BOS that a
+  tokenizer does not add, as Qwen's do not, would read the wrong token and give a constant reward).
 - ``classifier``: a 2-class head read at a step-separator token (e.g. Qwen2.5-Math-PRM's
   ``<extra_0>``); the score is the softmax probability of class 1.
 
@@ -20,11 +19,9 @@ an LRU capped in bytes) and runs a later text through the model only from where 
 of its previous text ends, all such trajectories in one padded forward. Whether a text extends a
 cached one is checked on token ids (a tokenizer may merge across the step boundary); texts that do
 not, and first steps, are scored in full in the same forward. Scores equal full recomputation up to
-float rounding. Measured on the 1.1M tiny PRM (CPU, one thread, N=64 Arith episodes of 2-4 steps,
-``bench/reward_throughput.py --episodes``, 6 runs on a shared 2-core machine): 1.4-2.3x the steps/s
-of full recomputation (e.g. 1184 vs 706), running 17 instead of 41 tokens per step; longer
-solutions gain more. The classifier type always recomputes in full (its heads, some in remote
-code, are not split from their trunk here).
+float rounding, and each step runs only its own tokens, so longer solutions gain more. The
+classifier type always recomputes in full (its heads, some in remote code, are not split from
+their trunk here).
 """
 
 from __future__ import annotations
@@ -47,6 +44,21 @@ AGGREGATIONS = ("step", "last", "min", "product", "mean")
 DEFAULT_KV_CACHE_MB = 1024.0
 """The shepherd PRM's default KV cache cap: 256k tokens of the tiny PRM (4 KiB each), 8k of a 7B
 Mistral in bf16 (128 KiB each: 2 * layers * kv_heads * head_dim * 2 bytes)."""
+
+
+def checked_kv_cache_mb(prm_type: str, aggregation: str, kv_cache_mb: float | None) -> float:
+    """The KV cache cap in MiB (``None``: the default of ``prm_type``), after checking the PRM's
+    type, aggregation and cap; a clear error for any bad value."""
+    if prm_type not in PRM_TYPES:
+        raise ValueError(f"prm_type={prm_type!r} must be one of {PRM_TYPES}")
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation={aggregation!r} must be one of {AGGREGATIONS}")
+    if kv_cache_mb is None:
+        return DEFAULT_KV_CACHE_MB if prm_type == "shepherd" else 0.0
+    if kv_cache_mb < 0 or (kv_cache_mb > 0 and prm_type != "shepherd"):
+        raise ValueError(f"kv_cache_mb={kv_cache_mb} must be >= 0, and 0 for prm_type={prm_type!r}: only "
+                         "the shepherd PRM reuses key/values")
+    return kv_cache_mb
 
 
 def single_token_id(tokenizer: PreTrainedTokenizerBase, text: str, role: str) -> int:
@@ -183,9 +195,10 @@ class ProcessRewardModel:
         adapter_path: optional LoRA adapter directory applied on top (``--prm_checkpoint_path``).
         template: the prompt template the PRM was trained with.
         step_tag / good_token / bad_token: Math-Shepherd tokens (shepherd); separator: classifier.
-        batch_size: sequences per forward pass, default 8 on CPU (1.1M tiny PRM, N=64, one thread:
-            8 scored 575 steps/s, 16 477, 64 344) and 32 on GPU; max_length: longest input in tokens (older steps
-            are cut from the left; their scores are then missing, the newest are kept).
+        batch_size: sequences per forward pass; default 8 on CPU (where larger padded batches score
+            fewer steps per second) and 32 on GPU.
+        max_length: longest input in tokens (older steps are cut from the left; their scores are
+            then missing, the newest are kept).
         kv_cache_mb: MiB of past key/values kept between calls (see the module docstring); None:
             ``DEFAULT_KV_CACHE_MB`` for shepherd, 0 (recompute every text in full) for classifier.
             Size it for every live trajectory: the env touches all of them each step in the same
@@ -211,15 +224,7 @@ class ProcessRewardModel:
         name: str = "prm",
         kv_cache_mb: float | None = None,
     ):
-        if prm_type not in PRM_TYPES:
-            raise ValueError(f"prm_type={prm_type!r} must be one of {PRM_TYPES}")
-        if aggregation not in AGGREGATIONS:
-            raise ValueError(f"aggregation={aggregation!r} must be one of {AGGREGATIONS}")
-        if kv_cache_mb is None:
-            kv_cache_mb = DEFAULT_KV_CACHE_MB if prm_type == "shepherd" else 0.0
-        if kv_cache_mb < 0 or (kv_cache_mb > 0 and prm_type != "shepherd"):
-            raise ValueError(f"kv_cache_mb={kv_cache_mb} must be >= 0, and 0 for prm_type={prm_type!r}: only "
-                             "the shepherd PRM reuses key/values")
+        kv_cache_mb = checked_kv_cache_mb(prm_type, aggregation, kv_cache_mb)
         self.name, self.prm_type, self.aggregation = name, prm_type, aggregation
         self.device = resolve_device(device)
         self.template, self.max_length = template, max_length
@@ -227,24 +232,32 @@ class ProcessRewardModel:
         self.tokenizer = load_tokenizer(model_dir)
         self.tokenizer.truncation_side = "left"
         torch_dtype = inference_dtype(dtype, self.device)
+        # Markers first: a wrong token fails before the model is loaded.
         if prm_type == "shepherd":
             self.marker = step_tag
             self.marker_id = single_token_id(self.tokenizer, step_tag, "step tag")
             self.label_ids = [single_token_id(self.tokenizer, good_token, "'good' label token"),
                               single_token_id(self.tokenizer, bad_token, "'bad' label token")]
-            self.model = load_causal_lm(model_dir, torch_dtype, self.device)
         else:
             self.marker = separator
             self.marker_id = single_token_id(self.tokenizer, separator, "step separator")
-            self.model = self._load_classifier(model_dir, torch_dtype, trust_remote_code)
+        self.model = self._load_model(model_dir, torch_dtype, adapter_path, trust_remote_code)
+        self.past_cache = PastCache(int(kv_cache_mb * 2**20)) if kv_cache_mb > 0 else None
+
+    def _load_model(self, model_dir: str | Path, torch_dtype: torch.dtype, adapter_path: str | Path | None,
+                    trust_remote_code: bool) -> torch.nn.Module:
+        """The frozen scoring model, with the LoRA adapter (if any) merged in."""
+        if self.prm_type == "shepherd":
+            model = load_causal_lm(model_dir, torch_dtype, self.device)
+        else:
+            model = self._load_classifier(model_dir, torch_dtype, trust_remote_code)
         if adapter_path is not None:
             from peft import PeftModel
 
-            self.model = PeftModel.from_pretrained(self.model, str(adapter_path)).merge_and_unload()
-        self.model.train(False).requires_grad_(False)
-        self.past_cache = PastCache(int(kv_cache_mb * 2**20)) if kv_cache_mb > 0 else None
+            model = PeftModel.from_pretrained(model, str(adapter_path)).merge_and_unload()
+        return model.train(False).requires_grad_(False)
 
-    def _load_classifier(self, model_dir, torch_dtype: torch.dtype, trust_remote_code: bool) -> torch.nn.Module:
+    def _load_classifier(self, model_dir: str | Path, torch_dtype: torch.dtype, trust_remote_code: bool) -> torch.nn.Module:
         config = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
         if "AutoModel" in (getattr(config, "auto_map", None) or {}):  # e.g. Qwen2.5-Math-PRM's remote code
             if not trust_remote_code:
@@ -286,10 +299,8 @@ class ProcessRewardModel:
         return scores
 
     def _full_scores(self, encoded: list[list[int]]) -> list[np.ndarray]:
-        """Marker scores of each encoded text, recomputed in full.
-
-        Sequences are scored in order of length so that each forward pads little: on the 1.1M tiny
-        PRM at N=64 one padded batch cost 0.21 s, length-sorted chunks of 16 0.12 s."""
+        """Marker scores of each encoded text, recomputed in full; sequences are scored in order of
+        length so that each forward pads little."""
         order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
         scores: list[np.ndarray] = [np.empty(0)] * len(encoded)
         for start in range(0, len(order), self.batch_size):

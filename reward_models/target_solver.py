@@ -32,6 +32,9 @@ class TargetSolver:
         num_samples: completions per trajectory (m); reward = fraction verified correct.
         max_new_tokens, temperature: the target's sampling (temperature 0: greedy, m should be 1).
         template: the prompt template the target expects.
+        seed: base of the sampling seeds: the k-th call (from 1) samples with ``seed + k``, so that
+            a context seen again is not completed alike.
+        timeout: seconds the grader may spend on one answer.
     """
 
     def __init__(

@@ -42,9 +42,9 @@ def main() -> None:
     start = time.perf_counter()
     for _ in range(args.env_steps):
         obs, rewards, terminated, truncated, info = env.step(scripted_actions(env, info["step"]))
-        ended = (terminated | truncated) & info.get("_correct", np.zeros(env.num_envs, bool))
-        finished += int(ended.sum())
-        correct += int(info["correct"][ended].sum()) if ended.any() else 0
+        graded = ~np.isnan(info["correct"])  # the envs whose episode ended at this step
+        finished += int(graded.sum())
+        correct += int(info["correct"][graded].sum())
         paid += float(rewards.sum())
     seconds = time.perf_counter() - start
     print(f"{args.env_steps} vector steps in {seconds:.2f}s ({args.env_steps * env.num_envs / seconds:.0f} env steps/s); "

@@ -163,11 +163,41 @@ class Episode:
 
 @dataclass
 class Transition:
-    """What one action did to an episode: the step it completed (if any) and the end flags."""
+    """What one action did to an episode: the step it completed (if any), the end flags, and
+    whether the action text was clipped to ``max_step_chars`` (step mode)."""
 
     completed_step: str | None
     terminated: bool
     truncated: bool
+    action_clipped: bool = False
+
+
+@dataclass
+class StepScores:
+    """What a batch of B actions earned, as arrays over the B episodes.
+
+    rewards: [B] float64, 0.0 where the action completed no step.
+    components: {source name: [B] float64} as the reward model reported them, NaN where no step was scored.
+    correct: [B] float64 verdicts, 1.0 / 0.0 where the episode ended at this step, NaN elsewhere.
+    """
+
+    rewards: np.ndarray
+    components: dict[str, np.ndarray]
+    correct: np.ndarray
+
+
+def check_task_arguments(mode: str, tokenizer: Any, step_delimiter: str, **limits: int) -> None:
+    """Fails early, naming the argument, on a bad mode, a token mode without tokenizer, an empty
+    delimiter or a limit below 1."""
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} must be one of {MODES}")
+    if mode == "token" and tokenizer is None:
+        raise ValueError("mode='token' needs tokenizer= (a Hugging Face tokenizer to decode the token actions)")
+    if not step_delimiter:
+        raise ValueError("step_delimiter must be a non-empty string, e.g. '\\n\\n'")
+    for name, value in limits.items():
+        if value < 1:
+            raise ValueError(f"{name}={value} must be >= 1")
 
 
 class MathTask:
@@ -211,17 +241,9 @@ class MathTask:
         handoff_steps: int | None = None,
         shuffle: bool = True,
     ):
-        if mode not in MODES:
-            raise ValueError(f"mode={mode!r} must be one of {MODES}")
-        if mode == "token" and tokenizer is None:
-            raise ValueError("mode='token' needs tokenizer= (a Hugging Face tokenizer to decode the token actions)")
-        if not step_delimiter:
-            raise ValueError("step_delimiter must be a non-empty string, e.g. '\\n\\n'")
-        limits = {"max_steps": max_steps, "max_step_chars": max_step_chars, "max_solution_chars": max_solution_chars,
-                  "max_solution_tokens": max_solution_tokens, "handoff_steps": 1 if handoff_steps is None else handoff_steps}
-        for name, value in limits.items():
-            if value < 1:
-                raise ValueError(f"{name}={value} must be >= 1")
+        check_task_arguments(mode, tokenizer, step_delimiter, max_steps=max_steps, max_step_chars=max_step_chars,
+                             max_solution_chars=max_solution_chars, max_solution_tokens=max_solution_tokens,
+                             handoff_steps=1 if handoff_steps is None else handoff_steps)
         self.sampler = ProblemSampler(
             build_problems(problems, dataset_path, split, subjects, levels, limit, arith), shuffle=shuffle
         )
@@ -237,16 +259,19 @@ class MathTask:
         self.end_marker = end_marker
         self.handoff_steps = handoff_steps
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
+        self.action_space, self.observation_space = self._spaces()
 
+    def _spaces(self) -> tuple[spaces.Space, UnicodeText]:
+        """The action space and an observation space long enough for any prompt plus the longest
+        solution the limits allow."""
         longest_prompt = max(len(self.prompt(p)) for p in self.sampler.problems)
-        if mode == "step":
-            self.action_space = UnicodeText(max_step_chars)
-            longest_solution = max_solution_chars + max_step_chars + len(step_delimiter)
-        else:
-            self.action_space = spaces.Discrete(len(tokenizer))
-            longest_token = max(len(t) for t in tokenizer.convert_ids_to_tokens(range(len(tokenizer))) if t)
-            longest_solution = (max_solution_tokens + 1) * max(longest_token, 8)
-        self.observation_space = UnicodeText(longest_prompt + longest_solution)
+        if self.mode == "step":
+            longest_solution = self.max_solution_chars + self.max_step_chars + len(self.step_delimiter)
+            return UnicodeText(self.max_step_chars), UnicodeText(longest_prompt + longest_solution)
+        vocabulary = len(self.tokenizer)
+        longest_token = max(len(t) for t in self.tokenizer.convert_ids_to_tokens(range(vocabulary)) if t)
+        longest_solution = (self.max_solution_tokens + 1) * max(longest_token, 8)
+        return spaces.Discrete(vocabulary), UnicodeText(longest_prompt + longest_solution)
 
     def prompt(self, problem: Problem) -> str:
         return format_prompt(problem.problem, self.template)
@@ -266,13 +291,15 @@ class MathTask:
     def info(self, episode: Episode) -> dict[str, Any]:
         return {"problem_id": episode.problem.id, "group_id": episode.group_id, "step": len(episode.steps)}
 
-    def apply(self, episode: Episode, action: Any) -> tuple[Transition, dict[str, Any]]:
-        """Applies one action to a live episode; returns the transition and action info."""
+    def apply(self, episode: Episode, action: Any) -> Transition:
+        """Applies one action to a live episode (marking it done if the action ended it)."""
         if episode.done:
             raise RuntimeError("step() called on a finished episode; call reset() first")
-        return self._apply_step(episode, action) if self.mode == "step" else self._apply_token(episode, action)
+        transition = self._apply_step(episode, action) if self.mode == "step" else self._apply_token(episode, action)
+        episode.done = transition.terminated or transition.truncated
+        return transition
 
-    def _apply_step(self, episode: Episode, action: Any) -> tuple[Transition, dict[str, Any]]:
+    def _apply_step(self, episode: Episode, action: Any) -> Transition:
         if not isinstance(action, str):
             raise TypeError(f"step mode takes one reasoning step as str, got {type(action).__name__}")
         clipped = len(action) > self.max_step_chars
@@ -283,9 +310,9 @@ class MathTask:
         truncated = not terminated and (
             len(episode.steps) >= self.max_steps or len(episode.solution_text) >= self.max_solution_chars
         )
-        return Transition(step, terminated, truncated), {"action_clipped": clipped}
+        return Transition(step, terminated, truncated, action_clipped=clipped)
 
-    def _apply_token(self, episode: Episode, action: Any) -> tuple[Transition, dict[str, Any]]:
+    def _apply_token(self, episode: Episode, action: Any) -> Transition:
         token_id = int(action)
         if not 0 <= token_id < self.action_space.n:
             raise ValueError(f"token action {token_id} is outside the vocabulary [0, {self.action_space.n})")
@@ -298,14 +325,14 @@ class MathTask:
         step_ended = self.step_delimiter in step_text or is_eos
         too_long = len(episode.solution_ids) >= self.max_solution_tokens
         if not (step_ended or too_long):
-            return Transition(None, False, False), {}
+            return Transition(None, False, False)
         step = step_text.split(self.step_delimiter)[0].strip()
         episode.steps.append(step)
         episode.step_start = len(episode.solution_ids)
         episode.completed_text = episode.solution_text
         terminated = is_eos or self._ends_solution(step) or self._hands_off(episode)
         truncated = not terminated and (too_long or len(episode.steps) >= self.max_steps)
-        return Transition(step, terminated, truncated), {}
+        return Transition(step, terminated, truncated)
 
     def _hands_off(self, episode: Episode) -> bool:
         return self.handoff_steps is not None and len(episode.steps) >= self.handoff_steps
@@ -313,13 +340,13 @@ class MathTask:
     def _ends_solution(self, step: str) -> bool:
         return extract_answer(step) is not None or (self.end_marker is not None and self.end_marker in step)
 
-    def score(self, episodes: Sequence[Episode], transitions: Sequence[Transition]) -> list[dict[str, Any]]:
-        """Scores every completed step of a batch with ONE reward-model call (and grades finished
-        episodes once). Returns per-episode dicts with "reward" and reward/accuracy info."""
-        results: list[dict[str, Any]] = [{"reward": 0.0} for _ in episodes]
+    def score(self, episodes: Sequence[Episode], transitions: Sequence[Transition]) -> StepScores:
+        """Scores every completed step of a batch of B episodes with ONE reward-model call (and
+        grades the finished episodes once); see ``StepScores`` for the [B] arrays."""
+        scores = StepScores(rewards=np.zeros(len(episodes)), components={}, correct=np.full(len(episodes), np.nan))
         scored = [i for i, t in enumerate(transitions) if t.completed_step is not None]
         if not scored:
-            return results
+            return scores
         contexts = [
             StepContext(
                 problem=episodes[i].problem,
@@ -340,13 +367,14 @@ class MathTask:
                 f"of {len(contexts)} steps; score() must return one reward per context"
             )
         correct = output.correct if output.correct is not None else verify(contexts)
-        for k, i in enumerate(scored):
-            results[i]["reward"] = float(rewards[k])
-            for name, values in output.components.items():
-                results[i][f"reward/{name}"] = float(values[k])
-            if contexts[k].done:
-                results[i]["correct"] = bool(correct[k])
-        return results
+        done = np.array([c.done for c in contexts])
+        scores.rewards[scored] = rewards
+        # verdicts only where the episode ended: a model may grade unfinished steps too
+        scores.correct[scored] = np.where(done, np.asarray(correct, dtype=np.float64), np.nan)
+        for name, values in output.components.items():
+            scores.components[name] = np.full(len(episodes), np.nan)
+            scores.components[name][scored] = np.asarray(values, dtype=np.float64)
+        return scores
 
 
 class MathEnv(gymnasium.Env):
@@ -354,7 +382,8 @@ class MathEnv(gymnasium.Env):
 
     ``reset(seed=..., options={"problem_id": ...})`` returns the prompt and info (problem id, group
     id, step count). ``step(action)`` takes one step of text (step mode) or one token id (token
-    mode). Info at episode end has ``correct`` (the verifier's verdict) and ``reward/<source>``.
+    mode). Its info has ``reward/<source>`` for a scored step, ``action_clipped`` (step mode) and,
+    at episode end, ``correct`` (the verifier's verdict, bool).
     """
 
     metadata = {"render_modes": ["ansi"]}
@@ -383,12 +412,16 @@ class MathEnv(gymnasium.Env):
     def step(self, action: Any) -> tuple[str, float, bool, bool, dict[str, Any]]:
         if self.episode is None:
             raise RuntimeError("call reset() before step()")
-        transition, action_info = self.task.apply(self.episode, action)
-        self.episode.done = transition.terminated or transition.truncated
-        (result,) = self.task.score([self.episode], [transition])
-        reward = result.pop("reward")
-        info = {**self.task.info(self.episode), **action_info, **result}
-        return self.task.observation(self.episode), reward, transition.terminated, transition.truncated, info
+        transition = self.task.apply(self.episode, action)
+        scores = self.task.score([self.episode], [transition])
+        info = self.task.info(self.episode)
+        info.update({f"reward/{name}": float(values[0]) for name, values in scores.components.items()})
+        if self.task.mode == "step":
+            info["action_clipped"] = transition.action_clipped
+        if self.episode.done:
+            info["correct"] = bool(scores.correct[0])
+        return (self.task.observation(self.episode), float(scores.rewards[0]), transition.terminated,
+                transition.truncated, info)
 
     def render(self) -> str | None:
         if self.render_mode == "ansi" and self.episode is not None:

@@ -9,8 +9,9 @@ carries the same ``group_id`` (unique across the run).
 
 Autoreset follows gymnasium 1.x ``AutoresetMode``: ``NEXT_STEP`` (gymnasium's default: the step
 after an episode ends resets that env and ignores its action), ``SAME_STEP`` (the ending step
-already returns the next episode's first observation; the final observation and info are in
-``info["final_obs"]`` / ``info["final_info"]``, masked by ``info["_final_obs"]``), or ``DISABLED``
+already returns the next episode's first observation; the final observation and the ended
+episode's metadata are in ``info["final_obs"]`` / ``info["final_info"]``, masked by
+``info["_final_obs"]`` / ``info["_final_info"]``), or ``DISABLED``
 (a finished env stays finished, its actions ignored with reward 0, until
 ``reset(options={"reset_mask": mask})`` or a full reset: one episode per env, as GRPO wants).
 """
@@ -23,7 +24,7 @@ import numpy as np
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space
 
-from envs.math_env import Episode, MathTask, Transition
+from envs.math_env import Episode, MathTask
 
 
 class MathVectorEnv(VectorEnv):
@@ -31,8 +32,16 @@ class MathVectorEnv(VectorEnv):
     (problem source, mode, tokenizer, reward model, limits: see ``envs.math_env.MathTask``).
 
     Observations are a tuple of N strings; actions a sequence of N strings (step mode) or an
-    int array [N] (token mode). Infos hold per-env arrays ``problem_id``, ``group_id``, ``step``,
-    and where an episode ended ``correct`` and ``reward/<source>`` (with gymnasium's ``_key`` masks).
+    int array [N] (token mode). Infos are a plain dict of full [N] arrays, without ``_key`` masks:
+
+    - the episode whose observation is returned: ``problem_id`` (object), ``group_id``, ``step`` (int64);
+    - from ``step`` only (``reset`` and ``set_state`` return the metadata alone), the results of the
+      action just taken: ``correct`` (float64, 1.0 / 0.0 where an episode ended at this step, NaN
+      elsewhere), ``reward/<source>`` (float64, every component the reward model reported, NaN
+      where no step was scored) and, in step mode, ``action_clipped`` (bool);
+    - SAME_STEP autoreset: gymnasium's ``final_obs`` / ``_final_obs`` and ``final_info`` /
+      ``_final_info``, where ``final_info`` holds the ended episodes' metadata arrays (their
+      ``correct`` and ``reward/*`` are the top-level arrays already).
     """
 
     metadata = {"autoreset_mode": AutoresetMode.NEXT_STEP, "render_modes": []}
@@ -92,50 +101,54 @@ class MathVectorEnv(VectorEnv):
         for i in np.flatnonzero(mask):
             self.episodes[i] = self._start_episode(i, problem_ids)
         self.needs_reset[mask] = False
-        return self._observations(), self._infos([self.task.info(e) for e in self.episodes])
+        return self._observations(), self._metadata()
 
     def step(self, actions: Sequence[Any]) -> tuple[tuple[str, ...], np.ndarray, np.ndarray, np.ndarray, dict]:
         if len(actions) != self.num_envs:
             raise ValueError(f"got {len(actions)} actions for {self.num_envs} envs")
-        rewards = np.zeros(self.num_envs, dtype=np.float64)
-        terminated = np.zeros(self.num_envs, dtype=bool)
-        truncated = np.zeros(self.num_envs, dtype=bool)
-        env_infos: list[dict[str, Any]] = [{} for _ in range(self.num_envs)]
-        acting = [i for i in range(self.num_envs) if not self.needs_reset[i]]
+        acting = np.flatnonzero(~self.needs_reset)
         if self.autoreset_mode == AutoresetMode.NEXT_STEP:  # this step resets, its action is ignored
             for i in np.flatnonzero(self.needs_reset):
                 self.episodes[i] = self._start_episode(i)
-        transitions: list[Transition] = []
-        for i in acting:
-            transition, env_infos[i] = self.task.apply(self.episodes[i], actions[i])
-            self.episodes[i].done = transition.terminated or transition.truncated
-            terminated[i], truncated[i] = transition.terminated, transition.truncated
-            transitions.append(transition)
-        results = self.task.score([self.episodes[i] for i in acting], transitions)
-        for i, result in zip(acting, results):
-            rewards[i] = result.pop("reward")
-            env_infos[i] = {**self.task.info(self.episodes[i]), **env_infos[i], **result}
-        for i in np.flatnonzero(self.needs_reset):
-            env_infos[i] = self.task.info(self.episodes[i])
+        rewards, terminated, truncated, results = self._act(actions, acting)
         ended = terminated | truncated
         if self.autoreset_mode == AutoresetMode.DISABLED:
             self.needs_reset |= ended
-            return self._observations(), rewards, terminated, truncated, self._infos(env_infos)
-        if self.autoreset_mode == AutoresetMode.NEXT_STEP:
+        elif self.autoreset_mode == AutoresetMode.NEXT_STEP:
             self.needs_reset = ended
-            return self._observations(), rewards, terminated, truncated, self._infos(env_infos)
-        final_obs = {i: self.task.observation(self.episodes[i]) for i in np.flatnonzero(ended)}
-        final_infos = {i: env_infos[i] for i in final_obs}
-        for i in final_obs:
+        elif ended.any():
+            results.update(self._restart(ended))
+        return self._observations(), rewards, terminated, truncated, {**self._metadata(), **results}
+
+    def _act(self, actions: Sequence[Any], acting: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict]:
+        """Applies the actions of the ``acting`` envs and scores them in one reward-model call.
+        Returns rewards, terminated, truncated [N] and the [N] result arrays of info (0 / False /
+        NaN for the envs that did not act)."""
+        terminated, truncated, clipped = (np.zeros(self.num_envs, dtype=bool) for _ in range(3))
+        transitions = []
+        for i in acting:
+            transition = self.task.apply(self.episodes[i], actions[i])
+            terminated[i], truncated[i] = transition.terminated, transition.truncated
+            clipped[i] = transition.action_clipped
+            transitions.append(transition)
+        scores = self.task.score([self.episodes[i] for i in acting], transitions)
+        rewards = np.zeros(self.num_envs, dtype=np.float64)
+        rewards[acting] = scores.rewards
+        results = {"correct": self._spread(scores.correct, acting)}
+        results.update({f"reward/{name}": self._spread(values, acting) for name, values in scores.components.items()})
+        if self.task.mode == "step":
+            results["action_clipped"] = clipped
+        return rewards, terminated, truncated, results
+
+    def _restart(self, ended: np.ndarray) -> dict[str, Any]:
+        """SAME_STEP autoreset: starts the next episode of every ``ended`` env; returns gymnasium's
+        ``final_obs`` and ``final_info`` (the ended episodes' metadata) with their masks."""
+        final = {"final_obs": np.array([self.task.observation(e) if end else None
+                                        for e, end in zip(self.episodes, ended)], dtype=object),
+                 "_final_obs": ended.copy(), "final_info": self._metadata(), "_final_info": ended.copy()}
+        for i in np.flatnonzero(ended):
             self.episodes[i] = self._start_episode(i)
-            env_infos[i] = self.task.info(self.episodes[i])
-        infos = self._infos(env_infos)
-        if final_obs:
-            infos["final_obs"] = np.array([final_obs.get(i) for i in range(self.num_envs)], dtype=object)
-            infos["_final_obs"] = ended.copy()
-            infos["final_info"] = self._infos([final_infos.get(i, {}) for i in range(self.num_envs)])
-            infos["_final_info"] = ended.copy()
-        return self._observations(), rewards, terminated, truncated, infos
+        return final
 
     def get_state(self) -> dict[str, Any]:
         """JSON-serialisable state of everything ``step`` and ``reset`` will read: the problem
@@ -166,7 +179,7 @@ class MathVectorEnv(VectorEnv):
                             for group, j, problem_id, group_id, left in state["group_draws"]}
         self.next_group_id = state["next_group_id"]
         self.needs_reset = np.asarray(state["needs_reset"], dtype=bool)
-        return self._observations(), self._infos([self.task.info(e) for e in self.episodes])
+        return self._observations(), self._metadata()
 
     def _start_episode(self, env_index: int, problem_ids: Sequence[str] | None = None) -> Episode:
         """The next episode of env ``env_index``: its group's j-th problem, drawn by the first
@@ -188,8 +201,14 @@ class MathVectorEnv(VectorEnv):
     def _observations(self) -> tuple[str, ...]:
         return tuple(self.task.observation(e) for e in self.episodes)
 
-    def _infos(self, env_infos: Sequence[dict[str, Any]]) -> dict[str, Any]:
-        infos: dict[str, Any] = {}
-        for i, env_info in enumerate(env_infos):
-            infos = self._add_info(infos, env_info, i)
-        return infos
+    def _metadata(self) -> dict[str, np.ndarray]:
+        """[N] arrays naming each env's current episode: ``problem_id``, ``group_id``, ``step``."""
+        return {"problem_id": np.array([e.problem.id for e in self.episodes], dtype=object),
+                "group_id": np.array([e.group_id for e in self.episodes], dtype=np.int64),
+                "step": np.array([len(e.steps) for e in self.episodes], dtype=np.int64)}
+
+    def _spread(self, values: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """[N] float64: ``values`` at ``rows``, NaN at the other envs."""
+        full = np.full(self.num_envs, np.nan)
+        full[rows] = values
+        return full

@@ -87,7 +87,7 @@ def test_env_survives_empty_non_utf8_and_huge_generations(tiny_tokenizer):
     np.testing.assert_array_equal(rewards, 0.0)
     assert terminated.tolist() == [False, True, True, True, False]
     assert truncated.tolist() == [False, False, False, False, True]  # the megabyte was clipped, then too long
-    assert info["correct"][info["_correct"]].tolist() == [False, False, False, False]
+    assert info["correct"][terminated | truncated].tolist() == [0.0, 0.0, 0.0, 0.0]
     obs, rewards, terminated, truncated, _ = env.step(["The answer is \\boxed{0}."] * len(actions))
     assert terminated[0] and all(isinstance(o, str) for o in obs)
 

@@ -77,13 +77,40 @@ def test_next_step_autoreset_ignores_action():
 
 def test_same_step_autoreset_returns_final_obs():
     env = MathVectorEnv(num_envs=2, problems=PROBLEMS, autoreset_mode=AutoresetMode.SAME_STEP)
-    env.reset(seed=0)
-    obs, _, terminated, _, info = env.step(["The answer is \\boxed{1}.", "step"])
-    assert terminated.tolist() == [True, False]
-    assert info["_final_obs"].tolist() == [True, False]
-    assert info["final_obs"][0].endswith("The answer is \\boxed{1}.\n\n")
-    assert info["final_info"]["correct"][0] in (True, False) and info["final_info"]["_correct"].tolist() == [True, False]
-    assert obs[0].endswith("Solution:\n") and info["step"][0] == 0
+    _, info = env.reset(seed=0)
+    ended_id, answer = info["problem_id"][0], f"The answer is \\boxed{{{BY_ID[info['problem_id'][0]].answer}}}."
+    obs, rewards, terminated, _, info = env.step([answer, "step"])
+    assert terminated.tolist() == [True, False] and rewards.tolist() == [1.0, 0.0]
+    assert info["_final_obs"].tolist() == [True, False] and info["_final_info"].tolist() == [True, False]
+    assert info["final_obs"][0].endswith(answer + "\n\n") and info["final_obs"][1] is None
+    # the ended episode's metadata in final_info; the action's results at the top level
+    assert info["final_info"]["problem_id"][0] == ended_id and info["final_info"]["step"][0] == 1
+    np.testing.assert_array_equal(info["correct"], [1.0, np.nan])
+    np.testing.assert_array_equal(info["reward/outcome"], [1.0, 0.0])
+    assert obs[0].endswith("Solution:\n") and info["step"].tolist() == [0, 1]
+    assert info["group_id"][0] == 2 and info["final_info"]["group_id"][0] == 0
+
+
+def test_infos_are_full_arrays_of_the_action_just_taken():
+    reward = StepLengthReward()
+    env = MathVectorEnv(num_envs=3, problems=PROBLEMS, reward_model=reward, max_step_chars=40)
+    _, info = env.reset(seed=0)
+    assert sorted(info) == ["group_id", "problem_id", "step"]
+    answer = f"The answer is \\boxed{{{BY_ID[info['problem_id'][1]].answer}}}."
+    _, rewards, terminated, _, info = env.step(["x" * 50, answer, "ab"])
+    assert sorted(info) == ["action_clipped", "correct", "group_id", "problem_id", "reward/length", "step"]
+    assert all(isinstance(v, np.ndarray) and v.shape == (3,) for v in info.values())
+    assert info["problem_id"].dtype == object and info["group_id"].dtype == info["step"].dtype == np.int64
+    expected = [0.40, len(answer) / 100, 0.02]  # the 50 x's are clipped to 40
+    np.testing.assert_allclose(rewards, expected)
+    np.testing.assert_allclose(info["reward/length"], expected)
+    np.testing.assert_array_equal(info["correct"], [np.nan, 1.0, np.nan])
+    assert info["action_clipped"].tolist() == [True, False, False] and terminated.tolist() == [False, True, False]
+    # NEXT_STEP: env 1 resets and ignores its action, so it has no result this step
+    _, rewards, _, _, info = env.step(["a", "ignored", "The answer is \\boxed{-1}."])
+    np.testing.assert_allclose(info["reward/length"], [0.01, np.nan, len("The answer is \\boxed{-1}.") / 100])
+    np.testing.assert_array_equal(info["correct"], [np.nan, np.nan, 0.0])
+    assert rewards[1] == 0.0 and info["step"].tolist() == [2, 0, 2] and not info["action_clipped"].any()
 
 
 def test_draws_without_replacement_per_epoch_and_reproducible():
@@ -124,7 +151,9 @@ def test_token_mode_batches_only_completed_steps(tiny_tokenizer):
     env.step(np.array([digit] * 4))
     _, rewards, _, _, info = env.step(np.array([delimiter[0], digit, delimiter[0], digit]))
     assert reward.batch_sizes == [2] and rewards.tolist() == [0.01, 0.0, 0.01, 0.0]
-    assert info["step"].tolist() == [1, 0, 1, 0]
+    assert info["step"].tolist() == [1, 0, 1, 0] and "action_clipped" not in info
+    np.testing.assert_array_equal(info["reward/length"], [0.01, np.nan, 0.01, np.nan])
+    np.testing.assert_array_equal(info["correct"], np.nan)
 
 
 def test_make_vec_uses_the_batched_env():
@@ -162,6 +191,7 @@ def test_disabled_autoreset_keeps_one_episode_per_env_until_reset():
     obs, rewards, terminated, truncated, info = env.step(["ignored"] * 2 + ["The answer is \\boxed{1}."] * 2)
     assert rewards[:2].tolist() == [0.0, 0.0] and not terminated[:2].any() and terminated[2:].all()
     assert list(info["problem_id"]) == first_ids and obs[0].endswith("\\boxed{1}.\n\n")
+    assert np.isnan(info["reward/outcome"][:2]).all() and not np.isnan(info["correct"][2:]).any()
     _, info = env.reset(options={"reset_mask": np.array([True, True, False, False])})
     assert info["step"].tolist() == [0, 0, 2, 2] and info["group_id"].tolist() == [2, 2, 1, 1]
     with pytest.raises(ValueError, match="whole groups"):

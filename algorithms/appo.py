@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from algorithms.base import AlgorithmConfig, detached
+from algorithms.base import ActionScores, AlgorithmConfig, detached
+from algorithms.buffer import Batch, RolloutBuffer, Targets
 from algorithms.losses import clipped_surrogate, kl_k3, masked_mean, value_loss
-
-if TYPE_CHECKING:
-    from algorithms.buffer import Batch, RolloutBuffer
-    from train.models.policy import ActionScores
 
 
 def gae(
@@ -49,22 +44,19 @@ class APPO:
     against the behaviour log-probs recorded at generation time."""
 
     name = "APPO"
-    episodic = False
-    critic = "action"
     needs_reference = False
     needs_process_rewards = False
 
     def __init__(self, config: AlgorithmConfig):
         self.config = config
 
-    def compute_advantages(self, buffer: RolloutBuffer) -> dict[str, torch.Tensor]:
+    def advantages(self, buffer: RolloutBuffer) -> Targets:
         """advantages, returns: [T, N, A]; advantages normalised over the live slots."""
         live = buffer.live
         advantages, returns = gae(buffer.rewards * live, buffer.values, buffer.next_values, buffer.episode_ends(),
                                   self.config.gamma, self.config.gae_lambda)
-        buffer.returns = returns
-        buffer.advantages = normalized(advantages, live)
-        return {"advantages": advantages[live], "returns": returns[live], "values": buffer.values[live]}
+        return Targets(normalized(advantages, live), returns, stats={
+            "advantages": advantages[live], "returns": returns[live], "values": buffer.values[live]})
 
     def loss(self, scores: ActionScores, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         config, mask = self.config, batch.token_mask.to(scores.logprobs.dtype)

@@ -1,34 +1,35 @@
-"""The Algorithm protocol, its settings, and the registry the runner picks algorithms from.
+"""The Algorithm protocol, its settings, and the policy-loss pieces GRPO, TPPO and RLOO share.
 
-An algorithm is pure tensor math: ``compute_advantages`` reads a filled ``RolloutBuffer`` and writes
-its ``advantages`` (and ``returns``); ``loss`` turns the policy's scores of one micro-batch into a
-scalar. The runner owns models, generation and optimisation. Adding an algorithm is a file with a
-class following ``Algorithm`` plus one line in ``ALGORITHMS``.
+An algorithm is pure tensor math: ``advantages`` reads a filled ``RolloutBuffer`` and returns its
+``Targets`` (advantages, returns, which slots to train on) without changing the buffer; ``loss``
+turns the policy's scores of one micro-batch into a scalar. What it reads from a policy is named by
+the ``ActionScores`` protocol; the trainer owns models, generation and optimisation. Algorithms are
+registered, with the traits the trainer needs, in ``algorithms.registry``.
 """
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
+from algorithms.buffer import Batch, RolloutBuffer, Targets
 from algorithms.losses import aggregate, clipped_surrogate, kl_k3, masked_mean
+from algorithms.registry import algorithm_spec
 
-if TYPE_CHECKING:
-    from algorithms.buffer import Batch, RolloutBuffer
-    from train.models.policy import ActionScores
 
-ALGORITHMS = {
-    "APPO": "algorithms.appo:APPO",
-    "GRPO": "algorithms.grpo:GRPO",
-    "TPPO": "algorithms.tppo:TPPO",
-    "RLOO": "algorithms.rloo:RLOO",
-}
-"""Name -> "module:Class"; modules are imported on first use."""
+class ActionScores(Protocol):
+    """What a loss reads from the policy's forward pass over one micro-batch of B actions of L tokens.
 
-CRITICS = (None, "action", "token")
+    logprobs: [B, L] log-probs of the action tokens. entropy: [B, L] or None. values: [B, L] the
+    critic's V(prompt, a_<k) (so ``values[:, 0]`` is V(s_t)), or None without a critic.
+    """
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor | None
+    values: torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -52,24 +53,19 @@ class AlgorithmConfig:
 
 
 class Algorithm(Protocol):
-    """What the runner needs from an algorithm.
+    """What the runner needs from an algorithm (its episodic/critic traits are in ``algorithms.registry``).
 
-    ``episodic``: collect exactly one episode per env per iteration (GRPO, RLOO compare whole
-    episodes within a group) instead of ``episode_length`` steps of continuing episodes (APPO, TPPO).
-    ``critic``: None, "action" (V(s) per step) or "token" (V per action token).
     ``needs_reference``: the loss reads ``batch.ref_logprobs`` (KL to the reference policy).
-    ``needs_process_rewards``: ``compute_advantages`` reads ``buffer.token_rewards`` (implicit PRM).
+    ``needs_process_rewards``: ``advantages`` reads ``buffer.token_rewards`` (implicit PRM).
     """
 
     name: str
-    episodic: bool
-    critic: str | None
     needs_reference: bool
     needs_process_rewards: bool
 
-    def compute_advantages(self, buffer: RolloutBuffer) -> dict[str, torch.Tensor]:
-        """Fills ``buffer.advantages`` ([T, N, A] or [T, N, A, L]) and ``buffer.returns``; returns
-        tensors worth logging (e.g. episode returns)."""
+    def advantages(self, buffer: RolloutBuffer) -> Targets:
+        """The buffer's training targets: advantages ([T, N, A] or [T, N, A, L]), returns (critics),
+        the slots to train on, and tensors worth logging. Never changes the buffer."""
         ...
 
     def loss(self, scores: ActionScores, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -82,16 +78,10 @@ class Algorithm(Protocol):
         ...
 
 
-def algorithm_class(name: str) -> type:
-    """The class registered as ``name`` (e.g. "GRPO")."""
-    if name not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {name!r}; registered: {', '.join(ALGORITHMS)}")
-    module_name, _, class_name = ALGORITHMS[name].partition(":")
-    return getattr(importlib.import_module(module_name), class_name)
-
-
 def make_algorithm(name: str, config: AlgorithmConfig) -> Algorithm:
-    return algorithm_class(name)(config)
+    """An instance of the class registered as ``name`` (e.g. "GRPO")."""
+    module_name, _, class_name = algorithm_spec(name).target.partition(":")
+    return getattr(importlib.import_module(module_name), class_name)(config)
 
 
 def token_policy_loss(scores: ActionScores, batch: Batch, advantages: torch.Tensor, config: AlgorithmConfig,

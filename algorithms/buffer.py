@@ -2,17 +2,33 @@
 agents) and per action token [T, N, A, L], and its minibatch / gradient-accumulation iteration.
 
 Token masks always come from the true action lengths, never from comparing ids with the pad id.
-``live`` marks the (t, n, a) slots that hold an action: in episodic collection an env whose
-episode ended stops acting, and PRIME's filter can drop whole groups; every reduction and every
-minibatch uses live slots only.
+``live`` marks the (t, n, a) slots that hold an action: in episodic collection an env whose episode
+ended stops acting. What an algorithm computes from the buffer (advantages, returns, and which live
+slots to train on: PRIME's filter drops whole groups) comes back as ``Targets`` and is handed to
+``minibatches``; the buffer itself holds only what collection recorded.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
 
 import torch
+
+
+@dataclass(frozen=True)
+class Targets:
+    """An algorithm's training targets for one buffer.
+
+    advantages: [T, N, A] per action or [T, N, A, L] per token. returns: the critic's targets, same
+    shape, or None without a critic. keep: [T, N, A] bool, the live slots to train on (None: every
+    live slot). stats: tensors worth logging (e.g. episode returns).
+    """
+
+    advantages: torch.Tensor
+    returns: torch.Tensor | None = None
+    keep: torch.Tensor | None = None
+    stats: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -33,7 +49,7 @@ class Batch:
     old_logprobs: torch.Tensor  # [B, L] behaviour log-probs recorded at generation
     old_values: torch.Tensor | None  # [B] or [B, L] critic values at collection
     ref_logprobs: torch.Tensor | None  # [B, L]
-    advantages: torch.Tensor  # [B] or [B, L]
+    advantages: torch.Tensor | None  # [B] or [B, L]; None outside training (e.g. reference passes)
     returns: torch.Tensor | None  # [B] or [B, L]
     num_samples: int
     num_tokens: int
@@ -51,10 +67,10 @@ class Batch:
 class RolloutBuffer:
     """Storage for T steps of N envs with A agents; actions up to L tokens.
 
-    Filled by ``add`` (one call per env step, live envs only); the algorithm then writes
-    ``advantages`` ([T, N, A] per action or [T, N, A, L] per token) and ``returns``.
-    ``next_values`` [T, N, A] is the value to bootstrap from after each action (0 where the episode
-    terminated), written by the runner in continuing collection.
+    Filled by ``add`` (one call per env step, for the (env, agent) pairs that acted). Collection also
+    writes ``next_values`` [T, N, A], the value to bootstrap from after each action (0 where the
+    episode terminated), and before the update ``ref_logprobs`` / ``token_rewards`` where the
+    algorithm reads them.
     """
 
     def __init__(self, num_steps: int, num_envs: int, num_agents: int, max_action_tokens: int,
@@ -80,8 +96,6 @@ class RolloutBuffer:
         self.group_ids = torch.zeros(self.shape, dtype=torch.long, **slots)
         self.prompt_ids: list[list[int] | None] = [None] * self.num_slots
         self.texts: list[str | None] = [None] * self.num_slots
-        self.advantages: torch.Tensor | None = None
-        self.returns: torch.Tensor | None = None
         self.steps_filled = 0
 
     @property
@@ -93,19 +107,19 @@ class RolloutBuffer:
         _, num_envs, num_agents = self.shape
         return step * num_envs * num_agents + envs * num_agents + agents
 
-    def add(self, step: int, envs: Sequence[int], prompt_ids: Sequence[list[int]], action_ids: Sequence[list[int]],
-            logprobs: Sequence[list[float]], rewards: torch.Tensor, terminated: torch.Tensor,
-            truncated: torch.Tensor, group_ids: torch.Tensor, correct: torch.Tensor, texts: Sequence[str],
-            values: torch.Tensor | None = None, token_values: torch.Tensor | None = None,
-            agents: Sequence[int] | None = None) -> None:
-        """Records the actions taken at ``step`` by the B (env, agent) pairs that acted.
+    def add(self, *, step: int, envs: Sequence[int], agents: Sequence[int], prompt_ids: Sequence[list[int]],
+            action_ids: Sequence[list[int]], logprobs: Sequence[list[float]], rewards: torch.Tensor,
+            terminated: torch.Tensor, truncated: torch.Tensor, group_ids: torch.Tensor, correct: torch.Tensor,
+            texts: Sequence[str], values: torch.Tensor | None = None,
+            token_values: torch.Tensor | None = None) -> None:
+        """Records the actions taken at ``step`` by the B (env, agent) pairs ``envs[b], agents[b]``.
 
         action_ids / logprobs: B lists (the generated tokens and their behaviour log-probs, up to
         L each). rewards, terminated, truncated, group_ids, correct (NaN where the episode goes
         on), values: [B]. token_values: [B, L'] with L' <= L.
         """
         envs_t = torch.as_tensor(list(envs), dtype=torch.long, device=self.device)
-        agents_t = torch.zeros_like(envs_t) if agents is None else torch.as_tensor(list(agents), device=self.device)
+        agents_t = torch.as_tensor(list(agents), dtype=torch.long, device=self.device)
         lengths = [len(ids) for ids in action_ids]
         if max(lengths, default=0) > self.max_action_tokens:
             raise ValueError(f"an action has {max(lengths)} tokens; the buffer holds at most {self.max_action_tokens}")
@@ -172,9 +186,14 @@ class RolloutBuffer:
         num_steps, num_envs, num_agents = self.shape
         return x.permute(1, 2, 0, 3).reshape(num_envs * num_agents, num_steps * x.shape[-1])
 
-    def minibatches(self, num_mini_batch: int, micro_batches: int, generator: torch.Generator | None = None,
-                    skip: "callable | None" = None) -> Iterator[list[Batch]]:
-        """Shuffles the live slots into ``num_mini_batch`` minibatches (one optimizer step each),
+    def trained(self, targets: Targets) -> torch.Tensor:
+        """[T, N, A] the live slots ``targets`` trains on."""
+        return self.live if targets.keep is None else self.live & targets.keep
+
+    def minibatches(self, targets: Targets, num_mini_batch: int, micro_batches: int,
+                    generator: torch.Generator | None = None,
+                    skip: Callable[[Batch], torch.Tensor] | None = None) -> Iterator[list[Batch]]:
+        """Shuffles the trained slots into ``num_mini_batch`` minibatches (one optimizer step each),
         each split into up to ``micro_batches`` micro-batches (gradient accumulation).
 
         Sizes differ by at most one when the counts do not divide; every micro-batch carries its
@@ -184,23 +203,23 @@ class RolloutBuffer:
         """
         if num_mini_batch < 1 or micro_batches < 1:
             raise ValueError(f"num_mini_batch={num_mini_batch} and micro_batches={micro_batches} must be >= 1")
-        if self.advantages is None:
-            raise RuntimeError("advantages are not computed yet; call algorithm.compute_advantages(buffer) first")
-        live = self.live.flatten().nonzero().squeeze(1)
-        order = live[torch.randperm(len(live), generator=generator, device="cpu").to(live.device)]
+        slots = self.trained(targets).flatten().nonzero().squeeze(1)
+        order = slots[torch.randperm(len(slots), generator=generator, device="cpu").to(slots.device)]
         lengths = self.action_lengths.flatten()
         for minibatch in torch.tensor_split(order, num_mini_batch):
             if len(minibatch) == 0:
                 continue
             totals = (len(minibatch), int(lengths[minibatch].sum()))
             if skip is not None:
-                minibatch = minibatch[~skip(self.batch(minibatch, *totals)).to(minibatch.device)]
+                minibatch = minibatch[~skip(self.batch(minibatch, *totals, targets)).to(minibatch.device)]
             chunks = [chunk for chunk in torch.tensor_split(minibatch, micro_batches) if len(chunk)]
             if chunks:  # a minibatch whose rows were all skipped has no gradient: no optimizer step
-                yield [self.batch(chunk, *totals) for chunk in chunks]
+                yield [self.batch(chunk, *totals, targets) for chunk in chunks]
 
-    def batch(self, index: torch.Tensor, minibatch_samples: int, minibatch_tokens: int) -> Batch:
-        """The slots ``index`` [B] as a Batch, actions trimmed to their longest length."""
+    def batch(self, index: torch.Tensor, minibatch_samples: int, minibatch_tokens: int,
+              targets: Targets | None = None) -> Batch:
+        """The slots ``index`` [B] as a Batch, actions trimmed to their longest length; advantages and
+        returns from ``targets`` (None without)."""
         lengths = self.action_lengths.flatten()[index]
         width = max(int(lengths.max()) if len(index) else 1, 1)
 
@@ -224,18 +243,18 @@ class RolloutBuffer:
             old_logprobs=tokens(self.behaviour_logprobs),
             old_values=old_values,
             ref_logprobs=tokens(self.ref_logprobs),
-            advantages=per_slot(self.advantages),
-            returns=per_slot(self.returns),
+            advantages=per_slot(targets.advantages) if targets is not None else None,
+            returns=per_slot(targets.returns) if targets is not None else None,
             num_samples=len(index),
             num_tokens=int(lengths.sum()),
             minibatch_samples=minibatch_samples,
             minibatch_tokens=max(minibatch_tokens, 1),
         )
 
-    def live_rows(self) -> Batch:
-        """Every live slot as one Batch (for forward passes over the whole rollout, e.g. reference
-        log-probs or implicit-PRM rewards)."""
-        index = self.live.flatten().nonzero().squeeze(1)
+    def rows(self, slots: torch.Tensor | None = None) -> Batch:
+        """The slots where ``slots`` [T, N, A] (default: every live slot) is True, as one Batch without
+        targets (for forward passes over the whole rollout: reference log-probs, implicit-PRM rewards)."""
+        index = (self.live if slots is None else slots).flatten().nonzero().squeeze(1)
         return self.batch(index, len(index), int(self.action_lengths.flatten()[index].sum()))
 
     def scatter_tokens(self, index: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

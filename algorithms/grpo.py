@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from algorithms.base import AlgorithmConfig, token_policy_loss, zero_advantage_rows
+from algorithms.base import ActionScores, AlgorithmConfig, token_policy_loss, zero_advantage_rows
+from algorithms.buffer import Batch, RolloutBuffer, Targets
 from algorithms.losses import group_index, group_means
-
-if TYPE_CHECKING:
-    from algorithms.buffer import Batch, RolloutBuffer
-    from train.models.policy import ActionScores
 
 SCALE_REWARDS = ("group", "batch", "none")
 
@@ -43,21 +38,19 @@ class GRPO:
     loss is the per-token clipped surrogate plus ``kl_coef`` * k3 KL to the reference policy."""
 
     name = "GRPO"
-    episodic = True
-    critic = None
     needs_process_rewards = False
 
     def __init__(self, config: AlgorithmConfig):
         self.config = config
         self.needs_reference = config.kl_coef > 0
 
-    def compute_advantages(self, buffer: RolloutBuffer) -> dict[str, torch.Tensor]:
+    def advantages(self, buffer: RolloutBuffer) -> Targets:
         """advantages [T, N, A]: the episode's group advantage on each of its live steps."""
         returns = buffer.episode_returns()  # [N, A]
         group_ids = buffer.group_ids[0]  # [N, A]: constant over an episode
         advantages = group_advantages(returns.flatten(), group_ids.flatten(), self.config.scale_rewards)
-        buffer.advantages = advantages.reshape(returns.shape)[None] * buffer.live
-        return {"episode_returns": returns.flatten(), "advantages": advantages}
+        return Targets(advantages.reshape(returns.shape)[None] * buffer.live,
+                       stats={"episode_returns": returns.flatten(), "advantages": advantages})
 
     def loss(self, scores: ActionScores, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return token_policy_loss(scores, batch, batch.advantages[:, None], self.config)

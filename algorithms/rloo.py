@@ -4,16 +4,11 @@ summed and turned into per-token returns (PRIME, arXiv 2502.01456)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from algorithms.base import AlgorithmConfig, token_policy_loss, zero_advantage_rows
+from algorithms.base import ActionScores, AlgorithmConfig, token_policy_loss, zero_advantage_rows
+from algorithms.buffer import Batch, RolloutBuffer, Targets
 from algorithms.losses import discounted_reverse_cumsum, group_index, group_means
-
-if TYPE_CHECKING:
-    from algorithms.buffer import Batch, RolloutBuffer
-    from train.models.policy import ActionScores
 
 
 def leave_one_out_baseline(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
@@ -69,16 +64,14 @@ class RLOO:
     at most ``max_groups``. The loss is the per-token clipped surrogate on those returns."""
 
     name = "RLOO"
-    episodic = True
-    critic = None
     needs_process_rewards = True
 
     def __init__(self, config: AlgorithmConfig):
         self.config = config
         self.needs_reference = config.kl_coef > 0
 
-    def compute_advantages(self, buffer: RolloutBuffer) -> dict[str, torch.Tensor]:
-        """advantages [T, N, A, L]; filtered-out groups become not live."""
+    def advantages(self, buffer: RolloutBuffer) -> Targets:
+        """advantages [T, N, A, L]; ``keep`` drops the filtered-out groups."""
         config = self.config
         outcome = buffer.episode_returns().flatten()  # [E] episodes, E = N * A
         group_ids = buffer.group_ids[0].flatten()
@@ -87,7 +80,7 @@ class RLOO:
         if config.max_groups is not None:
             kept_groups = group_ids[keep].unique(sorted=False)[: config.max_groups]
             keep &= torch.isin(group_ids, kept_groups)
-        buffer.live &= keep.reshape(buffer.shape[1:])[None]
+        kept_slots = buffer.live & keep.reshape(buffer.shape[1:])[None]
         order, token_mask = buffer.episode_token_order()
         process = None if buffer.token_rewards is None else buffer.to_episodes(buffer.token_rewards, order)
         advantages = torch.zeros_like(token_mask, dtype=torch.float32)
@@ -95,9 +88,10 @@ class RLOO:
             advantages[keep] = rloo_returns(outcome[keep], group_ids[keep], token_mask[keep],
                                             None if process is None else process[keep],
                                             process_coef=config.process_coef, gamma=config.gamma)
-        buffer.advantages = buffer.from_episodes(advantages, order)
-        return {"episode_returns": outcome, "kept_fraction": keep.float().mean()[None],
-                "advantages": buffer.advantages[buffer.token_mask()]}
+        advantages = buffer.from_episodes(advantages, order)
+        kept_tokens = buffer.token_mask() & kept_slots[..., None]
+        return Targets(advantages, keep=kept_slots, stats={
+            "episode_returns": outcome, "kept_fraction": keep.float().mean()[None], "advantages": advantages[kept_tokens]})
 
     def loss(self, scores: ActionScores, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return token_policy_loss(scores, batch, batch.advantages, self.config)

@@ -7,17 +7,12 @@ gives a value per token, V_{t,j} = V(prompt_t, first j tokens of action t).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from algorithms.appo import normalized
-from algorithms.base import AlgorithmConfig, token_policy_loss
+from algorithms.base import ActionScores, AlgorithmConfig, token_policy_loss
+from algorithms.buffer import Batch, RolloutBuffer, Targets
 from algorithms.losses import aggregate, discount_matrix, discounted_reverse_cumsum, value_loss
-
-if TYPE_CHECKING:
-    from algorithms.buffer import Batch, RolloutBuffer
-    from train.models.policy import ActionScores
 
 
 def tppo_advantages(
@@ -67,15 +62,13 @@ class TPPO:
     per-token (clipped) value loss."""
 
     name = "TPPO"
-    episodic = False
-    critic = "token"
     needs_process_rewards = False
 
     def __init__(self, config: AlgorithmConfig):
         self.config = config
         self.needs_reference = config.kl_coef > 0
 
-    def compute_advantages(self, buffer: RolloutBuffer) -> dict[str, torch.Tensor]:
+    def advantages(self, buffer: RolloutBuffer) -> Targets:
         """advantages, returns: [T, N, A, L]; advantages normalised over live tokens."""
         num_steps, num_envs, num_agents = buffer.shape
         flat = (num_steps, num_envs * num_agents)
@@ -84,10 +77,9 @@ class TPPO:
             buffer.action_lengths.clamp(min=1).reshape(flat), buffer.next_values.reshape(flat),
             buffer.episode_ends().reshape(flat), self.config.gamma, self.config.gae_lambda)
         mask = buffer.token_mask()
-        advantages = advantages.reshape(mask.shape)
-        buffer.returns = returns.reshape(mask.shape)
-        buffer.advantages = normalized(advantages, mask)
-        return {"advantages": advantages[mask], "returns": buffer.returns[mask], "values": buffer.token_values[mask]}
+        advantages, returns = advantages.reshape(mask.shape), returns.reshape(mask.shape)
+        return Targets(normalized(advantages, mask), returns, stats={
+            "advantages": advantages[mask], "returns": returns[mask], "values": buffer.token_values[mask]})
 
     def loss(self, scores: ActionScores, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         config, mask = self.config, batch.token_mask.to(scores.logprobs.dtype)

@@ -6,15 +6,16 @@ import pytest
 import torch
 
 from algorithms.base import AlgorithmConfig, make_algorithm
-from algorithms.buffer import RolloutBuffer
+from algorithms.buffer import RolloutBuffer, Targets
 from train.models.policy import ActionScores
 
 VOCAB = 11
 
 
-def filled_buffer(num_steps: int = 2, num_envs: int = 7, max_tokens: int = 5, seed: int = 0) -> RolloutBuffer:
+def filled_buffer(num_steps: int = 2, num_envs: int = 7, max_tokens: int = 5,
+                  seed: int = 0) -> tuple[RolloutBuffer, Targets]:
     """Random actions of lengths 1..max_tokens (token id 0, the 'pad' id, appears as a real token);
-    env 6 is not live at step 1 (its episode ended)."""
+    env 6 is not live at step 1 (its episode ended). Random advantages and returns."""
     g = torch.Generator().manual_seed(seed)
     buffer = RolloutBuffer(num_steps, num_envs, 1, max_tokens)
     for step in range(num_steps):
@@ -22,21 +23,23 @@ def filled_buffer(num_steps: int = 2, num_envs: int = 7, max_tokens: int = 5, se
         lengths = torch.randint(1, max_tokens + 1, (len(envs),), generator=g).tolist()
         actions = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
         logprobs = [(-torch.rand(n, generator=g)).tolist() for n in lengths]
-        buffer.add(step, envs, [[1, 2, 3]] * len(envs), actions, logprobs, torch.rand(len(envs), generator=g),
-                   torch.zeros(len(envs), dtype=torch.bool), torch.zeros(len(envs), dtype=torch.bool),
-                   torch.tensor([e // 2 for e in envs]), torch.full((len(envs),), float("nan")), ["x"] * len(envs),
-                   values=torch.randn(len(envs), generator=g))
-    buffer.advantages = torch.randn(buffer.shape, generator=g) * buffer.live
-    buffer.returns = torch.randn(buffer.shape, generator=g)
-    return buffer
+        buffer.add(step=step, envs=envs, agents=[0] * len(envs), prompt_ids=[[1, 2, 3]] * len(envs),
+                   action_ids=actions, logprobs=logprobs, rewards=torch.rand(len(envs), generator=g),
+                   terminated=torch.zeros(len(envs), dtype=torch.bool), truncated=torch.zeros(len(envs), dtype=torch.bool),
+                   group_ids=torch.tensor([e // 2 for e in envs]), correct=torch.full((len(envs),), float("nan")),
+                   texts=["x"] * len(envs), values=torch.randn(len(envs), generator=g))
+    advantages = torch.randn(buffer.shape, generator=g) * buffer.live
+    return buffer, Targets(advantages, returns=torch.randn(buffer.shape, generator=g))
 
 
 def test_token_mask_comes_from_lengths_not_pad_ids():
     buffer = RolloutBuffer(1, 2, 1, 4)
-    buffer.add(0, [0, 1], [[5], [6]], [[0, 0, 7], [0]], [[-1.0] * 3, [-2.0]], torch.zeros(2), torch.zeros(2, dtype=torch.bool),
-               torch.zeros(2, dtype=torch.bool), torch.zeros(2, dtype=torch.long), torch.full((2,), float("nan")), ["a", "b"])
+    buffer.add(step=0, envs=[0, 1], agents=[0, 0], prompt_ids=[[5], [6]], action_ids=[[0, 0, 7], [0]],
+               logprobs=[[-1.0] * 3, [-2.0]], rewards=torch.zeros(2), terminated=torch.zeros(2, dtype=torch.bool),
+               truncated=torch.zeros(2, dtype=torch.bool), group_ids=torch.zeros(2, dtype=torch.long),
+               correct=torch.full((2,), float("nan")), texts=["a", "b"])
     assert buffer.token_mask()[0, :, 0].tolist() == [[True, True, True, False], [True, False, False, False]]
-    batch = buffer.live_rows()
+    batch = buffer.rows()
     assert batch.action_ids.shape == (2, 3) and batch.token_mask.sum().item() == 4
 
 
@@ -49,10 +52,11 @@ def scores_from(theta: torch.Tensor, batch) -> ActionScores:
                         values=theta[batch.action_ids].tanh())
 
 
-def accumulated_gradient(buffer, algorithm, num_mini_batch, micro_batches, skip=None) -> list[torch.Tensor]:
+def accumulated_gradient(buffer, targets, algorithm, num_mini_batch, micro_batches, skip=None) -> list[torch.Tensor]:
     """Gradient of each minibatch, accumulated over its micro-batches."""
     grads = []
-    for minibatch in buffer.minibatches(num_mini_batch, micro_batches, torch.Generator().manual_seed(3), skip=skip):
+    for minibatch in buffer.minibatches(targets, num_mini_batch, micro_batches, torch.Generator().manual_seed(3),
+                                        skip=skip):
         theta = torch.linspace(-1, 1, VOCAB, requires_grad=True)
         for batch in minibatch:
             loss, _ = algorithm.loss(scores_from(theta, batch), batch)
@@ -64,25 +68,25 @@ def accumulated_gradient(buffer, algorithm, num_mini_batch, micro_batches, skip=
 @pytest.mark.parametrize("name, loss_agg", [("GRPO", "token_mean"), ("GRPO", "seq_mean"), ("APPO", "token_mean")])
 @pytest.mark.parametrize("micro_batches", [2, 3, 5])
 def test_gradient_accumulation_equals_full_batch_gradient(name, loss_agg, micro_batches):
-    buffer = filled_buffer()  # 13 live slots: no split below divides them evenly
+    buffer, targets = filled_buffer()  # 13 live slots: no split below divides them evenly
     algorithm = make_algorithm(name, AlgorithmConfig(loss_agg=loss_agg, value_clip_param=None, entropy_coef=0.1))
-    (full,) = accumulated_gradient(buffer, algorithm, 1, 1)
-    (accumulated,) = accumulated_gradient(buffer, algorithm, 1, micro_batches)
+    (full,) = accumulated_gradient(buffer, targets, algorithm, 1, 1)
+    (accumulated,) = accumulated_gradient(buffer, targets, algorithm, 1, micro_batches)
     torch.testing.assert_close(accumulated, full, atol=1e-6, rtol=1e-5)
 
 
 def test_skipping_zero_advantage_rows_keeps_the_gradient():
-    buffer = filled_buffer()
-    buffer.advantages[:, :3] = 0.0  # e.g. groups that were all right: no loss, no gradient
+    buffer, targets = filled_buffer()
+    targets.advantages[:, :3] = 0.0  # e.g. groups that were all right: no loss, no gradient
     algorithm = make_algorithm("GRPO", AlgorithmConfig())
-    (full,) = accumulated_gradient(buffer, algorithm, 1, 1)
-    (skipped,) = accumulated_gradient(buffer, algorithm, 1, 4, skip=algorithm.skippable_rows)
+    (full,) = accumulated_gradient(buffer, targets, algorithm, 1, 1)
+    (skipped,) = accumulated_gradient(buffer, targets, algorithm, 1, 4, skip=algorithm.skippable_rows)
     torch.testing.assert_close(skipped, full, atol=1e-6, rtol=1e-5)
 
 
 def test_minibatches_cover_every_live_slot_once_with_balanced_sizes():
-    buffer = filled_buffer()
-    minibatches = list(buffer.minibatches(4, 2, torch.Generator().manual_seed(0)))
+    buffer, targets = filled_buffer()
+    minibatches = list(buffer.minibatches(targets, 4, 2, torch.Generator().manual_seed(0)))
     sizes = [sum(b.num_samples for b in mb) for mb in minibatches]
     assert sorted(sizes) == [3, 3, 3, 4]
     seen = torch.cat([b.index for mb in minibatches for b in mb])
@@ -94,18 +98,18 @@ def test_minibatches_cover_every_live_slot_once_with_balanced_sizes():
 
 def test_minibatch_gradients_sum_to_full_gradient_for_sample_weighted_loss():
     """With sample weighting, averaging minibatch gradients by their sizes gives the full one."""
-    buffer = filled_buffer()
+    buffer, targets = filled_buffer()
     algorithm = make_algorithm("APPO", AlgorithmConfig(value_clip_param=None))
-    (full,) = accumulated_gradient(buffer, algorithm, 1, 1)
-    minibatches = list(buffer.minibatches(3, 1, torch.Generator().manual_seed(3)))
-    parts = accumulated_gradient(buffer, algorithm, 3, 1)
+    (full,) = accumulated_gradient(buffer, targets, algorithm, 1, 1)
+    minibatches = list(buffer.minibatches(targets, 3, 1, torch.Generator().manual_seed(3)))
+    parts = accumulated_gradient(buffer, targets, algorithm, 3, 1)
     sizes = [mb[0].num_samples for mb in minibatches]
     combined = sum(g * n for g, n in zip(parts, sizes)) / sum(sizes)
     torch.testing.assert_close(combined, full, atol=1e-6, rtol=1e-5)
 
 
 def test_episode_views_make_multi_step_episodes_contiguous_and_invert():
-    buffer = filled_buffer(num_steps=3, num_envs=4, max_tokens=3)
+    buffer, _ = filled_buffer(num_steps=3, num_envs=4, max_tokens=3)
     order, mask = buffer.episode_token_order()
     lengths = buffer.action_lengths * buffer.live
     assert mask.sum(1).tolist() == lengths.sum(0).squeeze(-1).tolist()

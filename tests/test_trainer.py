@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from algorithms.base import ALGORITHMS, AlgorithmConfig, make_algorithm
+from algorithms.base import AlgorithmConfig, make_algorithm
+from algorithms.registry import ALGORITHMS
 from algorithms.buffer import RolloutBuffer
 from train.models.policy import LanguagePolicy
 
@@ -23,7 +24,7 @@ def policy(untrained_policy_dir):
     return LanguagePolicy(untrained_policy_dir, device="cpu", with_critic=True).eval()
 
 
-def one_step_buffer(policy: LanguagePolicy, algorithm) -> RolloutBuffer:
+def one_step_buffer(policy: LanguagePolicy, critic: str | None) -> RolloutBuffer:
     """Two envs of one group, one action each: env 0 right (reward 1), env 1 wrong (reward 0). The
     critic's values are recorded as 0 (an untrained critic's values would decide the signs)."""
     prompts = [[5, 6, 7], [5, 6, 7]]
@@ -32,10 +33,12 @@ def one_step_buffer(policy: LanguagePolicy, algorithm) -> RolloutBuffer:
         scores = policy.evaluate(prompts, actions, with_values=True)
     scores.values.zero_()
     logprobs = [scores.logprobs[i, :len(a)].tolist() for i, a in enumerate(actions)]
-    buffer = RolloutBuffer(1, 2, 1, 6, token_values=algorithm.critic == "token")
-    buffer.add(0, [0, 1], prompts, actions, logprobs, torch.tensor([1.0, 0.0]), torch.ones(2, dtype=torch.bool),
-               torch.zeros(2, dtype=torch.bool), torch.zeros(2, dtype=torch.long), torch.tensor([1.0, 0.0]), ["a", "b"],
-               values=scores.values[:, 0], token_values=scores.values if algorithm.critic == "token" else None)
+    buffer = RolloutBuffer(1, 2, 1, 6, token_values=critic == "token")
+    buffer.add(step=0, envs=[0, 1], agents=[0, 0], prompt_ids=prompts, action_ids=actions, logprobs=logprobs,
+               rewards=torch.tensor([1.0, 0.0]), terminated=torch.ones(2, dtype=torch.bool),
+               truncated=torch.zeros(2, dtype=torch.bool), group_ids=torch.zeros(2, dtype=torch.long),
+               correct=torch.tensor([1.0, 0.0]), texts=["a", "b"], values=scores.values[:, 0],
+               token_values=scores.values if critic == "token" else None)
     buffer.next_values = torch.zeros(buffer.shape)  # both episodes terminated
     return buffer
 
@@ -47,10 +50,10 @@ def joint_logprobs(policy, batch) -> torch.Tensor:
 @pytest.mark.parametrize("name", list(ALGORITHMS))
 def test_one_update_moves_log_probs_with_the_advantage(policy, name):
     algorithm = make_algorithm(name, AlgorithmConfig(accuracy_lower_bound=0.0, accuracy_upper_bound=1.0))
-    buffer = one_step_buffer(policy, algorithm)
-    algorithm.compute_advantages(buffer)
-    batch = buffer.live_rows()
-    signs = buffer.advantages.reshape(2, -1)[:, 0].sign()
+    buffer = one_step_buffer(policy, ALGORITHMS[name].critic)
+    targets = algorithm.advantages(buffer)
+    batch = buffer.batch(torch.arange(2), 2, 6, targets)
+    signs = targets.advantages.reshape(2, -1)[:, 0].sign()
     assert signs.tolist() == [1.0, -1.0], f"{name}: the right answer must get the positive advantage"
     with torch.no_grad():
         before = joint_logprobs(policy, batch)
@@ -72,27 +75,35 @@ def test_grpo_gives_each_episode_its_group_advantage_on_every_step():
     nan = float("nan")
     # group 0 = envs 0, 1; group 1 = envs 2, 3. Env 0 takes two steps (0.5 each), the others one.
     step0 = dict(rewards=[0.5, 0.0, 1.0, 1.0], ends=[False, True, True, True], correct=[nan, 0.0, 1.0, 1.0])
-    buffer.add(0, range(4), [[1]] * 4, [[2]] * 4, [[-1.0]] * 4, torch.tensor(step0["rewards"]),
-               torch.tensor(step0["ends"]), torch.zeros(4, dtype=torch.bool), torch.tensor([0, 0, 1, 1]),
-               torch.tensor(step0["correct"]), ["s"] * 4)
-    buffer.add(1, [0], [[1]], [[2]], [[-1.0]], torch.tensor([0.5]), torch.tensor([True]), torch.tensor([False]),
-               torch.tensor([0]), torch.tensor([1.0]), ["s"])
+    buffer.add(step=0, envs=range(4), agents=[0] * 4, prompt_ids=[[1]] * 4, action_ids=[[2]] * 4,
+               logprobs=[[-1.0]] * 4, rewards=torch.tensor(step0["rewards"]), terminated=torch.tensor(step0["ends"]),
+               truncated=torch.zeros(4, dtype=torch.bool), group_ids=torch.tensor([0, 0, 1, 1]),
+               correct=torch.tensor(step0["correct"]), texts=["s"] * 4)
+    buffer.add(step=1, envs=[0], agents=[0], prompt_ids=[[1]], action_ids=[[2]], logprobs=[[-1.0]],
+               rewards=torch.tensor([0.5]), terminated=torch.tensor([True]), truncated=torch.tensor([False]),
+               group_ids=torch.tensor([0]), correct=torch.tensor([1.0]), texts=["s"])
     grpo = make_algorithm("GRPO", AlgorithmConfig())
-    grpo.compute_advantages(buffer)
+    targets = grpo.advantages(buffer)
     z = 0.5 / (math.sqrt(0.5) + 1e-4)  # returns (1, 0): mean 0.5, unbiased std sqrt(0.5)
     expected = torch.tensor([[z, -z, 0.0, 0.0], [z, 0.0, 0.0, 0.0]])
-    torch.testing.assert_close(buffer.advantages[..., 0], expected)
+    torch.testing.assert_close(targets.advantages[..., 0], expected)
+    assert targets.keep is None and buffer.trained(targets).sum() == 5
 
 
 def test_rloo_filters_groups_outside_the_accuracy_bounds():
     buffer = RolloutBuffer(1, 6, 1, 2)
     correct = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0])  # groups: all right, mixed, all wrong
-    buffer.add(0, range(6), [[1]] * 6, [[2, 3]] * 6, [[-1.0, -1.0]] * 6, correct, torch.ones(6, dtype=torch.bool),
-               torch.zeros(6, dtype=torch.bool), torch.tensor([0, 0, 1, 1, 2, 2]), correct, ["s"] * 6)
+    buffer.add(step=0, envs=range(6), agents=[0] * 6, prompt_ids=[[1]] * 6, action_ids=[[2, 3]] * 6,
+               logprobs=[[-1.0, -1.0]] * 6, rewards=correct, terminated=torch.ones(6, dtype=torch.bool),
+               truncated=torch.zeros(6, dtype=torch.bool), group_ids=torch.tensor([0, 0, 1, 1, 2, 2]),
+               correct=correct, texts=["s"] * 6)
     rloo = make_algorithm("RLOO", AlgorithmConfig())
-    rloo.compute_advantages(buffer)
-    assert buffer.live[0, :, 0].tolist() == [False, False, True, True, False, False]
-    torch.testing.assert_close(buffer.advantages[0, 2:4, 0], torch.tensor([[1.0, 1.0], [-1.0, -1.0]]))
+    targets = rloo.advantages(buffer)
+    assert targets.keep[0, :, 0].tolist() == [False, False, True, True, False, False]
+    assert buffer.live.all(), "the algorithm returns its filter; the buffer is left as collected"
+    torch.testing.assert_close(targets.advantages[0, 2:4, 0], torch.tensor([[1.0, 1.0], [-1.0, -1.0]]))
+    trained = [batch.index.tolist() for minibatch in buffer.minibatches(targets, 1, 1) for batch in minibatch]
+    assert sorted(trained[0]) == [2, 3]
 
 
 # ---------------------------------------------------------------------------------------------

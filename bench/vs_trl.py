@@ -10,9 +10,8 @@ checkpointing), clipped surrogate with eps 0.2, group-normalised advantages, no 
 model), token-mean loss. The reward on both sides is ``envs.rewards.OutcomeReward`` (1 if the
 final answer verifies, else 0), so only the trainers differ.
 
-Ours is built as train_math.py builds it (gymnasium ``Arith-v0`` vector env, LanguagePolicy,
-``make_generator``, GRPO from ``algorithms.base.make_algorithm``, ``Runner``) and one step is
-``Runner.train_iteration``. TRL's ``trainer.train()`` runs in a helper thread that a callback pauses
+Ours is built as train_math.py builds it (``train.builders.build_runner`` from the same flags) and one
+step is ``Runner.train_iteration``. TRL's ``trainer.train()`` runs in a helper thread that a callback pauses
 after every optimizer step, so the two sides alternate step by step (``--block`` steps each) and
 share whatever load the machine has; one TRL step is timed from its resume to its next
 ``on_step_end`` (dataloader, generation, reward, loss, backward, optimizer). completions/s = 64 /
@@ -67,7 +66,7 @@ CLIP = 0.2
 MAX_GRAD_NORM = 1.0
 TEMPERATURE = 1.0
 SEED = 0
-TARGET_RATIO = 1.5  # issue 7: ours must reach 1.5x TRL's completions/s
+TARGET_RATIO = 1.5  # below this ratio the bench profiles one step of each side
 TRL_FIX = 'pip install -e ".[bench]"'
 
 
@@ -95,36 +94,29 @@ class Side(Protocol):
 # -------------------------------------------------------------------------------------------------
 
 class OursSide:
-    """Our Runner on Arith-v0, wired as train_math.py wires it for GRPO with these settings."""
+    """Our Runner on Arith-v0, built by ``train.builders.build_runner`` from train_math.py's flags for GRPO
+    with these settings."""
 
     name = "ours"
 
     def __init__(self, policy_dir: Path, backend: str, run_dir: Path) -> None:
-        import gymnasium
-        from gymnasium.vector import AutoresetMode
         from tensorboardX import SummaryWriter
 
-        import envs  # noqa: F401  (registers Arith-v0)
-        from algorithms.base import AlgorithmConfig, make_algorithm
-        from envs.rewards import OutcomeReward
-        from train.models.policy import LanguagePolicy
-        from train.runner import Runner, RunnerConfig
+        from train import builders
+        from train.flags import FLAGS
 
-        policy = LanguagePolicy(policy_dir, device="cpu", dtype="float32").eval()
-        env_kwargs = dict(vectorization_mode="vector_entry_point", autoreset_mode=AutoresetMode.DISABLED,
-                          reward_model=OutcomeReward(), max_steps=1)  # max_steps 1: the action is the solution
-        self.env = gymnasium.make_vec("Arith-v0", num_envs=COMPLETIONS_PER_STEP, group_size=GROUP_SIZE,
-                                      split="train", **env_kwargs)
-        eval_env = gymnasium.make_vec("Arith-v0", num_envs=PROMPTS_PER_STEP, group_size=1, split="test", **env_kwargs)
-        optimizer = torch.optim.AdamW(policy.param_groups(LR), weight_decay=0.0)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda iteration: 1.0)  # constant, as TRL's
+        FLAGS(["vs_trl", f"--model_name_or_path={policy_dir}", "--algorithm_name=GRPO", "--env_id=Arith-v0",
+               f"--n_rollout_threads={COMPLETIONS_PER_STEP}", f"--group_size={GROUP_SIZE}",
+               f"--num_env_steps={COMPLETIONS_PER_STEP * 1_000_000}", f"--max_new_tokens={MAX_NEW_TOKENS}",
+               f"--temperature={TEMPERATURE}", f"--lr={LR}", "--warmup_iterations=0", "--lr_schedule=constant",
+               f"--max_grad_norm={MAX_GRAD_NORM}", f"--clip_param={CLIP}", "--kl_coef=0", "--loss_agg=token_mean",
+               "--scale_rewards=group", "--eval_interval=0", f"--eval_batch_size={PROMPTS_PER_STEP}",
+               "--save_interval=0", "--nosave_best", f"--seed={SEED}", "--noasync_rollouts", "--device=cpu",
+               "--dtype=float32", f"--generation_backend={backend}", f"--logdir={run_dir}"])
         self.writer = SummaryWriter(str(run_dir))
-        config = RunnerConfig(num_iterations=1_000_000, episode_length=1, max_new_tokens=MAX_NEW_TOKENS,
-                              temperature=TEMPERATURE, max_grad_norm=MAX_GRAD_NORM, eval_interval=0, seed=SEED)
-        algorithm = make_algorithm("GRPO", AlgorithmConfig(clip_param=CLIP, kl_coef=0.0, scale_rewards="group",
-                                                           loss_agg="token_mean"))
-        self.runner = Runner(config, self.env, eval_env, policy, make_ours_generator(backend, policy), algorithm,
-                             optimizer, scheduler, self.writer, run_dir)
+        self.runner = builders.build_runner(FLAGS, run_dir, self.writer,
+                                            generator_factory=make_vllm_generator if backend == "vllm" else None)
+        self.env = self.runner.collector.env
         self.iteration = 0
 
     def prompt_pool(self) -> list[tuple[str, Any]]:
@@ -140,18 +132,23 @@ class OursSide:
         buffer = self.runner.last_buffer  # set by Runner.log every iteration (log_interval 1)
         live = buffer.live
         return StepResult(seconds, float(buffer.rewards[live].mean()), float(buffer.action_lengths[live].float().mean()),
-                          float((buffer.advantages[live] == 0).float().mean()), torch.get_num_threads())
+                          equal_reward_share(buffer), torch.get_num_threads())
 
     def close(self) -> None:
         self.writer.close()
 
 
-def make_ours_generator(backend: str, policy: LanguagePolicy) -> Generator:
-    """HFGenerator, or an in-process VLLMGenerator (eager on CPU: torch.compile adds ~40 s of start-up)."""
+def equal_reward_share(buffer) -> float:
+    """Share of the samples whose prompt group's episode returns are all equal (zero GRPO advantage)."""
+    returns, groups = buffer.episode_returns().flatten(), buffer.group_ids[0].flatten()
+    flat = [bool(returns[groups == g].max() == returns[groups == g].min()) for g in groups.tolist()]
+    return sum(flat) / len(flat)
+
+
+def make_vllm_generator(policy: LanguagePolicy) -> Generator:
+    """An in-process VLLMGenerator sized for a CPU (eager: torch.compile adds ~40 s of start-up)."""
     from train.models.generation import make_generator
 
-    if backend == "hf":
-        return make_generator("hf", policy)
     return make_generator("vllm", policy, kv_cache_memory_bytes=512 << 20, seed=SEED, enforce_eager=True)
 
 

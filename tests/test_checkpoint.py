@@ -21,14 +21,14 @@ from gymnasium.vector import AutoresetMode
 from safetensors.torch import load_file
 
 import train_math
-from algorithms.base import algorithm_class
+from algorithms.appo import APPO
 from envs.datasets import Arith
 from envs.math_env import RewardModelError
 from envs.vector import MathVectorEnv
 from test_env import StepLengthReward
 from test_train_math import parse
 from test_trainer import run_train_math
-from train import checkpoint
+from train import builders, checkpoint
 from train.runner import NonFiniteError, Runner, write_out
 
 PROBLEMS = Arith().problems(30, seed=2)
@@ -236,7 +236,7 @@ def flags_for(policy_dir, logdir, algorithm: str, iterations: int, *extra: str) 
 @pytest.fixture
 def length_reward(monkeypatch):
     """train_math's env pays len(step) / 100 (the untrained policy never answers correctly)."""
-    monkeypatch.setattr(train_math, "build_reward_model", lambda device, dtype: StepLengthReward())
+    monkeypatch.setattr(builders, "build_reward_model", lambda flags, device: StepLengthReward())
 
 
 def sigterm_after_iteration(monkeypatch, last: int) -> None:
@@ -286,15 +286,14 @@ def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(untrained_policy_d
     """A NaN loss at iteration 1 is skipped (the weights do not move) and counted; from iteration 3
     on every loss is NaN: with --max_nonfinite_steps=2 the run stops in iteration 4, naming it and
     the last checkpoint (iter_4, written after iteration 3), which skipped steps left untouched."""
-    appo = algorithm_class("APPO")
-    loss, calls = appo.loss, []
+    loss, calls = APPO.loss, []
 
     def sometimes_nan(self, scores, batch):  # one loss call per iteration with these settings
         calls.append(len(calls))
         value, stats = loss(self, scores, batch)
         return (value * float("nan"), stats) if calls[-1] == 1 or calls[-1] >= 3 else (value, stats)
 
-    monkeypatch.setattr(appo, "loss", sometimes_nan)
+    monkeypatch.setattr(APPO, "loss", sometimes_nan)
     argv = flags_for(untrained_policy_dir, tmp_path, "APPO", 10, "--save_interval", "1", "--max_nonfinite_steps", "2")
     with pytest.raises(NonFiniteError, match=r"iteration 4: 2 optimizer steps in a row had a non-finite loss "
                                              r"\(--max_nonfinite_steps=2\); stopped without saving\. Last good "
@@ -330,7 +329,7 @@ class FailingReward(StepLengthReward):
 def test_reward_model_error_names_model_and_batch_and_saves_first(untrained_policy_dir, tmp_path, monkeypatch):
     """One scoring call per iteration (solution mode, no eval): the 3rd fails in iteration 2, whose
     start state is saved as iter_2, from which the run then resumes and finishes."""
-    monkeypatch.setattr(train_math, "build_reward_model", lambda device, dtype: FailingReward(fail_at=3))
+    monkeypatch.setattr(builders, "build_reward_model", lambda flags, device: FailingReward(fail_at=3))
     argv = flags_for(untrained_policy_dir, tmp_path, "GRPO", 4, "--eval_interval", "0", "--save_interval", "0")
     with pytest.raises(RewardModelError, match=r"reward model 'flaky' \(FailingReward\) raised RuntimeError: CUDA "
                                                r"error: device-side assert triggered while scoring a batch of 4 steps "
@@ -339,7 +338,7 @@ def test_reward_model_error_names_model_and_batch_and_saves_first(untrained_poli
     (run_dir,) = glob.glob(f"{tmp_path}/GRPO_Arith-v0/run_*")
     saved = checkpoint.find_latest(run_dir)
     assert saved is not None and saved.name == "iter_2"
-    monkeypatch.setattr(train_math, "build_reward_model", lambda device, dtype: StepLengthReward())
+    monkeypatch.setattr(builders, "build_reward_model", lambda flags, device: StepLengthReward())
     assert run_train_math([*argv, "--resume", "auto"]) == run_dir
     assert checkpoint.find_latest(run_dir).name == "iter_4"
 
@@ -419,7 +418,7 @@ def test_best_policy_is_saved_when_eval_accuracy_improves(untrained_policy_dir, 
     from transformers import AutoModelForCausalLM
 
     verdicts = ScheduledVerdicts([0.25, 0.75, 0.5, 0.75], batch=4)
-    monkeypatch.setattr(train_math, "build_reward_model", lambda device, dtype: verdicts)
+    monkeypatch.setattr(builders, "build_reward_model", lambda flags, device: verdicts)
     evaluate, saved, evals = Runner.evaluate, [], []
 
     def counted(self, iteration):

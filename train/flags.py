@@ -21,11 +21,11 @@ from pathlib import Path
 
 from absl import flags
 
+from algorithms.registry import ALGORITHMS
+
 FLAGS = flags.FLAGS
 
-ALGORITHM_NAMES = ("APPO", "GRPO", "TPPO", "RLOO")
-EPISODIC = ("GRPO", "RLOO")  # one episode per env per iteration, advantages within prompt groups
-WITH_CRITIC = ("APPO", "TPPO")
+ALGORITHM_NAMES = tuple(ALGORITHMS)
 PRM_TYPES = {"shepherd": "shepherd", "classifier": "classifier", "ms": "shepherd", "qwen": "classifier"}
 REWARD_SOURCES = ("outcome", "prm", "target", "steps")
 DEFAULT_PRM_REWARD = "outcome:1.0,prm:0.2"
@@ -215,7 +215,7 @@ def _check_groups(f: dict) -> bool:
     group_size = f["group_size"] or default_group_size(algorithm)
     if threads % group_size:
         raise flags.ValidationError(f"--n_rollout_threads={threads} must be a multiple of --group_size={group_size}")
-    if algorithm in EPISODIC and group_size < 2:
+    if ALGORITHMS[algorithm].episodic and group_size < 2:
         raise flags.ValidationError(f"--algorithm_name={algorithm} compares samples within a prompt group: "
                                     f"--group_size={group_size} must be >= 2")
     return True
@@ -224,10 +224,10 @@ def _check_groups(f: dict) -> bool:
 @flags.multi_flags_validator(["algorithm_name", "critic"])
 def _check_critic(f: dict) -> bool:
     algorithm, critic = f["algorithm_name"], f["critic"]
-    if algorithm in WITH_CRITIC and critic == "off":
+    if has_critic(algorithm) and critic == "off":
         raise flags.ValidationError(f"--algorithm_name={algorithm} needs a critic (its advantages come from V); "
                                     "drop --critic=off or use GRPO/RLOO")
-    if algorithm not in WITH_CRITIC and critic == "on":
+    if not has_critic(algorithm) and critic == "on":
         raise flags.ValidationError(f"--algorithm_name={algorithm} is critic-free; drop --critic=on or use APPO/TPPO")
     return True
 
@@ -308,7 +308,7 @@ def check_algorithm_specific(flag_values: flags.FlagValues = FLAGS) -> None:
             if owner != algorithm and flag_values[name].present:
                 raise flags.ValidationError(f"--{name} only affects {owner}; --algorithm_name={algorithm} would "
                                             f"ignore it. Drop it or use --algorithm_name={owner}")
-    if algorithm not in WITH_CRITIC:
+    if not has_critic(algorithm):
         for name in CRITIC_FLAGS:
             if flag_values[name].present:
                 raise flags.ValidationError(f"--{name} configures a critic; --algorithm_name={algorithm} has none. "
@@ -317,8 +317,12 @@ def check_algorithm_specific(flag_values: flags.FlagValues = FLAGS) -> None:
         raise flags.ValidationError("--max_policy_lag bounds asynchronous rollouts; add --async_rollouts or drop it")
 
 
+def has_critic(algorithm: str) -> bool:
+    return ALGORITHMS[algorithm].critic is not None
+
+
 def default_group_size(algorithm: str) -> int:
-    return 8 if algorithm in EPISODIC else 1
+    return 8 if ALGORITHMS[algorithm].episodic else 1
 
 
 def resolved_group_size(flag_values: flags.FlagValues = FLAGS) -> int:
@@ -331,6 +335,30 @@ def resolved_env_id(flag_values: flags.FlagValues = FLAGS) -> str:
     if flag_values.env_id is not None:
         return flag_values.env_id
     return "MATH-v0" if flag_values.dataset_path is not None else "Arith-v0"
+
+
+def registered_env_id(flag_values: flags.FlagValues = FLAGS) -> str:
+    """The gymnasium id of --env_id, after importing ``module`` of ``module:EnvId``; it must be registered
+    with a vector entry point taking ``group_size`` (MathVectorEnv or compatible)."""
+    import gymnasium  # here, not at the top: parsing flags stays light
+
+    import envs  # noqa: F401  (registers the built-in ids)
+
+    env_id = resolved_env_id(flag_values)
+    module, _, name = env_id.rpartition(":")
+    if module:
+        try:
+            importlib.import_module(module)
+        except ImportError as error:
+            raise flags.ValidationError(f"--env_id={env_id}: cannot import registration module {module!r}: {error}")
+    if name not in gymnasium.registry:
+        known = ", ".join(sorted(k for k in gymnasium.registry if k.startswith(("MATH", "Arith"))))
+        raise flags.ValidationError(f"--env_id={env_id}: {name!r} is not a registered gymnasium id (built in: {known}); "
+                                    "use 'module:EnvId' to import the module that registers it")
+    if gymnasium.spec(name).vector_entry_point is None:
+        raise flags.ValidationError(f"--env_id={env_id} has no vector_entry_point; the trainer needs a batched env "
+                                    "like envs.vector:MathVectorEnv (register one with vector_entry_point=...)")
+    return name
 
 
 def resolved_reward(flag_values: flags.FlagValues = FLAGS) -> str:

@@ -1,20 +1,17 @@
 """The one training loop every algorithm shares:
 
-    collect (vector env + generator + critic values) -> reference / implicit-PRM scores
-    -> algorithm.compute_advantages -> update epochs over minibatches -> generator.sync
-    -> log -> eval -> checkpoint
+    collect (train.collector) -> reference / implicit-PRM scores -> algorithm.advantages
+    -> update epochs over minibatches -> generator.sync -> log -> eval (train.evaluation) -> checkpoint
 
-Collection is episodic for GRPO/RLOO (reset every env, step until every episode ended, generating
-only for live envs) and continuing for APPO/TPPO (``episode_length`` steps, episodes spanning
-iterations, bootstrapped from V of the last observation unless terminated). With
-``async_rollouts`` a background thread generates the next batch with a copy of the policy while
-the current batch trains; the copy is refreshed so no batch lags more than ``max_policy_lag``
-policy versions, and ratios use the behaviour log-probs recorded at generation time.
+With ``async_rollouts`` a background thread collects the next batch with a copy of the policy while
+the current batch trains; the copy is refreshed so no batch lags more than ``max_policy_lag`` policy
+versions, and ratios use the behaviour log-probs recorded at generation time.
 
 Surviving faults:
 - Checkpoints (``train.checkpoint``) every ``save_interval`` iterations and at the end hold the weights,
-  optimizer and scheduler, RNG states, the env's state and the counters; ``restore`` continues from
-  one exactly (synchronous collection: the same parameters and logged values as a run never stopped).
+  optimizer and scheduler, RNG states, the collector's state (env, episode returns) and the counters;
+  ``restore`` continues from one exactly (synchronous collection: the same parameters and logged values
+  as a run never stopped).
 - SIGINT/SIGTERM: the current iteration finishes, a checkpoint is written, ``run`` returns with
   ``stop_signal`` set. A second signal interrupts at once (KeyboardInterrupt).
 - A non-finite loss or gradient norm skips that optimizer step (logged, counted in
@@ -34,7 +31,7 @@ import signal
 import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -43,9 +40,10 @@ import torch
 from tqdm import tqdm
 
 from algorithms.base import Algorithm
-from envs.prompts import STEP_DELIMITER
-from train import checkpoint
 from algorithms.buffer import RolloutBuffer
+from algorithms.registry import algorithm_spec
+from train import checkpoint, evaluation
+from train.collector import Collector, Tally
 from train.models.generation import Generator
 from train.models.policy import LanguagePolicy
 
@@ -59,11 +57,6 @@ class NonFiniteError(RuntimeError):
 @dataclass(frozen=True)
 class RunnerConfig:
     num_iterations: int
-    episode_length: int
-    max_new_tokens: int
-    action_level: str = "solution"  # "solution": one generate call per episode; "step": stop at the delimiter
-    temperature: float = 1.0
-    top_p: float = 1.0
     num_mini_batch: int = 1
     ppo_epoch: int = 1
     gradient_cp_steps: int = 1
@@ -82,49 +75,64 @@ class RunnerConfig:
     num_text_samples: int = 4
 
 
+@dataclass
+class Progress:
+    """The runner's counters, saved with every checkpoint. ``iteration``: completed iterations (the next
+    one to run); ``version``: optimizer updates so far (the policy version); ``rollout_version``: the
+    version the asynchronous rollout copy holds; ``history``: the evaluation results so far."""
+
+    iteration: int = 0
+    version: int = 0
+    rollout_version: int = 0
+    nonfinite_steps: int = 0
+    nonfinite_in_a_row: int = 0
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
 class Runner:
     """Drives training; see the module docstring. ``eval_env`` is a vector env over held-out
     problems (group size 1); ``rollout_policy``/``rollout_generator`` are the copy used by
     asynchronous collection (required when ``config.async_rollouts``)."""
 
-    def __init__(self, config: RunnerConfig, env, eval_env, policy: LanguagePolicy, generator: Generator,
-                 algorithm: Algorithm, optimizer: torch.optim.Optimizer, scheduler, writer, run_dir: Path,
-                 implicit_prm=None, rollout_policy: LanguagePolicy | None = None,
+    def __init__(self, config: RunnerConfig, collector: Collector, eval_env, policy: LanguagePolicy,
+                 generator: Generator, algorithm: Algorithm, optimizer: torch.optim.Optimizer, scheduler, writer,
+                 run_dir: Path, implicit_prm=None, rollout_policy: LanguagePolicy | None = None,
                  rollout_generator: Generator | None = None, run_flags: dict[str, Any] | None = None):
         if config.async_rollouts and (rollout_policy is None or rollout_generator is None):
             raise ValueError("async_rollouts needs rollout_policy and rollout_generator (a copy of the policy)")
         if algorithm.needs_process_rewards and implicit_prm is None:
             raise ValueError(f"{algorithm.name} needs an implicit PRM for its process rewards")
-        self.config, self.env, self.eval_env = config, env, eval_env
+        self.config, self.collector, self.eval_env = config, collector, eval_env
+        self.sampling = collector.sampling
         self.policy, self.generator, self.algorithm = policy, generator, algorithm
+        self.spec = algorithm_spec(algorithm.name)
         self.optimizer, self.scheduler, self.writer, self.run_dir = optimizer, scheduler, writer, Path(run_dir)
         self.implicit_prm = implicit_prm
         self.rollout_policy, self.rollout_generator = rollout_policy, rollout_generator
-        self.stop = [STEP_DELIMITER] if config.action_level == "step" else None
-        self.eos_text = policy.tokenizer.eos_token or ""
         self.shuffle = torch.Generator().manual_seed(config.seed)
-        self.obs, self.info = env.reset(seed=config.seed)
-        self.episode_return = np.zeros(env.num_envs)
-        self.version = 0  # optimizer updates so far (policy version)
-        self.rollout_version = 0  # version the rollout copy holds
+        self.progress = Progress()
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1) if config.async_rollouts else None
         self.pending: concurrent.futures.Future | None = None
-        self.env_steps = 0
-        self.history: list[dict[str, float]] = []  # eval results, for the caller
+        self.pending_version = 0  # the rollout copy's version when the pending batch was started
         self.last_buffer: RolloutBuffer | None = None  # for the text panel of sampled solutions
         self.run_flags = run_flags or {}  # saved with every checkpoint
-        self.iteration = 0  # completed iterations; the next one to run
-        self.nonfinite_steps = 0  # skipped optimizer steps in the whole run
-        self.nonfinite_in_a_row = 0
         self.last_checkpoint: Path | None = None
         self.stop_signal: str | None = None  # name of the signal that asked the run to stop
+
+    @property
+    def iteration(self) -> int:
+        return self.progress.iteration
+
+    @property
+    def history(self) -> list[dict[str, float]]:
+        return self.progress.history
 
     # ---------------------------------------------------------------------------------------------
     # The loop
     # ---------------------------------------------------------------------------------------------
 
     def run(self) -> list[dict[str, float]]:
-        """Trains from ``self.iteration`` (0, or where ``restore`` left it) to ``num_iterations``;
+        """Trains from ``iteration`` (0, or where ``restore`` left it) to ``num_iterations``;
         returns the evaluation history. Stops early, after saving, on SIGINT/SIGTERM."""
         config = self.config
         progress = tqdm(range(self.iteration, config.num_iterations), initial=self.iteration,
@@ -165,11 +173,11 @@ class Runner:
             raise
         stats.update(self.update(buffer))
         stats["time/sync"] = self.generator.sync(self.policy)
-        self.version += 1
+        self.progress.version += 1
         if iteration % config.log_interval == 0:
             self.log(iteration, buffer, stats)
         postfix.update(reward=f"{stats['train/reward']:.3f}", train_acc=f"{stats['train/accuracy']:.3f}")
-        self.iteration = iteration + 1
+        self.progress.iteration = iteration + 1
 
     @contextlib.contextmanager
     def signals_stop_after_iteration(self) -> Iterator[None]:
@@ -185,7 +193,7 @@ class Runner:
                 raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopping without saving")
             self.stop_signal = signal.Signals(signum).name
             log.warning("%s received: finishing iteration %d, then saving a checkpoint and exiting (send it again "
-                        "to stop at once without saving)", self.stop_signal, self.iteration)
+                        "to stop at once without saving)", self.stop_signal, self.progress.iteration)
 
         previous = {signum: signal.signal(signum, request_stop) for signum in (signal.SIGINT, signal.SIGTERM)}
         try:
@@ -195,133 +203,44 @@ class Runner:
                 signal.signal(signum, handler)
 
     def next_rollout(self, iteration: int) -> tuple[RolloutBuffer, dict[str, float]]:
-        """This iteration's batch: collected now, or (async) the one generated in the background,
-        after starting the next one with a policy copy at most ``max_policy_lag`` versions old."""
+        """This iteration's batch and its statistics: collected now, or (async) the one collected in the
+        background, after starting the next one with a policy copy at most ``max_policy_lag`` versions old."""
         seed = self.config.seed * 1_000_003 + iteration * 1_009
         if self.pool is None:
-            return self.collect(self.policy, self.generator, seed)
-        result = self.pending.result() if self.pending is not None else self.collect(
-            self.rollout_policy, self.rollout_generator, seed)
-        buffer, stats = result
-        stats["train/policy_lag"] = float(self.version - stats.pop("rollout_version"))
+            buffer, tally = self.collector.collect(self.policy, self.generator, seed)
+            return buffer, self.rollout_statistics(tally)
+        progress = self.progress
+        if self.pending is not None:
+            (buffer, tally), version = self.pending.result(), self.pending_version
+        else:
+            buffer, tally = self.collector.collect(self.rollout_policy, self.rollout_generator, seed)
+            version = progress.rollout_version
+        stats = {**self.rollout_statistics(tally), "train/policy_lag": float(progress.version - version)}
         # The next batch is trained on after this iteration's update, at version + 1.
-        if self.version + 1 - self.rollout_version > self.config.max_policy_lag:
+        if progress.version + 1 - progress.rollout_version > self.config.max_policy_lag:
             self.rollout_policy.load_state_dict(self.policy.state_dict())
             self.rollout_generator.sync(self.rollout_policy)
-            self.rollout_version = self.version
-        self.pending = self.pool.submit(self.collect, self.rollout_policy, self.rollout_generator, seed + 1)
+            progress.rollout_version = progress.version
+        self.pending_version = progress.rollout_version
+        self.pending = self.pool.submit(self.collector.collect, self.rollout_policy, self.rollout_generator, seed + 1)
         return buffer, stats
 
-    # ---------------------------------------------------------------------------------------------
-    # Collection
-    # ---------------------------------------------------------------------------------------------
-
-    @torch.no_grad()
-    def collect(self, policy: LanguagePolicy, generator: Generator, seed: int) -> tuple[RolloutBuffer, dict]:
-        """One rollout of ``episode_length`` steps (episodic: until every episode ended)."""
-        config, algorithm, env = self.config, self.algorithm, self.env
-        num_envs = env.num_envs
-        buffer = RolloutBuffer(config.episode_length, num_envs, 1, config.max_new_tokens, policy.device,
-                               token_values=algorithm.critic == "token")
-        if algorithm.episodic:
-            self.obs, self.info = env.reset()
-            self.episode_return[:] = 0
-        done = np.zeros(num_envs, dtype=bool)
-        bootstrap = torch.zeros(buffer.shape[:2])  # V(final observation) of truncated episodes
-        timers, counts = defaultdict(float), defaultdict(float)
-        components: dict[str, list[float]] = defaultdict(list)
-        returns, correct = [], []
-        for step in range(config.episode_length):
-            acting = np.flatnonzero(~done)
-            if len(acting) == 0:
-                break
-            started = time.perf_counter()
-            out = generator.generate([self.obs[i] for i in acting], n=1, max_new_tokens=config.max_new_tokens,
-                                     temperature=config.temperature, top_p=config.top_p, stop=self.stop,
-                                     seed=seed + step)
-            timers["generate"] += time.perf_counter() - started
-            counts["tokens"] += sum(len(ids) for ids in out.token_ids)
-            texts = self.action_texts(out.texts, out.finish_reasons)
-            values, token_values = self.critic_values(policy, out.prompt_token_ids, out.token_ids)
-            actions = [""] * num_envs
-            for k, i in enumerate(acting):
-                actions[i] = texts[k]
-            group_ids = info_array(self.info, "group_id", num_envs, fill=-1)[acting].astype(np.int64)
-            started = time.perf_counter()
-            self.obs, rewards, terminated, truncated, self.info = env.step(actions)
-            timers["reward"] += time.perf_counter() - started
-            ended = terminated | truncated
-            step_correct = step_info(self.info, "correct", ended)
-            for key in {*self.info, *self.info.get("final_info", {})}:
-                if key.startswith("reward/"):
-                    components[key].extend(step_info(self.info, key, ended)[acting].tolist())
-            buffer.add(step, acting, out.prompt_token_ids, out.token_ids, out.logprobs,
-                       torch.as_tensor(rewards[acting]), torch.as_tensor(terminated[acting]),
-                       torch.as_tensor(truncated[acting]), torch.as_tensor(group_ids),
-                       torch.as_tensor(np.where(ended, step_correct, np.nan)[acting]), texts,
-                       values=values, token_values=token_values)
-            self.episode_return[acting] += rewards[acting]
-            returns += self.episode_return[ended].tolist()
-            correct += np.nan_to_num(step_correct[ended]).tolist()
-            self.episode_return[ended] = 0
-            if algorithm.critic is not None and truncated.any() and not algorithm.episodic:
-                bootstrap[step] = self.values_of_final_observations(policy, truncated)
-            if algorithm.episodic:
-                done |= ended
-            self.env_steps += len(acting)
-        if algorithm.episodic:
-            self.episode_return[:] = 0
-        elif algorithm.critic is not None:
-            buffer.next_values = self.next_values(policy, buffer, bootstrap)
-        step_reward = float(buffer.rewards[buffer.live].mean())
-        stats = {
-            "time/generate": timers["generate"], "time/reward": timers["reward"],
-            "perf/tokens_per_second": counts["tokens"] / max(timers["generate"], 1e-9),
+    def rollout_statistics(self, tally: Tally) -> dict[str, float]:
+        """The rollout's logged statistics: means of the collector's sums and counts. This is the one
+        place the tallies of several data-parallel processes would be added up before dividing."""
+        step_reward = tally.mean("train/step_reward")
+        means = {key: tally.mean(key) for key in tally.sums if key.startswith("train/reward/")}
+        return {
+            "time/generate": tally.seconds["generate"], "time/reward": tally.seconds["reward"],
+            "perf/tokens_per_second": tally.sums["tokens"] / max(tally.seconds["generate"], 1e-9),
             "train/step_reward": step_reward,
             # mean return of the episodes that ended in this rollout (every episode, when episodic)
-            "train/reward": float(np.mean(returns)) if returns else step_reward,
-            "train/accuracy": float(np.mean(correct)) if correct else math.nan,
-            "train/episodes": float(len(returns)),
-            "train/action_tokens": float(buffer.action_lengths[buffer.live].float().mean()),
-            **{f"train/{key}": float(np.mean(values)) for key, values in components.items()},
+            "train/reward": tally.mean("train/reward") if tally.counts["train/reward"] else step_reward,
+            "train/accuracy": tally.mean("train/accuracy"),
+            "train/episodes": float(tally.counts["train/reward"]),
+            "train/action_tokens": tally.mean("train/action_tokens"),
+            **means,
         }
-        if self.pool is not None:
-            stats["rollout_version"] = self.rollout_version
-        return buffer, stats
-
-    def action_texts(self, texts: list[str], finish_reasons: list[str]) -> list[str]:
-        """Env actions: in step mode a sample that ended on EOS carries the EOS text (the env's
-        end marker) so that the episode ends even without an answer."""
-        if self.stop is None:
-            return list(texts)
-        return [text + self.eos_text if reason == "eos" else text for text, reason in zip(texts, finish_reasons)]
-
-    def critic_values(self, policy: LanguagePolicy, prompts: list[list[int]], actions: list[list[int]],
-                      ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(values [B] = V(s_t), token values [B, L] for a token critic) at collection time."""
-        if self.algorithm.critic == "token":
-            token_values = policy.token_values(prompts, actions)
-            return token_values[:, 0], token_values
-        if self.algorithm.critic == "action":
-            return policy.values(prompts), None
-        return None, None
-
-    def values_of_final_observations(self, policy: LanguagePolicy, truncated: np.ndarray) -> torch.Tensor:
-        """[N] V(final observation) where an episode was truncated (0 elsewhere)."""
-        values = torch.zeros(len(truncated))
-        final_obs = self.info["final_obs"]
-        index = np.flatnonzero(truncated)
-        prompts = policy.tokenizer([final_obs[i] for i in index])["input_ids"]
-        values[index] = policy.values(prompts).float().cpu()
-        return values
-
-    def next_values(self, policy: LanguagePolicy, buffer: RolloutBuffer, bootstrap: torch.Tensor) -> torch.Tensor:
-        """[T, N, A]: V(s_{t+1}) while the episode goes on, V(final obs) where truncated, 0 where
-        terminated; after the last step, V of the current observation."""
-        last = policy.values(policy.tokenizer(list(self.obs))["input_ids"]).float().to(buffer.device)
-        following = torch.cat([buffer.values[1:, :, 0], last[None]], dim=0)
-        following = torch.where(buffer.truncated[..., 0], bootstrap.to(buffer.device), following)
-        return torch.where(buffer.terminated[..., 0], 0.0, following)[..., None]
 
     # ---------------------------------------------------------------------------------------------
     # Update
@@ -331,11 +250,11 @@ class Runner:
         """Reference log-probs (KL) and implicit-PRM token rewards of every live action."""
         if not (self.algorithm.needs_reference or self.algorithm.needs_process_rewards):
             return
-        rows = buffer.live_rows()
+        rows = buffer.rows()
         actions = (rows.action_ids, rows.action_lengths)
         with torch.no_grad():
             if self.algorithm.needs_reference:
-                ref = self.policy.ref_log_probs(rows.prompts, actions, self.config.temperature)
+                ref = self.policy.ref_log_probs(rows.prompts, actions, self.sampling.temperature)
                 buffer.ref_logprobs = buffer.scatter_tokens(rows.index, ref)
             if self.algorithm.needs_process_rewards:
                 process = self.implicit_prm.token_rewards(rows.prompts, actions)
@@ -343,14 +262,14 @@ class Runner:
 
     def update(self, buffer: RolloutBuffer) -> dict[str, Any]:
         """Advantages, then ``ppo_epoch`` epochs of minibatch steps; returns statistics."""
-        config, algorithm, policy = self.config, self.algorithm, self.policy
+        config, algorithm = self.config, self.algorithm
         started = time.perf_counter()
         self.score_rollout(buffer)
-        advantage_stats = algorithm.compute_advantages(buffer)
+        targets = algorithm.advantages(buffer)
         sums, weights = defaultdict(float), defaultdict(float)
         grad_norms, steps, stopped_early = [], 0, False
         for _ in range(config.ppo_epoch):
-            for minibatch in buffer.minibatches(config.num_mini_batch, config.gradient_cp_steps, self.shuffle,
+            for minibatch in buffer.minibatches(targets, config.num_mini_batch, config.gradient_cp_steps, self.shuffle,
                                                 skip=algorithm.skippable_rows):
                 minibatch_kl, stepped = self.minibatch_step(minibatch, sums, weights, grad_norms)
                 steps += stepped
@@ -362,14 +281,15 @@ class Runner:
         if steps:  # the schedule advances with iterations that updated the policy
             self.scheduler.step()
         stats: dict[str, Any] = {f"loss/{key}": sums[key] / weights[key] for key in sums}
+        trained = buffer.trained(targets)
         if self.implicit_prm is not None:
-            stats["loss/implicit_prm"] = self.update_implicit_prm(buffer)
+            stats["loss/implicit_prm"] = self.update_implicit_prm(buffer, trained)
         stats.update({
             "grad/norm": float(np.mean(grad_norms)) if grad_norms else 0.0,
             "train/optimizer_steps": float(steps), "train/early_stopped": float(stopped_early),
-            "train/nonfinite_steps": float(self.nonfinite_steps),
-            "train/trained_samples": float(buffer.live.sum()), "time/update": time.perf_counter() - started,
-            "histograms": advantage_stats,
+            "train/nonfinite_steps": float(self.progress.nonfinite_steps),
+            "train/trained_samples": float(trained.sum()), "time/update": time.perf_counter() - started,
+            "histograms": targets.stats,
         })
         for group in self.optimizer.param_groups:
             stats[f"lr/{group.get('name', 'group')}"] = group["lr"]
@@ -378,12 +298,12 @@ class Runner:
     def minibatch_step(self, minibatch, sums: dict, weights: dict, grad_norms: list) -> tuple[float, bool]:
         """Accumulates the micro-batches' gradients, clips, steps; returns (the minibatch's approx KL,
         whether the optimizer stepped: not when the loss or the gradient norm is non-finite)."""
-        policy, algorithm = self.policy, self.algorithm
+        policy, algorithm, temperature = self.policy, self.algorithm, self.sampling.temperature
         self.optimizer.zero_grad(set_to_none=True)
         kl_sum, kl_weight, finite_loss = 0.0, 0, True
         for batch in minibatch:
-            scores = policy.evaluate(batch.prompts, (batch.action_ids, batch.action_lengths), self.config.temperature,
-                                     with_entropy=True, with_values=algorithm.critic is not None)
+            scores = policy.evaluate(batch.prompts, (batch.action_ids, batch.action_lengths), temperature,
+                                     with_entropy=True, with_values=self.spec.critic is not None)
             loss, micro_stats = algorithm.loss(scores, batch)
             finite_loss &= bool(torch.isfinite(loss))
             loss.backward()
@@ -399,7 +319,7 @@ class Runner:
         if not (finite_loss and math.isfinite(grad_norm)):
             self.skip_nonfinite_step("loss" if not finite_loss else f"gradient norm ({grad_norm})")
             return kl, False
-        self.nonfinite_in_a_row = 0
+        self.progress.nonfinite_in_a_row = 0
         grad_norms.append(grad_norm)
         self.optimizer.step()
         return kl, True
@@ -408,21 +328,22 @@ class Runner:
         """Drops the step's gradients; ``max_nonfinite_steps`` in a row stop the run (without saving:
         the last checkpoint stays the last good state)."""
         self.optimizer.zero_grad(set_to_none=True)
-        self.nonfinite_steps += 1
-        self.nonfinite_in_a_row += 1
+        progress = self.progress
+        progress.nonfinite_steps += 1
+        progress.nonfinite_in_a_row += 1
         log.warning("iteration %d: non-finite %s; optimizer step skipped (%d in a row, %d in the run)",
-                    self.iteration, what, self.nonfinite_in_a_row, self.nonfinite_steps)
-        if self.nonfinite_in_a_row >= self.config.max_nonfinite_steps:
+                    progress.iteration, what, progress.nonfinite_in_a_row, progress.nonfinite_steps)
+        if progress.nonfinite_in_a_row >= self.config.max_nonfinite_steps:
             raise NonFiniteError(
-                f"iteration {self.iteration}: {self.nonfinite_in_a_row} optimizer steps in a row had a non-finite "
+                f"iteration {progress.iteration}: {progress.nonfinite_in_a_row} optimizer steps in a row had a non-finite "
                 f"{what} (--max_nonfinite_steps={self.config.max_nonfinite_steps}); stopped without saving. Last good "
                 f"checkpoint: {self.last_checkpoint or 'none written yet'}. Check the rewards and the learning rate "
                 "(--lr, --max_grad_norm) before resuming from it")
 
-    def update_implicit_prm(self, buffer: RolloutBuffer) -> float:
-        """PRIME: one step of the implicit PRM on this rollout's live actions, labelled by whether
-        their episode's answer verified."""
-        rows = buffer.live_rows()
+    def update_implicit_prm(self, buffer: RolloutBuffer, trained: torch.Tensor) -> float:
+        """PRIME: one step of the implicit PRM on the actions the policy trained on (``trained`` [T, N, A]),
+        labelled by whether their episode's answer verified."""
+        rows = buffer.rows(trained)
         if rows.num_samples == 0:
             return math.nan
         num_envs = buffer.shape[1] * buffer.shape[2]
@@ -433,53 +354,23 @@ class Runner:
     # Evaluation, logging, checkpoints
     # ---------------------------------------------------------------------------------------------
 
-    @torch.no_grad()
     def evaluate(self, iteration: int) -> dict[str, float]:
-        """Greedy accuracy, mean PRM score (if any) and mean solution length on held-out problems,
-        ``eval_env.num_envs`` problems per batch."""
+        """Held-out evaluation (``train.evaluation``), logged, added to the history, and the policy saved
+        to ``<run>/best`` when it beats every earlier one."""
         if self.pending is not None:  # the env reward models must not run in two threads at once
             self.pending.result()
-        started = time.perf_counter()
-        env, generator = self.eval_env, self.generator
-        problem_ids = [p.id for p in env.problems][: self.config.eval_limit]
-        correct, lengths, prm_scores = [], [], []
-        for start in range(0, len(problem_ids), env.num_envs):
-            chunk = problem_ids[start:start + env.num_envs]
-            padded = chunk + [chunk[0]] * (env.num_envs - len(chunk))  # the env has a fixed size; extras ignored
-            obs, info = env.reset(options={"problem_ids": padded})
-            done = np.zeros(env.num_envs, dtype=bool)
-            done[len(chunk):] = True
-            tokens = np.zeros(env.num_envs)
-            verdicts = np.zeros(env.num_envs)
-            while not done.all():
-                acting = np.flatnonzero(~done)
-                out = generator.generate([obs[i] for i in acting], n=1, max_new_tokens=self.config.max_new_tokens,
-                                         temperature=0.0, stop=self.stop)
-                actions = [""] * env.num_envs
-                for k, text in zip(acting, self.action_texts(out.texts, out.finish_reasons)):
-                    actions[k] = text
-                obs, _, terminated, truncated, info = env.step(actions)
-                tokens[acting] += [len(ids) for ids in out.token_ids]
-                ended = (terminated | truncated) & ~done
-                verdicts[ended] = np.nan_to_num(info_array(info, "correct", env.num_envs)[ended])
-                if "reward/prm" in info:
-                    prm_scores += info_array(info, "reward/prm", env.num_envs)[acting].tolist()
-                done |= terminated | truncated
-            correct += verdicts[: len(chunk)].tolist()
-            lengths += tokens[: len(chunk)].tolist()
-        result = {"eval/accuracy": float(np.mean(correct)), "eval/mean_length": float(np.mean(lengths)),
-                  "time/eval": time.perf_counter() - started}
-        if prm_scores:
-            result["eval/prm_score"] = float(np.nanmean(prm_scores))
+        result = evaluation.evaluate(self.eval_env, self.generator, self.sampling, self.config.eval_limit)
+        env_steps = self.collector.env_steps
         best_before = max((h["eval/accuracy"] for h in self.history), default=-math.inf)
         for key, value in result.items():
             self.writer.add_scalar(key, value, iteration)
-        self.history.append({"iteration": iteration, "env_steps": self.env_steps, **result})
+        self.history.append({"iteration": iteration, "env_steps": env_steps, **result})
         if self.config.save_best and result["eval/accuracy"] > best_before:
             self.save_best(iteration, result["eval/accuracy"])
         log.info("eval iteration %d (%d env steps): greedy accuracy %.3f on %d problems, mean length %.1f tokens%s",
-                 iteration, self.env_steps, result["eval/accuracy"], len(correct), result["eval/mean_length"],
-                 f", PRM score {result['eval/prm_score']:.3f}" if prm_scores else "")
+                 iteration, env_steps, result["eval/accuracy"], min(self.config.eval_limit, len(self.eval_env.problems)),
+                 result["eval/mean_length"],
+                 f", PRM score {result['eval/prm_score']:.3f}" if "eval/prm_score" in result else "")
         if self.last_buffer is not None:
             self.writer.add_text("samples", self.samples_markdown(self.last_buffer), iteration)
         return result
@@ -496,7 +387,7 @@ class Runner:
         for key, value in stats.items():
             if isinstance(value, (int, float)) and math.isfinite(value):
                 self.writer.add_scalar(key, value, iteration)
-        self.writer.add_scalar("train/env_steps", self.env_steps, iteration)
+        self.writer.add_scalar("train/env_steps", self.collector.env_steps, iteration)
 
     def samples_markdown(self, buffer: RolloutBuffer) -> str:
         """A few sampled solutions of the last rollout: each step with its reward."""
@@ -520,14 +411,11 @@ class Runner:
         return "\n".join(lines)
 
     def snapshot(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(JSON state, RNG states) of everything but weights and optimizers: counters, eval history,
-        the env (problem sampler, episodes in progress), episode returns; python/numpy/torch RNGs and
-        the minibatch shuffle."""
-        state = {"iteration": self.iteration, "env_steps": self.env_steps, "version": self.version,
-                 "rollout_version": self.rollout_version, "nonfinite_steps": self.nonfinite_steps,
-                 "nonfinite_in_a_row": self.nonfinite_in_a_row, "history": list(self.history),
-                 "env": self.env.get_state(), "episode_return": self.episode_return.tolist()}
-        return state, {**checkpoint.rng_state(), "shuffle": self.shuffle.get_state()}
+        """(JSON state, RNG states) of everything but weights and optimizers: the counters and the
+        collector's state (env, episode returns, env steps); python/numpy/torch RNGs and the minibatch
+        shuffle. The JSON keeps one flat layout, so checkpoints of earlier versions resume."""
+        return ({**asdict(self.progress), **self.collector.get_state()},
+                {**checkpoint.rng_state(), "shuffle": self.shuffle.get_state()})
 
     def save(self, snapshot: tuple[dict[str, Any], dict[str, Any]] | None = None) -> Path:
         """Writes checkpoint ``iter_<iteration>`` of ``snapshot`` (default: now) with the current weights
@@ -560,7 +448,7 @@ class Runner:
         return path
 
     def restore(self, saved: checkpoint.Checkpoint) -> None:
-        """Continues from ``saved``: optimizers, scheduler, implicit PRM, RNGs, env and counters. The
+        """Continues from ``saved``: optimizers, scheduler, implicit PRM, RNGs, collector and counters. The
         policy's weights are the caller's to load (``checkpoint.load_policy``), since the caller builds
         the policy."""
         optimizers = saved.optimizers(self.policy.device)
@@ -575,16 +463,12 @@ class Runner:
             saved.load_implicit_prm(self.implicit_prm.model)
             self.implicit_prm.optimizer.load_state_dict(optimizers["implicit_prm"])
         state, rng = saved.state, saved.rng()
-        self.obs, self.info = self.env.set_state(state["env"])
-        self.episode_return = np.asarray(state["episode_return"], dtype=np.float64)
-        self.iteration, self.env_steps, self.version = state["iteration"], state["env_steps"], state["version"]
-        self.rollout_version = state["rollout_version"]
-        self.nonfinite_steps, self.nonfinite_in_a_row = state["nonfinite_steps"], state["nonfinite_in_a_row"]
-        self.history = list(state["history"])
+        self.collector.set_state(state)
+        self.progress = Progress(**{f.name: state[f.name] for f in fields(Progress)})
         checkpoint.set_rng_state(rng)
         self.shuffle.set_state(rng["shuffle"])
         self.last_checkpoint = saved.path
-        log.info("resumed from %s: iteration %d, %d env steps", saved.path, self.iteration, self.env_steps)
+        log.info("resumed from %s: iteration %d, %d env steps", saved.path, self.iteration, self.collector.env_steps)
 
 
 def write_out(writer) -> None:
@@ -599,21 +483,3 @@ def write_out(writer) -> None:
     events._closed = True
     events.reopen()
     events.flush()
-
-
-def step_info(info: dict, key: str, ended: np.ndarray) -> np.ndarray:
-    """[N] ``key`` of the episode each env just acted in: from ``info["final_info"]`` where the
-    episode ended and the env already reset (SAME_STEP autoreset), else from ``info``."""
-    values = info_array(info, key, len(ended))
-    if "final_info" in info:
-        values[ended] = info_array(info["final_info"], key, len(ended))[ended]
-    return values
-
-
-def info_array(info: dict, key: str, num_envs: int, fill: float = math.nan) -> np.ndarray:
-    """[N] float array of ``info[key]`` where gymnasium's ``_key`` mask is set, ``fill`` elsewhere."""
-    out = np.full(num_envs, fill, dtype=np.float64)
-    if key in info:
-        mask = np.asarray(info.get(f"_{key}", np.ones(num_envs, dtype=bool)), dtype=bool)
-        out[mask] = np.asarray(info[key], dtype=np.float64)[mask]
-    return out

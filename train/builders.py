@@ -1,0 +1,214 @@
+"""Builders: parsed flags in, the pieces of a training run out, and ``build_runner`` composing them.
+
+Each builder reads the flags it needs from an absl ``FlagValues`` (``train.flags``), so train_math.py,
+the benchmarks and the tests build a run the same way. ``build_envs`` is where a process's share of
+the environments is decided.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Callable
+
+import gymnasium
+import torch
+from absl import flags
+from gymnasium.vector import AutoresetMode
+
+import envs  # noqa: F401  (registers the built-in ids)
+from algorithms.base import Algorithm, AlgorithmConfig, make_algorithm
+from algorithms.registry import algorithm_spec
+from envs.prompts import STEP_DELIMITER
+from envs.rewards import OutcomeReward, RewardModel
+from reward_models.implicit_prm import ImplicitPRM
+from reward_models.mixture import RewardMixture, parse_reward_spec
+from train import checkpoint
+from train import flags as train_flags
+from train.collector import Collector, Sampling
+from train.models.generation import Generator, make_generator
+from train.models.policy import LanguagePolicy, LoraSettings, resolve_device
+from train.runner import Runner, RunnerConfig
+
+log = logging.getLogger(__name__)
+
+GeneratorFactory = Callable[[LanguagePolicy], Generator]
+
+
+def model_dir(f: flags.FlagValues) -> str:
+    """--model_name_or_path, or the built-in tiny policy (built and cached on first use)."""
+    if f.model_name_or_path is not None:
+        return f.model_name_or_path
+    from train.tiny import build_tiny_models  # the build tool loads only when it is needed
+
+    log.info("no --model_name_or_path: using the built-in tiny policy (built and cached on first use)")
+    return str(build_tiny_models().policy)
+
+
+def lora_settings(f: flags.FlagValues) -> LoraSettings | None:
+    return LoraSettings(rank=f.lora_rank, alpha=2.0 * f.lora_rank) if f.lora_rank else None
+
+
+def build_policy(f: flags.FlagValues, model: str, saved: checkpoint.Checkpoint | None = None) -> LanguagePolicy:
+    """The trained policy (with a critic for APPO/TPPO), from ``saved`` when resuming; in eval mode (no
+    dropout: recomputed log-probs must match the sampler's)."""
+    with_critic = algorithm_spec(f.algorithm_name).critic is not None
+    kwargs = dict(device=str(resolve_device(f.device)), dtype=f.dtype, gradient_checkpointing=f.gradient_checkpointing)
+    if saved is not None:
+        return checkpoint.load_policy(saved, model, lora_settings(f), with_critic, **kwargs).eval()
+    return LanguagePolicy(model, lora=lora_settings(f), with_critic=with_critic, **kwargs).eval()
+
+
+def build_reward_model(f: flags.FlagValues, device: str) -> RewardModel:
+    """The env's reward model from --reward: one source, or a weighted RewardMixture."""
+    weights = parse_reward_spec(train_flags.resolved_reward(f), train_flags.REWARD_SOURCES)
+    models = {name: build_reward_source(f, name, device) for name in weights}
+    if len(weights) == 1 and next(iter(weights.values())) == 1.0:
+        return next(iter(models.values()))
+    return RewardMixture(models, weights)
+
+
+def build_reward_source(f: flags.FlagValues, name: str, device: str) -> RewardModel:
+    """One --reward source; the model-based ones load only when asked for."""
+    if name == "outcome":
+        return OutcomeReward()
+    if name == "steps":
+        from reward_models.reference_steps import ReferenceStepsReward
+
+        return ReferenceStepsReward()
+    if name == "prm":
+        from reward_models.prm import ProcessRewardModel
+
+        return ProcessRewardModel(f.prm_model_name_or_path, prm_type=train_flags.resolved_prm_type(f), device=device,
+                                  dtype=f.dtype, adapter_path=f.prm_checkpoint_path, kv_cache_mb=f.prm_kv_cache_mb)
+    if name == "target":
+        from reward_models.target_solver import TargetSolver
+
+        target = LanguagePolicy(f.target_model_name_or_path, device=device, dtype=f.dtype).eval()
+        return TargetSolver(make_generator("hf", target), seed=f.seed)
+    raise ValueError(f"unknown reward source {name!r}; known: {', '.join(train_flags.REWARD_SOURCES)}")
+
+
+def env_kwargs(f: flags.FlagValues, split: str, reward_model: RewardModel, eos_text: str) -> dict:
+    """Task kwargs of the train (split "train") or held-out ("test") vector env."""
+    kwargs = {"reward_model": reward_model}
+    if f.dataset_path is not None:
+        kwargs["dataset_path"] = (f.eval_dataset_path or f.dataset_path) if split == "test" else f.dataset_path
+        if f.dataset_name is not None:
+            kwargs["subjects"] = [f.dataset_name]
+    elif f.eval_dataset_path is not None and split == "test":
+        kwargs["dataset_path"] = f.eval_dataset_path
+        kwargs["arith"] = None
+    else:
+        kwargs["split"] = split
+    if f.action_level == "solution":
+        kwargs["max_steps"] = 1  # the action is the whole solution
+    else:
+        kwargs["end_marker"] = eos_text  # a step that ended on EOS ends the episode
+    return kwargs
+
+
+def num_train_envs(f: flags.FlagValues) -> int:
+    """Envs this process steps per iteration: --n_rollout_threads, times RLOO's oversampling."""
+    return f.n_rollout_threads * (f.oversample_factor if f.algorithm_name == "RLOO" else 1)
+
+
+def build_envs(f: flags.FlagValues, reward_model: RewardModel, eos_text: str) -> tuple[gymnasium.vector.VectorEnv,
+                                                                                       gymnasium.vector.VectorEnv]:
+    """(train env, held-out eval env). Episodic algorithms run one episode per env per iteration (no
+    autoreset); continuing ones reset an ended episode in the same step."""
+    name = train_flags.registered_env_id(f)
+    autoreset = AutoresetMode.DISABLED if algorithm_spec(f.algorithm_name).episodic else AutoresetMode.SAME_STEP
+    env = gymnasium.make_vec(name, num_envs=num_train_envs(f), vectorization_mode="vector_entry_point",
+                             group_size=train_flags.resolved_group_size(f), autoreset_mode=autoreset,
+                             **env_kwargs(f, "train", reward_model, eos_text))
+    eval_env = gymnasium.make_vec(name, num_envs=f.eval_batch_size, vectorization_mode="vector_entry_point",
+                                  group_size=1, autoreset_mode=AutoresetMode.DISABLED,
+                                  **env_kwargs(f, "test", reward_model, eos_text))
+    return env, eval_env
+
+
+def build_algorithm(f: flags.FlagValues) -> Algorithm:
+    config = AlgorithmConfig(
+        clip_param=f.clip_param, value_clip_param=f.value_clip_param or None, huber_delta=f.huber_delta or None,
+        value_coef=f.value_coef, entropy_coef=f.entropy_coef, gamma=f.gamma, gae_lambda=f.gae_lambda,
+        scale_rewards=f.scale_rewards, kl_coef=f.kl_coef, loss_agg=f.loss_agg, process_coef=f.process_coef,
+        accuracy_lower_bound=f.accuracy_lower_bound, accuracy_upper_bound=f.accuracy_upper_bound,
+        max_groups=f.n_rollout_threads // train_flags.resolved_group_size(f) if f.oversample_factor > 1 else None)
+    return make_algorithm(f.algorithm_name, config)
+
+
+def num_iterations(f: flags.FlagValues) -> int:
+    """ceil(--num_env_steps / env steps per iteration)."""
+    return math.ceil(f.num_env_steps / (train_flags.resolved_episode_length(f) * f.n_rollout_threads))
+
+
+def build_optimizer(f: flags.FlagValues, policy: LanguagePolicy, iterations: int,
+                    ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """AdamW over the policy's parameter groups, and the --lr_schedule (after --warmup_iterations)."""
+    warmup, schedule = f.warmup_iterations, f.lr_schedule
+
+    def factor(iteration: int) -> float:
+        if iteration < warmup:
+            return (iteration + 1) / warmup
+        if schedule == "linear":
+            return max(0.0, 1.0 - (iteration - warmup) / max(iterations - warmup, 1))
+        return 1.0
+
+    optimizer = torch.optim.AdamW(policy.param_groups(f.lr, f.critic_lr), weight_decay=0.0)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def build_generators(f: flags.FlagValues, policy: LanguagePolicy, model: str,
+                     generator_factory: GeneratorFactory | None = None,
+                     ) -> tuple[Generator, LanguagePolicy | None, Generator | None]:
+    """(the policy's generator: ``generator_factory(policy)`` or --generation_backend's; the asynchronous
+    rollout copy and its HF generator, or None, None)."""
+    generator = generator_factory(policy) if generator_factory else make_generator(f.generation_backend, policy)
+    if not train_flags.resolved_async_rollouts(f):
+        return generator, None, None
+    with_critic = algorithm_spec(f.algorithm_name).critic is not None
+    rollout_policy = LanguagePolicy(model, lora=lora_settings(f), with_critic=with_critic, device=policy.device,
+                                    dtype=f.dtype, gradient_checkpointing=f.gradient_checkpointing).eval()
+    rollout_policy.load_state_dict(policy.state_dict())
+    return generator, rollout_policy, make_generator("hf", rollout_policy)
+
+
+def runner_config(f: flags.FlagValues) -> RunnerConfig:
+    return RunnerConfig(
+        num_iterations=num_iterations(f), num_mini_batch=f.num_mini_batch, ppo_epoch=f.ppo_epoch,
+        gradient_cp_steps=f.gradient_cp_steps, max_grad_norm=f.max_grad_norm, target_kl=f.target_kl,
+        eval_interval=f.eval_interval, eval_limit=f.eval_limit, log_interval=f.log_interval,
+        save_interval=f.save_interval, keep_checkpoints=f.keep_checkpoints, save_best=f.save_best,
+        max_nonfinite_steps=f.max_nonfinite_steps, seed=f.seed, async_rollouts=train_flags.resolved_async_rollouts(f),
+        max_policy_lag=f.max_policy_lag)
+
+
+def build_runner(f: flags.FlagValues, run_dir: Path, writer, saved: checkpoint.Checkpoint | None = None,
+                 generator_factory: GeneratorFactory | None = None) -> Runner:
+    """Every piece of a run from the flags, composed into a Runner (restored from ``saved`` if given).
+    ``writer`` is a tensorboardX SummaryWriter on ``run_dir``; ``generator_factory`` builds the generation
+    backend when the caller needs engine settings the flags do not cover."""
+    model = model_dir(f)
+    policy = build_policy(f, model, saved)
+    eos_text = policy.tokenizer.eos_token or ""
+    env, eval_env = build_envs(f, build_reward_model(f, str(policy.device)), eos_text)
+    generator, rollout_policy, rollout_generator = build_generators(f, policy, model, generator_factory)
+    algorithm = build_algorithm(f)
+    implicit_prm = None
+    if algorithm.needs_process_rewards:
+        implicit_prm = ImplicitPRM(model, beta=f.implicit_prm_beta, lr=f.implicit_prm_lr, device=str(policy.device),
+                                   dtype=f.dtype, lora=lora_settings(f))
+    config = runner_config(f)
+    optimizer, scheduler = build_optimizer(f, policy, config.num_iterations)
+    sampling = Sampling(max_new_tokens=f.max_new_tokens, temperature=f.temperature, top_p=f.top_p, eos_text=eos_text,
+                        stop=(STEP_DELIMITER,) if f.action_level == "step" else None)
+    collector = Collector(env, algorithm_spec(f.algorithm_name), train_flags.resolved_episode_length(f), sampling,
+                          seed=f.seed)
+    runner = Runner(config, collector, eval_env, policy, generator, algorithm, optimizer, scheduler, writer, run_dir,
+                    implicit_prm=implicit_prm, rollout_policy=rollout_policy, rollout_generator=rollout_generator,
+                    run_flags=train_flags.flag_dict(f))
+    if saved is not None:
+        runner.restore(saved)
+    return runner

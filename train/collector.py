@@ -1,0 +1,187 @@
+"""Collector: steps the training vector env with a generator and writes one ``RolloutBuffer``.
+
+Episodic algorithms (GRPO, RLOO) reset every env and step until every episode ended, generating only
+for the envs still going; continuing ones (APPO, TPPO) run ``episode_length`` steps of episodes that
+span iterations and bootstrap from V of the last observation unless the episode terminated. At each
+step the (env, agent) pairs that act get one action each (the MATH envs have one agent per env);
+the env scores the rewards itself, in one batch, and returns them as arrays.
+
+Statistics leave as sums and counts (``Tally``): means are taken by the runner, where the tallies of
+several processes could be added first.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from algorithms.buffer import RolloutBuffer
+from algorithms.registry import AlgorithmSpec
+from train.models.generation import GenerationOutput, Generator
+from train.models.policy import LanguagePolicy
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How actions are generated. ``stop``: strings that end an action (the step delimiter when an
+    action is one step; None when it is a whole solution). ``eos_text``: appended to a step that
+    ended on EOS, so the env (whose end marker it is) ends the episode even without an answer."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] | None = None
+    eos_text: str = ""
+
+    def generate(self, generator: Generator, prompts: Sequence[str], seed: int | None = None,
+                 greedy: bool = False) -> GenerationOutput:
+        """One sample per prompt; ``greedy`` for evaluation."""
+        stop = list(self.stop) if self.stop is not None else None
+        if greedy:
+            return generator.generate(list(prompts), n=1, max_new_tokens=self.max_new_tokens, temperature=0.0,
+                                      stop=stop)
+        return generator.generate(list(prompts), n=1, max_new_tokens=self.max_new_tokens,
+                                  temperature=self.temperature, top_p=self.top_p, stop=stop, seed=seed)
+
+    def action_texts(self, out: GenerationOutput) -> list[str]:
+        """The env actions of ``out``'s samples."""
+        if self.stop is None:
+            return list(out.texts)
+        return [text + self.eos_text if reason == "eos" else text
+                for text, reason in zip(out.texts, out.finish_reasons)]
+
+
+@dataclass
+class Tally:
+    """Sums and counts of per-sample statistics of one rollout, and its wall-clock seconds per phase."""
+
+    sums: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    counts: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+
+    def add(self, key: str, values: np.ndarray | Sequence[float]) -> None:
+        values = np.asarray(values, dtype=np.float64)
+        self.sums[key] += float(values.sum())
+        self.counts[key] += values.size
+
+    def mean(self, key: str) -> float:
+        """NaN when nothing was added under ``key``."""
+        return self.sums[key] / self.counts[key] if self.counts.get(key) else float("nan")
+
+
+class Collector:
+    """Owns the training env's episodes between iterations: the current observations and infos, each
+    env's running episode return and the env steps taken (all saved with checkpoints)."""
+
+    def __init__(self, env, spec: AlgorithmSpec, episode_length: int, sampling: Sampling, seed: int):
+        self.env, self.spec, self.episode_length, self.sampling = env, spec, episode_length, sampling
+        self.obs, self.info = env.reset(seed=seed)
+        self.episode_return = np.zeros(env.num_envs)
+        self.env_steps = 0
+
+    @torch.no_grad()
+    def collect(self, policy: LanguagePolicy, generator: Generator, seed: int) -> tuple[RolloutBuffer, Tally]:
+        """One rollout of ``episode_length`` steps (episodic: until every episode ended)."""
+        num_envs, spec = self.env.num_envs, self.spec
+        buffer = RolloutBuffer(self.episode_length, num_envs, 1, self.sampling.max_new_tokens, policy.device,
+                               token_values=spec.critic == "token")
+        if spec.episodic:
+            self.obs, self.info = self.env.reset()
+            self.episode_return[:] = 0
+        done = np.zeros(num_envs, dtype=bool)
+        bootstrap = torch.zeros(buffer.shape[:2])  # V(final observation) of truncated episodes
+        tally = Tally()
+        for step in range(self.episode_length):
+            envs = np.flatnonzero(~done)
+            if len(envs) == 0:
+                break
+            terminated, truncated = self.step(step, envs, policy, generator, buffer, tally, seed)
+            if spec.critic is not None and truncated.any() and not spec.episodic:
+                bootstrap[step] = self.values_of_final_observations(policy, truncated)
+            if spec.episodic:
+                done |= terminated | truncated
+        if spec.episodic:
+            self.episode_return[:] = 0
+        elif spec.critic is not None:
+            buffer.next_values = self.next_values(policy, buffer, bootstrap)
+        tally.add("train/step_reward", buffer.rewards[buffer.live].double().cpu().numpy())
+        tally.add("train/action_tokens", buffer.action_lengths[buffer.live].double().cpu().numpy())
+        return buffer, tally
+
+    def step(self, step: int, envs: np.ndarray, policy: LanguagePolicy, generator: Generator, buffer: RolloutBuffer,
+             tally: Tally, seed: int) -> tuple[np.ndarray, np.ndarray]:
+        """One env step in which the envs ``envs`` act; returns the env's (terminated, truncated) [N]."""
+        agents = np.zeros_like(envs)  # one agent per env
+        started = time.perf_counter()
+        out = self.sampling.generate(generator, [self.obs[i] for i in envs], seed=seed + step)
+        tally.seconds["generate"] += time.perf_counter() - started
+        tally.add("tokens", [len(ids) for ids in out.token_ids])
+        texts = self.sampling.action_texts(out)
+        values, token_values = self.critic_values(policy, out.prompt_token_ids, out.token_ids)
+        actions = [""] * self.env.num_envs
+        for k, i in enumerate(envs):
+            actions[i] = texts[k]
+        group_ids = np.asarray(self.info["group_id"], dtype=np.int64)[envs]  # the episode each env acts in
+        started = time.perf_counter()
+        self.obs, rewards, terminated, truncated, self.info = self.env.step(actions)
+        tally.seconds["reward"] += time.perf_counter() - started
+        ended = terminated | truncated
+        for key, values_of_key in self.info.items():
+            if key.startswith("reward/"):
+                tally.add(f"train/{key}", np.asarray(values_of_key, dtype=np.float64)[envs])
+        correct = np.where(ended, np.asarray(self.info["correct"], dtype=np.float64), np.nan)
+        buffer.add(step=step, envs=envs, agents=agents, prompt_ids=out.prompt_token_ids, action_ids=out.token_ids,
+                   logprobs=out.logprobs, rewards=torch.as_tensor(rewards[envs]),
+                   terminated=torch.as_tensor(terminated[envs]), truncated=torch.as_tensor(truncated[envs]),
+                   group_ids=torch.as_tensor(group_ids), correct=torch.as_tensor(correct[envs]), texts=texts,
+                   values=values, token_values=token_values)
+        self.episode_return[envs] += rewards[envs]
+        tally.add("train/reward", self.episode_return[ended])
+        tally.add("train/accuracy", np.nan_to_num(correct[ended]))
+        self.episode_return[ended] = 0
+        self.env_steps += len(envs)
+        return terminated, truncated
+
+    def critic_values(self, policy: LanguagePolicy, prompts: list[list[int]], actions: list[list[int]],
+                      ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(values [B] = V(s_t), token values [B, L] for a token critic) at collection time."""
+        if self.spec.critic == "token":
+            token_values = policy.token_values(prompts, actions)
+            return token_values[:, 0], token_values
+        if self.spec.critic == "action":
+            return policy.values(prompts), None
+        return None, None
+
+    def values_of_final_observations(self, policy: LanguagePolicy, truncated: np.ndarray) -> torch.Tensor:
+        """[N] V(final observation) where an episode was truncated (0 elsewhere)."""
+        values = torch.zeros(len(truncated))
+        final_obs = self.info["final_obs"]
+        index = np.flatnonzero(truncated)
+        prompts = policy.tokenizer([final_obs[i] for i in index])["input_ids"]
+        values[index] = policy.values(prompts).float().cpu()
+        return values
+
+    def next_values(self, policy: LanguagePolicy, buffer: RolloutBuffer, bootstrap: torch.Tensor) -> torch.Tensor:
+        """[T, N, A]: V(s_{t+1}) while the episode goes on, V(final obs) where truncated, 0 where
+        terminated; after the last step, V of the current observation."""
+        last = policy.values(policy.tokenizer(list(self.obs))["input_ids"]).float().to(buffer.device)
+        following = torch.cat([buffer.values[1:, :, 0], last[None]], dim=0)
+        following = torch.where(buffer.truncated[..., 0], bootstrap.to(buffer.device), following)
+        return torch.where(buffer.terminated[..., 0], 0.0, following)[..., None]
+
+    def get_state(self) -> dict[str, Any]:
+        """JSON-serialisable: the env's state (problem sampler, episodes in progress), each env's running
+        episode return and the env steps taken."""
+        return {"env": self.env.get_state(), "episode_return": self.episode_return.tolist(),
+                "env_steps": self.env_steps}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Continues exactly where ``get_state`` was called."""
+        self.obs, self.info = self.env.set_state(state["env"])
+        self.episode_return = np.asarray(state["episode_return"], dtype=np.float64)
+        self.env_steps = state["env_steps"]

@@ -1,0 +1,63 @@
+"""Held-out evaluation: greedy solutions to a fixed list of problems, graded by the env.
+
+The eval env is a vector env over held-out problems with one env per problem of a batch (group size
+1, no autoreset); each batch is reset to the next ``num_envs`` problem ids and stepped until every
+episode ended, generating only for the episodes still going.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from train.collector import Sampling
+from train.models.generation import Generator
+
+
+@torch.no_grad()
+def evaluate(env, generator: Generator, sampling: Sampling, limit: int) -> dict[str, float]:
+    """Greedy accuracy, mean solution length in tokens and, when the env pays a PRM reward, the mean
+    PRM score, over the first ``limit`` of ``env.problems``."""
+    started = time.perf_counter()
+    problem_ids = [p.id for p in env.problems][:limit]
+    correct, lengths, prm_scores = [], [], []
+    for start in range(0, len(problem_ids), env.num_envs):
+        batch_correct, batch_lengths, batch_prm = solve_batch(env, generator, sampling,
+                                                              problem_ids[start:start + env.num_envs])
+        correct += batch_correct
+        lengths += batch_lengths
+        prm_scores += batch_prm
+    result = {"eval/accuracy": float(np.mean(correct)), "eval/mean_length": float(np.mean(lengths)),
+              "time/eval": time.perf_counter() - started}
+    if prm_scores:
+        result["eval/prm_score"] = float(np.nanmean(prm_scores))
+    return result
+
+
+def solve_batch(env, generator: Generator, sampling: Sampling, problem_ids: Sequence[str],
+                ) -> tuple[list[float], list[float], list[float]]:
+    """(verdicts, solution lengths in tokens) of the problems ``problem_ids`` (at most ``env.num_envs``),
+    and the PRM scores of every step taken."""
+    count = len(problem_ids)
+    padded = list(problem_ids) + [problem_ids[0]] * (env.num_envs - count)  # the env has a fixed size; extras ignored
+    obs, info = env.reset(options={"problem_ids": padded})
+    done = np.zeros(env.num_envs, dtype=bool)
+    done[count:] = True
+    tokens, verdicts, prm_scores = np.zeros(env.num_envs), np.zeros(env.num_envs), []
+    while not done.all():
+        acting = np.flatnonzero(~done)
+        out = sampling.generate(generator, [obs[i] for i in acting], greedy=True)
+        actions = [""] * env.num_envs
+        for k, text in zip(acting, sampling.action_texts(out)):
+            actions[k] = text
+        obs, _, terminated, truncated, info = env.step(actions)
+        tokens[acting] += [len(ids) for ids in out.token_ids]
+        ended = (terminated | truncated) & ~done
+        verdicts[ended] = np.nan_to_num(np.asarray(info["correct"], dtype=np.float64)[ended])
+        if "reward/prm" in info:
+            prm_scores += np.asarray(info["reward/prm"], dtype=np.float64)[acting].tolist()
+        done |= terminated | truncated
+    return verdicts[:count].tolist(), tokens[:count].tolist(), prm_scores

@@ -1,0 +1,115 @@
+"""The layers of the house, read from every import statement (module level and inside functions):
+
+    envs -> algorithms -> train.models -> reward_models -> train (loop) -> train_math
+
+A module may import its own layer and the ones below it, never one above. The tiny-model build tool
+(train.tiny) sits beside the loop and is imported only by itself and by the default-model path
+(train.builders). envs import no torch; algorithms import no model library; the modules that parse
+flags import nothing heavy at module level, so a bad flag fails before torch loads.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("envs", "algorithms", "reward_models", "train")
+LAYERS = {"envs": 0, "algorithms": 1, "train.models": 2, "reward_models": 3, "train.tiny": 4, "train": 4,
+          "train_math": 5}
+TINY_IMPORTERS = ("train.tiny", "train.builders")
+FORBIDDEN = {  # layer -> third-party packages it must not import
+    "envs": ("torch", "transformers", "peft", "safetensors", "vllm"),
+    "algorithms": ("transformers", "peft", "safetensors", "vllm", "gymnasium"),
+}
+LIGHT_AT_IMPORT = ("algorithms.registry", "train.flags", "train_math")
+HEAVY = ("torch", "transformers", "peft", "vllm", "numpy", "sympy")
+
+
+def project_modules() -> dict[str, Path]:
+    modules = {"train_math": ROOT / "train_math.py"}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+MODULES = project_modules()
+
+
+def layer_of(module: str) -> str:
+    """The longest LAYERS key that is ``module`` or a package above it."""
+    return max((key for key in LAYERS if module == key or module.startswith(key + ".")), key=len)
+
+
+def imports(module: str, top_level_only: bool = False) -> list[tuple[str, int]]:
+    """(imported name, line) of every import in ``module``; ``from pkg import sub`` names pkg.sub when
+    sub is a module. Relative imports are resolved against the module's package."""
+    tree = ast.parse(MODULES[module].read_text())
+    nodes = tree.body if top_level_only else ast.walk(tree)
+    found = []
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+                for _ in range(node.level - 1):
+                    package = package.rpartition(".")[0]
+                base = f"{package}.{base}".strip(".")
+            for alias in node.names:
+                name = f"{base}.{alias.name}"
+                found.append((name if name in MODULES else base, node.lineno))
+    return found
+
+
+def is_project(name: str) -> bool:
+    return name.split(".")[0] in (*PACKAGES, "train_math")
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_no_import_runs_back_up(module):
+    mine = LAYERS[layer_of(module)]
+    for name, line in imports(module):
+        if not is_project(name):
+            continue
+        assert LAYERS[layer_of(name)] <= mine, (f"{module}:{line} imports {name} from layer {layer_of(name)!r}, "
+                                                f"above its own {layer_of(module)!r}")
+        if layer_of(name) == "train.tiny":
+            assert module.startswith(TINY_IMPORTERS), f"{module}:{line} imports the build tool {name}"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if layer_of(m) in FORBIDDEN))
+def test_lower_layers_stay_free_of_model_libraries(module):
+    forbidden = FORBIDDEN[layer_of(module)]
+    for name, line in imports(module):
+        assert name.split(".")[0] not in forbidden, f"{module}:{line} imports {name}"
+
+
+@pytest.mark.parametrize("module", LIGHT_AT_IMPORT)
+def test_flag_parsing_modules_import_nothing_heavy_at_module_level(module):
+    for name, line in imports(module, top_level_only=True):
+        assert name.split(".")[0] not in HEAVY, f"{module}:{line} imports {name} at module level"
+        if is_project(name):
+            assert name in LIGHT_AT_IMPORT, f"{module}:{line} imports {name}, which is not light"
+
+
+def test_the_layer_map_covers_every_module():
+    assert set(MODULES) >= {"envs.rewards", "algorithms.buffer", "train.models.policy", "reward_models.prm",
+                            "train.runner", "train.tiny.build"}
+    assert layer_of("train.models.generation") == "train.models" and layer_of("train.collector") == "train"
+
+
+@pytest.mark.parametrize("module", ["envs.rewards", "reward_models.mixture", "algorithms.base", "train.flags",
+                                    "train.runner"])
+def test_a_fresh_interpreter_imports_any_module_first(module):
+    """No import cycle: each entry point imports cleanly before anything else is loaded."""
+    result = subprocess.run([sys.executable, "-c", f"import {module}; import envs; envs.MathVectorEnv"],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]

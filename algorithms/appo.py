@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from algorithms.base import ActionScores, AlgorithmConfig, detached
+from algorithms.base import ActionScores, BaseAlgorithm, detached
 from algorithms.buffer import Batch, RolloutBuffer, Targets
 from algorithms.losses import clipped_surrogate, kl_k3, masked_mean, value_loss
 
@@ -37,7 +37,7 @@ def gae(
     return advantages, advantages + values
 
 
-class APPO:
+class APPO(BaseAlgorithm):
     """Action-level PPO with a critic: GAE over env steps, the clipped ratio on the joint log-prob
     of each action (sum over its tokens), a clipped value loss on V(s_t) and an entropy bonus.
     Asynchronous collection (``--async_rollouts``) lives in the runner: the ratio is always taken
@@ -45,10 +45,6 @@ class APPO:
 
     name = "APPO"
     needs_reference = False
-    needs_process_rewards = False
-
-    def __init__(self, config: AlgorithmConfig):
-        self.config = config
 
     def advantages(self, buffer: RolloutBuffer) -> Targets:
         """advantages, returns: [T, N, A]; advantages normalised over the live slots."""

@@ -78,6 +78,19 @@ class Algorithm(Protocol):
         ...
 
 
+class BaseAlgorithm:
+    """What the algorithms share: their settings, and a reference pass only when the loss has a KL term."""
+
+    needs_process_rewards = False
+
+    def __init__(self, config: AlgorithmConfig):
+        self.config = config
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.config.kl_coef > 0
+
+
 def make_algorithm(name: str, config: AlgorithmConfig) -> Algorithm:
     """An instance of the class registered as ``name`` (e.g. "GRPO")."""
     module_name, _, class_name = algorithm_spec(name).target.partition(":")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from algorithms.base import ActionScores, AlgorithmConfig, token_policy_loss, zero_advantage_rows
+from algorithms.base import ActionScores, BaseAlgorithm, token_policy_loss, zero_advantage_rows
 from algorithms.buffer import Batch, RolloutBuffer, Targets
 from algorithms.losses import group_index, group_means
 
@@ -32,17 +32,12 @@ def group_advantages(
     return centered / (variances.sqrt()[groups] + eps)
 
 
-class GRPO:
+class GRPO(BaseAlgorithm):
     """Critic-free PPO over whole episodes: each episode's summed reward, z-scored within its
     prompt group (``scale_rewards``), is the advantage of every token of every step it took; the
     loss is the per-token clipped surrogate plus ``kl_coef`` * k3 KL to the reference policy."""
 
     name = "GRPO"
-    needs_process_rewards = False
-
-    def __init__(self, config: AlgorithmConfig):
-        self.config = config
-        self.needs_reference = config.kl_coef > 0
 
     def advantages(self, buffer: RolloutBuffer) -> Targets:
         """advantages [T, N, A]: the episode's group advantage on each of its live steps."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from algorithms.base import ActionScores, AlgorithmConfig, token_policy_loss, zero_advantage_rows
+from algorithms.base import ActionScores, BaseAlgorithm, token_policy_loss, zero_advantage_rows
 from algorithms.buffer import Batch, RolloutBuffer, Targets
 from algorithms.losses import discounted_reverse_cumsum, group_index, group_means
 
@@ -57,7 +57,7 @@ def filter_groups(
     return keep[groups]
 
 
-class RLOO:
+class RLOO(BaseAlgorithm):
     """RLOO with PRIME: outcome and implicit-PRM token rewards get separate leave-one-out
     baselines within each prompt group (``rloo_returns``); groups whose accuracy lies outside
     [accuracy_lower_bound, accuracy_upper_bound] are dropped first (PRIME's online filter), keeping
@@ -65,10 +65,6 @@ class RLOO:
 
     name = "RLOO"
     needs_process_rewards = True
-
-    def __init__(self, config: AlgorithmConfig):
-        self.config = config
-        self.needs_reference = config.kl_coef > 0
 
     def advantages(self, buffer: RolloutBuffer) -> Targets:
         """advantages [T, N, A, L]; ``keep`` drops the filtered-out groups."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from algorithms.appo import normalized
-from algorithms.base import ActionScores, AlgorithmConfig, token_policy_loss
+from algorithms.base import ActionScores, BaseAlgorithm, token_policy_loss
 from algorithms.buffer import Batch, RolloutBuffer, Targets
 from algorithms.losses import aggregate, discount_matrix, discounted_reverse_cumsum, value_loss
 
@@ -56,17 +56,12 @@ def tppo_advantages(
     return advantages, (advantages + token_values) * valid
 
 
-class TPPO:
+class TPPO(BaseAlgorithm):
     """Token-level PPO with action decomposition: per-token advantages from ``tppo_advantages``
     over the token critic's values, the per-token clipped surrogate masked by true lengths, and a
     per-token (clipped) value loss."""
 
     name = "TPPO"
-    needs_process_rewards = False
-
-    def __init__(self, config: AlgorithmConfig):
-        self.config = config
-        self.needs_reference = config.kl_coef > 0
 
     def advantages(self, buffer: RolloutBuffer) -> Targets:
         """advantages, returns: [T, N, A, L]; advantages normalised over live tokens."""

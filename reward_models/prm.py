@@ -26,6 +26,7 @@ their trunk here).
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,13 +38,24 @@ from transformers import AutoConfig, AutoModel, AutoModelForTokenClassification,
 
 from envs.prompts import DEFAULT_TEMPLATE, SHEPHERD_STEP_TAG, STEP_DELIMITER, format_prompt, shepherd_text, split_steps
 from envs.rewards import RewardOutput, StepContext
-from train.models.policy import inference_dtype, load_causal_lm, load_tokenizer, resolve_device, right_padded
+from train.models.policy import (ModelDirError, inference_dtype, kv_cache_keyword, load_causal_lm, load_tokenizer,
+                                 resolve_device, right_padded)
 
 PRM_TYPES = ("shepherd", "classifier")
 AGGREGATIONS = ("step", "last", "min", "product", "mean")
 DEFAULT_KV_CACHE_MB = 1024.0
 """The shepherd PRM's default KV cache cap: 256k tokens of the tiny PRM (4 KiB each), 8k of a 7B
 Mistral in bf16 (128 KiB each: 2 * layers * kv_heads * head_dim * 2 bytes)."""
+LABEL_EXAMPLE = ("Compute 12 + 35.", ("12 + 35 = 47", "The answer is \\boxed{47}."))
+"""A correct solution at whose step tags ``label_odds`` reads a shepherd PRM (two-digit operands: the
+only kind the tiny PRM has seen)."""
+MIN_LABEL_ODDS = 10.0
+"""A shepherd PRM must make its labels (together) 10 times likelier than any other next token at every
+step tag, where it was trained to write one. Measured: the tiny PRM 60; the tiny policy 1.4e-5 and
+target 3.8e-4 (they expect ' -' or the step delimiter there); the untrained tiny policy 1.2 (near
+uniform: two tokens against one). Not a share of the whole distribution: the tiny PRM's readout only
+raises '+' (10-13% here) over a near-uniform rest."""
+CLASSIFIER_HEADS = ("ForTokenClassification", "ForProcessRewardModel")
 
 
 def checked_kv_cache_mb(prm_type: str, aggregation: str, kv_cache_mb: float | None) -> float:
@@ -61,8 +73,9 @@ def checked_kv_cache_mb(prm_type: str, aggregation: str, kv_cache_mb: float | No
     return kv_cache_mb
 
 
-def single_token_id(tokenizer: PreTrainedTokenizerBase, text: str, role: str) -> int:
-    """The id of ``text`` if it is exactly one token of ``tokenizer``; a clear error otherwise.
+def single_token_id(tokenizer: PreTrainedTokenizerBase, text: str, role: str, argument: str) -> int:
+    """The id of ``text`` if it is exactly one token of ``tokenizer``; a clear error otherwise, telling
+    to set ``argument`` (what passes the ``role`` token in) to the one the PRM was trained with.
 
     Also checks the special-token assumption: encoding with special tokens must give the same id
     after at most the tokenizer's own BOS, so ids found in encoded inputs are the ones meant.
@@ -70,8 +83,8 @@ def single_token_id(tokenizer: PreTrainedTokenizerBase, text: str, role: str) ->
     plain = tokenizer.encode(text, add_special_tokens=False)
     if len(plain) != 1:
         raise ValueError(
-            f"the PRM's {role} {text!r} is {len(plain)} tokens {plain} in this tokenizer, not one; pass the "
-            f"{role} the PRM was trained with (a single token of its vocabulary)"
+            f"the PRM's {role} {text!r} is {len(plain)} tokens {plain} in its tokenizer, not one; set {argument} "
+            f"to the {role} the PRM was trained with (a single token of its vocabulary)"
         )
     with_special = tokenizer.encode(text)
     prefix = with_special[: len(with_special) - 1]
@@ -81,6 +94,49 @@ def single_token_id(tokenizer: PreTrainedTokenizerBase, text: str, role: str) ->
             "adds tokens other than a BOS, so step-tag positions cannot be located reliably"
         )
     return plain[0]
+
+
+def prm_token_ids(tokenizer: PreTrainedTokenizerBase, model_dir: str | Path, role: str, prm_type: str,
+                  step_tag: str, good_token: str, bad_token: str, separator: str) -> tuple[str, int, list[int]]:
+    """``(marker, marker id, [good, bad] label ids)`` of the PRM in ``model_dir`` (classifier: no labels),
+    each checked to be one token of its ``tokenizer`` (``single_token_id``); raises ``ModelDirError``."""
+    try:
+        if prm_type == "shepherd":
+            labels = [single_token_id(tokenizer, good_token, "'good' label token", "good_token"),
+                      single_token_id(tokenizer, bad_token, "'bad' label token", "bad_token")]
+            return step_tag, single_token_id(tokenizer, step_tag, "step tag", "step_tag (--prm_step_tag)"), labels
+        return separator, single_token_id(tokenizer, separator, "step separator", "separator (--prm_step_tag)"), []
+    except ValueError as error:
+        raise ModelDirError(f"{role}={str(model_dir)!r}: {error}") from error
+
+
+def check_classifier_head(model_dir: str | Path, role: str = "model_dir") -> None:
+    """Refuses a classifier PRM whose config.json declares no 2-class token-classification head (a
+    ``*ForTokenClassification`` with 2 labels, or a ``*ForProcessRewardModel``)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    architectures = config.get("architectures") or []
+    num_labels = len(config["id2label"]) if "id2label" in config else config.get("num_labels", 2)
+    if num_labels != 2 or not any(name.endswith(CLASSIFIER_HEADS) for name in architectures):
+        raise ModelDirError(
+            f"{role}={str(model_dir)!r} is not a classifier PRM: its config.json declares {architectures} with "
+            f"{num_labels} labels, not a 2-class token-classification head (*ForTokenClassification or "
+            "*ForProcessRewardModel); pass a classifier PRM such as Qwen2.5-Math-PRM-7B, or prm_type='shepherd' "
+            "(--prm_type shepherd) for a Math-Shepherd PRM")
+
+
+def check_prm_dir(path: str | Path, prm_type: str = "shepherd", step_tag: str = SHEPHERD_STEP_TAG,
+                  good_token: str = "+", bad_token: str = "-", separator: str = "<extra_0>",
+                  role: str = "model_dir") -> None:
+    """Checks, reading no weights, that ``path`` can be a PRM of ``prm_type``: a model directory
+    (``check_model_dir``) whose tokenizer has the step tag and labels (shepherd) or the separator
+    (classifier) as single tokens, and, for a classifier, a 2-class head in its config. Whether a
+    shepherd PRM's LM head scores its labels needs the weights: ``ProcessRewardModel`` checks that when
+    it loads (``label_odds``). ``role`` names the argument or flag in the error. Raises ``ModelDirError``."""
+    if prm_type not in PRM_TYPES:
+        raise ValueError(f"prm_type={prm_type!r} must be one of {PRM_TYPES}")
+    prm_token_ids(load_tokenizer(path, role), path, role, prm_type, step_tag, good_token, bad_token, separator)
+    if prm_type == "classifier":
+        check_classifier_head(path, role)
 
 
 def aggregate_step_scores(step_scores: Sequence[np.ndarray], how: str) -> np.ndarray:
@@ -203,6 +259,8 @@ class ProcessRewardModel:
             ``DEFAULT_KV_CACHE_MB`` for shepherd, 0 (recompute every text in full) for classifier.
             Size it for every live trajectory: the env touches all of them each step in the same
             order, so an LRU too small for all of them evicts each entry before its next use.
+        check_labels: refuse a shepherd model whose ``label_odds`` are below ``MIN_LABEL_ODDS`` (a
+            language model, not a PRM); False scores any causal LM, e.g. to test the scoring itself.
     """
 
     def __init__(
@@ -223,6 +281,7 @@ class ProcessRewardModel:
         trust_remote_code: bool = False,
         name: str = "prm",
         kv_cache_mb: float | None = None,
+        check_labels: bool = True,
     ):
         kv_cache_mb = checked_kv_cache_mb(prm_type, aggregation, kv_cache_mb)
         self.name, self.prm_type, self.aggregation = name, prm_type, aggregation
@@ -232,17 +291,41 @@ class ProcessRewardModel:
         self.tokenizer = load_tokenizer(model_dir)
         self.tokenizer.truncation_side = "left"
         torch_dtype = inference_dtype(dtype, self.device)
-        # Markers first: a wrong token fails before the model is loaded.
-        if prm_type == "shepherd":
-            self.marker = step_tag
-            self.marker_id = single_token_id(self.tokenizer, step_tag, "step tag")
-            self.label_ids = [single_token_id(self.tokenizer, good_token, "'good' label token"),
-                              single_token_id(self.tokenizer, bad_token, "'bad' label token")]
-        else:
-            self.marker = separator
-            self.marker_id = single_token_id(self.tokenizer, separator, "step separator")
+        # Tokens and head first: a wrong one fails before the model is loaded.
+        self.marker, self.marker_id, self.label_ids = prm_token_ids(
+            self.tokenizer, model_dir, "model_dir", prm_type, step_tag, good_token, bad_token, separator)
+        if prm_type == "classifier":
+            check_classifier_head(model_dir)
         self.model = self._load_model(model_dir, torch_dtype, adapter_path, trust_remote_code)
+        if prm_type == "shepherd" and check_labels:
+            self._check_label_odds(model_dir, good_token, bad_token)
         self.past_cache = PastCache(int(kv_cache_mb * 2**20)) if kv_cache_mb > 0 else None
+
+    @torch.no_grad()
+    def label_odds(self) -> float:
+        """How much likelier a shepherd PRM's two labels (together) are than the likeliest other token,
+        as the next token at a step tag: the least over the step tags of ``LABEL_EXAMPLE``."""
+        input_ids = self.tokenizer(self.text(*LABEL_EXAMPLE), return_tensors="pt")["input_ids"].to(self.device)
+        decoder = getattr(self.model, self.model.base_model_prefix)
+        hidden = decoder(input_ids=input_ids).last_hidden_state[input_ids == self.marker_id]  # [M, H]
+        if len(hidden) == 0:
+            raise ModelDirError(f"the PRM's tokenizer merges the step tag {self.marker!r} with the text around it; "
+                                "set step_tag (--prm_step_tag) to the tag the PRM was trained with")
+        probs = self.model.get_output_embeddings()(hidden).float().softmax(-1)  # [M, V]
+        labels = torch.tensor(self.label_ids, device=self.device)
+        return float((probs[:, labels].sum(-1) / probs.index_fill(1, labels, 0.0).amax(-1)).min())
+
+    def _check_label_odds(self, model_dir: str | Path, good_token: str, bad_token: str) -> None:
+        """Refuses a causal LM that is not a Math-Shepherd PRM (e.g. a policy): its score would be the
+        ratio of two tokens it has no reason to write."""
+        odds = self.label_odds()
+        if odds < MIN_LABEL_ODDS:
+            raise ModelDirError(
+                f"{str(model_dir)!r} is not a Math-Shepherd PRM: after its step tag {self.marker!r} the labels "
+                f"{good_token!r}/{bad_token!r} are {odds:.2g} times as likely as its likeliest other next token, "
+                f"where a PRM, trained to write a label there, makes them >= {MIN_LABEL_ODDS:g} times likelier; "
+                "pass a PRM directory (not a policy's), the step tag and labels it was trained with, or "
+                "prm_type='classifier' for a classifier PRM")
 
     def _load_model(self, model_dir: str | Path, torch_dtype: torch.dtype, adapter_path: str | Path | None,
                     trust_remote_code: bool) -> torch.nn.Module:
@@ -387,12 +470,13 @@ class ProcessRewardModel:
         is_real_new = torch.arange(num_new, device=self.device)[None] < new_lengths[:, None]
         is_real_past = torch.arange(width, device=self.device)[None] >= width - starts
         decoder = getattr(self.model, self.model.base_model_prefix)
+        cache = padded_past(pasts, width)  # the forward appends the new tokens' key/values to it in place
         output = decoder(input_ids=new_ids, attention_mask=torch.cat([is_real_past, is_real_new], 1).long(),
                          position_ids=starts + torch.arange(num_new, device=self.device)[None],
-                         past_key_values=padded_past(pasts, width), use_cache=True)
+                         **{kv_cache_keyword(decoder): cache}, use_cache=True)
         rows, positions = ((new_ids == self.marker_id) & is_real_new).nonzero(as_tuple=True)
         new_scores = split_by_row(self._good_probability(output.last_hidden_state[rows, positions]), rows, len(pasts))
-        layers = [t for layer in output.past_key_values.layers for t in (layer.keys, layer.values)]
+        layers = [t for layer in cache.layers for t in (layer.keys, layer.values)]
         return [Past(tuple(ids), torch.stack([t[b, :, width - p : width + len(ids) - p] for t in layers]),
                      np.concatenate([past.scores, scores]) if past is not None else scores)
                 for b, (ids, past, p, scores) in enumerate(zip(encoded, pasts, past_lengths, new_scores))]

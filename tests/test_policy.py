@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import shutil
+import warnings
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, ViTConfig
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, ViTConfig, ViTModel
 
-from train.models.policy import LanguagePolicy, LoraSettings, ensure_pad_token, hf_param_name, pack
+from train.models.generation import HFGenerator
+from train.models.policy import (LanguagePolicy, LoraSettings, ModelDirError, check_model_dir, ensure_pad_token,
+                                 hf_param_name, load_tokenizer, pack)
 
 LORA = LoraSettings(rank=4, alpha=8.0)
 MODES = {"full": None, "lora": LORA}
@@ -188,10 +193,11 @@ def test_gradient_checkpointing_gives_the_same_gradients(untrained_policy_dir, p
 
 
 def test_bad_inputs_fail_clearly(untrained_policy_dir, tmp_path):
-    with pytest.raises(FileNotFoundError, match="does not exist"):
+    with pytest.raises(ModelDirError, match="does not exist"):
         LanguagePolicy(tmp_path / "missing", device="cpu")
-    not_causal = ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
-    not_causal.save_pretrained(tmp_path)
+    ViTModel(ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+             ).save_pretrained(tmp_path)
+    shutil.copy(untrained_policy_dir / "tokenizer.json", tmp_path)
     with pytest.raises(ValueError, match="causal language model"):
         LanguagePolicy(tmp_path, device="cpu")
     with pytest.raises(ValueError, match="needs a CUDA device"):
@@ -209,3 +215,53 @@ def test_missing_pad_token_becomes_eos_with_a_warning(untrained_policy_dir, capl
         ensure_pad_token(tokenizer, "test")
     assert tokenizer.pad_token_id == tokenizer.eos_token_id is not None
     assert "no pad token" in caplog.text
+
+
+def copy_without(source, target, *names):
+    """``target``: a copy of the model directory ``source`` without the files ``names``."""
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns(*names))
+    return target
+
+
+def test_model_dir_check_names_the_role_the_directory_what_is_missing_and_the_fix(untrained_policy_dir, tmp_path):
+    check_model_dir(untrained_policy_dir, "--model_name_or_path")  # a complete directory passes
+    no_tokenizer = copy_without(untrained_policy_dir, tmp_path / "no_tokenizer", "tokenizer*")
+    with pytest.raises(ModelDirError) as error:
+        check_model_dir(no_tokenizer, "--model_name_or_path")
+    message = str(error.value)
+    assert message.startswith(f"--model_name_or_path={str(no_tokenizer)!r} has no tokenizer (") and "\n" not in message
+    assert "no config.json" not in message and "no weights" not in message and "save_pretrained" in message
+    for removed, missing in [("config.json", "no config.json"), ("model.safetensors", "no weights (model.safetensors")]:
+        with pytest.raises(ModelDirError, match=re.escape(missing)):
+            check_model_dir(copy_without(untrained_policy_dir, tmp_path / removed, removed), "--model_name_or_path")
+    # tokenizer_config.json alone is no tokenizer; with a vocabulary file (slow tokenizers' layout) it is
+    config_only = copy_without(untrained_policy_dir, tmp_path / "config_only", "tokenizer.json")
+    with pytest.raises(ModelDirError, match="no tokenizer"):
+        check_model_dir(config_only, "--model_name_or_path")
+    (config_only / "vocab.json").write_text("{}")
+    check_model_dir(config_only, "--model_name_or_path")
+
+
+def test_checkpoint_directory_is_refused_with_its_policy_subfolder_as_the_fix(untrained_policy_dir, tmp_path):
+    checkpoint = tmp_path / "run" / "checkpoints" / "iter_3"
+    shutil.copytree(untrained_policy_dir, checkpoint / "policy")
+    (checkpoint / "manifest.json").write_text("{}")
+    fix = f"this is a checkpoint directory; pass its policy/ subfolder ({str(checkpoint / 'policy')!r})"
+    with pytest.raises(ModelDirError, match=re.escape(f"--model_name_or_path={str(checkpoint)!r} has no config.json")):
+        check_model_dir(checkpoint, "--model_name_or_path")
+    # the Python API gives the same line, naming its own argument, before transformers is asked
+    for load in (lambda: LanguagePolicy(checkpoint, device="cpu"), lambda: load_tokenizer(checkpoint)):
+        with pytest.raises(ModelDirError, match=re.escape(f"model_dir={str(checkpoint)!r}")) as error:
+            load()
+        assert str(error.value).endswith(fix)
+    with pytest.raises(ModelDirError, match="this is a run directory; pass its best/ subfolder"):
+        check_model_dir(tmp_path / "run", "--model_name_or_path")
+    check_model_dir(checkpoint / "policy", "--model_name_or_path")
+
+
+def test_kv_cache_goes_by_the_keyword_transformers_expects(policy):
+    # transformers 5.24 renamed past_key_values to cache and warns on every forward given the old name
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        output = HFGenerator(policy).generate(["Compute 12 + 35."], n=2, max_new_tokens=6, seed=0)
+    assert len(output.texts) == 2

@@ -2,6 +2,7 @@
 cache is bounded and empties as episodes end."""
 
 import copy
+import warnings
 
 import numpy as np
 import pytest
@@ -56,8 +57,8 @@ def env_calls(num_envs: int, num_steps: int) -> list[tuple[list[str], list[list[
 
 
 def test_cached_scores_equal_full_recompute_over_episodes(untrained_policy_dir, extend_log):
-    full = ProcessRewardModel(untrained_policy_dir, device="cpu", kv_cache_mb=0)
-    cached = ProcessRewardModel(untrained_policy_dir, device="cpu", kv_cache_mb=16, batch_size=16)
+    full = ProcessRewardModel(untrained_policy_dir, device="cpu", check_labels=False, kv_cache_mb=0)
+    cached = ProcessRewardModel(untrained_policy_dir, device="cpu", check_labels=False, kv_cache_mb=16, batch_size=16)
     assert full.past_cache is None and cached.past_cache is not None
     calls = env_calls(num_envs=4, num_steps=6)
     for problems, steps, finished in calls:
@@ -77,9 +78,18 @@ def test_cached_scores_equal_full_recompute_over_episodes(untrained_policy_dir, 
     assert len(cached.past_cache) == sum(not f for f in calls[-1][2])
 
 
+def test_cached_scoring_passes_the_cache_as_transformers_expects(untrained_policy_dir):
+    # transformers 5.24 renamed past_key_values to cache and warns on every forward given the old name
+    cached = ProcessRewardModel(untrained_policy_dir, device="cpu", check_labels=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        for problems, steps, finished in env_calls(num_envs=2, num_steps=3):
+            cached.step_scores(problems, steps, finished=finished)
+
+
 def test_score_pays_the_same_rewards_and_ends_empty(untrained_policy_dir):
-    full = ProcessRewardModel(untrained_policy_dir, device="cpu", aggregation="min", kv_cache_mb=0)
-    cached = ProcessRewardModel(untrained_policy_dir, device="cpu", aggregation="min")
+    full = ProcessRewardModel(untrained_policy_dir, device="cpu", check_labels=False, aggregation="min", kv_cache_mb=0)
+    cached = ProcessRewardModel(untrained_policy_dir, device="cpu", check_labels=False, aggregation="min")
     episodes = [(problem, split_steps(problem.solution)) for problem in PROBLEMS[:5]]
     for k in range(1, max(len(s) for _, s in episodes) + 1):
         contexts = [StepContext(problem, tuple(s[: k - 1]), s[k - 1], done=k == len(s))
@@ -89,7 +99,7 @@ def test_score_pays_the_same_rewards_and_ends_empty(untrained_policy_dir):
 
 
 def test_rescoring_the_same_text_runs_no_forward(untrained_policy_dir, extend_log):
-    prm = ProcessRewardModel(untrained_policy_dir, device="cpu")
+    prm = ProcessRewardModel(untrained_policy_dir, device="cpu", check_labels=False)
     problem, solution = SOLUTIONS[0]
     first = prm.step_scores([problem], [solution])
     again = prm.step_scores([problem], [solution])
@@ -99,11 +109,11 @@ def test_rescoring_the_same_text_runs_no_forward(untrained_policy_dir, extend_lo
 
 def test_left_truncation_falls_back_to_full_scoring(untrained_policy_dir, extend_log):
     problem, solution = max(SOLUTIONS, key=lambda s: len(s[1]))
-    full = ProcessRewardModel(untrained_policy_dir, device="cpu", kv_cache_mb=0)
+    full = ProcessRewardModel(untrained_policy_dir, device="cpu", check_labels=False, kv_cache_mb=0)
     lengths = [len(full.tokenizer(full.text(problem, solution[:k]))["input_ids"]) for k in range(1, len(solution) + 1)]
     assert len(lengths) >= 3
     full.max_length = max_length = lengths[1]  # the first two texts fit, the later ones are cut
-    cached = ProcessRewardModel(untrained_policy_dir, device="cpu", max_length=max_length)
+    cached = ProcessRewardModel(untrained_policy_dir, device="cpu", check_labels=False, max_length=max_length)
     for k in range(1, len(solution) + 1):
         np.testing.assert_allclose(cached.step_scores([problem], [solution[:k]])[0],
                                    full.step_scores([problem], [solution[:k]])[0], atol=1e-5)
@@ -123,8 +133,8 @@ def test_tokens_merged_across_the_step_boundary_fall_back_to_full_scoring(untrai
     model.resize_token_embeddings(len(tokenizer))
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
-    full = ProcessRewardModel(tmp_path, device="cpu", kv_cache_mb=0)
-    cached = ProcessRewardModel(tmp_path, device="cpu")
+    full = ProcessRewardModel(tmp_path, device="cpu", check_labels=False, kv_cache_mb=0)
+    cached = ProcessRewardModel(tmp_path, device="cpu", check_labels=False)
     problem, steps = "Compute 1 + 2 + 3.", ["1 + 2 = 3", "So 3 + 3 = 6", "The answer is 6"]
     old, new = (cached.tokenizer(cached.text(problem, steps[:k]))["input_ids"] for k in (1, 2))
     assert new[: len(old)] != old  # the merge really happens
@@ -142,8 +152,8 @@ def test_sliding_window_model_scores_equal_full_recompute(tiny_tokenizer, tmp_pa
                            pad_token_id=tiny_tokenizer.pad_token_id)
     MistralForCausalLM(config).save_pretrained(tmp_path)
     tiny_tokenizer.save_pretrained(tmp_path)
-    full = ProcessRewardModel(tmp_path, device="cpu", kv_cache_mb=0)
-    cached = ProcessRewardModel(tmp_path, device="cpu")
+    full = ProcessRewardModel(tmp_path, device="cpu", check_labels=False, kv_cache_mb=0)
+    cached = ProcessRewardModel(tmp_path, device="cpu", check_labels=False)
     for problems, steps, finished in env_calls(num_envs=4, num_steps=5):
         expected = full.step_scores(problems, steps)
         for want, have in zip(expected, cached.step_scores(problems, steps, finished=finished)):
@@ -180,11 +190,11 @@ def test_past_cache_evicts_least_recently_used_within_its_cap():
 
 
 def test_small_cap_evicts_and_scores_stay_exact(untrained_policy_dir):
-    full = ProcessRewardModel(untrained_policy_dir, device="cpu", kv_cache_mb=0)
+    full = ProcessRewardModel(untrained_policy_dir, device="cpu", check_labels=False, kv_cache_mb=0)
     config = full.model.config
     per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4  # fp32
     cap = 100 * per_token  # two or three of these trajectories
-    cached = ProcessRewardModel(untrained_policy_dir, device="cpu", kv_cache_mb=cap / 2**20)
+    cached = ProcessRewardModel(untrained_policy_dir, device="cpu", check_labels=False, kv_cache_mb=cap / 2**20)
     evicted_live = []
     for problems, steps, finished in env_calls(num_envs=6, num_steps=4):
         expected = full.step_scores(problems, steps)
@@ -198,7 +208,7 @@ def test_small_cap_evicts_and_scores_stay_exact(untrained_policy_dir):
 
 def test_bad_cache_arguments_fail_naming_the_value(untrained_policy_dir, tmp_path):
     with pytest.raises(ValueError, match="kv_cache_mb=-1 must be >= 0"):
-        ProcessRewardModel(untrained_policy_dir, device="cpu", kv_cache_mb=-1)
+        ProcessRewardModel(untrained_policy_dir, device="cpu", check_labels=False, kv_cache_mb=-1)
     with pytest.raises(ValueError, match="kv_cache_mb=8 .* 0 for prm_type='classifier'"):
         ProcessRewardModel(tmp_path, prm_type="classifier", device="cpu", kv_cache_mb=8)
     FLAGS = flags.FLAGS

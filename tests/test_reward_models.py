@@ -3,6 +3,7 @@
 import copy
 import math
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -14,10 +15,11 @@ from envs.datasets import Arith, Problem
 from envs.prompts import format_prompt, join_steps, split_steps
 from envs.rewards import StepContext
 from reward_models.implicit_prm import ImplicitPRM
-from reward_models.prm import ProcessRewardModel, aggregate_step_scores, single_token_id
+from reward_models.prm import (MIN_LABEL_ODDS, ProcessRewardModel, aggregate_step_scores, check_prm_dir,
+                               single_token_id)
 from reward_models.target_solver import TargetSolver
 from train.models.generation import HFGenerator
-from train.models.policy import LanguagePolicy
+from train.models.policy import LanguagePolicy, ModelDirError
 from train.tiny import roc_auc
 
 
@@ -31,17 +33,17 @@ def with_post_processor(tokenizer, template: str):
 
 
 def test_single_token_detection_with_and_without_bos(tiny_tokenizer):
-    plus = single_token_id(tiny_tokenizer, "+", "label")
+    plus = single_token_id(tiny_tokenizer, "+", "label", "good_token")
     assert tiny_tokenizer.convert_ids_to_tokens(plus) == "+"
     with_bos = with_post_processor(tiny_tokenizer, "<s> $A")
     with_bos.bos_token = with_bos.eos_token
     assert with_bos.encode("+")[0] == with_bos.bos_token_id
-    assert single_token_id(with_bos, "+", "label") == plus
+    assert single_token_id(with_bos, "+", "label", "good_token") == plus
     with pytest.raises(ValueError, match=r"'the answer' is \d+ tokens .* not one"):
-        single_token_id(tiny_tokenizer, "the answer", "label")
+        single_token_id(tiny_tokenizer, "the answer", "label", "good_token")
     appends_eos = with_post_processor(tiny_tokenizer, "$A <s>")
     with pytest.raises(ValueError, match="adds tokens other than a BOS"):
-        single_token_id(appends_eos, "+", "label")
+        single_token_id(appends_eos, "+", "label", "good_token")
 
 
 def test_aggregations_by_hand():
@@ -64,7 +66,7 @@ def contexts_for(problems, done=True):
 
 def test_shepherd_prm_batched_equals_one_at_a_time(untrained_policy_dir):
     # no KV cache: each one-at-a-time call must run its own forward, not return the batched scores
-    prm = ProcessRewardModel(untrained_policy_dir, device="cpu", batch_size=4, kv_cache_mb=0)
+    prm = ProcessRewardModel(untrained_policy_dir, device="cpu", check_labels=False, batch_size=4, kv_cache_mb=0)
     problems = [p.problem for p in PROBLEMS]
     steps = [split_steps(p.solution) for p in PROBLEMS]
     batched = prm.step_scores(problems, steps)
@@ -82,7 +84,7 @@ def test_shepherd_prm_batched_equals_one_at_a_time(untrained_policy_dir):
 
 def test_shepherd_prm_scores_a_whole_solution_step_by_step(untrained_policy_dir):
     # --action_level solution hands the PRM one action holding every step: it must read them as steps
-    prm = ProcessRewardModel(untrained_policy_dir, device="cpu")
+    prm = ProcessRewardModel(untrained_policy_dir, device="cpu", check_labels=False)
     problems = [p.problem for p in PROBLEMS]
     split = prm.step_scores(problems, [split_steps(p.solution) for p in PROBLEMS])
     whole = prm.step_scores(problems, [[p.solution] for p in PROBLEMS])
@@ -91,13 +93,14 @@ def test_shepherd_prm_scores_a_whole_solution_step_by_step(untrained_policy_dir)
         np.testing.assert_allclose(have, want, atol=1e-5)
     # cut the text just after its first marker: the first step drops out, the others keep their score
     ids = prm.tokenizer(prm.text(problems[0], [PROBLEMS[0].solution]))["input_ids"]
-    short = ProcessRewardModel(untrained_policy_dir, device="cpu", max_length=len(ids) - ids.index(prm.marker_id) - 1)
+    short = ProcessRewardModel(untrained_policy_dir, device="cpu", check_labels=False,
+                               max_length=len(ids) - ids.index(prm.marker_id) - 1)
     assert len(short.step_scores(problems[:1], [[PROBLEMS[0].solution]])[0]) == len(split[0]) - 1
 
 
 def test_prm_reads_only_the_markers_it_places(untrained_policy_dir):
     # a policy that writes the step tag itself must not add scores or move the real ones
-    prm = ProcessRewardModel(untrained_policy_dir, device="cpu")
+    prm = ProcessRewardModel(untrained_policy_dir, device="cpu", check_labels=False)
     steps = split_steps(PROBLEMS[0].solution)
     injected = [f"{prm.marker} {steps[0]} {prm.marker}", *steps[1:]]
     assert prm.text(PROBLEMS[0].problem, injected).count(prm.marker) == len(steps)
@@ -107,31 +110,69 @@ def test_prm_reads_only_the_markers_it_places(untrained_policy_dir):
 
 def test_shepherd_prm_rewards_per_aggregation(untrained_policy_dir):
     contexts = contexts_for(PROBLEMS[:3]) + contexts_for(PROBLEMS[3:], done=False)
-    step = ProcessRewardModel(untrained_policy_dir, device="cpu")
+    step = ProcessRewardModel(untrained_policy_dir, device="cpu", check_labels=False)
     scores = step.step_scores([c.problem.problem for c in contexts], [c.steps for c in contexts])
     np.testing.assert_allclose(step.score(contexts).rewards, [s[-1] for s in scores])
-    minimum = ProcessRewardModel(untrained_policy_dir, device="cpu", aggregation="min")
+    minimum = ProcessRewardModel(untrained_policy_dir, device="cpu", check_labels=False, aggregation="min")
     np.testing.assert_allclose(minimum.score(contexts).rewards, [s.min() for s in scores[:3]] + [0, 0, 0], atol=1e-6)
     with pytest.raises(ValueError, match="step tag 'the answer'"):
         ProcessRewardModel(untrained_policy_dir, device="cpu", step_tag="the answer")
 
 
-def test_classifier_prm_reads_separator_positions(tiny_tokenizer, tmp_path):
-    tokenizer = copy.deepcopy(tiny_tokenizer)
+def with_separator(tokenizer):
+    """A copy of ``tokenizer`` with Qwen2.5-Math-PRM's step separator as a token."""
+    tokenizer = copy.deepcopy(tokenizer)
     tokenizer.add_special_tokens({"additional_special_tokens": ["<extra_0>"]})
-    torch.manual_seed(0)
+    return tokenizer
+
+
+def save_classifier(tokenizer, out, num_labels: int = 2):
+    """A 1-layer Qwen2 token classifier with Qwen2.5-Math-PRM's separator, saved to ``out``."""
+    tokenizer = with_separator(tokenizer)
     config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, num_labels=2,
+                         num_attention_heads=2, num_key_value_heads=2, num_labels=num_labels,
                          pad_token_id=tokenizer.pad_token_id)
-    Qwen2ForTokenClassification(config).save_pretrained(tmp_path)
-    tokenizer.save_pretrained(tmp_path)
-    prm = ProcessRewardModel(tmp_path, prm_type="classifier", device="cpu")
+    Qwen2ForTokenClassification(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def test_classifier_prm_reads_separator_positions(tiny_tokenizer, tmp_path):
+    torch.manual_seed(0)
+    prm = ProcessRewardModel(save_classifier(tiny_tokenizer, tmp_path), prm_type="classifier", device="cpu")
     steps = split_steps(PROBLEMS[0].solution)
     (scores,) = prm.step_scores([PROBLEMS[0].problem], [steps])
     ids = prm.tokenizer(prm.text(PROBLEMS[0].problem, steps), return_tensors="pt")["input_ids"]
     expected = prm.model(ids).logits[0][ids[0] == prm.marker_id].softmax(-1)[:, 1]
     assert len(scores) == len(steps)
     np.testing.assert_allclose(scores, expected.detach().numpy(), atol=1e-5)
+
+
+def test_a_language_model_is_refused_as_a_shepherd_prm(untrained_policy_dir):
+    check_prm_dir(untrained_policy_dir, role="--prm_model_name_or_path")  # its tokens are single tokens...
+    stand_in = ProcessRewardModel(untrained_policy_dir, device="cpu", check_labels=False)
+    assert stand_in.label_odds() < MIN_LABEL_ODDS  # ...but nothing makes it write a label after the tag
+    with pytest.raises(ModelDirError, match=re.escape(f"{str(untrained_policy_dir)!r} is not a Math-Shepherd PRM")):
+        ProcessRewardModel(untrained_policy_dir, device="cpu")
+    with pytest.raises(ModelDirError, match=r"^--prm_model_name_or_path=.*step tag 'the answer' is \d+ tokens .*"
+                                            r"set step_tag \(--prm_step_tag\)"):
+        check_prm_dir(untrained_policy_dir, step_tag="the answer", role="--prm_model_name_or_path")
+
+
+def test_classifier_prm_needs_a_two_class_token_head(tiny_tokenizer, untrained_policy_dir, tmp_path):
+    check_prm_dir(save_classifier(tiny_tokenizer, tmp_path / "prm"), "classifier")
+    with pytest.raises(ModelDirError, match=r"separator '<extra_0>' is \d+ tokens .* set separator"):
+        check_prm_dir(untrained_policy_dir, "classifier")
+    causal_lm = shutil.copytree(untrained_policy_dir, tmp_path / "causal_lm")
+    with_separator(tiny_tokenizer).save_pretrained(causal_lm)  # the separator is a token: only the head is wrong
+    three_labels = save_classifier(tiny_tokenizer, tmp_path / "three", num_labels=3)
+    for directory, what in [(causal_lm, r"\['LlamaForCausalLM'\] with 2 labels"),
+                            (three_labels, r"\['Qwen2ForTokenClassification'\] with 3 labels")]:
+        with pytest.raises(ModelDirError, match=f"^--prm_model_name_or_path={re.escape(repr(str(directory)))} is "
+                                                f"not a classifier PRM: its config.json declares {what}"):
+            check_prm_dir(directory, "classifier", role="--prm_model_name_or_path")
+        with pytest.raises(ModelDirError, match="not a classifier PRM"):
+            ProcessRewardModel(directory, prm_type="classifier", device="cpu")
 
 
 @torch.no_grad()
@@ -205,6 +246,18 @@ def test_tiny_prm_ranks_correct_steps_above_corrupted(tiny_models):
     auc = roc_auc(np.array(good_scores + bad_scores), np.repeat([1, 0], [len(good_scores), len(bad_scores)]))
     print(f"tiny PRM ROC-AUC on {len(good)} correct vs {len(bad)} corrupted held-out steps: {auc:.3f}")
     assert auc >= 0.9
+
+
+@pytest.mark.slow
+def test_tiny_prm_scores_its_labels_and_the_tiny_policies_do_not(tiny_models):
+    check_prm_dir(tiny_models.prm)
+    odds = ProcessRewardModel(tiny_models.prm, device="cpu").label_odds()
+    print(f"label odds at the step tags: tiny PRM {odds:.3g}")
+    assert odds > 3 * MIN_LABEL_ODDS
+    for policy in (tiny_models.policy, tiny_models.target):
+        with pytest.raises(ModelDirError, match="is not a Math-Shepherd PRM: after its step tag 'ки' the labels "
+                                                r"'\+'/'-' are .* times as likely as its likeliest other next token"):
+            ProcessRewardModel(policy, device="cpu")
 
 
 @pytest.mark.slow

@@ -28,7 +28,7 @@ import torch
 from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase, StopStringCriteria
 from transformers.cache_utils import Cache, DynamicLayer
 
-from train.models.policy import LanguagePolicy, load_tokenizer
+from train.models.policy import LanguagePolicy, kv_cache_keyword, load_tokenizer
 
 Prompts = Sequence[str] | Sequence[Sequence[int]]
 FINISH_REASONS = ("stop", "length", "eos")
@@ -303,8 +303,8 @@ class HFGenerator:
         samples = _Samples.empty(len(rows), max_new_tokens, pad_id, device)
         with _eval_mode(model), torch.no_grad(), self.policy.autocast():
             logits = model(input_ids=input_ids, attention_mask=attention_mask,
-                           position_ids=(attention_mask.cumsum(1) - 1).clamp(min=0), past_key_values=cache,
-                           use_cache=True, logits_to_keep=1).logits[:, -1]  # [U, V]
+                           position_ids=(attention_mask.cumsum(1) - 1).clamp(min=0),
+                           **{kv_cache_keyword(model): cache}, use_cache=True, logits_to_keep=1).logits[:, -1]  # [U, V]
             prompt_of_row = torch.tensor(prompt_of_row, device=device)
             cache.batch_select_indices(prompt_of_row)
             self._decode(model, cache, logits[prompt_of_row], attention_mask.sum(1)[prompt_of_row], samples,
@@ -316,6 +316,7 @@ class HFGenerator:
         """Samples into ``samples`` from the prefilled ``cache`` (``[B, V]`` next-token ``logits``, ``[B]``
         prompt lengths), one token per live row per step. Rows leave the batch (and the cache) at the step
         they end: later steps cost only the rows still going (~15% less decode time on GRPO batches)."""
+        cached = {kv_cache_keyword(model): cache}
         eos_ids = torch.tensor(eos_token_ids(self.policy.tokenizer, model), dtype=torch.long, device=logits.device)
         stop_criterion = self._stop_criterion(stop)
         live = torch.arange(len(logits), device=logits.device)  # [A] the sample each batch row generates
@@ -338,8 +339,7 @@ class HFGenerator:
             width = prompt_width + step + 1  # cached positions once this step's tokens are in
             attention_mask = torch.arange(width, device=live.device)[None] >= (prompt_width - prompt_lengths)[:, None]
             logits = model(input_ids=tokens[:, None], attention_mask=attention_mask,
-                           position_ids=(prompt_lengths + step)[:, None], past_key_values=cache,
-                           use_cache=True).logits[:, -1]
+                           position_ids=(prompt_lengths + step)[:, None], **cached, use_cache=True).logits[:, -1]
 
     def _stop_criterion(self, stop: list[str] | None) -> StopStringCriteria | None:
         if not stop:

@@ -7,6 +7,7 @@ longest action in the batch), ``H`` hidden size, ``V`` vocabulary.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import logging
 from dataclasses import asdict, dataclass
@@ -180,8 +181,50 @@ def hf_param_name(name: str) -> str:
     return name
 
 
-def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
+class ModelDirError(ValueError):
+    """A model directory that cannot be used as given; the message is one line naming the argument (or
+    flag), the directory, what is wrong and what to pass instead."""
+
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")  # what from_pretrained looks for, sharded (index) or not
+TOKENIZER_VOCAB_FILES = ("tokenizer.model", "vocab.json", "vocab.txt", "*.tiktoken")
+MODEL_DIR_FIX = ("pass a directory written by save_pretrained with its tokenizer (e.g. a run's best/ or "
+                 "checkpoints/iter_N/policy/, or train.tiny's)")
+
+
+def check_model_dir(path: str | Path, role: str = "model_dir") -> None:
+    """Checks, without loading anything, that ``path`` holds what ``from_pretrained`` needs: config.json,
+    weights and a tokenizer (tokenizer.json, or tokenizer_config.json with a vocabulary file). ``role``
+    names the argument or flag in the error (e.g. ``"--model_name_or_path"``). Raises ``ModelDirError``."""
+    directory = Path(path)
+    where = f"{role}={str(path)!r}"
+    if not directory.is_dir():
+        raise ModelDirError(f"{where} {'is not a directory' if directory.exists() else 'does not exist'}: "
+                            f"{MODEL_DIR_FIX}")
+    missing = []
+    if not (directory / "config.json").is_file():
+        missing.append("config.json")
+    if not any((directory / name).is_file() for name in WEIGHT_FILES):
+        missing.append(f"weights ({' or '.join(WEIGHT_FILES)})")
+    has_vocab = any(next(directory.glob(pattern), None) for pattern in TOKENIZER_VOCAB_FILES)
+    if not ((directory / "tokenizer.json").is_file() or (directory / "tokenizer_config.json").is_file() and has_vocab):
+        missing.append("tokenizer (tokenizer.json, or tokenizer_config.json with a vocabulary file)")
+    if not missing:
+        return
+    # The two mistakes train_math's layout invites: <run>/checkpoints/iter_N (policy/ inside) and <run>.
+    if (directory / "policy").is_dir() or (directory / "manifest.json").is_file():
+        fix = f"this is a checkpoint directory; pass its policy/ subfolder ({str(directory / 'policy')!r})"
+    elif (directory / "checkpoints").is_dir():
+        fix = "this is a run directory; pass its best/ subfolder or checkpoints/iter_N/policy/"
+    else:
+        fix = MODEL_DIR_FIX
+    raise ModelDirError(f"{where} has no {', no '.join(missing)}: {fix}")
+
+
+def load_tokenizer(model_dir: str | Path, role: str = "model_dir") -> PreTrainedTokenizerBase:
     """The tokenizer saved with a model, with a pad token (see ``ensure_pad_token``)."""
+    check_model_dir(model_dir, role)
     return ensure_pad_token(AutoTokenizer.from_pretrained(str(model_dir)), str(model_dir))
 
 
@@ -196,18 +239,24 @@ def ensure_pad_token(tokenizer: PreTrainedTokenizerBase, where: str) -> PreTrain
     return tokenizer
 
 
-def load_causal_lm(model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
+def load_causal_lm(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
+                   role: str = "model_dir") -> PreTrainedModel:
     """``AutoModelForCausalLM`` from a local directory, with errors that say what to pass instead."""
+    check_model_dir(model_dir, role)
     path = Path(model_dir)
-    if not path.is_dir():
-        raise FileNotFoundError(f"model directory {str(model_dir)!r} does not exist; pass a local directory "
-                                "holding config.json and weights (e.g. from train.tiny or save_pretrained)")
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     except ValueError as error:
         raise ValueError(f"{path} does not hold a causal language model (AutoModelForCausalLM could not "
                          f"load it): {error}") from error
     return model.to(device)
+
+
+def kv_cache_keyword(model: nn.Module) -> str:
+    """The keyword ``model``'s forward takes a KV cache by: ``cache`` from transformers 5.24 on (where
+    ``past_key_values`` still works but warns on every call), ``past_key_values`` before it and in
+    remote-code models written for older versions."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 class LanguagePolicy(nn.Module):
@@ -260,7 +309,9 @@ class LanguagePolicy(nn.Module):
         causal_lm = load_causal_lm(model_dir, base_dtype, self.device)
         self.tokenizer = load_tokenizer(model_dir)
         if gradient_checkpointing:
-            causal_lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            # transformers 5.24 renamed it activation checkpointing; the old name warns there
+            enable = getattr(causal_lm, "activation_checkpointing_enable", causal_lm.gradient_checkpointing_enable)
+            enable({"use_reentrant": False})
         self.model = causal_lm if lora is None else self._with_adapters(causal_lm, lora, with_critic)
         hidden_size = causal_lm.config.get_text_config().hidden_size
         self.value_head = nn.Linear(hidden_size, 1, device=self.device) if with_critic else None
@@ -436,7 +487,7 @@ class LanguagePolicy(nn.Module):
     def _reference_model(self) -> PreTrainedModel:
         """The frozen starting weights, loaded on first use so runs without KL never hold a copy."""
         if self._reference is None:
-            reference = load_causal_lm(self.reference_dir, self.precision.weights, self.device).eval()
+            reference = load_causal_lm(self.reference_dir, self.precision.weights, self.device, "reference_dir").eval()
             reference.requires_grad_(False)
             object.__setattr__(self, "_reference", reference)
         return self._reference

@@ -3,7 +3,7 @@
     python train_math.py                      # tiny built-in policy on Arith-v0, GRPO, CPU
     python train_math.py --helpfull           # every flag
     python -u train_math.py --dataset_path ./math_500.jsonl --model_name_or_path ./Qwen2.5-Math-1.5B \\
-        --prm_model_name_or_path ./Qwen2.5-Math-7B-Instruct --algorithm_name APPO --num_mini_batch 4 --ppo_epoch 1
+        --prm_model_name_or_path ./math-shepherd-mistral-7b-prm --algorithm_name APPO --num_mini_batch 4 --ppo_epoch 1
 
 Flags are parsed and validated (train/flags.py) before anything heavy is imported or loaded; the run
 is then composed by train/builders.py.
@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import json
 import shlex
+import shutil
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
-from absl import app, logging
+from absl import app, flags, logging
 
 from train import flags as train_flags
 
@@ -40,8 +42,8 @@ def prepare_run_dir(saved) -> Path:
         probe.write_text("")
         probe.unlink()
     except OSError as error:
-        raise app.UsageError(f"--logdir={FLAGS.logdir}: cannot write to {run_dir} ({error.strerror}); "
-                             "pass a writable --logdir") from error
+        raise ValueError(f"--logdir={FLAGS.logdir}: cannot write to {run_dir} ({error.strerror}); "
+                         "pass a writable --logdir") from error
     return run_dir
 
 
@@ -75,47 +77,114 @@ def resume_command(path: Path) -> str:
     return shlex.join([sys.executable, sys.argv[0], *args, f"--resume={path}"])
 
 
-def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected positional arguments {argv[1:]}; every setting is a --flag")
+def fail(message: str, code: int = 1) -> NoReturn:
+    """The one format for every mistake a user can make before training starts (bad flags, files, model
+    directories or checkpoints raise flags.Error, ValueError, OSError or CheckpointError): one line, no
+    traceback, exit code 1."""
+    print(f"train_math.py: error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's parsing, with its errors in ``fail``'s format."""
+    try:
+        return FLAGS(argv)
+    except flags.Error as error:
+        fail(f"{without_flag_dump(str(error))} (--helpfull lists every flag)")
+
+
+def without_flag_dump(message: str) -> str:
+    """absl prefixes a multi-flag validator's message with the value of every flag it read ("flags a=1,
+    b=None, ...: "); the project's messages name the flags that matter, so the dump goes."""
+    for flag in FLAGS.get_flags_for_module(train_flags.__name__):
+        for validator in flag.validators:
+            prefix = f"{validator.print_flags_with_values(FLAGS)}: "
+            if prefix.startswith("flags ") and message.startswith(prefix):
+                return message[len(prefix):]
+    return message
+
+
+def check_flags() -> None:
+    """What the flags alone decide, before anything heavy is imported."""
     train_flags.check_algorithm_specific()
     train_flags.registered_env_id()
 
-    import numpy as np
-    import torch
 
-    from train import builders, checkpoint
-
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        fail(f"unexpected positional arguments {argv[1:]}; every setting is a --flag")
     try:
-        resume_path = checkpoint.resolve_resume(FLAGS.resume, Path(FLAGS.logdir) / train_flags.resolved_experiment_name())
-    except checkpoint.CheckpointError as error:
-        raise app.UsageError(str(error)) from error
-    saved = checkpoint.load(resume_path) if resume_path is not None else None
-    run_dir = prepare_run_dir(saved)
-    if saved is not None:
-        logging.info("resuming from %s (iteration %d)", saved.path, saved.iteration)
-        checkpoint.retire_newer(saved)
-        log_changed_flags(saved.flags, train_flags.flag_dict())
-    torch.set_num_threads(FLAGS.torch_threads)
-    torch.manual_seed(FLAGS.seed)
-    np.random.seed(FLAGS.seed)
-    start = saved.iteration if saved is not None else 0
-    # purge_step: TensorBoard drops points a killed run logged at or after the checkpoint's iteration.
-    writer = open_writer(run_dir, purge_step=start if saved is not None else None)
-    runner = builders.build_runner(FLAGS, run_dir, writer, saved)
-    resolved = resolved_settings(runner, saved)
-    writer.add_text("flags", "\n".join(f"    --{k}={v}" for k, v in runner.run_flags.items()), start)
-    writer.add_text("resolved", "\n".join(f"    {k}: {v}" for k, v in resolved.items()), start)
-    logging.info("run directory %s; %s, %d iterations of %d envs x %d steps", run_dir, FLAGS.algorithm_name,
-                 runner.config.num_iterations, runner.collector.env.num_envs, runner.collector.episode_length)
-    history = runner.run()
+        check_flags()
+        from train.checkpoint import CheckpointError
+
+        try:
+            started = start()
+        except CheckpointError as error:
+            fail(str(error))
+    except KeyboardInterrupt:
+        fail("interrupted during start-up; nothing was trained", code=130)
+    except (flags.Error, ValueError, OSError) as error:
+        fail(str(error))
+    if started is None:
+        return
+    runner, writer, run_dir, saved = started
+    try:
+        history = runner.run()
+    except KeyboardInterrupt as interrupt:
+        fail(f"{interrupt or 'interrupted'}; the last checkpoint is {runner.last_checkpoint or 'none'}", code=130)
     (run_dir / "eval_history.json").write_text(json.dumps(history, indent=1))
     if runner.stop_signal is not None:
         writer.close()
         print(f"stopped by {runner.stop_signal} after iteration {runner.iteration}: checkpoint "
               f"{runner.last_checkpoint}; resume with: {resume_command(runner.last_checkpoint)}", flush=True)
         return
-    finish(writer, run_dir, history, {**runner.run_flags, **resolved})
+    finish(writer, run_dir, history, {**runner.run_flags, **resolved_settings(runner, saved)})
+
+
+def start():
+    """Resolves the resume, checks what can be checked before models load, and builds the run; returns
+    (runner, writer, run directory, checkpoint or None), or None when the checkpoint is already done."""
+    import numpy as np
+    import torch
+
+    from train import builders, checkpoint
+
+    resume_path = checkpoint.resolve_resume(FLAGS.resume, Path(FLAGS.logdir) / train_flags.resolved_experiment_name())
+    saved = checkpoint.load(resume_path) if resume_path is not None else None
+    if saved is not None:
+        inherited = train_flags.inherit(saved.flags)
+        if inherited:
+            logging.info("resuming with the checkpoint's %s", ", ".join(f"--{n}={FLAGS[n].value}" for n in inherited))
+        check_flags()
+        total = train_flags.resolved_num_iterations()
+        if saved.iteration >= total:
+            print(f"{saved.path} has trained {saved.iteration} iterations and --num_env_steps={FLAGS.num_env_steps} "
+                  f"asks for {total}: nothing to do (raise --num_env_steps to train further)", flush=True)
+            return None
+    builders.check_inputs(FLAGS)
+    run_dir = prepare_run_dir(saved)
+    try:
+        if saved is not None:
+            logging.info("resuming from %s (iteration %d)", saved.path, saved.iteration)
+            checkpoint.retire_newer(saved)
+            log_changed_flags(saved.flags, train_flags.flag_dict())
+        torch.set_num_threads(FLAGS.torch_threads)
+        torch.manual_seed(FLAGS.seed)
+        np.random.seed(FLAGS.seed)
+        start_iteration = saved.iteration if saved is not None else 0
+        # purge_step: TensorBoard drops points a killed run logged at or after the checkpoint's iteration.
+        writer = open_writer(run_dir, purge_step=start_iteration if saved is not None else None)
+        runner = builders.build_runner(FLAGS, run_dir, writer, saved)
+    except BaseException:
+        if saved is None:  # a run that never started leaves no directory behind
+            shutil.rmtree(run_dir)
+        raise
+    resolved = resolved_settings(runner, saved)
+    writer.add_text("flags", "\n".join(f"    --{k}={v}" for k, v in runner.run_flags.items()), start_iteration)
+    writer.add_text("resolved", "\n".join(f"    {k}: {v}" for k, v in resolved.items()), start_iteration)
+    logging.info("run directory %s; %s, %d iterations of %d envs x %d steps", run_dir, FLAGS.algorithm_name,
+                 runner.config.num_iterations, runner.collector.env.num_envs, runner.collector.episode_length)
+    return runner, writer, run_dir, saved
 
 
 def resolved_settings(runner, saved) -> dict:
@@ -141,7 +210,7 @@ def finish(writer, run_dir: Path, history: list[dict], settings: dict) -> None:
 
 
 def run() -> None:
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from absl import flags, app
+from absl import flags
 from gymnasium.vector import AutoresetMode
 from safetensors.torch import load_file
 
@@ -228,8 +228,9 @@ def flags_for(policy_dir, logdir, algorithm: str, iterations: int, *extra: str) 
         common += ["--algorithm_name", "APPO", "--action_level", "step", "--episode_length", "2",
                    "--eval_interval", "0", "--num_env_steps", str(8 * iterations)]
     else:
+        oversample = 4 if algorithm == "RLOO" else 1  # RLOO steps --oversample_factor (4) times the envs
         common += ["--algorithm_name", algorithm, "--group_size", "2", "--eval_interval", "2", "--eval_limit", "4",
-                   "--eval_batch_size", "4", "--num_env_steps", str(4 * iterations)]
+                   "--eval_batch_size", "4", "--num_env_steps", str(4 * oversample * iterations)]
     return common + list(extra)
 
 
@@ -363,15 +364,18 @@ def test_disk_full_on_save_names_the_checkpoint_and_keeps_the_previous(untrained
     assert checkpoint.find_latest(run_dir).name == "iter_2"
 
 
-def test_unwritable_logdir_fails_before_any_model_loads(tmp_path, monkeypatch):
+def test_unwritable_logdir_fails_before_any_model_loads(untrained_policy_dir, tmp_path, monkeypatch, capsys):
     def no_model(*args, **kwargs):
         raise AssertionError("a model was loaded")
 
     monkeypatch.setattr("train.models.policy.LanguagePolicy.__init__", no_model)
     logdir = tmp_path / "not_a_directory"
     logdir.write_text("")
-    with pytest.raises(app.UsageError, match=f"--logdir={logdir}: cannot write to {logdir}/GRPO_Arith-v0/run_"):
-        run_train_math(["--logdir", str(logdir), "--model_name_or_path", str(tmp_path)])
+    with pytest.raises(SystemExit) as stopped:
+        run_train_math(["--logdir", str(logdir), "--model_name_or_path", str(untrained_policy_dir)])
+    assert stopped.value.code == 1
+    (line,) = capsys.readouterr().err.splitlines()  # one line, not absl's usage text
+    assert f"--logdir={logdir}: cannot write to {logdir}/GRPO_Arith-v0/run_" in line
 
 
 @pytest.mark.parametrize("argv, message", [

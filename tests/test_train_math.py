@@ -62,8 +62,8 @@ def test_bad_path_fails_fast_naming_the_flag():
     (["--env_id", "Arith-v0", "--dataset_path", str(MATH500)], "drop --dataset_path"),
     (["--env_id", "MATH-v0"], "needs --dataset_path"),
     (["--accuracy_lower_bound", "0.9", "--accuracy_upper_bound", "0.1", "--algorithm_name", "RLOO"], "<="),
-    (["--accuracy_lower_bound", "0.1"], "only affects RLOO"),
-    (["--algorithm_name", "GRPO", "--gae_lambda", "0.9"], "configures a critic"),
+    (["--accuracy_lower_bound", "0.1"], "applies to RLOO"),
+    (["--algorithm_name", "GRPO", "--gae_lambda", "0.9"], "applies to APPO/TPPO"),
     (["--lr", "-1"], "must be > 0"),
     (["--top_p", "0"], "(0, 1]"),
     (["--noshare_policy"], "more than one agent"),
@@ -142,7 +142,7 @@ def test_helpfull_documents_every_flag():
 
 
 @pytest.mark.parametrize("name, extra", [
-    ("GRPO", []), ("APPO", []), ("TPPO", []), ("RLOO", []),
+    ("GRPO", []), ("APPO", []), ("TPPO", []), ("RLOO", ["--num_env_steps", "64"]),  # RLOO: 4x oversampled envs
     ("GRPO", ["--kl_coef", "0.05", "--loss_agg", "seq_mean", "--scale_rewards", "none", "--lora_rank", "4"]),
     ("TPPO", ["--action_level", "step", "--episode_length", "2", "--gradient_cp_steps", "3", "--num_mini_batch", "2",
               "--num_env_steps", "32"]),

@@ -165,9 +165,11 @@ SLOW_CASES = [
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "settings"), SLOW_CASES)
 def test_algorithm_raises_training_reward_on_arith(tiny_models, tmp_path, name, settings):
+    oversample = 4 if name == "RLOO" else 1  # RLOO steps 4x the envs per iteration (--oversample_factor)
     run_dir = run_train_math(["--algorithm_name", name, "--model_name_or_path", str(tiny_models.policy),
                               "--eval_interval", "0", "--logdir", str(tmp_path), "--save_interval", "0",
-                              "--n_rollout_threads", "64", "--num_env_steps", str(64 * SLOW_ITERATIONS), *settings])
+                              "--n_rollout_threads", "64", "--num_env_steps", str(64 * oversample * SLOW_ITERATIONS),
+                              *settings])
     rewards = [value for _, value in sorted(read_scalars(run_dir)["train/reward"])]
     window = len(rewards) // 4
     first, last = np.mean(rewards[:window]), np.mean(rewards[-window:])

@@ -8,7 +8,6 @@ the environments is decided.
 from __future__ import annotations
 
 import logging
-import math
 from pathlib import Path
 from typing import Callable
 
@@ -20,6 +19,7 @@ from gymnasium.vector import AutoresetMode
 import envs  # noqa: F401  (registers the built-in ids)
 from algorithms.base import Algorithm, AlgorithmConfig, make_algorithm
 from algorithms.registry import algorithm_spec
+from envs.datasets import load_problems
 from envs.prompts import STEP_DELIMITER
 from envs.rewards import OutcomeReward, RewardModel
 from reward_models.implicit_prm import ImplicitPRM
@@ -28,7 +28,7 @@ from train import checkpoint
 from train import flags as train_flags
 from train.collector import Collector, Sampling
 from train.models.generation import Generator, make_generator
-from train.models.policy import LanguagePolicy, LoraSettings, resolve_device
+from train.models.policy import LanguagePolicy, LoraSettings, check_model_dir, resolve_device
 from train.runner import Runner, RunnerConfig
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,28 @@ def model_dir(f: flags.FlagValues) -> str:
 
     log.info("no --model_name_or_path: using the built-in tiny policy (built and cached on first use)")
     return str(build_tiny_models().policy)
+
+
+def check_inputs(f: flags.FlagValues) -> None:
+    """What can be checked before any model loads: the device exists, every model directory holds a config,
+    weights and a tokenizer, and the datasets read and select at least one problem. Raises ValueError
+    naming the flag (and file and line) and the fix."""
+    resolve_device(f.device)
+    for role in ("model_name_or_path", "target_model_name_or_path"):
+        if f[role].value is not None:
+            check_model_dir(f[role].value, f"--{role}")
+    if f.prm_model_name_or_path is not None:
+        from reward_models.prm import check_prm_dir
+
+        check_prm_dir(f.prm_model_name_or_path, train_flags.resolved_prm_type(f), role="--prm_model_name_or_path",
+                      **prm_marker(f))
+    subjects = [f.dataset_name] if f.dataset_name is not None else None
+    for role in ("dataset_path", "eval_dataset_path"):
+        if f[role].value is not None and not f[role].value.startswith("hf://"):  # hub datasets load once, later
+            try:
+                load_problems(f[role].value, subjects=subjects if role == "dataset_path" else None)
+            except ValueError as error:
+                raise ValueError(f"--{role}: {error}") from error
 
 
 def lora_settings(f: flags.FlagValues) -> LoraSettings | None:
@@ -81,18 +103,30 @@ def build_reward_source(f: flags.FlagValues, name: str, device: str) -> RewardMo
         from reward_models.prm import ProcessRewardModel
 
         return ProcessRewardModel(f.prm_model_name_or_path, prm_type=train_flags.resolved_prm_type(f), device=device,
-                                  dtype=f.dtype, adapter_path=f.prm_checkpoint_path, kv_cache_mb=f.prm_kv_cache_mb)
+                                  dtype=f.dtype, adapter_path=f.prm_checkpoint_path, kv_cache_mb=f.prm_kv_cache_mb,
+                                  **prm_marker(f))
     if name == "target":
         from reward_models.target_solver import TargetSolver
 
         target = LanguagePolicy(f.target_model_name_or_path, device=device, dtype=f.dtype).eval()
-        return TargetSolver(make_generator("hf", target), seed=f.seed)
+        return TargetSolver(make_generator("hf", target), num_samples=f.target_num_samples,
+                            max_new_tokens=f.target_max_new_tokens, temperature=f.target_temperature, seed=f.seed)
     raise ValueError(f"unknown reward source {name!r}; known: {', '.join(train_flags.REWARD_SOURCES)}")
 
 
-def env_kwargs(f: flags.FlagValues, split: str, reward_model: RewardModel, eos_text: str) -> dict:
-    """Task kwargs of the train (split "train") or held-out ("test") vector env."""
+def prm_marker(f: flags.FlagValues) -> dict[str, str]:
+    """--prm_step_tag as the PRM's argument: a shepherd PRM's step tag, or a classifier PRM's separator."""
+    if f.prm_step_tag is None:
+        return {}
+    return {"step_tag" if train_flags.resolved_prm_type(f) == "shepherd" else "separator": f.prm_step_tag}
+
+
+def env_kwargs(f: flags.FlagValues, split: str, reward_model: RewardModel, tokenizer) -> dict:
+    """Task kwargs of the train (split "train") or held-out ("test") vector env; ``tokenizer`` is the
+    policy's (it decodes token actions, and its EOS text ends a step-level episode)."""
     kwargs = {"reward_model": reward_model}
+    if f.handoff_steps is not None:
+        kwargs["handoff_steps"] = f.handoff_steps
     if f.dataset_path is not None:
         kwargs["dataset_path"] = (f.eval_dataset_path or f.dataset_path) if split == "test" else f.dataset_path
         if f.dataset_name is not None:
@@ -104,28 +138,25 @@ def env_kwargs(f: flags.FlagValues, split: str, reward_model: RewardModel, eos_t
         kwargs["split"] = split
     if f.action_level == "solution":
         kwargs["max_steps"] = 1  # the action is the whole solution
+    elif f.action_level == "step":
+        kwargs["end_marker"] = tokenizer.eos_token or ""  # a step that ended on EOS ends the episode
     else:
-        kwargs["end_marker"] = eos_text  # a step that ended on EOS ends the episode
+        kwargs.update(mode="token", tokenizer=tokenizer)
     return kwargs
 
 
-def num_train_envs(f: flags.FlagValues) -> int:
-    """Envs this process steps per iteration: --n_rollout_threads, times RLOO's oversampling."""
-    return f.n_rollout_threads * (f.oversample_factor if f.algorithm_name == "RLOO" else 1)
-
-
-def build_envs(f: flags.FlagValues, reward_model: RewardModel, eos_text: str) -> tuple[gymnasium.vector.VectorEnv,
-                                                                                       gymnasium.vector.VectorEnv]:
+def build_envs(f: flags.FlagValues, reward_model: RewardModel, tokenizer) -> tuple[gymnasium.vector.VectorEnv,
+                                                                                     gymnasium.vector.VectorEnv]:
     """(train env, held-out eval env). Episodic algorithms run one episode per env per iteration (no
     autoreset); continuing ones reset an ended episode in the same step."""
     name = train_flags.registered_env_id(f)
     autoreset = AutoresetMode.DISABLED if algorithm_spec(f.algorithm_name).episodic else AutoresetMode.SAME_STEP
-    env = gymnasium.make_vec(name, num_envs=num_train_envs(f), vectorization_mode="vector_entry_point",
+    env = gymnasium.make_vec(name, num_envs=train_flags.num_train_envs(f), vectorization_mode="vector_entry_point",
                              group_size=train_flags.resolved_group_size(f), autoreset_mode=autoreset,
-                             **env_kwargs(f, "train", reward_model, eos_text))
+                             **env_kwargs(f, "train", reward_model, tokenizer))
     eval_env = gymnasium.make_vec(name, num_envs=f.eval_batch_size, vectorization_mode="vector_entry_point",
                                   group_size=1, autoreset_mode=AutoresetMode.DISABLED,
-                                  **env_kwargs(f, "test", reward_model, eos_text))
+                                  **env_kwargs(f, "test", reward_model, tokenizer))
     return env, eval_env
 
 
@@ -137,11 +168,6 @@ def build_algorithm(f: flags.FlagValues) -> Algorithm:
         accuracy_lower_bound=f.accuracy_lower_bound, accuracy_upper_bound=f.accuracy_upper_bound,
         max_groups=f.n_rollout_threads // train_flags.resolved_group_size(f) if f.oversample_factor > 1 else None)
     return make_algorithm(f.algorithm_name, config)
-
-
-def num_iterations(f: flags.FlagValues) -> int:
-    """ceil(--num_env_steps / env steps per iteration)."""
-    return math.ceil(f.num_env_steps / (train_flags.resolved_episode_length(f) * f.n_rollout_threads))
 
 
 def build_optimizer(f: flags.FlagValues, policy: LanguagePolicy, iterations: int,
@@ -177,7 +203,7 @@ def build_generators(f: flags.FlagValues, policy: LanguagePolicy, model: str,
 
 def runner_config(f: flags.FlagValues) -> RunnerConfig:
     return RunnerConfig(
-        num_iterations=num_iterations(f), num_mini_batch=f.num_mini_batch, ppo_epoch=f.ppo_epoch,
+        num_iterations=train_flags.resolved_num_iterations(f), num_mini_batch=f.num_mini_batch, ppo_epoch=f.ppo_epoch,
         gradient_cp_steps=f.gradient_cp_steps, max_grad_norm=f.max_grad_norm, target_kl=f.target_kl,
         eval_interval=f.eval_interval, eval_limit=f.eval_limit, log_interval=f.log_interval,
         save_interval=f.save_interval, keep_checkpoints=f.keep_checkpoints, save_best=f.save_best,
@@ -192,8 +218,7 @@ def build_runner(f: flags.FlagValues, run_dir: Path, writer, saved: checkpoint.C
     backend when the caller needs engine settings the flags do not cover."""
     model = model_dir(f)
     policy = build_policy(f, model, saved)
-    eos_text = policy.tokenizer.eos_token or ""
-    env, eval_env = build_envs(f, build_reward_model(f, str(policy.device)), eos_text)
+    env, eval_env = build_envs(f, build_reward_model(f, str(policy.device)), policy.tokenizer)
     generator, rollout_policy, rollout_generator = build_generators(f, policy, model, generator_factory)
     algorithm = build_algorithm(f)
     implicit_prm = None
@@ -202,7 +227,8 @@ def build_runner(f: flags.FlagValues, run_dir: Path, writer, saved: checkpoint.C
                                    dtype=f.dtype, lora=lora_settings(f))
     config = runner_config(f)
     optimizer, scheduler = build_optimizer(f, policy, config.num_iterations)
-    sampling = Sampling(max_new_tokens=f.max_new_tokens, temperature=f.temperature, top_p=f.top_p, eos_text=eos_text,
+    sampling = Sampling(max_new_tokens=1 if f.action_level == "token" else f.max_new_tokens, temperature=f.temperature,
+                        top_p=f.top_p, eos_text=policy.tokenizer.eos_token or "", token_actions=f.action_level == "token",
                         stop=(STEP_DELIMITER,) if f.action_level == "step" else None)
     collector = Collector(env, algorithm_spec(f.algorithm_name), train_flags.resolved_episode_length(f), sampling,
                           seed=f.seed)

@@ -30,13 +30,15 @@ from train.models.policy import LanguagePolicy
 class Sampling:
     """How actions are generated. ``stop``: strings that end an action (the step delimiter when an
     action is one step; None when it is a whole solution). ``eos_text``: appended to a step that
-    ended on EOS, so the env (whose end marker it is) ends the episode even without an answer."""
+    ended on EOS, so the env (whose end marker it is) ends the episode even without an answer.
+    ``token_actions``: an action is the one generated token id (the env's token mode)."""
 
     max_new_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
     stop: tuple[str, ...] | None = None
     eos_text: str = ""
+    token_actions: bool = False
 
     def generate(self, generator: Generator, prompts: Sequence[str], seed: int | None = None,
                  greedy: bool = False) -> GenerationOutput:
@@ -48,12 +50,27 @@ class Sampling:
         return generator.generate(list(prompts), n=1, max_new_tokens=self.max_new_tokens,
                                   temperature=self.temperature, top_p=self.top_p, stop=stop, seed=seed)
 
-    def action_texts(self, out: GenerationOutput) -> list[str]:
-        """The env actions of ``out``'s samples."""
+    def actions(self, out: GenerationOutput) -> list[str] | list[int]:
+        """The env actions of ``out``'s samples: texts, or token ids in token mode."""
+        if self.token_actions:
+            return [ids[0] for ids in out.token_ids]
         if self.stop is None:
             return list(out.texts)
         return [text + self.eos_text if reason == "eos" else text
                 for text, reason in zip(out.texts, out.finish_reasons)]
+
+    def env_actions(self, out: GenerationOutput, acting: np.ndarray, num_envs: int) -> list[str] | np.ndarray:
+        """Actions for all ``num_envs`` envs: ``out``'s for the envs ``acting``, a placeholder (ignored by an env
+        that is not acting) for the others."""
+        actions = self.actions(out)
+        if self.token_actions:
+            every = np.zeros(num_envs, dtype=np.int64)
+            every[acting] = actions
+            return every
+        every = [""] * num_envs
+        for k, i in enumerate(acting):
+            every[i] = actions[k]
+        return every
 
 
 @dataclass
@@ -121,11 +138,8 @@ class Collector:
         out = self.sampling.generate(generator, [self.obs[i] for i in envs], seed=seed + step)
         tally.seconds["generate"] += time.perf_counter() - started
         tally.add("tokens", [len(ids) for ids in out.token_ids])
-        texts = self.sampling.action_texts(out)
         values, token_values = self.critic_values(policy, out.prompt_token_ids, out.token_ids)
-        actions = [""] * self.env.num_envs
-        for k, i in enumerate(envs):
-            actions[i] = texts[k]
+        actions = self.sampling.env_actions(out, envs, self.env.num_envs)
         group_ids = np.asarray(self.info["group_id"], dtype=np.int64)[envs]  # the episode each env acts in
         started = time.perf_counter()
         self.obs, rewards, terminated, truncated, self.info = self.env.step(actions)
@@ -138,7 +152,7 @@ class Collector:
         buffer.add(step=step, envs=envs, agents=agents, prompt_ids=out.prompt_token_ids, action_ids=out.token_ids,
                    logprobs=out.logprobs, rewards=torch.as_tensor(rewards[envs]),
                    terminated=torch.as_tensor(terminated[envs]), truncated=torch.as_tensor(truncated[envs]),
-                   group_ids=torch.as_tensor(group_ids), correct=torch.as_tensor(correct[envs]), texts=texts,
+                   group_ids=torch.as_tensor(group_ids), correct=torch.as_tensor(correct[envs]), texts=out.texts,
                    values=values, token_values=token_values)
         self.episode_return[envs] += rewards[envs]
         tally.add("train/reward", self.episode_return[ended])

@@ -50,10 +50,7 @@ def solve_batch(env, generator: Generator, sampling: Sampling, problem_ids: Sequ
     while not done.all():
         acting = np.flatnonzero(~done)
         out = sampling.generate(generator, [obs[i] for i in acting], greedy=True)
-        actions = [""] * env.num_envs
-        for k, text in zip(acting, sampling.action_texts(out)):
-            actions[k] = text
-        obs, _, terminated, truncated, info = env.step(actions)
+        obs, _, terminated, truncated, info = env.step(sampling.env_actions(out, acting, env.num_envs))
         tokens[acting] += [len(ids) for ids in out.token_ids]
         ended = (terminated | truncated) & ~done
         verdicts[ended] = np.nan_to_num(np.asarray(info["correct"], dtype=np.float64)[ended])

@@ -42,6 +42,10 @@ flags.DEFINE_string("prm_model_name_or_path", None, "Process reward model direct
 flags.DEFINE_string("prm_checkpoint_path", None, "Optional LoRA adapter directory applied on top of the PRM.")
 flags.DEFINE_enum("prm_type", "shepherd", sorted(PRM_TYPES), "PRM kind: shepherd (Math-Shepherd step tags; "
                   "OpenR's 'MS') or classifier (Qwen2.5-Math-PRM style; OpenR's 'Qwen').", case_sensitive=False)
+flags.DEFINE_string("prm_step_tag", None, "The PRM's step marker: for shepherd PRMs the tag after each step "
+                    "whose '+' probability is the score (default 'ки', Math-Shepherd's); for classifier PRMs the "
+                    "separator after each step (default '<extra_0>', Qwen2.5-Math-PRM's). It must be one token "
+                    "of the PRM's tokenizer.")
 flags.DEFINE_float("prm_kv_cache_mb", None, "MiB of PRM key/values kept between env steps, so each step runs only "
                    "the new step's tokens (same scores); size it for every env's trajectory or it thrashes. 0 "
                    "recomputes every text in full. Default: 1024 for shepherd PRMs; classifier PRMs always "
@@ -49,8 +53,9 @@ flags.DEFINE_float("prm_kv_cache_mb", None, "MiB of PRM key/values kept between 
 flags.DEFINE_enum("algorithm_name", "GRPO", ALGORITHM_NAMES, "RL algorithm.")
 flags.DEFINE_integer("num_mini_batch", 1, "Minibatches (optimizer steps) per epoch over each rollout.", lower_bound=1)
 flags.DEFINE_integer("ppo_epoch", 1, "Epochs over each rollout.", lower_bound=1)
-flags.DEFINE_integer("num_env_steps", 166_400, "Total env steps to train for; iterations = "
-                     "ceil(num_env_steps / (episode_length * n_rollout_threads)).", lower_bound=1)
+flags.DEFINE_integer("num_env_steps", 166_400, "Env steps to take in all, oversampled and background batches "
+                     "included; iterations = ceil(num_env_steps / (episode_length * envs per iteration)), where "
+                     "envs per iteration = n_rollout_threads (x oversample_factor for RLOO).", lower_bound=1)
 flags.DEFINE_integer("episode_length", None, "Env steps per env per iteration (episodic algorithms: the longest "
                      "episode; longer ones are cut). Default: 1 with --action_level solution, else 8.", lower_bound=1)
 flags.DEFINE_integer("n_rollout_threads", 128, "Parallel envs (= samples per iteration); groups of --group_size "
@@ -70,13 +75,22 @@ flags.DEFINE_string("experiment_name", None, "Name of the run's directory under 
 flags.DEFINE_string("env_id", None, "A registered gymnasium id with a vector entry point (MathVectorEnv or "
                     "compatible), or 'module:EnvId' to import a registration module first. Default: MATH-v0 with "
                     "--dataset_path, else Arith-v0.")
-flags.DEFINE_enum("action_level", "solution", ("solution", "step"), "What one env action is: a whole solution "
-                  "(one generate call per episode) or one reasoning step (generation stops at the step "
-                  "delimiter).")
+flags.DEFINE_enum("action_level", "solution", ("solution", "step", "token"), "What one env action is: a whole "
+                  "solution (one generate call per episode), one reasoning step (generation stops at the step "
+                  "delimiter) or one token (the env's token mode; --episode_length then counts tokens).")
+flags.DEFINE_integer("handoff_steps", None, "Prefix-RL: an episode ends after this many policy actions and the "
+                     "frozen target (--target_model_name_or_path, reward 'target') solves on from the prefix. "
+                     "With --action_level solution and --max_new_tokens K the prefix is one action of at most K "
+                     "tokens.", lower_bound=1)
 flags.DEFINE_string("reward", None, "Weighted reward sources, e.g. 'outcome:1.0,prm:0.2' (sources: "
                     f"{', '.join(REWARD_SOURCES)}). Default: 'outcome', or {DEFAULT_PRM_REWARD!r} with a PRM.")
 flags.DEFINE_string("target_model_name_or_path", None, "Frozen target solver for the 'target' reward source "
                     "(Prefix-RL).")
+flags.DEFINE_integer("target_num_samples", 1, "Completions the target samples from each prefix; the 'target' "
+                     "reward is the fraction that verify.", lower_bound=1)
+flags.DEFINE_float("target_temperature", 0.0, "Sampling temperature of the target (0: greedy; use > 0 with "
+                   "--target_num_samples > 1).", lower_bound=0.0)
+flags.DEFINE_integer("target_max_new_tokens", 256, "Most tokens the target writes after the prefix.", lower_bound=1)
 flags.DEFINE_string("eval_dataset_path", None, "Held-out problems for evaluation. Default: the env's test split "
                     "(Arith-v0), or --dataset_path itself (e.g. MATH-500).")
 flags.DEFINE_integer("eval_limit", 1000, "Most held-out problems per evaluation.", lower_bound=1)
@@ -132,34 +146,38 @@ flags.DEFINE_float("target_kl", 0.0, "Stop the update early once a minibatch's a
 
 # --- Algorithm-specific ----------------------------------------------------------------------
 flags.DEFINE_enum("critic", "auto", ("auto", "on", "off"), "Train a critic: auto = APPO/TPPO yes, GRPO/RLOO no.")
-flags.DEFINE_float("value_coef", 0.5, "APPO/TPPO: value loss coefficient.")
-flags.DEFINE_float("value_clip_param", 0.2, "APPO/TPPO: value clip around the collection-time values (0: off).")
-flags.DEFINE_float("huber_delta", 0.0, "APPO/TPPO: Huber delta of the value loss (0: squared error).")
+flags.DEFINE_float("value_coef", 0.5, "Value loss coefficient.")
+flags.DEFINE_float("value_clip_param", 0.2, "Value clip around the collection-time values (0: off).")
+flags.DEFINE_float("huber_delta", 0.0, "Huber delta of the value loss (0: squared error).")
 flags.DEFINE_float("gamma", 1.0, "Discount across env steps.")
-flags.DEFINE_float("gae_lambda", 0.95, "APPO/TPPO: GAE lambda.")
-flags.DEFINE_enum("scale_rewards", "group", ("group", "batch", "none"), "GRPO: divide centred returns by the "
+flags.DEFINE_float("gae_lambda", 0.95, "GAE lambda.")
+flags.DEFINE_enum("scale_rewards", "group", ("group", "batch", "none"), "Divide centred returns by the "
                   "group's std, the batch's, or nothing (Dr.GRPO).")
-flags.DEFINE_float("kl_coef", 0.0, "GRPO/TPPO/RLOO: k3 KL-to-reference coefficient (0: no reference pass).")
+flags.DEFINE_float("kl_coef", 0.0, "k3 KL-to-reference coefficient (0: no reference pass).")
 flags.DEFINE_enum("loss_agg", "token_mean", ("token_mean", "seq_mean"), "Per-token loss aggregation.")
-flags.DEFINE_float("accuracy_lower_bound", 0.2, "RLOO (PRIME): keep prompts whose group accuracy is >= this.")
-flags.DEFINE_float("accuracy_upper_bound", 0.8, "RLOO (PRIME): keep prompts whose group accuracy is <= this.")
-flags.DEFINE_integer("oversample_factor", 4, "RLOO (PRIME): sample this many times the prompts, keep "
+flags.DEFINE_float("accuracy_lower_bound", 0.2, "PRIME: keep prompts whose group accuracy is >= this.")
+flags.DEFINE_float("accuracy_upper_bound", 0.8, "PRIME: keep prompts whose group accuracy is <= this.")
+flags.DEFINE_integer("oversample_factor", 4, "PRIME: sample this many times the prompts, keep "
                      "--n_rollout_threads / --group_size of those passing the filter. On the tiny policy about a "
                      "quarter of the groups pass [0.2, 0.8]: with 1, RLOO trained on ~16 of 64 samples per "
                      "iteration and its training reward rose 0.152 -> 0.188 in 300 iterations; with 4, "
                      "0.188 -> 0.261.", lower_bound=1)
-flags.DEFINE_float("implicit_prm_beta", 0.05, "RLOO (PRIME): implicit PRM beta.")
-flags.DEFINE_float("implicit_prm_lr", 1e-5, "RLOO (PRIME): implicit PRM learning rate.")
-flags.DEFINE_float("process_coef", 1.0, "RLOO (PRIME): weight of the implicit-PRM reward stream.")
+flags.DEFINE_float("implicit_prm_beta", 0.05, "PRIME: implicit PRM beta.")
+flags.DEFINE_float("implicit_prm_lr", 1e-5, "PRIME: implicit PRM learning rate.")
+flags.DEFINE_float("process_coef", 1.0, "PRIME: weight of the implicit-PRM reward stream.")
 
-ONLY_FOR = {
-    "RLOO": ("accuracy_lower_bound", "accuracy_upper_bound", "oversample_factor", "implicit_prm_beta",
-             "implicit_prm_lr", "process_coef"),
-    "GRPO": ("scale_rewards",),
+WITH_CRITIC = tuple(name for name, spec in ALGORITHMS.items() if spec.critic is not None)
+APPLIES_TO = {
+    **dict.fromkeys(("accuracy_lower_bound", "accuracy_upper_bound", "oversample_factor", "implicit_prm_beta",
+                     "implicit_prm_lr", "process_coef"), ("RLOO",)),
+    "scale_rewards": ("GRPO",),
+    "kl_coef": ("GRPO", "TPPO", "RLOO"),
+    **dict.fromkeys(("value_coef", "value_clip_param", "huber_delta", "gae_lambda", "critic_lr"), WITH_CRITIC),
 }
-CRITIC_FLAGS = ("value_coef", "value_clip_param", "huber_delta", "gae_lambda", "critic_lr")
-"""Flags that only one algorithm (or only algorithms with a critic) reads: passing one to another
-algorithm is an error rather than silently ignored."""
+"""Flags that only some algorithms read: passing one to another algorithm is an error rather than
+silently ignored, and each one's help says which algorithms it applies to."""
+for _name, _algorithms in APPLIES_TO.items():
+    FLAGS[_name].help += f" [{'/'.join(_algorithms)} only]"
 
 
 def _register_path(name: str, kind: str) -> None:
@@ -269,6 +287,32 @@ def _check_reward(f: dict) -> bool:
     return True
 
 
+@flags.multi_flags_validator(["reward", "dataset_path"])
+def _check_steps_reward(f: dict) -> bool:
+    if f["reward"] is not None and "steps" in reward_sources(f["reward"]) and f["dataset_path"] is not None:
+        raise flags.ValidationError("--reward uses 'steps', which pays the share of a canonical step-by-step solution "
+                                    "reproduced exactly: only Arith's generated problems have one (MATH solutions "
+                                    "are prose, so it would pay 0). Drop 'steps' or drop --dataset_path")
+    return True
+
+
+@flags.multi_flags_validator(["handoff_steps", "reward", "target_model_name_or_path", "action_level"])
+def _check_handoff(f: dict) -> bool:
+    if f["handoff_steps"] is None:
+        return True
+    if f["reward"] is None or "target" not in reward_sources(f["reward"]):
+        raise flags.ValidationError("--handoff_steps hands the prefix to the frozen target: add 'target' to --reward "
+                                    "(e.g. --reward target) and --target_model_name_or_path")
+    if f["action_level"] == "token":
+        raise flags.ValidationError("--handoff_steps counts actions; with --action_level token use --action_level "
+                                    "solution and --max_new_tokens for a prefix of at most that many tokens")
+    if f["action_level"] == "solution" and f["handoff_steps"] != 1:
+        raise flags.ValidationError(f"--handoff_steps={f['handoff_steps']}: with --action_level solution an episode "
+                                    "is one action; use --handoff_steps 1, or --action_level step for a prefix of "
+                                    "several steps")
+    return True
+
+
 @flags.multi_flags_validator(["prm_kv_cache_mb", "prm_type"])
 def _check_prm_kv_cache(f: dict) -> bool:
     if f["prm_kv_cache_mb"] and PRM_TYPES[f["prm_type"].lower()] != "shepherd":
@@ -294,6 +338,9 @@ def reward_sources(spec: str) -> list[str]:
     """Source names of a --reward spec (validated fully by reward_models.mixture.parse_reward_spec)."""
     from reward_models.mixture import parse_reward_spec
 
+    if "implicit_prm" in spec:
+        raise flags.ValidationError("'implicit_prm' is not a --reward source: PRIME's implicit PRM is RLOO's second "
+                                    "reward stream; use --algorithm_name RLOO (--process_coef weighs it)")
     try:
         return list(parse_reward_spec(spec, REWARD_SOURCES))
     except ValueError as error:
@@ -301,18 +348,12 @@ def reward_sources(spec: str) -> list[str]:
 
 
 def check_algorithm_specific(flag_values: flags.FlagValues = FLAGS) -> None:
-    """Flags the chosen algorithm would ignore must not be passed (``ONLY_FOR``, ``CRITIC_FLAGS``)."""
+    """Flags the chosen algorithm would ignore must not be passed (``APPLIES_TO``)."""
     algorithm = flag_values.algorithm_name
-    for owner, names in ONLY_FOR.items():
-        for name in names:
-            if owner != algorithm and flag_values[name].present:
-                raise flags.ValidationError(f"--{name} only affects {owner}; --algorithm_name={algorithm} would "
-                                            f"ignore it. Drop it or use --algorithm_name={owner}")
-    if not has_critic(algorithm):
-        for name in CRITIC_FLAGS:
-            if flag_values[name].present:
-                raise flags.ValidationError(f"--{name} configures a critic; --algorithm_name={algorithm} has none. "
-                                            "Drop it or use APPO/TPPO")
+    for name, algorithms in APPLIES_TO.items():
+        if algorithm not in algorithms and flag_values[name].present:
+            raise flags.ValidationError(f"--{name} applies to {'/'.join(algorithms)}; --algorithm_name={algorithm} "
+                                        f"would ignore it. Drop it or use --algorithm_name={algorithms[0]}")
     if flag_values["max_policy_lag"].present and not resolved_async_rollouts(flag_values):
         raise flags.ValidationError("--max_policy_lag bounds asynchronous rollouts; add --async_rollouts or drop it")
 
@@ -373,6 +414,18 @@ def resolved_episode_length(flag_values: flags.FlagValues = FLAGS) -> int:
     return 1 if flag_values.action_level == "solution" else 8
 
 
+def num_train_envs(flag_values: flags.FlagValues = FLAGS) -> int:
+    """Envs stepped per iteration: --n_rollout_threads, times RLOO's oversampling."""
+    oversample = flag_values.oversample_factor if flag_values.algorithm_name == "RLOO" else 1
+    return flag_values.n_rollout_threads * oversample
+
+
+def resolved_num_iterations(flag_values: flags.FlagValues = FLAGS) -> int:
+    """ceil(--num_env_steps / the most env steps an iteration takes)."""
+    per_iteration = resolved_episode_length(flag_values) * num_train_envs(flag_values)
+    return -(-flag_values.num_env_steps // per_iteration)
+
+
 def resolved_async_rollouts(flag_values: flags.FlagValues = FLAGS) -> bool:
     if flag_values.async_rollouts is not None:
         return flag_values.async_rollouts
@@ -399,6 +452,21 @@ def resolved_experiment_name(flag_values: flags.FlagValues = FLAGS) -> str:
 
 def resolved_prm_type(flag_values: flags.FlagValues = FLAGS) -> str:
     return PRM_TYPES[flag_values.prm_type.lower()]
+
+
+def inherit(saved: dict, flag_values: flags.FlagValues = FLAGS) -> list[str]:
+    """Resuming: every flag not given on this command line takes its value in the checkpoint's ``saved``
+    flags (a ``flag_dict``), so a resumed run trains as the run it continues unless told otherwise.
+    Returns the names whose value changed; the flags are validated again."""
+    inherited = []
+    for name, value in saved.items():
+        if name == "resume" or name not in flag_values or flag_values[name].present:
+            continue
+        if flag_values[name].value != value:
+            flag_values[name].value = value
+            inherited.append(name)
+    flag_values.validate_all_flags()
+    return inherited
 
 
 def flag_dict(flag_values: flags.FlagValues = FLAGS) -> dict:

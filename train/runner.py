@@ -222,7 +222,10 @@ class Runner:
             self.rollout_generator.sync(self.rollout_policy)
             progress.rollout_version = progress.version
         self.pending_version = progress.rollout_version
-        self.pending = self.pool.submit(self.collector.collect, self.rollout_policy, self.rollout_generator, seed + 1)
+        self.pending = None
+        if iteration + 1 < self.config.num_iterations:  # no batch beyond the budget: every env step taken is trained on
+            self.pending = self.pool.submit(self.collector.collect, self.rollout_policy, self.rollout_generator,
+                                            seed + 1)
         return buffer, stats
 
     def rollout_statistics(self, tally: Tally) -> dict[str, float]:

@@ -1,0 +1,208 @@
+"""What a new user meets first: every mistake made before training starts is one line on stderr naming the
+flag or file and the fix (exit code 1, no traceback); resuming continues the run as it was; budgets count
+the env steps that run; the env's modes (token actions, Prefix-RL hand-off) are reachable from the flags."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import train_math
+from test_trainer import read_scalars, run_train_math
+from train import builders
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*argv: str, cwd: Path = ROOT, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "train_math.py"), *argv], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd)
+
+
+def small(policy_dir: Path, logdir: Path, *extra: str) -> list[str]:
+    """A few-second GRPO run on the untrained tiny policy: 8 envs in groups of 4, 8 new tokens."""
+    return ["--model_name_or_path", str(policy_dir), "--logdir", str(logdir), "--n_rollout_threads", "8",
+            "--group_size", "4", "--max_new_tokens", "8", "--eval_limit", "8", "--eval_batch_size", "8",
+            "--noasync_rollouts", *extra]
+
+
+def error_lines(stderr: str) -> list[str]:
+    """The error lines among stderr's (model loading draws progress bars there too)."""
+    assert "Traceback" not in stderr, stderr[-3000:]
+    return [line for line in stderr.splitlines() if line.startswith("train_math.py: error: ")]
+
+
+def the_one_error_line(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 1, (result.returncode, result.stderr[-3000:])
+    (line,) = error_lines(result.stderr)
+    return line
+
+
+@pytest.fixture(scope="module")
+def bad_inputs(tmp_path_factory, untrained_policy_dir) -> dict[str, list[str]]:
+    root = tmp_path_factory.mktemp("bad")
+    broken = root / "broken.jsonl"
+    broken.write_text('{"problem": "1+1?", "answer": "2"}\n{"problem": "2+2?", "answer": \n')
+    empty = root / "empty.jsonl"
+    empty.write_text("")
+    checkpoint_like = root / "iter_3"
+    (checkpoint_like / "policy").mkdir(parents=True)
+    (checkpoint_like / "manifest.json").write_text("{}")
+    no_tokenizer = root / "weights_only"
+    no_tokenizer.mkdir()
+    for name in os.listdir(untrained_policy_dir):
+        if "token" not in name and name != "special_tokens_map.json":
+            (no_tokenizer / name).symlink_to(Path(untrained_policy_dir) / name)
+    return {
+        "broken json line": ["--dataset_path", str(broken)],
+        "empty dataset": ["--dataset_path", str(empty)],
+        "unregistered env": ["--env_id", "Foo-v0"],
+        "flag of another algorithm": ["--algorithm_name", "GRPO", "--oversample_factor", "2"],
+        "kl with APPO": ["--algorithm_name", "APPO", "--kl_coef", "0.1"],
+        "cuda on a cpu machine": ["--device", "cuda", "--model_name_or_path", str(untrained_policy_dir)],
+        "checkpoint dir as model": ["--model_name_or_path", str(checkpoint_like)],
+        "model without tokenizer": ["--model_name_or_path", str(no_tokenizer)],
+        "steps reward on MATH": ["--dataset_path", str(broken), "--reward", "steps"],
+        "unknown flag": ["--num_mini_batchs", "4"],
+        "handoff without target": ["--handoff_steps", "1"],
+        "implicit PRM as a reward": ["--reward", "outcome:1.0,implicit_prm:0.5"],
+        "policy as PRM": ["--model_name_or_path", str(untrained_policy_dir),
+                          "--prm_model_name_or_path", str(untrained_policy_dir)],
+        "multi-token step tag": ["--model_name_or_path", str(untrained_policy_dir),
+                                 "--prm_model_name_or_path", str(untrained_policy_dir), "--prm_step_tag", "STEP DONE"],
+    }
+
+
+EXPECTED = {
+    "broken json line": ("--dataset_path", "broken.jsonl:2: invalid JSON"),
+    "empty dataset": ("--dataset_path", "empty.jsonl"),
+    "unregistered env": ("--env_id=Foo-v0", "not a registered gymnasium id"),
+    "flag of another algorithm": ("--oversample_factor applies to RLOO",),
+    "kl with APPO": ("--kl_coef applies to GRPO/TPPO/RLOO", "Drop it"),
+    "cuda on a cpu machine": ("device='cuda'", "--device cpu"),
+    "checkpoint dir as model": ("--model_name_or_path", "policy/"),
+    "model without tokenizer": ("--model_name_or_path", "weights_only", "tokenizer"),
+    "steps reward on MATH": ("'steps'", "Drop 'steps'"),
+    "unknown flag": ("num_mini_batchs", "--helpfull"),
+    "handoff without target": ("--handoff_steps", "'target'"),
+    "implicit PRM as a reward": ("'implicit_prm' is not a --reward source", "--algorithm_name RLOO"),
+    "policy as PRM": ("untrained_policy", "is not a Math-Shepherd PRM"),
+    "multi-token step tag": ("--prm_step_tag", "STEP DONE"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EXPECTED))
+def test_every_start_up_mistake_is_one_line_naming_the_flag(bad_inputs, case, tmp_path):
+    if case == "cuda on a cpu machine":
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("this machine has CUDA")
+    line = the_one_error_line(run_cli(*bad_inputs[case], "--logdir", str(tmp_path)))
+    for part in EXPECTED[case]:
+        assert part in line, line
+    assert not list(tmp_path.glob("*/run_*")), "a run that never started must leave no run directory"
+
+
+def test_a_build_failure_leaves_no_run_directory(untrained_policy_dir, tmp_path, monkeypatch, capsys):
+    def not_a_prm(*args, **kwargs):
+        raise ValueError("--prm_model_name_or_path=x is not a PRM")
+
+    monkeypatch.setattr(builders, "build_runner", not_a_prm)
+    with pytest.raises(SystemExit) as stopped:
+        run_train_math(small(untrained_policy_dir, tmp_path))
+    assert stopped.value.code == 1 and "is not a PRM" in capsys.readouterr().err
+    assert not list(tmp_path.glob("*/run_*"))
+
+
+def test_ctrl_c_during_start_up_is_one_line(untrained_policy_dir, tmp_path, monkeypatch, capsys):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(builders, "build_runner", interrupted)
+    with pytest.raises(SystemExit) as stopped:
+        run_train_math(small(untrained_policy_dir, tmp_path))
+    assert stopped.value.code == 130
+    assert capsys.readouterr().err.strip() == "train_math.py: error: interrupted during start-up; nothing was trained"
+
+
+def events_of(run_dir: Path) -> dict[str, int]:
+    return {path.name: path.stat().st_size for path in run_dir.glob("events.out.tfevents.*")}
+
+
+def test_resuming_a_run_at_or_past_its_budget_changes_nothing(untrained_policy_dir, tmp_path, capsys):
+    argv = small(untrained_policy_dir, tmp_path, "--num_env_steps", "32", "--eval_interval", "2", "--save_interval", "2")
+    run_dir = Path(run_train_math(argv))
+    history = (run_dir / "eval_history.json").read_text()
+    events = events_of(run_dir)
+    for budget in ("32", "16"):  # the finished run again, then a smaller budget than it has done
+        run_train_math([*argv, "--resume", "auto", "--num_env_steps", budget])
+        assert "has trained 4 iterations" in capsys.readouterr().out
+        assert events_of(run_dir) == events and (run_dir / "eval_history.json").read_text() == history
+    assert [step for step, _ in read_scalars(run_dir)["eval/accuracy"]] == [0, 2, 4]
+
+
+def test_resume_from_a_path_keeps_the_checkpoints_flags(untrained_policy_dir, tmp_path):
+    run_dir = Path(run_train_math(small(untrained_policy_dir, tmp_path, "--num_env_steps", "16", "--lr", "5e-5",
+                                        "--eval_interval", "0", "--seed", "7")))
+    first = run_dir / "checkpoints" / "iter_2"
+    run_train_math(["--resume", str(first), "--num_env_steps", "32", "--logdir", str(tmp_path)])
+    flags = json.loads((run_dir / "checkpoints" / "iter_4" / "flags.json").read_text())
+    assert (flags["lr"], flags["seed"], flags["n_rollout_threads"], flags["num_env_steps"]) == (5e-5, 7, 8, 32)
+
+
+@pytest.mark.parametrize("algorithm, extra", [("GRPO", ["--async_rollouts"]), ("RLOO", ["--oversample_factor", "2"])])
+def test_env_steps_taken_equal_the_budget(untrained_policy_dir, tmp_path, algorithm, extra):
+    """Asynchronous rollouts take no batch beyond the last iteration; RLOO's oversampled envs count."""
+    argv = small(untrained_policy_dir, tmp_path, "--num_env_steps", "64", "--eval_interval", "0",
+                 "--algorithm_name", algorithm, *extra)
+    argv.remove("--noasync_rollouts")
+    run_dir = Path(run_train_math(argv))
+    state = json.loads(next((run_dir / "checkpoints").glob("iter_*")).joinpath("trainer_state.json").read_text())
+    assert state["env_steps"] == 64
+    assert read_scalars(run_dir)["train/env_steps"][-1][1] == 64
+
+
+def test_token_level_actions_train_from_the_command_line(untrained_policy_dir, tmp_path):
+    run_dir = Path(run_train_math(small(untrained_policy_dir, tmp_path, "--algorithm_name", "TPPO", "--group_size", "1",
+                                        "--action_level", "token", "--episode_length", "3", "--num_env_steps", "48",
+                                        "--eval_interval", "0")))
+    scalars = read_scalars(run_dir)
+    assert [value for _, value in scalars["train/action_tokens"]] == [1.0, 1.0]
+    assert scalars["train/env_steps"][-1][1] == 48
+
+
+def test_prefix_rl_hands_the_prefix_to_the_target(untrained_policy_dir, tmp_path):
+    run_dir = Path(run_train_math(small(untrained_policy_dir, tmp_path, "--handoff_steps", "1", "--reward", "target",
+                                        "--target_model_name_or_path", str(untrained_policy_dir),
+                                        "--target_num_samples", "2", "--target_temperature", "1.0",
+                                        "--target_max_new_tokens", "8", "--num_env_steps", "8",
+                                        "--eval_interval", "0")))
+    assert "train/reward/target" in read_scalars(run_dir)
+
+
+def test_a_changed_lora_rank_on_resume_is_one_line(untrained_policy_dir, tmp_path, capsys):
+    argv = small(untrained_policy_dir, tmp_path, "--num_env_steps", "16", "--eval_interval", "0", "--lora_rank", "4")
+    run_train_math(argv)
+    with pytest.raises(SystemExit) as stopped:
+        run_train_math([*argv, "--resume", "auto", "--num_env_steps", "32", "--lora_rank", "8"])
+    assert stopped.value.code == 1
+    (line,) = error_lines(capsys.readouterr().err)
+    assert "lora" in line.lower(), line
+
+
+def test_a_second_interrupt_stops_at_once_in_one_line(untrained_policy_dir, tmp_path, monkeypatch, capsys):
+    def second_signal(self):
+        raise KeyboardInterrupt("second SIGINT: stopping without saving")
+
+    monkeypatch.setattr("train.runner.Runner.run", second_signal)
+    with pytest.raises(SystemExit) as stopped:
+        run_train_math(small(untrained_policy_dir, tmp_path, "--eval_interval", "0"))
+    assert stopped.value.code == 130
+    assert error_lines(capsys.readouterr().err) == ["train_math.py: error: second SIGINT: stopping without saving; "
+                                                    "the last checkpoint is none"]

@@ -20,11 +20,15 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from absl import app, flags, logging
 
 from train import flags as train_flags
+
+if TYPE_CHECKING:
+    from train.checkpoint import Checkpoint
+    from train.runner import Runner
 
 FLAGS = train_flags.FLAGS
 
@@ -141,7 +145,7 @@ def main(argv: list[str]) -> None:
     finish(writer, run_dir, history, {**runner.run_flags, **resolved_settings(runner, saved)})
 
 
-def start():
+def start() -> tuple[Runner, Any, Path, Checkpoint | None] | None:
     """Resolves the resume, checks what can be checked before models load, and builds the run; returns
     (runner, writer, run directory, checkpoint or None), or None when the checkpoint is already done."""
     import numpy as np
@@ -187,7 +191,7 @@ def start():
     return runner, writer, run_dir, saved
 
 
-def resolved_settings(runner, saved) -> dict:
+def resolved_settings(runner: Runner, saved: Checkpoint | None) -> dict:
     """The settings the flags left to be worked out (logged as TensorBoard text and hparams)."""
     return {"env_id": train_flags.resolved_env_id(), "reward": train_flags.resolved_reward(),
             "episode_length": runner.collector.episode_length, "async_rollouts": runner.config.async_rollouts,

@@ -12,7 +12,7 @@ from transformers import GenerationConfig
 
 from envs.prompts import STEP_DELIMITER, format_prompt
 from train.models.generation import (HFGenerator, VLLMGenerator, eos_token_ids, filter_logits, inverse_cdf_sample,
-                              make_generator, preallocated_cache)
+                                     length_batches, make_generator, preallocated_cache)
 from train.models.policy import LanguagePolicy, LoraSettings
 
 PROMPTS = [format_prompt("Compute 3 + 4."), format_prompt("Compute 12 - 5 + 40 - 7."), "Step"]
@@ -144,9 +144,21 @@ def test_samples_are_prompt_major_and_batching_does_not_change_greedy_outputs(ta
     for i, prompt in enumerate(PROMPTS):
         alone = generator.generate([prompt], n=1, max_new_tokens=10, temperature=0.0, stop=[STEP_DELIMITER])
         assert together.token_ids[i * n: (i + 1) * n] == alone.token_ids * n
-    chunked = HFGenerator(taught_policy, batch_size=2).generate(PROMPTS, n=n, max_new_tokens=10, temperature=0.0,
-                                                               stop=[STEP_DELIMITER])
-    assert chunked.token_ids == together.token_ids and chunked.finish_reasons == together.finish_reasons
+    for capped in (HFGenerator(taught_policy, batch_size=2), HFGenerator(taught_policy, max_batch_tokens=60)):
+        chunked = capped.generate(PROMPTS, n=n, max_new_tokens=10, temperature=0.0, stop=[STEP_DELIMITER])
+        assert chunked.token_ids == together.token_ids and chunked.finish_reasons == together.finish_reasons
+        assert chunked.prompt_token_ids == together.prompt_token_ids
+
+
+def test_length_batches_keep_order_when_they_fit_and_group_similar_lengths_otherwise():
+    assert length_batches([5, 30, 7], max_new_tokens=10, max_rows=None, max_tokens=120) == [[0, 1, 2]]
+    lengths = [50, 400, 60, 390, 55, 45, 700]
+    batches = length_batches(lengths, max_new_tokens=64, max_rows=None, max_tokens=1500)
+    assert sorted(i for batch in batches for i in batch) == list(range(len(lengths)))
+    assert batches == [[5, 0, 4, 2], [3, 1], [6]]  # 4 x (60 + 64) <= 1500; 5 x (390 + 64) is not
+    for batch in batches:
+        assert len(batch) == 1 or len(batch) * (max(lengths[i] for i in batch) + 64) <= 1500
+    assert length_batches(lengths, 64, max_rows=3, max_tokens=None) == [[5, 0, 4], [2, 3, 1], [6]]
 
 
 def test_seeds_reproduce_samples_without_touching_the_global_rng(policy):

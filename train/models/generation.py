@@ -148,7 +148,8 @@ def inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator) -> torch
 
 class _PreallocatedLayer(DynamicLayer):
     """One layer's keys and values in ``[A, heads, capacity, head_dim]`` buffers allocated at the first
-    update; later updates write in place and return views of the filled part. (DynamicLayer concatenates,
+    update; later updates write in place and return views of the filled part, and dropping rows moves
+    only filled positions within the same buffers. (DynamicLayer concatenates,
     copying the whole cache every token: half of a decode step at 50 cached tokens on the tiny model.
     transformers' StaticLayer preallocates too, but returns the whole buffer, so every token attends over
     the full capacity, and it cannot drop the rows that have finished.)"""
@@ -161,6 +162,7 @@ class _PreallocatedLayer(DynamicLayer):
         self.dtype, self.device = key_states.dtype, key_states.device
         self.key_buffer = key_states.new_empty(*key_states.shape[:2], self.capacity, key_states.shape[3])
         self.value_buffer = value_states.new_empty(*value_states.shape[:2], self.capacity, value_states.shape[3])
+        self.rows = key_states.shape[0]  # the buffers' first rows hold the batch; rows past it are stale
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs,
@@ -171,8 +173,8 @@ class _PreallocatedLayer(DynamicLayer):
         end = self.length + key_states.shape[-2]
         if end > self.capacity:
             raise RuntimeError(f"KV cache overflow: {end} positions > capacity {self.capacity}")
-        self.key_buffer[:, :, self.length:end] = key_states
-        self.value_buffer[:, :, self.length:end] = value_states
+        self.key_buffer[:self.rows, :, self.length:end] = key_states
+        self.value_buffer[:self.rows, :, self.length:end] = value_states
         self.length = end
         self._refresh_views()
         return self.keys, self.values
@@ -181,12 +183,22 @@ class _PreallocatedLayer(DynamicLayer):
         return self.length
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keeps batch rows ``indices`` (``[A']``, repeats allowed: one prompt's cache for its n samples)."""
-        self.key_buffer, self.value_buffer = self.key_buffer[indices], self.value_buffer[indices]
+        """Keeps batch rows ``indices`` (``[A']``, repeats allowed: one prompt's cache for its n samples).
+        Only the filled positions move: into new buffers when the batch grows, else in place."""
+        filled = slice(0, self.length)
+        if len(indices) > self.key_buffer.shape[0]:
+            key_buffer = self.key_buffer.new_empty(len(indices), *self.key_buffer.shape[1:])
+            value_buffer = self.value_buffer.new_empty(len(indices), *self.value_buffer.shape[1:])
+        else:
+            key_buffer, value_buffer = self.key_buffer, self.value_buffer
+        key_buffer[:len(indices), :, filled] = self.keys[indices]
+        value_buffer[:len(indices), :, filled] = self.values[indices]
+        self.key_buffer, self.value_buffer, self.rows = key_buffer, value_buffer, len(indices)
         self._refresh_views()
 
     def _refresh_views(self) -> None:
-        self.keys, self.values = self.key_buffer[:, :, :self.length], self.value_buffer[:, :, :self.length]
+        self.keys = self.key_buffer[:self.rows, :, :self.length]
+        self.values = self.value_buffer[:self.rows, :, :self.length]
 
 
 def preallocated_cache(model: PreTrainedModel, capacity: int) -> Cache:
@@ -257,13 +269,19 @@ class HFGenerator:
     Per call: each distinct prompt is prefilled once and its cache copied to its rows (GRPO's n samples
     of a prompt share it); the cache is preallocated for the longest sample; rows leave the batch as
     they end (EOS or stop string), so later tokens cost only the rows still going. ``batch_size`` caps
-    the rows (prompts x n) decoded together. Uses the live policy, so ``sync`` is free.
+    the rows (prompts x n) decoded together, ``max_batch_tokens`` the cache positions of a batch (rows x
+    (longest prompt + max_new_tokens)). A call over either cap is split into batches of rows of similar
+    prompt length, so short prompts are not padded to the longest one (MATH prompts span 50-650 tiny
+    tokens); a call within both runs as one batch in the given order. Uses the live policy, so ``sync``
+    is free.
     """
 
-    def __init__(self, policy: LanguagePolicy, batch_size: int | None = None) -> None:
-        if batch_size is not None and batch_size < 1:
-            raise ValueError(f"batch_size={batch_size} must be >= 1 (or None for one batch)")
-        self.policy, self.batch_size = policy, batch_size
+    def __init__(self, policy: LanguagePolicy, batch_size: int | None = None,
+                 max_batch_tokens: int | None = 1 << 17) -> None:
+        for name, value in (("batch_size", batch_size), ("max_batch_tokens", max_batch_tokens)):
+            if value is not None and value < 1:
+                raise ValueError(f"{name}={value} must be >= 1 (or None for no cap)")
+        self.policy, self.batch_size, self.max_batch_tokens = policy, batch_size, max_batch_tokens
         self._stop_criteria: dict[tuple[str, ...], StopStringCriteria] = {}  # building one scans the vocab
 
     def sync(self, policy: LanguagePolicy) -> float:
@@ -283,14 +301,12 @@ class HFGenerator:
         else:
             generator.manual_seed(seed)
         sampler = Sampler(temperature, top_k, top_p, generator)
-        chunk = self.batch_size or len(rows)
-        token_ids, logprobs, reasons = [], [], []
-        for start in range(0, len(rows), chunk):
-            chunk_ids, chunk_logprobs, chunk_reasons = self._generate_rows(
-                rows[start:start + chunk], max_new_tokens, sampler, stop)
-            token_ids += chunk_ids
-            logprobs += chunk_logprobs
-            reasons += chunk_reasons
+        token_ids, logprobs, reasons = [None] * len(rows), [None] * len(rows), [None] * len(rows)
+        for batch in length_batches([len(row) for row in rows], max_new_tokens, self.batch_size,
+                                    self.max_batch_tokens):
+            outputs = self._generate_rows([rows[i] for i in batch], max_new_tokens, sampler, stop)
+            for i, row_ids, row_logprobs, reason in zip(batch, *outputs):
+                token_ids[i], logprobs[i], reasons[i] = row_ids, row_logprobs, reason
         return GenerationOutput(texts=finish_texts(tokenizer, token_ids, reasons, stop), token_ids=token_ids,
                                 logprobs=logprobs, finish_reasons=reasons, prompt_token_ids=rows)
 
@@ -314,15 +330,21 @@ class HFGenerator:
     def _decode(self, model: PreTrainedModel, cache: Cache, logits: torch.Tensor, prompt_lengths: torch.Tensor,
                 samples: _Samples, sampler: Sampler, stop: list[str] | None) -> None:
         """Samples into ``samples`` from the prefilled ``cache`` (``[B, V]`` next-token ``logits``, ``[B]``
-        prompt lengths), one token per live row per step. Rows leave the batch (and the cache) at the step
-        they end: later steps cost only the rows still going (~15% less decode time on GRPO batches)."""
+        prompt lengths), one token per running row per step. Rows that end leave the batch (and the cache)
+        when that pays (``compacts``): later steps cost only the rows still going (~15% less decode time on
+        GRPO batches). Tokens are drawn for the running rows only, in batch order, so when rows leave
+        changes no sample."""
         cached = {kv_cache_keyword(model): cache}
         eos_ids = torch.tensor(eos_token_ids(self.policy.tokenizer, model), dtype=torch.long, device=logits.device)
         stop_criterion = self._stop_criterion(stop)
-        live = torch.arange(len(logits), device=logits.device)  # [A] the sample each batch row generates
+        sample_of_row = torch.arange(len(logits), device=logits.device)  # [R] the sample each batch row generates
+        running = torch.ones(len(logits), dtype=torch.bool, device=logits.device)  # [R] rows not ended yet
+        inputs = torch.zeros(len(logits), dtype=torch.long, device=logits.device)  # [R] next input token per row
         prompt_width, max_new_tokens = cache.get_seq_length(), samples.token_ids.shape[1]
         for step in range(max_new_tokens):
-            tokens, logprobs = sampler(logits)  # [A]
+            rows = running.nonzero().squeeze(1)  # [A] the rows that sample this step
+            live = sample_of_row[rows]
+            tokens, logprobs = sampler(logits[rows])  # [A]
             samples.token_ids[live, step], samples.logprobs[live, step] = tokens, logprobs
             is_eos = torch.isin(tokens, eos_ids)
             ended = is_eos
@@ -330,15 +352,18 @@ class HFGenerator:
                 ended = ended | stop_criterion(samples.token_ids[live, :step + 1], None)
             samples.ends[live[ended]] = step + 1
             samples.on_eos[live] = is_eos
-            going = (~ended).nonzero().squeeze(1)
-            if step + 1 == max_new_tokens or len(going) == 0:
+            running[rows[ended]] = False
+            inputs[rows] = tokens
+            if step + 1 == max_new_tokens or not running.any():
                 return
-            if len(going) < len(live):
-                live, tokens, prompt_lengths = live[going], tokens[going], prompt_lengths[going]
-                cache.batch_select_indices(going)
+            if compacts(running, prompt_width + step + 1):
+                keep = running.nonzero().squeeze(1)
+                cache.batch_select_indices(keep)
+                sample_of_row, running, inputs, prompt_lengths = (sample_of_row[keep], running[keep], inputs[keep],
+                                                                  prompt_lengths[keep])
             width = prompt_width + step + 1  # cached positions once this step's tokens are in
-            attention_mask = torch.arange(width, device=live.device)[None] >= (prompt_width - prompt_lengths)[:, None]
-            logits = model(input_ids=tokens[:, None], attention_mask=attention_mask,
+            attention_mask = torch.arange(width, device=inputs.device)[None] >= (prompt_width - prompt_lengths)[:, None]
+            logits = model(input_ids=inputs[:, None], attention_mask=attention_mask,
                            position_ids=(prompt_lengths + step)[:, None], **cached, use_cache=True).logits[:, -1]
 
     def _stop_criterion(self, stop: list[str] | None) -> StopStringCriteria | None:
@@ -348,6 +373,37 @@ class HFGenerator:
         if key not in self._stop_criteria:
             self._stop_criteria[key] = StopStringCriteria(self.policy.tokenizer, list(stop))
         return self._stop_criteria[key]
+
+
+def length_batches(prompt_lengths: list[int], max_new_tokens: int, max_rows: int | None,
+                   max_tokens: int | None) -> list[list[int]]:
+    """Row indices in decoding batches: all rows in order when they fit ``max_rows`` and ``max_tokens``
+    (cache positions: rows x (longest prompt + max_new_tokens)); else the rows sorted by prompt length
+    (stably), cut into consecutive batches that each fit (one row at the least)."""
+    def fits(count: int, longest: int) -> bool:
+        return (max_rows is None or count <= max_rows) and (
+            max_tokens is None or count == 1 or count * (longest + max_new_tokens) <= max_tokens)
+
+    if fits(len(prompt_lengths), max(prompt_lengths, default=0)):
+        return [list(range(len(prompt_lengths)))]
+    batches: list[list[int]] = [[]]
+    for i in sorted(range(len(prompt_lengths)), key=prompt_lengths.__getitem__):
+        if batches[-1] and not fits(len(batches[-1]) + 1, prompt_lengths[i]):
+            batches.append([])
+        batches[-1].append(i)
+    return batches
+
+
+SMALL_CACHE = 1 << 15
+"""Cache positions (rows x width) below which dropping ended rows at once always pays."""
+
+
+def compacts(running: torch.Tensor, width: int) -> bool:
+    """Whether to drop the ended rows of a batch (``running`` [R]) whose cache holds ``width`` positions:
+    at once while the cache is small; in a large one (long MATH prompts) the copy costs more than a few
+    steps of carrying ended rows, so only once a quarter of the rows have ended."""
+    ended = len(running) - int(running.sum())
+    return ended > 0 and (len(running) * width <= SMALL_CACHE or 4 * ended >= len(running))
 
 
 def left_padded(rows: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -139,10 +139,11 @@ class OursSide:
 
 
 def equal_reward_share(buffer) -> float:
-    """Share of the samples whose prompt group's episode returns are all equal (zero GRPO advantage)."""
-    returns, groups = buffer.episode_returns().flatten(), buffer.group_ids[0].flatten()
-    flat = [bool(returns[groups == g].max() == returns[groups == g].min()) for g in groups.tolist()]
-    return sum(flat) / len(flat)
+    """Share of the samples with a zero GRPO advantage (their prompt group's returns are all equal)."""
+    from algorithms.grpo import group_advantages
+
+    advantages = group_advantages(buffer.episode_returns().flatten(), buffer.group_ids[0].flatten())
+    return float((advantages == 0).float().mean())
 
 
 def make_vllm_generator(policy: LanguagePolicy) -> Generator:

@@ -42,13 +42,10 @@ class Sampling:
 
     def generate(self, generator: Generator, prompts: Sequence[str], seed: int | None = None,
                  greedy: bool = False) -> GenerationOutput:
-        """One sample per prompt; ``greedy`` for evaluation."""
-        stop = list(self.stop) if self.stop is not None else None
-        if greedy:
-            return generator.generate(list(prompts), n=1, max_new_tokens=self.max_new_tokens, temperature=0.0,
-                                      stop=stop)
+        """One sample per prompt; ``greedy`` for evaluation (temperature 0: top-p and the seed do not matter)."""
         return generator.generate(list(prompts), n=1, max_new_tokens=self.max_new_tokens,
-                                  temperature=self.temperature, top_p=self.top_p, stop=stop, seed=seed)
+                                  temperature=0.0 if greedy else self.temperature, top_p=self.top_p,
+                                  stop=list(self.stop) if self.stop is not None else None, seed=seed)
 
     def actions(self, out: GenerationOutput) -> list[str] | list[int]:
         """The env actions of ``out``'s samples: texts, or token ids in token mode."""

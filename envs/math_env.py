@@ -35,7 +35,7 @@ class RewardModelError(RuntimeError):
     """A reward model raised while scoring a batch; the message names the model and the batch."""
 
     def __init__(self, reward_model: RewardModel, contexts: Sequence[StepContext], error: Exception):
-        ids = [c.problem.id for c in contexts]
+        ids = list(dict.fromkeys(c.problem.id for c in contexts))  # a group's samples share a problem
         shown = ", ".join(ids[:8]) + (f", ... ({len(ids)} in all)" if len(ids) > 8 else "")
         super().__init__(f"reward model {getattr(reward_model, 'name', '?')!r} ({type(reward_model).__name__}) "
                          f"raised {type(error).__name__}: {error} while scoring a batch of {len(contexts)} steps "

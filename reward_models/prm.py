@@ -486,9 +486,16 @@ class ProcessRewardModel:
         all step scores (other aggregations; 0 before the end)."""
         scores = self.step_scores([c.problem.problem for c in contexts], [c.steps for c in contexts],
                                   finished=[c.done for c in contexts])
-        if self.aggregation == "step":
-            rewards = np.array([s[-1] if len(s) else 0.0 for s in scores], dtype=np.float64)
-        else:
-            done = np.array([c.done for c in contexts])
-            rewards = np.where(done, np.nan_to_num(aggregate_step_scores(scores, self.aggregation)), 0.0)
-        return RewardOutput(rewards=rewards, components={self.name: rewards})
+        return step_rewards(scores, contexts, self.aggregation, self.name)
+
+
+def step_rewards(scores: Sequence[np.ndarray], contexts: Sequence[StepContext], aggregation: str,
+                 name: str) -> RewardOutput:
+    """The reward [B] a PRM pays from the step scores of B contexts: the new step's score (``step``), or
+    at episode end the aggregate of all step scores (other aggregations; 0 before the end)."""
+    if aggregation == "step":
+        rewards = np.array([s[-1] if len(s) else 0.0 for s in scores], dtype=np.float64)
+    else:
+        done = np.array([c.done for c in contexts])
+        rewards = np.where(done, np.nan_to_num(aggregate_step_scores(scores, aggregation)), 0.0)
+    return RewardOutput(rewards=rewards, components={name: rewards})

@@ -334,7 +334,7 @@ def test_reward_model_error_names_model_and_batch_and_saves_first(untrained_poli
     argv = flags_for(untrained_policy_dir, tmp_path, "GRPO", 4, "--eval_interval", "0", "--save_interval", "0")
     with pytest.raises(RewardModelError, match=r"reward model 'flaky' \(FailingReward\) raised RuntimeError: CUDA "
                                                r"error: device-side assert triggered while scoring a batch of 4 steps "
-                                               r"of problems \[arith:[^,]+(, arith:[^,]+){3}\]$"):
+                                               r"of problems \[arith:[^,]+(, arith:[^,]+)*\]$"):
         run_train_math(argv)
     (run_dir,) = glob.glob(f"{tmp_path}/GRPO_Arith-v0/run_*")
     saved = checkpoint.find_latest(run_dir)

@@ -20,7 +20,6 @@ from envs.datasets import Arith
 from envs.prompts import split_steps
 from reward_models.prm import ProcessRewardModel
 from reward_models.serve import make_server
-from train.tiny import TinyConfig, cache_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,16 +56,16 @@ def assert_scores(remote, local):
 
 
 @pytest.fixture(scope="module")
-def served(request):
-    """(process, url, PRM dir) of ``python -m reward_models.serve`` on the trained tiny PRM, port 0.
-    Stopped with SIGTERM at the end, which must exit 0."""
-    if not (cache_dir(TinyConfig()) / "metrics.json").is_file():
-        pytest.skip("the trained tiny PRM is not built yet (minutes): run python -m pytest -m slow once")
-    prm_dir = request.getfixturevalue("tiny_models").prm
+def served(untrained_policy_dir):
+    """(process, url, PRM dir) of ``python -m reward_models.serve`` on port 0, serving the untrained tiny
+    policy read as a shepherd PRM (``--nocheck_labels``: no build needed, real forwards; the trained
+    PRM differs only in its weights). Stopped with SIGTERM at the end, which must exit 0."""
+    prm_dir = untrained_policy_dir
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with open(os.devnull, "wb") as devnull:
         process = subprocess.Popen([sys.executable, "-m", "reward_models.serve", "--model", str(prm_dir), "--port",
-                                    "0", "--device", "cpu"], stdout=subprocess.PIPE, stderr=devnull, cwd=ROOT, env=env)
+                                    "0", "--device", "cpu", "--nocheck_labels", "--served_model_name", "prm"],
+                                   stdout=subprocess.PIPE, stderr=devnull, cwd=ROOT, env=env)
     try:
         ready, _, _ = select.select([process.stdout], [], [], 120)
         line = process.stdout.readline().decode() if ready else ""
@@ -82,7 +81,7 @@ def served(request):
 
 def test_remote_step_scores_equal_local_ones(served):
     _, url, prm_dir = served
-    local = ProcessRewardModel(prm_dir, device="cpu", kv_cache_mb=0)
+    local = ProcessRewardModel(prm_dir, device="cpu", kv_cache_mb=0, check_labels=False)
     problems, steps, finished = trajectories(12, seed=5)
     assert len({len(s) for s in steps}) >= 3 and any(finished) and not all(finished)
     status, answer, _ = call(url, "/v1/score", {"model": "prm", "problems": problems, "steps": steps,

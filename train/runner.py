@@ -172,12 +172,17 @@ class Runner:
             log.error("iteration %d failed before its update; saved the state at its start to %s", iteration, path)
             raise
         stats.update(self.update(buffer))
-        stats["time/sync"] = self.generator.sync(self.policy)
         self.progress.version += 1
+        self.progress.iteration = iteration + 1  # the update is in: a checkpoint from here on holds it
+        try:
+            stats["time/sync"] = self.generator.sync(self.policy)
+        except Exception:
+            log.error("iteration %d: the generator did not take the new weights; saved the updated state to %s",
+                      iteration, self.save())
+            raise
         if iteration % config.log_interval == 0:
             self.log(iteration, buffer, stats)
         postfix.update(reward=f"{stats['train/reward']:.3f}", train_acc=f"{stats['train/accuracy']:.3f}")
-        self.progress.iteration = iteration + 1
 
     @contextlib.contextmanager
     def signals_stop_after_iteration(self) -> Iterator[None]:

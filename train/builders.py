@@ -29,7 +29,7 @@ from train import flags as train_flags
 from train.collector import Collector, Sampling
 from train.models.generation import Generator, make_generator
 from train.models.policy import LanguagePolicy, LoraSettings, check_model_dir, resolve_device
-from train.models.remote import ClientSettings, ServiceClient
+from train.models.remote import ClientSettings, ServiceClient, ServiceError
 from train.runner import Runner, RunnerConfig
 
 log = logging.getLogger(__name__)
@@ -60,10 +60,13 @@ def check_inputs(f: flags.FlagValues) -> None:
 
         check_prm_dir(f.prm_model_name_or_path, train_flags.resolved_prm_type(f), role="--prm_model_name_or_path",
                       **prm_marker(f))
-    for url, name in ((f.target_url, f.target_model_name), (f.prm_url, f.prm_model_name),
-                      (f.vllm_url, f.vllm_model_name)):
+    for service in ("target", "prm", "vllm"):
+        url, name = f[f"{service}_url"].value, f[f"{service}_model_name"].value
         if url is not None:
-            ServiceClient(url, client_settings(f)).check(name)
+            try:
+                ServiceClient(url, client_settings(f)).check(name)
+            except ServiceError as error:
+                raise ServiceError(f"--{service}_url: {error}") from error
     subjects = [f.dataset_name] if f.dataset_name is not None else None
     for role in ("dataset_path", "eval_dataset_path"):
         if f[role].value is not None and not f[role].value.startswith("hf://"):  # hub datasets load once, later

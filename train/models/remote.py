@@ -96,11 +96,12 @@ class ServiceClient:
 
     def check(self, model: str | None = None) -> dict[str, dict[str, str | None]]:
         """Each URL answers ``/health`` and, when ``model`` is given, serves it (``/v1/models``); returns
-        {url: {served model id: the base model of a LoRA adapter, or None}}. Raises ``ServiceError`` naming the URL within about twice the connect
-        timeout (a server restarting that fast is waited for; one that is not running is reported)."""
+        {url: {served model id: the base model of a LoRA adapter, or None}}. Raises ``ServiceError``
+        naming the URL within about the connect timeout (a server restarting that fast is waited for;
+        one that is not running is reported)."""
         served = {}
         for url in self.urls:
-            deadline = time.monotonic() + 2 * self.settings.connect_timeout
+            deadline = time.monotonic() + self.settings.connect_timeout
             self._until(deadline, url, "GET", "/health", None, raw=True)  # vLLM's answers 200 with no body
             listing = self._until(deadline, url, "GET", "/v1/models", None)
             entries = listing.get("data", []) if isinstance(listing, dict) else []

@@ -91,26 +91,33 @@ def build_problems(
 
 
 class ProblemSampler:
-    """Draws problems without replacement, reshuffling every epoch (or in order if not shuffled)."""
+    """Problems by draw position: position p is problem ``order_e[p % P]`` of epoch ``e = p // P``, where
+    each epoch's order is a fresh permutation from the seeded RNG (or the list order, unshuffled). Epochs
+    are generated in sequence, so a seed fixes the problem at every position whatever order positions
+    are asked in: envs split over processes draw what one process would (``MathVectorEnv`` gives group
+    g its d-th problem at position ``d * total_groups + g``). ``draw`` takes the next position in turn."""
 
     def __init__(self, problems: Sequence[Problem], shuffle: bool = True):
         self.problems = list(problems)
         self.shuffle = shuffle
-        self.rng = np.random.default_rng()
-        self.order = np.arange(len(self.problems))
-        self.position = len(self.problems)  # empty: the first draw starts an epoch
-        self.epoch = -1
         self.index = {p.id: i for i, p in enumerate(self.problems)}
+        self.seed(None)
 
     def seed(self, seed: int | None) -> None:
         self.rng = np.random.default_rng(seed)
-        self.position, self.epoch = len(self.problems), -1
+        self.start = self.rng.bit_generator.state  # the epochs regenerate from here (set_state)
+        self.orders: list[np.ndarray] = []  # [P] problem indices of each epoch generated so far
+        self.position = 0  # the next position ``draw`` takes
+
+    def at(self, position: int) -> Problem:
+        epoch, offset = divmod(position, len(self.problems))
+        while len(self.orders) <= epoch:
+            self.orders.append(self.rng.permutation(len(self.problems)) if self.shuffle
+                               else np.arange(len(self.problems)))
+        return self.problems[self.orders[epoch][offset]]
 
     def draw(self) -> Problem:
-        if self.position == len(self.problems):
-            self.order = self.rng.permutation(len(self.problems)) if self.shuffle else np.arange(len(self.problems))
-            self.position, self.epoch = 0, self.epoch + 1
-        problem = self.problems[self.order[self.position]]
+        problem = self.at(self.position)
         self.position += 1
         return problem
 
@@ -124,19 +131,24 @@ class ProblemSampler:
         return hashlib.sha1("\n".join(p.id for p in self.problems).encode()).hexdigest()
 
     def get_state(self) -> dict[str, Any]:
-        """JSON-serialisable draw position: the RNG, this epoch's order and the next index in it."""
-        return {"fingerprint": self.fingerprint(), "rng": self.rng.bit_generator.state,
-                "order": self.order.tolist(), "position": self.position, "epoch": self.epoch}
+        """JSON-serialisable: the RNG state the epochs start from, how many there are, the next position."""
+        return {"fingerprint": self.fingerprint(), "start": self.start, "epochs": len(self.orders),
+                "position": self.position}
 
     def set_state(self, state: dict[str, Any]) -> None:
-        """Continues drawing exactly where ``get_state`` was called (on the same problem list)."""
+        """Continues exactly where ``get_state`` was called (on the same problem list)."""
         if state["fingerprint"] != self.fingerprint():
             raise ValueError(f"the saved sampler state is for a different problem list than this env's "
                              f"{len(self.problems)} problems; resume with the same dataset, filters and split")
+        if "start" not in state:
+            raise ValueError("the saved sampler state is from an older mathrl (it drew problems in turn, not by "
+                             "position); start a new run")
         self.rng = np.random.default_rng()
-        self.rng.bit_generator.state = state["rng"]
-        self.order = np.asarray(state["order"], dtype=np.int64)
-        self.position, self.epoch = state["position"], state["epoch"]
+        self.rng.bit_generator.state = self.start = state["start"]
+        self.orders = []
+        if state["epochs"]:
+            self.at(state["epochs"] * len(self.problems) - 1)
+        self.position = state["position"]
 
 
 @dataclass

@@ -7,6 +7,11 @@ takes the group's next problem: the j-th episode of every member of group g is t
 drawn once from the shared sampler (without replacement per epoch, reproducible per seed), and
 carries the same ``group_id`` (unique across the run).
 
+Split over processes (data parallelism), each process holds ``num_envs`` of the ``total_groups`` groups,
+starting at global group ``group_offset``; group g's d-th draw is the sampler's position
+``d * total_groups + g`` and that position is its ``group_id``, so every process sees the problems and
+ids that one process holding all the groups would.
+
 Autoreset follows gymnasium 1.x ``AutoresetMode``: ``NEXT_STEP`` (gymnasium's default: the step
 after an episode ends resets that env and ignores its action), ``SAME_STEP`` (the ending step
 already returns the next episode's first observation; the final observation and the ended
@@ -51,12 +56,19 @@ class MathVectorEnv(VectorEnv):
         num_envs: int,
         group_size: int = 1,
         autoreset_mode: AutoresetMode | str = AutoresetMode.NEXT_STEP,
+        group_offset: int = 0,
+        total_groups: int | None = None,
         **task_kwargs: Any,
     ):
         if num_envs < 1:
             raise ValueError(f"num_envs={num_envs} must be >= 1")
         if group_size < 1 or num_envs % group_size:
             raise ValueError(f"group_size={group_size} must be >= 1 and divide num_envs={num_envs}")
+        total_groups = num_envs // group_size if total_groups is None else total_groups
+        if not 0 <= group_offset <= total_groups - num_envs // group_size:
+            raise ValueError(f"groups [{group_offset}, {group_offset + num_envs // group_size}) do not fit in "
+                             f"total_groups={total_groups}")
+        self.group_offset, self.total_groups = group_offset, total_groups
         self.autoreset_mode = AutoresetMode(autoreset_mode)
         self.metadata = {**self.metadata, "autoreset_mode": self.autoreset_mode}
         self.num_envs = num_envs
@@ -69,7 +81,7 @@ class MathVectorEnv(VectorEnv):
         self.episodes: list[Episode] = []
         self.episode_counts = np.zeros(num_envs, dtype=np.int64)  # episodes started per env
         self.group_draws: dict[tuple[int, int], list] = {}  # (group, j) -> [problem, group_id, members left]
-        self.next_group_id = 0
+        self.draws_made = np.zeros(num_envs // group_size, dtype=np.int64)  # problems each group has drawn
         self.needs_reset = np.zeros(num_envs, dtype=bool)  # ended, not reset yet (NEXT_STEP, DISABLED)
 
     @property
@@ -84,6 +96,7 @@ class MathVectorEnv(VectorEnv):
         if seed is not None:
             self.task.sampler.seed(seed)
             self.action_space.seed(seed)
+            self.draws_made[:] = 0
         options = options or {}
         problem_ids = options.get("problem_ids")
         num_groups = self.num_envs // self.group_size
@@ -161,7 +174,7 @@ class MathVectorEnv(VectorEnv):
             "episode_counts": self.episode_counts.tolist(),
             "group_draws": [[group, j, problem.id, group_id, left]
                             for (group, j), (problem, group_id, left) in self.group_draws.items()],
-            "next_group_id": self.next_group_id,
+            "draws_made": self.draws_made.tolist(),
             "needs_reset": self.needs_reset.tolist(),
         }
 
@@ -172,26 +185,57 @@ class MathVectorEnv(VectorEnv):
             raise ValueError(f"the saved env state has {state['num_envs']} envs in groups of {state['group_size']}, "
                              f"this env {self.num_envs} in groups of {self.group_size}; restore it into an env of "
                              "the same num_envs and group_size")
+        if "draws_made" not in state:
+            raise ValueError("the saved env state is from an older mathrl (problems drawn in turn); start a new run")
         self.task.sampler.set_state(state["sampler"])
         self.episodes = [self.task.restore_episode(episode) for episode in state["episodes"]]
         self.episode_counts = np.asarray(state["episode_counts"], dtype=np.int64)
         self.group_draws = {(group, j): [self.task.sampler.get(problem_id), group_id, left]
                             for group, j, problem_id, group_id, left in state["group_draws"]}
-        self.next_group_id = state["next_group_id"]
+        self.draws_made = np.asarray(state["draws_made"], dtype=np.int64)
         self.needs_reset = np.asarray(state["needs_reset"], dtype=bool)
         return self._observations(), self._metadata()
 
+    @staticmethod
+    def merge_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """One state of all the envs from the ``get_state`` of consecutive shards (offsets 0, 1, ... in
+        group order): what one env holding every group would have saved."""
+        group_size = states[0]["group_size"]
+        merged = {"num_envs": sum(state["num_envs"] for state in states), "group_size": group_size,
+                  "sampler": max((state["sampler"] for state in states), key=lambda sampler: sampler["epochs"]),
+                  "group_draws": []}
+        for key in ("episodes", "episode_counts", "draws_made", "needs_reset"):
+            merged[key] = [item for state in states for item in state[key]]
+        offset = 0
+        for state in states:
+            merged["group_draws"] += [[group + offset, *rest] for group, *rest in state["group_draws"]]
+            offset += state["num_envs"] // group_size
+        return merged
+
+    @staticmethod
+    def split_state(state: dict[str, Any], group_offset: int, num_groups: int) -> dict[str, Any]:
+        """The state of the shard of ``num_groups`` groups from ``group_offset`` (inverse of ``merge_states``)."""
+        group_size = state["group_size"]
+        envs = slice(group_offset * group_size, (group_offset + num_groups) * group_size)
+        return {**state, "num_envs": num_groups * group_size,
+                **{key: state[key][envs] for key in ("episodes", "episode_counts", "needs_reset")},
+                "draws_made": state["draws_made"][group_offset:group_offset + num_groups],
+                "group_draws": [[group - group_offset, *rest] for group, *rest in state["group_draws"]
+                                if group_offset <= group < group_offset + num_groups]}
+
     def _start_episode(self, env_index: int, problem_ids: Sequence[str] | None = None) -> Episode:
         """The next episode of env ``env_index``: its group's j-th problem, drawn by the first
-        member that gets there and forgotten once every member has taken it."""
+        member that gets there (at the position the module docstring gives) and forgotten once every
+        member has taken it."""
         group = int(env_index) // self.group_size
         key = (group, int(self.episode_counts[env_index]))
         self.episode_counts[env_index] += 1
         if key not in self.group_draws:
             sampler = self.task.sampler
-            problem = sampler.get(problem_ids[group]) if problem_ids is not None else sampler.draw()
-            self.group_draws[key] = [problem, self.next_group_id, self.group_size]
-            self.next_group_id += 1
+            position = int(self.draws_made[group]) * self.total_groups + self.group_offset + group
+            self.draws_made[group] += 1
+            problem = sampler.get(problem_ids[group]) if problem_ids is not None else sampler.at(position)
+            self.group_draws[key] = [problem, position, self.group_size]
         draw = self.group_draws[key]
         draw[2] -= 1
         if draw[2] == 0:

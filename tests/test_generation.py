@@ -182,16 +182,17 @@ def test_repeated_prompts_sample_exactly_as_n_samples_of_one(policy):
 
 def test_inverse_cdf_sample_draws_the_distribution():
     generator = torch.Generator().manual_seed(0)
+    uniforms = lambda count: torch.rand(count, generator=generator, dtype=torch.float64)  # noqa: E731
     probs = torch.tensor([0.1, 0.0, 0.6, 0.3]) * 3  # unnormalised on purpose
-    draws = inverse_cdf_sample(probs.expand(200_000, -1), generator)
+    draws = inverse_cdf_sample(probs.expand(200_000, -1), uniforms(200_000))
     frequencies = torch.bincount(draws, minlength=4) / len(draws)
     assert frequencies[1] == 0, "a zero-probability token was drawn"
     torch.testing.assert_close(frequencies, probs / probs.sum(), atol=5e-3, rtol=0)
     edges = torch.tensor([[0.0, 0.0, 0.0, 1.0], [1.0, 0.0, 0.0, 0.0], [0.0, 0.5, 0.5, 0.0]])
-    drawn = inverse_cdf_sample(edges.repeat(1000, 1), generator).view(1000, 3)
+    drawn = inverse_cdf_sample(edges.repeat(1000, 1), uniforms(3000)).view(1000, 3)
     assert (drawn[:, 0] == 3).all() and (drawn[:, 1] == 0).all() and set(drawn[:, 2].tolist()) == {1, 2}
     with pytest.raises(ValueError, match="not finite"):
-        inverse_cdf_sample(torch.tensor([[float("nan"), 1.0]]), generator)
+        inverse_cdf_sample(torch.tensor([[float("nan"), 1.0]]), uniforms(1))
 
 
 def test_models_with_non_attention_layers_are_refused():

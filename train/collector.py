@@ -7,7 +7,11 @@ step the (env, agent) pairs that act get one action each (the MATH envs have one
 the env scores the rewards itself, in one batch, and returns them as arrays.
 
 Statistics leave as sums and counts (``Tally``): means are taken by the runner, where the tallies of
-several processes could be added first.
+several processes are added first.
+
+Data parallelism: a process's envs are the global envs ``[env_offset, env_offset + num_envs)``. Each
+action is sampled from a seed of (the iteration's seed, the step, the global env index), so a sample is
+the same whichever process, and whichever batch, it is generated in.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch
 
 from algorithms.buffer import RolloutBuffer
 from algorithms.registry import AlgorithmSpec
-from train.models.generation import GenerationOutput, Generator
+from train.models.generation import GenerationOutput, Generator, Seed, mix_seed
 from train.models.policy import LanguagePolicy
 
 
@@ -40,7 +44,7 @@ class Sampling:
     eos_text: str = ""
     token_actions: bool = False
 
-    def generate(self, generator: Generator, prompts: Sequence[str], seed: int | None = None,
+    def generate(self, generator: Generator, prompts: Sequence[str], seed: Seed = None,
                  greedy: bool = False) -> GenerationOutput:
         """One sample per prompt; ``greedy`` for evaluation (temperature 0: top-p and the seed do not matter)."""
         return generator.generate(list(prompts), n=1, max_new_tokens=self.max_new_tokens,
@@ -92,8 +96,10 @@ class Collector:
     """Owns the training env's episodes between iterations: the current observations and infos, each
     env's running episode return and the env steps taken (all saved with checkpoints)."""
 
-    def __init__(self, env, spec: AlgorithmSpec, episode_length: int, sampling: Sampling, seed: int):
+    def __init__(self, env, spec: AlgorithmSpec, episode_length: int, sampling: Sampling, seed: int,
+                 env_offset: int = 0):
         self.env, self.spec, self.episode_length, self.sampling = env, spec, episode_length, sampling
+        self.env_offset = env_offset
         self.obs, self.info = env.reset(seed=seed)
         self.episode_return = np.zeros(env.num_envs)
         self.env_steps = 0
@@ -132,7 +138,8 @@ class Collector:
         """One env step in which the envs ``envs`` act; returns the env's (terminated, truncated) [N]."""
         agents = np.zeros_like(envs)  # one agent per env
         started = time.perf_counter()
-        out = self.sampling.generate(generator, [self.obs[i] for i in envs], seed=seed + step)
+        seeds = [mix_seed(seed, step, self.env_offset + i) for i in envs]
+        out = self.sampling.generate(generator, [self.obs[i] for i in envs], seed=seeds)
         tally.seconds["generate"] += time.perf_counter() - started
         tally.add("tokens", [len(ids) for ids in out.token_ids])
         values, token_values = self.critic_values(policy, out.prompt_token_ids, out.token_ids)
@@ -190,6 +197,20 @@ class Collector:
         episode return and the env steps taken."""
         return {"env": self.env.get_state(), "episode_return": self.episode_return.tolist(),
                 "env_steps": self.env_steps}
+
+    def merge_states(self, states: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """The collector state of one process holding every rank's envs (``states`` in rank order)."""
+        return {"env": self.env.merge_states([state["env"] for state in states]),
+                "episode_return": [value for state in states for value in state["episode_return"]],
+                "env_steps": sum(state["env_steps"] for state in states)}
+
+    def split_state(self, state: dict[str, Any], rank: int) -> dict[str, Any]:
+        """This collector's share of a merged state (its envs: ``env_offset`` on); rank 0 keeps the count
+        of env steps, so the ranks' counts still add up to it."""
+        num_envs, group_size = self.env.num_envs, self.env.group_size
+        envs = slice(self.env_offset, self.env_offset + num_envs)
+        return {"env": self.env.split_state(state["env"], self.env_offset // group_size, num_envs // group_size),
+                "episode_return": state["episode_return"][envs], "env_steps": state["env_steps"] if rank == 0 else 0}
 
     def set_state(self, state: dict[str, Any]) -> None:
         """Continues exactly where ``get_state`` was called."""

@@ -13,6 +13,10 @@ Conventions every backend follows:
   unscaled (temperature 1) distribution.
 - String prompts are tokenized with the policy's tokenizer (``add_special_tokens`` as it defines);
   both backends receive token ids, so they see identical prompts.
+- Seeds: ``seed`` is one int for the call or one int per prompt. The HF backend draws each sample from
+  a stream of its own (``row_seeds``: sample k of an int seed, or sample j of prompt i's seed), so a
+  sample does not depend on which other rows share its batch, nor on how a batch is split over
+  processes. vLLM seeds its requests from the same ints; its draws are its own.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Protocol, Sequence
 
+import numpy as np
 import torch
 from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase, StopStringCriteria
 from transformers.cache_utils import Cache, DynamicLayer
@@ -31,6 +36,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from train.models.policy import LanguagePolicy, kv_cache_keyword, load_tokenizer
 
 Prompts = Sequence[str] | Sequence[Sequence[int]]
+Seed = int | Sequence[int] | None
 FINISH_REASONS = ("stop", "length", "eos")
 
 
@@ -48,8 +54,8 @@ class GenerationOutput:
 class Generator(Protocol):
     def generate(self, prompts: Prompts, n: int = 1, max_new_tokens: int = 64, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = -1, stop: list[str] | None = None,
-                 seed: int | None = None) -> GenerationOutput:
-        """Samples ``n`` completions per prompt."""
+                 seed: Seed = None) -> GenerationOutput:
+        """Samples ``n`` completions per prompt (``seed``: see the module docstring)."""
 
     def sync(self, policy: LanguagePolicy) -> float:
         """Makes the backend generate with ``policy``'s current weights; returns seconds taken."""
@@ -66,6 +72,35 @@ def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: Prompts) -> list
     if isinstance(prompts[0], str):
         return [list(ids) for ids in tokenizer(list(prompts))["input_ids"]]
     return [list(ids) for ids in prompts]
+
+
+def mix_seed(*parts: int) -> int:
+    """A 63-bit seed from integers, each changing it completely (numpy's SeedSequence hashing)."""
+    words = [word for part in parts for word in (part % 2**32, part // 2**32 % 2**32)]  # negatives wrap
+    return int(np.random.SeedSequence(words).generate_state(1, np.uint64)[0] >> 1)
+
+
+def row_seeds(seed: Seed, num_prompts: int, n: int) -> list[int]:
+    """The seed of each of the ``num_prompts * n`` samples (prompt-major): ``mix_seed(seed, k)`` for sample k
+    of an int seed, ``mix_seed(seed[i], j)`` for sample j of prompt i with one seed per prompt, fresh
+    entropy for None."""
+    if seed is None:
+        seed = int(np.random.SeedSequence().generate_state(1, np.uint64)[0] >> 1)
+    if isinstance(seed, int):
+        return [mix_seed(seed, k) for k in range(num_prompts * n)]
+    if len(seed) != num_prompts:
+        raise ValueError(f"got {len(seed)} seeds for {num_prompts} prompts; give one int, or one seed per prompt")
+    return [mix_seed(prompt_seed, j) for prompt_seed in seed for j in range(n)]
+
+
+def uniform_draws(seeds: Sequence[int], length: int, device: torch.device) -> torch.Tensor:
+    """``[B, length]`` float64 uniforms in [0, 1), row b from a generator seeded with ``seeds[b]``."""
+    generator = torch.Generator()
+    rows = []
+    for seed in seeds:  # one small draw per sample, not per token
+        generator.manual_seed(seed)
+        rows.append(torch.rand(length, generator=generator, dtype=torch.float64))
+    return torch.stack(rows).to(device)
 
 
 def check_sampling(n: int, max_new_tokens: int, temperature: float, top_p: float, top_k: int) -> None:
@@ -115,22 +150,23 @@ class Sampler:
     temperature: float
     top_k: int
     top_p: float
-    generator: torch.Generator
 
-    def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``([A] token ids, [A] behaviour log-probs)`` from ``[A, V]`` next-token logits."""
+    def __call__(self, logits: torch.Tensor, uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``([A] token ids, [A] behaviour log-probs)`` from ``[A, V]`` next-token logits and ``[A]``
+        uniforms (unused when greedy)."""
         logits = logits.float()
         if self.temperature == 0:
             tokens = logits.argmax(-1)
             log_probs = logits.log_softmax(-1)
         else:
             log_probs = filter_logits(logits / self.temperature, self.top_k, self.top_p).log_softmax(-1)
-            tokens = inverse_cdf_sample(log_probs.exp(), self.generator)
+            tokens = inverse_cdf_sample(log_probs.exp(), uniforms)
         return tokens, log_probs.gather(1, tokens[:, None]).squeeze(1)
 
 
-def inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """``[A]`` column indices, one drawn per row of ``[A, V]`` non-negative (unnormalised) ``probs``.
+def inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """``[A]`` column indices, one drawn per row of ``[A, V]`` non-negative (unnormalised) ``probs`` with
+    its uniform of ``[A]`` float64 ``uniforms`` in [0, 1).
 
     The distribution ``torch.multinomial`` samples, from one uniform per row instead of one exponential
     per vocabulary entry (which made multinomial ~10% of a CPU decode step). In float64, ``u * total``
@@ -142,8 +178,7 @@ def inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator) -> torch
     if not bool(total.isfinite().all()):
         raise ValueError("next-token probabilities are not finite (NaN or inf logits): the model's weights or "
                          "inputs have diverged")
-    draws = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=probs.device) * total
-    return torch.searchsorted(cdf, draws, right=True).squeeze(1)
+    return torch.searchsorted(cdf, uniforms[:, None] * total, right=True).squeeze(1)
 
 
 class _PreallocatedLayer(DynamicLayer):
@@ -290,28 +325,28 @@ class HFGenerator:
 
     def generate(self, prompts: Prompts, n: int = 1, max_new_tokens: int = 64, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = -1, stop: list[str] | None = None,
-                 seed: int | None = None) -> GenerationOutput:
+                 seed: Seed = None) -> GenerationOutput:
         check_sampling(n, max_new_tokens, temperature, top_p, top_k)
         tokenizer = self.policy.tokenizer
         prompt_ids = encode_prompts(tokenizer, prompts)
         rows = [ids for ids in prompt_ids for _ in range(n)]
-        generator = torch.Generator(self.policy.device)
-        if seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(seed)
-        sampler = Sampler(temperature, top_k, top_p, generator)
+        seeds = row_seeds(seed, len(prompt_ids), n) if temperature > 0 else None
+        sampler = Sampler(temperature, top_k, top_p)
         token_ids, logprobs, reasons = [None] * len(rows), [None] * len(rows), [None] * len(rows)
         for batch in length_batches([len(row) for row in rows], max_new_tokens, self.batch_size,
                                     self.max_batch_tokens):
-            outputs = self._generate_rows([rows[i] for i in batch], max_new_tokens, sampler, stop)
+            uniforms = (uniform_draws([seeds[i] for i in batch], max_new_tokens, self.policy.device)
+                        if seeds is not None else None)
+            outputs = self._generate_rows([rows[i] for i in batch], max_new_tokens, sampler, uniforms, stop)
             for i, row_ids, row_logprobs, reason in zip(batch, *outputs):
                 token_ids[i], logprobs[i], reasons[i] = row_ids, row_logprobs, reason
         return GenerationOutput(texts=finish_texts(tokenizer, token_ids, reasons, stop), token_ids=token_ids,
                                 logprobs=logprobs, finish_reasons=reasons, prompt_token_ids=rows)
 
     def _generate_rows(self, rows: list[list[int]], max_new_tokens: int, sampler: Sampler,
-                       stop: list[str] | None) -> tuple[list[list[int]], list[list[float]], list[str]]:
+                       uniforms: torch.Tensor | None, stop: list[str] | None,
+                       ) -> tuple[list[list[int]], list[list[float]], list[str]]:
+        """Decodes ``rows`` (prompt ids) together; ``uniforms`` [rows, max_new_tokens]: each row's draws."""
         model, pad_id, device = self.policy.causal_lm, self.policy.tokenizer.pad_token_id, self.policy.device
         prompts, prompt_of_row = distinct_rows(rows)
         input_ids, attention_mask = left_padded(prompts, pad_id, device)  # [U, P]
@@ -324,16 +359,16 @@ class HFGenerator:
             prompt_of_row = torch.tensor(prompt_of_row, device=device)
             cache.batch_select_indices(prompt_of_row)
             self._decode(model, cache, logits[prompt_of_row], attention_mask.sum(1)[prompt_of_row], samples,
-                         sampler, stop)
+                         sampler, uniforms, stop)
         return samples.outputs()
 
     def _decode(self, model: PreTrainedModel, cache: Cache, logits: torch.Tensor, prompt_lengths: torch.Tensor,
-                samples: _Samples, sampler: Sampler, stop: list[str] | None) -> None:
+                samples: _Samples, sampler: Sampler, uniforms: torch.Tensor | None, stop: list[str] | None) -> None:
         """Samples into ``samples`` from the prefilled ``cache`` (``[B, V]`` next-token ``logits``, ``[B]``
         prompt lengths), one token per running row per step. Rows that end leave the batch (and the cache)
         when that pays (``compacts``): later steps cost only the rows still going (~15% less decode time on
-        GRPO batches). Tokens are drawn for the running rows only, in batch order, so when rows leave
-        changes no sample."""
+        GRPO batches). Each sample draws its step-th token with its own ``uniforms[sample, step]``, so when
+        rows leave changes no sample."""
         cached = {kv_cache_keyword(model): cache}
         eos_ids = torch.tensor(eos_token_ids(self.policy.tokenizer, model), dtype=torch.long, device=logits.device)
         stop_criterion = self._stop_criterion(stop)
@@ -344,7 +379,7 @@ class HFGenerator:
         for step in range(max_new_tokens):
             rows = running.nonzero().squeeze(1)  # [A] the rows that sample this step
             live = sample_of_row[rows]
-            tokens, logprobs = sampler(logits[rows])  # [A]
+            tokens, logprobs = sampler(logits[rows], uniforms[live, step] if uniforms is not None else None)  # [A]
             samples.token_ids[live, step], samples.logprobs[live, step] = tokens, logprobs
             is_eos = torch.isin(tokens, eos_ids)
             ended = is_eos
@@ -474,15 +509,15 @@ class VLLMGenerator:
 
     def generate(self, prompts: Prompts, n: int = 1, max_new_tokens: int = 64, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = -1, stop: list[str] | None = None,
-                 seed: int | None = None) -> GenerationOutput:
+                 seed: Seed = None) -> GenerationOutput:
         check_sampling(n, max_new_tokens, temperature, top_p, top_k)
         prompt_ids = encode_prompts(self.tokenizer, prompts)
+        seeds = request_seeds(seed, len(prompt_ids), n)
         params = [
             self._vllm.SamplingParams(
                 n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_new_tokens,
                 stop=stop, include_stop_str_in_output=True, logprobs=0, flat_logprobs=True,
-                # vLLM seeds the n children of a request with seed + j: prompts get disjoint seed ranges
-                seed=None if seed is None else seed + i * n,
+                seed=seeds[i],
             )
             for i in range(len(prompt_ids))
         ]
@@ -496,6 +531,16 @@ class VLLMGenerator:
             logprobs=[list(sample.logprobs.logprobs) for sample in samples], finish_reasons=reasons,
             prompt_token_ids=[ids for ids in prompt_ids for _ in range(n)],
         )
+
+
+def request_seeds(seed: Seed, num_prompts: int, n: int) -> list[int | None]:
+    """The seed of each prompt's request to a vLLM engine or server, which seeds its n samples with
+    seed + j: ``seed + i * n`` (disjoint ranges) for an int, the prompt's own seed from a list."""
+    if seed is None or isinstance(seed, int):
+        return [None if seed is None else seed + i * n for i in range(num_prompts)]
+    if len(seed) != num_prompts:
+        raise ValueError(f"got {len(seed)} seeds for {num_prompts} prompts; give one int, or one seed per prompt")
+    return list(seed)
 
 
 def _check_cpu_head_size(model_dir: str | Path) -> None:

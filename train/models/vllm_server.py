@@ -4,8 +4,8 @@ The same backend serves the frozen target solver (``--target_url``: only texts a
 policy's own rollouts (``--generation_backend vllm_server``: token ids and behaviour log-probs come
 back from the server, and the PPO ratio uses them as with the in-process backends).
 
-Requests are one per prompt (``n`` samples each, seed ``seed + i * n`` for prompt i, as the
-in-process vLLM backend seeds them), spread over the URLs by ``ServiceClient``; prompts go as token
+Requests are one per prompt (``n`` samples each, seeded as the in-process vLLM backend seeds them:
+``request_seeds``), spread over the URLs by ``ServiceClient``; prompts go as token
 ids when a tokenizer is given, so the server sees exactly what the trainer tokenized.
 
 Weight sync (``sync``), the policy trained here and served there:
@@ -34,7 +34,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from train.models.generation import GenerationOutput, Prompts, check_sampling, encode_prompts, finish_texts
+from train.models.generation import (GenerationOutput, Prompts, Seed, check_sampling, encode_prompts, finish_texts,
+                                     request_seeds)
 from train.models.policy import LanguagePolicy
 from train.models.remote import ClientSettings, ServiceClient, ServiceError
 
@@ -63,14 +64,15 @@ class ServerGenerator:
 
     def generate(self, prompts: Prompts, n: int = 1, max_new_tokens: int = 64, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = -1, stop: list[str] | None = None,
-                 seed: int | None = None) -> GenerationOutput:
+                 seed: Seed = None) -> GenerationOutput:
         check_sampling(n, max_new_tokens, temperature, top_p, top_k)
         inputs = encode_prompts(self.tokenizer, prompts) if self.tokenizer is not None else list(prompts)
+        seeds = request_seeds(seed, len(inputs), n)
         payloads = [{"model": self.model, "prompt": prompt, "n": n, "max_tokens": max_new_tokens,
                      "temperature": temperature, "top_p": top_p, "top_k": top_k, "stop": stop or [],
                      "include_stop_str_in_output": True, "logprobs": 0, "return_token_ids": True,
-                     "skip_special_tokens": True, "seed": None if seed is None else seed + i * n}
-                    for i, prompt in enumerate(inputs)]
+                     "skip_special_tokens": True, "seed": prompt_seed}
+                    for prompt, prompt_seed in zip(inputs, seeds)]
         choices = [choice for answer in self.client.post_many("/v1/completions", payloads)
                    for choice in _choices(answer, n)]
         token_ids = [list(choice["token_ids"]) for choice in choices]

@@ -170,6 +170,17 @@ def test_seeds_reproduce_samples_without_touching_the_global_rng(policy):
     assert torch.equal(torch.get_rng_state(), global_state)
 
 
+def test_a_sample_depends_on_its_seed_alone_not_on_the_batch_it_is_decoded_in(policy):
+    """What data parallelism needs: a sample split off to another process with its seed is the same."""
+    generator = HFGenerator(policy)
+    together = generator.generate(PROMPTS, n=2, max_new_tokens=12, seed=[11, 12, 13])
+    alone = generator.generate(PROMPTS[1:2], n=2, max_new_tokens=12, seed=[12])
+    assert alone.token_ids == together.token_ids[2:4]
+    assert together.token_ids[2] != together.token_ids[3] or together.token_ids[0] != together.token_ids[1]
+    with pytest.raises(ValueError, match="got 2 seeds for 3 prompts"):
+        generator.generate(PROMPTS, seed=[1, 2])
+
+
 def test_repeated_prompts_sample_exactly_as_n_samples_of_one(policy):
     """The runner passes a GRPO group as n=1 copies of its prompt; each distinct prompt is prefilled once
     either way, and the samples are those of n samples of it."""

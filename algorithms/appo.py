@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from algorithms.base import ActionScores, BaseAlgorithm, detached
+from algorithms.base import ActionScores, BaseAlgorithm, SumReducer, batch_mean_std, detached
 from algorithms.buffer import Batch, RolloutBuffer, Targets
 from algorithms.losses import clipped_surrogate, kl_k3, masked_mean, value_loss
 
@@ -51,7 +51,7 @@ class APPO(BaseAlgorithm):
         live = buffer.live
         advantages, returns = gae(buffer.rewards * live, buffer.values, buffer.next_values, buffer.episode_ends(),
                                   self.config.gamma, self.config.gae_lambda)
-        return Targets(normalized(advantages, live), returns, stats={
+        return Targets(normalized(advantages, live, self.reduce_sum), returns, stats={
             "advantages": advantages[live], "returns": returns[live], "values": buffer.values[live]})
 
     def loss(self, scores: ActionScores, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -72,8 +72,9 @@ class APPO(BaseAlgorithm):
         return torch.zeros(batch.num_samples, dtype=torch.bool)
 
 
-def normalized(advantages: torch.Tensor, live: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """Advantages standardised over the live slots (PPO's per-batch normalisation), 0 elsewhere."""
-    values = advantages[live]
-    std = values.std() if values.numel() > 1 else values.new_tensor(1.0)
-    return torch.where(live, (advantages - values.mean()) / (std + eps), torch.zeros_like(advantages))
+def normalized(advantages: torch.Tensor, live: torch.Tensor, reduce_sum: SumReducer = lambda tensor: tensor,
+               eps: float = 1e-8) -> torch.Tensor:
+    """Advantages standardised over the live slots of the whole batch (PPO's per-batch normalisation;
+    ``reduce_sum`` adds the other processes' parts), 0 elsewhere."""
+    mean, std = batch_mean_std(advantages[live], reduce_sum)
+    return torch.where(live, (advantages - mean) / (std + eps), torch.zeros_like(advantages))

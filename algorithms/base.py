@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -78,13 +78,29 @@ class Algorithm(Protocol):
         ...
 
 
+SumReducer = Callable[[torch.Tensor], torch.Tensor]
+"""Adds a tensor over the processes that each hold part of one batch (the identity in one process)."""
+
+
+def batch_mean_std(values: torch.Tensor, reduce_sum: SumReducer) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and unbiased std of ``values`` [K] over the whole batch, of which ``values`` may be one
+    process's part (two passes, as ``Tensor.std``; std 1 for fewer than two values)."""
+    count, total = reduce_sum(torch.stack([values.new_tensor(values.numel()), values.sum()]))
+    mean = total / count.clamp(min=1)
+    squares = reduce_sum(((values - mean) ** 2).sum())
+    std = (squares / (count - 1)).sqrt() if bool(count > 1) else values.new_tensor(1.0)
+    return mean, std
+
+
 class BaseAlgorithm:
-    """What the algorithms share: their settings, and a reference pass only when the loss has a KL term."""
+    """What the algorithms share: their settings, a reference pass only when the loss has a KL term, and
+    ``reduce_sum`` for statistics over the whole batch (set by the trainer under data parallelism)."""
 
     needs_process_rewards = False
 
     def __init__(self, config: AlgorithmConfig):
         self.config = config
+        self.reduce_sum: SumReducer = lambda tensor: tensor
 
     @property
     def needs_reference(self) -> bool:

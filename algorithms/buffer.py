@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
+import numpy as np
 import torch
 
 
@@ -192,7 +193,8 @@ class RolloutBuffer:
 
     def minibatches(self, targets: Targets, num_mini_batch: int, micro_batches: int,
                     generator: torch.Generator | None = None,
-                    skip: Callable[[Batch], torch.Tensor] | None = None) -> Iterator[list[Batch]]:
+                    skip: Callable[[Batch], torch.Tensor] | None = None,
+                    reduce_totals: Callable[[np.ndarray], np.ndarray] | None = None) -> Iterator[list[Batch]]:
         """Shuffles the trained slots into ``num_mini_batch`` minibatches (one optimizer step each),
         each split into up to ``micro_batches`` micro-batches (gradient accumulation).
 
@@ -200,21 +202,29 @@ class RolloutBuffer:
         minibatch's sample and token totals, so each sample weighs the same. ``skip(batch) -> [B]``
         drops rows whose loss is exactly zero before they are forwarded; they still count in the
         totals, so the gradient is unchanged.
+
+        Data parallelism: ``reduce_totals`` maps this process's ``[num_mini_batch, 2]`` (samples, tokens)
+        to the totals over every process, so a sample weighs the same whichever process holds it; every
+        minibatch with rows anywhere is then yielded, as ``[]`` where this process has none to forward,
+        so that all processes step together.
         """
         if num_mini_batch < 1 or micro_batches < 1:
             raise ValueError(f"num_mini_batch={num_mini_batch} and micro_batches={micro_batches} must be >= 1")
         slots = self.trained(targets).flatten().nonzero().squeeze(1)
         order = slots[torch.randperm(len(slots), generator=generator, device="cpu").to(slots.device)]
         lengths = self.action_lengths.flatten()
-        for minibatch in torch.tensor_split(order, num_mini_batch):
-            if len(minibatch) == 0:
+        minibatches = torch.tensor_split(order, num_mini_batch)
+        totals = np.array([(len(m), int(lengths[m].sum())) for m in minibatches], dtype=np.float64)
+        if reduce_totals is not None:
+            totals = reduce_totals(totals)
+        for minibatch, (samples, tokens) in zip(minibatches, totals.astype(np.int64).tolist()):
+            if samples == 0:
                 continue
-            totals = (len(minibatch), int(lengths[minibatch].sum()))
-            if skip is not None:
-                minibatch = minibatch[~skip(self.batch(minibatch, *totals, targets)).to(minibatch.device)]
+            if skip is not None and len(minibatch):
+                minibatch = minibatch[~skip(self.batch(minibatch, samples, tokens, targets)).to(minibatch.device)]
             chunks = [chunk for chunk in torch.tensor_split(minibatch, micro_batches) if len(chunk)]
-            if chunks:  # a minibatch whose rows were all skipped has no gradient: no optimizer step
-                yield [self.batch(chunk, *totals, targets) for chunk in chunks]
+            if chunks or reduce_totals is not None:  # all rows skipped (one process): no gradient, no step
+                yield [self.batch(chunk, samples, tokens, targets) for chunk in chunks]
 
     def batch(self, index: torch.Tensor, minibatch_samples: int, minibatch_tokens: int,
               targets: Targets | None = None) -> Batch:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from algorithms.base import ActionScores, BaseAlgorithm, token_policy_loss, zero_advantage_rows
+from algorithms.base import (ActionScores, BaseAlgorithm, SumReducer, batch_mean_std, token_policy_loss,
+                             zero_advantage_rows)
 from algorithms.buffer import Batch, RolloutBuffer, Targets
 from algorithms.losses import group_index, group_means
 
@@ -12,13 +13,15 @@ SCALE_REWARDS = ("group", "batch", "none")
 
 
 def group_advantages(
-    returns: torch.Tensor, group_ids: torch.Tensor, scale_rewards: str = "group", eps: float = 1e-4
+    returns: torch.Tensor, group_ids: torch.Tensor, scale_rewards: str = "group", eps: float = 1e-4,
+    reduce_sum: SumReducer = lambda tensor: tensor,
 ) -> torch.Tensor:
     """Advantages [B] of episode returns [B] grouped by ``group_ids`` [B] (episodes of one prompt).
 
     A_i = (R_i - mean_g) / (std + eps), where std is the group's (``group``, GRPO), the whole
     batch's (``batch``) or 1 (``none``, Dr.GRPO: no length/difficulty bias from the division).
-    The std is the unbiased sample std, as TRL computes it. Vectorised with scatter sums.
+    The std is the unbiased sample std, as TRL computes it; ``reduce_sum`` adds the other processes'
+    parts of the batch (groups are never split). Vectorised with scatter sums.
     """
     if scale_rewards not in SCALE_REWARDS:
         raise ValueError(f"scale_rewards={scale_rewards!r} must be one of {SCALE_REWARDS}")
@@ -27,7 +30,7 @@ def group_advantages(
     if scale_rewards == "none":
         return centered
     if scale_rewards == "batch":
-        return centered / (returns.std() + eps)
+        return centered / (batch_mean_std(returns, reduce_sum)[1] + eps)
     variances = group_means(centered**2, groups, sizes) * sizes / (sizes - 1)  # unbiased
     return centered / (variances.sqrt()[groups] + eps)
 
@@ -43,7 +46,8 @@ class GRPO(BaseAlgorithm):
         """advantages [T, N, A]: the episode's group advantage on each of its live steps."""
         returns = buffer.episode_returns()  # [N, A]
         group_ids = buffer.group_ids[0]  # [N, A]: constant over an episode
-        advantages = group_advantages(returns.flatten(), group_ids.flatten(), self.config.scale_rewards)
+        advantages = group_advantages(returns.flatten(), group_ids.flatten(), self.config.scale_rewards,
+                                      reduce_sum=self.reduce_sum)
         return Targets(advantages.reshape(returns.shape)[None] * buffer.live,
                        stats={"episode_returns": returns.flatten(), "advantages": advantages})
 

@@ -73,7 +73,7 @@ class TPPO(BaseAlgorithm):
             buffer.episode_ends().reshape(flat), self.config.gamma, self.config.gae_lambda)
         mask = buffer.token_mask()
         advantages, returns = advantages.reshape(mask.shape), returns.reshape(mask.shape)
-        return Targets(normalized(advantages, mask), returns, stats={
+        return Targets(normalized(advantages, mask, self.reduce_sum), returns, stats={
             "advantages": advantages[mask], "returns": returns[mask], "values": buffer.token_values[mask]})
 
     def loss(self, scores: ActionScores, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

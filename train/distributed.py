@@ -1,0 +1,122 @@
+"""Data parallelism under ``torchrun``: process groups, the ranks' share of the work, and reductions.
+
+``torchrun --nproc_per_node N train_math.py ...`` (or SLURM's srun, or any launcher that sets torchrun's
+environment: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) starts N processes; without that
+environment the same code runs as one process and nothing here communicates.
+
+- Backend from the device: gloo on CPU, NCCL on CUDA (each rank on ``cuda:LOCAL_RANK``). Every
+  collective carries ``--dist_timeout``: a rank that hangs or died makes the others raise within it
+  instead of waiting forever (torchrun then stops the job and names the rank that failed first).
+- Each rank owns whole prompt groups (``shard``), so group advantages stay local, and every random
+  draw derives from (seed, iteration, global sample index), never from the rank (envs and collector).
+- Gradients: the policy is wrapped in DDP, which averages them over ranks; losses are normalised by
+  the global sample or token count (``all_reduce_sum`` of the minibatch totals) and scaled by the world
+  size, so N ranks compute the gradient one process would on all their samples.
+- Rank 0 alone writes TensorBoard, the progress bar, checkpoints and the policy export; statistics are
+  sums and counts added over ranks first.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in the job: ``rank`` of ``world_size`` (``local_rank`` on its node)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def launched_ranks() -> Ranks:
+    """The ranks torchrun's environment describes (one process when it is absent)."""
+    if "WORLD_SIZE" not in os.environ:
+        return Ranks()
+    missing = [name for name in TORCHRUN_VARIABLES if name not in os.environ]
+    if missing:
+        raise ValueError(f"WORLD_SIZE is set but {', '.join(missing)} are not: launch with torchrun (or a launcher "
+                         "that sets all of RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)")
+    return Ranks(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"]))
+
+
+def init(device: str, timeout_s: float) -> Ranks:
+    """Joins the process group of a torchrun job (nothing for one process). On CUDA each rank takes GPU
+    ``LOCAL_RANK`` as its current device, so ``cuda`` means that one."""
+    ranks = launched_ranks()
+    if not ranks.distributed or dist.is_initialized():
+        return ranks
+    wants_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    if wants_cuda:
+        torch.cuda.set_device(ranks.local_rank)
+    dist.init_process_group("nccl" if wants_cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+    atexit.register(shutdown)
+    return ranks
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def shard(total_envs: int, group_size: int, ranks: Ranks) -> tuple[int, int]:
+    """``(first global env, envs)`` of this rank: whole groups, the same count on every rank."""
+    groups = total_envs // group_size
+    if groups % ranks.world_size:
+        raise ValueError(f"{groups} prompt groups (--n_rollout_threads={total_envs} / --group_size={group_size}) do "
+                         f"not split evenly over {ranks.world_size} ranks: each rank owns whole groups; use a "
+                         f"multiple of {ranks.world_size * group_size} envs")
+    per_rank = groups // ranks.world_size * group_size
+    return ranks.rank * per_rank, per_rank
+
+
+def all_reduce_sum(values: Sequence[float] | np.ndarray) -> np.ndarray:
+    """Element-wise sums over ranks of float64 ``values`` (themselves with one process)."""
+    array = np.asarray(values, dtype=np.float64)
+    if not dist.is_initialized():
+        return array
+    tensor = torch.from_numpy(array.copy())
+    if dist.get_backend() == "nccl":
+        tensor = tensor.cuda()
+    dist.all_reduce(tensor)
+    return tensor.cpu().numpy()
+
+
+def all_reduce_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` summed over ranks (a new tensor; the algorithms' ``reduce_sum`` under torchrun)."""
+    summed = tensor.detach().clone()
+    dist.all_reduce(summed)
+    return summed
+
+
+def all_gather_objects(value: Any) -> list[Any]:
+    """Every rank's ``value``, in rank order (``[value]`` with one process)."""
+    if not dist.is_initialized():
+        return [value]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()

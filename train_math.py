@@ -2,6 +2,7 @@
 
     python train_math.py                      # tiny built-in policy on Arith-v0, GRPO, CPU
     python train_math.py --helpfull           # every flag
+    torchrun --standalone --nproc_per_node 2 train_math.py   # data-parallel over 2 ranks (train/distributed.py)
     python -u train_math.py --dataset_path ./math_500.jsonl --model_name_or_path ./Qwen2.5-Math-1.5B \\
         --prm_model_name_or_path ./math-shepherd-mistral-7b-prm --algorithm_name APPO --num_mini_batch 4 --ppo_epoch 1
 
@@ -15,6 +16,7 @@ checkpoint after the current iteration and exit 0 with the command that resumes.
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import shutil
 import sys
@@ -33,13 +35,18 @@ if TYPE_CHECKING:
 FLAGS = train_flags.FLAGS
 
 
-def prepare_run_dir(saved) -> Path:
-    """The run directory: the resumed checkpoint's, else a new <logdir>/<experiment>/run_<time>.
-    Created (and checked writable) before any model loads."""
+def prepare_run_dir(saved, ranks) -> Path:
+    """The run directory: the resumed checkpoint's, else a new <logdir>/<experiment>/run_<time> (rank 0's
+    time under torchrun). Created (and checked writable) before any model loads."""
+    from train import distributed
+
     if saved is not None and saved.run_dir is not None:
         run_dir = saved.run_dir
     else:
-        run_dir = Path(FLAGS.logdir) / train_flags.resolved_experiment_name() / time.strftime("run_%Y%m%d_%H%M%S")
+        name = distributed.all_gather_objects(time.strftime("run_%Y%m%d_%H%M%S"))[0]
+        run_dir = Path(FLAGS.logdir) / train_flags.resolved_experiment_name() / name
+    if not ranks.is_main:
+        return run_dir
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         probe = run_dir / ".write_test"
@@ -84,8 +91,10 @@ def resume_command(path: Path) -> str:
 def fail(message: str, code: int = 1) -> NoReturn:
     """The one format for every mistake a user can make before training starts (bad flags, files, model
     directories or checkpoints raise flags.Error, ValueError, OSError or CheckpointError) and for a
-    server that stops answering (ServiceError): one line, no traceback, exit code 1."""
-    print(f"train_math.py: error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
+    server that stops answering (ServiceError): one line, no traceback, exit code 1. Under torchrun the
+    line names the rank."""
+    rank = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+    print(f"{rank}train_math.py: error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
     sys.exit(code)
 
 
@@ -153,6 +162,8 @@ def main(argv: list[str]) -> None:
             raise
         fail(f"{error}. The state before the failure is saved; once the server is back, resume with: "
              f"{resume_command(runner.last_checkpoint)}")
+    if not runner.ranks.is_main:
+        return
     (run_dir / "eval_history.json").write_text(json.dumps(history, indent=1))
     if runner.stop_signal is not None:
         writer.close()
@@ -168,8 +179,9 @@ def start() -> tuple[Runner, Any, Path, Checkpoint | None] | None:
     import numpy as np
     import torch
 
-    from train import builders, checkpoint
+    from train import builders, checkpoint, distributed
 
+    ranks = distributed.init(FLAGS.device, FLAGS.dist_timeout)
     resume_path = checkpoint.resolve_resume(FLAGS.resume, Path(FLAGS.logdir) / train_flags.resolved_experiment_name())
     saved = checkpoint.load(resume_path) if resume_path is not None else None
     if saved is not None:
@@ -183,28 +195,32 @@ def start() -> tuple[Runner, Any, Path, Checkpoint | None] | None:
                   f"asks for {total}: nothing to do (raise --num_env_steps to train further)", flush=True)
             return None
     builders.check_inputs(FLAGS)
-    run_dir = prepare_run_dir(saved)
+    run_dir = prepare_run_dir(saved, ranks)
     try:
         if saved is not None:
             logging.info("resuming from %s (iteration %d)", saved.path, saved.iteration)
-            checkpoint.retire_newer(saved)
+            if ranks.is_main:
+                checkpoint.retire_newer(saved)
             log_changed_flags(saved.flags, train_flags.flag_dict())
         torch.set_num_threads(FLAGS.torch_threads)
         torch.manual_seed(FLAGS.seed)
         np.random.seed(FLAGS.seed)
         start_iteration = saved.iteration if saved is not None else 0
         # purge_step: TensorBoard drops points a killed run logged at or after the checkpoint's iteration.
-        writer = open_writer(run_dir, purge_step=start_iteration if saved is not None else None)
-        runner = builders.build_runner(FLAGS, run_dir, writer, saved)
+        writer = (open_writer(run_dir, purge_step=start_iteration if saved is not None else None)
+                  if ranks.is_main else None)  # rank 0 alone logs
+        runner = builders.build_runner(FLAGS, run_dir, writer, saved, ranks=ranks)
     except BaseException:
-        if saved is None:  # a run that never started leaves no directory behind
-            shutil.rmtree(run_dir)
+        if saved is None and ranks.is_main:  # a run that never started leaves no directory behind
+            shutil.rmtree(run_dir, ignore_errors=ranks.distributed)
         raise
-    resolved = resolved_settings(runner, saved)
-    writer.add_text("flags", "\n".join(f"    --{k}={v}" for k, v in runner.run_flags.items()), start_iteration)
-    writer.add_text("resolved", "\n".join(f"    {k}: {v}" for k, v in resolved.items()), start_iteration)
-    logging.info("run directory %s; %s, %d iterations of %d envs x %d steps", run_dir, FLAGS.algorithm_name,
-                 runner.config.num_iterations, runner.collector.env.num_envs, runner.collector.episode_length)
+    if ranks.is_main:
+        resolved = resolved_settings(runner, saved)
+        writer.add_text("flags", "\n".join(f"    --{k}={v}" for k, v in runner.run_flags.items()), start_iteration)
+        writer.add_text("resolved", "\n".join(f"    {k}: {v}" for k, v in resolved.items()), start_iteration)
+    logging.info("run directory %s; %s, %d iterations of %d envs x %d steps%s", run_dir, FLAGS.algorithm_name,
+                 runner.config.num_iterations, runner.collector.env.num_envs, runner.collector.episode_length,
+                 f" on each of {ranks.world_size} ranks" if ranks.distributed else "")
     return runner, writer, run_dir, saved
 
 

@@ -24,9 +24,10 @@ from envs.prompts import STEP_DELIMITER
 from envs.rewards import OutcomeReward, RewardModel
 from reward_models.implicit_prm import ImplicitPRM
 from reward_models.mixture import RewardMixture, parse_reward_spec
-from train import checkpoint
+from train import checkpoint, distributed
 from train import flags as train_flags
 from train.collector import Collector, Sampling
+from train.distributed import Ranks
 from train.models.generation import Generator, make_generator
 from train.models.policy import LanguagePolicy, LoraSettings, check_model_dir, resolve_device
 from train.models.remote import ClientSettings, ServiceClient, ServiceError
@@ -171,15 +172,18 @@ def env_kwargs(f: flags.FlagValues, split: str, reward_model: RewardModel, token
     return kwargs
 
 
-def build_envs(f: flags.FlagValues, reward_model: RewardModel, tokenizer) -> tuple[gymnasium.vector.VectorEnv,
-                                                                                     gymnasium.vector.VectorEnv]:
+def build_envs(f: flags.FlagValues, reward_model: RewardModel, tokenizer, ranks: Ranks = Ranks(),
+               ) -> tuple[gymnasium.vector.VectorEnv, gymnasium.vector.VectorEnv]:
     """(train env, held-out eval env). Episodic algorithms run one episode per env per iteration (no
-    autoreset); continuing ones reset an ended episode in the same step."""
+    autoreset); continuing ones reset an ended episode in the same step. Under torchrun the train env
+    holds this rank's whole groups (``distributed.shard``), drawing the problems one process would."""
     name = train_flags.registered_env_id(f)
     autoreset = AutoresetMode.DISABLED if algorithm_spec(f.algorithm_name).episodic else AutoresetMode.SAME_STEP
-    env = gymnasium.make_vec(name, num_envs=train_flags.num_train_envs(f), vectorization_mode="vector_entry_point",
-                             group_size=train_flags.resolved_group_size(f), autoreset_mode=autoreset,
-                             **env_kwargs(f, "train", reward_model, tokenizer))
+    total, group_size = train_flags.num_train_envs(f), train_flags.resolved_group_size(f)
+    first, count = distributed.shard(total, group_size, ranks)
+    split = {"group_offset": first // group_size, "total_groups": total // group_size} if ranks.distributed else {}
+    env = gymnasium.make_vec(name, num_envs=count, vectorization_mode="vector_entry_point", group_size=group_size,
+                             autoreset_mode=autoreset, **split, **env_kwargs(f, "train", reward_model, tokenizer))
     eval_env = gymnasium.make_vec(name, num_envs=f.eval_batch_size, vectorization_mode="vector_entry_point",
                                   group_size=1, autoreset_mode=AutoresetMode.DISABLED,
                                   **env_kwargs(f, "test", reward_model, tokenizer))
@@ -247,18 +251,35 @@ def runner_config(f: flags.FlagValues) -> RunnerConfig:
         max_policy_lag=f.max_policy_lag)
 
 
+def build_trainable(policy: LanguagePolicy, ranks: Ranks) -> torch.nn.Module:
+    """The module the update calls: the policy, or under torchrun the policy in DDP (gradients averaged
+    over ranks; parameters a step leaves unused, such as an idle critic, are allowed)."""
+    if not ranks.distributed:
+        return policy
+    from torch.nn.parallel import DistributedDataParallel
+
+    device_ids = [torch.cuda.current_device()] if policy.device.type == "cuda" else None
+    return DistributedDataParallel(policy, device_ids=device_ids, find_unused_parameters=True)
+
+
 def build_runner(f: flags.FlagValues, run_dir: Path, writer, saved: checkpoint.Checkpoint | None = None,
-                 generator_factory: GeneratorFactory | None = None) -> Runner:
+                 generator_factory: GeneratorFactory | None = None, ranks: Ranks = Ranks()) -> Runner:
     """Every piece of a run from the flags, composed into a Runner (restored from ``saved`` if given).
-    ``writer`` is a tensorboardX SummaryWriter on ``run_dir``; ``generator_factory`` builds the generation
-    backend when the caller needs engine settings the flags do not cover."""
+    ``writer`` is a tensorboardX SummaryWriter on ``run_dir`` (None on ranks other than 0);
+    ``generator_factory`` builds the generation backend when the caller needs engine settings the flags
+    do not cover; ``ranks``: this process's place in a torchrun job."""
     model = model_dir(f)
     policy = build_policy(f, model, saved)
-    env, eval_env = build_envs(f, build_reward_model(f, str(policy.device)), policy.tokenizer)
+    env, eval_env = build_envs(f, build_reward_model(f, str(policy.device)), policy.tokenizer, ranks)
     sync_dir = Path(f.vllm_sync_dir) if f.vllm_sync_dir is not None else run_dir / "sync"
     generator, rollout_policy, rollout_generator = build_generators(f, policy, model, sync_dir, generator_factory)
     algorithm = build_algorithm(f)
+    if ranks.distributed:  # batch statistics (advantage normalisation) over every rank's part
+        algorithm.reduce_sum = distributed.all_reduce_tensor
     implicit_prm = None
+    if algorithm.needs_process_rewards and ranks.distributed:
+        raise ValueError("RLOO trains PRIME's implicit PRM, which does not train data-parallel yet: run RLOO in one "
+                         "process (without torchrun)")
     if algorithm.needs_process_rewards:
         implicit_prm = ImplicitPRM(model, beta=f.implicit_prm_beta, lr=f.implicit_prm_lr, device=str(policy.device),
                                    dtype=f.dtype, lora=lora_settings(f))
@@ -268,10 +289,11 @@ def build_runner(f: flags.FlagValues, run_dir: Path, writer, saved: checkpoint.C
                         top_p=f.top_p, eos_text=policy.tokenizer.eos_token or "", token_actions=f.action_level == "token",
                         stop=(STEP_DELIMITER,) if f.action_level == "step" else None)
     collector = Collector(env, algorithm_spec(f.algorithm_name), train_flags.resolved_episode_length(f), sampling,
-                          seed=f.seed)
+                          seed=f.seed, env_offset=distributed.shard(train_flags.num_train_envs(f),
+                                                                    train_flags.resolved_group_size(f), ranks)[0])
     runner = Runner(config, collector, eval_env, policy, generator, algorithm, optimizer, scheduler, writer, run_dir,
                     implicit_prm=implicit_prm, rollout_policy=rollout_policy, rollout_generator=rollout_generator,
-                    run_flags=train_flags.flag_dict(f))
+                    run_flags=train_flags.flag_dict(f), ranks=ranks, trainable=build_trainable(policy, ranks))
     if saved is not None:
         runner.restore(saved)
     return runner

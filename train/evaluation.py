@@ -2,7 +2,8 @@
 
 The eval env is a vector env over held-out problems with one env per problem of a batch (group size
 1, no autoreset); each batch is reset to the next ``num_envs`` problem ids and stepped until every
-episode ended, generating only for the episodes still going.
+episode ended, generating only for the episodes still going. Under data parallelism each rank solves
+every world_size-th problem and the sums are added over ranks.
 """
 
 from __future__ import annotations
@@ -13,16 +14,18 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from train import distributed
 from train.collector import Sampling
+from train.distributed import Ranks
 from train.models.generation import Generator
 
 
 @torch.no_grad()
-def evaluate(env, generator: Generator, sampling: Sampling, limit: int) -> dict[str, float]:
+def evaluate(env, generator: Generator, sampling: Sampling, limit: int, ranks: Ranks = Ranks()) -> dict[str, float]:
     """Greedy accuracy, mean solution length in tokens and, when the env pays a PRM reward, the mean
-    PRM score, over the first ``limit`` of ``env.problems``."""
+    PRM score, over the first ``limit`` of ``env.problems`` (this rank's share of them, then summed)."""
     started = time.perf_counter()
-    problem_ids = [p.id for p in env.problems][:limit]
+    problem_ids = [p.id for p in env.problems][:limit][ranks.rank::ranks.world_size]
     correct, lengths, prm_scores = [], [], []
     for start in range(0, len(problem_ids), env.num_envs):
         batch_correct, batch_lengths, batch_prm = solve_batch(env, generator, sampling,
@@ -30,11 +33,14 @@ def evaluate(env, generator: Generator, sampling: Sampling, limit: int) -> dict[
         correct += batch_correct
         lengths += batch_lengths
         prm_scores += batch_prm
-    result = {"eval/accuracy": float(np.mean(correct)), "eval/mean_length": float(np.mean(lengths)),
+    prm_scores = np.asarray(prm_scores, dtype=np.float64)
+    scored = prm_scores[~np.isnan(prm_scores)]
+    sums = distributed.all_reduce_sum([sum(correct), sum(lengths), len(correct), scored.sum(), len(scored)])
+    result = {"eval/accuracy": sums[0] / sums[2], "eval/mean_length": sums[1] / sums[2],
               "time/eval": time.perf_counter() - started}
-    if prm_scores:
-        result["eval/prm_score"] = float(np.nanmean(prm_scores))
-    return result
+    if sums[4]:
+        result["eval/prm_score"] = sums[3] / sums[4]
+    return {key: float(value) for key, value in result.items()}
 
 
 def solve_batch(env, generator: Generator, sampling: Sampling, problem_ids: Sequence[str],

@@ -131,6 +131,9 @@ flags.DEFINE_enum("dtype", "float32", ("float32", "bfloat16", "float16"), "Compu
 flags.DEFINE_integer("lora_rank", 0, "LoRA rank; 0 trains all weights.", lower_bound=0)
 flags.DEFINE_boolean("gradient_checkpointing", False, "Recompute activations in the backward pass.")
 flags.DEFINE_boolean("share_policy", True, "Agents share one policy (the MATH env has one agent per env).")
+flags.DEFINE_float("dist_timeout", 600.0, "Under torchrun: seconds any collective (gradient all-reduce, statistics) "
+                   "may wait for the other ranks before this rank fails with an error, so a rank that hangs or dies "
+                   "ends the job instead of stalling it.", lower_bound=1.0)
 flags.DEFINE_integer("torch_threads", 1, "torch intra-op CPU threads. 1 by default: on a shared 2-core machine "
                      "two threads ran the tiny model 10-18x slower than one (OpenMP oversubscription).", lower_bound=1)
 flags.DEFINE_float("temperature", 1.0, "Sampling temperature for rollouts (> 0; evaluation is greedy).")

@@ -18,7 +18,13 @@ Surviving faults:
   ``train/nonfinite_steps``); ``max_nonfinite_steps`` in a row raise ``NonFiniteError`` without saving,
   so the last checkpoint stays the last good one.
 - An exception before the update (a reward model raising in evaluation or collection) writes a
-  checkpoint of the state at the start of that iteration, then propagates.
+  checkpoint of the state at the start of that iteration, then propagates (one process only: under
+  torchrun the other ranks could not join the save, so the last checkpoint stays the one to resume).
+
+Data parallelism (``train.distributed``): ``trainable`` is the policy wrapped in DDP; each rank trains on
+its own rollout with losses normalised by the global minibatch totals; statistics, evaluation results
+and the stop signal are reduced over ranks; rank 0 alone logs and writes checkpoints, which hold every
+rank's collector state and RNGs.
 """
 
 from __future__ import annotations
@@ -42,8 +48,9 @@ from tqdm import tqdm
 from algorithms.base import Algorithm
 from algorithms.buffer import RolloutBuffer
 from algorithms.registry import algorithm_spec
-from train import checkpoint, evaluation
+from train import checkpoint, distributed, evaluation
 from train.collector import Collector, Tally
+from train.distributed import Ranks
 from train.models.generation import Generator
 from train.models.policy import LanguagePolicy
 
@@ -97,7 +104,8 @@ class Runner:
     def __init__(self, config: RunnerConfig, collector: Collector, eval_env, policy: LanguagePolicy,
                  generator: Generator, algorithm: Algorithm, optimizer: torch.optim.Optimizer, scheduler, writer,
                  run_dir: Path, implicit_prm=None, rollout_policy: LanguagePolicy | None = None,
-                 rollout_generator: Generator | None = None, run_flags: dict[str, Any] | None = None):
+                 rollout_generator: Generator | None = None, run_flags: dict[str, Any] | None = None,
+                 ranks: Ranks = Ranks(), trainable: torch.nn.Module | None = None):
         if config.async_rollouts and (rollout_policy is None or rollout_generator is None):
             raise ValueError("async_rollouts needs rollout_policy and rollout_generator (a copy of the policy)")
         if algorithm.needs_process_rewards and implicit_prm is None:
@@ -108,6 +116,8 @@ class Runner:
         self.spec = algorithm_spec(algorithm.name)
         self.optimizer, self.scheduler, self.writer, self.run_dir = optimizer, scheduler, writer, Path(run_dir)
         self.implicit_prm = implicit_prm
+        self.ranks = ranks
+        self.trainable = trainable if trainable is not None else policy  # DDP(policy) under torchrun
         self.rollout_policy, self.rollout_generator = rollout_policy, rollout_generator
         self.shuffle = torch.Generator().manual_seed(config.seed)
         self.progress = Progress()
@@ -136,14 +146,15 @@ class Runner:
         returns the evaluation history. Stops early, after saving, on SIGINT/SIGTERM."""
         config = self.config
         progress = tqdm(range(self.iteration, config.num_iterations), initial=self.iteration,
-                        total=config.num_iterations, desc=self.algorithm.name, dynamic_ncols=True)
+                        total=config.num_iterations, desc=self.algorithm.name, dynamic_ncols=True,
+                        disable=not self.ranks.is_main)
         postfix: dict[str, str] = {}
         try:
             with self.signals_stop_after_iteration():
                 for iteration in progress:
                     self.train_iteration(iteration, postfix)
                     progress.set_postfix(postfix, refresh=False)
-                    if self.stop_signal is not None:
+                    if self.stop_requested():
                         self.save()
                         return self.history
                     if config.save_interval and self.iteration % config.save_interval == 0:
@@ -155,21 +166,34 @@ class Runner:
             progress.close()
             if self.pool is not None:
                 self.pool.shutdown(wait=True, cancel_futures=True)
-            self.writer.flush()
+            if self.writer is not None:
+                self.writer.flush()
         return self.history
+
+    def stop_requested(self) -> bool:
+        """Whether a signal asked to stop, on any rank (all ranks must stop at the same iteration)."""
+        if not self.ranks.distributed:
+            return self.stop_signal is not None
+        anywhere = distributed.all_reduce_sum([float(self.stop_signal is not None)])[0] > 0
+        if anywhere and self.stop_signal is None:
+            self.stop_signal = "a signal on another rank"
+        return anywhere
 
     def train_iteration(self, iteration: int, postfix: dict[str, str]) -> None:
         """(Eval,) collect, update, sync, log. An exception before the update, when weights and
         optimizer are still those of the iteration's start, first saves that start state."""
         config = self.config
-        start = self.snapshot() if self.pool is None else None  # async: the env is busy in the other thread
+        # async: the env is busy in the other thread; several ranks: the others cannot join a save
+        start = self.snapshot() if self.pool is None and not self.ranks.distributed else None
         try:
             if config.eval_interval and iteration % config.eval_interval == 0:
                 postfix["acc"] = f"{self.evaluate(iteration)['eval/accuracy']:.3f}"
             buffer, stats = self.next_rollout(iteration)
         except Exception:
-            path = self.save(start)
-            log.error("iteration %d failed before its update; saved the state at its start to %s", iteration, path)
+            if start is not None:
+                path = self.save(start)
+                log.error("iteration %d failed before its update; saved the state at its start to %s", iteration,
+                          path)
             raise
         stats.update(self.update(buffer))
         self.progress.version += 1
@@ -177,8 +201,9 @@ class Runner:
         try:
             stats["time/sync"] = self.generator.sync(self.policy)
         except Exception:
-            log.error("iteration %d: the generator did not take the new weights; saved the updated state to %s",
-                      iteration, self.save())
+            if not self.ranks.distributed:
+                log.error("iteration %d: the generator did not take the new weights; saved the updated state to %s",
+                          iteration, self.save())
             raise
         if iteration % config.log_interval == 0:
             self.log(iteration, buffer, stats)
@@ -234,8 +259,10 @@ class Runner:
         return buffer, stats
 
     def rollout_statistics(self, tally: Tally) -> dict[str, float]:
-        """The rollout's logged statistics: means of the collector's sums and counts. This is the one
-        place the tallies of several data-parallel processes would be added up before dividing."""
+        """The rollout's logged statistics: means of the collector's sums and counts, added over ranks
+        first (times: the slowest rank's)."""
+        if self.ranks.distributed:
+            tally = self.reduced_tally(tally)
         step_reward = tally.mean("train/step_reward")
         means = {key: tally.mean(key) for key in tally.sums if key.startswith("train/reward/")}
         return {
@@ -249,6 +276,19 @@ class Runner:
             "train/action_tokens": tally.mean("train/action_tokens"),
             **means,
         }
+
+    def reduced_tally(self, tally: Tally) -> Tally:
+        """Sums and counts added over ranks, seconds the slowest rank's."""
+        gathered = distributed.all_gather_objects((sorted(tally.sums), dict(tally.seconds)))
+        keys = sorted(set().union(*(rank_keys for rank_keys, _ in gathered)))
+        sums = distributed.all_reduce_sum([tally.sums.get(k, 0.0) for k in keys] + [tally.counts.get(k, 0) for k in keys])
+        seconds = [rank_seconds for _, rank_seconds in gathered]
+        total = Tally()
+        for k, key in enumerate(keys):
+            total.sums[key], total.counts[key] = float(sums[k]), int(sums[len(keys) + k])
+        for name in seconds[0]:
+            total.seconds[name] = max(rank_seconds[name] for rank_seconds in seconds)
+        return total
 
     # ---------------------------------------------------------------------------------------------
     # Update
@@ -278,7 +318,7 @@ class Runner:
         grad_norms, steps, stopped_early = [], 0, False
         for _ in range(config.ppo_epoch):
             for minibatch in buffer.minibatches(targets, config.num_mini_batch, config.gradient_cp_steps, self.shuffle,
-                                                skip=algorithm.skippable_rows):
+                                                skip=algorithm.skippable_rows, reduce_totals=self.reduce_totals):
                 minibatch_kl, stepped = self.minibatch_step(minibatch, sums, weights, grad_norms)
                 steps += stepped
                 if config.target_kl and minibatch_kl > config.target_kl:
@@ -288,6 +328,8 @@ class Runner:
                 break
         if steps:  # the schedule advances with iterations that updated the policy
             self.scheduler.step()
+        if self.ranks.distributed:
+            sums, weights = self.reduced_sums(sums, weights)
         stats: dict[str, Any] = {f"loss/{key}": sums[key] / weights[key] for key in sums}
         trained = buffer.trained(targets)
         if self.implicit_prm is not None:
@@ -296,30 +338,53 @@ class Runner:
             "grad/norm": float(np.mean(grad_norms)) if grad_norms else 0.0,
             "train/optimizer_steps": float(steps), "train/early_stopped": float(stopped_early),
             "train/nonfinite_steps": float(self.progress.nonfinite_steps),
-            "train/trained_samples": float(trained.sum()), "time/update": time.perf_counter() - started,
+            "train/trained_samples": float(distributed.all_reduce_sum([float(trained.sum())])[0]),
+            "time/update": time.perf_counter() - started,
             "histograms": targets.stats,
         })
         for group in self.optimizer.param_groups:
             stats[f"lr/{group.get('name', 'group')}"] = group["lr"]
         return stats
 
+    @staticmethod
+    def reduced_sums(sums: dict[str, float], weights: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
+        """Weighted sums and their weights added over ranks (a rank that trained nothing has no keys)."""
+        keys = sorted(set().union(*distributed.all_gather_objects(sorted(sums))))
+        reduced = distributed.all_reduce_sum([sums.get(k, 0.0) for k in keys] + [weights.get(k, 0.0) for k in keys])
+        return dict(zip(keys, reduced[:len(keys)])), dict(zip(keys, reduced[len(keys):]))
+
+    @property
+    def reduce_totals(self):
+        """The minibatch totals over every rank (``RolloutBuffer.minibatches``), or None in one process."""
+        return distributed.all_reduce_sum if self.ranks.distributed else None
+
     def minibatch_step(self, minibatch, sums: dict, weights: dict, grad_norms: list) -> tuple[float, bool]:
         """Accumulates the micro-batches' gradients, clips, steps; returns (the minibatch's approx KL,
-        whether the optimizer stepped: not when the loss or the gradient norm is non-finite)."""
-        policy, algorithm, temperature = self.policy, self.algorithm, self.sampling.temperature
+        whether the optimizer stepped: not when the loss or the gradient norm is non-finite).
+
+        Several ranks: DDP averages the gradients of the last micro-batch's backward over ranks, so each
+        loss (normalised by the global totals) is scaled by the world size; a rank without rows in this
+        minibatch joins with a zero-gradient backward (``idle_backward``)."""
+        algorithm, temperature = self.algorithm, self.sampling.temperature
         self.optimizer.zero_grad(set_to_none=True)
         kl_sum, kl_weight, finite_loss = 0.0, 0, True
-        for batch in minibatch:
-            scores = policy.evaluate(batch.prompts, (batch.action_ids, batch.action_lengths), temperature,
-                                     with_entropy=True, with_values=self.spec.critic is not None)
-            loss, micro_stats = algorithm.loss(scores, batch)
-            finite_loss &= bool(torch.isfinite(loss))
-            loss.backward()
+        for k, batch in enumerate(minibatch):
+            with self.gradient_sync(last=k == len(minibatch) - 1):
+                scores = self.trainable(batch.prompts, (batch.action_ids, batch.action_lengths), temperature,
+                                        with_entropy=True, with_values=self.spec.critic is not None)
+                loss, micro_stats = algorithm.loss(scores, batch)
+                finite_loss &= bool(torch.isfinite(loss))
+                (loss * self.ranks.world_size).backward()
             for key, value in micro_stats.items():
                 sums[key] += float(value) * batch.num_samples
                 weights[key] += batch.num_samples
             kl_sum += float(micro_stats["approx_kl"]) * batch.num_samples
             kl_weight += batch.num_samples
+        if self.ranks.distributed:
+            if not minibatch:
+                self.idle_backward()
+            kl_sum, kl_weight, nonfinite = distributed.all_reduce_sum([kl_sum, kl_weight, float(not finite_loss)])
+            finite_loss = nonfinite == 0
         parameters = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
         max_norm = self.config.max_grad_norm or math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(parameters, max_norm))
@@ -331,6 +396,23 @@ class Runner:
         grad_norms.append(grad_norm)
         self.optimizer.step()
         return kl, True
+
+    def gradient_sync(self, last: bool) -> contextlib.AbstractContextManager:
+        """DDP reduces gradients at the minibatch's last backward only (no_sync before it)."""
+        if not self.ranks.distributed or last:
+            return contextlib.nullcontext()
+        return self.trainable.no_sync()
+
+    def idle_backward(self) -> None:
+        """A backward of zero loss through DDP on one placeholder token: this rank's part of the gradient
+        all-reduce when it has no rows of the minibatch (the others' gradients are unchanged by it)."""
+        pad = self.policy.tokenizer.pad_token_id
+        scores = self.trainable([[pad]], [[pad]], self.sampling.temperature, with_entropy=True,
+                                with_values=self.spec.critic is not None)
+        zero = scores.logprobs.sum() * 0.0
+        if scores.values is not None:
+            zero = zero + scores.values.sum() * 0.0
+        zero.backward()
 
     def skip_nonfinite_step(self, what: str) -> None:
         """Drops the step's gradients; ``max_nonfinite_steps`` in a row stop the run (without saving:
@@ -367,12 +449,14 @@ class Runner:
         to ``<run>/best`` when it beats every earlier one."""
         if self.pending is not None:  # the env reward models must not run in two threads at once
             self.pending.result()
-        result = evaluation.evaluate(self.eval_env, self.generator, self.sampling, self.config.eval_limit)
-        env_steps = self.collector.env_steps
+        result = evaluation.evaluate(self.eval_env, self.generator, self.sampling, self.config.eval_limit, self.ranks)
+        env_steps = self.env_steps()
         best_before = max((h["eval/accuracy"] for h in self.history), default=-math.inf)
+        self.history.append({"iteration": iteration, "env_steps": env_steps, **result})
+        if not self.ranks.is_main:
+            return result
         for key, value in result.items():
             self.writer.add_scalar(key, value, iteration)
-        self.history.append({"iteration": iteration, "env_steps": env_steps, **result})
         if self.config.save_best and result["eval/accuracy"] > best_before:
             self.save_best(iteration, result["eval/accuracy"])
         log.info("eval iteration %d (%d env steps): greedy accuracy %.3f on %d problems, mean length %.1f tokens%s",
@@ -383,7 +467,15 @@ class Runner:
             self.writer.add_text("samples", self.samples_markdown(self.last_buffer), iteration)
         return result
 
+    def env_steps(self) -> int:
+        """Env steps taken so far by every rank together."""
+        return int(distributed.all_reduce_sum([self.collector.env_steps])[0])
+
     def log(self, iteration: int, buffer: RolloutBuffer, stats: dict[str, Any]) -> None:
+        """Rank 0's TensorBoard scalars and histograms (its own rollout's, for the histograms and samples)."""
+        stats_env_steps = self.env_steps()
+        if not self.ranks.is_main:
+            return
         self.last_buffer = buffer
         histograms = stats.pop("histograms", {})
         for key, values in histograms.items():
@@ -395,7 +487,7 @@ class Runner:
         for key, value in stats.items():
             if isinstance(value, (int, float)) and math.isfinite(value):
                 self.writer.add_scalar(key, value, iteration)
-        self.writer.add_scalar("train/env_steps", self.collector.env_steps, iteration)
+        self.writer.add_scalar("train/env_steps", stats_env_steps, iteration)
 
     def samples_markdown(self, buffer: RolloutBuffer) -> str:
         """A few sampled solutions of the last rollout: each step with its reward."""
@@ -434,6 +526,14 @@ class Runner:
         checkpoints_dir = self.run_dir / "checkpoints"
         if self.last_checkpoint == checkpoints_dir / f"{checkpoint.PREFIX}{state['iteration']}":
             return self.last_checkpoint  # nothing trained since (e.g. the final save right after a periodic one)
+        if self.ranks.distributed:  # the weights are the same on every rank; their envs and RNGs are not
+            gathered = distributed.all_gather_objects((state, rng))
+            state = {**state, **self.collector.merge_states([rank_state for rank_state, _ in gathered]),
+                     "world_size": self.ranks.world_size}
+            rng = {**rng, "rank_rngs": [rank_rng for _, rank_rng in gathered]}
+        if not self.ranks.is_main:
+            self.last_checkpoint = checkpoints_dir / f"{checkpoint.PREFIX}{state['iteration']}"
+            return self.last_checkpoint
         write_out(self.writer)  # every point logged before this checkpoint is on disk when it exists
         optimizers = {"policy": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
         if self.implicit_prm is not None:
@@ -471,6 +571,14 @@ class Runner:
             saved.load_implicit_prm(self.implicit_prm.model)
             self.implicit_prm.optimizer.load_state_dict(optimizers["implicit_prm"])
         state, rng = saved.state, saved.rng()
+        saved_ranks = state.get("world_size", 1)
+        if saved_ranks > 1 or self.ranks.distributed:  # the checkpoint holds every env: this rank takes its own
+            state = {**state, **self.collector.split_state(state, self.ranks.rank)}
+            # the same ranks continue their own RNGs; at another world size every rank starts from rank 0's
+            rng = rng["rank_rngs"][self.ranks.rank] if saved_ranks == self.ranks.world_size > 1 else rng
+            if saved_ranks != self.ranks.world_size:
+                log.warning("resuming a checkpoint of %d rank(s) on %d: the envs and their episodes are split anew",
+                            saved_ranks, self.ranks.world_size)
         self.collector.set_state(state)
         self.progress = Progress(**{f.name: state[f.name] for f in fields(Progress)})
         checkpoint.set_rng_state(rng)

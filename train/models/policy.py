@@ -459,6 +459,12 @@ class LanguagePolicy(nn.Module):
             scores.values = self._values(critic_hidden, batch.action_mask)
         return scores
 
+    def forward(self, prompts: TokenBatch, actions: TokenBatch, temperature: float = 1.0, *,
+                with_entropy: bool = True, with_values: bool = False) -> ActionScores:
+        """``evaluate``, as the module's call: what DDP wraps, so data-parallel training reduces the
+        gradients of these scores over ranks."""
+        return self.evaluate(prompts, actions, temperature, with_entropy=with_entropy, with_values=with_values)
+
     def token_values(self, prompts: TokenBatch, actions: TokenBatch, padding_side: str = "right") -> torch.Tensor:
         """``[B, L]`` token-level values V(prompt, a_<k) (TPPO); 0 past each action's end."""
         batch = self.pack(prompts, actions, padding_side)

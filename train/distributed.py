@@ -49,7 +49,10 @@ class Ranks:
 
 
 def launched_ranks() -> Ranks:
-    """The ranks torchrun's environment describes (one process when it is absent)."""
+    """The ranks of a process group a launcher already started (e.g. Ray Train's), else the ones
+    torchrun's environment describes (one process when it is absent)."""
+    if dist.is_initialized():
+        return Ranks(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
     if "WORLD_SIZE" not in os.environ:
         return Ranks()
     missing = [name for name in TORCHRUN_VARIABLES if name not in os.environ]

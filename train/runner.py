@@ -366,6 +366,8 @@ class Runner:
         loss (normalised by the global totals) is scaled by the world size; a rank without rows in this
         minibatch joins with a zero-gradient backward (``idle_backward``)."""
         algorithm, temperature = self.algorithm, self.sampling.temperature
+        if self.ranks.distributed and distributed.all_reduce_sum([len(minibatch)])[0] == 0:
+            return 0.0, False  # every rank skipped every row: no gradient anywhere, no step (as in one process)
         self.optimizer.zero_grad(set_to_none=True)
         kl_sum, kl_weight, finite_loss = 0.0, 0, True
         for k, batch in enumerate(minibatch):

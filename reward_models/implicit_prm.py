@@ -14,6 +14,7 @@ token). ``normalize=True`` divides the batch's token rewards by the std of the p
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -77,13 +78,27 @@ class ImplicitPRM:
             rewards = rewards / (totals.std() + 1e-8) if len(totals) > 1 else rewards
         return rewards
 
-    def update(self, prompts: TokenBatch, actions: TokenBatch, labels: torch.Tensor) -> float:
-        """One optimizer step of BCE(sigmoid(beta * sum_t log-ratio), labels [B] in {0, 1}); returns the loss."""
-        log_ratio, _ = self.log_ratios(prompts, actions)
-        logits = self.beta * log_ratio.sum(-1)
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels.to(logits))
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+    def update(self, prompts: TokenBatch, actions: TokenBatch, labels: torch.Tensor, total: int | None = None,
+               sum_gradients: Callable[[list[torch.Tensor]], None] | None = None) -> float:
+        """One optimizer step of BCE(sigmoid(beta * sum_t log-ratio), labels [B] in {0, 1}); returns this
+        batch's summed loss divided by ``total``.
+
+        Data parallelism: ``total`` is the number of samples over every process (default B), so each
+        process's loss is its share of the mean, and ``sum_gradients`` adds the gradients (in place)
+        over the processes before the step; a process with no samples joins with zero gradients."""
+        total = len(labels) if total is None else total
+        self.optimizer.zero_grad(set_to_none=False)
+        loss = torch.zeros(())
+        if len(labels):
+            log_ratio, _ = self.log_ratios(prompts, actions)
+            logits = self.beta * log_ratio.sum(-1)
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels.to(logits), reduction="sum") / total
+            loss.backward()
+        if sum_gradients is not None:
+            for param in self.model.actor_parameters():
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+            sum_gradients([param.grad for param in self.model.actor_parameters()])
         self.optimizer.step()
         return float(loss.detach())
 

@@ -68,7 +68,7 @@ def train(logdir: Path, policy_dir: Path, ranks: int, envs_per_rank: int, *extra
 
 def final_weights(logdir: Path) -> dict[str, np.ndarray]:
     """Every tensor of the run's last checkpoint (policy, adapters, value head), by file and name."""
-    (run,) = (logdir / "APPO_Arith-v0").glob("run_*")
+    (run,) = logdir.glob("*_Arith-v0/run_*")
     last = max((run / "checkpoints").glob("iter_*"), key=lambda p: int(p.name.removeprefix("iter_")))
     return {f"{file.relative_to(last)}:{name}": value for file in sorted(last.rglob("*.safetensors"))
             for name, value in load_file(file).items()}
@@ -128,6 +128,29 @@ def test_a_checkpoint_resumes_at_another_number_of_ranks(untrained_policy_dir, t
                      "--resume", "auto", "--save_interval", "1", iterations=iterations)
         assert done.returncode == 0, done.stderr[-4000:]
     assert_same_training(final_weights(resumed), final_weights(tmp_path / "straight"), iterations=4)
+
+
+def test_rloo_and_its_implicit_prm_train_the_same_on_two_ranks(untrained_policy_dir, tmp_path):
+    """PRIME's two streams: the implicit PRM's gradients are summed over ranks too. Every group kept (the
+    filter's quota is per rank, so a filtering run keeps other groups than one process would)."""
+    rloo = ("--algorithm_name", "RLOO", "--group_size", "4", "--oversample_factor", "1", "--accuracy_lower_bound",
+            "0", "--accuracy_upper_bound", "1", "--action_level", "solution", "--episode_length", "1",
+            "--implicit_prm_lr", "1e-4", "--num_env_steps", "24")  # 3 iterations of one step
+    split = train(tmp_path / "two", untrained_policy_dir, 2, 4, *rloo, "--gradient_cp_steps", "4")
+    assert split.returncode == 0, split.stderr[-4000:]
+    whole = train(tmp_path / "one", untrained_policy_dir, 1, 8, *rloo, "--gradient_cp_steps", "8")
+    assert whole.returncode == 0, whole.stderr[-4000:]
+    two, one = final_weights(tmp_path / "two"), final_weights(tmp_path / "one")
+    initial = load_file(untrained_policy_dir / "model.safetensors")
+    prm = {k.split(":")[1].removeprefix("model."): value for k, value in one.items() if k.startswith("implicit_prm")}
+    moved = max(float(np.abs(value - initial[name]).max()) for name, value in prm.items() if name in initial)
+    assert moved > 1e-4, "the implicit PRM did not train: the comparison would be empty"
+    assert_same_training(two, one, iterations=3)
+    scalars = [deterministic_scalars(next(logdir.glob("RLOO_Arith-v0/run_*"))) for logdir in
+               (tmp_path / "two", tmp_path / "one")]
+    for tag in ("loss/implicit_prm", "train/trained_samples"):
+        np.testing.assert_allclose([v for _, v in scalars[0][tag]], [v for _, v in scalars[1][tag]], rtol=1e-5,
+                                   err_msg=tag)
 
 
 def worker_pids(launcher: subprocess.Popen) -> dict[int, int]:

@@ -190,14 +190,20 @@ def build_envs(f: flags.FlagValues, reward_model: RewardModel, tokenizer, ranks:
     return env, eval_env
 
 
-def build_algorithm(f: flags.FlagValues) -> Algorithm:
+def build_algorithm(f: flags.FlagValues, ranks: Ranks = Ranks()) -> Algorithm:
+    """The algorithm of --algorithm_name; under torchrun RLOO keeps its share of the filtered groups on
+    each rank, and batch statistics are taken over every rank's part."""
     config = AlgorithmConfig(
         clip_param=f.clip_param, value_clip_param=f.value_clip_param or None, huber_delta=f.huber_delta or None,
         value_coef=f.value_coef, entropy_coef=f.entropy_coef, gamma=f.gamma, gae_lambda=f.gae_lambda,
         scale_rewards=f.scale_rewards, kl_coef=f.kl_coef, loss_agg=f.loss_agg, process_coef=f.process_coef,
         accuracy_lower_bound=f.accuracy_lower_bound, accuracy_upper_bound=f.accuracy_upper_bound,
-        max_groups=f.n_rollout_threads // train_flags.resolved_group_size(f) if f.oversample_factor > 1 else None)
-    return make_algorithm(f.algorithm_name, config)
+        max_groups=(f.n_rollout_threads // train_flags.resolved_group_size(f) // ranks.world_size
+                    if f.oversample_factor > 1 else None))
+    algorithm = make_algorithm(f.algorithm_name, config)
+    if ranks.distributed:
+        algorithm.reduce_sum = distributed.all_reduce_tensor
+    return algorithm
 
 
 def build_optimizer(f: flags.FlagValues, policy: LanguagePolicy, iterations: int,
@@ -273,13 +279,8 @@ def build_runner(f: flags.FlagValues, run_dir: Path, writer, saved: checkpoint.C
     env, eval_env = build_envs(f, build_reward_model(f, str(policy.device)), policy.tokenizer, ranks)
     sync_dir = Path(f.vllm_sync_dir) if f.vllm_sync_dir is not None else run_dir / "sync"
     generator, rollout_policy, rollout_generator = build_generators(f, policy, model, sync_dir, generator_factory)
-    algorithm = build_algorithm(f)
-    if ranks.distributed:  # batch statistics (advantage normalisation) over every rank's part
-        algorithm.reduce_sum = distributed.all_reduce_tensor
+    algorithm = build_algorithm(f, ranks)
     implicit_prm = None
-    if algorithm.needs_process_rewards and ranks.distributed:
-        raise ValueError("RLOO trains PRIME's implicit PRM, which does not train data-parallel yet: run RLOO in one "
-                         "process (without torchrun)")
     if algorithm.needs_process_rewards:
         implicit_prm = ImplicitPRM(model, beta=f.implicit_prm_beta, lr=f.implicit_prm_lr, device=str(policy.device),
                                    dtype=f.dtype, lora=lora_settings(f))

@@ -111,6 +111,16 @@ def all_reduce_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return summed
 
 
+def sum_in_place(tensors: list[torch.Tensor]) -> None:
+    """Each tensor replaced by its sum over ranks (one flat all-reduce for all of them)."""
+    flat = torch.cat([tensor.reshape(-1) for tensor in tensors])
+    dist.all_reduce(flat)
+    offset = 0
+    for tensor in tensors:
+        tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
+        offset += tensor.numel()
+
+
 def all_gather_objects(value: Any) -> list[Any]:
     """Every rank's ``value``, in rank order (``[value]`` with one process)."""
     if not dist.is_initialized():

@@ -436,11 +436,14 @@ class Runner:
         """PRIME: one step of the implicit PRM on the actions the policy trained on (``trained`` [T, N, A]),
         labelled by whether their episode's answer verified."""
         rows = buffer.rows(trained)
-        if rows.num_samples == 0:
+        total = int(distributed.all_reduce_sum([rows.num_samples])[0])  # over every rank
+        if total == 0:
             return math.nan
         num_envs = buffer.shape[1] * buffer.shape[2]
         labels = buffer.episode_correct().flatten()[rows.index % num_envs]
-        return self.implicit_prm.update(rows.prompts, (rows.action_ids, rows.action_lengths), labels)
+        loss = self.implicit_prm.update(rows.prompts, (rows.action_ids, rows.action_lengths), labels, total,
+                                        distributed.sum_in_place if self.ranks.distributed else None)
+        return float(distributed.all_reduce_sum([loss])[0])
 
     # ---------------------------------------------------------------------------------------------
     # Evaluation, logging, checkpoints

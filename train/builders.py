@@ -278,6 +278,8 @@ def build_runner(f: flags.FlagValues, run_dir: Path, writer, saved: checkpoint.C
     policy = build_policy(f, model, saved)
     env, eval_env = build_envs(f, build_reward_model(f, str(policy.device)), policy.tokenizer, ranks)
     sync_dir = Path(f.vllm_sync_dir) if f.vllm_sync_dir is not None else run_dir / "sync"
+    if ranks.distributed:  # each rank writes (and its servers load) its own copy: no two writers on one path
+        sync_dir = sync_dir / f"rank_{ranks.rank}"
     generator, rollout_policy, rollout_generator = build_generators(f, policy, model, sync_dir, generator_factory)
     algorithm = build_algorithm(f, ranks)
     implicit_prm = None

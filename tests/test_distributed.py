@@ -208,7 +208,7 @@ def test_a_killed_rank_ends_the_job_naming_it(untrained_policy_dir, tmp_path):
 
 def test_max_restarts_and_resume_auto_recover_from_a_killed_rank(untrained_policy_dir, tmp_path, monkeypatch):
     # torchrun's agent shares its rendezvous store with the workers by default, and a restarted round then
-    # reads the killed round's gloo addresses (pytorch issue 135712): the README says to set this.
+    # reads the killed round's gloo addresses: the README says to set this.
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     launcher = launch(tmp_path, untrained_policy_dir, 8, "--max-restarts", "1")
     try:

@@ -22,7 +22,7 @@ import atexit
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -121,6 +121,18 @@ def sum_in_place(tensors: list[torch.Tensor]) -> None:
         offset += tensor.numel()
 
 
+def sum_by_key(*mappings: Mapping[str, float]) -> list[dict[str, float]]:
+    """Each mapping with its values summed over ranks, key by key (a key some rank lacks counts 0 there):
+    one gather of the keys and one all-reduce for all of them."""
+    keys = [sorted(set().union(*rank_keys)) for rank_keys in zip(*all_gather_objects([list(m) for m in mappings]))]
+    sums = all_reduce_sum([m.get(key, 0.0) for m, names in zip(mappings, keys) for key in names])
+    out, offset = [], 0
+    for names in keys:
+        out.append(dict(zip(names, sums[offset:offset + len(names)].tolist())))
+        offset += len(names)
+    return out
+
+
 def all_gather_objects(value: Any) -> list[Any]:
     """Every rank's ``value``, in rank order (``[value]`` with one process)."""
     if not dist.is_initialized():
@@ -129,7 +141,3 @@ def all_gather_objects(value: Any) -> list[Any]:
     dist.all_gather_object(gathered, value)
     return gathered
 
-
-def barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()

@@ -279,15 +279,13 @@ class Runner:
 
     def reduced_tally(self, tally: Tally) -> Tally:
         """Sums and counts added over ranks, seconds the slowest rank's."""
-        gathered = distributed.all_gather_objects((sorted(tally.sums), dict(tally.seconds)))
-        keys = sorted(set().union(*(rank_keys for rank_keys, _ in gathered)))
-        sums = distributed.all_reduce_sum([tally.sums.get(k, 0.0) for k in keys] + [tally.counts.get(k, 0) for k in keys])
-        seconds = [rank_seconds for _, rank_seconds in gathered]
         total = Tally()
-        for k, key in enumerate(keys):
-            total.sums[key], total.counts[key] = float(sums[k]), int(sums[len(keys) + k])
-        for name in seconds[0]:
-            total.seconds[name] = max(rank_seconds[name] for rank_seconds in seconds)
+        sums, counts = distributed.sum_by_key(tally.sums, tally.counts)
+        total.sums.update(sums)
+        total.counts.update({key: int(count) for key, count in counts.items()})
+        gathered = distributed.all_gather_objects(dict(tally.seconds))
+        for name in set().union(*gathered):
+            total.seconds[name] = max(rank_seconds.get(name, 0.0) for rank_seconds in gathered)
         return total
 
     # ---------------------------------------------------------------------------------------------
@@ -329,7 +327,7 @@ class Runner:
         if steps:  # the schedule advances with iterations that updated the policy
             self.scheduler.step()
         if self.ranks.distributed:
-            sums, weights = self.reduced_sums(sums, weights)
+            sums, weights = distributed.sum_by_key(sums, weights)
         stats: dict[str, Any] = {f"loss/{key}": sums[key] / weights[key] for key in sums}
         trained = buffer.trained(targets)
         if self.implicit_prm is not None:
@@ -345,13 +343,6 @@ class Runner:
         for group in self.optimizer.param_groups:
             stats[f"lr/{group.get('name', 'group')}"] = group["lr"]
         return stats
-
-    @staticmethod
-    def reduced_sums(sums: dict[str, float], weights: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
-        """Weighted sums and their weights added over ranks (a rank that trained nothing has no keys)."""
-        keys = sorted(set().union(*distributed.all_gather_objects(sorted(sums))))
-        reduced = distributed.all_reduce_sum([sums.get(k, 0.0) for k in keys] + [weights.get(k, 0.0) for k in keys])
-        return dict(zip(keys, reduced[:len(keys)])), dict(zip(keys, reduced[len(keys):]))
 
     @property
     def reduce_totals(self):

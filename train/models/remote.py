@@ -91,6 +91,7 @@ class ServiceClient:
         self.urls, self.settings = parse_urls(urls), settings
         self.in_flight = dict.fromkeys(self.urls, 0)
         self.lock = threading.Lock()
+        self.slot_freed = threading.Condition(self.lock)
         self.jitter = random.Random(seed)
         self.retried = 0  # attempts that were retries, for logging and tests
 
@@ -168,8 +169,9 @@ class ServiceClient:
             except _Retryable as error:
                 failures.append(f"{url}: {error}")
             finally:
-                with self.lock:
+                with self.slot_freed:
                     self.in_flight[url] -= 1
+                    self.slot_freed.notify()
         raise ServiceError(f"POST {path} failed {len(failures)} times; last: {failures[-1]}")
 
     def _backoff(self, attempt: int) -> float:
@@ -179,13 +181,11 @@ class ServiceClient:
 
     def _acquire(self) -> str:
         """The URL with the fewest requests in flight (waits while every URL is at ``max_in_flight``)."""
-        while True:
-            with self.lock:
-                url = min(self.urls, key=self.in_flight.__getitem__)
-                if self.in_flight[url] < self.settings.max_in_flight:
-                    self.in_flight[url] += 1
-                    return url
-            time.sleep(0.001)
+        with self.slot_freed:
+            self.slot_freed.wait_for(lambda: min(self.in_flight.values()) < self.settings.max_in_flight)
+            url = min(self.urls, key=self.in_flight.__getitem__)
+            self.in_flight[url] += 1
+            return url
 
     def _attempt(self, url: str, method: str, path: str, payload: Any, raw: bool = False) -> Any:
         """One HTTP exchange. Raises ``_Retryable`` (connection, timeout, 502/503/504) or ``ServiceError``."""

@@ -7,7 +7,8 @@ per episode, no evaluation, no checkpoints but the last) twice, for the two iter
 difference of the two wall times over the difference of the counts is the time of one iteration
 without the start-up (imports, model loading, process group). Settings: one process synchronous, one
 process with asynchronous rollouts (the CPU default: generation on the second core), and ``--ranks``
-ranks under torchrun, synchronous, one torch thread each. completions/s = n_rollout_threads /
+ranks under torchrun, synchronous, one torch thread each, with the policy sharded (FSDP2, the default
+for full fine-tuning) and replicated (DDP). completions/s = n_rollout_threads /
 seconds per iteration.
 """
 
@@ -46,7 +47,8 @@ def main() -> None:
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.ranks)]
     settings = {"1 process, synchronous": ([sys.executable], ["--noasync_rollouts"]),
                 "1 process, asynchronous rollouts (default)": ([sys.executable], ["--async_rollouts"]),
-                f"{args.ranks} ranks (torchrun, gloo), synchronous": (torchrun, ["--noasync_rollouts"])}
+                **{f"{args.ranks} ranks (torchrun, gloo, {mode.upper()}), synchronous":
+                   (torchrun, ["--noasync_rollouts", "--data_parallel", mode]) for mode in ("fsdp", "ddp")}}
     few, many = args.iterations
     print(f"GRPO on Arith-v0, {args.n_rollout_threads} envs per iteration in all, {os.cpu_count()} cores\n")
     print("| setting | s/iteration | iterations/s | completions/s |\n|---|---:|---:|---:|")

@@ -11,7 +11,9 @@ import json
 import logging
 import os
 import signal
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -19,6 +21,7 @@ import torch
 from absl import flags
 from gymnasium.vector import AutoresetMode
 from safetensors.torch import load_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import train_math
 from algorithms.appo import APPO
@@ -62,6 +65,22 @@ def deterministic_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
             if not tag.startswith(("time/", "perf/"))}
 
 
+def train_state(checkpoint_dir: Path, scratch: Path) -> dict[str, Any]:
+    """``train_state/`` (DCP, read in this one process) flattened: "model/<param>", "optimizer/state/<param>/
+    exp_avg", "optimizer/param_groups/0/lr", ... -> tensor or value."""
+    dcp_to_torch_save(checkpoint_dir / "train_state", scratch)
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, (dict, list)):
+            for key, child in (value.items() if isinstance(value, dict) else enumerate(value)):
+                walk(f"{prefix}/{key}" if prefix else str(key), child)
+        else:
+            flat[prefix] = value
+    walk("", torch.load(scratch, weights_only=False))
+    return flat
+
+
 def assert_same_training_state(a: Path, b: Path) -> None:
     """Two checkpoints hold bit-identical weights (policy, LoRA adapters, value head, implicit PRM),
     optimizer moments and trainer state."""
@@ -72,14 +91,19 @@ def assert_same_training_state(a: Path, b: Path) -> None:
         assert left.keys() == right.keys()
         for name in left:
             assert torch.equal(left[name], right[name]), f"{file}:{name} differs"
+    with tempfile.TemporaryDirectory() as scratch:
+        state_a, state_b = (train_state(p, Path(scratch) / f"{k}.pt") for k, p in enumerate((a, b)))
+    assert state_a.keys() == state_b.keys() and any(k.endswith("/exp_avg") for k in state_a), "the run never stepped"
+    for key, value in state_a.items():
+        assert torch.equal(value, state_b[key]) if torch.is_tensor(value) else value == state_b[key], f"{key} differs"
     optimizers_a, optimizers_b = (torch.load(p / "optimizers.pt", weights_only=True) for p in (a, b))
-    assert optimizers_a.keys() == optimizers_b.keys() and optimizers_a["policy"]["state"], "the run never stepped"
-    for optimizer in optimizers_a.keys() - {"scheduler"}:
-        state_a, state_b = optimizers_a[optimizer]["state"], optimizers_b[optimizer]["state"]
+    assert optimizers_a.keys() == optimizers_b.keys()
+    if "implicit_prm" in optimizers_a:
+        state_a, state_b = optimizers_a["implicit_prm"]["state"], optimizers_b["implicit_prm"]["state"]
         assert state_a.keys() == state_b.keys()
         for index in state_a:
             for key in state_a[index]:
-                assert torch.equal(state_a[index][key], state_b[index][key]), f"{optimizer} {index}/{key} differs"
+                assert torch.equal(state_a[index][key], state_b[index][key]), f"implicit PRM {index}/{key} differs"
     assert optimizers_a["scheduler"] == optimizers_b["scheduler"]
     state_a, state_b = (json.loads((p / "trainer_state.json").read_text()) for p in (a, b))
     for state in (state_a, state_b):  # eval history entries carry their wall-clock time/eval

@@ -85,9 +85,10 @@ def assert_same_training(two: dict[str, np.ndarray], one: dict[str, np.ndarray],
     return apart
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["ddp_full", "ddp_lora"])
-def test_two_ranks_train_the_weights_one_process_trains(untrained_policy_dir, tmp_path, lora):
-    extra = ("--lora_rank", "4") if lora else ()
+@pytest.mark.parametrize("mode", ["fsdp", "ddp", "lora"], ids=["fsdp_full", "ddp_full", "ddp_lora"])
+def test_two_ranks_train_the_weights_one_process_trains(untrained_policy_dir, tmp_path, mode):
+    """FSDP2 (full fine-tuning's default), DDP of the same, and DDP of LoRA adapters."""
+    extra = {"fsdp": ("--data_parallel", "fsdp"), "ddp": ("--data_parallel", "ddp"), "lora": ("--lora_rank", "4")}[mode]
     started = time.monotonic()
     # One row per micro-batch on both sides: each row's forward then has the same shapes, so the runs differ
     # only in the order the rows' gradients are added (the all-reduce adds two partial sums).
@@ -102,15 +103,15 @@ def test_two_ranks_train_the_weights_one_process_trains(untrained_policy_dir, tm
     assert moved > 1e-4, "training did not move the weights: the comparison would be empty"
     apart = assert_same_training(two, one, iterations=3)
     # Adam hides the gradient's scale; the logged losses and pre-clip gradient norms show it (the policy loss
-    # is about 0 here: advantages are normalised and the ratio starts at 1).
+    # is float noise about 0 here, |loss| < 1e-6: advantages are normalised and the ratio starts at 1).
     scalars = [deterministic_scalars(next((logdir / "APPO_Arith-v0").glob("run_*"))) for logdir in
                (tmp_path / "two", tmp_path / "one")]
     for tag in ("grad/norm", "loss/policy_loss", "loss/value_loss", "train/reward", "train/step_reward",
                 "train/action_tokens", "train/trained_samples", "train/env_steps"):
         steps, values = zip(*scalars[0][tag])
         assert steps == (0, 1, 2) and steps == tuple(s for s, _ in scalars[1][tag]), tag
-        np.testing.assert_allclose(values, [v for _, v in scalars[1][tag]], rtol=1e-5, atol=1e-6, err_msg=tag)
-    print(f"[{'lora' if lora else 'full'}] 2 ranks vs 1 process after 3 iterations: 99.99% of {apart.size} weights "
+        np.testing.assert_allclose(values, [v for _, v in scalars[1][tag]], rtol=1e-5, atol=2e-6, err_msg=tag)
+    print(f"[{mode}] 2 ranks vs 1 process after 3 iterations: 99.99% of {apart.size} weights "
           f"within {np.quantile(apart, 0.9999):.1e}, all within {apart.max():.1e} (moved up to {moved:.1e}); "
           f"{time.monotonic() - started:.0f} s")
 

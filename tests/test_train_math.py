@@ -70,6 +70,7 @@ def test_bad_path_fails_fast_naming_the_flag():
     (["--lr", "-1"], "must be > 0"),
     (["--top_p", "0"], "(0, 1]"),
     (["--noshare_policy"], "more than one agent"),
+    (["--data_parallel", "fsdp", "--lora_rank", "8"], "use --data_parallel ddp"),
     (["--model_name_or_path", str(MATH500)], "not a directory"),
 ])
 def test_bad_values_and_contradictions_fail_naming_the_flag(argv, message):

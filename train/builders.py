@@ -88,14 +88,13 @@ def lora_settings(f: flags.FlagValues) -> LoraSettings | None:
     return LoraSettings(rank=f.lora_rank, alpha=2.0 * f.lora_rank) if f.lora_rank else None
 
 
-def build_policy(f: flags.FlagValues, model: str, saved: checkpoint.Checkpoint | None = None) -> LanguagePolicy:
-    """The trained policy (with a critic for APPO/TPPO), from ``saved`` when resuming; in eval mode (no
-    dropout: recomputed log-probs must match the sampler's)."""
+def build_policy(f: flags.FlagValues, model: str) -> LanguagePolicy:
+    """The trained policy (with a critic for APPO/TPPO) at its starting weights (a resumed run loads its
+    checkpoint's into it: ``Runner.restore``); in eval mode (no dropout: recomputed log-probs must match
+    the sampler's)."""
     with_critic = algorithm_spec(f.algorithm_name).critic is not None
-    kwargs = dict(device=str(resolve_device(f.device)), dtype=f.dtype, gradient_checkpointing=f.gradient_checkpointing)
-    if saved is not None:
-        return checkpoint.load_policy(saved, model, lora_settings(f), with_critic, **kwargs).eval()
-    return LanguagePolicy(model, lora=lora_settings(f), with_critic=with_critic, **kwargs).eval()
+    return LanguagePolicy(model, lora=lora_settings(f), with_critic=with_critic, device=str(resolve_device(f.device)),
+                          dtype=f.dtype, gradient_checkpointing=f.gradient_checkpointing).eval()
 
 
 def build_reward_model(f: flags.FlagValues, device: str) -> RewardModel:
@@ -257,10 +256,16 @@ def runner_config(f: flags.FlagValues) -> RunnerConfig:
         max_policy_lag=f.max_policy_lag)
 
 
-def build_trainable(policy: LanguagePolicy, ranks: Ranks) -> torch.nn.Module:
-    """The module the update calls: the policy, or under torchrun the policy in DDP (gradients averaged
-    over ranks; parameters a step leaves unused, such as an idle critic, are allowed)."""
+def build_trainable(policy: LanguagePolicy, ranks: Ranks, data_parallel: str) -> torch.nn.Module:
+    """The module the update calls: the policy, or under torchrun the policy sharded with FSDP2
+    (``data_parallel`` fsdp, or auto with full fine-tuning) or wrapped in DDP (ddp, or auto with LoRA;
+    parameters a step leaves unused, such as an idle critic, are allowed). Gradients are averaged over ranks."""
     if not ranks.distributed:
+        return policy
+    if data_parallel == "fsdp" or (data_parallel == "auto" and policy.lora is None):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        policy.fully_shard(init_device_mesh(policy.device.type, (ranks.world_size,)))
         return policy
     from torch.nn.parallel import DistributedDataParallel
 
@@ -275,7 +280,7 @@ def build_runner(f: flags.FlagValues, run_dir: Path, writer, saved: checkpoint.C
     ``generator_factory`` builds the generation backend when the caller needs engine settings the flags
     do not cover; ``ranks``: this process's place in a torchrun job."""
     model = model_dir(f)
-    policy = build_policy(f, model, saved)
+    policy = build_policy(f, model)
     env, eval_env = build_envs(f, build_reward_model(f, str(policy.device)), policy.tokenizer, ranks)
     sync_dir = Path(f.vllm_sync_dir) if f.vllm_sync_dir is not None else run_dir / "sync"
     if ranks.distributed:  # each rank writes (and its servers load) its own copy: no two writers on one path
@@ -287,6 +292,7 @@ def build_runner(f: flags.FlagValues, run_dir: Path, writer, saved: checkpoint.C
         implicit_prm = ImplicitPRM(model, beta=f.implicit_prm_beta, lr=f.implicit_prm_lr, device=str(policy.device),
                                    dtype=f.dtype, lora=lora_settings(f))
     config = runner_config(f)
+    trainable = build_trainable(policy, ranks, f.data_parallel)  # first: FSDP2 makes new parameter objects
     optimizer, scheduler = build_optimizer(f, policy, config.num_iterations)
     sampling = Sampling(max_new_tokens=1 if f.action_level == "token" else f.max_new_tokens, temperature=f.temperature,
                         top_p=f.top_p, eos_text=policy.tokenizer.eos_token or "", token_actions=f.action_level == "token",
@@ -296,7 +302,7 @@ def build_runner(f: flags.FlagValues, run_dir: Path, writer, saved: checkpoint.C
                                                                     train_flags.resolved_group_size(f), ranks)[0])
     runner = Runner(config, collector, eval_env, policy, generator, algorithm, optimizer, scheduler, writer, run_dir,
                     implicit_prm=implicit_prm, rollout_policy=rollout_policy, rollout_generator=rollout_generator,
-                    run_flags=train_flags.flag_dict(f), ranks=ranks, trainable=build_trainable(policy, ranks))
+                    run_flags=train_flags.flag_dict(f), ranks=ranks, trainable=trainable)
     if saved is not None:
         runner.restore(saved)
     return runner

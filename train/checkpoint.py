@@ -4,49 +4,63 @@
 
     policy/                    LanguagePolicy.save: HF weights and tokenizer (plain transformers and vLLM
                                load them), LoRA adapters (adapters/), value head (critic/)
-    trainable.safetensors      LoRA only: the trainable parameters (adapters, value head) as trained, so
-                               that resuming re-reads the frozen base from the model directory bit for bit
-                               instead of recovering it from the merged weights (off by rounding)
+    train_state/               torch.distributed.checkpoint (DCP): the trainable parameters as trained
+                               (LoRA: the adapters and value head; full fine-tuning: every weight) and the
+                               policy optimizer's state, each rank writing its own shard (FSDP2), keyed by
+                               parameter name so any number of ranks, sharded or not, loads it back
     implicit_prm.safetensors   PRIME's implicit PRM weights, when one is trained
-    optimizers.pt              optimizer and scheduler state dicts ("policy", "scheduler", "implicit_prm")
+    optimizers.pt              the scheduler's state dict and the implicit PRM optimizer's ("scheduler",
+                               "implicit_prm")
     rng.pt                     python, numpy and torch (CPU, CUDA) RNG states and the runner's generators
     trainer_state.json         iteration, env steps, counters, eval history, the env's state (problem
                                sampler position, episodes in progress), the runner's episode returns
     flags.json                 every flag of the run
     manifest.json              written last: format version, iteration, the size of every file above
 
+Resuming builds the policy as a fresh run does (the frozen base re-read from the model directory bit for
+bit) and loads ``train_state/`` into it.
+
 Writing is atomic: the files go to a hidden sibling ``.tmp-iter_N-*``, are fsynced, the manifest is
 written last, and one ``os.replace`` renames the directory into place. Killed at any moment, a save
 leaves either the complete ``iter_N`` or a hidden directory that resuming ignores and the next save
 removes. ``iter_N`` counts as a checkpoint only if its manifest parses and every file it lists has the
-recorded size; ``find_latest`` reports and skips the others.
+recorded size; ``find_latest`` reports and skips the others. Under torchrun every rank writes its part
+of ``train_state/`` into rank 0's hidden directory (the checkpoint directory must be on storage every
+rank sees); rank 0 writes the rest and renames.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import random
 import shutil
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, load_model, save_file, save_model
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_model, save_model
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from train.models.policy import LanguagePolicy, LoraSettings
+from train import distributed
+from train.distributed import Ranks
+from train.models.policy import LanguagePolicy
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 POLICY_DIR = "policy"
+TRAIN_STATE_DIR = "train_state"
 IMPLICIT_PRM_FILE = "implicit_prm.safetensors"
-TRAINABLE_FILE = "trainable.safetensors"
 OPTIMIZERS_FILE = "optimizers.pt"
 RNG_FILE = "rng.pt"
 STATE_FILE = "trainer_state.json"
@@ -54,6 +68,11 @@ FLAGS_FILE = "flags.json"
 PREFIX = "iter_"
 SCRATCH = ".tmp-"  # temporary and retired directories; never a checkpoint, removed by the next save
 DELAY_ENV = "MATHRL_CHECKPOINT_DELAY_S"  # fault tests: sleep between the files and the manifest
+
+
+# The trainable parameters only (the frozen base is the model directory's); ``strict=False`` since the
+# policy also holds those frozen ones.
+TRAIN_STATE_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 class CheckpointError(RuntimeError):
@@ -79,6 +98,7 @@ class Checkpoint:
         return self.path.parent.parent if self.path.parent.name == "checkpoints" else None
 
     def optimizers(self, device: torch.device | str = "cpu") -> dict[str, Any]:
+        """The scheduler's and the implicit PRM optimizer's state dicts (the policy's is in ``train_state/``)."""
         return torch.load(self.path / OPTIMIZERS_FILE, map_location=device, weights_only=True)
 
     def rng(self) -> dict[str, Any]:
@@ -92,20 +112,22 @@ class Checkpoint:
 # Writing
 # -------------------------------------------------------------------------------------------------
 
-def save(checkpoints_dir: str | Path, iteration: int, *, policy: LanguagePolicy, optimizers: dict[str, Any],
-         rng: dict[str, Any], state: dict[str, Any], flags: dict[str, Any],
-         implicit_prm: torch.nn.Module | None = None) -> Path:
+def save(checkpoints_dir: str | Path, iteration: int, *, policy: LanguagePolicy, optimizer: torch.optim.Optimizer,
+         optimizers: dict[str, Any], rng: dict[str, Any], state: dict[str, Any], flags: dict[str, Any],
+         implicit_prm: torch.nn.Module | None = None, ranks: Ranks = Ranks()) -> Path:
     """Writes ``checkpoints_dir/iter_<iteration>`` atomically (see the module docstring); returns it.
+    Under torchrun every rank calls it together (the train state and a sharded policy's export are
+    collective); rank 0 writes everything else.
 
-    ``optimizers``: state dicts by name; ``rng``: tensors and plain values (``rng_state()`` plus the
-    caller's own generators); ``state`` and ``flags``: JSON-serialisable. Raises ``CheckpointError``
-    naming the path when anything fails (disk full, unwritable directory); earlier checkpoints are
-    never touched by a failed save.
+    ``optimizer``: the policy's; ``optimizers``: other state dicts by name (scheduler, implicit PRM);
+    ``rng``: tensors and plain values (``rng_state()`` plus the caller's own generators); ``state`` and
+    ``flags``: JSON-serialisable. Raises ``CheckpointError`` naming the path when anything fails (disk
+    full, unwritable directory); earlier checkpoints are never touched by a failed save.
     """
+    tensors = policy.full_tensors()  # every rank: a sharded policy gathers its weights
+
     def fill(directory: Path) -> None:
-        policy.save(directory / POLICY_DIR)
-        if policy.lora is not None:
-            save_file(trainable_parameters(policy), directory / TRAINABLE_FILE)
+        policy.save(directory / POLICY_DIR, tensors)
         if implicit_prm is not None:
             save_model(implicit_prm, str(directory / IMPLICIT_PRM_FILE))  # handles tied weights
         torch.save(optimizers, directory / OPTIMIZERS_FILE)
@@ -113,18 +135,29 @@ def save(checkpoints_dir: str | Path, iteration: int, *, policy: LanguagePolicy,
         (directory / STATE_FILE).write_text(json.dumps({**state, "iteration": iteration}))
         (directory / FLAGS_FILE).write_text(json.dumps(flags, indent=1, default=str))
 
-    return atomic_write(Path(checkpoints_dir) / f"{PREFIX}{iteration}", iteration, fill)
+    return atomic_write(Path(checkpoints_dir) / f"{PREFIX}{iteration}", iteration, fill,
+                        shared_fill=lambda directory: save_train_state(directory / TRAIN_STATE_DIR, policy, optimizer),
+                        ranks=ranks)
 
 
-def atomic_write(final: Path, iteration: int, fill: Callable[[Path], None]) -> Path:
-    """Runs ``fill(temp_dir)``, fsyncs, writes the manifest last and renames ``temp_dir`` to ``final``."""
+def atomic_write(final: Path, iteration: int, fill: Callable[[Path], None], *,
+                 shared_fill: Callable[[Path], None] | None = None, ranks: Ranks = Ranks()) -> Path:
+    """Runs ``shared_fill(temp_dir)`` on every rank (their collective writes) and ``fill(temp_dir)`` on
+    rank 0, fsyncs, writes the manifest last and renames ``temp_dir`` to ``final`` (rank 0)."""
     parent = final.parent
     try:
-        parent.mkdir(parents=True, exist_ok=True)
-        remove_scratch(parent)
-        temp = parent / f"{SCRATCH}{final.name}-{os.getpid()}"
-        temp.mkdir()  # not tempfile.mkdtemp: its mode 0700 would stay on the renamed checkpoint
+        temp = None
+        if ranks.is_main:
+            parent.mkdir(parents=True, exist_ok=True)
+            remove_scratch(parent)
+            temp = parent / f"{SCRATCH}{final.name}-{os.getpid()}"
+            temp.mkdir()  # not tempfile.mkdtemp: its mode 0700 would stay on the renamed checkpoint
+        temp = Path(distributed.all_gather_objects(temp)[0])
         try:
+            if shared_fill is not None:
+                shared_fill(temp)
+            if not ranks.is_main:
+                return final
             fill(temp)
             delay = float(os.environ.get(DELAY_ENV, "0"))
             if delay > 0:
@@ -137,14 +170,31 @@ def atomic_write(final: Path, iteration: int, fill: Callable[[Path], None]) -> P
             replace_dir(temp, final)
             fsync_path(parent)
         except BaseException:
-            # The error being raised is what matters; a leftover temp dir is skipped and removed later.
-            shutil.rmtree(temp, ignore_errors=True)
+            if ranks.is_main:  # the error being raised is what matters; a leftover temp dir is removed later
+                shutil.rmtree(temp, ignore_errors=True)
             raise
     except Exception as error:
         raise CheckpointError(f"could not write checkpoint {final}: {type(error).__name__}: {error}. Earlier "
                               f"checkpoints in {parent} are intact. If the disk is full or the directory not "
                               "writable, free space or pass a writable --logdir, then resume with --resume auto") from error
     return final
+
+
+def save_train_state(directory: Path, policy: LanguagePolicy, optimizer: torch.optim.Optimizer) -> None:
+    """The trainable parameters and the optimizer state as DCP, keyed by parameter name (every rank
+    writes its shard of a sharded policy; a whole one is written once)."""
+    model_state, optimizer_state = get_state_dict(policy, optimizer, options=TRAIN_STATE_OPTIONS)
+    with one_process_quietly():
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=directory,
+                 no_dist=not dist.is_initialized())
+
+
+@contextlib.contextmanager
+def one_process_quietly() -> Iterator[None]:
+    """DCP warns on every call without a process group that it assumes one process: here that is meant."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def replace_dir(source: Path, final: Path) -> None:
@@ -194,10 +244,6 @@ def prune(checkpoints_dir: str | Path, keep: int) -> list[Path]:
         shutil.rmtree(retired)
         log.info("pruned checkpoint %s (--keep_checkpoints=%d)", path, keep)
     return removed
-
-
-def trainable_parameters(policy: LanguagePolicy) -> dict[str, torch.Tensor]:
-    return {name: p.detach().contiguous() for name, p in policy.named_parameters() if p.requires_grad}
 
 
 # -------------------------------------------------------------------------------------------------
@@ -278,32 +324,26 @@ def load(path: str | Path) -> Checkpoint:
                       flags=json.loads((path / FLAGS_FILE).read_text()))
 
 
-def load_policy(saved: Checkpoint, model_dir: str | Path, lora: LoraSettings | None, with_critic: bool,
-                **kwargs) -> LanguagePolicy:
-    """The policy as saved, bit for bit (``kwargs``: device, dtype, ...). Full fine-tuning:
-    ``LanguagePolicy.load`` of ``policy/``. LoRA: built on ``model_dir`` as a fresh run builds it, then
-    the adapters and value head of ``trainable.safetensors`` loaded into it. ``lora`` and
-    ``with_critic`` are this run's settings and must match the checkpoint's."""
-    trained_with_lora = (saved.path / TRAINABLE_FILE).is_file()
-    if trained_with_lora != (lora is not None):
-        raise CheckpointError(f"{saved.path} was trained {'with' if trained_with_lora else 'without'} LoRA but this "
-                              f"run has --lora_rank={lora.rank if lora else 0}: resume with the --lora_rank it was "
+def load_train_state(saved: Checkpoint, policy: LanguagePolicy, optimizer: torch.optim.Optimizer) -> None:
+    """Loads ``train_state/`` into a policy built as a fresh run builds it (sharded or not, on any number
+    of ranks: DCP splits each tensor as this run holds it) and its optimizer. The trainable parameters
+    must be the ones this run builds (LoRA rank and targets, critic)."""
+    model_state, optimizer_state = get_state_dict(policy, optimizer, options=TRAIN_STATE_OPTIONS)
+    directory = saved.path / TRAIN_STATE_DIR
+    metadata = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+    stored = {key.removeprefix("model."): tuple(meta.size) for key, meta in metadata.items() if key.startswith("model.")}
+    built = {key: tuple(tensor.shape) for key, tensor in model_state.items()}  # a DTensor's shape is the whole one
+    if stored != built:
+        differ = sorted(key for key in stored.keys() | built.keys() if stored.get(key) != built.get(key))
+        raise CheckpointError(f"{saved.path} holds other trainable parameters than this run builds ({len(differ)} "
+                              f"differ in name or shape, e.g. {differ[:2]}): the LoRA rank or targets (--lora_rank) "
+                              "or the critic (--algorithm_name, --critic) changed; resume with the flags it was "
                               "trained with")
-    if lora is None:
-        policy = LanguagePolicy.load(saved.policy_dir, **kwargs)
-    else:
-        policy = LanguagePolicy(model_dir, lora=lora, with_critic=with_critic, **kwargs)
-        trainable = load_file(saved.path / TRAINABLE_FILE, device=str(policy.device))
-        expected = {name: tuple(p.shape) for name, p in trainable_parameters(policy).items()}
-        if expected != {name: tuple(t.shape) for name, t in trainable.items()}:
-            raise CheckpointError(f"{saved.path} holds other trainable parameters than this run builds (LoRA rank "
-                                  "or targets, critic): resume with the flags it was trained with")
-        policy.load_state_dict(trainable, strict=False)
-    if policy.with_critic != with_critic:
-        raise CheckpointError(f"{saved.path} {'has a' if policy.with_critic else 'has no'} critic but this run's "
-                              f"algorithm {'trains one' if with_critic else 'uses none'}: resume with the algorithm "
-                              "it was trained with")
-    return policy
+    train_state = {"model": model_state, "optimizer": optimizer_state}
+    with one_process_quietly():
+        dcp.load(train_state, checkpoint_id=directory, no_dist=not dist.is_initialized())
+    set_state_dict(policy, optimizer, model_state_dict=train_state["model"], optim_state_dict=train_state["optimizer"],
+                   options=TRAIN_STATE_OPTIONS)
 
 
 def retire_newer(saved: Checkpoint) -> list[Path]:

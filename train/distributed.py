@@ -9,11 +9,13 @@ environment the same code runs as one process and nothing here communicates.
   instead of waiting forever (torchrun then stops the job and names the rank that failed first).
 - Each rank owns whole prompt groups (``shard``), so group advantages stay local, and every random
   draw derives from (seed, iteration, global sample index), never from the rank (envs and collector).
-- Gradients: the policy is wrapped in DDP, which averages them over ranks; losses are normalised by
-  the global sample or token count (``all_reduce_sum`` of the minibatch totals) and scaled by the world
-  size, so N ranks compute the gradient one process would on all their samples.
-- Rank 0 alone writes TensorBoard, the progress bar, checkpoints and the policy export; statistics are
-  sums and counts added over ranks first.
+- Gradients: a LoRA policy is wrapped in DDP (every rank holds the whole model), a fully fine-tuned one
+  is sharded with FSDP2 (``LanguagePolicy.fully_shard``: weights, gradients and optimizer state split
+  over the ranks; ``--data_parallel`` chooses); both average gradients over ranks, so losses are
+  normalised by the global sample or token count (``all_reduce_sum`` of the minibatch totals) and
+  scaled by the world size: N ranks compute the gradient one process would on all their samples.
+- Rank 0 alone writes TensorBoard, the progress bar and the policy export; statistics are sums and
+  counts added over ranks first. Checkpoints are written by every rank (``train.checkpoint``: DCP).
 """
 
 from __future__ import annotations
@@ -94,13 +96,22 @@ def shard(total_envs: int, group_size: int, ranks: Ranks) -> tuple[int, int]:
 
 def all_reduce_sum(values: Sequence[float] | np.ndarray) -> np.ndarray:
     """Element-wise sums over ranks of float64 ``values`` (themselves with one process)."""
+    return all_reduce(values, dist.ReduceOp.SUM)
+
+
+def all_reduce_max(values: Sequence[float] | np.ndarray) -> np.ndarray:
+    """Element-wise maxima over ranks of float64 ``values`` (themselves with one process)."""
+    return all_reduce(values, dist.ReduceOp.MAX)
+
+
+def all_reduce(values: Sequence[float] | np.ndarray, op: dist.ReduceOp) -> np.ndarray:
     array = np.asarray(values, dtype=np.float64)
     if not dist.is_initialized():
         return array
     tensor = torch.from_numpy(array.copy())
     if dist.get_backend() == "nccl":
         tensor = tensor.cuda()
-    dist.all_reduce(tensor)
+    dist.all_reduce(tensor, op=op)
     return tensor.cpu().numpy()
 
 

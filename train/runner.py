@@ -43,6 +43,7 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from algorithms.base import Algorithm
@@ -237,7 +238,8 @@ class Runner:
         background, after starting the next one with a policy copy at most ``max_policy_lag`` versions old."""
         seed = self.config.seed * 1_000_003 + iteration * 1_009
         if self.pool is None:
-            buffer, tally = self.collector.collect(self.policy, self.generator, seed)
+            with self.policy.gathered():
+                buffer, tally = self.collector.collect(self.policy, self.generator, seed)
             return buffer, self.rollout_statistics(tally)
         progress = self.progress
         if self.pending is not None:
@@ -248,8 +250,7 @@ class Runner:
         stats = {**self.rollout_statistics(tally), "train/policy_lag": float(progress.version - version)}
         # The next batch is trained on after this iteration's update, at version + 1.
         if progress.version + 1 - progress.rollout_version > self.config.max_policy_lag:
-            self.rollout_policy.load_state_dict(self.policy.state_dict())
-            self.rollout_generator.sync(self.rollout_policy)
+            self.refresh_rollout_policy()
             progress.rollout_version = progress.version
         self.pending_version = progress.rollout_version
         self.pending = None
@@ -257,6 +258,11 @@ class Runner:
             self.pending = self.pool.submit(self.collector.collect, self.rollout_policy, self.rollout_generator,
                                             seed + 1)
         return buffer, stats
+
+    def refresh_rollout_policy(self) -> None:
+        """The background rollouts' copy takes the policy's current weights (every rank together)."""
+        self.rollout_policy.load_state_dict(self.policy.whole_state_dict())
+        self.rollout_generator.sync(self.rollout_policy)
 
     def rollout_statistics(self, tally: Tally) -> dict[str, float]:
         """The rollout's logged statistics: means of the collector's sums and counts, added over ranks
@@ -310,7 +316,8 @@ class Runner:
         """Advantages, then ``ppo_epoch`` epochs of minibatch steps; returns statistics."""
         config, algorithm = self.config, self.algorithm
         started = time.perf_counter()
-        self.score_rollout(buffer)
+        with self.policy.gathered():
+            self.score_rollout(buffer)
         targets = algorithm.advantages(buffer)
         sums, weights = defaultdict(float), defaultdict(float)
         grad_norms, steps, stopped_early = [], 0, False
@@ -353,16 +360,24 @@ class Runner:
         """Accumulates the micro-batches' gradients, clips, steps; returns (the minibatch's approx KL,
         whether the optimizer stepped: not when the loss or the gradient norm is non-finite).
 
-        Several ranks: DDP averages the gradients of the last micro-batch's backward over ranks, so each
-        loss (normalised by the global totals) is scaled by the world size; a rank without rows in this
-        minibatch joins with a zero-gradient backward (``idle_backward``)."""
+        Several ranks: DDP and FSDP2 average the gradients over ranks, so each loss (normalised by the
+        global totals) is scaled by the world size. Every rank runs as many forward and backward passes as
+        the rank with the most micro-batches (both need them matched), the missing ones zero-gradient
+        passes (``idle_backward``)."""
         algorithm, temperature = self.algorithm, self.sampling.temperature
-        if self.ranks.distributed and distributed.all_reduce_sum([len(minibatch)])[0] == 0:
-            return 0.0, False  # every rank skipped every row: no gradient anywhere, no step (as in one process)
+        passes = len(minibatch)
+        if self.ranks.distributed:
+            passes = int(distributed.all_reduce_max([passes])[0])
+            if passes == 0:
+                return 0.0, False  # every rank skipped every row: no gradient anywhere, no step (as in one process)
         self.optimizer.zero_grad(set_to_none=True)
         kl_sum, kl_weight, finite_loss = 0.0, 0, True
-        for k, batch in enumerate(minibatch):
-            with self.gradient_sync(last=k == len(minibatch) - 1):
+        for k in range(passes):
+            with self.gradient_sync(last=k == passes - 1):
+                if k >= len(minibatch):
+                    self.idle_backward()
+                    continue
+                batch = minibatch[k]
                 scores = self.trainable(batch.prompts, (batch.action_ids, batch.action_lengths), temperature,
                                         with_entropy=True, with_values=self.spec.critic is not None)
                 loss, micro_stats = algorithm.loss(scores, batch)
@@ -374,13 +389,12 @@ class Runner:
             kl_sum += float(micro_stats["approx_kl"]) * batch.num_samples
             kl_weight += batch.num_samples
         if self.ranks.distributed:
-            if not minibatch:
-                self.idle_backward()
             kl_sum, kl_weight, nonfinite = distributed.all_reduce_sum([kl_sum, kl_weight, float(not finite_loss)])
             finite_loss = nonfinite == 0
         parameters = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
         max_norm = self.config.max_grad_norm or math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(parameters, max_norm))
+        grad_norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+        grad_norm = float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)  # FSDP2: sharded
         kl = kl_sum / max(kl_weight, 1)
         if not (finite_loss and math.isfinite(grad_norm)):
             self.skip_nonfinite_step("loss" if not finite_loss else f"gradient norm ({grad_norm})")
@@ -391,14 +405,15 @@ class Runner:
         return kl, True
 
     def gradient_sync(self, last: bool) -> contextlib.AbstractContextManager:
-        """DDP reduces gradients at the minibatch's last backward only (no_sync before it)."""
-        if not self.ranks.distributed or last:
+        """DDP reduces gradients at the minibatch's last backward only (no_sync before it); FSDP2 reduces
+        at every backward, keeping only its shard of the gradient between micro-batches."""
+        if not self.ranks.distributed or last or self.policy.sharded:
             return contextlib.nullcontext()
         return self.trainable.no_sync()
 
     def idle_backward(self) -> None:
-        """A backward of zero loss through DDP on one placeholder token: this rank's part of the gradient
-        all-reduce when it has no rows of the minibatch (the others' gradients are unchanged by it)."""
+        """A backward of zero loss through DDP or FSDP2 on one placeholder token: this rank's part of the
+        gradient reduction when it has fewer micro-batches than another rank (no gradient of its own)."""
         pad = self.policy.tokenizer.pad_token_id
         scores = self.trainable([[pad]], [[pad]], self.sampling.temperature, with_entropy=True,
                                 with_values=self.spec.critic is not None)
@@ -445,16 +460,18 @@ class Runner:
         to ``<run>/best`` when it beats every earlier one."""
         if self.pending is not None:  # the env reward models must not run in two threads at once
             self.pending.result()
-        result = evaluation.evaluate(self.eval_env, self.generator, self.sampling, self.config.eval_limit, self.ranks)
+        with self.policy.gathered():
+            result = evaluation.evaluate(self.eval_env, self.generator, self.sampling, self.config.eval_limit,
+                                         self.ranks)
         env_steps = self.env_steps()
         best_before = max((h["eval/accuracy"] for h in self.history), default=-math.inf)
         self.history.append({"iteration": iteration, "env_steps": env_steps, **result})
+        if self.config.save_best and result["eval/accuracy"] > best_before:  # the same on every rank
+            self.save_best(iteration, result["eval/accuracy"])
         if not self.ranks.is_main:
             return result
         for key, value in result.items():
             self.writer.add_scalar(key, value, iteration)
-        if self.config.save_best and result["eval/accuracy"] > best_before:
-            self.save_best(iteration, result["eval/accuracy"])
         log.info("eval iteration %d (%d env steps): greedy accuracy %.3f on %d problems, mean length %.1f tokens%s",
                  iteration, env_steps, result["eval/accuracy"], min(self.config.eval_limit, len(self.eval_env.problems)),
                  result["eval/mean_length"],
@@ -522,46 +539,49 @@ class Runner:
         checkpoints_dir = self.run_dir / "checkpoints"
         if self.last_checkpoint == checkpoints_dir / f"{checkpoint.PREFIX}{state['iteration']}":
             return self.last_checkpoint  # nothing trained since (e.g. the final save right after a periodic one)
-        if self.ranks.distributed:  # the weights are the same on every rank; their envs and RNGs are not
+        if self.ranks.distributed:  # every rank's envs and RNGs in the one checkpoint
             gathered = distributed.all_gather_objects((state, rng))
             state = {**state, **self.collector.merge_states([rank_state for rank_state, _ in gathered]),
                      "world_size": self.ranks.world_size}
             rng = {**rng, "rank_rngs": [rank_rng for _, rank_rng in gathered]}
-        if not self.ranks.is_main:
-            self.last_checkpoint = checkpoints_dir / f"{checkpoint.PREFIX}{state['iteration']}"
-            return self.last_checkpoint
-        write_out(self.writer)  # every point logged before this checkpoint is on disk when it exists
-        optimizers = {"policy": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        if self.ranks.is_main:
+            write_out(self.writer)  # every point logged before this checkpoint is on disk when it exists
+        optimizers = {"scheduler": self.scheduler.state_dict()}
         if self.implicit_prm is not None:
             optimizers["implicit_prm"] = self.implicit_prm.optimizer.state_dict()
-        path = checkpoint.save(checkpoints_dir, state["iteration"], policy=self.policy, optimizers=optimizers,
-                               rng=rng, state=state, flags=self.run_flags,
-                               implicit_prm=self.implicit_prm.model if self.implicit_prm is not None else None)
+        path = checkpoint.save(checkpoints_dir, state["iteration"], policy=self.policy, optimizer=self.optimizer,
+                               optimizers=optimizers, rng=rng, state=state, flags=self.run_flags,
+                               implicit_prm=self.implicit_prm.model if self.implicit_prm is not None else None,
+                               ranks=self.ranks)
         self.last_checkpoint = path
-        log.info("saved checkpoint %s", path)
-        if self.config.keep_checkpoints:
-            checkpoint.prune(checkpoints_dir, self.config.keep_checkpoints)
+        if self.ranks.is_main:
+            log.info("saved checkpoint %s", path)
+            if self.config.keep_checkpoints:
+                checkpoint.prune(checkpoints_dir, self.config.keep_checkpoints)
         return path
 
     def save_best(self, iteration: int, accuracy: float) -> Path:
         """The policy alone (``LanguagePolicy.save``: ``from_pretrained`` and ``--model_name_or_path`` load
         it) to ``<run>/best``, atomically replacing the previous best: RL's held-out accuracy swings, and
-        the last iteration is rarely the best one."""
-        path = checkpoint.atomic_write(self.run_dir / "best", iteration, self.policy.save)
+        the last iteration is rarely the best one. Every rank calls it (a sharded policy gathers its weights)."""
+        tensors = self.policy.full_tensors()
+        path = checkpoint.atomic_write(self.run_dir / "best", iteration, lambda out: self.policy.save(out, tensors),
+                                       ranks=self.ranks)
+        if not self.ranks.is_main:
+            return path
         log.info("new best held-out accuracy %.3f at iteration %d: policy saved to %s", accuracy, iteration, path)
         return path
 
     def restore(self, saved: checkpoint.Checkpoint) -> None:
-        """Continues from ``saved``: optimizers, scheduler, implicit PRM, RNGs, collector and counters. The
-        policy's weights are the caller's to load (``checkpoint.load_policy``), since the caller builds
-        the policy."""
+        """Continues from ``saved``: the policy's trainable weights and optimizer, scheduler, implicit PRM,
+        RNGs, collector and counters (every rank: the train state is read as each rank holds it)."""
+        checkpoint.load_train_state(saved, self.policy, self.optimizer)
         optimizers = saved.optimizers(self.policy.device)
         if ("implicit_prm" in optimizers) != (self.implicit_prm is not None):
             raise checkpoint.CheckpointError(
                 f"{saved.path} was trained {'with' if 'implicit_prm' in optimizers else 'without'} an implicit PRM, "
                 f"this run {'trains one' if self.implicit_prm is not None else 'trains none'}: resume with the "
                 "algorithm it was trained with")
-        self.optimizer.load_state_dict(optimizers["policy"])
         self.scheduler.load_state_dict(optimizers["scheduler"])
         if self.implicit_prm is not None:
             saved.load_implicit_prm(self.implicit_prm.model)
@@ -579,6 +599,9 @@ class Runner:
         self.progress = Progress(**{f.name: state[f.name] for f in fields(Progress)})
         checkpoint.set_rng_state(rng)
         self.shuffle.set_state(rng["shuffle"])
+        self.generator.sync(self.policy)  # the engines were built on the starting weights
+        if self.rollout_policy is not None:
+            self.refresh_rollout_policy()
         self.last_checkpoint = saved.path
         log.info("resumed from %s: iteration %d, %d env steps", saved.path, self.iteration, self.collector.env_steps)
 

@@ -317,6 +317,7 @@ class LanguagePolicy(nn.Module):
         self.value_head = nn.Linear(hidden_size, 1, device=self.device) if with_critic else None
         self._trainable = [p for p in self.parameters() if p.requires_grad]
         object.__setattr__(self, "_reference", None)  # not a submodule: no state_dict/parameters/optimizer
+        self._units: list[nn.Module] | None = None  # FSDP2 units once fully_shard ran, the policy last
         self.eval()
 
     @staticmethod
@@ -341,6 +342,59 @@ class LanguagePolicy(nn.Module):
     @property
     def with_critic(self) -> bool:
         return self.value_head is not None
+
+    @property
+    def sharded(self) -> bool:
+        """Whether ``fully_shard`` split the weights over the ranks."""
+        return self._units is not None
+
+    def fully_shard(self, mesh) -> None:
+        """FSDP2 over ``mesh`` (a 1-D DeviceMesh of the data-parallel ranks): each decoder layer one unit,
+        then the policy itself (embeddings, final norm, lm_head, value head). Weights, gradients and the
+        optimizer state are split over the ranks; a layer's weights are gathered for its forward and
+        backward, so every rank must run the same number of forward and backward passes (the runner
+        pads with zero-loss ones). Build the optimizer after this: the parameters are new objects.
+
+        The code outside ``forward`` that calls the model (generation, values, saving) runs inside
+        ``gathered()``. Full fine-tuning only: LoRA's few trainable weights gain nothing from it (DDP)."""
+        import torch.distributed as dist
+        from torch.distributed.fsdp import fully_shard
+
+        if self.lora is not None:
+            raise ValueError("fully_shard shards full fine-tuning; a LoRA policy trains with DDP "
+                             "(--data_parallel ddp)")
+        units = [fully_shard(layer, mesh=mesh) for layer in self.causal_lm.get_decoder().layers]
+        units.append(fully_shard(self, mesh=mesh))
+        if dist.get_backend(mesh.get_group()) == "gloo":  # gloo has no average: reduce-scatter a sum, divide after
+            for unit in units:
+                unit.set_force_sum_reduction_for_comms(True)
+        self._units = units
+        pad = self.tokenizer.pad_token_id
+        with torch.no_grad():  # FSDP takes the first module run as its root: the policy, not a layer
+            self([[pad]], [[pad]], with_entropy=False)
+        self.reshard()  # a root keeps its weights gathered after a forward without backward
+        self._trainable = [p for p in self.parameters() if p.requires_grad]
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Whole weights on every rank in the enclosed code (no-op unless sharded): generation, values
+        and reference scores then run any number of passes, different on each rank, without collectives.
+        Every rank enters and leaves together; inside, no gradients and no ``state_dict``."""
+        if not self.sharded:
+            yield
+            return
+        layers = self._units[:-1]
+        for unit in self._units:
+            unit.unshard()
+        for layer in layers:
+            layer.set_reshard_after_forward(False, recurse=False)
+        try:
+            yield
+        finally:
+            for layer in layers:
+                layer.set_reshard_after_forward(True, recurse=False)
+            for unit in self._units:
+                unit.reshard()
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """Mixed precision for forward passes: matmuls in the compute dtype, master weights as stored."""
@@ -502,15 +556,41 @@ class LanguagePolicy(nn.Module):
     # Weights out: inference engines and checkpoints
     # ---------------------------------------------------------------------------------------------
 
-    def named_weights_for_inference(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(hf_name, tensor)`` of the current actor weights in plain HF names, LoRA merged.
+    def whole_state_dict(self) -> dict[str, torch.Tensor]:
+        """``state_dict()`` with whole tensors. Sharded (FSDP2) every rank must call it together: the
+        shards are all-gathered, and every rank gets every tensor."""
+        if not self.sharded:
+            return self.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        whole = get_model_state_dict(self, options=StateDictOptions(full_state_dict=True))
+        first_name: dict[int, str] = {}
+        for name, param in self.named_parameters(remove_duplicate=False):  # tied weights: gathered apart,
+            whole[name] = whole[first_name.setdefault(id(param), name)]  # made one tensor again as in state_dict()
+        return whole
+
+    def full_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(the causal LM's state dict, the value head's) with whole tensors (sharded: ``whole_state_dict``,
+        which every rank calls together)."""
+        if not self.sharded:
+            return self.causal_lm.state_dict(), self.value_head.state_dict() if self.value_head is not None else {}
+        parts: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] = ({}, {})
+        for name, tensor in self.whole_state_dict().items():
+            owner, _, leaf = name.partition(".")
+            parts[owner == "value_head"][leaf] = tensor
+        return parts
+
+    def named_weights_for_inference(self, tensors: dict[str, torch.Tensor] | None = None,
+                                    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(hf_name, tensor)`` of the current actor weights in plain HF names, LoRA merged (``tensors``:
+        the causal LM's from ``full_tensors``, when the caller has them already).
 
         Merging is computed per layer (W + delta), never written into the model, so repeated syncs do
         not accumulate merge/unmerge rounding. Tensors are detached views except merged layers (new).
         Tied weights appear under both names (HF loaders and vLLM skip the tied duplicate).
         """
         causal_lm = self.causal_lm
-        for name, tensor in causal_lm.state_dict().items():
+        for name, tensor in (tensors if tensors is not None else self.full_tensors()[0]).items():
             if "lora_" in name:
                 continue
             module_name, _, leaf = name.rpartition(".")
@@ -520,28 +600,31 @@ class LanguagePolicy(nn.Module):
                     tensor = tensor + lora_layer.get_delta_weight(ACTOR_ADAPTER).to(tensor.dtype)
             yield hf_param_name(name), tensor.detach()
 
-    def save(self, out_dir: str | Path) -> Path:
+    def save(self, out_dir: str | Path,
+             tensors: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None) -> Path:
         """Saves a directory that plain ``AutoModelForCausalLM.from_pretrained`` and vLLM load (merged
         actor weights + tokenizer at top level) and that ``LanguagePolicy.load`` restores exactly
-        (LoRA adapters in ``adapters/``, value head in ``critic/``, settings in ``mathrl_policy.json``)."""
-        out = self.save_inference_weights(out_dir)
+        (LoRA adapters in ``adapters/``, value head in ``critic/``, settings in ``mathrl_policy.json``).
+        ``tensors``: ``full_tensors()`` when the caller gathered them (sharded: every rank gathers, one writes)."""
+        actor, head = tensors if tensors is not None else self.full_tensors()
+        out = self.save_inference_weights(out_dir, actor)
         self.tokenizer.save_pretrained(out)
         if self.lora is not None:
             self.model.save_pretrained(out / ADAPTER_DIR)
         if self.value_head is not None:
             (out / VALUE_HEAD_FILE).parent.mkdir(exist_ok=True)
-            save_file({k: v.detach().contiguous() for k, v in self.value_head.state_dict().items()},
-                      out / VALUE_HEAD_FILE)
+            save_file({k: v.detach().contiguous() for k, v in head.items()}, out / VALUE_HEAD_FILE)
         meta = {"lora": asdict(self.lora) if self.lora else None, "with_critic": self.with_critic,
                 "reference_dir": str(self.reference_dir)}
         (out / POLICY_META).write_text(json.dumps(meta, indent=2))
         return out
 
-    def save_inference_weights(self, out_dir: str | Path) -> Path:
-        """The actor's weights as plain HF safetensors (LoRA merged, tied weights once) and its config."""
+    def save_inference_weights(self, out_dir: str | Path, tensors: dict[str, torch.Tensor] | None = None) -> Path:
+        """The actor's weights as plain HF safetensors (LoRA merged, tied weights once) and its config
+        (``tensors``: the causal LM's ``full_tensors``, when the caller has them)."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        self.causal_lm.save_pretrained(out, state_dict=dict(self.named_weights_for_inference()))
+        self.causal_lm.save_pretrained(out, state_dict=dict(self.named_weights_for_inference(tensors)))
         return out
 
     def save_actor_adapter(self, out_dir: str | Path) -> Path:

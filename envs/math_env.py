@@ -365,6 +365,7 @@ class MathTask:
                 previous_steps=tuple(episodes[i].steps[:-1]),
                 new_step=episodes[i].steps[-1],
                 done=transitions[i].terminated or transitions[i].truncated,
+                group_id=episodes[i].group_id,
             )
             for i in scored
         ]

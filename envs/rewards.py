@@ -27,13 +27,15 @@ class StepContext:
     ``previous_steps`` are the steps before ``new_step`` (without delimiters); ``done`` is True when
     ``new_step`` ends the episode (final answer, end marker or truncation), which is when outcome
     rewards are paid. ``problem.answer`` is the gold answer: reward models may read it, the policy
-    never sees it.
+    never sees it. ``group_id`` names the episode's draw of its problem, unique in the run and the same
+    however the envs are split over processes: what a reward model that samples seeds from.
     """
 
     problem: Problem
     previous_steps: tuple[str, ...]
     new_step: str
     done: bool
+    group_id: int = 0
 
     @property
     def steps(self) -> tuple[str, ...]:

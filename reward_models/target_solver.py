@@ -13,6 +13,8 @@ string, one action is a prefix of up to that many tokens. See the README's Prefi
 
 from __future__ import annotations
 
+import hashlib
+from collections import Counter
 from typing import Sequence
 
 import numpy as np
@@ -20,7 +22,7 @@ import numpy as np
 from envs.grader import extract_answer, grade_batch
 from envs.prompts import DEFAULT_TEMPLATE, STEP_DELIMITER, format_prompt, join_steps
 from envs.rewards import RewardOutput, StepContext
-from train.models.generation import Generator
+from train.models.generation import Generator, mix_seed
 
 
 class TargetSolver:
@@ -32,8 +34,9 @@ class TargetSolver:
         num_samples: completions per trajectory (m); reward = fraction verified correct.
         max_new_tokens, temperature: the target's sampling (temperature 0: greedy, m should be 1).
         template: the prompt template the target expects.
-        seed: base of the sampling seeds: the k-th call (from 1) samples with ``seed + k``, so that
-            a context seen again is not completed alike.
+        seed: base of the sampling seeds. A context's completions are seeded from it, the episode's
+            ``group_id`` and the prefix (and, for identical prefixes of one group in one call, their
+            order), so they do not depend on how contexts are batched into calls or split over ranks.
         timeout: seconds the grader may spend on one answer.
     """
 
@@ -56,18 +59,28 @@ class TargetSolver:
         self.generator, self.num_samples = generator, num_samples
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self.template, self.seed, self.timeout, self.name = template, seed, timeout, name
-        self.calls = 0
 
     def prompts(self, contexts: Sequence[StepContext]) -> list[str]:
         """The target's input: the problem in its template, then the policy's steps as the prefix."""
         return [format_prompt(c.problem.problem, self.template) + join_steps(c.steps) for c in contexts]
 
+    def seeds(self, contexts: Sequence[StepContext]) -> list[int]:
+        """One sampling seed per context [B]: (seed, group id, prefix, order among identical ones)."""
+        seen: Counter[tuple[int, str]] = Counter()
+        seeds = []
+        for context in contexts:
+            prefix = join_steps(context.steps)
+            order = seen[context.group_id, prefix]
+            seen[context.group_id, prefix] += 1
+            digest = int.from_bytes(hashlib.blake2b(prefix.encode(), digest_size=8).digest(), "little")
+            seeds.append(mix_seed(self.seed, context.group_id, digest, order))
+        return seeds
+
     def solve_rates(self, contexts: Sequence[StepContext]) -> np.ndarray:
         """Fraction [B] of the target's completions of each context that verify against its gold answer."""
-        self.calls += 1
         output = self.generator.generate(
             self.prompts(contexts), n=self.num_samples, max_new_tokens=self.max_new_tokens,
-            temperature=self.temperature, seed=self.seed + self.calls,
+            temperature=self.temperature, seed=self.seeds(contexts),
         )
         m = self.num_samples
         # The answer may sit in the prefix itself (the policy finished) or in the target's completion.

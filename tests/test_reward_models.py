@@ -260,6 +260,26 @@ def test_tiny_prm_scores_its_labels_and_the_tiny_policies_do_not(tiny_models):
             ProcessRewardModel(policy, device="cpu")
 
 
+def test_target_solver_samples_each_context_alike_however_the_calls_are_split(untrained_policy_dir):
+    """A context's completions depend on (seed, group id, prefix), never on its position in a call: the
+    same under one process and several ranks. Identical prefixes of one group still differ."""
+    generator = HFGenerator(LanguagePolicy(untrained_policy_dir, device="cpu"))
+    solver = TargetSolver(generator, num_samples=2, max_new_tokens=6, temperature=1.0, seed=7)
+    problem = Arith().problems(1, seed=0)[0]
+    a, b = (StepContext(problem, (), step, done=True, group_id=group) for step, group in (("12 + 3", 4), ("9 - 1", 5)))
+
+    def completions(contexts):
+        output = generator.generate(solver.prompts(contexts), n=2, max_new_tokens=6, temperature=1.0,
+                                    seed=solver.seeds(contexts))
+        return [output.texts[2 * i:2 * i + 2] for i in range(len(contexts))]
+
+    whole = completions([a, b, a])
+    assert [completions([b])[0], *completions([a, a])] == [whole[1], whole[0], whole[2]]
+    assert whole[0] != whole[2], "two identical prefixes of a group drew the same completions"
+    moved = StepContext(problem, (), "12 + 3", done=True, group_id=6)
+    assert len(set(solver.seeds([a, moved, a]))) == 3
+
+
 @pytest.mark.slow
 def test_target_solver_rewards_correct_prefixes_more(tiny_models):
     generator = HFGenerator(LanguagePolicy(tiny_models.target, device="cpu"), batch_size=64)

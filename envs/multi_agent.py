@@ -1,0 +1,453 @@
+"""MultiAgentMathVectorEnv: N math episodes, each a multi-agent workflow (``envs.workflows``: the
+solver -> verifier -> refiner chain, a debate, Prefix-RL's writer and solver, or your own) on one
+problem, every answer of a step graded in one time-bounded batch.
+
+The trainer sees roles only as the rollout buffer's agent axis, so the env speaks in agent slots:
+A = the workflow's number of roles (debate: ``num_agents``), one slot each, N envs.
+
+- observations: a tuple of N tuples of A prompts, "" where the slot does not act next;
+- actions: N sequences of A strings, one whole message per acting slot (the other entries are
+  ignored); a message longer than ``max_step_chars`` is clipped, as MathTask clips a step;
+- rewards: float64 [N, A]; terminated / truncated: bool [N], the episode's (the workflow ended it /
+  ``max_steps`` turns or ``max_solution_chars`` characters of messages cut it).
+
+Credit (``reward_assignment``), all from answers verified against the gold answer:
+
+- ``team``: the final answer's verdict (1/0), to every slot that acted in the episode;
+- ``individual``: each message's own verifiable output: an answering role's answer (1/0); a judging
+  role's verdict agreeing with whether the answer it judged is right (1/0; an unparseable verdict is
+  a rejection); a role with neither (Prefix-RL's writer, verified only through the solver) gets the
+  team outcome;
+- ``counterfactual``: the team outcome minus the outcome of ``Workflow.replay`` with the slot's
+  messages replaced by its role's default, every other slot's held fixed: what its messages changed.
+
+Team, counterfactual and the writer's individual credit need the episode's outcome, so they are paid
+at the episode's end step to every slot that acted in the episode, whether it acts at that step or
+not (a trainer adds it to that slot's last action); the rest of the individual credit is paid at the
+step of the message.
+
+Grading: a step first collects every comparison it needs (each new answer, and each answer a new
+verdict is about, against the gold answer; the final answer of each ended episode and of its
+counterfactuals; for a vote, every two candidates with each other), then decides them all in ONE
+``envs.grader.grade_batch`` call, each bounded by ``grade_timeout`` seconds (``OutcomeReward``'s path).
+
+Infos are a plain dict of full arrays, as MathVectorEnv's:
+
+- the episode whose observation is returned: ``problem_id`` [N] object, ``group_id`` [N] int64,
+  ``turn`` [N] int64 (turns done), ``acting`` [N, A] bool (the slots that act on the next step), and
+  ``roles`` (the A role names, a tuple);
+- from ``step`` only, the results of the messages just taken: ``correct`` [N] float64 (1/0 where an
+  episode ended at this step, NaN elsewhere), ``final_answer`` [N] object (its answer, None where
+  none), ``answer_correct`` [N, A] (an answering slot's own answer verified, NaN where it did not
+  answer at this step), ``verdict`` [N, A] (a judging slot's verdict: 1 accept, 0 reject or
+  unparseable, NaN where none), ``verdict_correct`` [N, A] (1 where that verdict agrees with the
+  verified truth, 0 where not, NaN where none), ``action_clipped`` [N, A] bool;
+- SAME_STEP autoreset: ``final_obs`` [N] object (the ended episodes' prompts for the slots that would
+  act next: all "" unless truncated), ``final_info`` (the ended episodes' metadata) and their masks.
+
+Problems and groups are exactly MathVectorEnv's (group g's d-th problem is the sampler's position
+``d * total_groups + g``, which is its ``group_id``): a MathVectorEnv, the ``dealer``, whose episodes
+never step, draws them and keeps that bookkeeping, so ``get_state`` / ``set_state`` /
+``merge_states`` / ``split_state`` carry its state beside the transcripts.
+
+Autoreset: ``SAME_STEP`` (default) or ``DISABLED``. ``NEXT_STEP`` is refused: the step that resets
+would have every slot of the new episode generate a whole message only to throw it away.
+
+Left out: the MathTask reward model (PRM, target solver, mixtures). Its contract scores the steps of
+one solution; a verifier's verdict or a debater's second-round answer is not a step of a solution,
+and a PRM given a whole message as one step scores something it was not trained on, so per-role
+``reward/<source>`` arrays would distort it. ``reward_model=`` raises; credit comes from
+``reward_assignment``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import gymnasium
+import numpy as np
+from gymnasium import spaces
+from gymnasium.vector import AutoresetMode, VectorEnv
+
+from envs.datasets import Problem
+from envs.grader import grade_batch
+from envs.math_env import UnicodeText
+from envs.vector import MathVectorEnv
+from envs.workflows import WORKFLOWS, Limits, Message, Progress, TurnContext, Workflow, parse_verdict, resolve_workflow
+
+REWARD_ASSIGNMENTS = ("team", "individual", "counterfactual")
+AUTORESET_MODES = (AutoresetMode.SAME_STEP, AutoresetMode.DISABLED)
+SINGLE_AGENT_KEYWORDS = {  # MathTask keywords that mean nothing for whole messages: why, and what instead
+    "reward_model": "a PRM or target solver scores the steps of one solution, not verdicts or debate rounds; credit "
+                    "comes from reward_assignment='team'|'individual'|'counterfactual'",
+    "handoff_steps": "Prefix-RL is the workflow='prefix' here",
+    "end_marker": "an action is a whole message, so a message ends where the generator stops",
+}
+
+
+def check_task_keywords(task_kwargs: dict[str, Any]) -> None:
+    """Refuses, saying why, the MathTask keywords a multi-agent env cannot honour."""
+    if task_kwargs.get("mode", "step") != "step":
+        raise ValueError(f"mode={task_kwargs['mode']!r}: MultiAgentMathVectorEnv takes whole messages as actions; "
+                         "leave mode out (or 'step')")
+    for key, why in SINGLE_AGENT_KEYWORDS.items():
+        if task_kwargs.get(key) is not None:
+            raise ValueError(f"{key}= is not supported by MultiAgentMathVectorEnv ({why}); leave it out")
+
+
+class AnswerChecks:
+    """The answer comparisons one env step needs: asked first, then decided in one ``grade_batch`` call."""
+
+    def __init__(self) -> None:
+        self.asked: dict[tuple[str, str], None] = {}  # an ordered set of (pred, gold) pairs
+        self.verdicts: dict[tuple[str, str], bool] = {}
+
+    def ask(self, pred: str | None, gold: str) -> None:
+        if pred is not None:
+            self.asked[(pred, gold)] = None
+
+    def grade(self, timeout: float) -> None:
+        pairs = list(self.asked)
+        if pairs:
+            verdicts = grade_batch([pred for pred, _ in pairs], [gold for _, gold in pairs], timeout=timeout)
+            self.verdicts = dict(zip(pairs, verdicts))
+
+    def equivalent(self, pred: str | None, gold: str) -> bool:
+        """The verdict on a pair that was asked (None, no answer, is never right)."""
+        return pred is not None and self.verdicts[(pred, gold)]
+
+
+@dataclass
+class Dialogue:
+    """One env's episode: its problem and group id (the dealer's draw), the messages so far, where it stands."""
+
+    problem: Problem
+    group_id: int
+    transcript: list[Message]
+    progress: Progress
+
+    def acted(self) -> list[int]:
+        """The slots that have said something in this episode."""
+        return sorted({m.slot for m in self.transcript})
+
+
+class MultiAgentMathVectorEnv(VectorEnv):
+    """``num_envs`` episodes of ``workflow`` (a ``Workflow`` or a built-in's name: "chain", "debate",
+    "prefix"). ``group_size``, ``group_offset``, ``total_groups`` as MathVectorEnv's; the other keywords
+    build the shared ``MathTask`` (problem source, template, limits: see ``envs.math_env.MathTask``).
+    ``grade_timeout``: seconds the grader may spend on one comparison. Shapes, credit and infos: see
+    the module docstring."""
+
+    metadata = {"autoreset_mode": AutoresetMode.SAME_STEP, "render_modes": []}
+
+    def __init__(
+        self,
+        num_envs: int,
+        group_size: int = 1,
+        autoreset_mode: AutoresetMode | str = AutoresetMode.SAME_STEP,
+        group_offset: int = 0,
+        total_groups: int | None = None,
+        workflow: Workflow | str = "chain",
+        reward_assignment: str = "team",
+        grade_timeout: float = 1.0,
+        **task_kwargs: Any,
+    ):
+        supported = {mode: mode for mode in AUTORESET_MODES} | {mode.value: mode for mode in AUTORESET_MODES}
+        if autoreset_mode not in supported:
+            raise ValueError(f"autoreset_mode={autoreset_mode!r} is not supported; use AutoresetMode.SAME_STEP or "
+                             "AutoresetMode.DISABLED ('SameStep', 'Disabled'). NEXT_STEP would have every slot of a "
+                             "resetting env generate a message only to discard it")
+        self.autoreset_mode = supported[autoreset_mode]
+        if reward_assignment not in REWARD_ASSIGNMENTS:
+            raise ValueError(f"reward_assignment={reward_assignment!r} must be one of {REWARD_ASSIGNMENTS}")
+        if not grade_timeout > 0:
+            raise ValueError(f"grade_timeout={grade_timeout!r} must be > 0 seconds")
+        check_task_keywords(task_kwargs)
+        self.workflow = resolve_workflow(workflow)
+        self.reward_assignment, self.grade_timeout = reward_assignment, grade_timeout
+        self.dealer = MathVectorEnv(num_envs, group_size, AutoresetMode.DISABLED, group_offset, total_groups,
+                                    **task_kwargs)
+        self.task = self.dealer.task
+        self.limits = Limits(max_turns=min(self.task.max_steps, self.workflow.max_turns or self.task.max_steps),
+                             max_chars=self.task.max_solution_chars)
+        self.metadata = {**self.metadata, "autoreset_mode": self.autoreset_mode}
+        self.num_envs, self.group_size = num_envs, group_size
+        self.roles = self.workflow.role_names
+        self.num_agents = len(self.roles)
+        self.single_observation_space = spaces.Tuple([UnicodeText(self._longest_prompt())] * self.num_agents)
+        self.single_action_space = spaces.Tuple([UnicodeText(self.task.max_step_chars)] * self.num_agents)
+        self.observation_space = spaces.Tuple([self.single_observation_space] * num_envs)
+        self.action_space = spaces.Tuple([self.single_action_space] * num_envs)
+        self.dialogues: list[Dialogue] = []
+
+    def _longest_prompt(self) -> int:
+        """A bound on a built-in prompt's length: the longest problem prompt, the longest instruction and
+        every message the turn limit allows, each under its role's name."""
+        roles = self.workflow.roles
+        per_message = self.task.max_step_chars + max(len(role.name) for role in roles) + 6
+        longest_problem = max(len(self.task.prompt(problem)) for problem in self.dealer.problems)
+        longest_instruction = max(len(role.instruction) for role in roles) + 2
+        return longest_problem + longest_instruction + self.limits.max_turns * len(roles) * per_message
+
+    def reset(self, *, seed: int | None = None,
+              options: dict | None = None) -> tuple[tuple[tuple[str, ...], ...], dict[str, Any]]:
+        """Starts a new episode in every env, or only where ``options["reset_mask"]`` [N] is True (whole
+        groups); ``options["problem_ids"]`` gives one problem id per group instead of drawing (as
+        MathVectorEnv.reset)."""
+        super().reset(seed=seed)
+        if seed is not None:
+            self.action_space.seed(seed)
+        self.dealer.reset(seed=seed, options=options)
+        mask = np.asarray((options or {}).get("reset_mask", np.ones(self.num_envs, dtype=bool)), dtype=bool)
+        if mask.all():
+            self.dialogues = [None] * self.num_envs
+        for i in np.flatnonzero(mask):
+            self.dialogues[i] = self._new_dialogue(int(i))
+        return self._observations(), self._metadata()
+
+    def step(self, actions: Sequence[Sequence[Any]]) -> tuple[tuple[tuple[str, ...], ...], np.ndarray, np.ndarray,
+                                                              np.ndarray, dict[str, Any]]:
+        """Takes each acting slot's message; returns observations, rewards [N, A], terminated [N],
+        truncated [N] and info. Envs whose episode ended (DISABLED autoreset) ignore their actions."""
+        live = [i for i, dialogue in enumerate(self.dialogues) if not dialogue.progress.ended]
+        self._check_actions(actions, live)
+        clipped = np.zeros((self.num_envs, self.num_agents), dtype=bool)
+        first_new = {}  # env -> index of its first message of this step
+        for i in live:
+            first_new[i] = len(self.dialogues[i].transcript)
+            clipped[i] = self._say(i, actions[i])
+        rewards, results = self._score(first_new)
+        results["action_clipped"] = clipped
+        terminated = np.array([i in first_new and d.progress.terminated for i, d in enumerate(self.dialogues)])
+        truncated = np.array([i in first_new and d.progress.truncated for i, d in enumerate(self.dialogues)])
+        ended = terminated | truncated
+        if self.autoreset_mode == AutoresetMode.SAME_STEP and ended.any():
+            results.update(self._restart(ended))
+        return self._observations(), rewards, terminated, truncated, {**self._metadata(), **results}
+
+    def _check_actions(self, actions: Sequence[Sequence[Any]], live: list[int]) -> None:
+        """Fails before any message is taken, so that a bad action leaves every episode as it was."""
+        if len(actions) != self.num_envs:
+            raise ValueError(f"got {len(actions)} actions for {self.num_envs} envs; give one sequence of "
+                             f"{self.num_agents} messages per env")
+        for i, row in enumerate(actions):
+            if isinstance(row, (str, bytes)) or not hasattr(row, "__len__") or len(row) != self.num_agents:
+                raise ValueError(f"actions[{i}] must be a sequence of {self.num_agents} messages, one per slot "
+                                 f"{self.roles}; got {type(row).__name__}"
+                                 + (f" of length {len(row)}" if hasattr(row, "__len__") else ""))
+        for i in live:
+            for slot in self.dialogues[i].progress.slots:
+                if not isinstance(actions[i][slot], str):
+                    raise TypeError(f"actions[{i}][{slot}] ({self.roles[slot]}'s message) must be a str, got "
+                                    f"{type(actions[i][slot]).__name__}")
+
+    def _say(self, env_index: int, messages: Sequence[str]) -> np.ndarray:
+        """Appends the acting slots' messages (clipped) to env ``env_index``'s transcript; returns which
+        slots' messages were clipped [A]."""
+        dialogue, limit = self.dialogues[env_index], self.task.max_step_chars
+        clipped = np.zeros(self.num_agents, dtype=bool)
+        for slot in dialogue.progress.slots:
+            clipped[slot] = len(messages[slot]) > limit
+            text = messages[slot][:limit].strip()
+            dialogue.transcript.append(Message(dialogue.progress.turn, slot, self.roles[slot], text))
+        dialogue.progress = self.workflow.progress(dialogue.transcript, self.limits)
+        return clipped
+
+    def _score(self, first_new: dict[int, int]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Rewards [N, A] and the result arrays of the messages from ``first_new`` on, all comparisons
+        decided in one grading call."""
+        checks = AnswerChecks()
+        spoken = [(i, index) for i, start in first_new.items()
+                  for index in range(start, len(self.dialogues[i].transcript))]
+        subjects = {}  # (env, message index) -> the answer its individual credit verifies
+        for i, index in spoken:
+            dialogue = self.dialogues[i]
+            role = self.workflow.roles[dialogue.transcript[index].slot]
+            source = index if role.answers else None
+            if role.judges is not None:
+                source = self.workflow.judged(dialogue.transcript, index)
+            if source is not None:
+                subjects[(i, index)] = self.workflow.answer_of(dialogue.transcript, source)
+                checks.ask(subjects[(i, index)], dialogue.problem.answer)
+        outcomes = {i: self._outcome_candidates(i) for i in first_new if self.dialogues[i].progress.ended}
+        for i, candidates_by_slot in outcomes.items():
+            for candidates in candidates_by_slot.values():
+                for k, answer in enumerate(candidates):
+                    checks.ask(answer, self.dialogues[i].problem.answer)
+                    for other in candidates[k + 1:]:
+                        if other is not None:
+                            checks.ask(answer, other)
+        checks.grade(self.grade_timeout)
+        return self._credit(spoken, subjects, outcomes, checks)
+
+    def _outcome_candidates(self, env_index: int) -> dict[int | None, tuple[str | None, ...]]:
+        """The final-answer candidates of env ``env_index``'s ended episode (key None) and, for
+        counterfactual credit, of its replay without each slot that acted (key: that slot)."""
+        dialogue = self.dialogues[env_index]
+        transcripts = {None: dialogue.transcript}
+        if self.reward_assignment == "counterfactual":
+            for slot in dialogue.acted():
+                transcripts[slot] = self.workflow.replay(dialogue.problem.problem, self.task.template,
+                                                         dialogue.transcript, slot, self.limits)
+        return {key: self.workflow.candidates(transcript) for key, transcript in transcripts.items()}
+
+    def _credit(self, spoken: list[tuple[int, int]], subjects: dict[tuple[int, int], str | None],
+                outcomes: dict[int, dict[int | None, tuple[str | None, ...]]],
+                checks: AnswerChecks) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Rewards [N, A] and the result arrays, from the graded ``checks``."""
+        shape = (self.num_envs, self.num_agents)
+        answer_correct, verdict, verdict_correct = (np.full(shape, np.nan) for _ in range(3))
+        for i, index in spoken:
+            message = self.dialogues[i].transcript[index]
+            role = self.workflow.roles[message.slot]
+            if role.judges is not None:
+                verdict[i, message.slot] = parse_verdict(message.text) is True
+            if (i, index) in subjects:
+                right = checks.equivalent(subjects[(i, index)], self.dialogues[i].problem.answer)
+                if role.answers:
+                    answer_correct[i, message.slot] = right
+                else:
+                    verdict_correct[i, message.slot] = verdict[i, message.slot] == right
+        rewards = np.zeros(shape)
+        if self.reward_assignment == "individual":
+            rewards = np.nan_to_num(np.fmax(answer_correct, verdict_correct))
+        correct, final_answer = np.full(self.num_envs, np.nan), np.full(self.num_envs, None, dtype=object)
+        for i, candidates_by_slot in outcomes.items():
+            dialogue = self.dialogues[i]
+            finals = {key: self.workflow.final_answer(candidates, checks.equivalent)
+                      for key, candidates in candidates_by_slot.items()}
+            solved = {key: float(checks.equivalent(answer, dialogue.problem.answer)) for key, answer in finals.items()}
+            final_answer[i], correct[i] = finals[None], solved[None]
+            acted = dialogue.acted()
+            if self.reward_assignment == "counterfactual":
+                rewards[i, acted] = [solved[None] - solved[slot] for slot in acted]
+            elif self.reward_assignment == "team":
+                rewards[i, acted] = solved[None]
+            else:  # individual: a role with no output of its own to verify is verified through the team's answer
+                roles = self.workflow.roles
+                rewards[i, [s for s in acted if not roles[s].answers and roles[s].judges is None]] = solved[None]
+        return rewards, {"correct": correct, "final_answer": final_answer, "answer_correct": answer_correct,
+                         "verdict": verdict, "verdict_correct": verdict_correct}
+
+    def _restart(self, ended: np.ndarray) -> dict[str, Any]:
+        """SAME_STEP autoreset: starts the next episode of every ``ended`` env; returns gymnasium's
+        ``final_obs`` and ``final_info`` (the ended episodes' metadata) with their masks."""
+        final_obs = np.full(self.num_envs, None, dtype=object)
+        for i in np.flatnonzero(ended):
+            final_obs[i] = self._prompts(self.dialogues[i], self.dialogues[i].progress.slots)
+        final = {"final_obs": final_obs, "_final_obs": ended.copy(), "final_info": self._metadata(),
+                 "_final_info": ended.copy()}
+        for i in np.flatnonzero(ended):
+            # the dealer's own per-env draw (what its autoreset runs): the members of a group that finish
+            # at different times still get the group's same next problem
+            self.dealer.episodes[i] = self.dealer._start_episode(int(i))
+            self.dialogues[i] = self._new_dialogue(int(i))
+        return final
+
+    def _new_dialogue(self, env_index: int) -> Dialogue:
+        episode = self.dealer.episodes[env_index]
+        return Dialogue(episode.problem, episode.group_id, [], self.workflow.progress((), self.limits))
+
+    def _prompts(self, dialogue: Dialogue, slots: Sequence[int]) -> tuple[str, ...]:
+        """[A] the prompts of ``slots`` ("" for the other slots)."""
+        prompts = [""] * self.num_agents
+        earlier = tuple(dialogue.transcript)
+        for slot in slots:
+            context = TurnContext(dialogue.problem.problem, self.task.template, earlier, slot, dialogue.progress.turn)
+            prompts[slot] = self.workflow.roles[slot].build_prompt(context)
+        return tuple(prompts)
+
+    def _observations(self) -> tuple[tuple[str, ...], ...]:
+        return tuple(self._prompts(d, () if d.progress.ended else d.progress.slots) for d in self.dialogues)
+
+    def _metadata(self) -> dict[str, Any]:
+        """The current episodes': ``problem_id``, ``group_id``, ``turn`` [N], ``acting`` [N, A], ``roles`` [A]."""
+        acting = np.zeros((self.num_envs, self.num_agents), dtype=bool)
+        for i, dialogue in enumerate(self.dialogues):
+            if not dialogue.progress.ended:
+                acting[i, list(dialogue.progress.slots)] = True
+        return {"problem_id": np.array([d.problem.id for d in self.dialogues], dtype=object),
+                "group_id": np.array([d.group_id for d in self.dialogues], dtype=np.int64),
+                "turn": np.array([d.progress.turn for d in self.dialogues], dtype=np.int64),
+                "acting": acting, "roles": self.roles}
+
+    def get_state(self) -> dict[str, Any]:
+        """JSON-serialisable: the workflow's name and roles, the dealer's state (problem sampler, each
+        env's problem and group, group bookkeeping) and every env's transcript as [turn, slot, text]."""
+        return {"workflow": self.workflow.name, "roles": list(self.roles), "draws": self.dealer.get_state(),
+                "transcripts": [[[m.turn, m.slot, m.text] for m in d.transcript] for d in self.dialogues]}
+
+    def set_state(self, state: dict[str, Any]) -> tuple[tuple[tuple[str, ...], ...], dict]:
+        """Continues exactly where ``get_state`` was called (same workflow, problems, ``num_envs`` and
+        ``group_size``); returns the observations and metadata of the restored episodes."""
+        if (state["workflow"], list(state["roles"])) != (self.workflow.name, list(self.roles)):
+            raise ValueError(f"the saved env state is of workflow {state['workflow']!r} with roles {state['roles']}, "
+                             f"this env runs {self.workflow.name!r} with {list(self.roles)}; restore it into an env of "
+                             "the same workflow")
+        self.dealer.set_state(state["draws"])
+        self.dialogues = []
+        for episode, transcript in zip(self.dealer.episodes, state["transcripts"]):
+            messages = [Message(turn, slot, self.roles[slot], text) for turn, slot, text in transcript]
+            self.dialogues.append(Dialogue(episode.problem, episode.group_id, messages,
+                                           self.workflow.progress(messages, self.limits)))
+        return self._observations(), self._metadata()
+
+    @staticmethod
+    def merge_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """One state of all the envs from the ``get_state`` of consecutive shards (MathVectorEnv.merge_states)."""
+        return {**states[0], "draws": MathVectorEnv.merge_states([state["draws"] for state in states]),
+                "transcripts": [transcript for state in states for transcript in state["transcripts"]]}
+
+    @staticmethod
+    def split_state(state: dict[str, Any], group_offset: int, num_groups: int) -> dict[str, Any]:
+        """The state of the shard of ``num_groups`` groups from ``group_offset`` (inverse of ``merge_states``)."""
+        group_size = state["draws"]["group_size"]
+        envs = slice(group_offset * group_size, (group_offset + num_groups) * group_size)
+        return {**state, "draws": MathVectorEnv.split_state(state["draws"], group_offset, num_groups),
+                "transcripts": state["transcripts"][envs]}
+
+
+class MultiAgentMathEnv(gymnasium.Env):
+    """One episode at a time: a ``MultiAgentMathVectorEnv`` of one env (autoreset off) seen through its one
+    slot tuple. Observation: A prompts; action: A messages; reward: float64 [A]; info: the vector
+    env's arrays at this env (``acting`` [A], ``roles``). ``reset(options={"problem_id": ...})`` picks
+    the problem. Keywords as the vector env's."""
+
+    metadata = {"render_modes": []}
+
+    def __init__(self, **kwargs: Any):
+        self.vector_env = MultiAgentMathVectorEnv(num_envs=1, autoreset_mode=AutoresetMode.DISABLED, **kwargs)
+        self.observation_space = self.vector_env.single_observation_space
+        self.action_space = self.vector_env.single_action_space
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[tuple[str, ...], dict[str, Any]]:
+        super().reset(seed=seed)
+        problem_id = (options or {}).get("problem_id")
+        options = None if problem_id is None else {"problem_ids": [problem_id]}
+        obs, info = self.vector_env.reset(seed=seed, options=options)
+        return obs[0], self._first(info)
+
+    def step(self, action: Sequence[str]) -> tuple[tuple[str, ...], np.ndarray, bool, bool, dict[str, Any]]:
+        obs, rewards, terminated, truncated, info = self.vector_env.step([action])
+        return obs[0], rewards[0], bool(terminated[0]), bool(truncated[0]), self._first(info)
+
+    @staticmethod
+    def _first(info: dict[str, Any]) -> dict[str, Any]:
+        return {key: value if key == "roles" else value[0] for key, value in info.items()}
+
+
+def register_builtin() -> None:
+    """Registers ``Arith-Chain-v0``, ``Arith-Debate-v0``, ``Arith-Prefix-v0`` and the same three ``MATH-*``
+    ids (idempotent). The Arith ids take ``Arith-v0``'s registered keywords (problem knobs, limits), so
+    ``envs`` must have registered ``Arith-v0`` first; the MATH ids need ``dataset_path=`` like ``MATH-v0``."""
+    if "Arith-v0" not in gymnasium.registry:
+        raise RuntimeError("register_builtin() reads Arith-v0's defaults: call it after envs registered Arith-v0")
+    families = {"Arith": gymnasium.spec("Arith-v0").kwargs, "MATH": {}}
+    for family, kwargs in families.items():
+        for name in WORKFLOWS:
+            env_id = f"{family}-{name.capitalize()}-v0"
+            if env_id not in gymnasium.registry:
+                gymnasium.register(env_id, entry_point="envs.multi_agent:MultiAgentMathEnv",
+                                   vector_entry_point="envs.multi_agent:MultiAgentMathVectorEnv",
+                                   kwargs={**kwargs, "workflow": name})

@@ -131,6 +131,7 @@ def check_flags() -> None:
     """What the flags alone decide, before anything heavy is imported."""
     train_flags.check_algorithm_specific()
     train_flags.registered_env_id()
+    train_flags.check_multi_agent()
 
 
 def main(argv: list[str]) -> None:

@@ -145,6 +145,19 @@ class RolloutBuffer:
             self.texts[flat] = text
         self.steps_filled = max(self.steps_filled, step + 1)
 
+    def credit_late(self, *, steps: np.ndarray, envs: np.ndarray, agents: np.ndarray, rewards: torch.Tensor,
+                    terminated: torch.Tensor, truncated: torch.Tensor, correct: torch.Tensor) -> None:
+        """What reaches B agents after their last action, credited to it (``steps[b]``, ``envs[b]``,
+        ``agents[b]``): ``rewards`` [B] are added (a team outcome paid when another agent ended the
+        episode); ``terminated`` / ``truncated`` [B] mark the episode's end there when set; ``correct``
+        [B] the verdict, where it is not NaN."""
+        at = tuple(torch.as_tensor(np.asarray(x), dtype=torch.long, device=self.device) for x in (steps, envs, agents))
+        self.rewards[at] += rewards.to(self.device, torch.float32)
+        self.terminated[at] |= terminated.to(self.device)
+        self.truncated[at] |= truncated.to(self.device)
+        correct = correct.to(self.device, torch.float32)
+        self.correct[at] = torch.where(torch.isnan(correct), self.correct[at], correct)
+
     def token_mask(self) -> torch.Tensor:
         """[T, N, A, L] True on each live action's real tokens (from lengths)."""
         positions = torch.arange(self.max_action_tokens, device=self.device)
@@ -157,6 +170,14 @@ class RolloutBuffer:
     def episode_returns(self) -> torch.Tensor:
         """[N, A] summed rewards of each env's episode (episodic collection: one episode per env)."""
         return (self.rewards * self.live).sum(0)
+
+    def episode_group_ids(self) -> torch.Tensor:
+        """[N, A] the group of each (env, agent)'s episode (episodic collection), per agent: agent a of
+        prompt group g is group g * A + a, so group baselines compare one role's samples of one problem
+        (with one agent, the prompt group itself)."""
+        num_agents = self.shape[2]
+        group_ids = torch.where(self.live, self.group_ids, -1).amax(0)  # constant over an episode
+        return group_ids * num_agents + torch.arange(num_agents, device=self.device)
 
     def episode_correct(self) -> torch.Tensor:
         """[N, A] 1.0 where the env's episode ended with a verified answer (episodic collection);

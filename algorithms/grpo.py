@@ -21,18 +21,20 @@ def group_advantages(
     A_i = (R_i - mean_g) / (std + eps), where std is the group's (``group``, GRPO), the whole
     batch's (``batch``) or 1 (``none``, Dr.GRPO: no length/difficulty bias from the division).
     The std is the unbiased sample std, as TRL computes it; ``reduce_sum`` adds the other processes'
-    parts of the batch (groups are never split). Vectorised with scatter sums.
+    parts of the batch (groups are never split). A group of one (a role that acted in one episode of its
+    group) has nothing to compare with: advantage 0. Vectorised with scatter sums.
     """
     if scale_rewards not in SCALE_REWARDS:
         raise ValueError(f"scale_rewards={scale_rewards!r} must be one of {SCALE_REWARDS}")
-    groups, sizes = group_index(group_ids, min_size=2 if scale_rewards == "group" else 1)
+    groups, sizes = group_index(group_ids)
     centered = returns - group_means(returns, groups, sizes)[groups]
     if scale_rewards == "none":
         return centered
     if scale_rewards == "batch":
         return centered / (batch_mean_std(returns, reduce_sum)[1] + eps)
-    variances = group_means(centered**2, groups, sizes) * sizes / (sizes - 1)  # unbiased
-    return centered / (variances.sqrt()[groups] + eps)
+    variances = group_means(centered**2, groups, sizes) * sizes / (sizes - 1).clamp(min=1)  # unbiased
+    std = torch.where(sizes > 1, variances.sqrt(), 1.0)  # a group of one: centered is 0, and stays so
+    return centered / (std[groups] + eps)
 
 
 class GRPO(BaseAlgorithm):
@@ -43,13 +45,15 @@ class GRPO(BaseAlgorithm):
     name = "GRPO"
 
     def advantages(self, buffer: RolloutBuffer) -> Targets:
-        """advantages [T, N, A]: the episode's group advantage on each of its live steps."""
+        """advantages [T, N, A]: the episode's group advantage on each of its live steps; groups are per
+        (prompt group, agent), over the agents that acted in their episode."""
         returns = buffer.episode_returns()  # [N, A]
-        group_ids = buffer.group_ids[0]  # [N, A]: constant over an episode
-        advantages = group_advantages(returns.flatten(), group_ids.flatten(), self.config.scale_rewards,
-                                      reduce_sum=self.reduce_sum)
-        return Targets(advantages.reshape(returns.shape)[None] * buffer.live,
-                       stats={"episode_returns": returns.flatten(), "advantages": advantages})
+        acted = buffer.live.any(0)  # [N, A]: a multi-agent workflow may not call on every agent
+        advantages = torch.zeros_like(returns)
+        advantages[acted] = group_advantages(returns[acted], buffer.episode_group_ids()[acted],
+                                             self.config.scale_rewards, reduce_sum=self.reduce_sum)
+        return Targets(advantages[None] * buffer.live,
+                       stats={"episode_returns": returns[acted], "advantages": advantages[acted]})
 
     def loss(self, scores: ActionScores, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return token_policy_loss(scores, batch, batch.advantages[:, None], self.config)

@@ -35,7 +35,7 @@ def group_index(group_ids: torch.Tensor, min_size: int = 1) -> tuple[torch.Tenso
     at least ``min_size`` members (group baselines need >= 2)."""
     _, groups = torch.unique(group_ids, return_inverse=True)
     sizes = torch.bincount(groups)
-    if int(sizes.min()) < min_size:
+    if len(sizes) and int(sizes.min()) < min_size:
         raise ValueError(f"a group has {int(sizes.min())} sample(s), fewer than the {min_size} a group baseline "
                          f"needs; use group_size >= {min_size}")
     return groups, sizes

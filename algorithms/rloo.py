@@ -50,10 +50,11 @@ def filter_groups(
     correct: torch.Tensor, group_ids: torch.Tensor, accuracy_lower_bound: float, accuracy_upper_bound: float
 ) -> torch.Tensor:
     """PRIME's online prompt filter: keep mask [B] of responses whose group's accuracy (mean of
-    ``correct`` [B]) lies in [lower, upper]; all-right and all-wrong groups teach nothing."""
-    groups, sizes = group_index(group_ids, min_size=2)
+    ``correct`` [B]) lies in [lower, upper]; all-right and all-wrong groups teach nothing, and a group of
+    one (a role that acted in one episode of its group) has no leave-one-out baseline."""
+    groups, sizes = group_index(group_ids)
     accuracy = group_means(correct.to(torch.float64), groups, sizes)
-    keep = (accuracy >= accuracy_lower_bound) & (accuracy <= accuracy_upper_bound)
+    keep = (accuracy >= accuracy_lower_bound) & (accuracy <= accuracy_upper_bound) & (sizes >= 2)
     return keep[groups]
 
 
@@ -70,9 +71,12 @@ class RLOO(BaseAlgorithm):
         """advantages [T, N, A, L]; ``keep`` drops the filtered-out groups."""
         config = self.config
         outcome = buffer.episode_returns().flatten()  # [E] episodes, E = N * A
-        group_ids = buffer.group_ids[0].flatten()
+        group_ids = buffer.episode_group_ids().flatten()
         correct = buffer.episode_correct().flatten()
-        keep = filter_groups(correct, group_ids, config.accuracy_lower_bound, config.accuracy_upper_bound)
+        acted = buffer.live.any(0).flatten()  # a multi-agent workflow may not call on every agent
+        keep = torch.zeros_like(acted)
+        keep[acted] = filter_groups(correct[acted], group_ids[acted], config.accuracy_lower_bound,
+                                    config.accuracy_upper_bound)
         if config.max_groups is not None:
             kept_groups = group_ids[keep].unique(sorted=False)[: config.max_groups]
             keep &= torch.isin(group_ids, kept_groups)

@@ -181,12 +181,17 @@ class MultiAgentMathVectorEnv(VectorEnv):
         self.action_space = spaces.Tuple([self.single_action_space] * num_envs)
         self.dialogues: list[Dialogue] = []
 
+    @property
+    def problems(self) -> list[Problem]:
+        """The env's problems (the dealer's)."""
+        return self.dealer.problems
+
     def _longest_prompt(self) -> int:
         """A bound on a built-in prompt's length: the longest problem prompt, the longest instruction and
         every message the turn limit allows, each under its role's name."""
         roles = self.workflow.roles
         per_message = self.task.max_step_chars + max(len(role.name) for role in roles) + 6
-        longest_problem = max(len(self.task.prompt(problem)) for problem in self.dealer.problems)
+        longest_problem = max(len(self.task.prompt(problem)) for problem in self.problems)
         longest_instruction = max(len(role.instruction) for role in roles) + 2
         return longest_problem + longest_instruction + self.limits.max_turns * len(roles) * per_message
 

@@ -49,8 +49,9 @@ def test_grpo_group_zscores_by_hand():
                                torch.tensor([0.5, -0.5, -0.5, 0.5, -0.75, -0.75, -0.75, 2.25]) / returns.std())
     # a group where everyone is right has zero advantage, not NaN
     assert group_advantages(torch.ones(4), torch.zeros(4, dtype=torch.long)).abs().max() == 0
-    with pytest.raises(ValueError, match="use group_size >= 2"):
-        group_advantages(torch.ones(3), torch.tensor([0, 1, 1]))
+    # a group of one (a role that acted once in its group) has nothing to compare with: 0
+    torch.testing.assert_close(group_advantages(torch.tensor([3.0, 1.0, 0.0]), torch.tensor([0, 1, 1]), eps=0.0),
+                               torch.tensor([0.0, 0.5 / math.sqrt(0.5), -0.5 / math.sqrt(0.5)]))
     with pytest.raises(ValueError, match="scale_rewards='zscore'"):
         group_advantages(returns, groups, "zscore")
 

@@ -147,21 +147,25 @@ def prm_marker(f: flags.FlagValues) -> dict[str, str]:
     return {"step_tag" if train_flags.resolved_prm_type(f) == "shepherd" else "separator": f.prm_step_tag}
 
 
+def problem_source(f: flags.FlagValues, split: str) -> dict:
+    """Where the train (split "train") or held-out ("test") env's problems come from."""
+    if f.dataset_path is not None:
+        source = {"dataset_path": (f.eval_dataset_path or f.dataset_path) if split == "test" else f.dataset_path}
+        return source if f.dataset_name is None else {**source, "subjects": [f.dataset_name]}
+    if f.eval_dataset_path is not None and split == "test":
+        return {"dataset_path": f.eval_dataset_path, "arith": None}
+    return {"split": split}
+
+
 def env_kwargs(f: flags.FlagValues, split: str, reward_model: RewardModel, tokenizer) -> dict:
     """Task kwargs of the train (split "train") or held-out ("test") vector env; ``tokenizer`` is the
-    policy's (it decodes token actions, and its EOS text ends a step-level episode)."""
-    kwargs = {"reward_model": reward_model}
+    policy's (it decodes token actions, and its EOS text ends a step-level episode). A multi-agent env
+    takes whole messages and credits them by ``--reward_assignment`` (no reward model)."""
+    if train_flags.workflow_of(f) is not None:  # whole messages, credited by verified answers
+        return {"reward_assignment": f.reward_assignment, **problem_source(f, split)}
+    kwargs = {"reward_model": reward_model, **problem_source(f, split)}
     if f.handoff_steps is not None:
         kwargs["handoff_steps"] = f.handoff_steps
-    if f.dataset_path is not None:
-        kwargs["dataset_path"] = (f.eval_dataset_path or f.dataset_path) if split == "test" else f.dataset_path
-        if f.dataset_name is not None:
-            kwargs["subjects"] = [f.dataset_name]
-    elif f.eval_dataset_path is not None and split == "test":
-        kwargs["dataset_path"] = f.eval_dataset_path
-        kwargs["arith"] = None
-    else:
-        kwargs["split"] = split
     if f.action_level == "solution":
         kwargs["max_steps"] = 1  # the action is the whole solution
     elif f.action_level == "step":

@@ -3,8 +3,12 @@
 Episodic algorithms (GRPO, RLOO) reset every env and step until every episode ended, generating only
 for the envs still going; continuing ones (APPO, TPPO) run ``episode_length`` steps of episodes that
 span iterations and bootstrap from V of the last observation unless the episode terminated. At each
-step the (env, agent) pairs that act get one action each (the MATH envs have one agent per env);
-the env scores the rewards itself, in one batch, and returns them as arrays.
+step the (env, agent) pairs that act get one action each, all generated in one call: the single-agent
+envs have one agent per env (observations [N]); a multi-agent env (``envs.multi_agent``) has A agent
+slots per env (observations [N][A], ``info["acting"]`` [N, A] says which act) and pays rewards [N, A].
+The env scores the rewards itself, in one batch, and returns them as arrays. A reward that reaches an
+agent after its last action (a team outcome paid when another agent ended the episode), and the end
+of the episode, are credited to that last action.
 
 Statistics leave as sums and counts (``Tally``): means are taken by the runner, where the tallies of
 several processes are added first.
@@ -28,6 +32,9 @@ from algorithms.buffer import RolloutBuffer
 from algorithms.registry import AlgorithmSpec
 from train.models.generation import GenerationOutput, Generator, Seed, mix_seed
 from train.models.policy import LanguagePolicy
+
+
+ROLE_METRICS = ("answer_correct", "verdict", "verdict_correct")  # a multi-agent env's [N, A] infos
 
 
 @dataclass(frozen=True)
@@ -74,6 +81,33 @@ class Sampling:
         return every
 
 
+def acting_pairs(env, info: dict[str, Any], done: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(envs, agents) [B]: the (env, agent) pairs of ``env`` that act now, among the envs not ``done`` [N]."""
+    if getattr(env, "num_agents", 1) == 1:
+        envs = np.flatnonzero(~done)
+        return envs, np.zeros_like(envs)
+    return np.nonzero(np.asarray(info["acting"], dtype=bool) & ~done[:, None])
+
+
+def pair_prompts(env, obs: Sequence, envs: np.ndarray, agents: np.ndarray) -> list[str]:
+    """The observations of the pairs ``envs[b], agents[b]`` (one per env, or [N][A] in a multi-agent env)."""
+    if getattr(env, "num_agents", 1) == 1:
+        return [obs[i] for i in envs]
+    return [obs[i][a] for i, a in zip(envs, agents)]
+
+
+def pair_actions(env, sampling: Sampling, out: GenerationOutput, envs: np.ndarray, agents: np.ndarray) -> list | np.ndarray:
+    """The env's actions from ``out``'s samples of the pairs ``envs[b], agents[b]``: one per env, or (multi-agent)
+    one message per agent slot of each env, with placeholders where nobody acts."""
+    num_agents = getattr(env, "num_agents", 1)
+    if num_agents == 1:
+        return sampling.env_actions(out, envs, env.num_envs)
+    actions = [[""] * num_agents for _ in range(env.num_envs)]
+    for i, a, action in zip(envs, agents, sampling.actions(out)):
+        actions[i][a] = action
+    return actions
+
+
 @dataclass
 class Tally:
     """Sums and counts of per-sample statistics of one rollout, and its wall-clock seconds per phase."""
@@ -100,16 +134,20 @@ class Collector:
                  env_offset: int = 0):
         self.env, self.spec, self.episode_length, self.sampling = env, spec, episode_length, sampling
         self.env_offset = env_offset
+        self.num_agents = getattr(env, "num_agents", 1)
+        self.roles = getattr(env, "roles", None)  # the agent slots' role names (multi-agent envs)
         self.obs, self.info = env.reset(seed=seed)
-        self.episode_return = np.zeros(env.num_envs)
+        self.episode_return = np.zeros((env.num_envs, self.num_agents))
+        self.last_step = np.full((env.num_envs, self.num_agents), -1)  # each agent's last action in this rollout
         self.env_steps = 0
 
     @torch.no_grad()
     def collect(self, policy: LanguagePolicy, generator: Generator, seed: int) -> tuple[RolloutBuffer, Tally]:
         """One rollout of ``episode_length`` steps (episodic: until every episode ended)."""
         num_envs, spec = self.env.num_envs, self.spec
-        buffer = RolloutBuffer(self.episode_length, num_envs, 1, self.sampling.max_new_tokens, policy.device,
-                               token_values=spec.critic == "token")
+        buffer = RolloutBuffer(self.episode_length, num_envs, self.num_agents, self.sampling.max_new_tokens,
+                               policy.device, token_values=spec.critic == "token")
+        self.last_step[:] = -1
         if spec.episodic:
             self.obs, self.info = self.env.reset()
             self.episode_return[:] = 0
@@ -117,10 +155,10 @@ class Collector:
         bootstrap = torch.zeros(buffer.shape[:2])  # V(final observation) of truncated episodes
         tally = Tally()
         for step in range(self.episode_length):
-            envs = np.flatnonzero(~done)
+            envs, agents = acting_pairs(self.env, self.info, done)
             if len(envs) == 0:
                 break
-            terminated, truncated = self.step(step, envs, policy, generator, buffer, tally, seed)
+            terminated, truncated = self.step(step, envs, agents, policy, generator, buffer, tally, seed)
             if spec.critic is not None and truncated.any() and not spec.episodic:
                 bootstrap[step] = self.values_of_final_observations(policy, truncated)
             if spec.episodic:
@@ -133,37 +171,80 @@ class Collector:
         tally.add("train/action_tokens", buffer.action_lengths[buffer.live].double().cpu().numpy())
         return buffer, tally
 
-    def step(self, step: int, envs: np.ndarray, policy: LanguagePolicy, generator: Generator, buffer: RolloutBuffer,
-             tally: Tally, seed: int) -> tuple[np.ndarray, np.ndarray]:
-        """One env step in which the envs ``envs`` act; returns the env's (terminated, truncated) [N]."""
-        agents = np.zeros_like(envs)  # one agent per env
+    def step(self, step: int, envs: np.ndarray, agents: np.ndarray, policy: LanguagePolicy, generator: Generator,
+             buffer: RolloutBuffer, tally: Tally, seed: int) -> tuple[np.ndarray, np.ndarray]:
+        """One env step in which the (env, agent) pairs ``envs[b], agents[b]`` act; returns the env's
+        (terminated, truncated) [N]."""
+        num_agents = self.num_agents
         started = time.perf_counter()
-        seeds = [mix_seed(seed, step, self.env_offset + i) for i in envs]
-        out = self.sampling.generate(generator, [self.obs[i] for i in envs], seed=seeds)
+        seeds = [mix_seed(seed, step, (self.env_offset + i) * num_agents + a) for i, a in zip(envs, agents)]
+        out = self.sampling.generate(generator, pair_prompts(self.env, self.obs, envs, agents), seed=seeds)
         tally.seconds["generate"] += time.perf_counter() - started
         tally.add("tokens", [len(ids) for ids in out.token_ids])
         values, token_values = self.critic_values(policy, out.prompt_token_ids, out.token_ids)
-        actions = self.sampling.env_actions(out, envs, self.env.num_envs)
         group_ids = np.asarray(self.info["group_id"], dtype=np.int64)[envs]  # the episode each env acts in
         started = time.perf_counter()
+        actions = pair_actions(self.env, self.sampling, out, envs, agents)
         self.obs, rewards, terminated, truncated, self.info = self.env.step(actions)
         tally.seconds["reward"] += time.perf_counter() - started
+        rewards = np.asarray(rewards, dtype=np.float64).reshape(-1, num_agents)  # [N, A]
         ended = terminated | truncated
         for key, values_of_key in self.info.items():
             if key.startswith("reward/"):
                 tally.add(f"train/{key}", np.asarray(values_of_key, dtype=np.float64)[envs])
         correct = np.where(ended, np.asarray(self.info["correct"], dtype=np.float64), np.nan)
         buffer.add(step=step, envs=envs, agents=agents, prompt_ids=out.prompt_token_ids, action_ids=out.token_ids,
-                   logprobs=out.logprobs, rewards=torch.as_tensor(rewards[envs]),
+                   logprobs=out.logprobs, rewards=torch.as_tensor(rewards[envs, agents]),
                    terminated=torch.as_tensor(terminated[envs]), truncated=torch.as_tensor(truncated[envs]),
                    group_ids=torch.as_tensor(group_ids), correct=torch.as_tensor(correct[envs]), texts=out.texts,
                    values=values, token_values=token_values)
-        self.episode_return[envs] += rewards[envs]
-        tally.add("train/reward", self.episode_return[ended])
-        tally.add("train/accuracy", np.nan_to_num(correct[ended]))
+        self.last_step[envs, agents] = step
+        if num_agents > 1:
+            self.credit_after_last_action(buffer, rewards, envs, agents, terminated, truncated, correct)
+        self.episode_return += rewards
+        self.tally_ended_episodes(tally, ended, correct)
+        self.tally_role_metrics(tally)
         self.episode_return[ended] = 0
-        self.env_steps += len(envs)
+        self.last_step[ended] = -1
+        self.env_steps += len(np.unique(envs))
         return terminated, truncated
+
+    def credit_after_last_action(self, buffer: RolloutBuffer, rewards: np.ndarray, envs: np.ndarray,
+                                 agents: np.ndarray, terminated: np.ndarray, truncated: np.ndarray,
+                                 correct: np.ndarray) -> None:
+        """Rewards [N, A] of agents that did not act at this step, and the end of their episode, go to
+        their last action (an agent that never acted in this rollout has none to take them)."""
+        idle = self.last_step >= 0
+        idle[envs, agents] = False
+        ended = terminated | truncated
+        late = idle & ((rewards != 0) | ended[:, None])
+        late_envs, late_agents = np.nonzero(late)
+        if len(late_envs):
+            buffer.credit_late(steps=self.last_step[late_envs, late_agents], envs=late_envs, agents=late_agents,
+                               rewards=torch.as_tensor(rewards[late_envs, late_agents]),
+                               terminated=torch.as_tensor(terminated[late_envs]),
+                               truncated=torch.as_tensor(truncated[late_envs]),
+                               correct=torch.as_tensor(correct[late_envs]))
+
+    def tally_ended_episodes(self, tally: Tally, ended: np.ndarray, correct: np.ndarray) -> None:
+        """Returns (summed over agents, and per role in a multi-agent env) and verdicts of the episodes
+        that ended."""
+        tally.add("train/reward", self.episode_return[ended].sum(1))
+        tally.add("train/accuracy", np.nan_to_num(correct[ended]))
+        for a, role in enumerate(self.roles or ()):
+            tally.add(f"train/{role}/reward", self.episode_return[ended, a])
+
+    def tally_role_metrics(self, tally: Tally) -> None:
+        """Each role's verified outputs of this step (multi-agent envs): its answers' accuracy, a judge's
+        acceptance rate and how often its verdict was right."""
+        for metric in ROLE_METRICS:
+            if metric not in self.info:
+                continue
+            values = np.asarray(self.info[metric], dtype=np.float64)  # [N, A], NaN where the slot had none
+            for a, role in enumerate(self.roles or ()):
+                said = ~np.isnan(values[:, a])
+                if said.any():
+                    tally.add(f"train/{role}/{metric}", values[said, a])
 
     def critic_values(self, policy: LanguagePolicy, prompts: list[list[int]], actions: list[list[int]],
                       ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -215,5 +296,5 @@ class Collector:
     def set_state(self, state: dict[str, Any]) -> None:
         """Continues exactly where ``get_state`` was called."""
         self.obs, self.info = self.env.set_state(state["env"])
-        self.episode_return = np.asarray(state["episode_return"], dtype=np.float64)
+        self.episode_return = np.asarray(state["episode_return"], dtype=np.float64).reshape(-1, self.num_agents)
         self.env_steps = state["env_steps"]

@@ -2,7 +2,8 @@
 
 The eval env is a vector env over held-out problems with one env per problem of a batch (group size
 1, no autoreset); each batch is reset to the next ``num_envs`` problem ids and stepped until every
-episode ended, generating only for the episodes still going. Under data parallelism each rank solves
+episode ended, generating only for the episodes still going (in a multi-agent env: for the agents
+that act; the solution length counts every agent's tokens, the verdict is the team's final answer). Under data parallelism each rank solves
 every world_size-th problem and the sums are added over ranks.
 """
 
@@ -15,7 +16,7 @@ import numpy as np
 import torch
 
 from train import distributed
-from train.collector import Sampling
+from train.collector import Sampling, acting_pairs, pair_actions, pair_prompts
 from train.distributed import Ranks
 from train.models.generation import Generator
 
@@ -54,13 +55,13 @@ def solve_batch(env, generator: Generator, sampling: Sampling, problem_ids: Sequ
     done[count:] = True
     tokens, verdicts, prm_scores = np.zeros(env.num_envs), np.zeros(env.num_envs), []
     while not done.all():
-        acting = np.flatnonzero(~done)
-        out = sampling.generate(generator, [obs[i] for i in acting], greedy=True)
-        obs, _, terminated, truncated, info = env.step(sampling.env_actions(out, acting, env.num_envs))
-        tokens[acting] += [len(ids) for ids in out.token_ids]
+        envs, agents = acting_pairs(env, info, done)
+        out = sampling.generate(generator, pair_prompts(env, obs, envs, agents), greedy=True)
+        obs, _, terminated, truncated, info = env.step(pair_actions(env, sampling, out, envs, agents))
+        np.add.at(tokens, envs, [len(ids) for ids in out.token_ids])
         ended = (terminated | truncated) & ~done
         verdicts[ended] = np.nan_to_num(np.asarray(info["correct"], dtype=np.float64)[ended])
         if "reward/prm" in info:
-            prm_scores += np.asarray(info["reward/prm"], dtype=np.float64)[acting].tolist()
+            prm_scores += np.asarray(info["reward/prm"], dtype=np.float64)[envs].tolist()
         done |= terminated | truncated
     return verdicts[:count].tolist(), tokens[:count].tolist(), prm_scores

@@ -57,7 +57,13 @@ flags.DEFINE_integer("num_env_steps", 166_400, "Env steps to take in all, oversa
                      "included; iterations = ceil(num_env_steps / (episode_length * envs per iteration)), where "
                      "envs per iteration = n_rollout_threads (x oversample_factor for RLOO).", lower_bound=1)
 flags.DEFINE_integer("episode_length", None, "Env steps per env per iteration (episodic algorithms: the longest "
-                     "episode; longer ones are cut). Default: 1 with --action_level solution, else 8.", lower_bound=1)
+                     "episode; longer ones are cut). Default: 1 with --action_level solution, else 8; in a multi-agent "
+                     "env one step per turn, the workflow's most turns (or the env's max_steps).", lower_bound=1)
+flags.DEFINE_enum("reward_assignment", "team", ("team", "individual", "counterfactual"), "Multi-agent envs "
+                  "(Arith-Chain-v0, ...): how each role is credited. team: the verified final answer, to every role "
+                  "that acted; individual: each role's own verifiable output (its answer; a verifier's verdict "
+                  "against the truth); counterfactual: the team outcome minus the outcome with the role's messages "
+                  "replaced by its default (e.g. the verifier always accepting).")
 flags.DEFINE_integer("n_rollout_threads", 128, "Parallel envs (= samples per iteration); groups of --group_size "
                      "consecutive envs share a problem.", lower_bound=1)
 flags.DEFINE_integer("eval_interval", 100, "Evaluate every this many iterations (and at the start and end); 0: "
@@ -256,8 +262,9 @@ flags.register_validator("device", lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?
                          "must be auto, cpu, cuda or cuda:N")
 flags.register_validator("experiment_name", lambda v: v is None or re.fullmatch(r"[\w.\-]+", v) is not None,
                          "must be letters, digits, '.', '-' or '_' (it names a directory)")
-flags.register_validator("share_policy", lambda v: v, "--noshare_policy needs more than one agent per env; "
-                         "the MATH envs have one (leave --share_policy on)")
+flags.register_validator("share_policy", lambda v: v, "--noshare_policy (one adapter per role) is not built yet: "
+                         "every role of a multi-agent env shares the policy and is told apart by its prompt (leave "
+                         "--share_policy on)")
 
 
 @flags.multi_flags_validator(["n_rollout_threads", "group_size", "algorithm_name"])
@@ -478,6 +485,36 @@ def registered_env_id(flag_values: flags.FlagValues = FLAGS) -> str:
     return name
 
 
+def workflow_of(flag_values: flags.FlagValues = FLAGS):
+    """The ``envs.workflows.Workflow`` of a multi-agent --env_id (registered with ``workflow=``), else None."""
+    import gymnasium
+
+    from envs.workflows import resolve_workflow
+
+    workflow = gymnasium.spec(registered_env_id(flag_values)).kwargs.get("workflow")
+    return None if workflow is None else resolve_workflow(workflow)
+
+
+def check_multi_agent(flag_values: flags.FlagValues = FLAGS) -> None:
+    """What a multi-agent env (every action a whole message, credit by --reward_assignment) rules out."""
+    f = flag_values
+    if workflow_of(f) is None:
+        if f["reward_assignment"].present:
+            raise flags.ValidationError("--reward_assignment credits the roles of a multi-agent env; --env_id="
+                                        f"{f.env_id} has one agent (use e.g. --env_id Arith-Chain-v0, or drop it)")
+        return
+    if not ALGORITHMS[f.algorithm_name].episodic:
+        raise flags.ValidationError(f"--algorithm_name={f.algorithm_name} on the multi-agent --env_id={f.env_id}: a "
+                                    "critic over the roles' interleaved turns is not built yet; use GRPO or RLOO")
+    if f.action_level != "solution":
+        raise flags.ValidationError(f"--action_level={f.action_level}: in the multi-agent --env_id={f.env_id} every "
+                                    "action is one role's whole message; use --action_level solution")
+    for name in ("reward", "handoff_steps"):
+        if f[name].present:
+            raise flags.ValidationError(f"--{name} with the multi-agent --env_id={f.env_id}: its roles are credited by "
+                                        "verified answers (--reward_assignment); Prefix-RL is Arith-Prefix-v0 there")
+
+
 def resolved_reward(flag_values: flags.FlagValues = FLAGS) -> str:
     if flag_values.reward is not None:
         return flag_values.reward
@@ -488,6 +525,11 @@ def resolved_reward(flag_values: flags.FlagValues = FLAGS) -> str:
 def resolved_episode_length(flag_values: flags.FlagValues = FLAGS) -> int:
     if flag_values.episode_length is not None:
         return flag_values.episode_length
+    workflow = workflow_of(flag_values)
+    if workflow is not None:
+        import gymnasium
+
+        return workflow.max_turns or gymnasium.spec(registered_env_id(flag_values)).kwargs.get("max_steps", 8)
     return 1 if flag_values.action_level == "solution" else 8
 
 

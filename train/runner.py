@@ -270,7 +270,8 @@ class Runner:
         if self.ranks.distributed:
             tally = self.reduced_tally(tally)
         step_reward = tally.mean("train/step_reward")
-        means = {key: tally.mean(key) for key in tally.sums if key.startswith("train/reward/")}
+        # train/reward/<source> (the reward model's parts) and train/<role>/<metric> (multi-agent envs)
+        means = {key: tally.mean(key) for key in tally.sums if key.startswith("train/") and key.count("/") == 2}
         return {
             "time/generate": tally.seconds["generate"], "time/reward": tally.seconds["reward"],
             "perf/tokens_per_second": tally.sums["tokens"] / max(tally.seconds["generate"], 1e-9),
@@ -503,23 +504,26 @@ class Runner:
         self.writer.add_scalar("train/env_steps", stats_env_steps, iteration)
 
     def samples_markdown(self, buffer: RolloutBuffer) -> str:
-        """A few sampled solutions of the last rollout: each step with its reward."""
-        tokenizer = self.policy.tokenizer
+        """A few sampled episodes of the last rollout: each action with its reward (and, in a multi-agent
+        env, the role that took it: the whole transcript)."""
+        tokenizer, roles = self.policy.tokenizer, self.collector.roles
         lines = []
         for env_index in range(min(self.config.num_text_samples, buffer.shape[1])):
-            steps = [t for t in range(buffer.shape[0]) if buffer.live[t, env_index, 0]]
-            if not steps:
+            acted = buffer.live[:, env_index].nonzero().tolist()  # [(step, agent)] in turn order
+            if not acted:
                 continue
-            flat = [int(buffer.slot_index(t, torch.tensor(env_index), torch.tensor(0))) for t in steps]
-            prompt = tokenizer.decode(buffer.prompt_ids[flat[0]], skip_special_tokens=True)
-            lines.append(f"**env {env_index}** (group {int(buffer.group_ids[steps[0], env_index, 0])})\n\n"
+            first = int(buffer.slot_index(acted[0][0], torch.tensor(env_index), torch.tensor(acted[0][1])))
+            prompt = tokenizer.decode(buffer.prompt_ids[first], skip_special_tokens=True)
+            lines.append(f"**env {env_index}** (group {int(buffer.group_ids[acted[0][0], env_index, acted[0][1]])})\n\n"
                          f"    {prompt.strip()}\n")
-            for t, slot in zip(steps, flat):
-                reward = float(buffer.rewards[t, env_index, 0])
-                verdict = buffer.correct[t, env_index, 0]
+            for t, agent in acted:
+                slot = int(buffer.slot_index(t, torch.tensor(env_index), torch.tensor(agent)))
+                reward = float(buffer.rewards[t, env_index, agent])
+                verdict = buffer.correct[t, env_index, agent]
                 end = "" if torch.isnan(verdict) else f" (episode end, correct={bool(verdict)})"
                 text = (buffer.texts[slot] or "").strip().replace("\n", " ")
-                lines.append(f"- step {t}: `{text}` → reward {reward:.3f}{end}")
+                who = f" {roles[agent]}" if roles else ""
+                lines.append(f"- step {t}{who}: `{text}` → reward {reward:.3f}{end}")
             lines.append("")
         return "\n".join(lines)
 

@@ -1,0 +1,170 @@
+"""Multi-agent workflows in the trainer: the collector routes each role's credit to its own actions, the
+group baselines compare one role's samples of one problem, and ``train_math.py`` trains a built-in
+workflow and a workflow a user registers with gymnasium."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import gymnasium
+import pytest
+import torch
+
+from algorithms.base import AlgorithmConfig
+from algorithms.buffer import RolloutBuffer
+from algorithms.grpo import GRPO, group_advantages
+from algorithms.registry import algorithm_spec
+from envs.multi_agent import MultiAgentMathVectorEnv
+from envs.workflows import ACCEPT, REJECT
+from test_checkpoint import read_scalars_purged
+from test_front_door import small
+from test_trainer import run_train_math
+from train.collector import Collector, Sampling, Tally
+from train.models.generation import GenerationOutput
+from train.models.policy import LanguagePolicy
+
+
+class ScriptedWords:
+    """Stands in for a model's choice of words: ``say(prompt) -> text``, tokenized by the real tokenizer.
+    Everything else (env, collector, buffer, algorithm) is the real code; what is checked is where the
+    env's credit lands, which no model output changes."""
+
+    def __init__(self, tokenizer, say):
+        self.tokenizer, self.say = tokenizer, say
+
+    def generate(self, prompts, n=1, seed=None, **sampling) -> GenerationOutput:
+        texts = [self.say(prompt) for prompt in prompts for _ in range(n)]
+        ids = [self.tokenizer(text)["input_ids"] for text in texts]
+        return GenerationOutput(texts=texts, token_ids=ids, logprobs=[[0.0] * len(i) for i in ids],
+                                finish_reasons=["eos"] * len(texts),
+                                prompt_token_ids=[self.tokenizer(p)["input_ids"] for p in prompts for _ in range(n)])
+
+    def sync(self, policy) -> float:
+        return 0.0
+
+
+@pytest.fixture(scope="module")
+def policy(untrained_policy_dir):
+    return LanguagePolicy(untrained_policy_dir, device="cpu")
+
+
+def chain_rollout(policy: LanguagePolicy, reward_assignment: str) -> tuple[RolloutBuffer, Tally]:
+    """One GRPO rollout of the chain on 8 envs in groups of 4. Group 0: the solver is right and the
+    verifier accepts (2 turns). Group 1: the solver is wrong, the verifier rejects and the refiner is
+    right (3 turns), except in its last env, where the verifier wrongly accepts."""
+    env = MultiAgentMathVectorEnv(8, group_size=4, autoreset_mode="Disabled", arith={"seed": 5}, split="train",
+                                  max_steps=8, workflow="chain", reward_assignment=reward_assignment)
+    group_one_verdicts = iter([REJECT, REJECT, REJECT, ACCEPT])  # asked in env order
+
+    def say(prompt: str) -> str:
+        first, second = env.dealer.episodes[0].problem, env.dealer.episodes[4].problem  # this rollout's
+        problem = first if first.problem in prompt else second
+        if "You are the verifier" in prompt:
+            return ACCEPT if problem is first else next(group_one_verdicts)
+        right = problem is first or "You are the refiner" in prompt
+        return f"The answer is \\boxed{{{problem.answer if right else '-999'}}}."
+
+    collector = Collector(env, algorithm_spec("GRPO"), 3, Sampling(max_new_tokens=32), seed=0)
+    return collector.collect(policy, ScriptedWords(policy.tokenizer, say), seed=1)
+
+
+def test_the_team_outcome_reaches_each_roles_last_action(policy):
+    buffer, tally = chain_rollout(policy, "team")
+    solver, verifier, refiner = 0, 1, 2
+    assert buffer.shape == (3, 8, 3)
+    # who acted when: solver at 0, verifier at 1, refiner at 2 where the verifier rejected
+    expected_live = torch.zeros(3, 8, 3, dtype=torch.bool)
+    expected_live[0, :, solver] = expected_live[1, :, verifier] = True
+    expected_live[2, 4:7, refiner] = True
+    assert torch.equal(buffer.live, expected_live)
+    # team: 1 to every role that acted where the final answer verified, on its own (last) action
+    team = torch.tensor([1.0] * 4 + [1.0, 1.0, 1.0, 0.0])  # env 7: the wrong solution was accepted
+    torch.testing.assert_close(buffer.rewards[0, :, solver], team)
+    torch.testing.assert_close(buffer.rewards[1, :, verifier], team)
+    torch.testing.assert_close(buffer.rewards[2, 4:7, refiner], team[4:7])
+    assert float(buffer.rewards.sum()) == float(team.sum() * 2 + team[4:7].sum())
+    # the episode's end and verdict sit on every role's last action
+    assert torch.equal(buffer.terminated[0, :, solver], torch.ones(8, dtype=torch.bool))
+    torch.testing.assert_close(buffer.episode_correct()[:, solver], team)
+    assert tally.mean("train/accuracy") == 7 / 8
+    assert tally.mean("train/verifier/verdict_correct") == 7 / 8  # wrong only where it accepted a wrong answer
+    assert tally.mean("train/solver/answer_correct") == 0.5
+
+
+def test_group_baselines_compare_one_roles_samples_of_one_problem(policy):
+    buffer, _ = chain_rollout(policy, "individual")
+    targets = GRPO(AlgorithmConfig()).advantages(buffer)
+    returns = buffer.episode_returns()  # [N, A]
+    # group 1's solvers all wrong: no signal; its verifiers: 3 right rejections, 1 wrong acceptance
+    torch.testing.assert_close(targets.advantages[0, 4:, 0], torch.zeros(4))
+    verifier_group = group_advantages(returns[4:, 1], torch.zeros(4, dtype=torch.long))
+    torch.testing.assert_close(targets.advantages[1, 4:, 1], verifier_group)
+    assert float(targets.advantages[1, 7, 1]) < 0 < float(targets.advantages[1, 4, 1])
+    # the refiners of group 1 (3 acted, all right) form their own group; the refiner that never acted has none
+    torch.testing.assert_close(targets.advantages[2, 4:7, 2], torch.zeros(3))
+    assert not buffer.live[:, 7, 2].any() and float(targets.advantages[:, 7, 2].abs().sum()) == 0
+
+
+def test_counterfactual_credit_blames_the_verifier_that_let_a_wrong_answer_through(policy):
+    buffer, _ = chain_rollout(policy, "counterfactual")
+    # env 4: rejection then a right refinement: without the verifier (always accept) the wrong solver's answer
+    # stands (team 1 - 0 = 1); without the refiner (keeps the solver's) 1 - 0 = 1; the solver's wrong answer
+    # changed nothing (its default, no answer, is wrong too): 0
+    torch.testing.assert_close(buffer.episode_returns()[4], torch.tensor([0.0, 1.0, 1.0]))
+    # env 7: the accepted wrong answer; the default verifier accepts too: 0 for both who acted
+    torch.testing.assert_close(buffer.episode_returns()[7], torch.tensor([0.0, 0.0, 0.0]))
+    # group 0: right and accepted; without the solver nobody answers: 1; the verifier's accept is its default: 0
+    torch.testing.assert_close(buffer.episode_returns()[0], torch.tensor([1.0, 0.0, 0.0]))
+
+
+def test_train_math_trains_the_chain_and_logs_each_role(untrained_policy_dir, tmp_path):
+    run = run_train_math(small(untrained_policy_dir, tmp_path, "--env_id", "Arith-Chain-v0", "--num_env_steps", "48",
+                               "--eval_interval", "1", "--reward_assignment", "individual"))
+    scalars = read_scalars_purged(run)
+    for tag in ("train/solver/reward", "train/verifier/reward", "train/refiner/reward", "train/verifier/verdict",
+                "train/verifier/verdict_correct", "train/solver/answer_correct", "train/refiner/answer_correct"):
+        assert [step for step, _ in scalars[tag]] == [0, 1], (tag, scalars.get(tag))
+    # untrained words: every verdict is unparseable, a rejection, so every episode reaches the refiner, and a
+    # rejection of an unanswered solution is right: the verifier alone earns its individual credit
+    assert [value for _, value in scalars["train/verifier/verdict"]] == [0.0, 0.0]
+    assert [value for _, value in scalars["train/verifier/reward"]] == [1.0, 1.0]
+    assert [step for step, _ in scalars["eval/accuracy"]] == [0, 1, 2]
+
+
+def test_a_workflow_a_user_registers_trains_by_its_id(untrained_policy_dir, tmp_path, monkeypatch):
+    module = tmp_path / "my_workflows.py"
+    module.write_text(textwrap.dedent('''
+        import gymnasium
+        from envs.workflows import Role, Workflow
+
+        def two_drafts(transcript, turn):
+            return (turn,) if turn < 2 else ()
+
+        gymnasium.register("Arith-TwoDrafts-v0", entry_point="envs.multi_agent:MultiAgentMathEnv",
+                           vector_entry_point="envs.multi_agent:MultiAgentMathVectorEnv",
+                           kwargs={"arith": {"seed": 1}, "max_steps": 4, "workflow": Workflow(
+                               "two_drafts", (Role("drafter"), Role("editor", instruction="Improve the draft.")),
+                               schedule=two_drafts, max_turns=2)})
+    '''))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    run = run_train_math(small(untrained_policy_dir, tmp_path / "runs", "--env_id", "my_workflows:Arith-TwoDrafts-v0",
+                               "--num_env_steps", "32", "--eval_interval", "0"))
+    scalars = read_scalars_purged(run)
+    assert {"train/drafter/reward", "train/editor/reward"} <= scalars.keys()
+    assert [step for step, _ in scalars["train/env_steps"]] == [0, 1]  # 8 envs x 2 turns per iteration
+    del sys.modules["my_workflows"]
+    gymnasium.registry.pop("Arith-TwoDrafts-v0")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--env_id", "Arith-Chain-v0", "--algorithm_name", "APPO"], "use GRPO or RLOO"),
+    (["--env_id", "Arith-Debate-v0", "--action_level", "step"], "whole message"),
+    (["--env_id", "Arith-Chain-v0", "--reward", "outcome:1.0"], "--reward_assignment"),
+    (["--reward_assignment", "individual"], "has one agent"),
+])
+def test_multi_agent_flags_that_cannot_work_fail_in_one_line(argv, message):
+    from test_train_math import run_cli
+
+    result = run_cli(*argv)
+    assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]

@@ -21,7 +21,7 @@ from test_checkpoint import read_scalars_purged
 from test_front_door import small
 from test_trainer import run_train_math
 from train.collector import Collector, Sampling, Tally
-from train.models.generation import GenerationOutput
+from train.models.generation import GenerationOutput, HFGenerator
 from train.models.policy import LanguagePolicy
 
 
@@ -118,6 +118,31 @@ def test_counterfactual_credit_blames_the_verifier_that_let_a_wrong_answer_throu
     torch.testing.assert_close(buffer.episode_returns()[0], torch.tensor([1.0, 0.0, 0.0]))
 
 
+def test_prefix_rl_as_two_agents_trains_the_writer_while_a_frozen_model_solves(policy, untrained_policy_dir):
+    """Arith-Prefix-v0 with the solver on a model of its own (--role_model): the solver's messages come from
+    that model, and only the writer's actions are trained on, paid the solver's verified outcome."""
+    env = MultiAgentMathVectorEnv(4, group_size=2, autoreset_mode="Disabled", arith={"seed": 2}, split="train",
+                                  max_steps=8, workflow="prefix", reward_assignment="individual")
+    target = HFGenerator(LanguagePolicy(untrained_policy_dir, device="cpu"))
+    collector = Collector(env, algorithm_spec("GRPO"), 2, Sampling(max_new_tokens=8), seed=0,
+                          role_generators={1: target})
+    buffer, tally = collector.collect(policy, ScriptedWords(policy.tokenizer, lambda prompt: "12 + 35 = 47"), seed=3)
+    assert buffer.live[0, :, 0].all() and not buffer.live[:, :, 1].any() and not buffer.live[1:].any()
+    said = [dict((slot, text) for _, slot, text in transcript) for transcript in env.get_state()["transcripts"]]
+    assert all(turns[0] == "12 + 35 = 47" and turns[1] != "12 + 35 = 47" for turns in said)
+    # the writer is paid the team's verified answer on its own action; the frozen solver is never trained on
+    torch.testing.assert_close(buffer.rewards[0, :, 0], torch.zeros(4))
+    assert tally.counts["train/solver/reward"] == 4 and tally.mean("train/accuracy") == 0.0
+
+
+def test_train_math_runs_prefix_rl_with_the_target_as_a_frozen_role(untrained_policy_dir, tmp_path):
+    run = run_train_math(small(untrained_policy_dir, tmp_path, "--env_id", "Arith-Prefix-v0", "--num_env_steps", "16",
+                               "--eval_interval", "1", "--role_model", f"solver={untrained_policy_dir}"))
+    scalars = read_scalars_purged(run)
+    assert [step for step, _ in scalars["train/solver/reward"]] == [0]  # logged, never trained on
+    assert [step for step, _ in scalars["eval/accuracy"]] == [0, 1]
+
+
 def test_train_math_trains_the_chain_and_logs_each_role(untrained_policy_dir, tmp_path):
     run = run_train_math(small(untrained_policy_dir, tmp_path, "--env_id", "Arith-Chain-v0", "--num_env_steps", "48",
                                "--eval_interval", "1", "--reward_assignment", "individual"))
@@ -162,6 +187,9 @@ def test_a_workflow_a_user_registers_trains_by_its_id(untrained_policy_dir, tmp_
     (["--env_id", "Arith-Debate-v0", "--action_level", "step"], "whole message"),
     (["--env_id", "Arith-Chain-v0", "--reward", "outcome:1.0"], "--reward_assignment"),
     (["--reward_assignment", "individual"], "has one agent"),
+    (["--role_model", "solver=/models/target"], "has one agent"),
+    (["--env_id", "Arith-Chain-v0", "--role_model", "solver=/models/target"], "the frozen roles of"),
+    (["--env_id", "Arith-Prefix-v0", "--role_model", "solver"], "must be ROLE=DIR"),
 ])
 def test_multi_agent_flags_that_cannot_work_fail_in_one_line(argv, message):
     from test_train_math import run_cli

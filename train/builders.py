@@ -56,6 +56,8 @@ def check_inputs(f: flags.FlagValues) -> None:
     for role in ("model_name_or_path", "target_model_name_or_path"):
         if f[role].value is not None:
             check_model_dir(f[role].value, f"--{role}")
+    for role, directory in train_flags.role_models(f).items():
+        check_model_dir(directory, f"--role_model {role}")
     if f.prm_model_name_or_path is not None:
         from reward_models.prm import check_prm_dir
 
@@ -260,6 +262,13 @@ def runner_config(f: flags.FlagValues) -> RunnerConfig:
         max_policy_lag=f.max_policy_lag)
 
 
+def build_role_generators(f: flags.FlagValues, env, device: str) -> dict[int, Generator]:
+    """{agent slot: HF generator} of the frozen roles that --role_model gives a model of their own."""
+    models = train_flags.role_models(f)
+    return {slot: make_generator("hf", LanguagePolicy(models[role], device=device, dtype=f.dtype).eval())
+            for slot, role in enumerate(getattr(env, "roles", ())) if role in models}
+
+
 def build_trainable(policy: LanguagePolicy, ranks: Ranks, data_parallel: str) -> torch.nn.Module:
     """The module the update calls: the policy, or under torchrun the policy sharded with FSDP2
     (``data_parallel`` fsdp, or auto with full fine-tuning) or wrapped in DDP (ddp, or auto with LoRA;
@@ -303,7 +312,8 @@ def build_runner(f: flags.FlagValues, run_dir: Path, writer, saved: checkpoint.C
                         stop=(STEP_DELIMITER,) if f.action_level == "step" else None)
     collector = Collector(env, algorithm_spec(f.algorithm_name), train_flags.resolved_episode_length(f), sampling,
                           seed=f.seed, env_offset=distributed.shard(train_flags.num_train_envs(f),
-                                                                    train_flags.resolved_group_size(f), ranks)[0])
+                                                                    train_flags.resolved_group_size(f), ranks)[0],
+                          role_generators=build_role_generators(f, env, str(policy.device)))
     runner = Runner(config, collector, eval_env, policy, generator, algorithm, optimizer, scheduler, writer, run_dir,
                     implicit_prm=implicit_prm, rollout_policy=rollout_policy, rollout_generator=rollout_generator,
                     run_flags=train_flags.flag_dict(f), ranks=ranks, trainable=trainable)

@@ -108,6 +108,21 @@ def pair_actions(env, sampling: Sampling, out: GenerationOutput, envs: np.ndarra
     return actions
 
 
+def generate_pairs(sampling: Sampling, generator: Generator, role_generators: dict[int, Generator],
+                   prompts: list[str], agents: np.ndarray, seeds: list[int] | None = None,
+                   greedy: bool = False) -> GenerationOutput:
+    """One sample for each prompt, whose agent is ``agents[b]``: from ``generator`` (the policy's), or for a
+    frozen role with a model of its own from ``role_generators[agent]``; one call per generator."""
+    if not role_generators:
+        return sampling.generate(generator, prompts, seed=seeds, greedy=greedy)
+    parts = [(np.flatnonzero(~np.isin(agents, list(role_generators))), generator)]
+    parts += [(np.flatnonzero(agents == agent), role_generator) for agent, role_generator in role_generators.items()]
+    outputs = [(index, sampling.generate(g, [prompts[k] for k in index], greedy=greedy,
+                                         seed=None if seeds is None else [seeds[k] for k in index]))
+               for index, g in parts if len(index)]
+    return GenerationOutput.interleave(outputs, len(prompts))
+
+
 @dataclass
 class Tally:
     """Sums and counts of per-sample statistics of one rollout, and its wall-clock seconds per phase."""
@@ -131,11 +146,15 @@ class Collector:
     env's running episode return and the env steps taken (all saved with checkpoints)."""
 
     def __init__(self, env, spec: AlgorithmSpec, episode_length: int, sampling: Sampling, seed: int,
-                 env_offset: int = 0):
+                 env_offset: int = 0, role_generators: dict[int, Generator] | None = None):
         self.env, self.spec, self.episode_length, self.sampling = env, spec, episode_length, sampling
         self.env_offset = env_offset
         self.num_agents = getattr(env, "num_agents", 1)
         self.roles = getattr(env, "roles", None)  # the agent slots' role names (multi-agent envs)
+        workflow = getattr(env, "workflow", None)
+        # [A] the agents whose actions are trained on: a workflow's frozen roles act but are not trained
+        self.trained_agents = np.array([role.trainable for role in workflow.roles] if workflow else [True])
+        self.role_generators = role_generators or {}  # frozen agents that speak with a model of their own
         self.obs, self.info = env.reset(seed=seed)
         self.episode_return = np.zeros((env.num_envs, self.num_agents))
         self.last_step = np.full((env.num_envs, self.num_agents), -1)  # each agent's last action in this rollout
@@ -178,7 +197,8 @@ class Collector:
         num_agents = self.num_agents
         started = time.perf_counter()
         seeds = [mix_seed(seed, step, (self.env_offset + i) * num_agents + a) for i, a in zip(envs, agents)]
-        out = self.sampling.generate(generator, pair_prompts(self.env, self.obs, envs, agents), seed=seeds)
+        out = generate_pairs(self.sampling, generator, self.role_generators, pair_prompts(self.env, self.obs, envs, agents),
+                             agents, seeds)
         tally.seconds["generate"] += time.perf_counter() - started
         tally.add("tokens", [len(ids) for ids in out.token_ids])
         values, token_values = self.critic_values(policy, out.prompt_token_ids, out.token_ids)
@@ -193,12 +213,17 @@ class Collector:
             if key.startswith("reward/"):
                 tally.add(f"train/{key}", np.asarray(values_of_key, dtype=np.float64)[envs])
         correct = np.where(ended, np.asarray(self.info["correct"], dtype=np.float64), np.nan)
-        buffer.add(step=step, envs=envs, agents=agents, prompt_ids=out.prompt_token_ids, action_ids=out.token_ids,
-                   logprobs=out.logprobs, rewards=torch.as_tensor(rewards[envs, agents]),
-                   terminated=torch.as_tensor(terminated[envs]), truncated=torch.as_tensor(truncated[envs]),
-                   group_ids=torch.as_tensor(group_ids), correct=torch.as_tensor(correct[envs]), texts=out.texts,
-                   values=values, token_values=token_values)
-        self.last_step[envs, agents] = step
+        trained = np.flatnonzero(self.trained_agents[agents])  # the pairs to train on (all, with one agent)
+        pick = trained.tolist()
+        envs_t, agents_t = envs[trained], agents[trained]
+        buffer.add(step=step, envs=envs_t, agents=agents_t, prompt_ids=[out.prompt_token_ids[k] for k in pick],
+                   action_ids=[out.token_ids[k] for k in pick], logprobs=[out.logprobs[k] for k in pick],
+                   rewards=torch.as_tensor(rewards[envs_t, agents_t]), terminated=torch.as_tensor(terminated[envs_t]),
+                   truncated=torch.as_tensor(truncated[envs_t]), group_ids=torch.as_tensor(group_ids[trained]),
+                   correct=torch.as_tensor(correct[envs_t]), texts=[out.texts[k] for k in pick],
+                   values=None if values is None else values[trained],
+                   token_values=None if token_values is None else token_values[trained])
+        self.last_step[envs_t, agents_t] = step
         if num_agents > 1:
             self.credit_after_last_action(buffer, rewards, envs, agents, terminated, truncated, correct)
         self.episode_return += rewards

@@ -16,21 +16,24 @@ import numpy as np
 import torch
 
 from train import distributed
-from train.collector import Sampling, acting_pairs, pair_actions, pair_prompts
+from train.collector import Sampling, acting_pairs, generate_pairs, pair_actions, pair_prompts
 from train.distributed import Ranks
 from train.models.generation import Generator
 
 
 @torch.no_grad()
-def evaluate(env, generator: Generator, sampling: Sampling, limit: int, ranks: Ranks = Ranks()) -> dict[str, float]:
+def evaluate(env, generator: Generator, sampling: Sampling, limit: int, ranks: Ranks = Ranks(),
+             role_generators: dict[int, Generator] | None = None) -> dict[str, float]:
     """Greedy accuracy, mean solution length in tokens and, when the env pays a PRM reward, the mean
-    PRM score, over the first ``limit`` of ``env.problems`` (this rank's share of them, then summed)."""
+    PRM score, over the first ``limit`` of ``env.problems`` (this rank's share of them, then summed).
+    ``role_generators``: the frozen roles of a multi-agent env that speak with a model of their own."""
     started = time.perf_counter()
     problem_ids = [p.id for p in env.problems][:limit][ranks.rank::ranks.world_size]
     correct, lengths, prm_scores = [], [], []
     for start in range(0, len(problem_ids), env.num_envs):
         batch_correct, batch_lengths, batch_prm = solve_batch(env, generator, sampling,
-                                                              problem_ids[start:start + env.num_envs])
+                                                              problem_ids[start:start + env.num_envs],
+                                                              role_generators or {})
         correct += batch_correct
         lengths += batch_lengths
         prm_scores += batch_prm
@@ -45,7 +48,7 @@ def evaluate(env, generator: Generator, sampling: Sampling, limit: int, ranks: R
 
 
 def solve_batch(env, generator: Generator, sampling: Sampling, problem_ids: Sequence[str],
-                ) -> tuple[list[float], list[float], list[float]]:
+                role_generators: dict[int, Generator]) -> tuple[list[float], list[float], list[float]]:
     """(verdicts, solution lengths in tokens) of the problems ``problem_ids`` (at most ``env.num_envs``),
     and the PRM scores of every step taken."""
     count = len(problem_ids)
@@ -56,7 +59,8 @@ def solve_batch(env, generator: Generator, sampling: Sampling, problem_ids: Sequ
     tokens, verdicts, prm_scores = np.zeros(env.num_envs), np.zeros(env.num_envs), []
     while not done.all():
         envs, agents = acting_pairs(env, info, done)
-        out = sampling.generate(generator, pair_prompts(env, obs, envs, agents), greedy=True)
+        out = generate_pairs(sampling, generator, role_generators, pair_prompts(env, obs, envs, agents), agents,
+                             greedy=True)
         obs, _, terminated, truncated, info = env.step(pair_actions(env, sampling, out, envs, agents))
         np.add.at(tokens, envs, [len(ids) for ids in out.token_ids])
         ended = (terminated | truncated) & ~done

@@ -59,6 +59,10 @@ flags.DEFINE_integer("num_env_steps", 166_400, "Env steps to take in all, oversa
 flags.DEFINE_integer("episode_length", None, "Env steps per env per iteration (episodic algorithms: the longest "
                      "episode; longer ones are cut). Default: 1 with --action_level solution, else 8; in a multi-agent "
                      "env one step per turn, the workflow's most turns (or the env's max_steps).", lower_bound=1)
+flags.DEFINE_multi_string("role_model", [], "ROLE=DIR (repeatable): a frozen role of a multi-agent workflow (one "
+                          "its Workflow marks trainable=False, e.g. Arith-Prefix-v0's solver: Prefix-RL's frozen "
+                          "target) speaks with the model in DIR instead of the policy. Frozen roles are never trained "
+                          "on; without a model of their own they speak with the policy.")
 flags.DEFINE_enum("reward_assignment", "team", ("team", "individual", "counterfactual"), "Multi-agent envs "
                   "(Arith-Chain-v0, ...): how each role is credited. team: the verified final answer, to every role "
                   "that acted; individual: each role's own verifiable output (its answer; a verifier's verdict "
@@ -498,11 +502,18 @@ def workflow_of(flag_values: flags.FlagValues = FLAGS):
 def check_multi_agent(flag_values: flags.FlagValues = FLAGS) -> None:
     """What a multi-agent env (every action a whole message, credit by --reward_assignment) rules out."""
     f = flag_values
-    if workflow_of(f) is None:
-        if f["reward_assignment"].present:
-            raise flags.ValidationError("--reward_assignment credits the roles of a multi-agent env; --env_id="
-                                        f"{f.env_id} has one agent (use e.g. --env_id Arith-Chain-v0, or drop it)")
+    workflow = workflow_of(f)
+    if workflow is None:
+        for name in ("reward_assignment", "role_model"):
+            if f[name].present:
+                raise flags.ValidationError(f"--{name} concerns the roles of a multi-agent env; --env_id={f.env_id} "
+                                            "has one agent (use e.g. --env_id Arith-Chain-v0, or drop it)")
         return
+    frozen = [role.name for role in workflow.roles if not role.trainable]
+    for role in role_models(f):
+        if role not in frozen:
+            raise flags.ValidationError(f"--role_model {role}=...: the frozen roles of --env_id={f.env_id} are "
+                                        f"{frozen or 'none'}; a trained role speaks with the policy")
     if not ALGORITHMS[f.algorithm_name].episodic:
         raise flags.ValidationError(f"--algorithm_name={f.algorithm_name} on the multi-agent --env_id={f.env_id}: a "
                                     "critic over the roles' interleaved turns is not built yet; use GRPO or RLOO")
@@ -513,6 +524,17 @@ def check_multi_agent(flag_values: flags.FlagValues = FLAGS) -> None:
         if f[name].present:
             raise flags.ValidationError(f"--{name} with the multi-agent --env_id={f.env_id}: its roles are credited by "
                                         "verified answers (--reward_assignment); Prefix-RL is Arith-Prefix-v0 there")
+
+
+def role_models(flag_values: flags.FlagValues = FLAGS) -> dict[str, str]:
+    """--role_model entries as {role: model directory}."""
+    models = {}
+    for entry in flag_values.role_model:
+        role, sep, directory = entry.partition("=")
+        if not sep or not role or not directory:
+            raise flags.ValidationError(f"--role_model={entry!r} must be ROLE=DIR (e.g. solver=/models/target)")
+        models[role] = directory
+    return models
 
 
 def resolved_reward(flag_values: flags.FlagValues = FLAGS) -> str:

@@ -463,7 +463,7 @@ class Runner:
             self.pending.result()
         with self.policy.gathered():
             result = evaluation.evaluate(self.eval_env, self.generator, self.sampling, self.config.eval_limit,
-                                         self.ranks)
+                                         self.ranks, self.collector.role_generators)
         env_steps = self.env_steps()
         best_before = max((h["eval/accuracy"] for h in self.history), default=-math.inf)
         self.history.append({"iteration": iteration, "env_steps": env_steps, **result})

@@ -50,6 +50,16 @@ class GenerationOutput:
     finish_reasons: list[str]  # "stop" | "length" | "eos"
     prompt_token_ids: list[list[int]]  # the prompt of each sample
 
+    @classmethod
+    def interleave(cls, parts: Sequence[tuple[Sequence[int], "GenerationOutput"]], size: int) -> "GenerationOutput":
+        """One output of ``size`` samples from ``parts``: (the positions its samples take, an output)."""
+        fields = {name: [None] * size for name in ("texts", "token_ids", "logprobs", "finish_reasons", "prompt_token_ids")}
+        for positions, part in parts:
+            for name, values in fields.items():
+                for position, value in zip(positions, getattr(part, name)):
+                    values[position] = value
+        return cls(**fields)
+
 
 class Generator(Protocol):
     def generate(self, prompts: Prompts, n: int = 1, max_new_tokens: int = 64, temperature: float = 1.0,

@@ -279,7 +279,11 @@ def sigterm_after_iteration(monkeypatch, last: int) -> None:
 @pytest.mark.parametrize("algorithm, extra", [
     ("APPO", []), ("GRPO", []), ("APPO", ["--lora_rank", "4"]),
     ("RLOO", ["--accuracy_lower_bound", "0"]),  # keeps the groups the untrained policy gets all wrong
-], ids=["APPO", "GRPO", "APPO-LoRA", "RLOO-implicit-PRM"])
+    # a LoRA adapter per role of the chain (3 turns per episode: 48 env steps = 4 iterations); the KL term keeps
+    # every row in the update, where the untrained roles' equal rewards would leave no advantage
+    ("GRPO", ["--env_id", "Arith-Chain-v0", "--noshare_policy", "--lora_rank", "4", "--kl_coef", "0.05",
+              "--num_env_steps", "48"]),
+], ids=["APPO", "GRPO", "APPO-LoRA", "RLOO-implicit-PRM", "GRPO-chain-role-adapters"])
 def test_k_then_resume_then_k_equals_2k_in_one_go(untrained_policy_dir, tmp_path, monkeypatch, capsys,
                                                  length_reward, algorithm, extra):
     """Stopped by SIGTERM after k iterations and resumed with --resume auto, a run ends with the

@@ -20,9 +20,9 @@ from envs.workflows import ACCEPT, REJECT
 from test_checkpoint import read_scalars_purged
 from test_front_door import small
 from test_trainer import run_train_math
-from train.collector import Collector, Sampling, Tally
+from train.collector import Collector, Sampling, Tally, Voices
 from train.models.generation import GenerationOutput, HFGenerator
-from train.models.policy import LanguagePolicy
+from train.models.policy import LanguagePolicy, LoraSettings
 
 
 class ScriptedWords:
@@ -125,7 +125,7 @@ def test_prefix_rl_as_two_agents_trains_the_writer_while_a_frozen_model_solves(p
                                   max_steps=8, workflow="prefix", reward_assignment="individual")
     target = HFGenerator(LanguagePolicy(untrained_policy_dir, device="cpu"))
     collector = Collector(env, algorithm_spec("GRPO"), 2, Sampling(max_new_tokens=8), seed=0,
-                          role_generators={1: target})
+                          voices=Voices(generators={1: target}))
     buffer, tally = collector.collect(policy, ScriptedWords(policy.tokenizer, lambda prompt: "12 + 35 = 47"), seed=3)
     assert buffer.live[0, :, 0].all() and not buffer.live[:, :, 1].any() and not buffer.live[1:].any()
     said = [dict((slot, text) for _, slot, text in transcript) for transcript in env.get_state()["transcripts"]]
@@ -141,6 +141,35 @@ def test_train_math_runs_prefix_rl_with_the_target_as_a_frozen_role(untrained_po
     scalars = read_scalars_purged(run)
     assert [step for step, _ in scalars["train/solver/reward"]] == [0]  # logged, never trained on
     assert [step for step, _ in scalars["eval/accuracy"]] == [0, 1]
+
+
+def test_an_update_of_one_roles_adapter_leaves_the_other_roles_and_the_base_bit_for_bit(untrained_policy_dir):
+    """One LoRA adapter per role on one base: a step on the solver's rows changes the solver alone."""
+    torch.manual_seed(0)
+    policy = LanguagePolicy(untrained_policy_dir, device="cpu", lora=LoraSettings(rank=4),
+                            role_adapters=("solver", "verifier")).train()
+    prompts, actions = [[5, 6, 7], [8, 9]], [[10, 11], [12]]
+    for name, param in policy.named_parameters():  # peft starts B at 0: give both adapters a delta
+        if ".lora_B." in name and param.requires_grad:
+            torch.nn.init.normal_(param, std=0.1)
+    base = {name: param.detach().clone() for name, param in policy.named_parameters() if not param.requires_grad}
+
+    def logprobs(role: str) -> torch.Tensor:
+        with torch.no_grad():
+            return policy.evaluate(prompts, actions, adapters=[role] * 2).logprobs
+
+    before = {role: logprobs(role) for role in ("solver", "verifier")}
+    optimizer = torch.optim.AdamW(policy.param_groups(1e-2), weight_decay=0.1)
+    loss = -policy(prompts, actions, adapters=["solver", "solver"]).logprobs.sum()
+    loss.backward()
+    assert all(param.grad is None for name, param in policy.named_parameters() if ".verifier." in name)
+    optimizer.step()
+    assert torch.equal(logprobs("verifier"), before["verifier"])
+    assert not torch.equal(logprobs("solver"), before["solver"])
+    assert all(torch.equal(param, base[name]) for name, param in policy.named_parameters() if name in base)
+    # rows of both roles in one call score as each role alone does
+    mixed = policy.evaluate(prompts, actions, adapters=["verifier", "solver"]).logprobs.detach()
+    torch.testing.assert_close(mixed, torch.stack([logprobs("verifier")[0], logprobs("solver")[1]]))
 
 
 def test_train_math_trains_the_chain_and_logs_each_role(untrained_policy_dir, tmp_path):
@@ -190,6 +219,7 @@ def test_a_workflow_a_user_registers_trains_by_its_id(untrained_policy_dir, tmp_
     (["--role_model", "solver=/models/target"], "has one agent"),
     (["--env_id", "Arith-Chain-v0", "--role_model", "solver=/models/target"], "the frozen roles of"),
     (["--env_id", "Arith-Prefix-v0", "--role_model", "solver"], "must be ROLE=DIR"),
+    (["--env_id", "Arith-Chain-v0", "--noshare_policy"], "add --lora_rank > 0"),
 ])
 def test_multi_agent_flags_that_cannot_work_fail_in_one_line(argv, message):
     from test_train_math import run_cli

@@ -26,7 +26,7 @@ from reward_models.implicit_prm import ImplicitPRM
 from reward_models.mixture import RewardMixture, parse_reward_spec
 from train import checkpoint, distributed
 from train import flags as train_flags
-from train.collector import Collector, Sampling
+from train.collector import Collector, Sampling, Voices
 from train.distributed import Ranks
 from train.models.generation import Generator, make_generator
 from train.models.policy import LanguagePolicy, LoraSettings, check_model_dir, resolve_device
@@ -96,7 +96,8 @@ def build_policy(f: flags.FlagValues, model: str) -> LanguagePolicy:
     the sampler's)."""
     with_critic = algorithm_spec(f.algorithm_name).critic is not None
     return LanguagePolicy(model, lora=lora_settings(f), with_critic=with_critic, device=str(resolve_device(f.device)),
-                          dtype=f.dtype, gradient_checkpointing=f.gradient_checkpointing).eval()
+                          dtype=f.dtype, gradient_checkpointing=f.gradient_checkpointing,
+                          role_adapters=role_adapters(f)).eval()
 
 
 def build_reward_model(f: flags.FlagValues, device: str) -> RewardModel:
@@ -247,7 +248,8 @@ def build_generators(f: flags.FlagValues, policy: LanguagePolicy, model: str, sy
         return generator, None, None
     with_critic = algorithm_spec(f.algorithm_name).critic is not None
     rollout_policy = LanguagePolicy(model, lora=lora_settings(f), with_critic=with_critic, device=policy.device,
-                                    dtype=f.dtype, gradient_checkpointing=f.gradient_checkpointing).eval()
+                                    dtype=f.dtype, gradient_checkpointing=f.gradient_checkpointing,
+                                    role_adapters=policy.role_adapters).eval()
     rollout_policy.load_state_dict(policy.state_dict())
     return generator, rollout_policy, make_generator("hf", rollout_policy)
 
@@ -262,11 +264,23 @@ def runner_config(f: flags.FlagValues) -> RunnerConfig:
         max_policy_lag=f.max_policy_lag)
 
 
-def build_role_generators(f: flags.FlagValues, env, device: str) -> dict[int, Generator]:
-    """{agent slot: HF generator} of the frozen roles that --role_model gives a model of their own."""
-    models = train_flags.role_models(f)
-    return {slot: make_generator("hf", LanguagePolicy(models[role], device=device, dtype=f.dtype).eval())
-            for slot, role in enumerate(getattr(env, "roles", ())) if role in models}
+def role_adapters(f: flags.FlagValues) -> tuple[str, ...]:
+    """The trained roles of a multi-agent --env_id, each with an adapter of its own (--noshare_policy)."""
+    workflow = train_flags.workflow_of(f)
+    if f.share_policy or workflow is None:
+        return ()
+    return tuple(role.name for role in workflow.roles if role.trainable)
+
+
+def build_voices(f: flags.FlagValues, env, policy: LanguagePolicy) -> Voices:
+    """Who speaks for each agent slot: its role adapter (--noshare_policy), a frozen role's own model
+    (--role_model, an HF generator), else the policy."""
+    models, slots = train_flags.role_models(f), dict(enumerate(getattr(env, "roles", ())))
+    return Voices(
+        adapters={slot: role for slot, role in slots.items() if role in policy.role_adapters},
+        generators={slot: make_generator("hf", LanguagePolicy(models[role], device=str(policy.device),
+                                                              dtype=f.dtype).eval())
+                    for slot, role in slots.items() if role in models})
 
 
 def build_trainable(policy: LanguagePolicy, ranks: Ranks, data_parallel: str) -> torch.nn.Module:
@@ -313,7 +327,7 @@ def build_runner(f: flags.FlagValues, run_dir: Path, writer, saved: checkpoint.C
     collector = Collector(env, algorithm_spec(f.algorithm_name), train_flags.resolved_episode_length(f), sampling,
                           seed=f.seed, env_offset=distributed.shard(train_flags.num_train_envs(f),
                                                                     train_flags.resolved_group_size(f), ranks)[0],
-                          role_generators=build_role_generators(f, env, str(policy.device)))
+                          voices=build_voices(f, env, policy))
     runner = Runner(config, collector, eval_env, policy, generator, algorithm, optimizer, scheduler, writer, run_dir,
                     implicit_prm=implicit_prm, rollout_policy=rollout_policy, rollout_generator=rollout_generator,
                     run_flags=train_flags.flag_dict(f), ranks=ranks, trainable=trainable)

@@ -20,6 +20,7 @@ the same whichever process, and whichever batch, it is generated in.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -108,19 +109,31 @@ def pair_actions(env, sampling: Sampling, out: GenerationOutput, envs: np.ndarra
     return actions
 
 
-def generate_pairs(sampling: Sampling, generator: Generator, role_generators: dict[int, Generator],
-                   prompts: list[str], agents: np.ndarray, seeds: list[int] | None = None,
-                   greedy: bool = False) -> GenerationOutput:
-    """One sample for each prompt, whose agent is ``agents[b]``: from ``generator`` (the policy's), or for a
-    frozen role with a model of its own from ``role_generators[agent]``; one call per generator."""
-    if not role_generators:
-        return sampling.generate(generator, prompts, seed=seeds, greedy=greedy)
-    parts = [(np.flatnonzero(~np.isin(agents, list(role_generators))), generator)]
-    parts += [(np.flatnonzero(agents == agent), role_generator) for agent, role_generator in role_generators.items()]
-    outputs = [(index, sampling.generate(g, [prompts[k] for k in index], greedy=greedy,
-                                         seed=None if seeds is None else [seeds[k] for k in index]))
-               for index, g in parts if len(index)]
-    return GenerationOutput.interleave(outputs, len(prompts))
+@dataclass(frozen=True)
+class Voices:
+    """Who speaks for each agent slot of a multi-agent env: the policy through its generator (by default),
+    under the slot's own LoRA adapter (``adapters``: one adapter per role), or a frozen role's model of its
+    own (``generators``)."""
+
+    adapters: dict[int, str] = field(default_factory=dict)
+    generators: dict[int, Generator] = field(default_factory=dict)
+
+    def generate(self, sampling: Sampling, generator: Generator, policy: LanguagePolicy, prompts: list[str],
+                 agents: np.ndarray, seeds: list[int] | None = None, greedy: bool = False) -> GenerationOutput:
+        """One sample per prompt, whose agent is ``agents[b]``; one generate call per voice."""
+        voices = [("model", a) if a in self.generators else ("adapter", self.adapters[a]) if a in self.adapters
+                  else ("policy", None) for a in agents.tolist()]
+        if set(voices) == {("policy", None)}:
+            return sampling.generate(generator, prompts, seed=seeds, greedy=greedy)
+        parts = []
+        for voice in dict.fromkeys(voices):
+            index = [k for k, v in enumerate(voices) if v == voice]
+            kind, key = voice
+            speaker = self.generators[key] if kind == "model" else generator
+            with policy.using_adapter(key) if kind == "adapter" else contextlib.nullcontext():
+                parts.append((index, sampling.generate(speaker, [prompts[k] for k in index], greedy=greedy,
+                                                       seed=None if seeds is None else [seeds[k] for k in index])))
+        return GenerationOutput.interleave(parts, len(prompts))
 
 
 @dataclass
@@ -146,7 +159,7 @@ class Collector:
     env's running episode return and the env steps taken (all saved with checkpoints)."""
 
     def __init__(self, env, spec: AlgorithmSpec, episode_length: int, sampling: Sampling, seed: int,
-                 env_offset: int = 0, role_generators: dict[int, Generator] | None = None):
+                 env_offset: int = 0, voices: Voices = Voices()):
         self.env, self.spec, self.episode_length, self.sampling = env, spec, episode_length, sampling
         self.env_offset = env_offset
         self.num_agents = getattr(env, "num_agents", 1)
@@ -154,7 +167,7 @@ class Collector:
         workflow = getattr(env, "workflow", None)
         # [A] the agents whose actions are trained on: a workflow's frozen roles act but are not trained
         self.trained_agents = np.array([role.trainable for role in workflow.roles] if workflow else [True])
-        self.role_generators = role_generators or {}  # frozen agents that speak with a model of their own
+        self.voices = voices
         self.obs, self.info = env.reset(seed=seed)
         self.episode_return = np.zeros((env.num_envs, self.num_agents))
         self.last_step = np.full((env.num_envs, self.num_agents), -1)  # each agent's last action in this rollout
@@ -197,8 +210,8 @@ class Collector:
         num_agents = self.num_agents
         started = time.perf_counter()
         seeds = [mix_seed(seed, step, (self.env_offset + i) * num_agents + a) for i, a in zip(envs, agents)]
-        out = generate_pairs(self.sampling, generator, self.role_generators, pair_prompts(self.env, self.obs, envs, agents),
-                             agents, seeds)
+        out = self.voices.generate(self.sampling, generator, policy, pair_prompts(self.env, self.obs, envs, agents),
+                                   agents, seeds)
         tally.seconds["generate"] += time.perf_counter() - started
         tally.add("tokens", [len(ids) for ids in out.token_ids])
         values, token_values = self.critic_values(policy, out.prompt_token_ids, out.token_ids)

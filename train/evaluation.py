@@ -16,24 +16,26 @@ import numpy as np
 import torch
 
 from train import distributed
-from train.collector import Sampling, acting_pairs, generate_pairs, pair_actions, pair_prompts
+from train.collector import Sampling, Voices, acting_pairs, pair_actions, pair_prompts
 from train.distributed import Ranks
 from train.models.generation import Generator
+from train.models.policy import LanguagePolicy
 
 
 @torch.no_grad()
 def evaluate(env, generator: Generator, sampling: Sampling, limit: int, ranks: Ranks = Ranks(),
-             role_generators: dict[int, Generator] | None = None) -> dict[str, float]:
+             voices: Voices = Voices(), policy: LanguagePolicy | None = None) -> dict[str, float]:
     """Greedy accuracy, mean solution length in tokens and, when the env pays a PRM reward, the mean
     PRM score, over the first ``limit`` of ``env.problems`` (this rank's share of them, then summed).
-    ``role_generators``: the frozen roles of a multi-agent env that speak with a model of their own."""
+    ``voices``: who speaks for each agent of a multi-agent env (role adapters of ``policy``, frozen roles'
+    own models)."""
     started = time.perf_counter()
     problem_ids = [p.id for p in env.problems][:limit][ranks.rank::ranks.world_size]
     correct, lengths, prm_scores = [], [], []
     for start in range(0, len(problem_ids), env.num_envs):
         batch_correct, batch_lengths, batch_prm = solve_batch(env, generator, sampling,
                                                               problem_ids[start:start + env.num_envs],
-                                                              role_generators or {})
+                                                              voices, policy)
         correct += batch_correct
         lengths += batch_lengths
         prm_scores += batch_prm
@@ -48,7 +50,7 @@ def evaluate(env, generator: Generator, sampling: Sampling, limit: int, ranks: R
 
 
 def solve_batch(env, generator: Generator, sampling: Sampling, problem_ids: Sequence[str],
-                role_generators: dict[int, Generator]) -> tuple[list[float], list[float], list[float]]:
+                voices: Voices, policy: LanguagePolicy | None) -> tuple[list[float], list[float], list[float]]:
     """(verdicts, solution lengths in tokens) of the problems ``problem_ids`` (at most ``env.num_envs``),
     and the PRM scores of every step taken."""
     count = len(problem_ids)
@@ -59,8 +61,7 @@ def solve_batch(env, generator: Generator, sampling: Sampling, problem_ids: Sequ
     tokens, verdicts, prm_scores = np.zeros(env.num_envs), np.zeros(env.num_envs), []
     while not done.all():
         envs, agents = acting_pairs(env, info, done)
-        out = generate_pairs(sampling, generator, role_generators, pair_prompts(env, obs, envs, agents), agents,
-                             greedy=True)
+        out = voices.generate(sampling, generator, policy, pair_prompts(env, obs, envs, agents), agents, greedy=True)
         obs, _, terminated, truncated, info = env.step(pair_actions(env, sampling, out, envs, agents))
         np.add.at(tokens, envs, [len(ids) for ids in out.token_ids])
         ended = (terminated | truncated) & ~done

@@ -140,7 +140,9 @@ flags.DEFINE_string("device", "auto", "auto, cpu, cuda or cuda:N.")
 flags.DEFINE_enum("dtype", "float32", ("float32", "bfloat16", "float16"), "Compute dtype (fp32 master weights).")
 flags.DEFINE_integer("lora_rank", 0, "LoRA rank; 0 trains all weights.", lower_bound=0)
 flags.DEFINE_boolean("gradient_checkpointing", False, "Recompute activations in the backward pass.")
-flags.DEFINE_boolean("share_policy", True, "Agents share one policy (the MATH env has one agent per env).")
+flags.DEFINE_boolean("share_policy", True, "Multi-agent envs: every role acts with the one policy, told apart by its "
+                     "prompt; --noshare_policy gives each trained role a LoRA adapter of its own on the shared base "
+                     "(needs --lora_rank > 0 and the HF generation backend), all trained in the same optimizer step.")
 flags.DEFINE_float("dist_timeout", 600.0, "Under torchrun: seconds any collective (gradient all-reduce, statistics) "
                    "may wait for the other ranks before this rank fails with an error, so a rank that hangs or dies "
                    "ends the job instead of stalling it.", lower_bound=1.0)
@@ -266,9 +268,6 @@ flags.register_validator("device", lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?
                          "must be auto, cpu, cuda or cuda:N")
 flags.register_validator("experiment_name", lambda v: v is None or re.fullmatch(r"[\w.\-]+", v) is not None,
                          "must be letters, digits, '.', '-' or '_' (it names a directory)")
-flags.register_validator("share_policy", lambda v: v, "--noshare_policy (one adapter per role) is not built yet: "
-                         "every role of a multi-agent env shares the policy and is told apart by its prompt (leave "
-                         "--share_policy on)")
 
 
 @flags.multi_flags_validator(["n_rollout_threads", "group_size", "algorithm_name"])
@@ -504,11 +503,15 @@ def check_multi_agent(flag_values: flags.FlagValues = FLAGS) -> None:
     f = flag_values
     workflow = workflow_of(f)
     if workflow is None:
-        for name in ("reward_assignment", "role_model"):
+        for name in ("reward_assignment", "role_model", "share_policy"):
             if f[name].present:
                 raise flags.ValidationError(f"--{name} concerns the roles of a multi-agent env; --env_id={f.env_id} "
                                             "has one agent (use e.g. --env_id Arith-Chain-v0, or drop it)")
         return
+    if not f.share_policy and (f.lora_rank == 0 or f.generation_backend != "hf"):
+        raise flags.ValidationError(f"--noshare_policy gives each role a LoRA adapter on the shared base, generated with "
+                                    f"the HF backend: add --lora_rank > 0 (now {f.lora_rank}) and --generation_backend "
+                                    f"hf (now {f.generation_backend})")
     frozen = [role.name for role in workflow.roles if not role.trainable]
     for role in role_models(f):
         if role not in frozen:

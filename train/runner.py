@@ -380,7 +380,8 @@ class Runner:
                     continue
                 batch = minibatch[k]
                 scores = self.trainable(batch.prompts, (batch.action_ids, batch.action_lengths), temperature,
-                                        with_entropy=True, with_values=self.spec.critic is not None)
+                                        with_entropy=True, with_values=self.spec.critic is not None,
+                                        adapters=self.row_adapters(batch))
                 loss, micro_stats = algorithm.loss(scores, batch)
                 finite_loss &= bool(torch.isfinite(loss))
                 (loss * self.ranks.world_size).backward()
@@ -404,6 +405,13 @@ class Runner:
         grad_norms.append(grad_norm)
         self.optimizer.step()
         return kl, True
+
+    def row_adapters(self, batch) -> list[str] | None:
+        """The role adapter each row of ``batch`` acts with (one adapter per role), else None."""
+        adapters = self.collector.voices.adapters
+        if not adapters:
+            return None
+        return [adapters[agent] for agent in (batch.index % self.collector.num_agents).tolist()]
 
     def gradient_sync(self, last: bool) -> contextlib.AbstractContextManager:
         """DDP reduces gradients at the minibatch's last backward only (no_sync before it); FSDP2 reduces
@@ -463,7 +471,7 @@ class Runner:
             self.pending.result()
         with self.policy.gathered():
             result = evaluation.evaluate(self.eval_env, self.generator, self.sampling, self.config.eval_limit,
-                                         self.ranks, self.collector.role_generators)
+                                         self.ranks, self.collector.voices, self.policy)
         env_steps = self.env_steps()
         best_before = max((h["eval/accuracy"] for h in self.history), default=-math.inf)
         self.history.append({"iteration": iteration, "env_steps": env_steps, **result})

@@ -120,6 +120,30 @@ class ActionScores:
     entropy: torch.Tensor | None = None  # [B, L] entropy of that temperature-scaled distribution
     values: torch.Tensor | None = None  # [B, L] V(prompt, a_<k); values[:, 0] = V(prompt)
 
+    @classmethod
+    def interleave(cls, parts: Sequence[tuple[list[int], "ActionScores"]], size: int) -> "ActionScores":
+        """``size`` rows from ``parts``: (the rows its scores take, scores of width L_i), padded to the widest."""
+        width = max(scores.mask.shape[1] for _, scores in parts)
+
+        def merged(name: str) -> torch.Tensor | None:
+            first = getattr(parts[0][1], name)
+            if first is None:
+                return None
+            out = first.new_zeros(size, width)
+            for rows, scores in parts:
+                part = getattr(scores, name)
+                out[torch.as_tensor(rows, device=out.device), :part.shape[1]] = part
+            return out
+        return cls(**{name: merged(name) for name in ("logprobs", "mask", "entropy", "values")})
+
+
+def take(batch: TokenBatch, rows: list[int]) -> TokenBatch:
+    """Rows ``rows`` of a TokenBatch (lists of ids, or padded ids with their lengths)."""
+    if isinstance(batch, tuple):
+        index = torch.as_tensor(rows, device=batch[0].device)
+        return batch[0][index], batch[1][index]
+    return [batch[row] for row in rows]
+
 
 def right_padded(ids: TokenBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """``([B, max(N, 1)] right-padded ids, [B] lengths)``; width >= 1 so gathers on empty actions stay valid."""
@@ -295,8 +319,13 @@ class LanguagePolicy(nn.Module):
         with_critic: bool = False,
         gradient_checkpointing: bool = False,
         reference_dir: str | Path | None = None,
+        role_adapters: Sequence[str] = (),
     ) -> None:
         super().__init__()
+        if role_adapters and lora is None:
+            raise ValueError(f"role_adapters={list(role_adapters)} are LoRA adapters on a shared base: give lora "
+                             "(--lora_rank > 0)")
+        self.role_adapters = tuple(role_adapters)
         self.model_dir = Path(model_dir)
         self.device = resolve_device(device)
         self.precision = resolve_precision(dtype, self.device, low_precision_weights)
@@ -312,22 +341,31 @@ class LanguagePolicy(nn.Module):
             # transformers 5.24 renamed it activation checkpointing; the old name warns there
             enable = getattr(causal_lm, "activation_checkpointing_enable", causal_lm.gradient_checkpointing_enable)
             enable({"use_reentrant": False})
-        self.model = causal_lm if lora is None else self._with_adapters(causal_lm, lora, with_critic)
+        self.model = causal_lm if lora is None else self._with_adapters(causal_lm, lora, with_critic, self.role_adapters)
         hidden_size = causal_lm.config.get_text_config().hidden_size
         self.value_head = nn.Linear(hidden_size, 1, device=self.device) if with_critic else None
         self._trainable = [p for p in self.parameters() if p.requires_grad]
+        # with role adapters the shared actor adapter stays frozen (peft's switches would unfreeze it)
+        self._frozen_adapter = [p for name, p in self.named_parameters()
+                                if self.role_adapters and f".{ACTOR_ADAPTER}." in name]
         object.__setattr__(self, "_reference", None)  # not a submodule: no state_dict/parameters/optimizer
         self._units: list[nn.Module] | None = None  # FSDP2 units once fully_shard ran, the policy last
         self.eval()
 
     @staticmethod
-    def _with_adapters(causal_lm: PreTrainedModel, lora: LoraSettings, with_critic: bool) -> nn.Module:
+    def _with_adapters(causal_lm: PreTrainedModel, lora: LoraSettings, with_critic: bool,
+                       role_adapters: tuple[str, ...]) -> nn.Module:
+        """The actor adapter, the critic's, and one per role (each role then acts and learns through its own;
+        the shared actor adapter stays frozen at zero: the base)."""
         peft_model = get_peft_model(causal_lm, lora.peft_config())
-        if with_critic:
-            peft_model.add_adapter(CRITIC_ADAPTER, lora.peft_config())
-            for name, param in peft_model.named_parameters():  # peft creates inactive adapters frozen
-                if f".{CRITIC_ADAPTER}." in name:
-                    param.requires_grad_(True)
+        extra = ((CRITIC_ADAPTER,) if with_critic else ()) + role_adapters
+        for adapter in extra:
+            peft_model.add_adapter(adapter, lora.peft_config())
+        for name, param in peft_model.named_parameters():  # peft creates inactive adapters frozen
+            if any(f".{adapter}." in name for adapter in extra):
+                param.requires_grad_(True)
+            elif role_adapters and f".{ACTOR_ADAPTER}." in name:
+                param.requires_grad_(False)
         return peft_model
 
     # ---------------------------------------------------------------------------------------------
@@ -422,7 +460,7 @@ class LanguagePolicy(nn.Module):
         return groups
 
     @contextlib.contextmanager
-    def _adapter(self, name: str | None) -> Iterator[None]:
+    def using_adapter(self, name: str | None) -> Iterator[None]:
         """Runs the enclosed forward with LoRA adapter ``name`` active (None: adapters off, the base model).
 
         peft's switches also set requires_grad=False on inactive adapters, which would silently drop
@@ -443,6 +481,8 @@ class LanguagePolicy(nn.Module):
     def _restore_trainable(self) -> None:
         for param in self._trainable:
             param.requires_grad_(True)
+        for param in self._frozen_adapter:
+            param.requires_grad_(False)
 
     # ---------------------------------------------------------------------------------------------
     # Forward passes
@@ -491,7 +531,7 @@ class LanguagePolicy(nn.Module):
         self._require_critic()
         if self.lora is None:
             return self._hidden_at_actions(self.causal_lm, batch)
-        with self._adapter(CRITIC_ADAPTER):
+        with self.using_adapter(CRITIC_ADAPTER):
             return self._hidden_at_actions(self.causal_lm, batch)
 
     def pack(self, prompts: TokenBatch, actions: TokenBatch, padding_side: str = "right") -> PackedBatch:
@@ -499,12 +539,25 @@ class LanguagePolicy(nn.Module):
 
     def evaluate(self, prompts: TokenBatch, actions: TokenBatch, temperature: float = 1.0, *,
                  with_entropy: bool = True, with_values: bool = False,
-                 padding_side: str = "right") -> ActionScores:
+                 padding_side: str = "right", adapters: Sequence[str] | None = None) -> ActionScores:
         """Scores ``actions`` given ``prompts`` in one forward pass (two with a LoRA critic).
 
         ``temperature`` divides the logits, so log-probs are those of the distribution the sampler
         drew from (top-p/top-k filtering is not re-applied). Returns ``[B, L]`` tensors, L = longest action.
+        ``adapters`` [B]: the role adapter each row acts with (one pass per adapter; a row's gradient
+        reaches only its own adapter).
         """
+        if adapters is not None:
+            rows_of: dict[str, list[int]] = {}
+            for row, adapter in enumerate(adapters):
+                rows_of.setdefault(adapter, []).append(row)
+            parts = []
+            for adapter, rows in rows_of.items():
+                with self.using_adapter(adapter):
+                    parts.append((rows, self.evaluate(take(prompts, rows), take(actions, rows), temperature,
+                                                      with_entropy=with_entropy, with_values=with_values,
+                                                      padding_side=padding_side)))
+            return ActionScores.interleave(parts, len(adapters))
         batch = self.pack(prompts, actions, padding_side)
         hidden = self._hidden_at_actions(self.causal_lm, batch)
         scores = self._token_scores(self.causal_lm, hidden, batch, temperature, with_entropy)
@@ -514,10 +567,12 @@ class LanguagePolicy(nn.Module):
         return scores
 
     def forward(self, prompts: TokenBatch, actions: TokenBatch, temperature: float = 1.0, *,
-                with_entropy: bool = True, with_values: bool = False) -> ActionScores:
+                with_entropy: bool = True, with_values: bool = False,
+                adapters: Sequence[str] | None = None) -> ActionScores:
         """``evaluate``, as the module's call: what DDP wraps, so data-parallel training reduces the
         gradients of these scores over ranks."""
-        return self.evaluate(prompts, actions, temperature, with_entropy=with_entropy, with_values=with_values)
+        return self.evaluate(prompts, actions, temperature, with_entropy=with_entropy, with_values=with_values,
+                             adapters=adapters)
 
     def token_values(self, prompts: TokenBatch, actions: TokenBatch, padding_side: str = "right") -> torch.Tensor:
         """``[B, L]`` token-level values V(prompt, a_<k) (TPPO); 0 past each action's end."""
@@ -537,7 +592,7 @@ class LanguagePolicy(nn.Module):
         """``[B, L]`` log-probs under the reference policy (for KL), 0 where the action mask is False."""
         batch = self.pack(prompts, actions, padding_side)
         if self.lora is not None:
-            with self._adapter(None):
+            with self.using_adapter(None):
                 hidden = self._hidden_at_actions(self.causal_lm, batch)
             return self._token_scores(self.causal_lm, hidden, batch, temperature, with_entropy=False).logprobs
         reference = self._reference_model()
@@ -615,7 +670,7 @@ class LanguagePolicy(nn.Module):
             (out / VALUE_HEAD_FILE).parent.mkdir(exist_ok=True)
             save_file({k: v.detach().contiguous() for k, v in head.items()}, out / VALUE_HEAD_FILE)
         meta = {"lora": asdict(self.lora) if self.lora else None, "with_critic": self.with_critic,
-                "reference_dir": str(self.reference_dir)}
+                "reference_dir": str(self.reference_dir), "role_adapters": list(self.role_adapters)}
         (out / POLICY_META).write_text(json.dumps(meta, indent=2))
         return out
 
@@ -654,7 +709,8 @@ class LanguagePolicy(nn.Module):
             if isinstance(lora_fields["target_modules"], list):
                 lora_fields["target_modules"] = tuple(lora_fields["target_modules"])
             lora = LoraSettings(**lora_fields)
-        policy = cls(path, lora=lora, with_critic=meta["with_critic"], reference_dir=meta["reference_dir"], **kwargs)
+        policy = cls(path, lora=lora, with_critic=meta["with_critic"], reference_dir=meta["reference_dir"],
+                     role_adapters=meta.get("role_adapters", ()), **kwargs)
         if lora is not None:
             policy._restore_adapters(path / ADAPTER_DIR)
         if policy.value_head is not None:
@@ -665,8 +721,8 @@ class LanguagePolicy(nn.Module):
     def _restore_adapters(self, adapters_dir: Path) -> None:
         """Loads saved adapter weights, then turns the merged top-level weights back into the base."""
         adapter_files = {ACTOR_ADAPTER: adapters_dir / "adapter_model.safetensors"}
-        if self.with_critic:
-            adapter_files[CRITIC_ADAPTER] = adapters_dir / CRITIC_ADAPTER / "adapter_model.safetensors"
+        for adapter in ((CRITIC_ADAPTER,) if self.with_critic else ()) + self.role_adapters:
+            adapter_files[adapter] = adapters_dir / adapter / "adapter_model.safetensors"
         for adapter, file in adapter_files.items():
             set_peft_model_state_dict(self.model, load_file(file, device=str(self.device)), adapter_name=adapter)
         for module in self.causal_lm.modules():

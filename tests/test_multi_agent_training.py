@@ -217,6 +217,7 @@ def test_a_workflow_a_user_registers_trains_by_its_id(untrained_policy_dir, tmp_
     (["--env_id", "Arith-Chain-v0", "--reward", "outcome:1.0"], "--reward_assignment"),
     (["--reward_assignment", "individual"], "has one agent"),
     (["--role_model", "solver=/models/target"], "has one agent"),
+    (["--noshare_policy"], "has one agent"),
     (["--env_id", "Arith-Chain-v0", "--role_model", "solver=/models/target"], "the frozen roles of"),
     (["--env_id", "Arith-Prefix-v0", "--role_model", "solver"], "must be ROLE=DIR"),
     (["--env_id", "Arith-Chain-v0", "--noshare_policy"], "add --lora_rank > 0"),

@@ -69,7 +69,6 @@ def test_bad_path_fails_fast_naming_the_flag():
     (["--algorithm_name", "GRPO", "--gae_lambda", "0.9"], "applies to APPO/TPPO"),
     (["--lr", "-1"], "must be > 0"),
     (["--top_p", "0"], "(0, 1]"),
-    (["--noshare_policy"], "has one agent"),
     (["--data_parallel", "fsdp", "--lora_rank", "8"], "use --data_parallel ddp"),
     (["--model_name_or_path", str(MATH500)], "not a directory"),
 ])

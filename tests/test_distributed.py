@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch.distributed.checkpoint as dcp
 from safetensors.numpy import load_file
 
 from envs.vector import MathVectorEnv
@@ -152,6 +153,20 @@ def test_rloo_and_its_implicit_prm_train_the_same_on_two_ranks(untrained_policy_
     for tag in ("loss/implicit_prm", "train/trained_samples"):
         np.testing.assert_allclose([v for _, v in scalars[0][tag]], [v for _, v in scalars[1][tag]], rtol=1e-5,
                                    err_msg=tag)
+
+
+def test_role_adapters_train_under_ddp(untrained_policy_dir, tmp_path):
+    """A LoRA adapter per role of the chain, DDP on 2 ranks: one forward per role's rows inside one DDP
+    call, every adapter in the one all-reduce; the checkpoint holds all three."""
+    chain = ("--env_id", "Arith-Chain-v0", "--noshare_policy", "--lora_rank", "4", "--kl_coef", "0.05",
+             "--action_level", "solution", "--algorithm_name", "GRPO", "--group_size", "2", "--episode_length", "3",
+             "--num_env_steps", "48")
+    done = train(tmp_path, untrained_policy_dir, 2, 4, *chain)
+    assert done.returncode == 0, done.stderr[-4000:]
+    (state,) = tmp_path.glob("GRPO_Arith-Chain-v0/run_*/checkpoints/iter_2/train_state")
+    keys = dcp.FileSystemReader(state).read_metadata().state_dict_metadata
+    assert {role for role in ("solver", "verifier", "refiner") if any(f".{role}." in key for key in keys)} == {
+        "solver", "verifier", "refiner"}
 
 
 def worker_pids(launcher: subprocess.Popen) -> dict[int, int]:

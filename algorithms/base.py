@@ -50,6 +50,7 @@ class AlgorithmConfig:
     accuracy_lower_bound: float = 0.2  # RLOO: PRIME's prompt filter
     accuracy_upper_bound: float = 0.8
     max_groups: int | None = None  # RLOO: groups kept after filtering an oversampled batch
+    joint_groups: bool = False  # multi-agent GRPO/RLOO: one baseline over all agents of a prompt group (MAGRPO)
 
 
 class Algorithm(Protocol):

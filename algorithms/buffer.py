@@ -171,12 +171,14 @@ class RolloutBuffer:
         """[N, A] summed rewards of each env's episode (episodic collection: one episode per env)."""
         return (self.rewards * self.live).sum(0)
 
-    def episode_group_ids(self) -> torch.Tensor:
-        """[N, A] the group of each (env, agent)'s episode (episodic collection), per agent: agent a of
+    def episode_group_ids(self, per_agent: bool = True) -> torch.Tensor:
+        """[N, A] the group of each (env, agent)'s episode (episodic collection). Per agent: agent a of
         prompt group g is group g * A + a, so group baselines compare one role's samples of one problem
-        (with one agent, the prompt group itself)."""
+        (with one agent, the prompt group itself); else g for every agent (a joint baseline, MAGRPO)."""
         num_agents = self.shape[2]
         group_ids = torch.where(self.live, self.group_ids, -1).amax(0)  # constant over an episode
+        if not per_agent:
+            return group_ids
         return group_ids * num_agents + torch.arange(num_agents, device=self.device)
 
     def episode_correct(self) -> torch.Tensor:

@@ -46,11 +46,13 @@ class GRPO(BaseAlgorithm):
 
     def advantages(self, buffer: RolloutBuffer) -> Targets:
         """advantages [T, N, A]: the episode's group advantage on each of its live steps; groups are per
-        (prompt group, agent), over the agents that acted in their episode."""
+        (prompt group, agent), or per prompt group over every agent (``joint_groups``), over the agents
+        that acted in their episode."""
         returns = buffer.episode_returns()  # [N, A]
         acted = buffer.live.any(0)  # [N, A]: a multi-agent workflow may not call on every agent
         advantages = torch.zeros_like(returns)
-        advantages[acted] = group_advantages(returns[acted], buffer.episode_group_ids()[acted],
+        group_ids = buffer.episode_group_ids(per_agent=not self.config.joint_groups)
+        advantages[acted] = group_advantages(returns[acted], group_ids[acted],
                                              self.config.scale_rewards, reduce_sum=self.reduce_sum)
         return Targets(advantages[None] * buffer.live,
                        stats={"episode_returns": returns[acted], "advantages": advantages[acted]})

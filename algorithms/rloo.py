@@ -71,7 +71,7 @@ class RLOO(BaseAlgorithm):
         """advantages [T, N, A, L]; ``keep`` drops the filtered-out groups."""
         config = self.config
         outcome = buffer.episode_returns().flatten()  # [E] episodes, E = N * A
-        group_ids = buffer.episode_group_ids().flatten()
+        group_ids = buffer.episode_group_ids(per_agent=not config.joint_groups).flatten()
         correct = buffer.episode_correct().flatten()
         acted = buffer.live.any(0).flatten()  # a multi-agent workflow may not call on every agent
         keep = torch.zeros_like(acted)

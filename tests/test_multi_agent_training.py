@@ -106,6 +106,19 @@ def test_group_baselines_compare_one_roles_samples_of_one_problem(policy):
     assert not buffer.live[:, 7, 2].any() and float(targets.advantages[:, 7, 2].abs().sum()) == 0
 
 
+def test_joint_groups_pool_every_role_of_a_problem(policy):
+    """MAGRPO's team baseline (--agent_groups joint): group 1's 11 messages (3 roles x 3 envs that reached the
+    refiner, 2 in the env that did not) share one baseline, so the refiners are no longer a group of their own."""
+    buffer, _ = chain_rollout(policy, "team")
+    per_role = GRPO(AlgorithmConfig()).advantages(buffer).advantages
+    joint = GRPO(AlgorithmConfig(joint_groups=True)).advantages(buffer).advantages
+    torch.testing.assert_close(per_role[2, 4:7, 2], torch.zeros(3))
+    acted = buffer.live[:, 4:].any(0)  # [4, A]
+    pooled = group_advantages(buffer.episode_returns()[4:][acted], torch.zeros(int(acted.sum()), dtype=torch.long))
+    torch.testing.assert_close(joint.sum(0)[4:][acted], pooled)
+    assert float(joint[2, 4, 2]) > 0 > float(joint[0, 7, 0])
+
+
 def test_counterfactual_credit_blames_the_verifier_that_let_a_wrong_answer_through(policy):
     buffer, _ = chain_rollout(policy, "counterfactual")
     # env 4: rejection then a right refinement: without the verifier (always accept) the wrong solver's answer
@@ -218,6 +231,7 @@ def test_a_workflow_a_user_registers_trains_by_its_id(untrained_policy_dir, tmp_
     (["--reward_assignment", "individual"], "has one agent"),
     (["--role_model", "solver=/models/target"], "has one agent"),
     (["--noshare_policy"], "has one agent"),
+    (["--agent_groups", "joint"], "has one agent"),
     (["--env_id", "Arith-Chain-v0", "--role_model", "solver=/models/target"], "the frozen roles of"),
     (["--env_id", "Arith-Prefix-v0", "--role_model", "solver"], "must be ROLE=DIR"),
     (["--env_id", "Arith-Chain-v0", "--noshare_policy"], "add --lora_rank > 0"),

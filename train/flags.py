@@ -63,6 +63,9 @@ flags.DEFINE_multi_string("role_model", [], "ROLE=DIR (repeatable): a frozen rol
                           "its Workflow marks trainable=False, e.g. Arith-Prefix-v0's solver: Prefix-RL's frozen "
                           "target) speaks with the model in DIR instead of the policy. Frozen roles are never trained "
                           "on; without a model of their own they speak with the policy.")
+flags.DEFINE_enum("agent_groups", "role", ("role", "joint"), "Multi-agent envs, GRPO/RLOO: the group baseline "
+                  "compares one role's samples of one problem (role, normalised per role), or every role's samples "
+                  "of the problem together (joint, MAGRPO's team baseline).")
 flags.DEFINE_enum("reward_assignment", "team", ("team", "individual", "counterfactual"), "Multi-agent envs "
                   "(Arith-Chain-v0, ...): how each role is credited. team: the verified final answer, to every role "
                   "that acted; individual: each role's own verifiable output (its answer; a verifier's verdict "
@@ -503,7 +506,7 @@ def check_multi_agent(flag_values: flags.FlagValues = FLAGS) -> None:
     f = flag_values
     workflow = workflow_of(f)
     if workflow is None:
-        for name in ("reward_assignment", "role_model", "share_policy"):
+        for name in ("reward_assignment", "role_model", "share_policy", "agent_groups"):
             if f[name].present:
                 raise flags.ValidationError(f"--{name} concerns the roles of a multi-agent env; --env_id={f.env_id} "
                                             "has one agent (use e.g. --env_id Arith-Chain-v0, or drop it)")

@@ -133,16 +133,19 @@ def test_counterfactual_credit_blames_the_verifier_that_let_a_wrong_answer_throu
 
 def test_prefix_rl_as_two_agents_trains_the_writer_while_a_frozen_model_solves(policy, untrained_policy_dir):
     """Arith-Prefix-v0 with the solver on a model of its own (--role_model): the solver's messages come from
-    that model, and only the writer's actions are trained on, paid the solver's verified outcome."""
+    that model, sampled with its own budget, and only the writer's actions are trained on, paid the solver's
+    verified outcome."""
     env = MultiAgentMathVectorEnv(4, group_size=2, autoreset_mode="Disabled", arith={"seed": 2}, split="train",
                                   max_steps=8, workflow="prefix", reward_assignment="individual")
     target = HFGenerator(LanguagePolicy(untrained_policy_dir, device="cpu"))
     collector = Collector(env, algorithm_spec("GRPO"), 2, Sampling(max_new_tokens=8), seed=0,
-                          voices=Voices(generators={1: target}))
+                          voices=Voices(generators={1: target}, samplings={1: Sampling(max_new_tokens=3)}))
     buffer, tally = collector.collect(policy, ScriptedWords(policy.tokenizer, lambda prompt: "12 + 35 = 47"), seed=3)
     assert buffer.live[0, :, 0].all() and not buffer.live[:, :, 1].any() and not buffer.live[1:].any()
     said = [dict((slot, text) for _, slot, text in transcript) for transcript in env.get_state()["transcripts"]]
     assert all(turns[0] == "12 + 35 = 47" and turns[1] != "12 + 35 = 47" for turns in said)
+    longest_token = max(len(token) for token in policy.tokenizer.get_vocab())
+    assert max(len(turns[1]) for turns in said) <= 3 * longest_token  # its own budget: 3 tokens
     # the writer is paid the team's verified answer on its own action; the frozen solver is never trained on
     torch.testing.assert_close(buffer.rewards[0, :, 0], torch.zeros(4))
     assert tally.counts["train/solver/reward"] == 4 and tally.mean("train/accuracy") == 0.0

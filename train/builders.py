@@ -7,6 +7,7 @@ the environments is decided.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Callable
@@ -272,15 +273,19 @@ def role_adapters(f: flags.FlagValues) -> tuple[str, ...]:
     return tuple(role.name for role in workflow.roles if role.trainable)
 
 
-def build_voices(f: flags.FlagValues, env, policy: LanguagePolicy) -> Voices:
+def build_voices(f: flags.FlagValues, env, policy: LanguagePolicy, sampling: Sampling) -> Voices:
     """Who speaks for each agent slot: its role adapter (--noshare_policy), a frozen role's own model
-    (--role_model, an HF generator), else the policy."""
+    (--role_model, an HF generator sampled as the target is: --target_max_new_tokens, --target_temperature),
+    else the policy."""
     models, slots = train_flags.role_models(f), dict(enumerate(getattr(env, "roles", ())))
+    own = [slot for slot, role in slots.items() if role in models]
+    target_sampling = dataclasses.replace(sampling, max_new_tokens=f.target_max_new_tokens,
+                                          temperature=f.target_temperature)
     return Voices(
         adapters={slot: role for slot, role in slots.items() if role in policy.role_adapters},
-        generators={slot: make_generator("hf", LanguagePolicy(models[role], device=str(policy.device),
-                                                              dtype=f.dtype).eval())
-                    for slot, role in slots.items() if role in models})
+        generators={slot: make_generator("hf", LanguagePolicy(models[slots[slot]], device=str(policy.device),
+                                                              dtype=f.dtype).eval()) for slot in own},
+        samplings={slot: target_sampling for slot in own})
 
 
 def build_trainable(policy: LanguagePolicy, ranks: Ranks, data_parallel: str) -> torch.nn.Module:
@@ -327,7 +332,7 @@ def build_runner(f: flags.FlagValues, run_dir: Path, writer, saved: checkpoint.C
     collector = Collector(env, algorithm_spec(f.algorithm_name), train_flags.resolved_episode_length(f), sampling,
                           seed=f.seed, env_offset=distributed.shard(train_flags.num_train_envs(f),
                                                                     train_flags.resolved_group_size(f), ranks)[0],
-                          voices=build_voices(f, env, policy))
+                          voices=build_voices(f, env, policy, sampling))
     runner = Runner(config, collector, eval_env, policy, generator, algorithm, optimizer, scheduler, writer, run_dir,
                     implicit_prm=implicit_prm, rollout_policy=rollout_policy, rollout_generator=rollout_generator,
                     run_flags=train_flags.flag_dict(f), ranks=ranks, trainable=trainable)

@@ -113,10 +113,11 @@ def pair_actions(env, sampling: Sampling, out: GenerationOutput, envs: np.ndarra
 class Voices:
     """Who speaks for each agent slot of a multi-agent env: the policy through its generator (by default),
     under the slot's own LoRA adapter (``adapters``: one adapter per role), or a frozen role's model of its
-    own (``generators``)."""
+    own (``generators``), sampled as ``samplings`` says for that slot (e.g. a target's longer budget)."""
 
     adapters: dict[int, str] = field(default_factory=dict)
     generators: dict[int, Generator] = field(default_factory=dict)
+    samplings: dict[int, Sampling] = field(default_factory=dict)
 
     def generate(self, sampling: Sampling, generator: Generator, policy: LanguagePolicy, prompts: list[str],
                  agents: np.ndarray, seeds: list[int] | None = None, greedy: bool = False) -> GenerationOutput:
@@ -130,9 +131,10 @@ class Voices:
             index = [k for k, v in enumerate(voices) if v == voice]
             kind, key = voice
             speaker = self.generators[key] if kind == "model" else generator
+            how = self.samplings.get(key, sampling) if kind == "model" else sampling
             with policy.using_adapter(key) if kind == "adapter" else contextlib.nullcontext():
-                parts.append((index, sampling.generate(speaker, [prompts[k] for k in index], greedy=greedy,
-                                                       seed=None if seeds is None else [seeds[k] for k in index])))
+                parts.append((index, how.generate(speaker, [prompts[k] for k in index], greedy=greedy,
+                                                  seed=None if seeds is None else [seeds[k] for k in index])))
         return GenerationOutput.interleave(parts, len(prompts))
 
 

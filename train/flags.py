@@ -101,9 +101,10 @@ flags.DEFINE_string("target_model_name_or_path", None, "Frozen target solver for
                     "(Prefix-RL).")
 flags.DEFINE_integer("target_num_samples", 1, "Completions the target samples from each prefix; the 'target' "
                      "reward is the fraction that verify.", lower_bound=1)
-flags.DEFINE_float("target_temperature", 0.0, "Sampling temperature of the target (0: greedy; use > 0 with "
-                   "--target_num_samples > 1).", lower_bound=0.0)
-flags.DEFINE_integer("target_max_new_tokens", 256, "Most tokens the target writes after the prefix.", lower_bound=1)
+flags.DEFINE_float("target_temperature", 0.0, "Sampling temperature of the target, and of a frozen --role_model role "
+                   "(0: greedy; use > 0 with --target_num_samples > 1).", lower_bound=0.0)
+flags.DEFINE_integer("target_max_new_tokens", 256, "Most tokens the target writes after the prefix, and a frozen "
+                     "--role_model role's messages.", lower_bound=1)
 # --- Remote services (big models behind servers) ---------------------------------------------
 flags.DEFINE_string("target_url", None, "The 'target' reward's frozen solver behind OpenAI-compatible completions "
                     "servers (`vllm serve`), instead of --target_model_name_or_path: URL[,URL...]; each request "

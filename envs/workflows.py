@@ -35,8 +35,9 @@ Built-ins (functions that return a fresh ``Workflow``):
   Defaults: "" (no answer, so no vote).
 - ``prefix(co_train)``: Prefix-RL as two roles: a prefix writer, then a solver (not trained unless
   ``co_train``) that continues the prefix (its prompt is the single-agent prompt followed by the
-  prefix, what Prefix-RL's target solver reads; its answer is read from prefix and continuation
-  together). Defaults: "" for both (an empty prefix: the solver alone).
+  prefix exactly as written, no delimiter added: a prefix cut mid-step by its token budget is
+  continued mid-step, and an empty prefix leaves the single-agent prompt; its answer is read from
+  prefix and continuation together). Defaults: "" for both (an empty prefix: the solver alone).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from envs.grader import extract_answer
-from envs.prompts import format_prompt, join_steps
+from envs.prompts import format_prompt
 
 ANSWER_RULES = ("last", "vote")
 ACCEPT = "Verdict: correct"
@@ -122,9 +123,9 @@ def role_prompt(context: TurnContext, messages: Sequence[Message], instruction: 
 
 def transcript_prompt(role: Role, context: TurnContext) -> str:
     """Every earlier message, then the role's instruction. A continuing role instead gets the
-    single-agent prompt followed by the previous message as the solution so far."""
+    single-agent prompt followed by the previous message, as written, as the solution so far."""
     if role.continues:
-        prefix = join_steps([context.transcript[-1].text]) if context.transcript else ""
+        prefix = context.transcript[-1].text if context.transcript else ""
         return format_prompt(context.problem, context.template) + prefix
     return role_prompt(context, context.transcript, role.instruction)
 
@@ -246,7 +247,7 @@ class Workflow:
         message = transcript[index]
         text = message.text
         if self.roles[message.slot].continues and index > 0:
-            text = join_steps([transcript[index - 1].text]) + text
+            text = transcript[index - 1].text + text
         return extract_answer(text)
 
     def judged(self, transcript: Sequence[Message], index: int) -> int | None:

@@ -156,12 +156,16 @@ def test_prefix_solver_continues_the_prefix():
     obs, info = env.reset(seed=0)
     problems = [BY_ID[i] for i in info["problem_id"]]
     first_steps = [p.solution.split("\n\n")[0] for p in problems]
-    obs, *_ = env.step([[first_steps[0], ""], [problems[1].solution, ""]])  # env 1's writer already answers
-    assert obs[0] == ("", format_prompt(problems[0].problem) + first_steps[0] + "\n\n")
-    rest = problems[0].solution.split("\n\n", 1)[1]
+    cut = first_steps[0][:-2]  # a prefix cut mid-step by its token budget is continued mid-step
+    obs, *_ = env.step([[cut, ""], [problems[1].solution, ""]])  # env 1's writer already answers
+    assert obs[0] == ("", format_prompt(problems[0].problem) + cut)
+    rest = first_steps[0][-2:] + "\n\n" + problems[0].solution.split("\n\n", 1)[1]
     _, rewards, terminated, _, info = env.step([["", rest], ["", "I agree."]])
     assert terminated.all() and info["correct"].tolist() == [1, 1]
     assert rewards.tolist() == [[1, 1], [1, 1]]  # the writer is paid the solver's verified answer
+    obs, info = env.reset(seed=1)
+    obs, *_ = env.step([["", ""], ["", ""]])  # an empty prefix: the solver reads the single-agent prompt
+    assert [o[1] for o in obs] == [format_prompt(BY_ID[i].problem) for i in info["problem_id"]]
 
 
 def test_same_step_autoreset_and_truncation():

@@ -61,8 +61,10 @@ class TargetSolver:
         self.template, self.seed, self.timeout, self.name = template, seed, timeout, name
 
     def prompts(self, contexts: Sequence[StepContext]) -> list[str]:
-        """The target's input: the problem in its template, then the policy's steps as the prefix."""
-        return [format_prompt(c.problem.problem, self.template) + join_steps(c.steps) for c in contexts]
+        """The target's input: the problem in its template, then the policy's steps as the prefix, the
+        last one as written (no delimiter after it: a prefix cut by its token budget is continued where
+        it stops, and a complete step is followed by whatever the target writes next)."""
+        return [format_prompt(c.problem.problem, self.template) + STEP_DELIMITER.join(c.steps) for c in contexts]
 
     def seeds(self, contexts: Sequence[StepContext]) -> list[int]:
         """One sampling seed per context [B]: (seed, group id, prefix, order among identical ones)."""
@@ -84,8 +86,7 @@ class TargetSolver:
         )
         m = self.num_samples
         # The answer may sit in the prefix itself (the policy finished) or in the target's completion.
-        answers = [extract_answer(STEP_DELIMITER.join(contexts[k // m].steps) + STEP_DELIMITER + text)
-                   for k, text in enumerate(output.texts)]
+        answers = [extract_answer(STEP_DELIMITER.join(contexts[k // m].steps) + text) for k, text in enumerate(output.texts)]
         verdicts = grade_batch(answers, [contexts[k // m].problem.answer for k in range(len(answers))],
                                timeout=self.timeout)
         return np.asarray(verdicts, dtype=np.float64).reshape(len(contexts), m).mean(axis=1)

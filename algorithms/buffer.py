@@ -171,6 +171,11 @@ class RolloutBuffer:
         """[N, A] summed rewards of each env's episode (episodic collection: one episode per env)."""
         return (self.rewards * self.live).sum(0)
 
+    def acted(self) -> torch.Tensor:
+        """[N, A] the (env, agent) pairs that acted in their episode (episodic collection): a multi-agent
+        workflow may not call on every agent."""
+        return self.live.any(0)
+
     def episode_group_ids(self, per_agent: bool = True) -> torch.Tensor:
         """[N, A] the group of each (env, agent)'s episode (episodic collection). Per agent: agent a of
         prompt group g is group g * A + a, so group baselines compare one role's samples of one problem

@@ -49,7 +49,7 @@ class GRPO(BaseAlgorithm):
         (prompt group, agent), or per prompt group over every agent (``joint_groups``), over the agents
         that acted in their episode."""
         returns = buffer.episode_returns()  # [N, A]
-        acted = buffer.live.any(0)  # [N, A]: a multi-agent workflow may not call on every agent
+        acted = buffer.acted()  # [N, A]
         advantages = torch.zeros_like(returns)
         group_ids = buffer.episode_group_ids(per_agent=not self.config.joint_groups)
         advantages[acted] = group_advantages(returns[acted], group_ids[acted],

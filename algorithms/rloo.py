@@ -73,7 +73,7 @@ class RLOO(BaseAlgorithm):
         outcome = buffer.episode_returns().flatten()  # [E] episodes, E = N * A
         group_ids = buffer.episode_group_ids(per_agent=not config.joint_groups).flatten()
         correct = buffer.episode_correct().flatten()
-        acted = buffer.live.any(0).flatten()  # a multi-agent workflow may not call on every agent
+        acted = buffer.acted().flatten()
         keep = torch.zeros_like(acted)
         keep[acted] = filter_groups(correct[acted], group_ids[acted], config.accuracy_lower_bound,
                                     config.accuracy_upper_bound)

@@ -77,6 +77,7 @@ from envs.vector import MathVectorEnv
 from envs.workflows import WORKFLOWS, Limits, Message, Progress, TurnContext, Workflow, parse_verdict, resolve_workflow
 
 REWARD_ASSIGNMENTS = ("team", "individual", "counterfactual")
+ROLE_METRICS = ("answer_correct", "verdict", "verdict_correct")  # the [N, A] infos of each role's verified output
 AUTORESET_MODES = (AutoresetMode.SAME_STEP, AutoresetMode.DISABLED)
 SINGLE_AGENT_KEYWORDS = {  # MathTask keywords that mean nothing for whole messages: why, and what instead
     "reward_model": "a PRM or target solver scores the steps of one solution, not verdicts or debate rounds; credit "

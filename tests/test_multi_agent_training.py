@@ -139,17 +139,23 @@ def test_prefix_rl_as_two_agents_trains_the_writer_while_a_frozen_model_solves(p
     env = MultiAgentMathVectorEnv(4, group_size=2, autoreset_mode="Disabled", arith={"seed": 2}, split="train",
                                   max_steps=8, workflow="prefix", reward_assignment="individual")
     target = HFGenerator(LanguagePolicy(untrained_policy_dir, device="cpu"))
-    collector = Collector(env, algorithm_spec("GRPO"), 2, Sampling(max_new_tokens=8), seed=0,
+    collector = Collector(env, algorithm_spec("GRPO"), 2, Sampling(max_new_tokens=32), seed=0,
                           voices=Voices(generators={1: target}, samplings={1: Sampling(max_new_tokens=3)}))
-    buffer, tally = collector.collect(policy, ScriptedWords(policy.tokenizer, lambda prompt: "12 + 35 = 47"), seed=3)
+
+    def write(prompt: str) -> str:  # group 0's writer gives the answer away, group 1's a wrong one
+        first, second = env.dealer.episodes[0].problem, env.dealer.episodes[2].problem
+        return f"The answer is \\boxed{{{first.answer if first.problem in prompt else second.answer + '9'}}}."
+
+    buffer, tally = collector.collect(policy, ScriptedWords(policy.tokenizer, write), seed=3)
     assert buffer.live[0, :, 0].all() and not buffer.live[:, :, 1].any() and not buffer.live[1:].any()
     said = [dict((slot, text) for _, slot, text in transcript) for transcript in env.get_state()["transcripts"]]
-    assert all(turns[0] == "12 + 35 = 47" and turns[1] != "12 + 35 = 47" for turns in said)
+    assert all(turns[0].startswith("The answer is") and not turns[1].startswith("The answer is") for turns in said)
     longest_token = max(len(token) for token in policy.tokenizer.get_vocab())
     assert max(len(turns[1]) for turns in said) <= 3 * longest_token  # its own budget: 3 tokens
-    # the writer is paid the team's verified answer on its own action; the frozen solver is never trained on
-    torch.testing.assert_close(buffer.rewards[0, :, 0], torch.zeros(4))
-    assert tally.counts["train/solver/reward"] == 4 and tally.mean("train/accuracy") == 0.0
+    # the writer is paid the team's verified answer (read from prefix and continuation) on its own action;
+    # the frozen solver is never trained on
+    torch.testing.assert_close(buffer.rewards[0, :, 0], torch.tensor([1.0, 1.0, 0.0, 0.0]))
+    assert tally.counts["train/solver/reward"] == 4 and tally.mean("train/accuracy") == 0.5
 
 
 def test_train_math_runs_prefix_rl_with_the_target_as_a_frozen_role(untrained_policy_dir, tmp_path):

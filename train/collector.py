@@ -31,11 +31,9 @@ import torch
 
 from algorithms.buffer import RolloutBuffer
 from algorithms.registry import AlgorithmSpec
+from envs.multi_agent import ROLE_METRICS
 from train.models.generation import GenerationOutput, Generator, Seed, mix_seed
 from train.models.policy import LanguagePolicy
-
-
-ROLE_METRICS = ("answer_correct", "verdict", "verdict_correct")  # a multi-agent env's [N, A] infos
 
 
 @dataclass(frozen=True)
@@ -239,8 +237,7 @@ class Collector:
                    values=None if values is None else values[trained],
                    token_values=None if token_values is None else token_values[trained])
         self.last_step[envs_t, agents_t] = step
-        if num_agents > 1:
-            self.credit_after_last_action(buffer, rewards, envs, agents, terminated, truncated, correct)
+        self.credit_after_last_action(buffer, rewards, envs, agents, terminated, truncated, correct)
         self.episode_return += rewards
         self.tally_ended_episodes(tally, ended, correct)
         self.tally_role_metrics(tally)
@@ -253,7 +250,8 @@ class Collector:
                                  agents: np.ndarray, terminated: np.ndarray, truncated: np.ndarray,
                                  correct: np.ndarray) -> None:
         """Rewards [N, A] of agents that did not act at this step, and the end of their episode, go to
-        their last action (an agent that never acted in this rollout has none to take them)."""
+        their last action (an agent that never acted in this rollout has none to take them). With one
+        agent per env there are none: an env's agent acts at every step of its episode."""
         idle = self.last_step >= 0
         idle[envs, agents] = False
         ended = terminated | truncated

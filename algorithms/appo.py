@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from algorithms.base import ActionScores, BaseAlgorithm, SumReducer, batch_mean_std, detached
@@ -47,10 +49,15 @@ class APPO(BaseAlgorithm):
     needs_reference = False
 
     def advantages(self, buffer: RolloutBuffer) -> Targets:
-        """advantages, returns: [T, N, A]; advantages normalised over the live slots."""
-        live = buffer.live
-        advantages, returns = gae(buffer.rewards * live, buffer.values, buffer.next_values, buffer.episode_ends(),
+        """advantages, returns: [T, N, A]; advantages normalised over the live slots. GAE runs along each
+        agent's own actions (``RolloutBuffer.turn_order``): in a multi-agent env other roles act in
+        between, and what they achieve reaches it through its rewards and the values it bootstraps from."""
+        live, order = buffer.live, buffer.turn_order()
+        by_turns = functools.partial(buffer.by_turns, order=order)
+        advantages, returns = gae(by_turns(buffer.rewards * live), by_turns(buffer.values),
+                                  by_turns(buffer.next_values), by_turns(buffer.episode_ends() | ~live),
                                   self.config.gamma, self.config.gae_lambda)
+        advantages, returns = buffer.from_turns(advantages, order), buffer.from_turns(returns, order)
         return Targets(normalized(advantages, live, self.reduce_sum), returns, stats={
             "advantages": advantages[live], "returns": returns[live], "values": buffer.values[live]})
 

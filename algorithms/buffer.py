@@ -44,6 +44,7 @@ class Batch:
 
     index: torch.Tensor  # [B] flat slot indices into T * N * A
     prompts: list[list[int]]
+    critic_prompts: list[list[int]] | None  # what the critic reads instead of the prompt (None: the prompt)
     action_ids: torch.Tensor  # [B, L]
     action_lengths: torch.Tensor  # [B]
     token_mask: torch.Tensor  # [B, L] bool, from lengths
@@ -96,6 +97,7 @@ class RolloutBuffer:
         self.correct = torch.full(self.shape, float("nan"), **slots)  # verdict where an episode ended
         self.group_ids = torch.zeros(self.shape, dtype=torch.long, **slots)
         self.prompt_ids: list[list[int] | None] = [None] * self.num_slots
+        self.critic_prompt_ids: list[list[int] | None] | None = None  # a centralized critic's input, when it has one
         self.texts: list[str | None] = [None] * self.num_slots
         self.steps_filled = 0
 
@@ -112,12 +114,13 @@ class RolloutBuffer:
             action_ids: Sequence[list[int]], logprobs: Sequence[list[float]], rewards: torch.Tensor,
             terminated: torch.Tensor, truncated: torch.Tensor, group_ids: torch.Tensor, correct: torch.Tensor,
             texts: Sequence[str], values: torch.Tensor | None = None,
-            token_values: torch.Tensor | None = None) -> None:
+            token_values: torch.Tensor | None = None, critic_prompt_ids: Sequence[list[int]] | None = None) -> None:
         """Records the actions taken at ``step`` by the B (env, agent) pairs ``envs[b], agents[b]``.
 
         action_ids / logprobs: B lists (the generated tokens and their behaviour log-probs, up to
         L each). rewards, terminated, truncated, group_ids, correct (NaN where the episode goes
-        on), values: [B]. token_values: [B, L'] with L' <= L.
+        on), values: [B]. token_values: [B, L'] with L' <= L. critic_prompt_ids: B lists, what the critic
+        read instead of the prompt (a multi-agent env's joint transcript), to read again at the update.
         """
         envs_t = torch.as_tensor(list(envs), dtype=torch.long, device=self.device)
         agents_t = torch.as_tensor(list(agents), dtype=torch.long, device=self.device)
@@ -140,9 +143,15 @@ class RolloutBuffer:
             self.values[at] = values.to(self.device, torch.float32)
         if token_values is not None:
             self.token_values[at] = torch.nn.functional.pad(token_values, (0, self.max_action_tokens - token_values.shape[-1])).to(self.device)
-        for flat, prompt, text in zip(self.slot_index(step, envs_t, agents_t).tolist(), prompt_ids, texts):
+        flats = self.slot_index(step, envs_t, agents_t).tolist()
+        for flat, prompt, text in zip(flats, prompt_ids, texts):
             self.prompt_ids[flat] = list(prompt)
             self.texts[flat] = text
+        if critic_prompt_ids is not None:
+            if self.critic_prompt_ids is None:
+                self.critic_prompt_ids = [None] * self.num_slots
+            for flat, prompt in zip(flats, critic_prompt_ids):
+                self.critic_prompt_ids[flat] = list(prompt)
         self.steps_filled = max(self.steps_filled, step + 1)
 
     def credit_late(self, *, steps: np.ndarray, envs: np.ndarray, agents: np.ndarray, rewards: torch.Tensor,
@@ -175,6 +184,37 @@ class RolloutBuffer:
         """[N, A] the (env, agent) pairs that acted in their episode (episodic collection): a multi-agent
         workflow may not call on every agent."""
         return self.live.any(0)
+
+    def turn_order(self) -> torch.Tensor:
+        """[T, N, A] for each (env, agent), the steps of its actions in time order, then the steps it did
+        not act at: gathering a [T, N, A, ...] tensor along T with it (``by_turns``) makes each agent's
+        actions consecutive, so a recursion over "the agent's next action" (GAE in a multi-agent env,
+        where other agents act in between) runs as over consecutive steps. The identity when every slot
+        is live (one agent acting at every step)."""
+        return torch.sort((~self.live).to(torch.int8), dim=0, stable=True).indices
+
+    @staticmethod
+    def by_turns(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+        """[T, N, A, ...] gathered along T in ``order`` (``turn_order``)."""
+        index = order.reshape(*order.shape, *([1] * (x.dim() - 3))).expand_as(x)
+        return x.gather(0, index)
+
+    @staticmethod
+    def from_turns(y: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+        """Inverse of ``by_turns``."""
+        index = order.reshape(*order.shape, *([1] * (y.dim() - 3))).expand_as(y)
+        return torch.zeros_like(y).scatter_(0, index, y)
+
+    def next_action_values(self) -> torch.Tensor:
+        """[T, N, A] the value of each agent's next action in its episode (V of the state it next acts
+        in), 0 after its last one: what a multi-agent env's action bootstraps from when whole episodes
+        are collected (its episode ended inside the rollout, with the outcome paid as reward)."""
+        order = self.turn_order()
+        live, values = self.by_turns(self.live, order), self.by_turns(self.values, order)
+        following = torch.cat([values[1:], torch.zeros_like(values[:1])])
+        following_live = torch.cat([live[1:], torch.zeros_like(live[:1])])
+        ended = self.by_turns(self.episode_ends(), order)
+        return self.from_turns(torch.where(following_live & ~ended, following, 0.0), order)
 
     def episode_group_ids(self, per_agent: bool = True) -> torch.Tensor:
         """[N, A] the group of each (env, agent)'s episode (episodic collection). Per agent: agent a of
@@ -275,6 +315,7 @@ class RolloutBuffer:
         return Batch(
             index=index,
             prompts=[self.prompt_ids[i] for i in index.tolist()],
+            critic_prompts=None if self.critic_prompt_ids is None else [self.critic_prompt_ids[i] for i in index.tolist()],
             action_ids=tokens(self.action_ids),
             action_lengths=lengths,
             token_mask=token_mask,

@@ -64,15 +64,22 @@ class TPPO(BaseAlgorithm):
     name = "TPPO"
 
     def advantages(self, buffer: RolloutBuffer) -> Targets:
-        """advantages, returns: [T, N, A, L]; advantages normalised over live tokens."""
+        """advantages, returns: [T, N, A, L]; advantages normalised over live tokens. Steps run along each
+        agent's own actions (``RolloutBuffer.turn_order``), as APPO's."""
         num_steps, num_envs, num_agents = buffer.shape
         flat = (num_steps, num_envs * num_agents)
+        live, order = buffer.live, buffer.turn_order()
+
+        def by_turns(x: torch.Tensor) -> torch.Tensor:
+            return buffer.by_turns(x, order).reshape(*flat, *x.shape[3:])
+
         advantages, returns = tppo_advantages(
-            (buffer.rewards * buffer.live).reshape(flat), buffer.token_values.reshape(*flat, -1),
-            buffer.action_lengths.clamp(min=1).reshape(flat), buffer.next_values.reshape(flat),
-            buffer.episode_ends().reshape(flat), self.config.gamma, self.config.gae_lambda)
+            by_turns(buffer.rewards * live), by_turns(buffer.token_values), by_turns(buffer.action_lengths.clamp(min=1)),
+            by_turns(buffer.next_values), by_turns(buffer.episode_ends() | ~live), self.config.gamma,
+            self.config.gae_lambda)
         mask = buffer.token_mask()
-        advantages, returns = advantages.reshape(mask.shape), returns.reshape(mask.shape)
+        advantages = buffer.from_turns(advantages.reshape(mask.shape), order)
+        returns = buffer.from_turns(returns.reshape(mask.shape), order)
         return Targets(normalized(advantages, mask, self.reduce_sum), returns, stats={
             "advantages": advantages[mask], "returns": returns[mask], "values": buffer.token_values[mask]})
 

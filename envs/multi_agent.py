@@ -34,8 +34,9 @@ counterfactuals; for a vote, every two candidates with each other), then decides
 Infos are a plain dict of full arrays, as MathVectorEnv's:
 
 - the episode whose observation is returned: ``problem_id`` [N] object, ``group_id`` [N] int64,
-  ``turn`` [N] int64 (turns done), ``acting`` [N, A] bool (the slots that act on the next step), and
-  ``roles`` (the A role names, a tuple);
+  ``turn`` [N] int64 (turns done), ``acting`` [N, A] bool (the slots that act on the next step),
+  ``state`` [N, A] object (for each acting slot the joint transcript a centralized critic reads,
+  ``envs.workflows.state_prompt``; "" elsewhere) and ``roles`` (the A role names, a tuple);
 - from ``step`` only, the results of the messages just taken: ``correct`` [N] float64 (1/0 where an
   episode ended at this step, NaN elsewhere), ``final_answer`` [N] object (its answer, None where
   none), ``answer_correct`` [N, A] (an answering slot's own answer verified, NaN where it did not
@@ -74,7 +75,8 @@ from envs.datasets import Problem
 from envs.grader import grade_batch
 from envs.math_env import UnicodeText
 from envs.vector import MathVectorEnv
-from envs.workflows import WORKFLOWS, Limits, Message, Progress, TurnContext, Workflow, parse_verdict, resolve_workflow
+from envs.workflows import (WORKFLOWS, Limits, Message, Progress, TurnContext, Workflow, parse_verdict, resolve_workflow,
+                            state_prompt)
 
 REWARD_ASSIGNMENTS = ("team", "individual", "counterfactual")
 ROLE_METRICS = ("answer_correct", "verdict", "verdict_correct")  # the [N, A] infos of each role's verified output
@@ -367,8 +369,21 @@ class MultiAgentMathVectorEnv(VectorEnv):
     def _observations(self) -> tuple[tuple[str, ...], ...]:
         return tuple(self._prompts(d, () if d.progress.ended else d.progress.slots) for d in self.dialogues)
 
+    def _states(self) -> np.ndarray:
+        """[N, A] object: the centralized critic's view before each acting slot acts ("" elsewhere)."""
+        states = np.full((self.num_envs, self.num_agents), "", dtype=object)
+        for i, dialogue in enumerate(self.dialogues):
+            if dialogue.progress.ended:
+                continue
+            for slot in dialogue.progress.slots:
+                context = TurnContext(dialogue.problem.problem, self.task.template, tuple(dialogue.transcript), slot,
+                                      dialogue.progress.turn)
+                states[i, slot] = state_prompt(self.workflow.roles[slot], context)
+        return states
+
     def _metadata(self) -> dict[str, Any]:
-        """The current episodes': ``problem_id``, ``group_id``, ``turn`` [N], ``acting`` [N, A], ``roles`` [A]."""
+        """The current episodes': ``problem_id``, ``group_id``, ``turn`` [N], ``acting`` and ``state`` [N, A],
+        ``roles`` [A]."""
         acting = np.zeros((self.num_envs, self.num_agents), dtype=bool)
         for i, dialogue in enumerate(self.dialogues):
             if not dialogue.progress.ended:
@@ -376,7 +391,7 @@ class MultiAgentMathVectorEnv(VectorEnv):
         return {"problem_id": np.array([d.problem.id for d in self.dialogues], dtype=object),
                 "group_id": np.array([d.group_id for d in self.dialogues], dtype=np.int64),
                 "turn": np.array([d.progress.turn for d in self.dialogues], dtype=np.int64),
-                "acting": acting, "roles": self.roles}
+                "acting": acting, "state": self._states(), "roles": self.roles}
 
     def get_state(self) -> dict[str, Any]:
         """JSON-serialisable: the workflow's name and roles, the dealer's state (problem sampler, each

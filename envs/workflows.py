@@ -15,8 +15,9 @@ Everything here is a pure function of it; nothing grades. Answer equivalence com
 so the env can grade every comparison of one step in one time-bounded batch.
 
 Prompts reuse the env's template (``envs.prompts``): the earlier messages, each under ``[role name]``,
-and then the role's instruction go after the problem text, so a role with no instruction that reads
-no earlier message gets exactly the single-agent prompt (``MathTask.prompt``).
+and then the role's instruction come before the single-agent prompt (``MathTask.prompt``), so every
+prompt ends as the task's own prompts do, and a role with no instruction that reads no earlier
+message gets exactly the single-agent prompt.
 
 Verdicts: a judging role ends its message with one final line ``Verdict: correct`` (accept) or
 ``Verdict: wrong`` (reject); case, surrounding spaces and a final period do not matter. Only the
@@ -115,10 +116,11 @@ def parse_verdict(text: str) -> bool | None:
 
 
 def role_prompt(context: TurnContext, messages: Sequence[Message], instruction: str) -> str:
-    """The env's template around the problem text, ``messages`` (each under ``[role name]``) and
-    ``instruction``, separated by blank lines; exactly the single-agent prompt when both are empty."""
-    parts = [context.problem, *(f"[{m.role}]\n{m.text}" for m in messages), instruction]
-    return format_prompt("\n\n".join(part for part in parts if part), context.template)
+    """``messages`` (each under ``[role name]``) and ``instruction``, separated by blank lines, then the
+    single-agent prompt (the env's template around the problem text): the prompt ends as every prompt
+    of the task does, and is exactly the single-agent one when both are empty."""
+    parts = [*(f"[{m.role}]\n{m.text}" for m in messages), instruction, format_prompt(context.problem, context.template)]
+    return "\n\n".join(part for part in parts if part)
 
 
 def transcript_prompt(role: Role, context: TurnContext) -> str:
@@ -128,6 +130,13 @@ def transcript_prompt(role: Role, context: TurnContext) -> str:
         prefix = context.transcript[-1].text if context.transcript else ""
         return format_prompt(context.problem, context.template) + prefix
     return role_prompt(context, context.transcript, role.instruction)
+
+
+def state_prompt(role: Role, context: TurnContext) -> str:
+    """What a centralized critic reads before ``role`` acts: the problem, every message so far (whether
+    or not the role's own prompt shows it) and the acting role's name, so one value function serves
+    every role from the joint transcript."""
+    return role_prompt(context, context.transcript, f"[{role.name}]")
 
 
 def previous_round_prompt(role: Role, context: TurnContext) -> str:
@@ -322,14 +331,9 @@ def _every_slot(num_slots: int, rounds: int, transcript: tuple[Message, ...], tu
     return tuple(range(num_slots)) if turn < rounds else ()
 
 
-VERIFIER_INSTRUCTION = (
-    "You are the verifier. Check the solver's solution above step by step. End your reply with one final line "
-    f"that is exactly '{ACCEPT}' or '{REJECT}'."
-)
-REFINER_INSTRUCTION = (
-    "You are the refiner. The verifier did not accept the solver's solution above. Write a corrected solution "
-    "and put the final answer in \\boxed{}."
-)
+VERIFIER_INSTRUCTION = f"Verifier: check the solver's steps. End with '{ACCEPT}' or '{REJECT}'."
+REFINER_INSTRUCTION = "Refiner: the verifier rejected the solution above. Write a corrected one, answer in \\boxed{}."
+DEBATER_INSTRUCTION = "Debater {k}: above are the others' last solutions. Solve it, answer in \\boxed{{}}."
 
 
 def chain() -> Workflow:
@@ -346,9 +350,7 @@ def debate(num_agents: int = 3, rounds: int = 2) -> Workflow:
         raise ValueError(f"debate needs num_agents >= 1 and rounds >= 1, got num_agents={num_agents}, "
                          f"rounds={rounds}")
     roles = tuple(
-        Role(f"debater_{k}", prompt=previous_round_prompt, default="",
-             instruction=(f"Above are the other debaters' solutions from the previous round. You are debater_{k}: "
-                          "taking them into account, solve the problem and put your final answer in \\boxed{}."))
+        Role(f"debater_{k}", prompt=previous_round_prompt, default="", instruction=DEBATER_INSTRUCTION.format(k=k))
         for k in range(num_agents)
     )
     return Workflow("debate", roles, schedule=functools.partial(_every_slot, num_agents, rounds), answer="vote",

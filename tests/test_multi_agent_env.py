@@ -66,7 +66,8 @@ def test_first_prompt_is_the_single_agent_prompt_and_chain_ends_after_acceptance
     assert info["roles"] == ("solver", "verifier", "refiner") and info["acting"].tolist() == [[True, False, False]]
     obs, rewards, terminated, _, info = env.step([[right(problem.id), "", ""]])
     assert info["acting"].tolist() == [[False, True, False]] and info["turn"].tolist() == [1]
-    assert obs[0][1] == format_prompt(f"{problem.problem}\n\n[solver]\n{problem.solution}\n\n{VERIFIER_INSTRUCTION}")
+    assert obs[0][1] == (f"[solver]\n{problem.solution}\n\n{VERIFIER_INSTRUCTION}\n\n"
+                          + format_prompt(problem.problem))
     assert rewards.tolist() == [[0, 0, 0]] and not terminated[0] and np.isnan(info["correct"][0])
     obs, rewards, terminated, truncated, info = env.step([["", "Checked.\nVerdict: correct", ""]])
     assert terminated.tolist() == [True] and truncated.tolist() == [False] and obs == (("", "", ""),)
@@ -126,7 +127,7 @@ def test_debate_votes_over_equivalent_answers_written_differently():
     obs, rewards, *_, info = env.step([["\\boxed{1}", "\\boxed{2}", "\\boxed{3}"]])
     assert info["acting"].tolist() == [[True] * 3] and rewards.tolist() == [[0, 0, 0]]
     assert "[debater_1]\n\\boxed{2}" in obs[0][0] and "[debater_2]\n\\boxed{3}" in obs[0][0]
-    assert "[debater_0]" not in obs[0][0] and "You are debater_0" in obs[0][0]
+    assert "[debater_0]" not in obs[0][0] and "Debater 0:" in obs[0][0]
     _, rewards, terminated, _, info = env.step([["\\boxed{0.5}", "\\boxed{3}", "\\boxed{\\frac{1}{2}}"]])
     assert terminated.tolist() == [True] and info["final_answer"].tolist() == ["0.5"] and info["correct"][0] == 1
     assert info["answer_correct"].tolist() == [[1, 0, 1]]

@@ -61,9 +61,9 @@ def chain_rollout(policy: LanguagePolicy, reward_assignment: str) -> tuple[Rollo
     def say(prompt: str) -> str:
         first, second = env.dealer.episodes[0].problem, env.dealer.episodes[4].problem  # this rollout's
         problem = first if first.problem in prompt else second
-        if "You are the verifier" in prompt:
+        if "Verifier:" in prompt:
             return ACCEPT if problem is first else next(group_one_verdicts)
-        right = problem is first or "You are the refiner" in prompt
+        right = problem is first or "Refiner:" in prompt
         return f"The answer is \\boxed{{{problem.answer if right else '-999'}}}."
 
     collector = Collector(env, algorithm_spec("GRPO"), 3, Sampling(max_new_tokens=32), seed=0)
@@ -252,7 +252,8 @@ def test_prefix_rl_writer_learns_to_help_the_frozen_target(tiny_models, tmp_path
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--env_id", "Arith-Chain-v0", "--algorithm_name", "APPO"], "use GRPO or RLOO"),
+    (["--algorithm_name", "APPO", "--critic", "per_role"], "has one agent"),
+    (["--env_id", "Arith-Chain-v0", "--critic", "per_role"], "is critic-free"),
     (["--env_id", "Arith-Debate-v0", "--action_level", "step"], "whole message"),
     (["--env_id", "Arith-Chain-v0", "--reward", "outcome:1.0"], "--reward_assignment"),
     (["--reward_assignment", "individual"], "has one agent"),

@@ -98,7 +98,7 @@ def build_policy(f: flags.FlagValues, model: str) -> LanguagePolicy:
     with_critic = algorithm_spec(f.algorithm_name).critic is not None
     return LanguagePolicy(model, lora=lora_settings(f), with_critic=with_critic, device=str(resolve_device(f.device)),
                           dtype=f.dtype, gradient_checkpointing=f.gradient_checkpointing,
-                          role_adapters=role_adapters(f)).eval()
+                          role_adapters=role_adapters(f), value_heads=train_flags.value_heads(f)).eval()
 
 
 def build_reward_model(f: flags.FlagValues, device: str) -> RewardModel:
@@ -185,7 +185,7 @@ def build_envs(f: flags.FlagValues, reward_model: RewardModel, tokenizer, ranks:
     autoreset); continuing ones reset an ended episode in the same step. Under torchrun the train env
     holds this rank's whole groups (``distributed.shard``), drawing the problems one process would."""
     name = train_flags.registered_env_id(f)
-    autoreset = AutoresetMode.DISABLED if algorithm_spec(f.algorithm_name).episodic else AutoresetMode.SAME_STEP
+    autoreset = AutoresetMode.DISABLED if train_flags.whole_episodes(f) else AutoresetMode.SAME_STEP
     total, group_size = train_flags.num_train_envs(f), train_flags.resolved_group_size(f)
     first, count = distributed.shard(total, group_size, ranks)
     split = {"group_offset": first // group_size, "total_groups": total // group_size} if ranks.distributed else {}
@@ -250,7 +250,8 @@ def build_generators(f: flags.FlagValues, policy: LanguagePolicy, model: str, sy
     with_critic = algorithm_spec(f.algorithm_name).critic is not None
     rollout_policy = LanguagePolicy(model, lora=lora_settings(f), with_critic=with_critic, device=policy.device,
                                     dtype=f.dtype, gradient_checkpointing=f.gradient_checkpointing,
-                                    role_adapters=policy.role_adapters).eval()
+                                    role_adapters=policy.role_adapters,
+                                    value_heads=max(policy.num_value_heads, 1)).eval()
     rollout_policy.load_state_dict(policy.state_dict())
     return generator, rollout_policy, make_generator("hf", rollout_policy)
 
@@ -332,7 +333,7 @@ def build_runner(f: flags.FlagValues, run_dir: Path, writer, saved: checkpoint.C
     collector = Collector(env, algorithm_spec(f.algorithm_name), train_flags.resolved_episode_length(f), sampling,
                           seed=f.seed, env_offset=distributed.shard(train_flags.num_train_envs(f),
                                                                     train_flags.resolved_group_size(f), ranks)[0],
-                          voices=build_voices(f, env, policy, sampling))
+                          voices=build_voices(f, env, policy, sampling), critic=train_flags.critic_view(f))
     runner = Runner(config, collector, eval_env, policy, generator, algorithm, optimizer, scheduler, writer, run_dir,
                     implicit_prm=implicit_prm, rollout_policy=rollout_policy, rollout_generator=rollout_generator,
                     run_flags=train_flags.flag_dict(f), ranks=ranks, trainable=trainable)

@@ -2,7 +2,11 @@
 
 Episodic algorithms (GRPO, RLOO) reset every env and step until every episode ended, generating only
 for the envs still going; continuing ones (APPO, TPPO) run ``episode_length`` steps of episodes that
-span iterations and bootstrap from V of the last observation unless the episode terminated. At each
+span iterations and bootstrap from V of the last observation unless the episode terminated. A
+multi-agent env is always collected in whole episodes: an agent's action bootstraps from the value of
+its own next action in the episode (0 after its last), and its critic reads either the joint
+transcript with its role's name (``critic="centralized"``: MAPPO's centralized value, one head) or its
+own prompt with a value head of its own (``critic="per_role"``). At each
 step the (env, agent) pairs that act get one action each, all generated in one call: the single-agent
 envs have one agent per env (observations [N]); a multi-agent env (``envs.multi_agent``) has A agent
 slots per env (observations [N][A], ``info["acting"]`` [N, A] says which act) and pays rewards [N, A].
@@ -136,6 +140,9 @@ class Voices:
         return GenerationOutput.interleave(parts, len(prompts))
 
 
+CRITICS = ("centralized", "per_role")
+
+
 @dataclass
 class Tally:
     """Sums and counts of per-sample statistics of one rollout, and its wall-clock seconds per phase."""
@@ -159,12 +166,17 @@ class Collector:
     env's running episode return and the env steps taken (all saved with checkpoints)."""
 
     def __init__(self, env, spec: AlgorithmSpec, episode_length: int, sampling: Sampling, seed: int,
-                 env_offset: int = 0, voices: Voices = Voices()):
+                 env_offset: int = 0, voices: Voices = Voices(), critic: str = "centralized"):
+        if critic not in CRITICS:
+            raise ValueError(f"critic={critic!r} must be one of {CRITICS}")
         self.env, self.spec, self.episode_length, self.sampling = env, spec, episode_length, sampling
         self.env_offset = env_offset
         self.num_agents = getattr(env, "num_agents", 1)
         self.roles = getattr(env, "roles", None)  # the agent slots' role names (multi-agent envs)
         workflow = getattr(env, "workflow", None)
+        self.episodic = spec.episodic or workflow is not None
+        # what the critic reads in a multi-agent env (one agent: its prompt, one head)
+        self.critic = critic if workflow is not None and spec.critic is not None else None
         # [A] the agents whose actions are trained on: a workflow's frozen roles act but are not trained
         self.trained_agents = np.array([role.trainable for role in workflow.roles] if workflow else [True])
         self.voices = voices
@@ -180,7 +192,7 @@ class Collector:
         buffer = RolloutBuffer(self.episode_length, num_envs, self.num_agents, self.sampling.max_new_tokens,
                                policy.device, token_values=spec.critic == "token")
         self.last_step[:] = -1
-        if spec.episodic:
+        if self.episodic:
             self.obs, self.info = self.env.reset()
             self.episode_return[:] = 0
         done = np.zeros(num_envs, dtype=bool)
@@ -191,12 +203,14 @@ class Collector:
             if len(envs) == 0:
                 break
             terminated, truncated = self.step(step, envs, agents, policy, generator, buffer, tally, seed)
-            if spec.critic is not None and truncated.any() and not spec.episodic:
+            if spec.critic is not None and truncated.any() and not self.episodic:
                 bootstrap[step] = self.values_of_final_observations(policy, truncated)
-            if spec.episodic:
+            if self.episodic:
                 done |= terminated | truncated
-        if spec.episodic:
+        if self.episodic:
             self.episode_return[:] = 0
+            if spec.critic is not None:
+                buffer.next_values = buffer.next_action_values()
         elif spec.critic is not None:
             buffer.next_values = self.next_values(policy, buffer, bootstrap)
         tally.add("train/step_reward", buffer.rewards[buffer.live].double().cpu().numpy())
@@ -214,7 +228,13 @@ class Collector:
                                    agents, seeds)
         tally.seconds["generate"] += time.perf_counter() - started
         tally.add("tokens", [len(ids) for ids in out.token_ids])
-        values, token_values = self.critic_values(policy, out.prompt_token_ids, out.token_ids)
+        trained = np.flatnonzero(self.trained_agents[agents])  # the pairs to train on (all, with one agent)
+        pick = trained.tolist()
+        envs_t, agents_t = envs[trained], agents[trained]
+        critic_prompts = self.critic_prompts(policy, envs_t, agents_t)
+        values, token_values = self.critic_values(
+            policy, critic_prompts or [out.prompt_token_ids[k] for k in pick], [out.token_ids[k] for k in pick],
+            agents_t.tolist() if self.critic == "per_role" else None)
         group_ids = np.asarray(self.info["group_id"], dtype=np.int64)[envs]  # the episode each env acts in
         started = time.perf_counter()
         actions = pair_actions(self.env, self.sampling, out, envs, agents)
@@ -226,16 +246,12 @@ class Collector:
             if key.startswith("reward/"):
                 tally.add(f"train/{key}", np.asarray(values_of_key, dtype=np.float64)[envs])
         correct = np.where(ended, np.asarray(self.info["correct"], dtype=np.float64), np.nan)
-        trained = np.flatnonzero(self.trained_agents[agents])  # the pairs to train on (all, with one agent)
-        pick = trained.tolist()
-        envs_t, agents_t = envs[trained], agents[trained]
         buffer.add(step=step, envs=envs_t, agents=agents_t, prompt_ids=[out.prompt_token_ids[k] for k in pick],
                    action_ids=[out.token_ids[k] for k in pick], logprobs=[out.logprobs[k] for k in pick],
                    rewards=torch.as_tensor(rewards[envs_t, agents_t]), terminated=torch.as_tensor(terminated[envs_t]),
                    truncated=torch.as_tensor(truncated[envs_t]), group_ids=torch.as_tensor(group_ids[trained]),
                    correct=torch.as_tensor(correct[envs_t]), texts=[out.texts[k] for k in pick],
-                   values=None if values is None else values[trained],
-                   token_values=None if token_values is None else token_values[trained])
+                   values=values, token_values=token_values, critic_prompt_ids=critic_prompts)
         self.last_step[envs_t, agents_t] = step
         self.credit_after_last_action(buffer, rewards, envs, agents, terminated, truncated, correct)
         self.episode_return += rewards
@@ -284,15 +300,24 @@ class Collector:
                 if said.any():
                     tally.add(f"train/{role}/{metric}", values[said, a])
 
+    def critic_prompts(self, policy: LanguagePolicy, envs: np.ndarray, agents: np.ndarray) -> list[list[int]] | None:
+        """Token ids [B] of the joint transcripts a centralized critic reads for the pairs ``envs[b], agents[b]``
+        about to act (the env's ``info["state"]``); None when the critic reads the actor's prompt."""
+        if self.critic != "centralized" or len(envs) == 0:
+            return None
+        states = np.asarray(self.info["state"], dtype=object)
+        return policy.tokenizer([states[i, a] for i, a in zip(envs, agents)])["input_ids"]
+
     def critic_values(self, policy: LanguagePolicy, prompts: list[list[int]], actions: list[list[int]],
-                      ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(values [B] = V(s_t), token values [B, L] for a token critic) at collection time."""
+                      heads: list[int] | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(values [B] = V(s_t), token values [B, L] for a token critic) at collection time, of what the critic
+        reads (``prompts``), from value head ``heads[b]`` (None: head 0)."""
+        if self.spec.critic is None or not prompts:
+            return None, None
         if self.spec.critic == "token":
-            token_values = policy.token_values(prompts, actions)
+            token_values = policy.token_values(prompts, actions, heads=heads)
             return token_values[:, 0], token_values
-        if self.spec.critic == "action":
-            return policy.values(prompts), None
-        return None, None
+        return policy.values(prompts, heads), None
 
     def values_of_final_observations(self, policy: LanguagePolicy, truncated: np.ndarray) -> torch.Tensor:
         """[N] V(final observation) where an episode was truncated (0 elsewhere)."""

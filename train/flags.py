@@ -194,7 +194,10 @@ flags.DEFINE_float("target_kl", 0.0, "Stop the update early once a minibatch's a
                    "exceeds this (0: off).")
 
 # --- Algorithm-specific ----------------------------------------------------------------------
-flags.DEFINE_enum("critic", "auto", ("auto", "on", "off"), "Train a critic: auto = APPO/TPPO yes, GRPO/RLOO no.")
+flags.DEFINE_enum("critic", "auto", ("auto", "on", "off", "centralized", "per_role"), "Train a critic: auto = "
+                  "APPO/TPPO yes, GRPO/RLOO no. On a multi-agent env (APPO/TPPO) it says what the critic reads: "
+                  "centralized (= auto, on): the joint transcript (every message so far) and the acting role's name, "
+                  "one value head (MAPPO); per_role: each role's own prompt, a value head per role.")
 flags.DEFINE_float("value_coef", 0.5, "Value loss coefficient.")
 flags.DEFINE_float("value_clip_param", 0.2, "Value clip around the collection-time values (0: off).")
 flags.DEFINE_float("huber_delta", 0.0, "Huber delta of the value loss (0: squared error).")
@@ -292,8 +295,8 @@ def _check_critic(f: dict) -> bool:
     if has_critic(algorithm) and critic == "off":
         raise flags.ValidationError(f"--algorithm_name={algorithm} needs a critic (its advantages come from V); "
                                     "drop --critic=off or use GRPO/RLOO")
-    if not has_critic(algorithm) and critic == "on":
-        raise flags.ValidationError(f"--algorithm_name={algorithm} is critic-free; drop --critic=on or use APPO/TPPO")
+    if not has_critic(algorithm) and critic not in ("auto", "off"):
+        raise flags.ValidationError(f"--algorithm_name={algorithm} is critic-free; drop --critic={critic} or use APPO/TPPO")
     return True
 
 
@@ -511,6 +514,9 @@ def check_multi_agent(flag_values: flags.FlagValues = FLAGS) -> None:
             if f[name].present:
                 raise flags.ValidationError(f"--{name} concerns the roles of a multi-agent env; --env_id={f.env_id} "
                                             "has one agent (use e.g. --env_id Arith-Chain-v0, or drop it)")
+        if f.critic in ("centralized", "per_role"):
+            raise flags.ValidationError(f"--critic={f.critic} concerns the roles of a multi-agent env; --env_id={f.env_id} "
+                                        "has one agent (use --critic on, or e.g. --env_id Arith-Chain-v0)")
         return
     if not f.share_policy and (f.lora_rank == 0 or f.generation_backend != "hf"):
         raise flags.ValidationError(f"--noshare_policy gives each role a LoRA adapter on the shared base, generated with "
@@ -521,9 +527,6 @@ def check_multi_agent(flag_values: flags.FlagValues = FLAGS) -> None:
         if role not in frozen:
             raise flags.ValidationError(f"--role_model {role}=...: the frozen roles of --env_id={f.env_id} are "
                                         f"{frozen or 'none'}; a trained role speaks with the policy")
-    if not ALGORITHMS[f.algorithm_name].episodic:
-        raise flags.ValidationError(f"--algorithm_name={f.algorithm_name} on the multi-agent --env_id={f.env_id}: a "
-                                    "critic over the roles' interleaved turns is not built yet; use GRPO or RLOO")
     if f.action_level != "solution":
         raise flags.ValidationError(f"--action_level={f.action_level}: in the multi-agent --env_id={f.env_id} every "
                                     "action is one role's whole message; use --action_level solution")
@@ -549,6 +552,23 @@ def resolved_reward(flag_values: flags.FlagValues = FLAGS) -> str:
         return flag_values.reward
     with_prm = flag_values.prm_model_name_or_path is not None or flag_values.prm_url is not None
     return DEFAULT_PRM_REWARD if with_prm else "outcome"
+
+
+def whole_episodes(flag_values: flags.FlagValues = FLAGS) -> bool:
+    """Whether each iteration collects whole episodes (no autoreset): episodic algorithms, and every
+    algorithm on a multi-agent env (an agent bootstraps from its own next turn in the same rollout)."""
+    return ALGORITHMS[flag_values.algorithm_name].episodic or workflow_of(flag_values) is not None
+
+
+def value_heads(flag_values: flags.FlagValues = FLAGS) -> int:
+    """The policy's value-head outputs: one per role for --critic per_role on a multi-agent env, else 1."""
+    workflow = workflow_of(flag_values)
+    return len(workflow.roles) if workflow is not None and flag_values.critic == "per_role" else 1
+
+
+def critic_view(flag_values: flags.FlagValues = FLAGS) -> str:
+    """What a multi-agent env's critic reads: "per_role" (its own prompt) or "centralized" (the joint transcript)."""
+    return "per_role" if flag_values.critic == "per_role" else "centralized"
 
 
 def resolved_episode_length(flag_values: flags.FlagValues = FLAGS) -> int:

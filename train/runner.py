@@ -381,7 +381,8 @@ class Runner:
                 batch = minibatch[k]
                 scores = self.trainable(batch.prompts, (batch.action_ids, batch.action_lengths), temperature,
                                         with_entropy=True, with_values=self.spec.critic is not None,
-                                        adapters=self.row_adapters(batch))
+                                        adapters=self.row_adapters(batch), critic_prompts=batch.critic_prompts,
+                                        value_heads=self.row_value_heads(batch))
                 loss, micro_stats = algorithm.loss(scores, batch)
                 finite_loss &= bool(torch.isfinite(loss))
                 (loss * self.ranks.world_size).backward()
@@ -412,6 +413,12 @@ class Runner:
         if not adapters:
             return None
         return [adapters[agent] for agent in (batch.index % self.collector.num_agents).tolist()]
+
+    def row_value_heads(self, batch) -> list[int] | None:
+        """The value head each row of ``batch`` is read from (per-role critics: its agent's), else None."""
+        if self.collector.critic != "per_role":
+            return None
+        return (batch.index % self.collector.num_agents).tolist()
 
     def gradient_sync(self, last: bool) -> contextlib.AbstractContextManager:
         """DDP reduces gradients at the minibatch's last backward only (no_sync before it); FSDP2 reduces

@@ -320,6 +320,7 @@ class LanguagePolicy(nn.Module):
         gradient_checkpointing: bool = False,
         reference_dir: str | Path | None = None,
         role_adapters: Sequence[str] = (),
+        value_heads: int = 1,
     ) -> None:
         super().__init__()
         if role_adapters and lora is None:
@@ -343,7 +344,9 @@ class LanguagePolicy(nn.Module):
             enable({"use_reentrant": False})
         self.model = causal_lm if lora is None else self._with_adapters(causal_lm, lora, with_critic, self.role_adapters)
         hidden_size = causal_lm.config.get_text_config().hidden_size
-        self.value_head = nn.Linear(hidden_size, 1, device=self.device) if with_critic else None
+        if value_heads < 1:
+            raise ValueError(f"value_heads={value_heads} must be >= 1 (one per role for per-role critics)")
+        self.value_head = nn.Linear(hidden_size, value_heads, device=self.device) if with_critic else None
         self._trainable = [p for p in self.parameters() if p.requires_grad]
         # with role adapters the shared actor adapter stays frozen (peft's switches would unfreeze it)
         self._frozen_adapter = [p for name, p in self.named_parameters()
@@ -517,10 +520,19 @@ class LanguagePolicy(nn.Module):
             entropy=torch.where(mask, entropy, 0.0) if with_entropy else None,
         )
 
-    def _values(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """``[B, L]`` values from ``[B, L, H]`` hidden states; the head runs in fp32."""
+    @property
+    def num_value_heads(self) -> int:
+        """Outputs of the value head: 1, or one per role (per-role critics on a shared trunk)."""
+        return 0 if self.value_head is None else self.value_head.out_features
+
+    def _values(self, hidden: torch.Tensor, mask: torch.Tensor, heads: Sequence[int] | None = None) -> torch.Tensor:
+        """``[B, L]`` values from ``[B, L, H]`` hidden states, row b read from value head ``heads[b]``
+        (None: head 0); the head runs in fp32."""
         self._require_critic()
-        values = self.value_head(hidden.float()).squeeze(-1)
+        values = self.value_head(hidden.float())  # [B, L, K]
+        index = torch.zeros(len(values), dtype=torch.long, device=values.device) if heads is None else \
+            torch.as_tensor(list(heads), dtype=torch.long, device=values.device)
+        values = values.gather(-1, index[:, None, None].expand(-1, values.shape[1], 1)).squeeze(-1)
         return torch.where(mask, values, 0.0)
 
     def _require_critic(self) -> None:
@@ -539,13 +551,16 @@ class LanguagePolicy(nn.Module):
 
     def evaluate(self, prompts: TokenBatch, actions: TokenBatch, temperature: float = 1.0, *,
                  with_entropy: bool = True, with_values: bool = False,
-                 padding_side: str = "right", adapters: Sequence[str] | None = None) -> ActionScores:
+                 padding_side: str = "right", adapters: Sequence[str] | None = None,
+                 critic_prompts: TokenBatch | None = None, value_heads: Sequence[int] | None = None) -> ActionScores:
         """Scores ``actions`` given ``prompts`` in one forward pass (two with a LoRA critic).
 
         ``temperature`` divides the logits, so log-probs are those of the distribution the sampler
         drew from (top-p/top-k filtering is not re-applied). Returns ``[B, L]`` tensors, L = longest action.
         ``adapters`` [B]: the role adapter each row acts with (one pass per adapter; a row's gradient
-        reaches only its own adapter).
+        reaches only its own adapter). Values: ``critic_prompts`` [B] what the critic reads instead of
+        ``prompts`` (a centralized critic's joint transcript; a pass of its own), ``value_heads`` [B] the
+        head each row's value is read from.
         """
         if adapters is not None:
             rows_of: dict[str, list[int]] = {}
@@ -554,37 +569,43 @@ class LanguagePolicy(nn.Module):
             parts = []
             for adapter, rows in rows_of.items():
                 with self.using_adapter(adapter):
-                    parts.append((rows, self.evaluate(take(prompts, rows), take(actions, rows), temperature,
-                                                      with_entropy=with_entropy, with_values=with_values,
-                                                      padding_side=padding_side)))
+                    parts.append((rows, self.evaluate(
+                        take(prompts, rows), take(actions, rows), temperature, with_entropy=with_entropy,
+                        with_values=with_values, padding_side=padding_side,
+                        critic_prompts=None if critic_prompts is None else take(critic_prompts, rows),
+                        value_heads=None if value_heads is None else [value_heads[row] for row in rows])))
             return ActionScores.interleave(parts, len(adapters))
         batch = self.pack(prompts, actions, padding_side)
         hidden = self._hidden_at_actions(self.causal_lm, batch)
         scores = self._token_scores(self.causal_lm, hidden, batch, temperature, with_entropy)
-        if with_values:
+        if with_values and critic_prompts is not None:
+            scores.values = self.token_values(critic_prompts, actions, padding_side, value_heads)
+        elif with_values:
             critic_hidden = hidden if self.lora is None else self._critic_hidden(batch)
-            scores.values = self._values(critic_hidden, batch.action_mask)
+            scores.values = self._values(critic_hidden, batch.action_mask, value_heads)
         return scores
 
     def forward(self, prompts: TokenBatch, actions: TokenBatch, temperature: float = 1.0, *,
-                with_entropy: bool = True, with_values: bool = False,
-                adapters: Sequence[str] | None = None) -> ActionScores:
+                with_entropy: bool = True, with_values: bool = False, adapters: Sequence[str] | None = None,
+                critic_prompts: TokenBatch | None = None, value_heads: Sequence[int] | None = None) -> ActionScores:
         """``evaluate``, as the module's call: what DDP wraps, so data-parallel training reduces the
         gradients of these scores over ranks."""
         return self.evaluate(prompts, actions, temperature, with_entropy=with_entropy, with_values=with_values,
-                             adapters=adapters)
+                             adapters=adapters, critic_prompts=critic_prompts, value_heads=value_heads)
 
-    def token_values(self, prompts: TokenBatch, actions: TokenBatch, padding_side: str = "right") -> torch.Tensor:
-        """``[B, L]`` token-level values V(prompt, a_<k) (TPPO); 0 past each action's end."""
+    def token_values(self, prompts: TokenBatch, actions: TokenBatch, padding_side: str = "right",
+                     heads: Sequence[int] | None = None) -> torch.Tensor:
+        """``[B, L]`` token-level values V(prompt, a_<k) (TPPO); 0 past each action's end. ``heads`` [B]:
+        the value head of each row (None: head 0)."""
         batch = self.pack(prompts, actions, padding_side)
-        return self._values(self._critic_hidden(batch), batch.action_mask)
+        return self._values(self._critic_hidden(batch), batch.action_mask, heads)
 
-    def values(self, prompts: TokenBatch) -> torch.Tensor:
-        """``[B]`` action-level values V(prompt), read at the last prompt token."""
+    def values(self, prompts: TokenBatch, heads: Sequence[int] | None = None) -> torch.Tensor:
+        """``[B]`` action-level values V(prompt), read at the last prompt token (``heads`` as ``token_values``)."""
         empty_actions = [[] for _ in range(len(prompts[1] if isinstance(prompts, tuple) else prompts))]
         batch = self.pack(prompts, empty_actions)
         first = torch.ones_like(batch.action_mask[:, :1])
-        return self._values(self._critic_hidden(batch)[:, :1], first).squeeze(1)
+        return self._values(self._critic_hidden(batch)[:, :1], first, heads).squeeze(1)
 
     @torch.no_grad()
     def ref_log_probs(self, prompts: TokenBatch, actions: TokenBatch, temperature: float = 1.0,
@@ -670,6 +691,7 @@ class LanguagePolicy(nn.Module):
             (out / VALUE_HEAD_FILE).parent.mkdir(exist_ok=True)
             save_file({k: v.detach().contiguous() for k, v in head.items()}, out / VALUE_HEAD_FILE)
         meta = {"lora": asdict(self.lora) if self.lora else None, "with_critic": self.with_critic,
+                "value_heads": max(self.num_value_heads, 1),
                 "reference_dir": str(self.reference_dir), "role_adapters": list(self.role_adapters)}
         (out / POLICY_META).write_text(json.dumps(meta, indent=2))
         return out
@@ -710,7 +732,7 @@ class LanguagePolicy(nn.Module):
                 lora_fields["target_modules"] = tuple(lora_fields["target_modules"])
             lora = LoraSettings(**lora_fields)
         policy = cls(path, lora=lora, with_critic=meta["with_critic"], reference_dir=meta["reference_dir"],
-                     role_adapters=meta.get("role_adapters", ()), **kwargs)
+                     role_adapters=meta.get("role_adapters", ()), value_heads=meta.get("value_heads", 1), **kwargs)
         if lora is not None:
             policy._restore_adapters(path / ADAPTER_DIR)
         if policy.value_head is not None:

@@ -283,7 +283,9 @@ def sigterm_after_iteration(monkeypatch, last: int) -> None:
     # every row in the update, where the untrained roles' equal rewards would leave no advantage
     ("GRPO", ["--env_id", "Arith-Chain-v0", "--noshare_policy", "--lora_rank", "4", "--kl_coef", "0.05",
               "--num_env_steps", "48"]),
-], ids=["APPO", "GRPO", "APPO-LoRA", "RLOO-implicit-PRM", "GRPO-chain-role-adapters"])
+    ("APPO", ["--env_id", "Arith-Chain-v0", "--critic", "per_role", "--action_level", "solution", "--episode_length", "3",
+              "--num_env_steps", "48"]),
+], ids=["APPO", "GRPO", "APPO-LoRA", "RLOO-implicit-PRM", "GRPO-chain-role-adapters", "APPO-chain-per-role-critics"])
 def test_k_then_resume_then_k_equals_2k_in_one_go(untrained_policy_dir, tmp_path, monkeypatch, capsys,
                                                  length_reward, algorithm, extra):
     """Stopped by SIGTERM after k iterations and resumed with --resume auto, a run ends with the

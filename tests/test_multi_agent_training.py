@@ -207,6 +207,10 @@ def test_train_math_trains_the_chain_and_logs_each_role(untrained_policy_dir, tm
     assert [value for _, value in scalars["train/verifier/verdict"]] == [0.0, 0.0]
     assert [value for _, value in scalars["train/verifier/reward"]] == [1.0, 1.0]
     assert [step for step, _ in scalars["eval/accuracy"]] == [0, 1, 2]
+    # held out, per role: every unparseable verdict rejects an unanswered solution, which is right
+    assert [value for _, value in scalars["eval/verifier/verdict"]] == [0.0, 0.0, 0.0]
+    assert [value for _, value in scalars["eval/verifier/verdict_correct"]] == [1.0, 1.0, 1.0]
+    assert [value for _, value in scalars["eval/refiner/answer_correct"]] == [0.0, 0.0, 0.0]
 
 
 def test_a_workflow_a_user_registers_trains_by_its_id(untrained_policy_dir, tmp_path, monkeypatch):

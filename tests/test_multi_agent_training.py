@@ -197,7 +197,8 @@ def test_an_update_of_one_roles_adapter_leaves_the_other_roles_and_the_base_bit_
 
 def test_train_math_trains_the_chain_and_logs_each_role(untrained_policy_dir, tmp_path):
     run = run_train_math(small(untrained_policy_dir, tmp_path, "--env_id", "Arith-Chain-v0", "--num_env_steps", "48",
-                               "--eval_interval", "1", "--reward_assignment", "individual"))
+                               "--eval_interval", "1", "--reward_assignment", "individual",
+                               "--kl_coef", "0.05"))  # the KL term keeps the untrained roles' rows in the update
     scalars = read_scalars_purged(run)
     for tag in ("train/solver/reward", "train/verifier/reward", "train/refiner/reward", "train/verifier/verdict",
                 "train/verifier/verdict_correct", "train/solver/answer_correct", "train/refiner/answer_correct"):
@@ -207,6 +208,10 @@ def test_train_math_trains_the_chain_and_logs_each_role(untrained_policy_dir, tm
     assert [value for _, value in scalars["train/verifier/verdict"]] == [0.0, 0.0]
     assert [value for _, value in scalars["train/verifier/reward"]] == [1.0, 1.0]
     assert [step for step, _ in scalars["eval/accuracy"]] == [0, 1, 2]
+    for role in ("solver", "verifier", "refiner"):  # the update's, per role
+        assert [step for step, _ in scalars[f"loss/{role}/entropy"]] == [0, 1]
+        assert all(value > 0 for _, value in scalars[f"loss/{role}/entropy"])
+        assert [step for step, _ in scalars[f"loss/{role}/approx_kl"]] == [0, 1]
     # held out, per role: every unparseable verdict rejects an unanswered solution, which is right
     assert [value for _, value in scalars["eval/verifier/verdict"]] == [0.0, 0.0, 0.0]
     assert [value for _, value in scalars["eval/verifier/verdict_correct"]] == [1.0, 1.0, 1.0]

@@ -17,6 +17,7 @@ from train.tiny import (TinyConfig, arith_accuracy, build_tiny_models, build_tok
 from train.tiny.data import arith_batches, corrupt_solution, parse_arith, sft_batch
 from train.tiny.evaluation import prefix_metrics, prm_last_step_auc
 from train.tiny.model import new_model
+from train.tiny.roles import ROLES, role_example, team_batch, team_metrics
 from train.tiny.tokenizer import LATEX_SNIPPETS, _tokenizer_json
 from train.tiny.training import adamw, sft_loss, train_step
 
@@ -128,6 +129,33 @@ def test_training_is_deterministic_for_a_seed(tiny_tokenizer):
         torch.testing.assert_close(first[name], second[name], rtol=0, atol=0)
 
 
+def test_team_examples_are_the_envs_own_observations():
+    """The team model learns each role on exactly the prompt the multi-agent env shows that role."""
+    from envs.multi_agent import MultiAgentMathVectorEnv
+
+    problem = Arith().problems(1, seed=9)[0]
+    env = MultiAgentMathVectorEnv(1, autoreset_mode="Disabled", problems=[problem], workflow="chain")
+    env.reset(seed=0)
+    solution = join_steps(split_steps(problem.solution))
+    obs, *_ = env.step([[solution, "", ""]])
+    rng = np.random.default_rng(0)
+    prompt, reply = next((prompt, reply) for prompt, reply in iter(lambda: role_example("verifier", problem, rng), None)
+                         if solution in prompt)  # a draw with the reference as the solver's solution
+    assert prompt == obs[0][1]
+    assert reply == "Verdict: correct"
+    obs, *_ = env.step([["", reply, ""]])
+    assert env.dialogues[0].progress.terminated  # the reply is a verdict the env reads as an acceptance
+
+
+def test_team_batch_trains_the_replies_only(tiny_tokenizer):
+    problems = Arith().problems(32, seed=4)
+    ids, target_mask = team_batch(tiny_tokenizer, problems, np.random.default_rng(1))
+    assert ids.shape[0] == 32 and target_mask.shape == (32, ids.shape[1] - 1)
+    trained = [tiny_tokenizer.decode(row[1:][mask]) for row, mask in zip(ids, target_mask)]
+    assert all(text.endswith(tiny_tokenizer.eos_token) for text in trained)
+    assert any("Verdict:" in text for text in trained) and not any("Problem:" in text for text in trained)
+
+
 def test_config_hash_keys_the_cache(tmp_path, monkeypatch):
     assert config_hash(TinyConfig()) == config_hash(TinyConfig())
     assert config_hash(TinyConfig(seed=1)) != config_hash(TinyConfig())
@@ -167,7 +195,7 @@ def load(path):
 def test_build_is_cached_by_config_hash(tiny_models):
     assert tiny_models.root.name == config_hash(TinyConfig())
     assert build_tiny_models() == tiny_models  # found, not rebuilt
-    for path in (tiny_models.policy, tiny_models.prm, tiny_models.target):
+    for path in (tiny_models.policy, tiny_models.prm, tiny_models.target, tiny_models.team):
         assert (path / "config.json").is_file() and (path / "tokenizer.json").is_file()
 
 
@@ -198,3 +226,12 @@ def test_target_solves_more_than_policy_and_prefers_correct_prefixes(tiny_models
     print(f"tiny target held-out greedy accuracy {metrics}")
     assert metrics["accuracy"] > arith_accuracy(policy, tokenizer, HELD_OUT)
     assert metrics["correct_prefix_accuracy"] > metrics["corrupted_prefix_accuracy"] + 0.2
+
+
+@pytest.mark.slow
+def test_team_model_has_learned_every_role(tiny_models):
+    model, tokenizer = load(tiny_models.team)
+    metrics = team_metrics(model, tokenizer, HELD_OUT[:200], seed=7)
+    print(f"tiny team model held-out {metrics}")
+    assert metrics["verifier_parsed"] >= 0.9  # it writes a verdict the env reads
+    assert min(metrics[f"{role}_accuracy"] for role in ROLES if role != "verifier") >= 0.3

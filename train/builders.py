@@ -40,13 +40,15 @@ GeneratorFactory = Callable[[LanguagePolicy], Generator]
 
 
 def model_dir(f: flags.FlagValues) -> str:
-    """--model_name_or_path, or the built-in tiny policy (built and cached on first use)."""
+    """--model_name_or_path, or the built-in tiny policy (built and cached on first use): on a multi-agent
+    env the tiny team model, which has learned the built-in workflows' roles."""
     if f.model_name_or_path is not None:
         return f.model_name_or_path
     from train.tiny import build_tiny_models  # the build tool loads only when it is needed
 
-    log.info("no --model_name_or_path: using the built-in tiny policy (built and cached on first use)")
-    return str(build_tiny_models().policy)
+    kind = "policy" if train_flags.workflow_of(f) is None else "team"
+    log.info("no --model_name_or_path: using the built-in tiny %s (built and cached on first use)", kind)
+    return str(getattr(build_tiny_models(), kind))
 
 
 def check_inputs(f: flags.FlagValues) -> None:

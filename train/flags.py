@@ -36,7 +36,8 @@ flags.DEFINE_string("dataset_path", None, "Problems to train on: a JSONL/JSON fi
 flags.DEFINE_string("dataset_name", None, "OpenR's subject filter for a MATH dataset (e.g. 'prealgebra'); "
                     "default: all subjects.")
 flags.DEFINE_string("model_name_or_path", None, "Policy model directory (Hugging Face format). Default: the "
-                    "built-in tiny Arith policy (train.tiny, built and cached on first use).")
+                    "built-in tiny Arith policy (train.tiny, built and cached on first use; on a multi-agent env the tiny team "
+                    "model, which knows the workflows' roles).")
 flags.DEFINE_string("prm_model_name_or_path", None, "Process reward model directory; enables the 'prm' reward "
                     f"source (default --reward becomes {DEFAULT_PRM_REWARD!r}).")
 flags.DEFINE_string("prm_checkpoint_path", None, "Optional LoRA adapter directory applied on top of the PRM.")

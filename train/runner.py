@@ -47,6 +47,7 @@ from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from algorithms.base import Algorithm
+from algorithms.losses import kl_k3
 from algorithms.buffer import RolloutBuffer
 from algorithms.registry import algorithm_spec
 from train import checkpoint, distributed, evaluation
@@ -389,6 +390,7 @@ class Runner:
             for key, value in micro_stats.items():
                 sums[key] += float(value) * batch.num_samples
                 weights[key] += batch.num_samples
+            self.add_role_stats(scores, batch, sums, weights)
             kl_sum += float(micro_stats["approx_kl"]) * batch.num_samples
             kl_weight += batch.num_samples
         if self.ranks.distributed:
@@ -406,6 +408,23 @@ class Runner:
         grad_norms.append(grad_norm)
         self.optimizer.step()
         return kl, True
+
+    def add_role_stats(self, scores, batch, sums: dict, weights: dict) -> None:
+        """Each role's mean token entropy and approx KL to the behaviour policy (multi-agent envs), added to
+        ``sums``/``weights`` as ``<role>/entropy`` and ``<role>/approx_kl`` (logged under ``loss/``)."""
+        roles = self.collector.roles
+        if not roles or scores.entropy is None:
+            return
+        mask = batch.token_mask.to(scores.logprobs.dtype)
+        entropy = ((scores.entropy * mask).sum(-1) / mask.sum(-1).clamp(min=1)).detach()  # [B]
+        kl = kl_k3(batch.old_logprobs.sum(-1), scores.logprobs.detach().sum(-1))  # [B]
+        agents = batch.index % len(roles)
+        for a, role in enumerate(roles):
+            rows = agents == a
+            if rows.any():
+                for name, values in (("entropy", entropy), ("approx_kl", kl)):
+                    sums[f"{role}/{name}"] += float(values[rows].sum())
+                    weights[f"{role}/{name}"] += int(rows.sum())
 
     def row_adapters(self, batch) -> list[str] | None:
         """The role adapter each row of ``batch`` acts with (one adapter per role), else None."""

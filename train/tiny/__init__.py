@@ -1,6 +1,6 @@
-"""The built-in tiny models: tokenizer, policy, PRM and target solver, trained on a CPU and cached.
+"""The built-in tiny models: tokenizer, policy, PRM, target solver and team model, trained on a CPU and cached.
 
-    python -m train.tiny --out DIR      # DIR/policy, DIR/prm, DIR/target, DIR/metrics.json
+    python -m train.tiny --out DIR      # DIR/policy, DIR/prm, DIR/target, DIR/team, DIR/metrics.json
 
 They let the trainer, the tests and the benchmarks run end to end with nothing downloaded. Each
 model directory is an ordinary Hugging Face one (``save_pretrained`` of a Llama causal LM and its
@@ -9,11 +9,15 @@ tokenizer), loaded back with the Auto classes: the code path a user's own model 
 - policy: a small Llama fine-tuned on Arith reference solutions, stopped at modest accuracy so RL
   has room to improve it.
 - target: the same run continued (Prefix-RL's frozen solver).
+- team: the policy taught the roles of the built-in multi-agent workflows (``train.tiny.roles``): a
+  verifier's verdict, a refiner's rewrite, a debater's second round; the default model of the
+  multi-agent envs.
 - prm: Math-Shepherd format (``envs.prompts.shepherd_text``), P("+") over {"+", "-"} at each step
   tag; a likelihood verifier (``train.tiny.likelihood_prm``) on the target's trunk.
 
 Modules: ``config`` (knobs and cache key), ``tokenizer``, ``model``, ``data`` (Arith batches and
-corrupted solutions), ``training``, ``evaluation``, ``likelihood_prm``, ``build`` (the cached build).
+corrupted solutions), ``training``, ``roles`` (the team model), ``evaluation``, ``likelihood_prm``,
+``build`` (the cached build).
 Only train_math.py's default-model path, the tests and the benchmarks import this package.
 """
 

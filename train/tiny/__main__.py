@@ -14,7 +14,7 @@ from train.tiny.config import TinyConfig
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m train.tiny",
-                                     description="Build the tiny tokenizer, policy, PRM and target models.")
+                                     description="Build the tiny tokenizer, policy, PRM, target and team models.")
     parser.add_argument("--out", type=Path, default=None, help="output directory (default: the user cache)")
     parser.add_argument("--seed", type=int, default=TinyConfig.seed)
     parser.add_argument("--device", default="cpu")
@@ -24,7 +24,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(message)s")
     models = build_tiny_models(args.out, TinyConfig(seed=args.seed), args.device, args.threads)
-    summary = {k: models.metrics[k] for k in ("vocab_size", "num_parameters", "policy", "target", "prm", "build_seconds")}
+    summary = {k: models.metrics[k] for k in ("vocab_size", "num_parameters", "policy", "target", "prm", "team",
+                                             "build_seconds")}
     print(json.dumps({"root": str(models.root), **summary}, indent=1))
 
 

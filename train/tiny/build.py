@@ -1,4 +1,4 @@
-"""The tiny build end to end: train the three models, measure them, and cache the result.
+"""The tiny build end to end: train the four models, measure them, and cache the result.
 
 A build takes minutes on a CPU, so it is kept in a directory named by ``config_hash`` and reused.
 It is written to a temporary sibling and renamed into place, so a killed build never leaves a
@@ -26,6 +26,7 @@ from train.tiny.config import TinyConfig, cache_dir, config_hash
 from train.tiny.data import BAD_TOKEN, GOOD_TOKEN, arith_batches, heldout_problems
 from train.tiny.evaluation import arith_accuracy, prefix_metrics, prm_last_step_auc, prm_metrics
 from train.tiny.model import new_model, num_parameters
+from train.tiny.roles import team_metrics, train_team
 from train.tiny.tokenizer import build_tokenizer
 from train.tiny.training import build_prm, train_policy_and_target
 
@@ -40,12 +41,14 @@ class TinyModels:
     policy: Path
     prm: Path
     target: Path
+    team: Path
     metrics: dict
 
 
 def _paths(root: Path) -> TinyModels:
     metrics = json.loads((root / "metrics.json").read_text())
-    return TinyModels(root=root, policy=root / "policy", prm=root / "prm", target=root / "target", metrics=metrics)
+    return TinyModels(root=root, policy=root / "policy", prm=root / "prm", target=root / "target", team=root / "team",
+                      metrics=metrics)
 
 
 def _save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, out_dir: Path) -> None:
@@ -54,7 +57,7 @@ def _save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, out_dir: 
 
 
 def _build(out_dir: Path, config: TinyConfig, device: str) -> dict:
-    """Trains the three models into ``out_dir`` and returns the metrics (also in metrics.json)."""
+    """Trains the four models into ``out_dir`` and returns the metrics (also in metrics.json)."""
     started = time.perf_counter()
     arith = config.arith()
     tokenizer = build_tokenizer(config.vocab_size)
@@ -84,6 +87,13 @@ def _build(out_dir: Path, config: TinyConfig, device: str) -> dict:
     log.info("policy (step %d) held-out greedy accuracy %.3f (%.0f s)", sft_log["policy_step"], policy_accuracy,
              time.perf_counter() - started)
 
+    team_started = time.perf_counter()
+    train_team(model, tokenizer, config, batches, config.seed + 3, device)
+    _save(model, tokenizer, out_dir / "team")
+    team = {**team_metrics(model, tokenizer, evaluation, config.seed + 4),
+            "seconds": round(time.perf_counter() - team_started, 1)}
+    log.info("team model: %s (%.0f s)", team, time.perf_counter() - started)
+
     metrics = {
         "config_hash": config_hash(config),
         "config": asdict(config),
@@ -92,6 +102,7 @@ def _build(out_dir: Path, config: TinyConfig, device: str) -> dict:
         "num_eval_problems": len(evaluation),
         "policy": {"accuracy": policy_accuracy, **{k: v for k, v in sft_log.items() if k != "history"}},
         "target": target_metrics,
+        "team": team,
         "prm": {**prm_quality, **prm_choices, "num_parameters": num_parameters(prm), "good_token": GOOD_TOKEN,
                 "bad_token": BAD_TOKEN, "step_tag": SHEPHERD_STEP_TAG},
         "sft_history": sft_log["history"],

@@ -16,7 +16,7 @@ import transformers
 
 from envs.datasets import Arith
 
-BUILD_VERSION = 3
+BUILD_VERSION = 4
 """Part of the cache key: bump when a change in train.tiny changes what a build produces."""
 
 
@@ -57,6 +57,9 @@ class TinyConfig:
     prm_fit_problems: int = 512  # corrupted solutions that pick the margin and fit the readout
     prm_margins: tuple[float, ...] = (1.0, 1.5, 2.0, 3.0, 4.0)
     prm_clean_fraction: float = 0.4  # share of those solutions left uncorrupted
+    # team model (train.tiny.roles: the policy taught the built-in workflows' roles)
+    team_steps: int = 250
+    team_lr: float = 2e-3
 
     def arith(self) -> Arith:
         return Arith(digits=self.digits, min_ops=self.min_ops, max_ops=self.max_ops, operators=self.operators)

@@ -1,0 +1,120 @@
+"""The tiny team model: the policy taught the roles of the built-in workflows (``envs.workflows``).
+
+The tiny policy has only ever seen single-agent Arith prompts; a verifier's prompt (the problem, the
+solver's solution under ``[solver]``, an instruction) is out of its distribution, so it never writes
+a verdict, and RL cannot discover a line it never samples. The team model is the policy checkpoint
+fine-tuned for ``team_steps`` more steps on examples of each role, with prompts built by the
+workflows' own prompt builders so that they match the env's observations exactly:
+
+- verifier: the solver's solution (reference, or with one slip) -> ``Verdict: correct`` / ``wrong``;
+- refiner: a rejected solution with one slip -> the reference solution;
+- debater, round 2: the other debaters' solutions (each reference or with a slip) -> the reference;
+- solver: the single-agent prompt -> the reference (keeps the plain solving skill in the mix).
+
+A short run leaves every role imperfect (metrics.json's ``team``), so the team's RL has something to
+learn. The verdict's format is learned at once, its judgement is not: within this budget the tiny
+model's verdicts stay near chance (telling a slipped step from a right one takes the comparison the
+PRM build writes in closed form, ``train.tiny.likelihood_prm``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator
+
+import numpy as np
+import torch
+from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+
+from envs.datasets import Problem
+from envs.prompts import DEFAULT_TEMPLATE, format_prompt, join_steps, split_steps
+from envs.workflows import ACCEPT, REJECT, Message, TurnContext, Workflow, chain, debate, parse_verdict
+from train.models.policy import right_padded
+from train.tiny.config import TinyConfig
+from train.tiny.data import corrupt_solution
+from train.tiny.evaluation import first_boxed_integer, greedy_completions
+from train.tiny.training import adamw, sft_loss, train_step
+
+ROLES = ("verifier", "refiner", "debater", "solver")
+ROLE_SHARES = (0.25, 0.3, 0.3, 0.15)
+"""Share of each role in a batch: a verdict is four tokens, a rewrite a whole solution."""
+
+
+def _solution(problem: Problem, rng: np.random.Generator, clean_fraction: float) -> tuple[str, bool]:
+    """A solution text to ``problem`` as the env keeps a message (stripped), and whether it is right."""
+    steps, labels = corrupt_solution(problem, rng, clean_fraction)
+    return join_steps(steps).strip(), all(labels)
+
+
+def _prompt(workflow: Workflow, slot: int, problem: Problem, transcript: tuple[Message, ...], turn: int) -> str:
+    return workflow.roles[slot].build_prompt(TurnContext(problem.problem, DEFAULT_TEMPLATE, transcript, slot, turn))
+
+
+def role_example(role: str, problem: Problem, rng: np.random.Generator) -> tuple[str, str]:
+    """(prompt, target text) of one example of ``role`` on ``problem``."""
+    reference = join_steps(split_steps(problem.solution))
+    team, duo = chain(), debate(3, 2)
+    if role == "verifier":
+        solution, right = _solution(problem, rng, clean_fraction=0.5)
+        return _prompt(team, 1, problem, (Message(0, 0, "solver", solution),), 1), ACCEPT if right else REJECT
+    if role == "refiner":
+        solution, _ = _solution(problem, rng, clean_fraction=0.0)
+        said = (Message(0, 0, "solver", solution), Message(1, 1, "verifier", REJECT))
+        return _prompt(team, 2, problem, said, 2), reference
+    if role == "debater":
+        said = tuple(Message(0, slot, f"debater_{slot}", _solution(problem, rng, clean_fraction=0.5)[0])
+                     for slot in range(3))
+        return _prompt(duo, int(rng.integers(3)), problem, said, 1), reference
+    if role == "solver":
+        return format_prompt(problem.problem), reference
+    raise ValueError(f"role={role!r} must be one of {ROLES}")
+
+
+def team_batch(tokenizer: PreTrainedTokenizerFast, problems: list[Problem], rng: np.random.Generator
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [B, L] right-padded (prompt + target + eos) and target_mask [B, L-1] (as ``data.sft_batch``),
+    one example per problem, its role drawn by ``ROLE_SHARES``."""
+    roles = rng.choice(len(ROLES), size=len(problems), p=ROLE_SHARES)
+    examples = [role_example(ROLES[r], p, rng) for r, p in zip(roles, problems)]
+    prompts = tokenizer([prompt for prompt, _ in examples])["input_ids"]
+    targets = tokenizer([target for _, target in examples])["input_ids"]
+    ids, lengths = right_padded([p + t + [tokenizer.eos_token_id] for p, t in zip(prompts, targets)], torch.device("cpu"))
+    starts = torch.tensor([len(p) for p in prompts])
+    positions = torch.arange(1, ids.shape[1])
+    return ids, (positions[None] >= starts[:, None]) & (positions[None] < lengths[:, None])
+
+
+def train_team(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, config: TinyConfig,
+               batches: Iterator[list[Problem]], seed: int, device: str) -> None:
+    """Fine-tunes ``model`` (the policy checkpoint) in place for ``team_steps`` on ``team_batch``es, lr
+    ``team_lr`` with a short warmup and a cosine decay."""
+    rng = np.random.default_rng(seed)
+    optimizer = adamw(model, config.team_lr, config.weight_decay)
+    model.train()
+    for step in range(1, config.team_steps + 1):
+        ids, target_mask = team_batch(tokenizer, next(batches), rng)
+        loss, _ = sft_loss(model, ids.to(device), target_mask.to(device))
+        warmup = min(1.0, step / config.warmup_steps)
+        train_step(model, optimizer, loss, config.team_lr * warmup * 0.5 * (1 + math.cos(math.pi * step / config.team_steps)))
+    model.eval()
+
+
+def team_metrics(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, problems: list[Problem],
+                 seed: int) -> dict:
+    """Greedy measures of each role on held-out ``problems``: the verifier's verdict accuracy on half right,
+    half slipped solutions (and how often it writes a verdict at all), and the accuracy of the refiner,
+    of a round-2 debater and of the plain solver."""
+    rng = np.random.default_rng(seed)
+    metrics = {}
+    for role in ROLES:
+        examples = [role_example(role, p, rng) for p in problems]
+        completions = greedy_completions(model, tokenizer, [prompt for prompt, _ in examples], max_new_tokens=64)
+        if role == "verifier":
+            verdicts = [parse_verdict(c) for c in completions]
+            metrics["verifier_verdict_accuracy"] = float(np.mean([(v is True) == t.endswith(ACCEPT)
+                                                                   for v, (_, t) in zip(verdicts, examples)]))
+            metrics["verifier_parsed"] = float(np.mean([v is not None for v in verdicts]))
+        else:
+            metrics[f"{role}_accuracy"] = float(np.mean([first_boxed_integer(c) == p.answer
+                                                         for c, p in zip(completions, problems)]))
+    return metrics

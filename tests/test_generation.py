@@ -1,18 +1,20 @@
 """HFGenerator: behaviour log-probs equal the policy's, greedy tokens equal transformers' generate, stop
-strings, finish reasons, order, seeds, shared prompts, the inverse-CDF sampler."""
+strings, finish reasons, order, seeds, shared prompts, length-bucketed batches, the inverse-CDF sampler."""
 
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import GenerationConfig
 
+from envs.datasets import load_problems
 from envs.prompts import STEP_DELIMITER, format_prompt
-from train.models.generation import (HFGenerator, VLLMGenerator, eos_token_ids, filter_logits, inverse_cdf_sample,
-                                     length_batches, make_generator, preallocated_cache)
+from train.models.generation import (HFGenerator, VLLMGenerator, compacts, eos_token_ids, filter_logits,
+                                     inverse_cdf_sample, length_batches, make_generator, preallocated_cache)
 from train.models.policy import LanguagePolicy, LoraSettings
 
 PROMPTS = [format_prompt("Compute 3 + 4."), format_prompt("Compute 12 - 5 + 40 - 7."), "Step"]
@@ -20,6 +22,10 @@ SOLUTION = f"Step 1: 3 + 4 = 7{STEP_DELIMITER}The answer is \\boxed{{7}}"
 # Starts with "\n" after a prompt ending in "\n": only a stop string inside the generated text may count.
 NEWLINE_FIRST = f"\nStep 1: 12 - 5 = 7{STEP_DELIMITER}Step 2: 7 + 40 = 47"
 LESSONS = {PROMPTS[0]: SOLUTION, PROMPTS[1]: NEWLINE_FIRST}
+# 187 tokens each against PROMPTS' 3-17: a spread worth decoding in two batches.
+LONG_PROMPTS = [format_prompt("Compute " + " + ".join(str(i) for i in range(start, start + 60)) + ".")
+                for start in (10, 40)]
+MATH500 = Path(__file__).resolve().parents[2] / "shared" / "data" / "math500.jsonl"
 
 
 def teach(policy: LanguagePolicy, lessons: dict[str, str], steps: int = 80) -> None:
@@ -153,12 +159,62 @@ def test_samples_are_prompt_major_and_batching_does_not_change_greedy_outputs(ta
 def test_length_batches_keep_order_when_they_fit_and_group_similar_lengths_otherwise():
     assert length_batches([5, 30, 7], max_new_tokens=10, max_rows=None, max_tokens=120) == [[0, 1, 2]]
     lengths = [50, 400, 60, 390, 55, 45, 700]
-    batches = length_batches(lengths, max_new_tokens=64, max_rows=None, max_tokens=1500)
-    assert sorted(i for batch in batches for i in batch) == list(range(len(lengths)))
-    assert batches == [[5, 0, 4, 2], [3, 1], [6]]  # 4 x (60 + 64) <= 1500; 5 x (390 + 64) is not
-    for batch in batches:
-        assert len(batch) == 1 or len(batch) * (max(lengths[i] for i in batch) + 64) <= 1500
-    assert length_batches(lengths, 64, max_rows=3, max_tokens=None) == [[5, 0, 4], [2, 3, 1], [6]]
+    for by_cost in (False, True):
+        batches = length_batches(lengths, max_new_tokens=64, max_rows=None, max_tokens=1500, by_cost=by_cost)
+        assert batches == [[5, 0, 4, 2], [3, 1], [6]]  # 4 x (60 + 64) <= 1500; 5 x (390 + 64) is not
+        assert length_batches(lengths, 64, max_rows=3, max_tokens=None, by_cost=by_cost) == [[5, 0, 4], [2, 3, 1], [6]]
+    assert length_batches(lengths, 64, max_rows=None, max_tokens=None, by_cost=False) == [list(range(7))]
+
+
+def test_length_batches_split_by_cost_only_where_padding_costs_more_than_a_batch():
+    arith = [16, 15, 17, 16, 19, 13] * 20
+    assert length_batches(arith, 48, None, None) == [list(range(120))]  # in the given order
+    math_like = [100] * 60 + [600] * 4  # the long four would pad 60 rows to 600 positions
+    assert length_batches(math_like, 48, None, None) == [list(range(60)), [60, 61, 62, 63]]
+    assert length_batches([600, 100, 100, 100, 100, 600], 48, None, None) == [[1, 2, 3, 4], [0, 5]]
+    assert length_batches([600, 100, 100, 600], 48, None, None) == [[0, 1, 2, 3]]  # 2 short rows: not worth it
+    assert length_batches([100, 130], 48, None, None) == [[0, 1]]  # too little padding to pay a batch
+
+
+def test_ended_rows_leave_the_batch_once_a_quarter_have_ended():
+    running = torch.ones(8, dtype=torch.bool)
+    assert not compacts(running)
+    running[3] = False
+    assert not compacts(running)
+    running[5] = False
+    assert compacts(running)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_length_buckets_change_no_sample(policy, temperature):
+    """Short and long prompts decoded in two batches give the greedy tokens, and the seeded samples, of one
+    padded batch and of one row at a time; log-probs agree to float rounding."""
+    prompts = PROMPTS + LONG_PROMPTS
+    lengths = [len(ids) for ids in policy.tokenizer(prompts)["input_ids"] for _ in range(2)]
+    assert lengths[::2] == [11, 17, 3, 187, 187]
+    assert length_batches(lengths, 8, None, 1 << 17) == [[4, 5, 0, 1, 2, 3], [6, 7, 8, 9]]
+    outs = [generator.generate(prompts, n=2, max_new_tokens=8, temperature=temperature, seed=[3, 1, 4, 1, 5])
+            for generator in (HFGenerator(policy), HFGenerator(policy, length_buckets=False),
+                              HFGenerator(policy, batch_size=1))]
+    assert outs[0].token_ids == outs[1].token_ids == outs[2].token_ids
+    assert outs[0].prompt_token_ids == outs[1].prompt_token_ids
+    for other in outs[1:]:
+        assert (padded(outs[0].logprobs) - padded(other.logprobs)).abs().max() <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not MATH500.is_file(), reason=f"{MATH500} is absent (shared data not checked out)")
+def test_math500_greedy_tokens_do_not_depend_on_length_buckets(tiny_models):
+    """The first 64 MATH-500 prompts (18-631 tokens) on the trained policy: bucketed as the cost model
+    chooses or in one padded batch, the same greedy token ids."""
+    policy = LanguagePolicy(tiny_models.policy, device="cpu")
+    prompts = [format_prompt(problem.problem) for problem in load_problems(MATH500, limit=64)]
+    lengths = [len(ids) for ids in policy.tokenizer(prompts)["input_ids"]]
+    assert len(length_batches(lengths, 32, None, 1 << 17)) == 4
+    bucketed, one_batch = (HFGenerator(policy, length_buckets=buckets).generate(prompts, max_new_tokens=32,
+                                                                                  temperature=0.0)
+                           for buckets in (True, False))
+    assert bucketed.token_ids == one_batch.token_ids
 
 
 def test_seeds_reproduce_samples_without_touching_the_global_rng(policy):

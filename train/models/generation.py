@@ -16,7 +16,10 @@ Conventions every backend follows:
 - Seeds: ``seed`` is one int for the call or one int per prompt. The HF backend draws each sample from
   a stream of its own (``row_seeds``: sample k of an int seed, or sample j of prompt i's seed), so a
   sample does not depend on which other rows share its batch, nor on how a batch is split over
-  processes. vLLM seeds its requests from the same ints; its draws are its own.
+  processes, up to float rounding: another batch can pad a row's prompt to another width, which moves
+  its log-probs in the last bits (~1e-5) and flips the rare draw that lands that close to a token's
+  boundary (1 of 1,500 samples of three sampled MATH-500 rounds). vLLM seeds its requests from the same
+  ints; its draws are its own.
 """
 
 from __future__ import annotations
@@ -313,20 +316,22 @@ class HFGenerator:
 
     Per call: each distinct prompt is prefilled once and its cache copied to its rows (GRPO's n samples
     of a prompt share it); the cache is preallocated for the longest sample; rows leave the batch as
-    they end (EOS or stop string), so later tokens cost only the rows still going. ``batch_size`` caps
-    the rows (prompts x n) decoded together, ``max_batch_tokens`` the cache positions of a batch (rows x
-    (longest prompt + max_new_tokens)). A call over either cap is split into batches of rows of similar
-    prompt length, so short prompts are not padded to the longest one (MATH prompts span 50-650 tiny
-    tokens); a call within both runs as one batch in the given order. Uses the live policy, so ``sync``
-    is free.
+    they end (EOS or stop string), so later tokens cost only the rows still going. A call is decoded in
+    batches of rows of similar prompt length where that costs less than padding every row to the longest
+    prompt (``length_batches``: MATH prompts span 50-650 tiny tokens; a 631-token prompt in a batch of 64
+    made the prefill 4.9x the tokens it needed), and always within ``batch_size`` rows (prompts x n) and
+    ``max_batch_tokens`` cache positions (rows x (longest prompt + max_new_tokens)). ``length_buckets``:
+    whether to split by the cost model, which was measured on a CPU (None: on a CPU only; elsewhere only
+    the caps split a call). Uses the live policy, so ``sync`` is free.
     """
 
     def __init__(self, policy: LanguagePolicy, batch_size: int | None = None,
-                 max_batch_tokens: int | None = 1 << 17) -> None:
+                 max_batch_tokens: int | None = 1 << 17, length_buckets: bool | None = None) -> None:
         for name, value in (("batch_size", batch_size), ("max_batch_tokens", max_batch_tokens)):
             if value is not None and value < 1:
                 raise ValueError(f"{name}={value} must be >= 1 (or None for no cap)")
         self.policy, self.batch_size, self.max_batch_tokens = policy, batch_size, max_batch_tokens
+        self.length_buckets = policy.device.type == "cpu" if length_buckets is None else length_buckets
         self._stop_criteria: dict[tuple[str, ...], StopStringCriteria] = {}  # building one scans the vocab
 
     def sync(self, policy: LanguagePolicy) -> float:
@@ -344,7 +349,7 @@ class HFGenerator:
         sampler = Sampler(temperature, top_k, top_p)
         token_ids, logprobs, reasons = [None] * len(rows), [None] * len(rows), [None] * len(rows)
         for batch in length_batches([len(row) for row in rows], max_new_tokens, self.batch_size,
-                                    self.max_batch_tokens):
+                                    self.max_batch_tokens, self.length_buckets):
             uniforms = (uniform_draws([seeds[i] for i in batch], max_new_tokens, self.policy.device)
                         if seeds is not None else None)
             outputs = self._generate_rows([rows[i] for i in batch], max_new_tokens, sampler, uniforms, stop)
@@ -376,7 +381,7 @@ class HFGenerator:
                 samples: _Samples, sampler: Sampler, uniforms: torch.Tensor | None, stop: list[str] | None) -> None:
         """Samples into ``samples`` from the prefilled ``cache`` (``[B, V]`` next-token ``logits``, ``[B]``
         prompt lengths), one token per running row per step. Rows that end leave the batch (and the cache)
-        when that pays (``compacts``): later steps cost only the rows still going (~15% less decode time on
+        in groups (``compacts``): later steps cost only the rows still going (~15% less decode time on
         GRPO batches). Each sample draws its step-th token with its own ``uniforms[sample, step]``, so when
         rows leave changes no sample."""
         cached = {kv_cache_keyword(model): cache}
@@ -401,7 +406,7 @@ class HFGenerator:
             inputs[rows] = tokens
             if step + 1 == max_new_tokens or not running.any():
                 return
-            if compacts(running, prompt_width + step + 1):
+            if compacts(running):
                 keep = running.nonzero().squeeze(1)
                 cache.batch_select_indices(keep)
                 sample_of_row, running, inputs, prompt_lengths = (sample_of_row[keep], running[keep], inputs[keep],
@@ -420,35 +425,63 @@ class HFGenerator:
         return self._stop_criteria[key]
 
 
-def length_batches(prompt_lengths: list[int], max_new_tokens: int, max_rows: int | None,
-                   max_tokens: int | None) -> list[list[int]]:
-    """Row indices in decoding batches: all rows in order when they fit ``max_rows`` and ``max_tokens``
-    (cache positions: rows x (longest prompt + max_new_tokens)); else the rows sorted by prompt length
-    (stably), cut into consecutive batches that each fit (one row at the least)."""
-    def fits(count: int, longest: int) -> bool:
-        return (max_rows is None or count <= max_rows) and (
-            max_tokens is None or count == 1 or count * (longest + max_new_tokens) <= max_tokens)
-
-    if fits(len(prompt_lengths), max(prompt_lengths, default=0)):
-        return [list(range(len(prompt_lengths)))]
-    batches: list[list[int]] = [[]]
-    for i in sorted(range(len(prompt_lengths)), key=prompt_lengths.__getitem__):
-        if batches[-1] and not fits(len(batches[-1]) + 1, prompt_lengths[i]):
-            batches.append([])
-        batches[-1].append(i)
-    return batches
+# The cost model of decoding one batch, in units of one row attending to one cached position in one decode
+# step (~0.28 us on a CPU core with the tiny policy). Measured there with 1 thread: a decode forward costs
+# ~1.9 ms whatever its rows (layer kernels, the decode loop's own ops), and a prefilled token ~34 us plus
+# ~0.043 us per position it attends to. A larger model on a CPU makes padding dearer relative to a step's
+# fixed cost, so there these constants err towards fewer batches.
+STEP_COST = 6_800
+PREFILL_TOKEN_COST = 120
+PREFILL_PAIR_COST = 0.15
+UNMODELLED_BATCH_COST = 1e12
+"""Cost of one more batch without the model: so large that the fewest batches within the caps win."""
 
 
-SMALL_CACHE = 1 << 15
-"""Cache positions (rows x width) below which dropping ended rows at once always pays."""
+def batch_costs(rows: np.ndarray, longest_prompt: int, max_new_tokens: int, by_cost: bool) -> np.ndarray:
+    """Modelled cost of decoding batches of ``rows`` (``[K]`` counts) whose longest prompt is ``longest_prompt``:
+    every row is padded to it in the prefill and attends over it at every step; each batch pays its steps'
+    fixed cost."""
+    per_row = (max_new_tokens * (longest_prompt + max_new_tokens / 2)
+               + longest_prompt * (PREFILL_TOKEN_COST + PREFILL_PAIR_COST * longest_prompt))
+    per_batch = max_new_tokens * STEP_COST if by_cost else UNMODELLED_BATCH_COST
+    return per_batch + rows * per_row
 
 
-def compacts(running: torch.Tensor, width: int) -> bool:
-    """Whether to drop the ended rows of a batch (``running`` [R]) whose cache holds ``width`` positions:
-    at once while the cache is small; in a large one (long MATH prompts) the copy costs more than a few
-    steps of carrying ended rows, so only once a quarter of the rows have ended."""
+def length_batches(prompt_lengths: list[int], max_new_tokens: int, max_rows: int | None, max_tokens: int | None,
+                   by_cost: bool = True) -> list[list[int]]:
+    """Row indices in decoding batches: the rows sorted by prompt length (stably), cut into consecutive
+    batches that fit ``max_rows`` and ``max_tokens`` (cache positions: rows x (longest prompt +
+    max_new_tokens); one row always fits) at the least modelled cost (``batch_costs``; ``by_cost=False``:
+    the fewest batches, then the least padding). One batch keeps the rows in the given order."""
+    order = sorted(range(len(prompt_lengths)), key=prompt_lengths.__getitem__)
+    lengths = [prompt_lengths[i] for i in order]
+    best = np.zeros(len(order) + 1)  # best[end]: least cost of the first `end` sorted rows
+    start = np.zeros(len(order) + 1, dtype=np.int64)  # start[end]: where that best last batch begins
+    for end in range(1, len(order) + 1):
+        rows = end - np.arange(end)  # [end] rows of a last batch starting at each index
+        costs = best[:end] + batch_costs(rows, lengths[end - 1], max_new_tokens, by_cost)
+        too_big = rows > (len(order) if max_rows is None else max_rows)
+        if max_tokens is not None:
+            too_big |= (rows > 1) & (rows * (lengths[end - 1] + max_new_tokens) > max_tokens)
+        costs[too_big] = np.inf
+        start[end] = costs.argmin()
+        best[end] = costs[start[end]]
+    if start[-1] == 0:
+        return [list(range(len(order)))]
+    cuts = [len(order)]
+    while cuts[-1] > 0:
+        cuts.append(int(start[cuts[-1]]))
+    cuts.reverse()
+    return [order[begin:end] for begin, end in zip(cuts, cuts[1:])]
+
+
+def compacts(running: torch.Tensor) -> bool:
+    """Whether to drop the ended rows of a batch (``running`` [R]): once a quarter of them have ended. Each
+    drop copies the cache of every row kept, which costs more than carrying a few ended rows for some
+    steps: sampled Arith batches of 64-500 rows decode in 7-19% less time than when each row is dropped as
+    it ends (1 thread)."""
     ended = len(running) - int(running.sum())
-    return ended > 0 and (len(running) * width <= SMALL_CACHE or 4 * ended >= len(running))
+    return 4 * ended >= len(running)
 
 
 def left_padded(rows: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,7 +2,7 @@
 rollouts of a workflow in which one role needs another's information.
 
     python bench/critic_variance.py [--policy DIR] [--train_episodes 512] [--test_episodes 256]
-                                    [--epochs 8] [--lr 3e-3] [--seeds 0 1 2]
+                                    [--alpha 100] [--seeds 0 1 2]
 
 The workflow, "solver and reporter": a solver answers the problem, then a reporter acts, whose prompt is
 its instruction alone: it sees neither the problem nor the solution (a role that works from a summary,
@@ -13,10 +13,12 @@ centralized critic reads the joint transcript (``info["state"]``: the problem, t
 role's name). For the solver both critics read the problem.
 
 Rollouts: the tiny policy samples (temperature 1) ``--train_episodes`` + ``--test_episodes`` episodes
-through the real env and collector. Both critics are then fitted on the same training rollouts the way
-APPO fits its critic (a LoRA critic adapter and the value head, squared error to the return, AdamW,
-``--epochs`` passes of minibatches of 32 at ``--lr``) and scored on the held-out ones: explained variance
-1 - Var(R - V) / Var(R), overall and per role. One line of JSON per seed, then the mean.
+through the real env and collector. Both critics are value heads on the policy's trunk, fitted on the
+same training rollouts in closed form (ridge regression, penalty ``--alpha``, of the return on the
+final hidden state at the last token of what the critic reads: a critic head whose trunk is not tuned,
+so the fit is exact and the comparison is of what each view holds, not of an optimizer's luck), and
+scored on the held-out ones: explained variance 1 - Var(R - V) / Var(R), overall and per role. One line
+of JSON per seed, then the mean.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ import json
 import statistics
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from algorithms.registry import algorithm_spec
@@ -35,7 +36,7 @@ from envs.multi_agent import MultiAgentMathVectorEnv
 from envs.workflows import Role, TurnContext, Workflow
 from train.collector import Collector, Sampling
 from train.models.generation import HFGenerator
-from train.models.policy import LanguagePolicy, LoraSettings
+from train.models.policy import LanguagePolicy, right_padded
 from train.tiny import TinyConfig, cache_dir
 
 ROLES = ("solver", "reporter")
@@ -70,44 +71,57 @@ def rollouts(policy_dir: Path, episodes: int, seed: int) -> list[dict]:
              "return": float(returns[(k // num_agents) % num_envs, k % num_agents])} for k in slots]
 
 
-def fit_critic(policy_dir: Path, samples: list[dict], view: str, epochs: int, lr: float, seed: int) -> LanguagePolicy:
-    """A fresh critic (LoRA critic adapter + value head; one head reading the joint transcript, or one per
-    role reading its prompt) fitted to the samples' returns."""
-    torch.manual_seed(seed)
-    heads = 1 if view == "centralized" else len(ROLES)
-    critic = LanguagePolicy(policy_dir, device="cpu", lora=LoraSettings(rank=8, alpha=16.0), with_critic=True,
-                            value_heads=heads).train()
-    optimizer = torch.optim.AdamW(critic.critic_parameters(), lr=lr)
-    rng = np.random.default_rng(seed)
-    for _ in range(epochs):
-        for batch in np.array_split(rng.permutation(len(samples)), max(1, len(samples) // 32)):
-            values = predict(critic, [samples[i] for i in batch], view, grad=True)
-            loss = ((values - torch.tensor([samples[i]["return"] for i in batch])) ** 2).mean()
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-    return critic.eval()
+@torch.no_grad()
+def features(policy: LanguagePolicy, prompts: list[list[int]]) -> torch.Tensor:
+    """[B, H] the final hidden state at each prompt's last token: what a value head reads."""
+    ids, lengths = right_padded(prompts, policy.device)
+    mask = torch.arange(ids.shape[1])[None] < lengths[:, None]
+    hidden = policy.causal_lm(input_ids=ids, attention_mask=mask.long(), output_hidden_states=True).hidden_states[-1]
+    return hidden[torch.arange(len(prompts)), lengths - 1].double()
 
 
-def predict(critic: LanguagePolicy, samples: list[dict], view: str, grad: bool = False) -> torch.Tensor:
-    """[B] the critic's values of ``samples`` as ``view`` reads them."""
-    with torch.set_grad_enabled(grad):
-        if view == "centralized":
-            return critic.values([s["state"] for s in samples])
-        return critic.values([s["prompt"] for s in samples], [s["role"] for s in samples])
+def ridge(x: torch.Tensor, y: torch.Tensor, alpha: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(weights, feature mean, feature scale) of the ridge regression of ``y`` on standardised ``x``."""
+    mean, scale = x.mean(0), x.std(0).clamp(min=1e-6)
+    z = torch.cat([(x - mean) / scale, torch.ones(len(x), 1, dtype=x.dtype)], dim=1)
+    penalty = alpha * torch.eye(z.shape[1], dtype=x.dtype)
+    penalty[-1, -1] = 0.0  # the bias is not shrunk
+    return torch.linalg.solve(z.T @ z + penalty, z.T @ y), mean, scale
+
+
+def predict(fit: tuple[torch.Tensor, torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    weights, mean, scale = fit
+    return torch.cat([(x - mean) / scale, torch.ones(len(x), 1, dtype=x.dtype)], dim=1) @ weights
+
+
+def critic_values(policy: LanguagePolicy, train: list[dict], test: list[dict], view: str, alpha: float) -> torch.Tensor:
+    """[len(test)] values of a critic fitted on ``train``: one head on the joint transcript (centralized),
+    or a head per role on the role's own prompt (per_role)."""
+    key = "state" if view == "centralized" else "prompt"
+    x_train, x_test = features(policy, [s[key] for s in train]), features(policy, [s[key] for s in test])
+    y_train = torch.tensor([s["return"] for s in train], dtype=torch.float64)
+    if view == "centralized":
+        return predict(ridge(x_train, y_train, alpha), x_test)
+    values = torch.zeros(len(test), dtype=torch.float64)
+    train_roles, test_roles = torch.tensor([s["role"] for s in train]), torch.tensor([s["role"] for s in test])
+    for role in range(len(ROLES)):
+        fit = ridge(x_train[train_roles == role], y_train[train_roles == role], alpha)
+        values[test_roles == role] = predict(fit, x_test[test_roles == role])
+    return values
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:
     return float(1.0 - (returns - values).var() / returns.var().clamp(min=1e-8))
 
 
-def measure(policy_dir: Path, train_episodes: int, test_episodes: int, epochs: int, lr: float, seed: int) -> dict:
+def measure(policy_dir: Path, train_episodes: int, test_episodes: int, alpha: float, seed: int) -> dict:
     train, test = rollouts(policy_dir, train_episodes, seed), rollouts(policy_dir, test_episodes, seed + 1000)
-    returns = torch.tensor([s["return"] for s in test])
+    policy = LanguagePolicy(policy_dir, device="cpu")
+    returns = torch.tensor([s["return"] for s in test], dtype=torch.float64)
     roles = torch.tensor([s["role"] for s in test])
     result = {"seed": seed, "test_return_mean": float(returns.mean())}
     for view in ("centralized", "per_role"):
-        values = predict(fit_critic(policy_dir, train, view, epochs, lr, seed), test, view).float()
+        values = critic_values(policy, train, test, view, alpha)
         result[view] = explained_variance(values, returns)
         for k, role in enumerate(ROLES):
             result[f"{view}/{role}"] = explained_variance(values[roles == k], returns[roles == k])
@@ -119,14 +133,13 @@ def main() -> None:
     parser.add_argument("--policy", type=Path, default=None, help="default: the cached trained tiny policy")
     parser.add_argument("--train_episodes", type=int, default=512)
     parser.add_argument("--test_episodes", type=int, default=256)
-    parser.add_argument("--epochs", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--alpha", type=float, default=100.0, help="ridge penalty on the standardised features")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     args = parser.parse_args()
     policy_dir = args.policy or cache_dir(TinyConfig()) / "policy"
     if not (policy_dir / "config.json").is_file():
         raise SystemExit(f"no policy at {policy_dir}: build the tiny models (python -m train.tiny) or pass --policy")
-    run = functools.partial(measure, policy_dir, args.train_episodes, args.test_episodes, args.epochs, args.lr)
+    run = functools.partial(measure, policy_dir, args.train_episodes, args.test_episodes, args.alpha)
     results = []
     for seed in args.seeds:
         results.append(run(seed))

@@ -21,6 +21,7 @@ from typing import Iterator
 import torch
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
+from envs.datasets import Problem
 from envs.prompts import SHEPHERD_STEP_TAG
 from train.tiny.config import TinyConfig, cache_dir, config_hash
 from train.tiny.data import BAD_TOKEN, GOOD_TOKEN, arith_batches, heldout_problems
@@ -56,6 +57,16 @@ def _save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, out_dir: 
     tokenizer.save_pretrained(out_dir)
 
 
+def _build_team(policy: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, config: TinyConfig,
+                batches: Iterator[list[Problem]], evaluation: list[Problem], out_dir: Path, device: str) -> dict:
+    """The team model (``train.tiny.roles``), fine-tuned from ``policy`` in place, saved to ``out_dir``; its metrics."""
+    started = time.perf_counter()
+    train_team(policy, tokenizer, config, batches, config.seed + 3, device)
+    _save(policy, tokenizer, out_dir)
+    return {**team_metrics(policy, tokenizer, evaluation, config.seed + 4),
+            "seconds": round(time.perf_counter() - started, 1)}
+
+
 def _build(out_dir: Path, config: TinyConfig, device: str) -> dict:
     """Trains the four models into ``out_dir`` and returns the metrics (also in metrics.json)."""
     started = time.perf_counter()
@@ -87,11 +98,7 @@ def _build(out_dir: Path, config: TinyConfig, device: str) -> dict:
     log.info("policy (step %d) held-out greedy accuracy %.3f (%.0f s)", sft_log["policy_step"], policy_accuracy,
              time.perf_counter() - started)
 
-    team_started = time.perf_counter()
-    train_team(model, tokenizer, config, batches, config.seed + 3, device)
-    _save(model, tokenizer, out_dir / "team")
-    team = {**team_metrics(model, tokenizer, evaluation, config.seed + 4),
-            "seconds": round(time.perf_counter() - team_started, 1)}
+    team = _build_team(model, tokenizer, config, batches, evaluation, out_dir / "team", device)
     log.info("team model: %s (%.0f s)", team, time.perf_counter() - started)
 
     metrics = {

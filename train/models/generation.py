@@ -535,6 +535,12 @@ class VLLMGenerator:
         self._vllm = vllm
         _check_cpu_head_size(model_dir)
         self.tokenizer = load_tokenizer(model_dir)
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            # A prefill split over engine steps rewinds the request's seeded torch.Generator, which a CPU
+            # generator cannot do ("CPU Generator does not use offset"): prefill every prompt whole there.
+            engine_kwargs.setdefault("enable_chunked_prefill", False)
         self.llm = vllm.LLM(model=str(model_dir), dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
                             seed=seed, enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
                             logprobs_mode="processed_logprobs", **engine_kwargs)

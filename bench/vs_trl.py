@@ -1,14 +1,21 @@
 """GRPO completions/s: our trainer (train_math.py's path) vs ``trl.GRPOTrainer`` at identical settings.
 
     pip install -e ".[bench]"
-    python bench/vs_trl.py [--policy DIR] [--steps 6] [--threads 1] [--backend hf|vllm]
+    python bench/vs_trl.py [--policy DIR] [--dataset arith|math500] [--reward outcome|digits]
+                           [--steps 6] [--threads 1] [--backend hf|vllm]
 
-Both sides train the same policy on the same Arith-v0 prompt pool (the env's train split, the env's
-prompt template): 8 prompts x 8 completions = 64 per step, at most 32 new tokens, temperature 1.0,
-one AdamW update per generation (lr 1e-4, constant, grad-norm clip 1.0, fp32, no gradient
-checkpointing), clipped surrogate with eps 0.2, group-normalised advantages, no KL (so no reference
-model), token-mean loss. The reward on both sides is ``envs.rewards.OutcomeReward`` (1 if the
-final answer verifies, else 0), so only the trainers differ.
+Both sides train the same policy on the same prompt pool in the env's prompt template
+(``envs.prompts.format_prompt``): Arith-v0's train split, or MATH-500 (``--dataset math500``:
+``../shared/data/math500.jsonl`` read by ``envs.datasets.load_problems``; ours trains on it as
+``train_math.py --dataset_path`` does, through the MATH-v0 env; prompts of 15-1,488 tiny tokens, median
+96). 8 prompts x 8 completions = 64 per step, at most 32 new tokens, temperature 1.0, one AdamW update
+per generation (lr 1e-4, constant, grad-norm clip 1.0, fp32, no gradient checkpointing), clipped
+surrogate with eps 0.2, group-normalised advantages, no KL (so no reference model), token-mean loss.
+The reward on both sides is ``envs.rewards.OutcomeReward`` (1 if the final answer verifies, else 0),
+or with ``--reward digits`` that plus ``DIGIT_BONUS`` x the share of digits among the solution's
+characters (the same reward model object scores both sides), so only the trainers differ. Step k of each side trains on the
+same 8 problems (TRL's dataset holds the problems our env draws next, in that order, unshuffled): MATH-500
+prompt lengths differ a hundredfold, and different draws would swamp the difference between the trainers.
 
 Ours is built as train_math.py builds it (``train.builders.build_runner`` from the same flags) and one
 step is ``Runner.train_iteration``. TRL's ``trainer.train()`` runs in a helper thread that a callback pauses
@@ -25,7 +32,14 @@ drawing from the same distribution (softmax of logits / T, no top-k/top-p on eit
 The ``zero-adv`` column is the share of samples in groups whose rewards are all equal: their
 advantage is 0, and our runner skips their forward and backward passes (TRL computes them). On a
 random-init policy every reward is 0, ours then skips the whole update and the ratio means little:
-use the trained tiny policy (``python -m train.tiny`` builds and caches it, minutes on a CPU).
+use the trained tiny policy (``python -m train.tiny`` builds and caches it, minutes on a CPU). The
+tiny policy solves almost no MATH-500 problem, so with the outcome reward nearly every group is
+zero-advantage there and ours nearly never updates. With ``--reward digits`` ours skips no sample:
+groups differ in their share of digits, and where they do not (the tiny policy often writes runs of
+"0" on MATH-500) the rewards are fractions whose group mean rounds, so no advantage is exactly 0;
+TRL's column is its own ``frac_reward_zero_std``, which counts groups whose std is merely close to 0.
+Both sides then update on every sample, and the skip cannot matter. (A length term does not serve:
+32 tiny tokens are nearly always 32-33 characters and one or two words on MATH-500.)
 
 With ``--backend vllm`` our side generates with ``VLLMGenerator`` (in-process, weights synced after
 every update); TRL keeps HF generation (its ``use_vllm`` needs a GPU). When ours is slower than
@@ -49,11 +63,14 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
+    from envs.datasets import Problem
+    from envs.rewards import RewardModel, RewardOutput, StepContext
     from train.models.generation import Generator
     from train.models.policy import LanguagePolicy
 
@@ -66,8 +83,10 @@ CLIP = 0.2
 MAX_GRAD_NORM = 1.0
 TEMPERATURE = 1.0
 SEED = 0
+DIGIT_BONUS = 0.1  # --reward digits: reward per unit share of digits among the solution's characters
 TARGET_RATIO = 1.5  # below this ratio the bench profiles one step of each side
 TRL_FIX = 'pip install -e ".[bench]"'
+MATH500 = Path(__file__).resolve().parents[2] / "shared" / "data" / "math500.jsonl"
 
 
 @dataclass
@@ -94,18 +113,19 @@ class Side(Protocol):
 # -------------------------------------------------------------------------------------------------
 
 class OursSide:
-    """Our Runner on Arith-v0, built by ``train.builders.build_runner`` from train_math.py's flags for GRPO
-    with these settings."""
+    """Our Runner on Arith-v0 or MATH-v0 over MATH-500, built by ``train.builders.build_runner`` from
+    train_math.py's flags for GRPO with these settings; the env scores with ``reward_model``."""
 
     name = "ours"
 
-    def __init__(self, policy_dir: Path, backend: str, run_dir: Path) -> None:
+    def __init__(self, policy_dir: Path, dataset: str, reward_model: RewardModel, backend: str, run_dir: Path) -> None:
         from tensorboardX import SummaryWriter
 
         from train import builders
         from train.flags import FLAGS
 
-        FLAGS(["vs_trl", f"--model_name_or_path={policy_dir}", "--algorithm_name=GRPO", "--env_id=Arith-v0",
+        problems = ["--env_id=Arith-v0"] if dataset == "arith" else ["--env_id=MATH-v0", f"--dataset_path={MATH500}"]
+        FLAGS(["vs_trl", f"--model_name_or_path={policy_dir}", "--algorithm_name=GRPO", *problems,
                f"--n_rollout_threads={COMPLETIONS_PER_STEP}", f"--group_size={GROUP_SIZE}",
                f"--num_env_steps={COMPLETIONS_PER_STEP * 1_000_000}", f"--max_new_tokens={MAX_NEW_TOKENS}",
                f"--temperature={TEMPERATURE}", f"--lr={LR}", "--warmup_iterations=0", "--lr_schedule=constant",
@@ -117,12 +137,16 @@ class OursSide:
         self.runner = builders.build_runner(FLAGS, run_dir, self.writer,
                                             generator_factory=make_vllm_generator if backend == "vllm" else None)
         self.env = self.runner.collector.env
+        self.env.unwrapped.task.reward_model = reward_model
         self.iteration = 0
 
-    def prompt_pool(self) -> list[tuple[str, Any]]:
-        """(prompt text, Problem) of every training problem, in the env's own prompt format."""
-        task = self.env.unwrapped.task
-        return [(task.prompt(problem), problem) for problem in self.env.unwrapped.problems]
+    def upcoming_prompts(self, steps: int) -> list[tuple[str, Problem]]:
+        """(prompt text, Problem) of the ``PROMPTS_PER_STEP`` problems of each of our next ``steps`` steps, in
+        the env's own prompt format: the positions the env's seeded sampler draws next (one per group)."""
+        env = self.env.unwrapped
+        first = int(env.draws_made[0]) * env.total_groups  # every group has drawn as often (one episode each)
+        problems = [env.task.sampler.at(position) for position in range(first, first + steps * PROMPTS_PER_STEP)]
+        return [(env.task.prompt(problem), problem) for problem in problems]
 
     def step(self) -> StepResult:
         started = time.perf_counter()
@@ -157,19 +181,48 @@ def make_vllm_generator(policy: LanguagePolicy) -> Generator:
 # TRL: GRPOTrainer.train() in a thread, paused after each optimizer step
 # -------------------------------------------------------------------------------------------------
 
-def outcome_reward_function(problems: dict[str, Any]) -> Callable[..., list[float]]:
-    """A TRL reward function scoring completions with our OutcomeReward, exactly as our env does for
-    a one-step solution (the dataset's ``problem_id`` column names each completion's problem)."""
-    from envs.rewards import OutcomeReward, StepContext
+class DigitShareOutcome:
+    """``OutcomeReward`` plus ``DIGIT_BONUS`` x the share of digits among a finished solution's characters:
+    a format term that differs between the samples of a group even when none verifies (MATH-500 on the
+    tiny policy)."""
 
-    reward_model = OutcomeReward()
+    name = "outcome_digits"
 
-    def outcome(completions: list[str], problem_id: list[str], **_: Any) -> list[float]:
+    def __init__(self) -> None:
+        from envs.rewards import OutcomeReward
+
+        self.outcome = OutcomeReward()
+
+    def score(self, contexts: Sequence[StepContext]) -> RewardOutput:
+        from envs.prompts import STEP_DELIMITER
+
+        output = self.outcome.score(contexts)
+        texts = [STEP_DELIMITER.join(c.steps) if c.done else "" for c in contexts]
+        digit_share = np.array([sum(char.isdigit() for char in text) / max(len(text), 1) for text in texts])
+        output.rewards = output.rewards + DIGIT_BONUS * digit_share
+        output.components[self.name] = output.rewards
+        return output
+
+
+def make_reward_model(name: str) -> RewardModel:
+    """The reward model both sides score with: ``outcome`` (verified answer) or ``digits``."""
+    from envs.rewards import OutcomeReward
+
+    return OutcomeReward() if name == "outcome" else DigitShareOutcome()
+
+
+def env_reward_function(reward_model: RewardModel, problems: dict[str, Problem]) -> Callable[..., list[float]]:
+    """A TRL reward function scoring completions with ``reward_model``, exactly as our env does for a
+    one-step solution (the dataset's ``problem_id`` column names each completion's problem)."""
+    from envs.rewards import StepContext
+
+    def env_reward(completions: list[str], problem_id: list[str], **_: Any) -> list[float]:
         contexts = [StepContext(problem=problems[pid], previous_steps=(), new_step=completion.strip(), done=True)
                     for pid, completion in zip(problem_id, completions)]
         return reward_model.score(contexts).rewards.tolist()
 
-    return outcome
+    env_reward.__name__ = reward_model.name  # TRL logs each reward function under its name
+    return env_reward
 
 
 class TRLSide:
@@ -177,13 +230,13 @@ class TRLSide:
 
     name = "TRL"
 
-    def __init__(self, policy_dir: Path, prompt_pool: list[tuple[str, Any]], max_steps: int, threads: int,
-                 out_dir: Path) -> None:
+    def __init__(self, policy_dir: Path, prompts: list[tuple[str, Problem]], reward_model: RewardModel,
+                 max_steps: int, threads: int, out_dir: Path) -> None:
         from datasets import Dataset
         from transformers import PrinterCallback
         from trl import GRPOConfig, GRPOTrainer
 
-        dataset = Dataset.from_list([{"prompt": prompt, "problem_id": p.id} for prompt, p in prompt_pool])
+        dataset = Dataset.from_list([{"prompt": prompt, "problem_id": p.id} for prompt, p in prompts])
         config = GRPOConfig(
             output_dir=str(out_dir), per_device_train_batch_size=COMPLETIONS_PER_STEP, gradient_accumulation_steps=1,
             num_generations=GROUP_SIZE, max_completion_length=MAX_NEW_TOKENS, temperature=TEMPERATURE,
@@ -191,9 +244,10 @@ class TRLSide:
             max_grad_norm=MAX_GRAD_NORM, beta=0.0, num_iterations=1, epsilon=CLIP, scale_rewards="group",
             loss_type="dapo",  # token mean over the batch: our token_mean with one micro-batch
             bf16=False, gradient_checkpointing=False, use_cpu=True, max_steps=max_steps, seed=SEED,
-            report_to="none", logging_strategy="no", save_strategy="no", disable_tqdm=True)
-        self.trainer = GRPOTrainer(model=str(policy_dir), reward_funcs=outcome_reward_function(
-            {p.id: p for _, p in prompt_pool}), args=config, train_dataset=dataset)
+            report_to="none", logging_strategy="no", save_strategy="no", disable_tqdm=True,
+            shuffle_dataset=False)  # ``prompts`` are in our steps' order: step k of each side, the same problems
+        self.trainer = GRPOTrainer(model=str(policy_dir), reward_funcs=env_reward_function(
+            reward_model, {p.id: p for _, p in prompts}), args=config, train_dataset=dataset)
         self.trainer.add_callback(self._pause_callback())
         self.trainer.remove_callback(PrinterCallback)  # its end-of-training dict would land in our table
         self.threads = threads
@@ -346,6 +400,11 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--policy", type=Path, help="model directory (default: the tiny policy: the trained build "
                         "when train.tiny has it cached, else a random-init one of the same shape)")
+    parser.add_argument("--dataset", choices=("arith", "math500"), default="arith", help="the prompt pool: "
+                        "Arith-v0's train split, or MATH-500 (MATH-v0 over ../shared/data/math500.jsonl)")
+    parser.add_argument("--reward", choices=("outcome", "digits"), default="outcome", help="both sides' reward: "
+                        f"the verified answer, or that plus {DIGIT_BONUS} x the solution's share of digits (rewards "
+                        "then differ within a group, so no update is skipped)")
     parser.add_argument("--steps", type=int, default=6, help="measured steps per side (the figure is their median)")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps per side before measuring")
     parser.add_argument("--block", type=int, default=1, help="consecutive steps of one side before switching")
@@ -363,6 +422,9 @@ def parse_args() -> argparse.Namespace:
     if args.policy is not None and not (args.policy / "config.json").is_file():
         parser.error(f"--policy={args.policy} is not a Hugging Face model directory (no config.json); pass one, or "
                      "leave --policy out for the tiny policy")
+    if args.dataset == "math500" and not MATH500.is_file():
+        parser.error(f"--dataset math500 reads {MATH500}, which is not there: run from a checkout with ../shared/data, "
+                     "or use --dataset arith")
     return args
 
 
@@ -384,9 +446,11 @@ def print_summary(measured: dict[str, list[StepResult]], args: argparse.Namespac
               f"{statistics.mean(r.mean_tokens for r in results):12.1f} "
               f"{statistics.mean(r.zero_advantage for r in results):9.2f}")
     ours_rate, trl_rate = median_rate(measured["ours"]), median_rate(measured["TRL"])
-    print(f"vs_trl: ours {ours_rate:.1f} completions/s, TRL {trl_rate:.1f} completions/s, ratio "
-          f"{ours_rate / trl_rate:.2f} (median of {args.steps} steps, torch threads {threads_label(measured)}"
-          f"{', ours on vLLM' if args.backend == 'vllm' else ''})")
+    zero_advantage = {name: statistics.mean(r.zero_advantage for r in results) for name, results in measured.items()}
+    print(f"vs_trl: {args.dataset}, reward {args.reward}: ours {ours_rate:.1f} completions/s, TRL {trl_rate:.1f} "
+          f"completions/s, ratio {ours_rate / trl_rate:.2f} (median of {args.steps} steps, torch threads "
+          f"{threads_label(measured)}{', ours on vLLM' if args.backend == 'vllm' else ''}; zero-advantage share "
+          f"ours {zero_advantage['ours']:.2f}, TRL {zero_advantage['TRL']:.2f})")
 
 
 def quiet_libraries() -> None:
@@ -406,11 +470,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
         policy_dir, label = (args.policy, str(args.policy)) if args.policy else tiny_policy_dir(scratch)
-        ours = OursSide(policy_dir, args.backend, scratch / "ours")
+        reward_model = make_reward_model(args.reward)
+        ours = OursSide(policy_dir, args.dataset, reward_model, args.backend, scratch / "ours")
         # TRL's loop must outlast the schedule: warm-up, measured and profiled steps.
-        trl = TRLSide(policy_dir, ours.prompt_pool(), args.warmup + args.steps + 1, args.threads, scratch / "trl")
-        print(f"GRPO, {label} policy, {PROMPTS_PER_STEP} prompts x {GROUP_SIZE} = {COMPLETIONS_PER_STEP} completions "
-              f"per step, <= {MAX_NEW_TOKENS} new tokens, T={TEMPERATURE}, lr {LR}, no KL, CPU; ours: "
+        total_steps = args.warmup + args.steps + 1
+        trl = TRLSide(policy_dir, ours.upcoming_prompts(total_steps), reward_model, total_steps, args.threads,
+                      scratch / "trl")
+        print(f"GRPO, {label} policy, {args.dataset} ({len(ours.env.unwrapped.problems)} problems), reward "
+              f"{args.reward}, {PROMPTS_PER_STEP} prompts x {GROUP_SIZE} = {COMPLETIONS_PER_STEP} completions per "
+              f"step, <= {MAX_NEW_TOKENS} new tokens, T={TEMPERATURE}, lr {LR}, no KL, CPU; ours: "
               f"{args.backend} generation; TRL {trl_version()}: transformers generation", flush=True)
         try:
             measured = run_schedule([ours, trl], args.warmup, args.steps, args.block)

@@ -13,8 +13,9 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, ViTConfig, ViTModel
 
 from train.models.generation import HFGenerator
+from train.models import policy as policy_module
 from train.models.policy import (LanguagePolicy, LoraSettings, ModelDirError, check_model_dir, ensure_pad_token,
-                                 hf_param_name, load_tokenizer, pack)
+                                 hf_param_name, length_buckets, load_tokenizer, pack)
 
 LORA = LoraSettings(rank=4, alpha=8.0)
 MODES = {"full": None, "lora": LORA}
@@ -190,6 +191,40 @@ def test_gradient_checkpointing_gives_the_same_gradients(untrained_policy_dir, p
         policy.evaluate(*pairs).logprobs.sum().backward()
         grads.append(torch.cat([p.grad.flatten() for p in policy.actor_parameters()]))
     torch.testing.assert_close(grads[0], grads[1])
+
+
+def test_length_buckets_cut_sorted_rows_where_padding_costs_more_than_a_pass():
+    assert length_buckets([40, 41, 39, 40]) == [[0, 1, 2, 3]]  # alike: one pass, rows in the given order
+    buckets = length_buckets([1_500, 60, 1_400, 50, 70, 55])  # MATH-like spread: short rows apart from long
+    assert buckets[0] == [3, 5, 1, 4] and len(buckets) > 1  # the short rows in one pass, shortest first
+    assert [row for bucket in buckets for row in bucket] == [3, 5, 1, 4, 2, 0]  # every row once, by length
+
+
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_length_buckets_give_the_scores_and_gradients_of_one_padded_pass(untrained_policy_dir, monkeypatch, mode):
+    """Rows of very different lengths scored in several passes: the same log-probs, entropies, values and
+    gradients (up to float rounding) as one pass padding every row to the longest."""
+    policy = LanguagePolicy(untrained_policy_dir, device="cpu", lora=MODES[mode], with_critic=True)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 300, (length,), generator=generator).tolist() for length in (400, 12, 9, 380, 15, 10)]
+    actions = [torch.randint(3, 300, (length,), generator=generator).tolist() for length in (5, 9, 1, 7, 3, 8)]
+    assert len(length_buckets([len(p) + len(a) for p, a in zip(prompts, actions)])) > 1
+
+    def scores_and_grads():
+        scores = policy.evaluate(prompts, actions, 0.7, with_values=True)
+        (scores.logprobs.sum() + scores.entropy.sum() + scores.values.sum()).backward()
+        grads = {name: p.grad.clone() for name, p in policy.named_parameters() if p.grad is not None}
+        policy.zero_grad(set_to_none=True)
+        return scores, grads
+
+    bucketed, bucketed_grads = scores_and_grads()
+    monkeypatch.setattr(policy_module, "length_buckets", lambda lengths: [list(range(len(lengths)))])
+    padded, padded_grads = scores_and_grads()
+    for name in ("logprobs", "mask", "entropy", "values"):
+        torch.testing.assert_close(getattr(bucketed, name), getattr(padded, name), atol=1e-5, rtol=1e-5)
+    assert bucketed_grads.keys() == padded_grads.keys() and len(padded_grads) > 0
+    for name, grad in padded_grads.items():
+        torch.testing.assert_close(bucketed_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
 def test_bad_inputs_fail_clearly(untrained_policy_dir, tmp_path):

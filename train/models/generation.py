@@ -36,7 +36,7 @@ import torch
 from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase, StopStringCriteria
 from transformers.cache_utils import Cache, DynamicLayer
 
-from train.models.policy import LanguagePolicy, kv_cache_keyword, load_tokenizer
+from train.models.policy import LanguagePolicy, cheapest_runs, kv_cache_keyword, load_tokenizer
 
 Prompts = Sequence[str] | Sequence[Sequence[int]]
 Seed = int | Sequence[int] | None
@@ -455,24 +455,20 @@ def length_batches(prompt_lengths: list[int], max_new_tokens: int, max_rows: int
     the fewest batches, then the least padding). One batch keeps the rows in the given order."""
     order = sorted(range(len(prompt_lengths)), key=prompt_lengths.__getitem__)
     lengths = [prompt_lengths[i] for i in order]
-    best = np.zeros(len(order) + 1)  # best[end]: least cost of the first `end` sorted rows
-    start = np.zeros(len(order) + 1, dtype=np.int64)  # start[end]: where that best last batch begins
-    for end in range(1, len(order) + 1):
+
+    def run_costs(end: int) -> np.ndarray:
         rows = end - np.arange(end)  # [end] rows of a last batch starting at each index
-        costs = best[:end] + batch_costs(rows, lengths[end - 1], max_new_tokens, by_cost)
+        costs = batch_costs(rows, lengths[end - 1], max_new_tokens, by_cost)
         too_big = rows > (len(order) if max_rows is None else max_rows)
         if max_tokens is not None:
             too_big |= (rows > 1) & (rows * (lengths[end - 1] + max_new_tokens) > max_tokens)
         costs[too_big] = np.inf
-        start[end] = costs.argmin()
-        best[end] = costs[start[end]]
-    if start[-1] == 0:
+        return costs
+
+    runs = cheapest_runs(len(order), run_costs)
+    if len(runs) <= 1:
         return [list(range(len(order)))]
-    cuts = [len(order)]
-    while cuts[-1] > 0:
-        cuts.append(int(start[cuts[-1]]))
-    cuts.reverse()
-    return [order[begin:end] for begin, end in zip(cuts, cuts[1:])]
+    return [order[begin:end] for begin, end in runs]
 
 
 def compacts(running: torch.Tensor) -> bool:

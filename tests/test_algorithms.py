@@ -49,6 +49,10 @@ def test_grpo_group_zscores_by_hand():
                                torch.tensor([0.5, -0.5, -0.5, 0.5, -0.75, -0.75, -0.75, 2.25]) / returns.std())
     # a group where everyone is right has zero advantage, not NaN
     assert group_advantages(torch.ones(4), torch.zeros(4, dtype=torch.long)).abs().max() == 0
+    # equal fractional returns too: exactly 0 (their float32 mean is 3e-8 off, which the eps scaled to 3e-4),
+    # so the runner skips the group's update; a neighbouring group is unaffected
+    equal = group_advantages(torch.tensor([0.1 + 0.2] * 8 + [0.0, 1.0]), torch.tensor([0] * 8 + [1, 1]))
+    assert equal[:8].abs().max() == 0 and float(equal[9]) > 0 > float(equal[8])
     # a group of one (a role that acted once in its group) has nothing to compare with: 0
     torch.testing.assert_close(group_advantages(torch.tensor([3.0, 1.0, 0.0]), torch.tensor([0, 1, 1]), eps=0.0),
                                torch.tensor([0.0, 0.5 / math.sqrt(0.5), -0.5 / math.sqrt(0.5)]))

@@ -43,6 +43,7 @@ class Batch:
     """
 
     index: torch.Tensor  # [B] flat slot indices into T * N * A
+    agents: torch.Tensor  # [B] the agent slot of each row
     prompts: list[list[int]]
     critic_prompts: list[list[int]] | None  # what the critic reads instead of the prompt (None: the prompt)
     action_ids: torch.Tensor  # [B, L]
@@ -314,6 +315,7 @@ class RolloutBuffer:
         old_values = tokens(self.token_values) if self.token_values is not None else per_slot(self.values)
         return Batch(
             index=index,
+            agents=index % self.shape[2],
             prompts=[self.prompt_ids[i] for i in index.tolist()],
             critic_prompts=None if self.critic_prompt_ids is None else [self.critic_prompt_ids[i] for i in index.tolist()],
             action_ids=tokens(self.action_ids),

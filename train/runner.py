@@ -418,9 +418,8 @@ class Runner:
         mask = batch.token_mask.to(scores.logprobs.dtype)
         entropy = ((scores.entropy * mask).sum(-1) / mask.sum(-1).clamp(min=1)).detach()  # [B]
         kl = kl_k3(batch.old_logprobs.sum(-1), scores.logprobs.detach().sum(-1))  # [B]
-        agents = batch.index % len(roles)
         for a, role in enumerate(roles):
-            rows = agents == a
+            rows = batch.agents == a
             if rows.any():
                 for name, values in (("entropy", entropy), ("approx_kl", kl)):
                     sums[f"{role}/{name}"] += float(values[rows].sum())
@@ -431,13 +430,13 @@ class Runner:
         adapters = self.collector.voices.adapters
         if not adapters:
             return None
-        return [adapters[agent] for agent in (batch.index % self.collector.num_agents).tolist()]
+        return [adapters[agent] for agent in batch.agents.tolist()]
 
     def row_value_heads(self, batch) -> list[int] | None:
         """The value head each row of ``batch`` is read from (per-role critics: its agent's), else None."""
         if self.collector.critic != "per_role":
             return None
-        return (batch.index % self.collector.num_agents).tolist()
+        return batch.agents.tolist()
 
     def gradient_sync(self, last: bool) -> contextlib.AbstractContextManager:
         """DDP reduces gradients at the minibatch's last backward only (no_sync before it); FSDP2 reduces

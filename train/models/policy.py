@@ -578,9 +578,11 @@ class LanguagePolicy(nn.Module):
         (None: head 0); the head runs in fp32."""
         self._require_critic()
         values = self.value_head(hidden.float())  # [B, L, K]
-        index = torch.zeros(len(values), dtype=torch.long, device=values.device) if heads is None else \
-            torch.as_tensor(list(heads), dtype=torch.long, device=values.device)
-        values = values.gather(-1, index[:, None, None].expand(-1, values.shape[1], 1)).squeeze(-1)
+        if heads is None:
+            values = values[..., 0]
+        else:
+            rows = torch.arange(len(values), device=values.device)
+            values = values[rows, :, torch.as_tensor(list(heads), dtype=torch.long, device=values.device)]
         return torch.where(mask, values, 0.0)
 
     def _require_critic(self) -> None:

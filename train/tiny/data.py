@@ -62,14 +62,22 @@ def sft_batch(tokenizer: PreTrainedTokenizerFast, problems: list[Problem], step_
     Returns ids [B, L] right-padded and target_mask [B, L-1]: True where position t+1 is a
     solution (or eos) token, i.e. where the logits at t are trained.
     """
-    prompts = tokenizer([format_prompt(p.problem) for p in problems])["input_ids"]
     format_steps = functools.partial(shepherd_text, "") if step_tags else join_steps
-    solutions = tokenizer([format_steps(split_steps(p.solution)) for p in problems])["input_ids"]
-    ids, lengths = right_padded([p + s + [tokenizer.eos_token_id] for p, s in zip(prompts, solutions)], torch.device("cpu"))
-    starts = torch.tensor([len(p) for p in prompts])
+    return reply_batch(tokenizer, [format_prompt(p.problem) for p in problems],
+                       [format_steps(split_steps(p.solution)) for p in problems])
+
+
+def reply_batch(tokenizer: PreTrainedTokenizerFast, prompts: list[str], replies: list[str]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each prompt + its reply + eos, tokenized apart: ids [B, L] right-padded and target_mask [B, L-1],
+    True where position t+1 is a reply (or eos) token, i.e. where the logits at t are trained."""
+    prompt_ids = tokenizer(prompts)["input_ids"]
+    reply_ids = tokenizer(replies)["input_ids"]
+    ids, lengths = right_padded([p + r + [tokenizer.eos_token_id] for p, r in zip(prompt_ids, reply_ids)],
+                                torch.device("cpu"))
+    starts = torch.tensor([len(p) for p in prompt_ids])
     positions = torch.arange(1, ids.shape[1])
-    target_mask = (positions[None] >= starts[:, None]) & (positions[None] < lengths[:, None])
-    return ids, target_mask
+    return ids, (positions[None] >= starts[:, None]) & (positions[None] < lengths[:, None])
 
 
 def parse_arith(problem: Problem) -> tuple[list[int], list[str]]:

@@ -19,7 +19,6 @@ PRM build writes in closed form, ``train.tiny.likelihood_prm``).
 
 from __future__ import annotations
 
-import math
 from typing import Iterator
 
 import numpy as np
@@ -29,11 +28,10 @@ from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 from envs.datasets import Problem
 from envs.prompts import DEFAULT_TEMPLATE, format_prompt, join_steps, split_steps
 from envs.workflows import ACCEPT, REJECT, Message, TurnContext, Workflow, chain, debate, parse_verdict
-from train.models.policy import right_padded
 from train.tiny.config import TinyConfig
-from train.tiny.data import corrupt_solution
+from train.tiny.data import corrupt_solution, reply_batch
 from train.tiny.evaluation import first_boxed_integer, greedy_completions
-from train.tiny.training import adamw, sft_loss, train_step
+from train.tiny.training import adamw, sft_loss, train_step, warmup_cosine
 
 ROLES = ("verifier", "refiner", "debater", "solver")
 ROLE_SHARES = (0.25, 0.3, 0.3, 0.15)
@@ -72,16 +70,10 @@ def role_example(role: str, problem: Problem, rng: np.random.Generator) -> tuple
 
 def team_batch(tokenizer: PreTrainedTokenizerFast, problems: list[Problem], rng: np.random.Generator
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids [B, L] right-padded (prompt + target + eos) and target_mask [B, L-1] (as ``data.sft_batch``),
-    one example per problem, its role drawn by ``ROLE_SHARES``."""
+    """``data.reply_batch`` of one example per problem, its role drawn by ``ROLE_SHARES``."""
     roles = rng.choice(len(ROLES), size=len(problems), p=ROLE_SHARES)
     examples = [role_example(ROLES[r], p, rng) for r, p in zip(roles, problems)]
-    prompts = tokenizer([prompt for prompt, _ in examples])["input_ids"]
-    targets = tokenizer([target for _, target in examples])["input_ids"]
-    ids, lengths = right_padded([p + t + [tokenizer.eos_token_id] for p, t in zip(prompts, targets)], torch.device("cpu"))
-    starts = torch.tensor([len(p) for p in prompts])
-    positions = torch.arange(1, ids.shape[1])
-    return ids, (positions[None] >= starts[:, None]) & (positions[None] < lengths[:, None])
+    return reply_batch(tokenizer, [prompt for prompt, _ in examples], [reply for _, reply in examples])
 
 
 def train_team(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, config: TinyConfig,
@@ -94,8 +86,7 @@ def train_team(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, conf
     for step in range(1, config.team_steps + 1):
         ids, target_mask = team_batch(tokenizer, next(batches), rng)
         loss, _ = sft_loss(model, ids.to(device), target_mask.to(device))
-        warmup = min(1.0, step / config.warmup_steps)
-        train_step(model, optimizer, loss, config.team_lr * warmup * 0.5 * (1 + math.cos(math.pi * step / config.team_steps)))
+        train_step(model, optimizer, loss, warmup_cosine(config.team_lr, step, config.team_steps, config.warmup_steps))
     model.eval()
 
 

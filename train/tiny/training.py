@@ -68,6 +68,12 @@ def policy_lr(config: TinyConfig, step: int) -> float:
     return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def warmup_cosine(peak: float, step: int, steps: int, warmup_steps: int) -> float:
+    """The lr at ``step`` (1-based) of ``steps``: linear warmup to ``peak``, then a cosine to 0 at ``steps``
+    (a fine-tuning stage that starts from a trained model)."""
+    return peak * min(1.0, step / warmup_steps) * 0.5 * (1 + math.cos(math.pi * step / steps))
+
+
 def train_policy_and_target(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, config: TinyConfig,
                             batches: Iterator[list[Problem]], select: list[Problem], device: str
                             ) -> tuple[dict[str, torch.Tensor], dict]:
@@ -128,8 +134,7 @@ def tune_prm_trunk(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, 
     for step in range(1, config.prm_trunk_steps + 1):
         ids, target_mask = sft_batch(tokenizer, next(batches), step_tags=True)
         loss, _ = sft_loss(model, ids.to(device), target_mask.to(device))
-        warmup = min(1.0, step / config.warmup_steps)
-        train_step(model, optimizer, loss, config.prm_lr * warmup * 0.5 * (1 + math.cos(math.pi * step / config.prm_trunk_steps)))
+        train_step(model, optimizer, loss, warmup_cosine(config.prm_lr, step, config.prm_trunk_steps, config.warmup_steps))
         if step % (4 * config.eval_every) == 0:
             log.info("prm trunk step %d loss %.4f", step, loss.item())
     model.eval()

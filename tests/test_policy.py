@@ -227,6 +227,39 @@ def test_length_buckets_give_the_scores_and_gradients_of_one_padded_pass(untrain
         torch.testing.assert_close(bucketed_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_shared_prompts_give_the_scores_and_gradients_of_packed_rows(untrained_policy_dir, monkeypatch, mode):
+    """GRPO-like rows (3 prompts of different lengths, one holding the pad id, 4 actions each): each prompt
+    run once with its KV states repeated for its rows gives the log-probs, entropies, values and
+    gradients of packing every (prompt, action) row whole."""
+    torch.manual_seed(0)
+    policy = LanguagePolicy(untrained_policy_dir, device="cpu", lora=MODES[mode], with_critic=True).train()
+    generator = torch.Generator().manual_seed(1)
+    pad = policy.tokenizer.pad_token_id
+    distinct = [[5, pad, 7], torch.randint(3, 300, (40,), generator=generator).tolist(), [9, 10, 11, 12, 13]]
+    prompts = [distinct[row % 3] for row in range(12)]
+    actions = [torch.randint(3, 300, (1 + row % 5,), generator=generator).tolist() for row in range(12)]
+    assert isinstance(policy.pack(prompts, actions), policy_module.SharedPromptBatch)
+    assert sorted(map(sorted, policy._pass_rows(prompts, actions, list(range(12))))) == [
+        [0, 3, 6, 9], [1, 4, 7, 10], [2, 5, 8, 11]] or len(policy._pass_rows(prompts, actions, list(range(12)))) == 1
+
+    def scores_and_grads():
+        scores = policy.evaluate(prompts, actions, 0.7, with_values=True)
+        (scores.logprobs.sum() + scores.entropy.sum() + scores.values.sum()).backward()
+        grads = {name: p.grad.clone() for name, p in policy.named_parameters() if p.grad is not None}
+        policy.zero_grad(set_to_none=True)
+        return scores, grads
+
+    shared, shared_grads = scores_and_grads()
+    monkeypatch.setattr(policy_module, "pack_shared", lambda *args: None)
+    packed, packed_grads = scores_and_grads()
+    for name in ("logprobs", "mask", "entropy", "values"):
+        torch.testing.assert_close(getattr(shared, name), getattr(packed, name), atol=1e-5, rtol=1e-5)
+    assert shared_grads.keys() == packed_grads.keys() and len(packed_grads) > 0
+    for name, grad in packed_grads.items():
+        torch.testing.assert_close(shared_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
 def test_bad_inputs_fail_clearly(untrained_policy_dir, tmp_path):
     with pytest.raises(ModelDirError, match="does not exist"):
         LanguagePolicy(tmp_path / "missing", device="cpu")

@@ -36,7 +36,8 @@ import torch
 from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase, StopStringCriteria
 from transformers.cache_utils import Cache, DynamicLayer
 
-from train.models.policy import LanguagePolicy, cheapest_runs, kv_cache_keyword, load_tokenizer
+from train.models.policy import (LanguagePolicy, cheapest_runs, distinct_rows, kv_cache_keyword, left_padded,
+                                 load_tokenizer)
 
 Prompts = Sequence[str] | Sequence[Sequence[int]]
 Seed = int | Sequence[int] | None
@@ -278,13 +279,6 @@ def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) ->
     return sorted({tokenizer.eos_token_id, *configured} - {None})
 
 
-def distinct_rows(rows: list[list[int]]) -> tuple[list[list[int]], list[int]]:
-    """``(distinct prompts in first-seen order, [B] index of each row's prompt among them)``."""
-    first_seen: dict[tuple[int, ...], int] = {}
-    index = [first_seen.setdefault(tuple(row), len(first_seen)) for row in rows]
-    return [list(key) for key in first_seen], index
-
-
 @dataclass
 class _Samples:
     """What B rows generated so far: ``[B, S]`` buffers (S = max_new_tokens) and where rows ended."""
@@ -478,16 +472,6 @@ def compacts(running: torch.Tensor) -> bool:
     it ends (1 thread)."""
     ended = len(running) - int(running.sum())
     return 4 * ended >= len(running)
-
-
-def left_padded(rows: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``([B, P] ids, [B, P] attention mask)`` with each row right-aligned; the mask comes from lengths."""
-    lengths = torch.tensor([len(row) for row in rows], device=device)
-    width = int(lengths.max())
-    is_real = torch.arange(width, device=device)[None] >= (width - lengths)[:, None]
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long, device=device)
-    input_ids[is_real] = torch.tensor([token for row in rows for token in row], dtype=torch.long, device=device)
-    return input_ids, is_real.long()
 
 
 # -------------------------------------------------------------------------------------------------

@@ -113,6 +113,18 @@ class PackedBatch:
 
 
 @dataclass
+class SharedPromptBatch:
+    """(prompt, action) pairs whose prompts repeat (GRPO's groups): each distinct prompt is run once and
+    its KV states are read by every row that continues it. ``U`` distinct prompts of up to ``P`` tokens."""
+
+    prompt_ids: torch.Tensor  # [U, P] left-padded, so every prompt's last token sits in column P - 1
+    prompt_mask: torch.Tensor  # [U, P] 1 on real tokens
+    prompt_of_row: torch.Tensor  # [B] which distinct prompt row b continues
+    action_ids: torch.Tensor  # [B, L] right-padded
+    action_mask: torch.Tensor  # [B, L] True on real action tokens
+
+
+@dataclass
 class ActionScores:
     """Per-token scores of actions; every tensor is 0 where ``mask`` is False."""
 
@@ -165,6 +177,47 @@ def right_padded(ids: TokenBatch, device: torch.device) -> tuple[torch.Tensor, t
     if padded.shape[1] == 0:
         padded = padded.new_zeros(padded.shape[0], 1)
     return padded, lengths
+
+
+def distinct_rows(rows: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+    """``(distinct prompts in first-seen order, [B] index of each row's prompt among them)``."""
+    first_seen: dict[tuple[int, ...], int] = {}
+    index = [first_seen.setdefault(tuple(row), len(first_seen)) for row in rows]
+    return [list(key) for key in first_seen], index
+
+
+def left_padded(rows: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([B, P] ids, [B, P] attention mask)`` with each row right-aligned; the mask comes from lengths."""
+    lengths = torch.tensor([len(row) for row in rows], device=device)
+    width = int(lengths.max())
+    is_real = torch.arange(width, device=device)[None] >= (width - lengths)[:, None]
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long, device=device)
+    input_ids[is_real] = torch.tensor([token for row in rows for token in row], dtype=torch.long, device=device)
+    return input_ids, is_real.long()
+
+
+def token_rows(ids: TokenBatch) -> list[list[int]]:
+    """A TokenBatch as B lists of ids."""
+    if isinstance(ids, tuple):
+        return [row[:length].tolist() for row, length in zip(ids[0], ids[1].tolist())]
+    return [list(row) for row in ids]
+
+
+def pack_shared(prompts: TokenBatch, actions: TokenBatch, pad_id: int, device: torch.device,
+                ) -> SharedPromptBatch | None:
+    """The rows as a ``SharedPromptBatch`` when some prompts repeat, else None (nothing to share)."""
+    distinct, prompt_of_row = distinct_rows(token_rows(prompts))
+    if len(distinct) == len(prompt_of_row):
+        return None
+    if min(len(prompt) for prompt in distinct) < 1:
+        raise ValueError("every prompt needs >= 1 token: an action's first log-prob is read at the last prompt token")
+    prompt_ids, prompt_mask = left_padded(distinct, pad_id, device)
+    action_ids, action_len = right_padded(actions, device)
+    if len(action_len) != len(prompt_of_row):
+        raise ValueError(f"{len(prompt_of_row)} prompts but {len(action_len)} actions: pass one action per prompt")
+    return SharedPromptBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask,
+                             prompt_of_row=torch.tensor(prompt_of_row, device=device), action_ids=action_ids,
+                             action_mask=torch.arange(action_ids.shape[1], device=device)[None] < action_len[:, None])
 
 
 def pack(prompts: TokenBatch, actions: TokenBatch, pad_id: int, device: torch.device,
@@ -322,6 +375,12 @@ def load_causal_lm(model_dir: str | Path, dtype: torch.dtype, device: torch.devi
         raise ValueError(f"{path} does not hold a causal language model (AutoModelForCausalLM could not "
                          f"load it): {error}") from error
     return model.to(device)
+
+
+def checkpoints_activations(model: PreTrainedModel) -> bool:
+    """Whether activation (gradient) checkpointing is on; transformers 5.24 renamed the property."""
+    renamed = hasattr(type(model), "is_activation_checkpointing")
+    return getattr(model, "is_activation_checkpointing" if renamed else "is_gradient_checkpointing")
 
 
 def kv_cache_keyword(model: nn.Module) -> str:
@@ -539,8 +598,10 @@ class LanguagePolicy(nn.Module):
     # Forward passes
     # ---------------------------------------------------------------------------------------------
 
-    def _hidden_at_actions(self, causal_lm: PreTrainedModel, batch: PackedBatch) -> torch.Tensor:
+    def _hidden_at_actions(self, causal_lm: PreTrainedModel, batch: PackedBatch | SharedPromptBatch) -> torch.Tensor:
         """``[B, L, H]`` final hidden states at the positions that predict each action token."""
+        if isinstance(batch, SharedPromptBatch):
+            return self._hidden_after_shared_prompts(causal_lm, batch)
         with self.autocast():
             hidden = causal_lm.get_decoder()(
                 input_ids=batch.input_ids, attention_mask=batch.attention_mask,
@@ -548,6 +609,27 @@ class LanguagePolicy(nn.Module):
             ).last_hidden_state  # [B, T, H]
         index = batch.read_positions[..., None].expand(-1, -1, hidden.shape[-1])
         return hidden.gather(1, index)
+
+    def _hidden_after_shared_prompts(self, causal_lm: PreTrainedModel, batch: SharedPromptBatch) -> torch.Tensor:
+        """``_hidden_at_actions`` with each distinct prompt run once: the prompts' pass fills a KV cache, its
+        rows are repeated for the rows that continue each prompt (an index, so gradients flow back to the one
+        prompt pass), and the actions run on top. G rows per prompt cost one prompt instead of G."""
+        decoder = causal_lm.get_decoder()
+        keyword = kv_cache_keyword(decoder)  # the forward's cache keyword is also its output's field
+        positions = torch.arange(batch.action_ids.shape[1], device=self.device)[None]  # [1, L]
+        prompt_lengths = batch.prompt_mask.sum(1)[batch.prompt_of_row]  # [B]
+        with self.autocast():
+            prompted = decoder(input_ids=batch.prompt_ids, attention_mask=batch.prompt_mask,
+                               position_ids=(batch.prompt_mask.cumsum(1) - 1).clamp(min=0), use_cache=True)
+            cache = getattr(prompted, keyword)
+            cache.batch_select_indices(batch.prompt_of_row)
+            acted = decoder(input_ids=batch.action_ids,
+                            attention_mask=torch.cat([batch.prompt_mask[batch.prompt_of_row],
+                                                      batch.action_mask.long()], 1),
+                            position_ids=prompt_lengths[:, None] + positions,
+                            **{keyword: cache}, use_cache=True).last_hidden_state  # [B, L, H]
+        last_prompt = prompted.last_hidden_state[batch.prompt_of_row, -1:]  # [B, 1, H] predicts action token 0
+        return torch.cat([last_prompt, acted[:, :-1]], 1)
 
     def _token_scores(self, causal_lm: PreTrainedModel, hidden: torch.Tensor, batch: PackedBatch,
                       temperature: float, with_entropy: bool) -> ActionScores:
@@ -589,23 +671,32 @@ class LanguagePolicy(nn.Module):
         if self.value_head is None:
             raise ValueError("this policy has no critic; construct it with with_critic=True")
 
-    def _critic_hidden(self, batch: PackedBatch) -> torch.Tensor:
+    def _critic_hidden(self, batch: PackedBatch | SharedPromptBatch) -> torch.Tensor:
         self._require_critic()
         if self.lora is None:
             return self._hidden_at_actions(self.causal_lm, batch)
         with self.using_adapter(CRITIC_ADAPTER):
             return self._hidden_at_actions(self.causal_lm, batch)
 
-    def pack(self, prompts: TokenBatch, actions: TokenBatch, padding_side: str = "right") -> PackedBatch:
-        return pack(prompts, actions, self.tokenizer.pad_token_id, self.device, padding_side)
+    def pack(self, prompts: TokenBatch, actions: TokenBatch,
+             padding_side: str = "right") -> PackedBatch | SharedPromptBatch:
+        """The rows for one pass: a ``SharedPromptBatch`` when prompts repeat (not when sharded, where every
+        rank must run the same passes, nor under activation checkpointing, which runs without a KV cache),
+        else one packed batch padded on ``padding_side``."""
+        pad_id = self.tokenizer.pad_token_id
+        if not self.sharded and not checkpoints_activations(self.causal_lm):
+            shared = pack_shared(prompts, actions, pad_id, self.device)
+            if shared is not None:
+                return shared
+        return pack(prompts, actions, pad_id, self.device, padding_side)
 
     def evaluate(self, prompts: TokenBatch, actions: TokenBatch, temperature: float = 1.0, *,
                  with_entropy: bool = True, with_values: bool = False,
                  padding_side: str = "right", adapters: Sequence[str] | None = None,
                  critic_prompts: TokenBatch | None = None, value_heads: Sequence[int] | None = None) -> ActionScores:
         """Scores ``actions`` given ``prompts``: one forward pass (two with a LoRA critic) per group of rows
-        of similar packed length (``length_buckets``; one group when sharded, where every rank must run the
-        same passes), so short rows are not padded to the longest.
+        of similar packed length (``_pass_rows``), so short rows are not padded to the longest, and a prompt
+        that several rows continue runs once (``SharedPromptBatch``).
 
         ``temperature`` divides the logits, so log-probs are those of the distribution the sampler
         drew from (top-p/top-k filtering is not re-applied). Returns ``[B, L]`` tensors, L = longest action.
@@ -614,13 +705,12 @@ class LanguagePolicy(nn.Module):
         of ``prompts`` (a centralized critic's joint transcript; a pass of its own), ``value_heads`` [B] the
         head each row's value is read from.
         """
+        size = len(token_lengths(prompts))
         rows_of: dict[str | None, list[int]] = {}
-        for row, adapter in enumerate(adapters if adapters is not None else [None] * len(token_lengths(prompts))):
+        for row, adapter in enumerate(adapters if adapters is not None else [None] * size):
             rows_of.setdefault(adapter, []).append(row)
-        lengths = [p + a for p, a in zip(token_lengths(prompts), token_lengths(actions))]
-        passes = [(adapter, [rows[i] for i in bucket]) for adapter, rows in rows_of.items()
-                  for bucket in ([list(range(len(rows)))] if self.sharded else
-                                 length_buckets([lengths[row] for row in rows]))]
+        passes = [(adapter, bucket) for adapter, rows in rows_of.items()
+                  for bucket in self._pass_rows(prompts, actions, rows)]
         if len(passes) == 1 and passes[0][0] is None:
             return self._evaluate_pass(prompts, actions, temperature, with_entropy, with_values, padding_side,
                                        critic_prompts, value_heads)
@@ -631,7 +721,21 @@ class LanguagePolicy(nn.Module):
                     take(prompts, rows), take(actions, rows), temperature, with_entropy, with_values, padding_side,
                     None if critic_prompts is None else take(critic_prompts, rows),
                     None if value_heads is None else [value_heads[row] for row in rows])))
-        return ActionScores.interleave(parts, len(lengths))
+        return ActionScores.interleave(parts, size)
+
+    def _pass_rows(self, prompts: TokenBatch, actions: TokenBatch, rows: list[int]) -> list[list[int]]:
+        """``rows`` cut into the passes that cost least (``length_buckets``), the rows that continue one
+        prompt kept in one pass so that its prompt runs once there; one pass when sharded."""
+        if self.sharded:
+            return [rows]
+        lengths = [p + a for p, a in zip(token_lengths(prompts), token_lengths(actions))]
+        _, prompt_of_row = distinct_rows(token_rows(take(prompts, rows)))
+        groups: dict[int, list[int]] = {}
+        for row, prompt in zip(rows, prompt_of_row):
+            groups.setdefault(prompt, []).append(row)
+        members = list(groups.values())
+        buckets = length_buckets([max(lengths[row] for row in group) for group in members])
+        return [[row for group in bucket for row in members[group]] for bucket in buckets]
 
     def _evaluate_pass(self, prompts: TokenBatch, actions: TokenBatch, temperature: float, with_entropy: bool,
                        with_values: bool, padding_side: str, critic_prompts: TokenBatch | None,

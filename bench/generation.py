@@ -2,6 +2,7 @@
 
     python bench/generation.py [--policy DIR] [--dataset arith|math500] [--batch 64 [500 ...]] [--n 1]
                                [--max_new_tokens 48] [--temperature 1.0 [0 ...]] [--steps 1] [--runs 3]
+                               [--sides hf generate vllm]
 
 The real workload's shape in one command (MATH-500 prompts, batches of 64 and of all 500, greedy and
 sampled, three rounds of growing prompts):
@@ -39,8 +40,8 @@ import torch
 
 from envs.datasets import Arith, load_problems
 from envs.prompts import format_prompt
-from train.models.generation import Generator, left_padded, make_generator
-from train.models.policy import LanguagePolicy
+from train.models.generation import Generator, make_generator
+from train.models.policy import LanguagePolicy, left_padded
 from train.tiny import TinyConfig, cache_dir, save_untrained_policy
 
 MATH500 = Path(__file__).resolve().parents[2] / "shared" / "data" / "math500.jsonl"
@@ -103,6 +104,9 @@ def transformers_generate_side(policy: LanguagePolicy, args: argparse.Namespace)
     return generate
 
 
+SIDES = ("hf", "generate", "vllm")
+
+
 def measure(sides: dict[str, Side], rounds: list[list[str]], temperature: float, runs: int) -> dict[str, list[float]]:
     """Per side: tokens/s over all rounds, then in each round (medians over ``runs``; the sides alternate)."""
     for side in sides.values():
@@ -144,7 +148,7 @@ def setting_text(label: str, policy: LanguagePolicy, args: argparse.Namespace, b
                  rates: dict[str, list[float]]) -> str:
     """One setting's line: each side's tokens/s, and our HF backend's speed-up over ``transformers.generate``."""
     sides = " | ".join(f"{name} {rates_text(side_rates)}" for name, side_rates in rates.items())
-    speedup = f" ({speedup_of(rates):.2f}x)" if "transformers.generate" in rates else ""
+    speedup = f" ({speedup_of(rates):.2f}x)" if {"hf", "transformers.generate"} <= rates.keys() else ""
     return (f"generation tokens/s, {label} policy on {policy.device}, {args.dataset} {batch} prompts x {args.n} "
             f"samples x <= {args.max_new_tokens} new tokens, T={temperature}, {args.steps} round(s): {sides}{speedup}")
 
@@ -173,6 +177,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES),
+                        help="which backends to measure (e.g. hf vllm: leave out generate's half hour at batch 500)")
     args = parser.parse_args()
     if args.steps < 1:
         parser.error(f"--steps {args.steps} must be >= 1 (1 = the prompts alone)")
@@ -183,18 +189,21 @@ def main() -> None:
         hf = make_generator("hf", policy)
         settings = {(batch, temperature): growing_prompts(hf, bench_prompts(args.dataset, batch), temperature, args)
                     for batch in args.batch for temperature in args.temperature}
-        sides = {"hf": backend_side(hf, args), "transformers.generate": transformers_generate_side(policy, args)}
+        sides = {"hf": backend_side(hf, args)} if "hf" in args.sides else {}
+        if "generate" in args.sides:
+            sides["transformers.generate"] = transformers_generate_side(policy, args)
         results = {}
         for (batch, temperature), rounds in settings.items():
             results[batch, temperature] = measure(sides, rounds, temperature, args.runs)
             print(setting_text(label, policy, args, batch, temperature, results[batch, temperature]), flush=True)
-        vllm, vllm_note = vllm_side(policy, args)
+        vllm, vllm_note = vllm_side(policy, args) if "vllm" in args.sides else (None, "not asked for")
         print(f"vllm: {vllm_note}")
         if vllm is not None:
             for (batch, temperature), rounds in settings.items():
                 rates = measure({"vllm": vllm}, rounds, temperature, args.runs)
                 print(setting_text(label, policy, args, batch, temperature, rates))
-    print(summary(results, args.dataset))
+    if {"hf", "generate"} <= set(args.sides):
+        print(summary(results, args.dataset))
 
 if __name__ == "__main__":
     main()

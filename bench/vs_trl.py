@@ -1,7 +1,7 @@
 """GRPO completions/s: our trainer (train_math.py's path) vs ``trl.GRPOTrainer`` at identical settings.
 
     pip install -e ".[bench]"
-    python bench/vs_trl.py [--policy DIR] [--dataset arith|math500] [--reward outcome|digits]
+    python bench/vs_trl.py [--policy DIR] [--dataset arith|math500] [--reward outcome|varied]
                            [--steps 6] [--threads 1] [--backend hf|vllm]
 
 Both sides train the same policy on the same prompt pool in the env's prompt template
@@ -12,8 +12,8 @@ Both sides train the same policy on the same prompt pool in the env's prompt tem
 per generation (lr 1e-4, constant, grad-norm clip 1.0, fp32, no gradient checkpointing), clipped
 surrogate with eps 0.2, group-normalised advantages, no KL (so no reference model), token-mean loss.
 The reward on both sides is ``envs.rewards.OutcomeReward`` (1 if the final answer verifies, else 0),
-or with ``--reward digits`` that plus ``DIGIT_BONUS`` x the share of digits among the solution's
-characters (the same reward model object scores both sides), so only the trainers differ. Step k of each side trains on the
+or with ``--reward varied`` that plus ``HASH_BONUS`` x a pseudo-random number drawn from the solution's
+text (the same reward model object scores both sides), so only the trainers differ. Step k of each side trains on the
 same 8 problems (TRL's dataset holds the problems our env draws next, in that order, unshuffled): MATH-500
 prompt lengths differ a hundredfold, and different draws would swamp the difference between the trainers.
 
@@ -34,12 +34,10 @@ advantage is 0, and our runner skips their forward and backward passes (TRL comp
 random-init policy every reward is 0, ours then skips the whole update and the ratio means little:
 use the trained tiny policy (``python -m train.tiny`` builds and caches it, minutes on a CPU). The
 tiny policy solves almost no MATH-500 problem, so with the outcome reward nearly every group is
-zero-advantage there and ours nearly never updates. With ``--reward digits`` ours skips no sample:
-groups differ in their share of digits, and where they do not (the tiny policy often writes runs of
-"0" on MATH-500) the rewards are fractions whose group mean rounds, so no advantage is exactly 0;
-TRL's column is its own ``frac_reward_zero_std``, which counts groups whose std is merely close to 0.
-Both sides then update on every sample, and the skip cannot matter. (A length term does not serve:
-32 tiny tokens are nearly always 32-33 characters and one or two words on MATH-500.)
+zero-advantage there and ours nearly never updates. With ``--reward varied`` the samples of a group
+differ in reward unless their texts are equal, so both sides update on nearly every sample and the skip
+hardly matters (a format term such as the share of digits does not serve: the tiny policy often writes
+the same run of "0" eight times on MATH-500). TRL's column is its own ``frac_reward_zero_std``.
 
 With ``--backend vllm`` our side generates with ``VLLMGenerator`` (in-process, weights synced after
 every update); TRL keeps HF generation (its ``use_vllm`` needs a GPU). When ours is slower than
@@ -61,6 +59,7 @@ import tempfile
 import threading
 import time
 import warnings
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
@@ -83,7 +82,7 @@ CLIP = 0.2
 MAX_GRAD_NORM = 1.0
 TEMPERATURE = 1.0
 SEED = 0
-DIGIT_BONUS = 0.1  # --reward digits: reward per unit share of digits among the solution's characters
+HASH_BONUS = 0.1  # --reward varied: the most a solution's text hash adds to its reward
 TARGET_RATIO = 1.5  # below this ratio the bench profiles one step of each side
 TRL_FIX = 'pip install -e ".[bench]"'
 MATH500 = Path(__file__).resolve().parents[2] / "shared" / "data" / "math500.jsonl"
@@ -181,12 +180,13 @@ def make_vllm_generator(policy: LanguagePolicy) -> Generator:
 # TRL: GRPOTrainer.train() in a thread, paused after each optimizer step
 # -------------------------------------------------------------------------------------------------
 
-class DigitShareOutcome:
-    """``OutcomeReward`` plus ``DIGIT_BONUS`` x the share of digits among a finished solution's characters:
-    a format term that differs between the samples of a group even when none verifies (MATH-500 on the
-    tiny policy)."""
+class TextHashOutcome:
+    """``OutcomeReward`` plus ``HASH_BONUS`` x a fixed pseudo-random number in [0, 1) drawn from each
+    finished solution's text (its CRC-32): the samples of a group get different rewards unless their texts
+    are equal, even where none verifies (MATH-500 on the tiny policy), so both trainers update on every
+    sample and only their speed is compared."""
 
-    name = "outcome_digits"
+    name = "outcome_hash"
 
     def __init__(self) -> None:
         from envs.rewards import OutcomeReward
@@ -198,17 +198,17 @@ class DigitShareOutcome:
 
         output = self.outcome.score(contexts)
         texts = [STEP_DELIMITER.join(c.steps) if c.done else "" for c in contexts]
-        digit_share = np.array([sum(char.isdigit() for char in text) / max(len(text), 1) for text in texts])
-        output.rewards = output.rewards + DIGIT_BONUS * digit_share
+        draws = np.array([zlib.crc32(text.encode()) / 2**32 for text in texts])
+        output.rewards = output.rewards + HASH_BONUS * draws
         output.components[self.name] = output.rewards
         return output
 
 
 def make_reward_model(name: str) -> RewardModel:
-    """The reward model both sides score with: ``outcome`` (verified answer) or ``digits``."""
+    """The reward model both sides score with: ``outcome`` (verified answer) or ``varied``."""
     from envs.rewards import OutcomeReward
 
-    return OutcomeReward() if name == "outcome" else DigitShareOutcome()
+    return OutcomeReward() if name == "outcome" else TextHashOutcome()
 
 
 def env_reward_function(reward_model: RewardModel, problems: dict[str, Problem]) -> Callable[..., list[float]]:
@@ -402,9 +402,9 @@ def parse_args() -> argparse.Namespace:
                         "when train.tiny has it cached, else a random-init one of the same shape)")
     parser.add_argument("--dataset", choices=("arith", "math500"), default="arith", help="the prompt pool: "
                         "Arith-v0's train split, or MATH-500 (MATH-v0 over ../shared/data/math500.jsonl)")
-    parser.add_argument("--reward", choices=("outcome", "digits"), default="outcome", help="both sides' reward: "
-                        f"the verified answer, or that plus {DIGIT_BONUS} x the solution's share of digits (rewards "
-                        "then differ within a group, so no update is skipped)")
+    parser.add_argument("--reward", choices=("outcome", "varied"), default="outcome", help="both sides' reward: "
+                        f"the verified answer, or that plus up to {HASH_BONUS} from a hash of the solution's text "
+                        "(rewards then differ within a group, so no update is skipped)")
     parser.add_argument("--steps", type=int, default=6, help="measured steps per side (the figure is their median)")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps per side before measuring")
     parser.add_argument("--block", type=int, default=1, help="consecutive steps of one side before switching")

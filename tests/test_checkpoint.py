@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -106,8 +107,10 @@ def assert_same_training_state(a: Path, b: Path) -> None:
                 assert torch.equal(state_a[index][key], state_b[index][key]), f"implicit PRM {index}/{key} differs"
     assert optimizers_a["scheduler"] == optimizers_b["scheduler"]
     state_a, state_b = (json.loads((p / "trainer_state.json").read_text()) for p in (a, b))
-    for state in (state_a, state_b):  # eval history entries carry their wall-clock time/eval
-        state["history"] = [{k: v for k, v in h.items() if not k.startswith("time/")} for h in state["history"]]
+    for state in (state_a, state_b):  # wall clock: the training seconds, and each evaluation's time/eval and seconds
+        assert state.pop("seconds") > 0
+        state["history"] = [{k: v for k, v in h.items() if not k.startswith("time/") and k != "seconds"}
+                            for h in state["history"]]
     assert state_a == state_b
 
 
@@ -311,6 +314,33 @@ def test_k_then_resume_then_k_equals_2k_in_one_go(untrained_policy_dir, tmp_path
         assert [step for step, _ in got["eval/accuracy"]] == [0, 2, 4]  # every 2 iterations and at the end
         history = json.loads((Path(resumed) / "eval_history.json").read_text())
         assert [h["iteration"] for h in history] == [0, 2, 4]
+
+
+def test_training_seconds_continue_across_a_resume(untrained_policy_dir, tmp_path, monkeypatch):
+    """Each evaluation records the run's training wall seconds so far (``seconds``), and a resumed run
+    counts on from its checkpoint's instead of from 0: with every update slowed by 0.3 s, the evaluation
+    after 2 iterations, a SIGTERM and a resume reports at least the stopped run's 0.6 s."""
+    delay, update = 0.3, Runner.update
+
+    def slow_update(self, buffer):
+        time.sleep(delay)
+        return update(self, buffer)
+
+    monkeypatch.setattr(Runner, "update", slow_update)
+    with monkeypatch.context() as patch:
+        sigterm_after_iteration(patch, 1)
+        run_dir = Path(run_train_math(flags_for(untrained_policy_dir, tmp_path, "GRPO", 4)))
+    stopped = json.loads((run_dir / "checkpoints" / "iter_2" / "trainer_state.json").read_text())
+    assert stopped["seconds"] >= 2 * delay
+    run_train_math(flags_for(untrained_policy_dir, tmp_path, "GRPO", 4, "--resume", "auto"))
+    history = json.loads((run_dir / "eval_history.json").read_text())
+    assert [h["iteration"] for h in history] == [0, 2, 4]
+    assert history[:1] == stopped["history"]  # the evaluation before the stop, as it was
+    seconds = [h["seconds"] for h in history]
+    assert 0 <= seconds[0] < 2 * delay <= stopped["seconds"] <= seconds[1] < seconds[2]
+    assert seconds[2] >= 4 * delay
+    final = json.loads((run_dir / "checkpoints" / "iter_4" / "trainer_state.json").read_text())
+    assert final["seconds"] >= seconds[2]
 
 
 def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(untrained_policy_dir, tmp_path, monkeypatch, caplog):

@@ -88,13 +88,16 @@ class RunnerConfig:
 class Progress:
     """The runner's counters, saved with every checkpoint. ``iteration``: completed iterations (the next
     one to run); ``version``: optimizer updates so far (the policy version); ``rollout_version``: the
-    version the asynchronous rollout copy holds; ``history``: the evaluation results so far."""
+    version the asynchronous rollout copy holds; ``seconds``: wall seconds the run has spent in
+    ``Runner.run`` so far, over every resume (start-up and model loading excluded); ``history``: the
+    evaluation results so far."""
 
     iteration: int = 0
     version: int = 0
     rollout_version: int = 0
     nonfinite_steps: int = 0
     nonfinite_in_a_row: int = 0
+    seconds: float = 0.0
     history: list[dict[str, float]] = field(default_factory=list)
 
 
@@ -123,6 +126,7 @@ class Runner:
         self.rollout_policy, self.rollout_generator = rollout_policy, rollout_generator
         self.shuffle = torch.Generator().manual_seed(config.seed)
         self.progress = Progress()
+        self.clock = time.perf_counter()  # when progress.seconds was last brought up to date
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1) if config.async_rollouts else None
         self.pending: concurrent.futures.Future | None = None
         self.pending_version = 0  # the rollout copy's version when the pending batch was started
@@ -151,6 +155,7 @@ class Runner:
                         total=config.num_iterations, desc=self.algorithm.name, dynamic_ncols=True,
                         disable=not self.ranks.is_main)
         postfix: dict[str, str] = {}
+        self.clock = time.perf_counter()  # the time before this call (start-up, a restore) is not training
         try:
             with self.signals_stop_after_iteration():
                 for iteration in progress:
@@ -171,6 +176,13 @@ class Runner:
             if self.writer is not None:
                 self.writer.flush()
         return self.history
+
+    def elapsed(self) -> float:
+        """Training wall seconds so far (``progress.seconds``, brought up to now)."""
+        now = time.perf_counter()
+        self.progress.seconds += now - self.clock
+        self.clock = now
+        return self.progress.seconds
 
     def stop_requested(self) -> bool:
         """Whether a signal asked to stop, on any rank (all ranks must stop at the same iteration)."""
@@ -499,7 +511,9 @@ class Runner:
                                          self.ranks, self.collector.voices, self.policy)
         env_steps = self.env_steps()
         best_before = max((h["eval/accuracy"] for h in self.history), default=-math.inf)
-        self.history.append({"iteration": iteration, "env_steps": env_steps, **result})
+        # seconds: the training time the policy evaluated here took, this evaluation excluded
+        seconds = self.elapsed() - result["time/eval"]
+        self.history.append({"iteration": iteration, "env_steps": env_steps, "seconds": seconds, **result})
         if self.config.save_best and result["eval/accuracy"] > best_before:  # the same on every rank
             self.save_best(iteration, result["eval/accuracy"])
         if not self.ranks.is_main:
@@ -564,6 +578,7 @@ class Runner:
         """(JSON state, RNG states) of everything but weights and optimizers: the counters and the
         collector's state (env, episode returns, env steps); python/numpy/torch RNGs and the minibatch
         shuffle. The JSON keeps one flat layout, so checkpoints of earlier versions resume."""
+        self.elapsed()
         return ({**asdict(self.progress), **self.collector.get_state()},
                 {**checkpoint.rng_state(), "shuffle": self.shuffle.get_state()})
 
@@ -633,7 +648,8 @@ class Runner:
                 log.warning("resuming a checkpoint of %d rank(s) on %d: the envs and their episodes are split anew",
                             saved_ranks, self.ranks.world_size)
         self.collector.set_state(state)
-        self.progress = Progress(**{f.name: state[f.name] for f in fields(Progress)})
+        # a checkpoint written before a counter existed leaves that counter at its default
+        self.progress = Progress(**{f.name: state[f.name] for f in fields(Progress) if f.name in state})
         checkpoint.set_rng_state(rng)
         self.shuffle.set_state(rng["shuffle"])
         self.generator.sync(self.policy)  # the engines were built on the starting weights

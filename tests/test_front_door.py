@@ -139,6 +139,9 @@ def test_resuming_a_run_at_or_past_its_budget_changes_nothing(untrained_policy_d
     argv = small(untrained_policy_dir, tmp_path, "--num_env_steps", "32", "--eval_interval", "2", "--save_interval", "2")
     run_dir = Path(run_train_math(argv))
     history = (run_dir / "eval_history.json").read_text()
+    # the periodic save at iteration 4 came before the final evaluation: the final save still holds it
+    assert json.loads((run_dir / "checkpoints" / "iter_4" / "trainer_state.json").read_text())["history"] == \
+        json.loads(history)
     events = events_of(run_dir)
     for budget in ("32", "16"):  # the finished run again, then a smaller budget than it has done
         run_train_math([*argv, "--resume", "auto", "--num_env_steps", budget])

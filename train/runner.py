@@ -133,6 +133,7 @@ class Runner:
         self.last_buffer: RolloutBuffer | None = None  # for the text panel of sampled solutions
         self.run_flags = run_flags or {}  # saved with every checkpoint
         self.last_checkpoint: Path | None = None
+        self.last_saved: tuple[int, int] | None = None  # (iteration, evaluations) last_checkpoint holds
         self.stop_signal: str | None = None  # name of the signal that asked the run to stop
 
     @property
@@ -589,8 +590,9 @@ class Runner:
             concurrent.futures.wait([self.pending])
         state, rng = snapshot or self.snapshot()
         checkpoints_dir = self.run_dir / "checkpoints"
-        if self.last_checkpoint == checkpoints_dir / f"{checkpoint.PREFIX}{state['iteration']}":
-            return self.last_checkpoint  # nothing trained since (e.g. the final save right after a periodic one)
+        saved = (state["iteration"], len(state["history"]))
+        if self.last_checkpoint == checkpoints_dir / f"{checkpoint.PREFIX}{saved[0]}" and self.last_saved == saved:
+            return self.last_checkpoint  # nothing trained or evaluated since (e.g. a stop right after a periodic save)
         if self.ranks.distributed:  # every rank's envs and RNGs in the one checkpoint
             gathered = distributed.all_gather_objects((state, rng))
             state = {**state, **self.collector.merge_states([rank_state for rank_state, _ in gathered]),
@@ -605,7 +607,7 @@ class Runner:
                                optimizers=optimizers, rng=rng, state=state, flags=self.run_flags,
                                implicit_prm=self.implicit_prm.model if self.implicit_prm is not None else None,
                                ranks=self.ranks)
-        self.last_checkpoint = path
+        self.last_checkpoint, self.last_saved = path, saved
         if self.ranks.is_main:
             log.info("saved checkpoint %s", path)
             if self.config.keep_checkpoints:
@@ -655,7 +657,7 @@ class Runner:
         self.generator.sync(self.policy)  # the engines were built on the starting weights
         if self.rollout_policy is not None:
             self.refresh_rollout_policy()
-        self.last_checkpoint = saved.path
+        self.last_checkpoint, self.last_saved = saved.path, (self.iteration, len(self.history))
         log.info("resumed from %s: iteration %d, %d env steps", saved.path, self.iteration, self.collector.env_steps)
 
 

@@ -16,23 +16,22 @@ problems every ``--iterations / 4`` iterations (the first one, at iteration 0, i
 
 Also measured: the solver alone, i.e. the same model on the single-agent ``Arith-v0`` with the same
 evaluation. Prints one JSON line per run (start, best and final team accuracy, each role's held-out
-metrics at the start and the end, minutes) and keeps the runs under ``--logdir``.
+metrics at the start and the end, minutes of training) and keeps the runs under ``--logdir``: a run that
+finished there is read back, not trained again, and a half-finished one continues from its checkpoint
+(``bench.learning_table.train_math_history``, which also refuses a run directory of other flags).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any, Sequence
 
 import gymnasium
 import numpy as np
 
+from bench.learning_table import train_math_history
 from envs.multi_agent import MultiAgentMathVectorEnv
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,22 +68,16 @@ def team_model() -> str:
 
 
 def train(name: str, args: argparse.Namespace) -> dict:
-    """One run of ``train_math.py``; its evaluation history and wall time."""
-    logdir = args.logdir / name
+    """One run of ``train_math.py``; its evaluation history and minutes of training."""
     iterations = 0 if name == "solver_alone" else args.iterations
     turns = {"chain": 3, "control": 3, "debate": 2, "solver_alone": 1}[name]
-    command = [sys.executable, str(ROOT / "train_math.py"), "--model_name_or_path", team_model(),
-               "--algorithm_name", "GRPO", "--n_rollout_threads", str(args.n_rollout_threads),
-               "--num_env_steps", str(max(iterations, 1) * turns * args.n_rollout_threads),
-               "--eval_interval", str(max(1, args.iterations // 4)), "--eval_limit", str(args.eval_limit),
-               "--save_interval", "0", "--seed", str(args.seed), "--logdir", str(logdir), *RUNS[name]]
-    started = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    if done.returncode:
-        raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
-    states = sorted(logdir.glob("*/*/checkpoints/iter_*/trainer_state.json"), key=os.path.getmtime)
-    history = json.loads(states[-1].read_text())["history"]
-    return {"history": history, "minutes": round((time.perf_counter() - started) / 60, 1)}
+    flags = ["--model_name_or_path", team_model(), "--algorithm_name", "GRPO",
+             "--n_rollout_threads", str(args.n_rollout_threads),
+             "--num_env_steps", str(max(iterations, 1) * turns * args.n_rollout_threads),
+             "--eval_interval", str(max(1, args.iterations // 4)), "--eval_limit", str(args.eval_limit),
+             "--save_interval", "0", "--seed", str(args.seed), *RUNS[name]]
+    history = train_math_history(flags, args.logdir / name)
+    return {"history": history, "minutes": round(history[-1]["seconds"] / 60, 1)}
 
 
 def summary(name: str, run: dict) -> dict:

@@ -21,6 +21,7 @@ from envs.workflows import ACCEPT, REJECT
 from test_checkpoint import read_scalars_purged
 from test_front_door import small
 from test_trainer import run_train_math
+from train import evaluation
 from train.collector import Collector, Sampling, Tally, Voices
 from train.models.generation import GenerationOutput, HFGenerator
 from train.models.policy import LanguagePolicy, LoraSettings
@@ -130,6 +131,25 @@ def test_counterfactual_credit_blames_the_verifier_that_let_a_wrong_answer_throu
     torch.testing.assert_close(buffer.episode_returns()[7], torch.tensor([0.0, 0.0, 0.0]))
     # group 0: right and accepted; without the solver nobody answers: 1; the verifier's accept is its default: 0
     torch.testing.assert_close(buffer.episode_returns()[0], torch.tensor([1.0, 0.0, 0.0]))
+
+
+def test_held_out_role_metrics_count_only_the_problems_evaluated(policy):
+    """One problem on an eval env of 4: the 3 envs that pad the batch (their episodes run on empty messages)
+    count in no role's metrics. The solver is right and the verifier accepts."""
+    env = MultiAgentMathVectorEnv(4, group_size=1, autoreset_mode="Disabled", arith={"seed": 5}, split="test",
+                                  max_steps=8, workflow="chain", reward_assignment="team")
+    answers = {problem.problem: problem.answer for problem in env.problems}
+
+    def say(prompt: str) -> str:
+        if "Verifier:" in prompt:
+            return ACCEPT
+        return next(f"The answer is \\boxed{{{answer}}}." for problem, answer in answers.items() if problem in prompt)
+
+    result = evaluation.evaluate(env, ScriptedWords(policy.tokenizer, say), Sampling(max_new_tokens=32), limit=1)
+    assert result["eval/accuracy"] == 1.0
+    assert result["eval/solver/answer_correct"] == 1.0
+    assert result["eval/verifier/verdict"] == result["eval/verifier/verdict_correct"] == 1.0
+    assert "eval/refiner/answer_correct" not in result  # an accepted solution never reaches the refiner
 
 
 def test_prefix_rl_as_two_agents_trains_the_writer_while_a_frozen_model_solves(policy, untrained_policy_dir):

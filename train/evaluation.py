@@ -82,7 +82,8 @@ def solve_batch(env, generator: Generator, sampling: Sampling, problem_ids: Sequ
             prm_scores += np.asarray(info["reward/prm"], dtype=np.float64)[envs].tolist()
         for m, metric in enumerate(ROLE_METRICS):
             if metric in info:
-                values = np.asarray(info[metric], dtype=np.float64)  # [N, A], NaN where the slot said none
+                # [N, A], NaN where the slot said none; not the envs whose episode had ended, or that only pad the batch
+                values = np.asarray(info[metric], dtype=np.float64)[~done]
                 role_sums[0, :, m] += np.nansum(values, axis=0)
                 role_sums[1, :, m] += (~np.isnan(values)).sum(0)
         done |= terminated | truncated

@@ -46,6 +46,7 @@ newest kept); Ctrl-C lets the current run finish its iteration and save first.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import importlib.util
 import json
@@ -54,8 +55,9 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -126,9 +128,10 @@ def check_same_command(logdir: Path, flags: list[str]) -> None:
     """Records the run's flags in ``LOGDIR/command.json``; raises if a run of other flags has already
     trained there (a checkpoint or a finished history; a run that never got that far is replaced)."""
     recorded = logdir / COMMAND_FILE
-    before = json.loads(recorded.read_text()) if recorded.is_file() else flags
-    trained = (logdir / HISTORY_FILE).is_file() or any(logdir.glob("*/run_*/checkpoints/iter_*"))
-    if before != flags and trained:
+    before = json.loads(recorded.read_text()) if recorded.is_file() else None
+    if before == flags:
+        return
+    if before is not None and ((logdir / HISTORY_FILE).is_file() or any(logdir.glob("*/run_*/checkpoints/iter_*"))):
         raise ValueError(f"{logdir} holds a run of other flags: it ran {shlex.join(before)}, this command asks "
                          f"for {shlex.join(flags)}. Pass another --out (or --logdir), or delete {logdir} to start over")
     recorded.write_text(json.dumps(flags))
@@ -136,11 +139,12 @@ def check_same_command(logdir: Path, flags: list[str]) -> None:
 
 def run_to_the_end(flags: list[str], log_file: Path) -> None:
     """Runs ``python train_math.py FLAGS`` to its end, its output appended to ``log_file``. Interrupted
-    (Ctrl-C), it passes the run one SIGINT, so the run finishes its iteration and saves a checkpoint,
-    waits for that, and re-raises. Raises when the run fails or was stopped before its end."""
+    (Ctrl-C, SIGTERM, SIGHUP), it passes the run one SIGINT, so that the run finishes its iteration and
+    saves a checkpoint, waits for that, and raises KeyboardInterrupt. Raises RuntimeError when the run
+    fails or was stopped before its end."""
     command = [sys.executable, str(ROOT / "train_math.py"), *flags]
     path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
-    with open(log_file, "a") as log:
+    with open(log_file, "a") as log, terminations_interrupt():
         log.write(f"$ {shlex.join(command)}\n")
         log.flush()
         # a session of its own: a Ctrl-C in the terminal reaches only this process, which passes it on once
@@ -148,10 +152,11 @@ def run_to_the_end(flags: list[str], log_file: Path) -> None:
                                    env={**os.environ, "PYTHONPATH": path}, start_new_session=True)
         try:
             out, _ = process.communicate()
-        except BaseException:
+        except KeyboardInterrupt:
             process.send_signal(signal.SIGINT)
-            process.wait()
-            raise
+            log.write(process.communicate()[0])
+            raise KeyboardInterrupt(f"the run in {log_file.parent} saved a checkpoint after its current iteration "
+                                    "(see train.log there); the same command continues it") from None
         log.write(out)
     if process.returncode:
         tail = "".join(log_file.read_text().splitlines(keepends=True)[-20:])
@@ -161,6 +166,24 @@ def run_to_the_end(flags: list[str], log_file: Path) -> None:
     if stopped:
         raise RuntimeError(f"{shlex.join(command)} was stopped before its end ({stopped[0]}); run the same command "
                            "again to continue it")
+
+
+@contextlib.contextmanager
+def terminations_interrupt() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise KeyboardInterrupt as Ctrl-C does (in the main thread; handlers restored after)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame) -> None:
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    previous = {signum: signal.signal(signum, interrupt) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def newest_checkpoint(logdir: Path) -> Path:
@@ -417,7 +440,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     if importlib.util.find_spec("matplotlib") is None:  # before hours of runs, not after them
         raise SystemExit("bench/learning_table.py: the plots need matplotlib: pip install -e '.[bench]' (or pip "
                          "install matplotlib)")
-    results = run_grid(args)
+    try:
+        results = run_grid(args)
+    except KeyboardInterrupt as interrupt:
+        print(f"bench/learning_table.py: interrupted: {interrupt}", file=sys.stderr)
+        raise SystemExit(130) from None
     note = (f"`python -m bench.learning_table {shlex.join(sys.argv[1:] if argv is None else argv)}`: "
             f"{args.env_steps:,} env steps per trained run, {args.n_rollout_threads} envs per iteration, held-out "
             f"greedy accuracy on the first {args.eval_limit} Arith test problems every {args.eval_interval} "

@@ -137,7 +137,8 @@ def test_a_small_grid_runs_end_to_end_and_a_second_call_skips_finished_runs(tiny
     subprocess.run(command, cwd=ROOT, env=env, check=True, capture_output=True, text=True)
     history = json.loads((tmp_path / "runs" / "grpo_outcome" / "seed_0" / "history.json").read_text())
     assert [h["iteration"] for h in history] == [0, 2, 4]
-    assert [h["env_steps"] for h in history] == [0, 32, 64]
+    # env steps taken so far: asynchronous rollouts (the CPU default) count the batch generated in the background
+    assert history[0]["env_steps"] == 0 < history[1]["env_steps"] < history[2]["env_steps"] == 64
     assert 0 <= history[0]["seconds"] < history[1]["seconds"] < history[2]["seconds"]
     table = (tmp_path / "table.md").read_text()
     assert "| grpo_outcome | 0 |" in table and "target_alone" in table

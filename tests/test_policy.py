@@ -200,6 +200,24 @@ def test_length_buckets_cut_sorted_rows_where_padding_costs_more_than_a_pass():
     assert [row for bucket in buckets for row in bucket] == [3, 5, 1, 4, 2, 0]  # every row once, by length
 
 
+def scores_and_grads(policy: LanguagePolicy, prompts, actions):
+    """Scores at T=0.7 with values, and the gradients of their sum (then zeroed)."""
+    scores = policy.evaluate(prompts, actions, 0.7, with_values=True)
+    (scores.logprobs.sum() + scores.entropy.sum() + scores.values.sum()).backward()
+    grads = {name: p.grad.clone() for name, p in policy.named_parameters() if p.grad is not None}
+    policy.zero_grad(set_to_none=True)
+    return scores, grads
+
+
+def assert_same_scores_and_grads(first, second) -> None:
+    (scores, grads), (other_scores, other_grads) = first, second
+    for name in ("logprobs", "mask", "entropy", "values"):
+        torch.testing.assert_close(getattr(scores, name), getattr(other_scores, name), atol=1e-5, rtol=1e-5)
+    assert grads.keys() == other_grads.keys() and len(other_grads) > 0
+    for name, grad in other_grads.items():
+        torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
 @pytest.mark.parametrize("mode", ["full", "lora"])
 def test_length_buckets_give_the_scores_and_gradients_of_one_padded_pass(untrained_policy_dir, monkeypatch, mode):
     """Rows of very different lengths scored in several passes: the same log-probs, entropies, values and
@@ -210,21 +228,9 @@ def test_length_buckets_give_the_scores_and_gradients_of_one_padded_pass(untrain
     actions = [torch.randint(3, 300, (length,), generator=generator).tolist() for length in (5, 9, 1, 7, 3, 8)]
     assert len(length_buckets([len(p) + len(a) for p, a in zip(prompts, actions)])) > 1
 
-    def scores_and_grads():
-        scores = policy.evaluate(prompts, actions, 0.7, with_values=True)
-        (scores.logprobs.sum() + scores.entropy.sum() + scores.values.sum()).backward()
-        grads = {name: p.grad.clone() for name, p in policy.named_parameters() if p.grad is not None}
-        policy.zero_grad(set_to_none=True)
-        return scores, grads
-
-    bucketed, bucketed_grads = scores_and_grads()
+    bucketed = scores_and_grads(policy, prompts, actions)
     monkeypatch.setattr(policy_module, "length_buckets", lambda lengths: [list(range(len(lengths)))])
-    padded, padded_grads = scores_and_grads()
-    for name in ("logprobs", "mask", "entropy", "values"):
-        torch.testing.assert_close(getattr(bucketed, name), getattr(padded, name), atol=1e-5, rtol=1e-5)
-    assert bucketed_grads.keys() == padded_grads.keys() and len(padded_grads) > 0
-    for name, grad in padded_grads.items():
-        torch.testing.assert_close(bucketed_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+    assert_same_scores_and_grads(bucketed, scores_and_grads(policy, prompts, actions))
 
 
 @pytest.mark.parametrize("mode", ["full", "lora"])
@@ -240,24 +246,14 @@ def test_shared_prompts_give_the_scores_and_gradients_of_packed_rows(untrained_p
     prompts = [distinct[row % 3] for row in range(12)]
     actions = [torch.randint(3, 300, (1 + row % 5,), generator=generator).tolist() for row in range(12)]
     assert isinstance(policy.pack(prompts, actions), policy_module.SharedPromptBatch)
-    assert sorted(map(sorted, policy._pass_rows(prompts, actions, list(range(12))))) == [
-        [0, 3, 6, 9], [1, 4, 7, 10], [2, 5, 8, 11]] or len(policy._pass_rows(prompts, actions, list(range(12)))) == 1
+    passes = policy._pass_rows(prompts, actions, list(range(12)))  # a prompt's rows never split over passes
+    assert sorted(row for rows in passes for row in rows) == list(range(12))
+    for group in ({0, 3, 6, 9}, {1, 4, 7, 10}, {2, 5, 8, 11}):
+        assert sum(bool(group & set(rows)) for rows in passes) == 1
 
-    def scores_and_grads():
-        scores = policy.evaluate(prompts, actions, 0.7, with_values=True)
-        (scores.logprobs.sum() + scores.entropy.sum() + scores.values.sum()).backward()
-        grads = {name: p.grad.clone() for name, p in policy.named_parameters() if p.grad is not None}
-        policy.zero_grad(set_to_none=True)
-        return scores, grads
-
-    shared, shared_grads = scores_and_grads()
+    shared = scores_and_grads(policy, prompts, actions)
     monkeypatch.setattr(policy_module, "pack_shared", lambda *args: None)
-    packed, packed_grads = scores_and_grads()
-    for name in ("logprobs", "mask", "entropy", "values"):
-        torch.testing.assert_close(getattr(shared, name), getattr(packed, name), atol=1e-5, rtol=1e-5)
-    assert shared_grads.keys() == packed_grads.keys() and len(packed_grads) > 0
-    for name, grad in packed_grads.items():
-        torch.testing.assert_close(shared_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+    assert_same_scores_and_grads(shared, scores_and_grads(policy, prompts, actions))
 
 
 def test_bad_inputs_fail_clearly(untrained_policy_dir, tmp_path):

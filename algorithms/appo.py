@@ -6,7 +6,7 @@ import functools
 
 import torch
 
-from algorithms.base import ActionScores, BaseAlgorithm, SumReducer, batch_mean_std, detached
+from algorithms.base import ActionScores, BaseAlgorithm, SumReducer, batch_mean_std, decoupled_gae, detached
 from algorithms.buffer import Batch, RolloutBuffer, Targets
 from algorithms.losses import clipped_surrogate, kl_k3, masked_mean, value_loss
 
@@ -49,14 +49,16 @@ class APPO(BaseAlgorithm):
     needs_reference = False
 
     def advantages(self, buffer: RolloutBuffer) -> Targets:
-        """advantages, returns: [T, N, A]; advantages normalised over the live slots. GAE runs along each
-        agent's own actions (``RolloutBuffer.turn_order``): in a multi-agent env other roles act in
-        between, and what they achieve reaches it through its rewards and the values it bootstraps from."""
+        """advantages (GAE at gae_lambda), returns (at value_lambda): [T, N, A]; advantages normalised over
+        the live slots. GAE runs along each agent's own actions (``RolloutBuffer.turn_order``): in a
+        multi-agent env other roles act in between, and what they achieve reaches it through its rewards
+        and the values it bootstraps from."""
         live, order = buffer.live, buffer.turn_order()
         by_turns = functools.partial(buffer.by_turns, order=order)
-        advantages, returns = gae(by_turns(buffer.rewards * live), by_turns(buffer.values),
-                                  by_turns(buffer.next_values), by_turns(buffer.episode_ends() | ~live),
-                                  self.config.gamma, self.config.gae_lambda)
+        estimate = functools.partial(gae, by_turns(buffer.rewards * live), by_turns(buffer.values),
+                                     by_turns(buffer.next_values), by_turns(buffer.episode_ends() | ~live),
+                                     self.config.gamma)
+        advantages, returns = decoupled_gae(estimate, self.config)
         advantages, returns = buffer.from_turns(advantages, order), buffer.from_turns(returns, order)
         return Targets(normalized(advantages, live, self.reduce_sum), returns, stats={
             "advantages": advantages[live], "returns": returns[live], "values": buffer.values[live]})

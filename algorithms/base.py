@@ -42,7 +42,8 @@ class AlgorithmConfig:
     value_coef: float = 0.5
     entropy_coef: float = 0.0
     gamma: float = 1.0
-    gae_lambda: float = 0.95
+    gae_lambda: float = 0.95  # the policy's advantages
+    value_lambda: float = 1.0  # the critic's targets (returns); 1.0 = Monte Carlo, free of the critic's own bias
     scale_rewards: str = "group"
     kl_coef: float = 0.0
     loss_agg: str = "token_mean"
@@ -51,6 +52,21 @@ class AlgorithmConfig:
     accuracy_upper_bound: float = 0.8
     max_groups: int | None = None  # RLOO: groups kept after filtering an oversampled batch
     joint_groups: bool = False  # multi-agent GRPO/RLOO: one baseline over all agents of a prompt group (MAGRPO)
+
+
+def decoupled_gae(estimate: Callable[[float], tuple[torch.Tensor, torch.Tensor]], config: AlgorithmConfig
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages at ``config.gae_lambda``, returns at ``config.value_lambda``) from ``estimate(lam)``,
+    which gives (advantages, returns) at one lambda (Decoupled GAE, VAPO arXiv 2504.05118).
+
+    Why two lambdas: returns at lambda < 1 are mostly the critic's own later values (a token j steps
+    before the reward sees it with weight lambda^j), so a biased critic regresses onto its bias and can
+    drift away from the rewards; lambda = 1 anchors every target on the rewards. The policy keeps a
+    lower lambda for lower-variance advantages."""
+    advantages, returns = estimate(config.gae_lambda)
+    if config.value_lambda != config.gae_lambda:
+        returns = estimate(config.value_lambda)[1]
+    return advantages, returns
 
 
 class Algorithm(Protocol):

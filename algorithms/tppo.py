@@ -7,10 +7,12 @@ gives a value per token, V_{t,j} = V(prompt_t, first j tokens of action t).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from algorithms.appo import normalized
-from algorithms.base import ActionScores, BaseAlgorithm, token_policy_loss
+from algorithms.base import ActionScores, BaseAlgorithm, decoupled_gae, token_policy_loss
 from algorithms.buffer import Batch, RolloutBuffer, Targets
 from algorithms.losses import aggregate, discount_matrix, discounted_reverse_cumsum, value_loss
 
@@ -64,8 +66,8 @@ class TPPO(BaseAlgorithm):
     name = "TPPO"
 
     def advantages(self, buffer: RolloutBuffer) -> Targets:
-        """advantages, returns: [T, N, A, L]; advantages normalised over live tokens. Steps run along each
-        agent's own actions (``RolloutBuffer.turn_order``), as APPO's."""
+        """advantages (at gae_lambda), returns (at value_lambda): [T, N, A, L]; advantages normalised over
+        live tokens. Steps run along each agent's own actions (``RolloutBuffer.turn_order``), as APPO's."""
         num_steps, num_envs, num_agents = buffer.shape
         flat = (num_steps, num_envs * num_agents)
         live, order = buffer.live, buffer.turn_order()
@@ -73,10 +75,11 @@ class TPPO(BaseAlgorithm):
         def by_turns(x: torch.Tensor) -> torch.Tensor:
             return buffer.by_turns(x, order).reshape(*flat, *x.shape[3:])
 
-        advantages, returns = tppo_advantages(
-            by_turns(buffer.rewards * live), by_turns(buffer.token_values), by_turns(buffer.action_lengths.clamp(min=1)),
-            by_turns(buffer.next_values), by_turns(buffer.episode_ends() | ~live), self.config.gamma,
-            self.config.gae_lambda)
+        estimate = functools.partial(
+            tppo_advantages, by_turns(buffer.rewards * live), by_turns(buffer.token_values),
+            by_turns(buffer.action_lengths.clamp(min=1)), by_turns(buffer.next_values),
+            by_turns(buffer.episode_ends() | ~live), self.config.gamma)
+        advantages, returns = decoupled_gae(estimate, self.config)
         mask = buffer.token_mask()
         advantages = buffer.from_turns(advantages.reshape(mask.shape), order)
         returns = buffer.from_turns(returns.reshape(mask.shape), order)

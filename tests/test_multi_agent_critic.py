@@ -1,5 +1,6 @@
-"""Critics over a multi-agent workflow: GAE along each agent's own turns, a centralized critic that reads
-the joint transcript, per-role value heads, and APPO / TPPO training a workflow end to end."""
+"""Critics: the critic's targets at their own lambda (Decoupled GAE); over a multi-agent workflow, GAE
+along each agent's own turns, a centralized critic that reads the joint transcript, per-role value heads,
+and APPO / TPPO training a workflow end to end."""
 
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ def test_gae_runs_along_each_agents_own_turns():
     # agent 0 bootstraps its first action from its own next action (step 2), not from agent 1's step
     torch.testing.assert_close(buffer.next_values[:, 0, 0], torch.tensor([0.5, 0.0, 0.0]))
     torch.testing.assert_close(buffer.next_values[:, 0, 1], torch.zeros(3))
-    returns = APPO(AlgorithmConfig(gamma=GAMMA, gae_lambda=LAM)).advantages(buffer).returns
+    returns = APPO(AlgorithmConfig(gamma=GAMMA, gae_lambda=LAM, value_lambda=LAM)).advantages(buffer).returns
     advantage_2 = 1.0 - 0.5
     advantage_0 = (0.0 + GAMMA * 0.5 - 0.2) + GAMMA * LAM * advantage_2  # one discount per own turn
     torch.testing.assert_close(returns[:, 0, 0], torch.tensor([advantage_0 + 0.2, 0.0, advantage_2 + 0.5]))
@@ -53,9 +54,36 @@ def test_gae_runs_along_each_agents_own_turns():
 
 
 def test_tppo_with_one_token_actions_gives_appos_returns_over_interleaved_turns():
-    appo = APPO(AlgorithmConfig(gamma=GAMMA, gae_lambda=LAM)).advantages(interleaved_buffer()).returns
-    tppo = TPPO(AlgorithmConfig(gamma=GAMMA, gae_lambda=LAM)).advantages(interleaved_buffer(token_critic=True)).returns
+    appo = APPO(AlgorithmConfig(gamma=GAMMA, gae_lambda=LAM, value_lambda=LAM)).advantages(interleaved_buffer()).returns
+    tppo = TPPO(AlgorithmConfig(gamma=GAMMA, gae_lambda=LAM, value_lambda=LAM)).advantages(interleaved_buffer(token_critic=True)).returns
     torch.testing.assert_close(tppo[..., 0], appo)
+
+
+def one_token_episode_buffer(token_critic: bool) -> RolloutBuffer:
+    """One env, a 3-step episode of one-token actions with values 0.5, 0.9, 0.7 and rewards 0, 0, 1 (gamma 1)."""
+    buffer = RolloutBuffer(3, 1, 1, max_action_tokens=1, token_values=token_critic)
+    for step, value in enumerate((0.5, 0.9, 0.7)):
+        ended = torch.tensor([step == 2])
+        buffer.add(step=step, envs=[0], agents=[0], prompt_ids=[[1]], action_ids=[[2]], logprobs=[[0.0]],
+                   rewards=torch.tensor([float(step == 2)]), terminated=ended, truncated=torch.tensor([False]),
+                   group_ids=torch.tensor([0]), correct=torch.tensor([1.0]), texts=["x"],
+                   values=torch.tensor([value]), token_values=torch.tensor([[value]]) if token_critic else None)
+    buffer.next_values = buffer.next_action_values()
+    return buffer
+
+
+@pytest.mark.parametrize("algorithm", [APPO, TPPO])
+def test_decoupled_gae_fits_the_critic_to_monte_carlo_returns(algorithm):
+    buffer = one_token_episode_buffer(token_critic=algorithm is TPPO)
+    lam = 0.5
+    coupled = algorithm(AlgorithmConfig(gae_lambda=lam, value_lambda=lam)).advantages(buffer)
+    decoupled = algorithm(AlgorithmConfig(gae_lambda=lam, value_lambda=1.0)).advantages(buffer)
+    # deltas 0.4, -0.2, 0.3: at lambda 0.5 the first return is 0.5 + 0.4 + 0.5 * (-0.2 + 0.5 * 0.3) = 0.875,
+    # mostly the critic's own later values; at lambda 1 every return is the episode's reward, 1
+    flat = (lambda x: x.reshape(3)) if algorithm is APPO else (lambda x: x[..., 0].reshape(3))
+    torch.testing.assert_close(flat(coupled.returns), torch.tensor([0.875, 0.85, 1.0]))
+    torch.testing.assert_close(flat(decoupled.returns), torch.ones(3))
+    torch.testing.assert_close(decoupled.advantages, coupled.advantages)  # the policy's lambda is unchanged
 
 
 @pytest.fixture(scope="module")

@@ -203,7 +203,10 @@ flags.DEFINE_float("value_coef", 0.5, "Value loss coefficient.")
 flags.DEFINE_float("value_clip_param", 0.2, "Value clip around the collection-time values (0: off).")
 flags.DEFINE_float("huber_delta", 0.0, "Huber delta of the value loss (0: squared error).")
 flags.DEFINE_float("gamma", 1.0, "Discount across env steps.")
-flags.DEFINE_float("gae_lambda", 0.95, "GAE lambda.")
+flags.DEFINE_float("gae_lambda", 0.95, "GAE lambda of the policy's advantages.")
+flags.DEFINE_float("value_lambda", 1.0, "GAE lambda of the critic's targets (Decoupled GAE): 1.0 fits V to the "
+                   "returns the rewards give; lower values fit V mostly to its own later values, which lets a "
+                   "token critic drift away from the rewards (TPPO on Arith collapsed at 0.95).")
 flags.DEFINE_enum("scale_rewards", "group", ("group", "batch", "none"), "Divide centred returns by the "
                   "group's std, the batch's, or nothing (Dr.GRPO).")
 flags.DEFINE_float("kl_coef", 0.0, "k3 KL-to-reference coefficient (0: no reference pass).")
@@ -225,7 +228,8 @@ APPLIES_TO = {
                      "implicit_prm_lr", "process_coef"), ("RLOO",)),
     "scale_rewards": ("GRPO",),
     "kl_coef": ("GRPO", "TPPO", "RLOO"),
-    **dict.fromkeys(("value_coef", "value_clip_param", "huber_delta", "gae_lambda", "critic_lr"), WITH_CRITIC),
+    **dict.fromkeys(("value_coef", "value_clip_param", "huber_delta", "gae_lambda", "value_lambda", "critic_lr"),
+                    WITH_CRITIC),
 }
 """Flags that only some algorithms read: passing one to another algorithm is an error rather than
 silently ignored, and each one's help says which algorithms it applies to."""
@@ -271,7 +275,8 @@ for _name in ("max_grad_norm", "entropy_coef", "target_kl", "value_coef", "value
     _positive(_name, allow_zero=True)
 flags.register_validator("top_p", lambda v: 0 < v <= 1, "must be in (0, 1]")
 flags.register_validator("gamma", lambda v: 0 <= v <= 1, "must be in [0, 1]")
-flags.register_validator("gae_lambda", lambda v: 0 <= v <= 1, "must be in [0, 1]")
+for _name in ("gae_lambda", "value_lambda"):
+    flags.register_validator(_name, lambda v: 0 <= v <= 1, "must be in [0, 1]")
 flags.register_validator("device", lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", v) is not None,
                          "must be auto, cpu, cuda or cuda:N")
 flags.register_validator("experiment_name", lambda v: v is None or re.fullmatch(r"[\w.\-]+", v) is not None,

@@ -13,6 +13,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
+import numpy as np
 import torch
 
 from algorithms.buffer import Batch, RolloutBuffer, Targets
@@ -107,6 +108,17 @@ def batch_mean_std(values: torch.Tensor, reduce_sum: SumReducer) -> tuple[torch.
     squares = reduce_sum(((values - mean) ** 2).sum())
     std = (squares / (count - 1)).sqrt() if bool(count > 1) else values.new_tensor(1.0)
     return mean, std
+
+
+def roc_auc(scores: torch.Tensor | np.ndarray, labels: torch.Tensor | np.ndarray) -> float:
+    """Area under the ROC curve of ``scores`` [K] for ``labels`` [K] in {0, 1}: P(score of a random
+    positive > that of a random negative), ties counted half."""
+    scores, labels = torch.as_tensor(scores), torch.as_tensor(labels)
+    positives, negatives = scores[labels == 1], scores[labels == 0]
+    if len(positives) == 0 or len(negatives) == 0:
+        raise ValueError(f"ROC-AUC needs both classes, got {len(positives)} positives and {len(negatives)} negatives")
+    greater = (positives[:, None] > negatives[None]).sum() + 0.5 * (positives[:, None] == negatives[None]).sum()
+    return float(greater / (len(positives) * len(negatives)))
 
 
 class BaseAlgorithm:

@@ -65,7 +65,11 @@ class RLOO(BaseAlgorithm):
     at most ``max_groups``. The loss is the per-token clipped surrogate on those returns."""
 
     name = "RLOO"
-    needs_process_rewards = True
+
+    @property
+    def needs_process_rewards(self) -> bool:
+        """With process_coef 0 the implicit PRM's stream weighs nothing: no PRM is built, scored or trained."""
+        return self.config.process_coef > 0
 
     def advantages(self, buffer: RolloutBuffer) -> Targets:
         """advantages [T, N, A, L]; ``keep`` drops the filtered-out groups."""

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from algorithms.appo import gae
+from algorithms.base import roc_auc
 from algorithms.grpo import group_advantages
 from algorithms.losses import aggregate, clipped_surrogate, discounted_reverse_cumsum, huber, kl_k3, value_loss
 from algorithms.rloo import filter_groups, leave_one_out_baseline, rloo_returns
@@ -34,6 +35,13 @@ def test_gae_by_hand():
     expected = [d0 + 0.72 * d1, d1, d2]  # A1 does not see A2 (episode ended)
     torch.testing.assert_close(advantages[:, 0], torch.tensor(expected))
     torch.testing.assert_close(returns, advantages + values)
+
+
+def test_roc_auc_by_hand():
+    assert roc_auc(torch.tensor([0.9, 0.8, 0.3]), torch.tensor([1, 1, 0])) == 1.0
+    assert roc_auc(torch.tensor([0.9, 0.3, 0.5, 0.5]), torch.tensor([1, 1, 0, 1])) == (1 + 0 + 0.5) / 3
+    with pytest.raises(ValueError, match="both classes"):
+        roc_auc(torch.tensor([0.5]), torch.tensor([1]))
 
 
 def test_grpo_group_zscores_by_hand():

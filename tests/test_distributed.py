@@ -150,7 +150,7 @@ def test_rloo_and_its_implicit_prm_train_the_same_on_two_ranks(untrained_policy_
     assert_same_training(two, one, iterations=3)
     scalars = [deterministic_scalars(next(logdir.glob("RLOO_Arith-v0/run_*"))) for logdir in
                (tmp_path / "two", tmp_path / "one")]
-    for tag in ("loss/implicit_prm", "train/trained_samples"):
+    for tag in ("loss/implicit_prm", "implicit_prm/heldout_accuracy", "train/trained_samples"):
         np.testing.assert_allclose([v for _, v in scalars[0][tag]], [v for _, v in scalars[1][tag]], rtol=1e-5,
                                    err_msg=tag)
 

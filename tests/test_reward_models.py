@@ -11,6 +11,7 @@ import torch
 from tokenizers.processors import TemplateProcessing
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForTokenClassification
 
+from algorithms.base import roc_auc
 from envs.datasets import Arith, Problem
 from envs.prompts import format_prompt, join_steps, split_steps
 from envs.rewards import StepContext
@@ -20,7 +21,6 @@ from reward_models.prm import (MIN_LABEL_ODDS, ProcessRewardModel, aggregate_ste
 from reward_models.target_solver import TargetSolver
 from train.models.generation import HFGenerator
 from train.models.policy import LanguagePolicy, ModelDirError
-from train.tiny import roc_auc
 
 
 def with_post_processor(tokenizer, template: str):

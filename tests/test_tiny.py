@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from envs.datasets import Arith, solve_steps
 from envs.prompts import SHEPHERD_STEP_TAG, STEP_DELIMITER, format_prompt, join_steps, shepherd_text, split_steps
 from train.tiny import (TinyConfig, arith_accuracy, build_tiny_models, build_tokenizer, cache_dir, config_hash,
-                        heldout_problems, prm_metrics, roc_auc, save_untrained_policy)
+                        heldout_problems, prm_metrics, save_untrained_policy)
 from train.tiny.data import arith_batches, corrupt_solution, parse_arith, sft_batch
 from train.tiny.evaluation import prefix_metrics, prm_last_step_auc
 from train.tiny.model import new_model
@@ -167,13 +167,6 @@ def test_config_hash_keys_the_cache(tmp_path, monkeypatch):
         monkeypatch.setattr(transformers, "__version__", version)
         keys[version] = config_hash(TinyConfig())
     assert keys["4.57.6"] == keys["4.46.0"] != keys["5.23.0"]
-
-
-def test_roc_auc_by_hand():
-    assert roc_auc(np.array([0.9, 0.8, 0.3]), np.array([1, 1, 0])) == 1.0
-    assert roc_auc(np.array([0.5, 0.5]), np.array([1, 0])) == 0.5
-    with pytest.raises(ValueError, match="both classes"):
-        roc_auc(np.array([0.5]), np.array([1]))
 
 
 def test_out_dir_with_other_content_is_refused(tmp_path):

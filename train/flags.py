@@ -220,7 +220,8 @@ flags.DEFINE_integer("oversample_factor", 4, "PRIME: sample this many times the 
                      "0.188 -> 0.261.", lower_bound=1)
 flags.DEFINE_float("implicit_prm_beta", 0.05, "PRIME: implicit PRM beta.")
 flags.DEFINE_float("implicit_prm_lr", 1e-5, "PRIME: implicit PRM learning rate.")
-flags.DEFINE_float("process_coef", 1.0, "PRIME: weight of the implicit-PRM reward stream.")
+flags.DEFINE_float("process_coef", 1.0, "PRIME: weight of the implicit-PRM reward stream (0: RLOO on the outcome "
+                   "stream alone, and no implicit PRM is built or trained).")
 
 WITH_CRITIC = tuple(name for name, spec in ALGORITHMS.items() if spec.critic is not None)
 APPLIES_TO = {

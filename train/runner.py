@@ -46,7 +46,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
-from algorithms.base import Algorithm
+from algorithms.base import Algorithm, roc_auc
 from algorithms.losses import kl_k3
 from algorithms.buffer import RolloutBuffer
 from algorithms.registry import algorithm_spec
@@ -313,10 +313,11 @@ class Runner:
     # Update
     # ---------------------------------------------------------------------------------------------
 
-    def score_rollout(self, buffer: RolloutBuffer) -> None:
-        """Reference log-probs (KL) and implicit-PRM token rewards of every live action."""
+    def score_rollout(self, buffer: RolloutBuffer) -> dict[str, float]:
+        """Reference log-probs (KL) and implicit-PRM token rewards of every live action; returns the
+        implicit PRM's held-out statistics (``implicit_prm_heldout``)."""
         if not (self.algorithm.needs_reference or self.algorithm.needs_process_rewards):
-            return
+            return {}
         rows = buffer.rows()
         actions = (rows.action_ids, rows.action_lengths)
         with torch.no_grad():
@@ -326,13 +327,31 @@ class Runner:
             if self.algorithm.needs_process_rewards:
                 process = self.implicit_prm.token_rewards(rows.prompts, actions)
                 buffer.token_rewards = buffer.scatter_tokens(rows.index, process)
+                return self.implicit_prm_heldout(buffer, rows.index, process.sum(-1))
+        return {}
+
+    def implicit_prm_heldout(self, buffer: RolloutBuffer, index: torch.Tensor, totals: torch.Tensor) -> dict[str, float]:
+        """PRIME: how well the implicit PRM predicts the outcomes of a batch it has not trained on yet (it
+        learns from this batch only after the update): ROC-AUC and accuracy of its outcome score, the sum
+        of an action's process rewards (its sign and order are those of beta * sum log-ratio whatever
+        the granularity and normalisation), against whether the episode's answer verified. Every rank's
+        rows count; NaN while the batch holds one class only."""
+        num_envs = buffer.shape[1] * buffer.shape[2]
+        labels = buffer.episode_correct().flatten()[index % num_envs].cpu()
+        totals = totals.float().cpu()
+        if self.ranks.distributed:
+            gathered = distributed.all_gather_objects((totals, labels))
+            totals, labels = (torch.cat(parts) for parts in zip(*gathered))
+        both_classes = 0 < int(labels.sum()) < len(labels)
+        return {"implicit_prm/heldout_auc": roc_auc(totals, labels) if both_classes else math.nan,
+                "implicit_prm/heldout_accuracy": float(((totals > 0).float() == labels).float().mean())}
 
     def update(self, buffer: RolloutBuffer) -> dict[str, Any]:
         """Advantages, then ``ppo_epoch`` epochs of minibatch steps; returns statistics."""
         config, algorithm = self.config, self.algorithm
         started = time.perf_counter()
         with self.policy.gathered():
-            self.score_rollout(buffer)
+            heldout = self.score_rollout(buffer)
         targets = algorithm.advantages(buffer)
         sums, weights = defaultdict(float), defaultdict(float)
         grad_norms, steps, stopped_early = [], 0, False
@@ -350,7 +369,7 @@ class Runner:
             self.scheduler.step()
         if self.ranks.distributed:
             sums, weights = distributed.sum_by_key(sums, weights)
-        stats: dict[str, Any] = {f"loss/{key}": sums[key] / weights[key] for key in sums}
+        stats: dict[str, Any] = {f"loss/{key}": sums[key] / weights[key] for key in sums} | heldout
         trained = buffer.trained(targets)
         if self.implicit_prm is not None:
             stats["loss/implicit_prm"] = self.update_implicit_prm(buffer, trained)

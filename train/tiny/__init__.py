@@ -24,11 +24,11 @@ Only train_math.py's default-model path, the tests and the benchmarks import thi
 from train.tiny.build import TinyModels, build_tiny_models
 from train.tiny.config import TinyConfig, cache_dir, config_hash
 from train.tiny.data import heldout_problems
-from train.tiny.evaluation import arith_accuracy, prm_metrics, roc_auc
+from train.tiny.evaluation import arith_accuracy, prm_metrics
 from train.tiny.model import save_untrained_policy
 from train.tiny.tokenizer import build_tokenizer
 
 __all__ = [
     "TinyConfig", "TinyModels", "arith_accuracy", "build_tiny_models", "build_tokenizer", "cache_dir", "config_hash",
-    "heldout_problems", "prm_metrics", "roc_auc", "save_untrained_policy",
+    "heldout_problems", "prm_metrics", "save_untrained_policy",
 ]

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
+from algorithms.base import roc_auc
 from envs.datasets import Problem, solve_steps
 from envs.prompts import format_prompt, join_steps, split_steps
 from train.models.policy import left_padded
@@ -84,15 +85,6 @@ def prm_step_scores(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast,
         scores.append(logits.float().softmax(-1)[:, 0].cpu())
     model.train(was_training)
     return torch.cat(scores).numpy()
-
-
-def roc_auc(scores: np.ndarray, labels: np.ndarray) -> float:
-    """Area under the ROC curve: P(score of a random positive > that of a random negative), ties half."""
-    positives, negatives = scores[labels == 1], scores[labels == 0]
-    if len(positives) == 0 or len(negatives) == 0:
-        raise ValueError(f"ROC-AUC needs both classes, got {len(positives)} positives and {len(negatives)} negatives")
-    greater = (positives[:, None] > negatives[None]).sum() + 0.5 * (positives[:, None] == negatives[None]).sum()
-    return float(greater / (len(positives) * len(negatives)))
 
 
 def prm_metrics(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, problems: list[Problem],

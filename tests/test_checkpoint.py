@@ -280,7 +280,8 @@ def sigterm_after_iteration(monkeypatch, last: int) -> None:
 
 
 @pytest.mark.parametrize("algorithm, extra", [
-    ("APPO", []), ("GRPO", []), ("APPO", ["--lora_rank", "4"]),
+    pytest.param("APPO", [], marks=pytest.mark.slow),  # APPO runs by default with LoRA and with per-role critics
+    ("GRPO", []), ("APPO", ["--lora_rank", "4"]),
     ("RLOO", ["--accuracy_lower_bound", "0"]),  # keeps the groups the untrained policy gets all wrong
     # a LoRA adapter per role of the chain (3 turns per episode: 48 env steps = 4 iterations); the KL term keeps
     # every row in the update, where the untrained roles' equal rewards would leave no advantage

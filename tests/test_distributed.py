@@ -86,7 +86,11 @@ def assert_same_training(two: dict[str, np.ndarray], one: dict[str, np.ndarray],
     return apart
 
 
-@pytest.mark.parametrize("mode", ["fsdp", "ddp", "lora"], ids=["fsdp_full", "ddp_full", "ddp_lora"])
+@pytest.mark.parametrize("mode", [
+    "fsdp",
+    pytest.param("ddp", marks=pytest.mark.slow),  # DDP's all-reduce runs by default in the LoRA case
+    "lora",
+], ids=["fsdp_full", "ddp_full", "ddp_lora"])
 def test_two_ranks_train_the_weights_one_process_trains(untrained_policy_dir, tmp_path, mode):
     """FSDP2 (full fine-tuning's default), DDP of the same, and DDP of LoRA adapters."""
     extra = {"fsdp": ("--data_parallel", "fsdp"), "ddp": ("--data_parallel", "ddp"), "lora": ("--lora_rank", "4")}[mode]
@@ -117,7 +121,7 @@ def test_two_ranks_train_the_weights_one_process_trains(untrained_policy_dir, tm
           f"{time.monotonic() - started:.0f} s")
 
 
-@pytest.mark.parametrize("first, then", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("first, then", [(2, 1), pytest.param(1, 2, marks=pytest.mark.slow)])
 def test_a_checkpoint_resumes_at_another_number_of_ranks(untrained_policy_dir, tmp_path, first, then):
     """2 iterations on ``first`` ranks, then 2 more on ``then`` ranks from its checkpoint, train what 4
     iterations in one process do: the envs' episodes are split anew and every draw is the same."""
@@ -222,6 +226,7 @@ def test_a_killed_rank_ends_the_job_naming_it(untrained_policy_dir, tmp_path):
     assert "rank      : 1" in err or "rank: 1" in err, err[-3000:]
 
 
+@pytest.mark.slow  # the default run kills a rank in the test above; this one restarts the job (40 s)
 def test_max_restarts_and_resume_auto_recover_from_a_killed_rank(untrained_policy_dir, tmp_path, monkeypatch):
     # torchrun's agent shares its rendezvous store with the workers by default, and a restarted round then
     # reads the killed round's gloo addresses: the README says to set this.

@@ -12,15 +12,19 @@ import json
 import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
-from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
-from peft.tuners.lora import LoraLayer
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+if TYPE_CHECKING:
+    from peft import LoraConfig
+
+# peft is imported where LoRA is used, not here: importing it takes seconds (it loads much of
+# transformers), which every full fine-tuning run, every worker and every start-up error would pay.
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +97,8 @@ class LoraSettings:
     target_modules: tuple[str, ...] | str = "all-linear"
 
     def peft_config(self) -> LoraConfig:
+        from peft import LoraConfig
+
         if self.rank < 1:
             raise ValueError(f"LoRA rank={self.rank} must be >= 1 (use lora=None for full fine-tuning)")
         targets = self.target_modules if isinstance(self.target_modules, str) else list(self.target_modules)
@@ -467,6 +473,8 @@ class LanguagePolicy(nn.Module):
                        role_adapters: tuple[str, ...]) -> nn.Module:
         """The actor adapter, the critic's, and one per role (each role then acts and learns through its own;
         the shared actor adapter stays frozen at zero: the base)."""
+        from peft import get_peft_model
+
         peft_model = get_peft_model(causal_lm, lora.peft_config())
         extra = ((CRITIC_ADAPTER,) if with_critic else ()) + role_adapters
         for adapter in extra:
@@ -836,7 +844,9 @@ class LanguagePolicy(nn.Module):
             if "lora_" in name:
                 continue
             module_name, _, leaf = name.rpartition(".")
-            if module_name.endswith(".base_layer") and leaf == "weight":
+            if module_name.endswith(".base_layer") and leaf == "weight":  # a LoRA model: peft is loaded
+                from peft.tuners.lora import LoraLayer
+
                 lora_layer = causal_lm.get_submodule(module_name.rsplit(".", 1)[0])
                 if isinstance(lora_layer, LoraLayer) and ACTOR_ADAPTER in lora_layer.lora_A:
                     tensor = tensor + lora_layer.get_delta_weight(ACTOR_ADAPTER).to(tensor.dtype)
@@ -908,6 +918,9 @@ class LanguagePolicy(nn.Module):
     @torch.no_grad()
     def _restore_adapters(self, adapters_dir: Path) -> None:
         """Loads saved adapter weights, then turns the merged top-level weights back into the base."""
+        from peft import set_peft_model_state_dict
+        from peft.tuners.lora import LoraLayer
+
         adapter_files = {ACTOR_ADAPTER: adapters_dir / "adapter_model.safetensors"}
         for adapter in ((CRITIC_ADAPTER,) if self.with_critic else ()) + self.role_adapters:
             adapter_files[adapter] = adapters_dir / adapter / "adapter_model.safetensors"

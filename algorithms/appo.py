@@ -23,7 +23,7 @@ def gae(
 
     rewards, values: [T, ...] reward of action t and V(s_t).
     next_values: [T, ...] the value to bootstrap from after action t: V(s_{t+1}) while the episode
-        goes on or was truncated (the value of its last observation), 0 where it terminated.
+        goes on, 0 where it ended.
     episode_ends: [T, ...] 1 where an episode ended (terminated or truncated) after action t, so
         advantages do not flow across episodes.
     delta_t = r_t + gamma * next_value_t - V_t;  A_t = delta_t + gamma * lam * (1 - end_t) * A_{t+1}.

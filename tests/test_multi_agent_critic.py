@@ -14,6 +14,7 @@ from algorithms.registry import algorithm_spec
 from algorithms.tppo import TPPO
 from envs.multi_agent import MultiAgentMathVectorEnv
 from envs.prompts import format_prompt
+from envs.vector import MathVectorEnv
 from envs.workflows import ACCEPT
 from test_checkpoint import read_scalars_purged
 from test_front_door import small
@@ -90,6 +91,22 @@ def test_decoupled_gae_fits_the_critic_to_monte_carlo_returns(algorithm):
 def critic_policy(untrained_policy_dir):
     torch.manual_seed(0)
     return LanguagePolicy(untrained_policy_dir, device="cpu", with_critic=True, value_heads=3)
+
+
+def test_a_truncated_episode_bootstraps_nothing(critic_policy):
+    """APPO, 3 steps of episodes cut after 2 steps (no step answers): the first step bootstraps from V of the
+    next state, the second was truncated and graded (0), so nothing follows it; the third, in a new
+    episode, bootstraps from V of the observation the next rollout starts from."""
+    env = MathVectorEnv(4, arith={"seed": 5}, split="train", max_steps=2)
+    collector = Collector(env, algorithm_spec("APPO"), 3, Sampling(max_new_tokens=16), seed=0)
+    buffer, _ = collector.collect(critic_policy, ScriptedWords(critic_policy.tokenizer, lambda prompt: "1 + 1 = 2"),
+                                  seed=1)
+    assert buffer.truncated[:, :, 0].tolist() == [[False] * 4, [True] * 4, [False] * 4]
+    assert float(buffer.rewards.abs().sum()) == 0.0
+    with torch.no_grad():
+        following = critic_policy.values(critic_policy.tokenizer(list(collector.obs))["input_ids"])
+    torch.testing.assert_close(buffer.next_values[:, :, 0],
+                               torch.stack([buffer.values[1, :, 0], torch.zeros(4), following.float()]))
 
 
 def chain_collect(policy: LanguagePolicy, critic: str):

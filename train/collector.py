@@ -2,7 +2,11 @@
 
 Episodic algorithms (GRPO, RLOO) reset every env and step until every episode ended, generating only
 for the envs still going; continuing ones (APPO, TPPO) run ``episode_length`` steps of episodes that
-span iterations and bootstrap from V of the last observation unless the episode terminated. A
+span iterations and bootstrap from V of the last observation while the episode goes on. An episode
+that ended bootstraps nothing, truncated or not: the env graded it when it cut it (a solution out of
+steps or length scores as unanswered), so its return is what it was paid. (Bootstrapping V of a
+truncated episode's final observation paid the critic's guess for solutions that never answered, and
+TPPO learned to stop answering: held-out accuracy fell to 0 on Arith.) A
 multi-agent env is always collected in whole episodes: an agent's action bootstraps from the value of
 its own next action in the episode (0 after its last), and its critic reads either the joint
 transcript with its role's name (``critic="centralized"``: MAPPO's centralized value, one head) or its
@@ -196,15 +200,12 @@ class Collector:
             self.obs, self.info = self.env.reset()
             self.episode_return[:] = 0
         done = np.zeros(num_envs, dtype=bool)
-        bootstrap = torch.zeros(buffer.shape[:2])  # V(final observation) of truncated episodes
         tally = Tally()
         for step in range(self.episode_length):
             envs, agents = acting_pairs(self.env, self.info, done)
             if len(envs) == 0:
                 break
             terminated, truncated = self.step(step, envs, agents, policy, generator, buffer, tally, seed)
-            if spec.critic is not None and truncated.any() and not self.episodic:
-                bootstrap[step] = self.values_of_final_observations(policy, truncated)
             if self.episodic:
                 done |= terminated | truncated
         if self.episodic:
@@ -212,7 +213,7 @@ class Collector:
             if spec.critic is not None:
                 buffer.next_values = buffer.next_action_values()
         elif spec.critic is not None:
-            buffer.next_values = self.next_values(policy, buffer, bootstrap)
+            buffer.next_values = self.next_values(policy, buffer)
         tally.add("train/step_reward", buffer.rewards[buffer.live].double().cpu().numpy())
         tally.add("train/action_tokens", buffer.action_lengths[buffer.live].double().cpu().numpy())
         return buffer, tally
@@ -319,22 +320,12 @@ class Collector:
             return token_values[:, 0], token_values
         return policy.values(prompts, heads), None
 
-    def values_of_final_observations(self, policy: LanguagePolicy, truncated: np.ndarray) -> torch.Tensor:
-        """[N] V(final observation) where an episode was truncated (0 elsewhere)."""
-        values = torch.zeros(len(truncated))
-        final_obs = self.info["final_obs"]
-        index = np.flatnonzero(truncated)
-        prompts = policy.tokenizer([final_obs[i] for i in index])["input_ids"]
-        values[index] = policy.values(prompts).float().cpu()
-        return values
-
-    def next_values(self, policy: LanguagePolicy, buffer: RolloutBuffer, bootstrap: torch.Tensor) -> torch.Tensor:
-        """[T, N, A]: V(s_{t+1}) while the episode goes on, V(final obs) where truncated, 0 where
-        terminated; after the last step, V of the current observation."""
+    def next_values(self, policy: LanguagePolicy, buffer: RolloutBuffer) -> torch.Tensor:
+        """[T, N, A]: V(s_{t+1}) while the episode goes on, 0 where it ended (terminated or truncated);
+        after the last step, V of the current observation."""
         last = policy.values(policy.tokenizer(list(self.obs))["input_ids"]).float().to(buffer.device)
         following = torch.cat([buffer.values[1:, :, 0], last[None]], dim=0)
-        following = torch.where(buffer.truncated[..., 0], bootstrap.to(buffer.device), following)
-        return torch.where(buffer.terminated[..., 0], 0.0, following)[..., None]
+        return torch.where(buffer.episode_ends()[..., 0], 0.0, following)[..., None]
 
     def get_state(self) -> dict[str, Any]:
         """JSON-serialisable: the env's state (problem sampler, episodes in progress), each env's running

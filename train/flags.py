@@ -204,9 +204,9 @@ flags.DEFINE_float("value_clip_param", 0.2, "Value clip around the collection-ti
 flags.DEFINE_float("huber_delta", 0.0, "Huber delta of the value loss (0: squared error).")
 flags.DEFINE_float("gamma", 1.0, "Discount across env steps.")
 flags.DEFINE_float("gae_lambda", 0.95, "GAE lambda of the policy's advantages.")
-flags.DEFINE_float("value_lambda", 1.0, "GAE lambda of the critic's targets (Decoupled GAE): 1.0 fits V to the "
-                   "returns the rewards give; lower values fit V mostly to its own later values, which lets a "
-                   "token critic drift away from the rewards (TPPO on Arith collapsed at 0.95).")
+flags.DEFINE_float("value_lambda", 1.0, "GAE lambda of the critic's targets (Decoupled GAE, as VAPO): 1.0 fits V "
+                   "to the returns the rewards give; below 1 a token j steps before the reward sees it with weight "
+                   "lambda^j and V is fitted mostly to its own later values.")
 flags.DEFINE_enum("scale_rewards", "group", ("group", "batch", "none"), "Divide centred returns by the "
                   "group's std, the batch's, or nothing (Dr.GRPO).")
 flags.DEFINE_float("kl_coef", 0.0, "k3 KL-to-reference coefficient (0: no reference pass).")

@@ -32,7 +32,7 @@ from envs.vector import MathVectorEnv
 from test_env import StepLengthReward
 from test_train_math import parse
 from test_trainer import run_train_math
-from train import builders, checkpoint
+from train import builders, checkpoint, evaluation
 from train.runner import NonFiniteError, Runner, write_out
 
 PROBLEMS = Arith().problems(30, seed=2)
@@ -107,8 +107,8 @@ def assert_same_training_state(a: Path, b: Path) -> None:
                 assert torch.equal(state_a[index][key], state_b[index][key]), f"implicit PRM {index}/{key} differs"
     assert optimizers_a["scheduler"] == optimizers_b["scheduler"]
     state_a, state_b = (json.loads((p / "trainer_state.json").read_text()) for p in (a, b))
-    for state in (state_a, state_b):  # wall clock: the training seconds, and each evaluation's time/eval and seconds
-        assert state.pop("seconds") > 0
+    for state in (state_a, state_b):  # wall clock: the training and evaluation seconds, and each evaluation's
+        assert state.pop("seconds") > state.pop("eval_seconds") >= 0  # time/eval and seconds
         state["history"] = [{k: v for k, v in h.items() if not k.startswith("time/") and k != "seconds"}
                             for h in state["history"]]
     assert state_a == state_b
@@ -318,30 +318,39 @@ def test_k_then_resume_then_k_equals_2k_in_one_go(untrained_policy_dir, tmp_path
 
 
 def test_training_seconds_continue_across_a_resume(untrained_policy_dir, tmp_path, monkeypatch):
-    """Each evaluation records the run's training wall seconds so far (``seconds``), and a resumed run
-    counts on from its checkpoint's instead of from 0: with every update slowed by 0.3 s, the evaluation
-    after 2 iterations, a SIGTERM and a resume reports at least the stopped run's 0.6 s."""
-    delay, update = 0.3, Runner.update
+    """Each evaluation records the run's training wall seconds so far (``seconds``, every evaluation's own
+    time excluded), and a resumed run counts on from its checkpoint's instead of from 0: with every update
+    slowed by 0.3 s, the evaluation after 2 iterations, a SIGTERM and a resume reports at least the
+    stopped run's 0.6 s; with every evaluation batch slowed by 0.3 s too, none of that time counts."""
+    delay, update, solve_batch = 0.3, Runner.update, evaluation.solve_batch
 
     def slow_update(self, buffer):
         time.sleep(delay)
         return update(self, buffer)
 
+    def slow_solve_batch(*args, **kwargs):
+        time.sleep(delay)
+        return solve_batch(*args, **kwargs)
+
     monkeypatch.setattr(Runner, "update", slow_update)
+    monkeypatch.setattr(evaluation, "solve_batch", slow_solve_batch)
     with monkeypatch.context() as patch:
         sigterm_after_iteration(patch, 1)
         run_dir = Path(run_train_math(flags_for(untrained_policy_dir, tmp_path, "GRPO", 4)))
     stopped = json.loads((run_dir / "checkpoints" / "iter_2" / "trainer_state.json").read_text())
-    assert stopped["seconds"] >= 2 * delay
+    trained = stopped["seconds"] - stopped["eval_seconds"]
+    assert trained >= 2 * delay
     run_train_math(flags_for(untrained_policy_dir, tmp_path, "GRPO", 4, "--resume", "auto"))
     history = json.loads((run_dir / "eval_history.json").read_text())
     assert [h["iteration"] for h in history] == [0, 2, 4]
     assert history[:1] == stopped["history"]  # the evaluation before the stop, as it was
     seconds = [h["seconds"] for h in history]
-    assert 0 <= seconds[0] < 2 * delay <= stopped["seconds"] <= seconds[1] < seconds[2]
+    assert 0 <= seconds[0] < 2 * delay <= trained <= seconds[1] < seconds[2]
     assert seconds[2] >= 4 * delay
     final = json.loads((run_dir / "checkpoints" / "iter_4" / "trainer_state.json").read_text())
-    assert final["seconds"] >= seconds[2]
+    eval_seconds = sum(h["time/eval"] for h in history)
+    assert eval_seconds >= 3 * delay and final["eval_seconds"] == pytest.approx(eval_seconds)
+    assert final["seconds"] - seconds[2] >= eval_seconds  # the last evaluation counted no earlier one
 
 
 def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(untrained_policy_dir, tmp_path, monkeypatch, caplog):

@@ -89,8 +89,8 @@ class Progress:
     """The runner's counters, saved with every checkpoint. ``iteration``: completed iterations (the next
     one to run); ``version``: optimizer updates so far (the policy version); ``rollout_version``: the
     version the asynchronous rollout copy holds; ``seconds``: wall seconds the run has spent in
-    ``Runner.run`` so far, over every resume (start-up and model loading excluded); ``history``: the
-    evaluation results so far."""
+    ``Runner.run`` so far, over every resume (start-up and model loading excluded), of which
+    ``eval_seconds`` in evaluations; ``history``: the evaluation results so far."""
 
     iteration: int = 0
     version: int = 0
@@ -98,6 +98,7 @@ class Progress:
     nonfinite_steps: int = 0
     nonfinite_in_a_row: int = 0
     seconds: float = 0.0
+    eval_seconds: float = 0.0
     history: list[dict[str, float]] = field(default_factory=list)
 
 
@@ -531,8 +532,9 @@ class Runner:
                                          self.ranks, self.collector.voices, self.policy)
         env_steps = self.env_steps()
         best_before = max((h["eval/accuracy"] for h in self.history), default=-math.inf)
-        # seconds: the training time the policy evaluated here took, this evaluation excluded
-        seconds = self.elapsed() - result["time/eval"]
+        # seconds: the training time the policy evaluated here took, every evaluation so far excluded
+        self.progress.eval_seconds += result["time/eval"]
+        seconds = self.elapsed() - self.progress.eval_seconds
         self.history.append({"iteration": iteration, "env_steps": env_steps, "seconds": seconds, **result})
         if self.config.save_best and result["eval/accuracy"] > best_before:  # the same on every rank
             self.save_best(iteration, result["eval/accuracy"])

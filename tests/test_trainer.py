@@ -156,8 +156,7 @@ SLOW_CASES = [
     # RLOO's leave-one-out machinery on the verified outcome alone, every group kept
     pytest.param("RLOO", ["--process_coef", "0", "--accuracy_lower_bound", "0", "--accuracy_upper_bound", "1"],
                  id="RLOO-outcome"),
-    # PRIME's defaults: both streams, the [0.2, 0.8] filter over 4x oversampled prompts (11 minutes). The
-    # implicit PRM's loss only moved 0.6931 -> 0.6919, so the rise comes mostly from the outcome stream.
+    # PRIME's defaults: both streams, the [0.2, 0.8] filter over 4x oversampled prompts (11 minutes)
     pytest.param("RLOO", [], id="RLOO-PRIME"),
 ]
 
@@ -175,3 +174,19 @@ def test_algorithm_raises_training_reward_on_arith(tiny_models, tmp_path, name, 
     first, last = np.mean(rewards[:window]), np.mean(rewards[-window:])
     print(f"{name}: mean training reward {first:.3f} (first {window} iterations) -> {last:.3f} (last {window})")
     assert last > first + 0.04, f"{name} did not raise the training reward: {first:.3f} -> {last:.3f}"
+
+
+@pytest.mark.slow
+def test_prime_implicit_prm_learns_to_predict_outcomes(tiny_models, tmp_path):
+    """PRIME's claim that an implicit PRM learns from outcome labels alone: each batch's held-out ROC-AUC
+    (its outcome score, beta * sum log(pi_psi / pi_ref), against the verified answers, before it trains
+    on the batch). An uninformed score has AUC 0.5 (sd about 0.04 on one batch of 256, 0.013 on the mean
+    of ten). On the tiny policy (2026-11-26, seed 0, 128 envs): 0.63-0.84 from the fourth iteration on,
+    about 0.70 on average."""
+    run_dir = run_train_math(["--algorithm_name", "RLOO", "--model_name_or_path", str(tiny_models.policy),
+                              "--eval_interval", "0", "--logdir", str(tmp_path), "--save_interval", "0",
+                              "--n_rollout_threads", "64", "--num_env_steps", str(64 * 4 * 25)])
+    aucs = [value for _, value in sorted(read_scalars(run_dir)["implicit_prm/heldout_auc"])]
+    late = float(np.mean(aucs[-10:]))
+    print(f"implicit PRM held-out ROC-AUC: iteration 0 {aucs[0]:.3f}, mean of the last 10 {late:.3f}")
+    assert late > 0.6, f"the implicit PRM did not learn to predict outcomes: held-out AUC {aucs}"

@@ -13,8 +13,10 @@ Rows (the flags each adds to train_math's defaults: GRPO, outcome reward, the ti
 - grpo_outcome_prm: the tiny PRM's step score beside the outcome (``--reward outcome:1.0,prm:0.2``).
 - grpo_outcome_steps: the exact Arith process reward (``--reward outcome:1.0,steps:1.0``).
 - appo, tppo: ``--algorithm_name APPO`` / ``TPPO`` (a critic; groups of 1).
-- rloo_outcome: RLOO on the verified outcome alone: no implicit-PRM stream (``--process_coef 0``), every
-  group kept and none oversampled, so every env step is trained on (the implicit PRM is still fitted).
+- rloo_outcome: RLOO on the verified outcome alone: no implicit PRM (``--process_coef 0``), every group
+  kept and none oversampled, so every env step is trained on.
+- rloo_filter: PRIME's sampling without its PRM: prompts 4x oversampled and filtered to group accuracy in
+  [0.2, 0.8], the outcome stream alone (``--process_coef 0``); the control for rloo_prime.
 - rloo_prime: RLOO as PRIME runs it: the implicit PRM's token rewards as a second stream, prompts 4x
   oversampled and filtered to group accuracy in [0.2, 0.8] (RLOO's defaults).
 - prefix_rl: ``Arith-Prefix-v0``: the tiny policy writes a prefix of at most 12 tokens, the frozen tiny
@@ -72,6 +74,7 @@ ROWS: dict[str, tuple[str, ...]] = {
     "tppo": ("--algorithm_name", "TPPO"),
     "rloo_outcome": ("--algorithm_name", "RLOO", "--process_coef", "0", "--oversample_factor", "1",
                      "--accuracy_lower_bound", "0", "--accuracy_upper_bound", "1"),
+    "rloo_filter": ("--algorithm_name", "RLOO", "--process_coef", "0"),
     "rloo_prime": ("--algorithm_name", "RLOO"),
     "prefix_rl": PREFIX_FLAGS,
     "chain": ("--env_id", "Arith-Chain-v0", "--reward_assignment", "individual"),
@@ -88,7 +91,7 @@ BASELINE_RUN = ("--num_env_steps", "8", "--n_rollout_threads", "8", "--eval_inte
 COMPARISONS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
     ("outcome vs process rewards (GRPO)", ("grpo_outcome", "grpo_outcome_prm", "grpo_outcome_steps"), ()),
     ("algorithms", ("grpo_outcome", "appo", "tppo", "rloo_outcome"), ()),
-    ("PRIME (RLOO)", ("rloo_outcome", "rloo_prime"), ()),
+    ("PRIME (RLOO)", ("rloo_outcome", "rloo_filter", "rloo_prime"), ()),
     ("Prefix-RL (team accuracy)", ("prefix_rl",), ("target_alone", "writer_untrained")),
     ("multi-agent", ("chain", "debate"), ("solver_alone",)),
 )

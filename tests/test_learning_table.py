@@ -103,7 +103,7 @@ def test_every_row_passes_train_maths_checks(row, untrained_policy_dir, tmp_path
         iterations = train_flags.resolved_num_iterations()
     finally:
         train_flags.FLAGS.unparse_flags()
-    expected = {"grpo_outcome": 24, "rloo_outcome": 24, "rloo_prime": 6, "chain": 8, "debate": 12,
+    expected = {"grpo_outcome": 24, "rloo_outcome": 24, "rloo_filter": 6, "rloo_prime": 6, "chain": 8, "debate": 12,
                 "target_alone": 1, "solver_alone": 1}
     assert iterations == expected.get(row, iterations)
 

@@ -22,4 +22,4 @@ fi
 "$pip" uninstall -y torchvision torchaudio torchcodec
 "$pip" install -e ".[dev]"
 "$venv/bin/python" -c "import vllm; print('vllm', vllm.__version__)"
-"$venv/bin/python" -m pytest -m vllm -p no:cacheprovider -q -rs
+"$venv/bin/python" -m pytest -m vllm -n 0 -p no:cacheprovider -q -rs  # one vLLM engine at a time

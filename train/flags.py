@@ -222,8 +222,10 @@ flags.DEFINE_float("implicit_prm_beta", 0.05, "PRIME: implicit PRM beta.")
 flags.DEFINE_float("implicit_prm_lr", 1e-3, "PRIME: implicit PRM learning rate. On the tiny Arith policy's "
                    "solutions (bench/implicit_prm_fit.py, one step per 64) its held-out ROC-AUC after 32 steps was "
                    "0.51 at 1e-5, 0.71 at 1e-4 and 0.76 at 1e-3 (0.67 after 4 steps); PRIME used 1e-6 on 7B models.")
-flags.DEFINE_float("process_coef", 1.0, "PRIME: weight of the implicit-PRM reward stream (0: RLOO on the outcome "
-                   "stream alone, and no implicit PRM is built or trained).")
+flags.DEFINE_float("process_coef", 0.2, "PRIME: weight of the implicit-PRM reward stream (0: RLOO on the outcome "
+                   "stream alone, and no implicit PRM is built or trained). On the tiny Arith policy (25,600 env "
+                   "steps, 2 seeds) weight 1 (PRIME's) ended at 0.308 held-out accuracy against 0.378 for the same "
+                   "sampling without the stream; 0.2 ended at 0.377.")
 
 WITH_CRITIC = tuple(name for name, spec in ALGORITHMS.items() if spec.critic is not None)
 APPLIES_TO = {

@@ -232,6 +232,10 @@ class RolloutBuffer:
         an episode cut by the rollout length counts as not correct."""
         return torch.nan_to_num(self.correct, nan=0.0).amax(0)
 
+    def episode_correct_at(self, index: torch.Tensor) -> torch.Tensor:
+        """[B] ``episode_correct`` of the episode each flat slot of ``index`` [B] (into T * N * A) belongs to."""
+        return self.episode_correct().flatten()[index % (self.shape[1] * self.shape[2])]
+
     def episode_token_order(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(order, mask), each [E, T * L] with E = N * A episodes (episodic collection): ``order``
         lists, for each episode, the positions of its [T * L] step-major token sequence with the

@@ -41,8 +41,7 @@ def rollouts(policy_dir: Path, episodes: int, seed: int) -> tuple[Batch, torch.T
     collector = Collector(env, algorithm_spec("RLOO"), 1, Sampling(max_new_tokens=64), seed=seed)
     buffer, _ = collector.collect(sampler, HFGenerator(sampler), seed=seed)
     rows = buffer.rows()
-    labels = buffer.episode_correct().flatten()[rows.index % (buffer.shape[1] * buffer.shape[2])]
-    return rows, labels
+    return rows, buffer.episode_correct_at(rows.index)
 
 
 def subset(rows: Batch, index: torch.Tensor) -> tuple[list[list[int]], tuple[torch.Tensor, torch.Tensor]]:
@@ -55,7 +54,8 @@ def heldout(prm: ImplicitPRM, rows: Batch, labels: torch.Tensor, batch: int) -> 
     """ROC-AUC and accuracy (score > 0) of the outcome score on ``rows``."""
     scores = torch.cat([prm.token_rewards(*subset(rows, index)).sum(-1).cpu()
                         for index in torch.arange(len(labels)).split(batch)])
-    return {"auc": round(roc_auc(scores, labels), 4), "accuracy": round(float(((scores > 0).float() == labels).float().mean()), 4)}
+    accuracy = float(((scores > 0).float() == labels).float().mean())
+    return {"auc": round(roc_auc(scores, labels), 4), "accuracy": round(accuracy, 4)}
 
 
 def fit(policy_dir: Path, train: tuple[Batch, torch.Tensor], test: tuple[Batch, torch.Tensor], lr: float,
@@ -68,7 +68,8 @@ def fit(policy_dir: Path, train: tuple[Batch, torch.Tensor], test: tuple[Batch, 
     for step, index in enumerate(order.split(batch), start=1):
         losses.append(prm.update(*subset(rows, index), labels[index]))
         if step % report_every == 0 or step * batch >= len(labels):
-            curve.append({"step": step, "train_loss": round(sum(losses[-report_every:]) / len(losses[-report_every:]), 4),
+            recent = losses[-report_every:]
+            curve.append({"step": step, "train_loss": round(sum(recent) / len(recent), 4),
                           **heldout(prm, *test, batch)})
     return {"lr": lr, "beta": beta, "seconds": round(time.perf_counter() - started, 1), "curve": curve}
 
@@ -87,8 +88,10 @@ def main() -> None:
     policy_dir = args.policy or cache_dir(TinyConfig()) / "policy"
     if not (policy_dir / "config.json").is_file():
         raise SystemExit(f"no policy at {policy_dir}: build the tiny models (python -m train.tiny) or pass --policy")
-    train, test = rollouts(policy_dir, args.train_episodes, args.seed), rollouts(policy_dir, args.test_episodes, args.seed + 1000)
-    print(json.dumps({"train_accuracy": round(float(train[1].mean()), 4), "test_accuracy": round(float(test[1].mean()), 4)}))
+    train = rollouts(policy_dir, args.train_episodes, args.seed)
+    test = rollouts(policy_dir, args.test_episodes, args.seed + 1000)
+    print(json.dumps({"train_accuracy": round(float(train[1].mean()), 4),
+                      "test_accuracy": round(float(test[1].mean()), 4)}))
     for lr, beta in itertools.product(args.lrs, args.betas):
         print(json.dumps(fit(policy_dir, train, test, lr, beta, args.batch, args.report_every, args.seed)), flush=True)
 

@@ -55,8 +55,9 @@ def test_gae_runs_along_each_agents_own_turns():
 
 
 def test_tppo_with_one_token_actions_gives_appos_returns_over_interleaved_turns():
-    appo = APPO(AlgorithmConfig(gamma=GAMMA, gae_lambda=LAM, value_lambda=LAM)).advantages(interleaved_buffer()).returns
-    tppo = TPPO(AlgorithmConfig(gamma=GAMMA, gae_lambda=LAM, value_lambda=LAM)).advantages(interleaved_buffer(token_critic=True)).returns
+    config = AlgorithmConfig(gamma=GAMMA, gae_lambda=LAM, value_lambda=LAM)
+    appo = APPO(config).advantages(interleaved_buffer()).returns
+    tppo = TPPO(config).advantages(interleaved_buffer(token_critic=True)).returns
     torch.testing.assert_close(tppo[..., 0], appo)
 
 

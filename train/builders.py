@@ -205,8 +205,9 @@ def build_algorithm(f: flags.FlagValues, ranks: Ranks = Ranks()) -> Algorithm:
     config = AlgorithmConfig(
         clip_param=f.clip_param, value_clip_param=f.value_clip_param or None, huber_delta=f.huber_delta or None,
         value_coef=f.value_coef, entropy_coef=f.entropy_coef, gamma=f.gamma, gae_lambda=f.gae_lambda,
-        value_lambda=f.value_lambda, scale_rewards=f.scale_rewards, kl_coef=f.kl_coef, loss_agg=f.loss_agg, process_coef=f.process_coef,
-        accuracy_lower_bound=f.accuracy_lower_bound, accuracy_upper_bound=f.accuracy_upper_bound,
+        value_lambda=f.value_lambda, scale_rewards=f.scale_rewards, kl_coef=f.kl_coef, loss_agg=f.loss_agg,
+        process_coef=f.process_coef, accuracy_lower_bound=f.accuracy_lower_bound,
+        accuracy_upper_bound=f.accuracy_upper_bound,
         max_groups=(f.n_rollout_threads // train_flags.resolved_group_size(f) // ranks.world_size
                     if f.oversample_factor > 1 else None), joint_groups=f.agent_groups == "joint")
     algorithm = make_algorithm(f.algorithm_name, config)

@@ -102,12 +102,6 @@ class Progress:
     history: list[dict[str, float]] = field(default_factory=list)
 
 
-def outcome_labels(buffer: RolloutBuffer, index: torch.Tensor) -> torch.Tensor:
-    """[B] 1.0 where the episode of each flat slot in ``index`` [B] ended with a verified answer."""
-    num_envs = buffer.shape[1] * buffer.shape[2]
-    return buffer.episode_correct().flatten()[index % num_envs]
-
-
 class Runner:
     """Drives training; see the module docstring. ``eval_env`` is a vector env over held-out
     problems (group size 1); ``rollout_policy``/``rollout_generator`` are the copy used by
@@ -344,7 +338,7 @@ class Runner:
         of an action's process rewards (its sign and order are those of beta * sum log-ratio whatever
         the granularity and normalisation), against whether the episode's answer verified. Every rank's
         rows count; NaN while the batch holds one class only."""
-        labels, totals = outcome_labels(buffer, index).cpu(), totals.float().cpu()
+        labels, totals = buffer.episode_correct_at(index).cpu(), totals.float().cpu()
         if self.ranks.distributed:
             gathered = distributed.all_gather_objects((totals, labels))
             totals, labels = (torch.cat(parts) for parts in zip(*gathered))
@@ -517,7 +511,7 @@ class Runner:
         total = int(distributed.all_reduce_sum([rows.num_samples])[0])  # over every rank
         if total == 0:
             return math.nan
-        labels = outcome_labels(buffer, rows.index)
+        labels = buffer.episode_correct_at(rows.index)
         loss = self.implicit_prm.update(rows.prompts, (rows.action_ids, rows.action_lengths), labels, total,
                                         distributed.sum_in_place if self.ranks.distributed else None)
         return float(distributed.all_reduce_sum([loss])[0])

@@ -3,6 +3,7 @@ strings, finish reasons, order, seeds, shared prompts, length-bucketed batches, 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from pathlib import Path
 from types import SimpleNamespace
@@ -39,6 +40,23 @@ def teach(policy: LanguagePolicy, lessons: dict[str, str], steps: int = 80) -> N
         (-policy.evaluate(prompt_ids, completion_ids, with_entropy=False).logprobs.sum()).backward()
         optimizer.step()
     policy.eval()
+
+
+def role_adapter_policy(model_dir: Path, roles: tuple[str, ...] = ("solver", "verifier")) -> LanguagePolicy:
+    """A policy with one LoRA adapter per role, each given random weights of its own (peft starts B at 0,
+    where every adapter would speak as the base)."""
+    torch.manual_seed(0)
+    policy = LanguagePolicy(model_dir, device="cpu", lora=LoraSettings(rank=4, alpha=8.0), role_adapters=roles)
+    for name, param in policy.named_parameters():
+        if ".lora_B." in name and param.requires_grad:
+            torch.nn.init.normal_(param, std=0.3)
+    return policy.eval()
+
+
+def generate_with(policy: LanguagePolicy, generator, adapter: str | None, prompts: list[str], **sampling):
+    """``generator``'s samples of ``prompts`` with ``adapter`` made active around the call (None: the default actor)."""
+    with policy.using_adapter(adapter) if adapter is not None else contextlib.nullcontext():
+        return generator.generate(prompts, **sampling)
 
 
 def padded(rows: list[list[float]]) -> torch.Tensor:
@@ -245,6 +263,34 @@ def test_repeated_prompts_sample_exactly_as_n_samples_of_one(policy):
     as_copies = generator.generate([p for p in PROMPTS[:2] for _ in range(3)], n=1, max_new_tokens=8, seed=5)
     assert as_copies.token_ids == as_n.token_ids and as_copies.logprobs == as_n.logprobs
     assert as_copies.prompt_token_ids == as_n.prompt_token_ids
+
+
+def test_role_adapters_in_one_call_sample_exactly_as_a_call_per_adapter(untrained_policy_dir):
+    """Prompts of two role adapters and of the default actor in one call: each prompt's samples (tokens,
+    behaviour log-probs, texts, finish reasons) are those of a call of its adapter alone, made active around
+    the call, with the same per-prompt seeds."""
+    policy = role_adapter_policy(untrained_policy_dir)
+    generator = HFGenerator(policy)
+    prompts = PROMPTS + LONG_PROMPTS
+    adapters = ["solver", "verifier", None, "verifier", "solver"]
+    seeds = [11, 12, 13, 14, 15]
+    greedy = {adapter: generate_with(policy, generator, adapter, prompts, max_new_tokens=12, temperature=0.0).token_ids
+              for adapter in ("solver", "verifier", None)}
+    assert all(len({str(greedy[a][i]) for a in greedy}) == 3 for i in range(len(prompts)))  # three voices per prompt
+    for sampling in (dict(n=2, temperature=1.0), dict(n=1, temperature=0.0)):
+        sampling.update(max_new_tokens=12, stop=[STEP_DELIMITER])
+        mixed = generator.generate(prompts, seed=seeds, adapters=adapters, **sampling)
+        for adapter in ("solver", "verifier", None):
+            index = [i for i, a in enumerate(adapters) if a == adapter]
+            alone = generate_with(policy, generator, adapter, [prompts[i] for i in index],
+                                  seed=[seeds[i] for i in index], **sampling)
+            samples = [i * sampling["n"] + j for i in index for j in range(sampling["n"])]
+            for field in ("token_ids", "logprobs", "texts", "finish_reasons", "prompt_token_ids"):
+                assert [getattr(mixed, field)[k] for k in samples] == getattr(alone, field), (adapter, field)
+    with pytest.raises(ValueError, match=r"adapters \['critic'\] are not role adapters"):
+        generator.generate(PROMPTS, adapters=["solver", "critic", None])
+    with pytest.raises(ValueError, match="got 2 adapters for 3 prompts"):
+        generator.generate(PROMPTS, adapters=["solver", None])
 
 
 def test_inverse_cdf_sample_draws_the_distribution():

@@ -13,6 +13,9 @@ Conventions every backend follows:
   unscaled (temperature 1) distribution.
 - String prompts are tokenized with the policy's tokenizer (``add_special_tokens`` as it defines);
   both backends receive token ids, so they see identical prompts.
+- Adapters: ``adapters`` names, per prompt, the policy's LoRA role adapter it is sampled with (None: the
+  default actor); a policy with role adapters (``LanguagePolicy(role_adapters=...)``) serves every role
+  from one call.
 - Seeds: ``seed`` is one int for the call or one int per prompt. The HF backend draws each sample from
   a stream of its own (``row_seeds``: sample k of an int seed, or sample j of prompt i's seed), so a
   sample does not depend on which other rows share its batch, nor on how a batch is split over
@@ -68,8 +71,9 @@ class GenerationOutput:
 class Generator(Protocol):
     def generate(self, prompts: Prompts, n: int = 1, max_new_tokens: int = 64, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = -1, stop: list[str] | None = None,
-                 seed: Seed = None) -> GenerationOutput:
-        """Samples ``n`` completions per prompt (``seed``: see the module docstring)."""
+                 seed: Seed = None, adapters: Sequence[str | None] | None = None) -> GenerationOutput:
+        """Samples ``n`` completions per prompt (``seed``, ``adapters`` [len(prompts)]: see the module
+        docstring)."""
 
     def sync(self, policy: LanguagePolicy) -> float:
         """Makes the backend generate with ``policy``'s current weights; returns seconds taken."""
@@ -86,6 +90,26 @@ def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: Prompts) -> list
     if isinstance(prompts[0], str):
         return [list(ids) for ids in tokenizer(list(prompts))["input_ids"]]
     return [list(ids) for ids in prompts]
+
+
+def adapter_groups(adapters: Sequence[str | None] | None, num_prompts: int,
+                   role_adapters: Sequence[str]) -> dict[str | None, list[int]]:
+    """{adapter: the prompts sampled with it}, adapters in order of first use, from ``adapters``
+    [num_prompts] (None: the default actor; ``adapters=None``: every prompt with it). Every name must be
+    one of ``role_adapters``."""
+    if adapters is None:
+        return {None: list(range(num_prompts))}
+    if len(adapters) != num_prompts:
+        raise ValueError(f"got {len(adapters)} adapters for {num_prompts} prompts; give one adapter name (or None) "
+                         "per prompt")
+    unknown = sorted({adapter for adapter in adapters if adapter is not None} - set(role_adapters))
+    if unknown:
+        raise ValueError(f"adapters {unknown} are not role adapters of the policy (it has {list(role_adapters)}); "
+                         "name one of those, or None for the default actor")
+    groups: dict[str | None, list[int]] = {}
+    for prompt, adapter in enumerate(adapters):
+        groups.setdefault(adapter, []).append(prompt)
+    return groups
 
 
 def mix_seed(*parts: int) -> int:
@@ -316,7 +340,8 @@ class HFGenerator:
     made the prefill 4.9x the tokens it needed), and always within ``batch_size`` rows (prompts x n) and
     ``max_batch_tokens`` cache positions (rows x (longest prompt + max_new_tokens)). ``length_buckets``:
     whether to split by the cost model, which was measured on a CPU (None: on a CPU only; elsewhere only
-    the caps split a call). Uses the live policy, so ``sync`` is free.
+    the caps split a call). Each role adapter's prompts are decoded apart, with that adapter active. Uses
+    the live policy, so ``sync`` is free.
     """
 
     def __init__(self, policy: LanguagePolicy, batch_size: int | None = None,
@@ -334,13 +359,27 @@ class HFGenerator:
 
     def generate(self, prompts: Prompts, n: int = 1, max_new_tokens: int = 64, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = -1, stop: list[str] | None = None,
-                 seed: Seed = None) -> GenerationOutput:
+                 seed: Seed = None, adapters: Sequence[str | None] | None = None) -> GenerationOutput:
+        """Samples ``n`` completions per prompt; the prompts of each adapter in ``adapters`` [len(prompts)]
+        are decoded with it active, apart from the others' and as a call of their own would decode them."""
         check_sampling(n, max_new_tokens, temperature, top_p, top_k)
-        tokenizer = self.policy.tokenizer
-        prompt_ids = encode_prompts(tokenizer, prompts)
-        rows = [ids for ids in prompt_ids for _ in range(n)]
+        prompt_ids = encode_prompts(self.policy.tokenizer, prompts)
         seeds = row_seeds(seed, len(prompt_ids), n) if temperature > 0 else None
         sampler = Sampler(temperature, top_k, top_p)
+        parts = []
+        for adapter, group in adapter_groups(adapters, len(prompt_ids), self.policy.role_adapters).items():
+            samples = [i * n + j for i in group for j in range(n)]  # the positions of the group's samples
+            with self.policy.using_adapter(adapter) if adapter is not None else contextlib.nullcontext():
+                parts.append((samples, self._generate_samples(
+                    [prompt_ids[i] for i in group], n, max_new_tokens, sampler,
+                    [seeds[k] for k in samples] if seeds is not None else None, stop)))
+        return GenerationOutput.interleave(parts, len(prompt_ids) * n)
+
+    def _generate_samples(self, prompt_ids: list[list[int]], n: int, max_new_tokens: int, sampler: Sampler,
+                          seeds: list[int] | None, stop: list[str] | None) -> GenerationOutput:
+        """``n`` samples per prompt with the active adapter, sample k drawn from ``seeds[k]`` (None: greedy)."""
+        tokenizer = self.policy.tokenizer
+        rows = [ids for ids in prompt_ids for _ in range(n)]
         token_ids, logprobs, reasons = [None] * len(rows), [None] * len(rows), [None] * len(rows)
         for batch in length_batches([len(row) for row in rows], max_new_tokens, self.batch_size,
                                     self.max_batch_tokens, self.length_buckets):

@@ -64,8 +64,13 @@ class ServerGenerator:
 
     def generate(self, prompts: Prompts, n: int = 1, max_new_tokens: int = 64, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = -1, stop: list[str] | None = None,
-                 seed: Seed = None) -> GenerationOutput:
+                 seed: Seed = None, adapters: Sequence[str | None] | None = None) -> GenerationOutput:
+        """Samples ``n`` completions per prompt on the servers; ``adapters`` must name none (one adapter is
+        served: the policy's actor)."""
         check_sampling(n, max_new_tokens, temperature, top_p, top_k)
+        if adapters is not None and any(adapter is not None for adapter in adapters):
+            raise ValueError(f"ServerGenerator serves the policy's one actor adapter, not role adapters "
+                             f"{sorted(set(adapters) - {None})}: generate them with --generation_backend vllm or hf")
         inputs = encode_prompts(self.tokenizer, prompts) if self.tokenizer is not None else list(prompts)
         seeds = request_seeds(seed, len(inputs), n)
         payloads = [{"model": self.model, "prompt": prompt, "n": n, "max_tokens": max_new_tokens,

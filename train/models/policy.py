@@ -888,6 +888,16 @@ class LanguagePolicy(nn.Module):
         self.model.save_pretrained(out_dir, selected_adapters=[ACTOR_ADAPTER])
         return Path(out_dir)
 
+    def save_role_adapters(self, out_dir: str | Path) -> dict[str, Path]:
+        """Each role's LoRA adapter alone, in peft's layout, in ``out_dir/<role>/`` (peft writes every adapter
+        but the actor's into a folder of its name): what vLLM loads as one LoRA per role. Returns
+        {role: its folder}."""
+        if not self.role_adapters:
+            raise ValueError("save_role_adapters needs a policy with role adapters (--noshare_policy --lora_rank > 0 "
+                             "on a multi-agent env); this one has none")
+        self.model.save_pretrained(out_dir, selected_adapters=list(self.role_adapters))
+        return {role: Path(out_dir) / role for role in self.role_adapters}
+
     @classmethod
     def load(cls, checkpoint_dir: str | Path, **kwargs) -> "LanguagePolicy":
         """Restores a policy written by ``save`` (device/dtype/gradient_checkpointing via ``kwargs``).

@@ -20,6 +20,7 @@ from envs.multi_agent import MultiAgentMathVectorEnv
 from envs.workflows import ACCEPT, REJECT
 from test_checkpoint import read_scalars_purged
 from test_front_door import small
+from test_generation import generate_with, role_adapter_policy
 from test_trainer import run_train_math
 from train import evaluation
 from train.collector import Collector, Sampling, Tally, Voices
@@ -186,6 +187,42 @@ def test_train_math_runs_prefix_rl_with_the_target_as_a_frozen_role(untrained_po
     assert [step for step, _ in scalars["eval/accuracy"]] == [0, 1]
 
 
+class CountingGenerator:
+    """A real generator that records the ``adapters`` of each call it serves."""
+
+    def __init__(self, generator):
+        self.generator, self.calls = generator, []
+
+    def generate(self, prompts, **sampling) -> GenerationOutput:
+        self.calls.append(sampling.get("adapters"))
+        return self.generator.generate(prompts, **sampling)
+
+    def sync(self, policy) -> float:
+        return self.generator.sync(policy)
+
+
+def test_the_policy_speaks_for_every_role_adapter_in_one_generate_call(untrained_policy_dir):
+    """Slots 0 and 1 have role adapters, slot 2 speaks with the default actor, slot 3 with a frozen model of its
+    own: the policy's rows go in one call, each with its role's adapter, and come back as calls per voice give."""
+    policy = role_adapter_policy(untrained_policy_dir)
+    generator = CountingGenerator(HFGenerator(policy))
+    frozen = CountingGenerator(HFGenerator(LanguagePolicy(untrained_policy_dir, device="cpu").eval()))
+    voices = Voices(adapters={0: "solver", 1: "verifier"}, generators={3: frozen},
+                    samplings={3: Sampling(max_new_tokens=3)})
+    prompts = [f"Problem: Compute {k} + {k}.\nSolution:\n" for k in range(7)]
+    agents, seeds = np.array([0, 1, 3, 2, 1, 0, 3]), [100 + k for k in range(7)]
+    sampling = Sampling(max_new_tokens=8)
+    out = voices.generate(sampling, generator, prompts, agents, seeds)
+    assert generator.calls == [["solver", "verifier", None, "verifier", "solver"]]
+    assert frozen.calls == [None]
+    for agent, adapter in ((0, "solver"), (1, "verifier"), (2, None)):
+        index = np.flatnonzero(agents == agent).tolist()
+        alone = generate_with(policy, generator.generator, adapter, [prompts[k] for k in index], n=1,
+                              max_new_tokens=8, seed=[seeds[k] for k in index])
+        assert [out.token_ids[k] for k in index] == alone.token_ids
+    assert all(len(out.token_ids[k]) <= 3 for k in (2, 6))  # the frozen model's own budget
+
+
 def test_an_update_of_one_roles_adapter_leaves_the_other_roles_and_the_base_bit_for_bit(untrained_policy_dir):
     """One LoRA adapter per role on one base: a step on the solver's rows changes the solver alone."""
     torch.manual_seed(0)
@@ -292,6 +329,9 @@ def test_prefix_rl_writer_learns_to_help_the_frozen_target(tiny_models, tmp_path
     (["--env_id", "Arith-Chain-v0", "--role_model", "solver=/models/target"], "the frozen roles of"),
     (["--env_id", "Arith-Prefix-v0", "--role_model", "solver"], "must be ROLE=DIR"),
     (["--env_id", "Arith-Chain-v0", "--noshare_policy"], "add --lora_rank > 0"),
+    (["--env_id", "Arith-Chain-v0", "--noshare_policy", "--lora_rank", "4", "--generation_backend", "vllm_server",
+      "--vllm_url", "http://127.0.0.1:8002"], "the server serves one adapter, not one per role; use "
+                                              "--generation_backend vllm (or hf)"),
 ])
 def test_multi_agent_flags_that_cannot_work_fail_in_one_line(argv, message):
     from test_train_math import run_cli

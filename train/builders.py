@@ -237,7 +237,7 @@ def build_generators(f: flags.FlagValues, policy: LanguagePolicy, model: str, sy
                      ) -> tuple[Generator, LanguagePolicy | None, Generator | None]:
     """(the policy's generator: ``generator_factory(policy)`` or --generation_backend's, synced to the policy;
     the asynchronous rollout copy and its HF generator, or None, None). ``sync_dir``: where weights are
-    written for vLLM servers to load."""
+    written for vLLM servers to load, and role adapters for the in-process vLLM engine."""
     if generator_factory is not None:
         generator = generator_factory(policy)
     elif f.generation_backend == "vllm_server":
@@ -246,6 +246,8 @@ def build_generators(f: flags.FlagValues, policy: LanguagePolicy, model: str, sy
         generator = ServerGenerator(f.vllm_url, f.vllm_model_name, tokenizer=policy.tokenizer, sync_dir=sync_dir,
                                     settings=client_settings(f), model_flag="--vllm_model_name")
         generator.sync(policy)
+    elif f.generation_backend == "vllm":
+        generator = make_generator("vllm", policy, sync_dir=sync_dir)
     else:
         generator = make_generator(f.generation_backend, policy)
     if not train_flags.resolved_async_rollouts(f):

@@ -28,7 +28,6 @@ the same whichever process, and whichever batch, it is generated in.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -58,12 +57,14 @@ class Sampling:
     eos_text: str = ""
     token_actions: bool = False
 
-    def generate(self, generator: Generator, prompts: Sequence[str], seed: Seed = None,
-                 greedy: bool = False) -> GenerationOutput:
-        """One sample per prompt; ``greedy`` for evaluation (temperature 0: top-p and the seed do not matter)."""
+    def generate(self, generator: Generator, prompts: Sequence[str], seed: Seed = None, greedy: bool = False,
+                 adapters: Sequence[str | None] | None = None) -> GenerationOutput:
+        """One sample per prompt; ``greedy`` for evaluation (temperature 0: top-p and the seed do not matter);
+        ``adapters`` [len(prompts)]: the policy's role adapter of each prompt (None: the default actor)."""
         return generator.generate(list(prompts), n=1, max_new_tokens=self.max_new_tokens,
                                   temperature=0.0 if greedy else self.temperature, top_p=self.top_p,
-                                  stop=list(self.stop) if self.stop is not None else None, seed=seed)
+                                  stop=list(self.stop) if self.stop is not None else None, seed=seed,
+                                  adapters=adapters)
 
     def actions(self, out: GenerationOutput) -> list[str] | list[int]:
         """The env actions of ``out``'s samples: texts, or token ids in token mode."""
@@ -125,22 +126,26 @@ class Voices:
     generators: dict[int, Generator] = field(default_factory=dict)
     samplings: dict[int, Sampling] = field(default_factory=dict)
 
-    def generate(self, sampling: Sampling, generator: Generator, policy: LanguagePolicy, prompts: list[str],
-                 agents: np.ndarray, seeds: list[int] | None = None, greedy: bool = False) -> GenerationOutput:
-        """One sample per prompt, whose agent is ``agents[b]``; one generate call per voice."""
-        voices = [("model", a) if a in self.generators else ("adapter", self.adapters[a]) if a in self.adapters
-                  else ("policy", None) for a in agents.tolist()]
-        if set(voices) == {("policy", None)}:
-            return sampling.generate(generator, prompts, seed=seeds, greedy=greedy)
+    def generate(self, sampling: Sampling, generator: Generator, prompts: list[str], agents: np.ndarray,
+                 seeds: list[int] | None = None, greedy: bool = False) -> GenerationOutput:
+        """One sample per prompt, whose agent is ``agents[b]``: the policy's prompts, each with its role's
+        adapter, in one call of ``generator``; each frozen role's model in a call of its own."""
+        speakers = [a if a in self.generators else None for a in agents.tolist()]  # None: the policy
         parts = []
-        for voice in dict.fromkeys(voices):
-            index = [k for k, v in enumerate(voices) if v == voice]
-            kind, key = voice
-            speaker = self.generators[key] if kind == "model" else generator
-            how = self.samplings.get(key, sampling) if kind == "model" else sampling
-            with policy.using_adapter(key) if kind == "adapter" else contextlib.nullcontext():
-                parts.append((index, how.generate(speaker, [prompts[k] for k in index], greedy=greedy,
-                                                  seed=None if seeds is None else [seeds[k] for k in index])))
+        for speaker in dict.fromkeys(speakers):
+            index = [k for k, s in enumerate(speakers) if s == speaker]
+            seed = None if seeds is None else [seeds[k] for k in index]
+            if speaker is None:
+                adapters = [self.adapters.get(int(agents[k])) for k in index]
+                out = sampling.generate(generator, [prompts[k] for k in index], seed=seed, greedy=greedy,
+                                        adapters=adapters if any(adapters) else None)
+            else:
+                out = self.samplings.get(speaker, sampling).generate(self.generators[speaker],
+                                                                     [prompts[k] for k in index], seed=seed,
+                                                                     greedy=greedy)
+            parts.append((index, out))
+        if len(parts) == 1:
+            return parts[0][1]
         return GenerationOutput.interleave(parts, len(prompts))
 
 
@@ -225,8 +230,8 @@ class Collector:
         num_agents = self.num_agents
         started = time.perf_counter()
         seeds = [mix_seed(seed, step, (self.env_offset + i) * num_agents + a) for i, a in zip(envs, agents)]
-        out = self.voices.generate(self.sampling, generator, policy, pair_prompts(self.env, self.obs, envs, agents),
-                                   agents, seeds)
+        out = self.voices.generate(self.sampling, generator, pair_prompts(self.env, self.obs, envs, agents), agents,
+                                   seeds)
         tally.seconds["generate"] += time.perf_counter() - started
         tally.add("tokens", [len(ids) for ids in out.token_ids])
         trained = np.flatnonzero(self.trained_agents[agents])  # the pairs to train on (all, with one agent)

@@ -22,15 +22,14 @@ from train import distributed
 from train.collector import Sampling, Voices, acting_pairs, pair_actions, pair_prompts
 from train.distributed import Ranks
 from train.models.generation import Generator
-from train.models.policy import LanguagePolicy
 
 
 @torch.no_grad()
 def evaluate(env, generator: Generator, sampling: Sampling, limit: int, ranks: Ranks = Ranks(),
-             voices: Voices = Voices(), policy: LanguagePolicy | None = None) -> dict[str, float]:
+             voices: Voices = Voices()) -> dict[str, float]:
     """Greedy accuracy, mean solution length in tokens and, when the env pays a PRM reward, the mean
     PRM score, over the first ``limit`` of ``env.problems`` (this rank's share of them, then summed).
-    ``voices``: who speaks for each agent of a multi-agent env (role adapters of ``policy``, frozen roles'
+    ``voices``: who speaks for each agent of a multi-agent env (the policy's role adapters, frozen roles'
     own models)."""
     started = time.perf_counter()
     problem_ids = [p.id for p in env.problems][:limit][ranks.rank::ranks.world_size]
@@ -40,7 +39,7 @@ def evaluate(env, generator: Generator, sampling: Sampling, limit: int, ranks: R
     for start in range(0, len(problem_ids), env.num_envs):
         batch_correct, batch_lengths, batch_prm = solve_batch(env, generator, sampling,
                                                               problem_ids[start:start + env.num_envs],
-                                                              voices, policy, role_sums)
+                                                              voices, role_sums)
         correct += batch_correct
         lengths += batch_lengths
         prm_scores += batch_prm
@@ -61,7 +60,7 @@ def evaluate(env, generator: Generator, sampling: Sampling, limit: int, ranks: R
 
 
 def solve_batch(env, generator: Generator, sampling: Sampling, problem_ids: Sequence[str], voices: Voices,
-                policy: LanguagePolicy | None, role_sums: np.ndarray) -> tuple[list[float], list[float], list[float]]:
+                role_sums: np.ndarray) -> tuple[list[float], list[float], list[float]]:
     """(verdicts, solution lengths in tokens) of the problems ``problem_ids`` (at most ``env.num_envs``),
     and the PRM scores of every step taken; adds each role's verified outputs into ``role_sums``
     [2 (sum, count), A, len(ROLE_METRICS)] (multi-agent envs)."""
@@ -73,7 +72,7 @@ def solve_batch(env, generator: Generator, sampling: Sampling, problem_ids: Sequ
     tokens, verdicts, prm_scores = np.zeros(env.num_envs), np.zeros(env.num_envs), []
     while not done.all():
         envs, agents = acting_pairs(env, info, done)
-        out = voices.generate(sampling, generator, policy, pair_prompts(env, obs, envs, agents), agents, greedy=True)
+        out = voices.generate(sampling, generator, pair_prompts(env, obs, envs, agents), agents, greedy=True)
         obs, _, terminated, truncated, info = env.step(pair_actions(env, sampling, out, envs, agents))
         np.add.at(tokens, envs, [len(ids) for ids in out.token_ids])
         ended = (terminated | truncated) & ~done

@@ -527,7 +527,7 @@ class Runner:
             self.pending.result()
         with self.policy.gathered():
             result = evaluation.evaluate(self.eval_env, self.generator, self.sampling, self.config.eval_limit,
-                                         self.ranks, self.collector.voices, self.policy)
+                                         self.ranks, self.collector.voices)
         env_steps = self.env_steps()
         best_before = max((h["eval/accuracy"] for h in self.history), default=-math.inf)
         # seconds: the training time the policy evaluated here took, every evaluation so far excluded

@@ -7,9 +7,10 @@ footing and the numbers can be reproduced by one command.
                                    [--eval_interval 100] [--eval_limit 1000] [--save_interval 50]
                                    [--n_rollout_threads 128] [--out runs/learning_table]
 
-Rows (the flags each adds to train_math's defaults: GRPO, outcome reward, the tiny policy on Arith-v0):
+Rows (the flags each adds to train_math's defaults: GRPO, outcome reward, the tiny policy on Arith-v0;
+every row samples at temperature 1.0 and groups of 8, see ``GRID_SAMPLING``):
 
-- grpo_outcome: nothing (the default run).
+- grpo_outcome: nothing more (the default run at temperature 1.0 and groups of 8).
 - grpo_outcome_prm: the tiny PRM's step score beside the outcome (``--reward outcome:1.0,prm:0.2``).
 - grpo_outcome_steps: the exact Arith process reward (``--reward outcome:1.0,steps:1.0``).
 - appo, tppo: ``--algorithm_name APPO`` / ``TPPO`` (a critic; groups of 1).
@@ -81,6 +82,13 @@ ROWS: dict[str, tuple[str, ...]] = {
     "debate": ("--env_id", "Arith-Debate-v0", "--reward_assignment", "team"),
 }
 """Trained rows: name -> the flags added to train_math's; {policy}, {target}, {team}, {prm}: the tiny models."""
+GRID_SAMPLING = ("--temperature", "1.0")
+GRID_GROUPS = ("--group_size", "8")
+"""Every trained row samples at temperature 1.0, and the rows that compare samples within a group (GRPO,
+RLOO) do so in groups of 8: GRPO's usual setting, kept fixed so that rows compare like with like
+(train_math's defaults, 0.5 and 4, are tuned for the default run)."""
+CRITIC_ROWS = ("appo", "tppo")
+"""Rows whose algorithm has a critic and groups of 1."""
 BASELINES: dict[str, tuple[str, ...]] = {
     "target_alone": ("--model_name_or_path", "{target}", "--max_new_tokens", "96"),
     "solver_alone": ("--model_name_or_path", "{team}"),
@@ -222,7 +230,9 @@ def run_flags(row: str, seed: int, args: argparse.Namespace, models: dict[str, s
     if row in BASELINES:
         extra = [*BASELINES[row], *BASELINE_RUN]
     else:
-        extra = [*ROWS[row], "--num_env_steps", str(args.env_steps), "--n_rollout_threads", str(args.n_rollout_threads),
+        groups = () if row in CRITIC_ROWS else GRID_GROUPS
+        extra = [*ROWS[row], *GRID_SAMPLING, *groups, "--num_env_steps", str(args.env_steps),
+                 "--n_rollout_threads", str(args.n_rollout_threads),
                  "--eval_interval", str(args.eval_interval), "--save_interval", str(args.save_interval)]
     return common + [flag.format(**models) if "{" in flag else flag for flag in extra]
 

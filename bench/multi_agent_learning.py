@@ -5,8 +5,9 @@ against the solver alone, with a control.
                                          [--n_rollout_threads 64] [--eval_limit 500] [--seed 0]
 
 Every run is ``python train_math.py`` on the tiny team model (the default model of a multi-agent env), GRPO
-with groups per (problem, role), held-out greedy evaluation on the first ``--eval_limit`` Arith test
-problems every ``--iterations / 4`` iterations (the first one, at iteration 0, is the untrained team):
+with groups of 8 per (problem, role) sampled at temperature 1.0, held-out greedy evaluation on the first
+``--eval_limit`` Arith test problems every ``--iterations / 4`` iterations (the first one, at iteration 0, is
+the untrained team):
 
 - chain: ``Arith-Chain-v0`` (solver -> verifier -> refiner), individual credit: the solver and the refiner
   are paid their answers, the verifier its verdict against the truth.
@@ -71,7 +72,8 @@ def train(name: str, args: argparse.Namespace) -> dict:
     """One run of ``train_math.py``; its evaluation history and minutes of training."""
     iterations = 0 if name == "solver_alone" else args.iterations
     turns = {"chain": 3, "control": 3, "debate": 2, "solver_alone": 1}[name]
-    flags = ["--model_name_or_path", team_model(), "--algorithm_name", "GRPO",
+    flags = ["--model_name_or_path", team_model(), "--algorithm_name", "GRPO", "--temperature", "1.0",
+             "--group_size", "8",
              "--n_rollout_threads", str(args.n_rollout_threads),
              "--num_env_steps", str(max(iterations, 1) * turns * args.n_rollout_threads),
              "--eval_interval", str(max(1, args.iterations // 4)), "--eval_limit", str(args.eval_limit),

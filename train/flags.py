@@ -135,8 +135,9 @@ flags.DEFINE_string("eval_dataset_path", None, "Held-out problems for evaluation
                     "(Arith-v0), or --dataset_path itself (e.g. MATH-500).")
 flags.DEFINE_integer("eval_limit", 1000, "Most held-out problems per evaluation.", lower_bound=1)
 flags.DEFINE_integer("eval_batch_size", 500, "Problems evaluated per batch (greedy decoding).", lower_bound=1)
-flags.DEFINE_integer("group_size", None, "Samples per problem (consecutive envs sharing one). Default: 8 for "
-                     "GRPO/RLOO (they compare samples within a group), 1 for APPO/TPPO.", lower_bound=1)
+flags.DEFINE_integer("group_size", None, "Samples per problem (consecutive envs sharing one). Default: 4 for "
+                     "GRPO/RLOO (they compare samples within a group; on the tiny Arith policy 32 problems x 4 "
+                     "learned faster than 16 x 8 at 128 envs), 1 for APPO/TPPO.", lower_bound=1)
 
 # --- Model, generation, devices --------------------------------------------------------------
 flags.DEFINE_enum("generation_backend", "hf", ("hf", "vllm", "vllm_server"), "Generation backend: HF "
@@ -158,7 +159,10 @@ flags.DEFINE_enum("data_parallel", "auto", ("auto", "ddp", "fsdp"), "Under torch
                   "auto: fsdp for full fine-tuning, ddp for LoRA.")
 flags.DEFINE_integer("torch_threads", 1, "torch intra-op CPU threads. 1 by default: on a shared 2-core machine "
                      "two threads ran the tiny model 10-18x slower than one (OpenMP oversubscription).", lower_bound=1)
-flags.DEFINE_float("temperature", 1.0, "Sampling temperature for rollouts (> 0; evaluation is greedy).")
+flags.DEFINE_float("temperature", 0.5, "Sampling temperature for rollouts (> 0; evaluation is greedy). 0.5 on the "
+                   "tiny Arith policy: its samples at 1.0 are right half as often as its greedy solutions (0.17 "
+                   "against 0.28), and 0.5 raised held-out greedy accuracy faster; large models are commonly "
+                   "sampled at 1.0.")
 flags.DEFINE_float("top_p", 1.0, "Nucleus sampling for rollouts (1: off).")
 flags.DEFINE_boolean("async_rollouts", None, "Generate the next batch with a copy of the policy in a second "
                      "thread while the current one trains (on a CPU: a second core), at most --max_policy_lag "
@@ -182,9 +186,10 @@ flags.DEFINE_integer("max_nonfinite_steps", 3, "A non-finite loss or gradient sk
                      lower_bound=1)
 
 # --- Optimisation -----------------------------------------------------------------------------
-flags.DEFINE_float("lr", 1e-4, "Policy learning rate (AdamW). On the 1.1M tiny Arith policy (GRPO, 16 problems x "
-                   "8 samples) 1e-4 raised held-out greedy accuracy 0.28 -> 0.45 in 1300 iterations; with 8 x 8, "
-                   "2e-4 collapsed it to 0.10 within 100 iterations, as did 1e-4 with 4 optimizer steps per batch.")
+flags.DEFINE_float("lr", 1e-4, "Policy learning rate (AdamW). On the 1.1M tiny Arith policy (GRPO, 32 problems x "
+                   "4 samples at temperature 0.5) 1e-4 raised held-out greedy accuracy 0.28 -> 0.46 in 600 "
+                   "iterations; 1.5e-4 learned slower, and at temperature 1.0 4e-4 collapsed it (0.18 within 100 "
+                   "iterations), as did 2e-4 or 4 optimizer steps per batch with 8 x 8.")
 flags.DEFINE_float("critic_lr", 1e-3, "Critic learning rate (value head and critic adapter).")
 flags.DEFINE_integer("warmup_iterations", 20, "Linear lr warm-up length in iterations (Adam's first steps move "
                      "every weight by about lr; warm-up keeps them small).", lower_bound=0)
@@ -468,7 +473,7 @@ def has_critic(algorithm: str) -> bool:
 
 
 def default_group_size(algorithm: str) -> int:
-    return 8 if ALGORITHMS[algorithm].episodic else 1
+    return 4 if ALGORITHMS[algorithm].episodic else 1
 
 
 def resolved_group_size(flag_values: flags.FlagValues = FLAGS) -> int:

@@ -149,6 +149,10 @@ asynchronous as by default on a CPU: GRPO 0.160 -> 0.227, APPO 0.186 -> 0.254, T
 on the outcome stream 0.155 -> 0.225, RLOO with PRIME's both streams 0.188 -> 0.261), while a quarter's
 mean has a standard error of ~0.012. Over 64 iterations the change was within noise."""
 
+GRPO_SAMPLING = ["--temperature", "1.0"]
+"""The slow learning tests sample as GRPO commonly does (temperature 1.0; groups of 8 where an algorithm
+compares samples within a group), the settings their figures were measured with."""
+
 SLOW_CASES = [
     pytest.param("GRPO", [], id="GRPO"),
     pytest.param("APPO", [], id="APPO"),
@@ -165,8 +169,10 @@ SLOW_CASES = [
 @pytest.mark.parametrize(("name", "settings"), SLOW_CASES)
 def test_algorithm_raises_training_reward_on_arith(tiny_models, tmp_path, name, settings):
     oversample = 4 if name == "RLOO" else 1  # RLOO steps 4x the envs per iteration (--oversample_factor)
+    groups = ["--group_size", "8"] if name in ("GRPO", "RLOO") else []
     run_dir = run_train_math(["--algorithm_name", name, "--model_name_or_path", str(tiny_models.policy),
                               "--eval_interval", "0", "--logdir", str(tmp_path), "--save_interval", "0",
+                              *GRPO_SAMPLING, *groups,
                               "--n_rollout_threads", "64", "--num_env_steps", str(64 * oversample * SLOW_ITERATIONS),
                               *settings])
     rewards = [value for _, value in sorted(read_scalars(run_dir)["train/reward"])]
@@ -185,8 +191,28 @@ def test_prime_implicit_prm_learns_to_predict_outcomes(tiny_models, tmp_path):
     about 0.70 on average."""
     run_dir = run_train_math(["--algorithm_name", "RLOO", "--model_name_or_path", str(tiny_models.policy),
                               "--eval_interval", "0", "--logdir", str(tmp_path), "--save_interval", "0",
+                              *GRPO_SAMPLING, "--group_size", "8",
                               "--n_rollout_threads", "64", "--num_env_steps", str(64 * 4 * 25)])
     aucs = [value for _, value in sorted(read_scalars(run_dir)["implicit_prm/heldout_auc"])]
     late = float(np.mean(aucs[-10:]))
     print(f"implicit PRM held-out ROC-AUC: iteration 0 {aucs[0]:.3f}, mean of the last 10 {late:.3f}")
     assert late > 0.6, f"the implicit PRM did not learn to predict outcomes: held-out AUC {aucs}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("reward", "iterations"), [("steps:1.0", 150), ("prm:1.0", 300)])
+def test_a_process_reward_alone_raises_held_out_accuracy(tiny_models, tmp_path, reward, iterations):
+    """The process-reward claim (Math-Shepherd, OpenR): step rewards carry a learning signal that reaches
+    the verified answer. GRPO is paid only the process reward, never the outcome: Arith's exact step reward
+    (the share of reference steps reproduced before the first mistake), or the tiny PRM's score. A hacked
+    reward would rise while held-out accuracy stays or falls; a sound one lifts held-out accuracy. The PRM
+    alone is the weaker signal: 0.303 -> 0.341 (mean of the last 3 evals) after 150 iterations."""
+    prm = ["--prm_model_name_or_path", str(tiny_models.prm)] if reward.startswith("prm") else []
+    run_dir = run_train_math(["--model_name_or_path", str(tiny_models.policy), "--reward", reward, *prm,
+                              "--logdir", str(tmp_path), *GRPO_SAMPLING, "--group_size", "8",
+                              "--n_rollout_threads", "64", "--num_env_steps", str(64 * iterations),
+                              "--eval_interval", str(iterations // 6), "--eval_limit", "300", "--save_interval", "0"])
+    accuracy = [value for _, value in sorted(read_scalars(run_dir)["eval/accuracy"])]
+    start, late = accuracy[0], float(np.mean(accuracy[-3:]))
+    print(f"{reward}: held-out accuracy {start:.3f} -> {late:.3f} (mean of the last 3 evals): {accuracy}")
+    assert late > start + 0.04, f"GRPO on {reward} alone did not raise held-out accuracy: {accuracy}"

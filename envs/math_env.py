@@ -26,7 +26,7 @@ from gymnasium import spaces
 from envs.datasets import Arith, Problem, load_problems
 from envs.grader import extract_answer
 from envs.prompts import DEFAULT_TEMPLATE, STEP_DELIMITER, format_prompt, resolve_template
-from envs.rewards import OutcomeReward, RewardModel, StepContext, verify
+from envs.rewards import OutcomeReward, RewardModel, RewardOutput, StepContext, verify
 
 MODES = ("step", "token")
 
@@ -40,6 +40,20 @@ class RewardModelError(RuntimeError):
         super().__init__(f"reward model {getattr(reward_model, 'name', '?')!r} ({type(reward_model).__name__}) "
                          f"raised {type(error).__name__}: {error} while scoring a batch of {len(contexts)} steps "
                          f"of problems [{shown}]")
+
+
+def score_batch(reward_model: RewardModel, contexts: Sequence[StepContext]) -> RewardOutput:
+    """``reward_model.score(contexts)``, its rewards checked to be [B] (one per context); an exception it
+    raises comes back as a ``RewardModelError`` naming the model and the batch's problems."""
+    try:
+        output = reward_model.score(contexts)
+    except Exception as error:
+        raise RewardModelError(reward_model, contexts, error) from error
+    shape = np.shape(output.rewards)
+    if shape != (len(contexts),):
+        raise ValueError(f"reward model {getattr(reward_model, 'name', '?')!r} returned rewards of shape {shape} for "
+                         f"a batch of {len(contexts)} steps; score() must return one reward per context")
+    return output
 
 
 class UnicodeText(spaces.Text):
@@ -369,16 +383,8 @@ class MathTask:
             )
             for i in scored
         ]
-        try:
-            output = self.reward_model.score(contexts)
-        except Exception as error:
-            raise RewardModelError(self.reward_model, contexts, error) from error
+        output = score_batch(self.reward_model, contexts)
         rewards = np.asarray(output.rewards, dtype=np.float64)
-        if rewards.shape != (len(contexts),):
-            raise ValueError(
-                f"reward model {self.reward_model.name!r} returned rewards of shape {rewards.shape} for a batch "
-                f"of {len(contexts)} steps; score() must return one reward per context"
-            )
         correct = output.correct if output.correct is not None else verify(contexts)
         done = np.array([c.done for c in contexts])
         scores.rewards[scored] = rewards

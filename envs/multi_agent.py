@@ -24,7 +24,18 @@ Credit (``reward_assignment``), all from answers verified against the gold answe
 Team, counterfactual and the writer's individual credit need the episode's outcome, so they are paid
 at the episode's end step to every slot that acted in the episode, whether it acts at that step or
 not (a trainer adds it to that slot's last action); the rest of the individual credit is paid at the
-step of the message.
+step of the message. ``outcome_weight`` (``--reward``'s ``outcome`` weight) scales all of it.
+
+Process rewards (``reward_model``: the ``--reward`` sources other than ``outcome``, e.g. a weighted
+``RewardMixture`` of the PRM, Arith's exact ``steps`` reward, the target solver): each message of an
+answering role (``Role.answers``: solver, refiner, debaters, Prefix-RL's solver) is one whole solution,
+scored as the single-agent env scores a solution-level action at the end of its episode,
+``StepContext(problem, (), solution, done=True, group_id)``, the solution being
+``Workflow.solution_of`` (a continuing role's message after the prefix it continues). All such
+messages of all envs of a step go to the reward model in ONE ``score`` call, and each one's reward is
+added to its own slot's reward at that step. Verdicts (``Role.judges``) and the other messages that
+answer nothing (Prefix-RL's writer) get none; counterfactual replays change only the outcome. An
+``OutcomeReward`` in ``reward_model`` would pay every answer a second time: the outcome is the credit.
 
 Grading: a step first collects every comparison it needs (each new answer, and each answer a new
 verdict is about, against the gold answer; the final answer of each ended episode and of its
@@ -42,7 +53,9 @@ Infos are a plain dict of full arrays, as MathVectorEnv's:
   none), ``answer_correct`` [N, A] (an answering slot's own answer verified, NaN where it did not
   answer at this step), ``verdict`` [N, A] (a judging slot's verdict: 1 accept, 0 reject or
   unparseable, NaN where none), ``verdict_correct`` [N, A] (1 where that verdict agrees with the
-  verified truth, 0 where not, NaN where none), ``action_clipped`` [N, A] bool;
+  verified truth, 0 where not, NaN where none), ``action_clipped`` [N, A] bool; ``reward/<source>``
+  [N, A] float64, each component the reward model reported for a slot's solution message (NaN where
+  the slot said none), at the steps that scored any;
 - SAME_STEP autoreset: ``final_obs`` [N] object (the ended episodes' prompts for the slots that would
   act next: all "" unless truncated), ``final_info`` (the ended episodes' metadata) and their masks.
 
@@ -54,11 +67,6 @@ never step, draws them and keeps that bookkeeping, so ``get_state`` / ``set_stat
 Autoreset: ``SAME_STEP`` (default) or ``DISABLED``. ``NEXT_STEP`` is refused: the step that resets
 would have every slot of the new episode generate a whole message only to throw it away.
 
-Left out: the MathTask reward model (PRM, target solver, mixtures). Its contract scores the steps of
-one solution; a verifier's verdict or a debater's second-round answer is not a step of a solution,
-and a PRM given a whole message as one step scores something it was not trained on, so per-role
-``reward/<source>`` arrays would distort it. ``reward_model=`` raises; credit comes from
-``reward_assignment``.
 """
 
 from __future__ import annotations
@@ -73,7 +81,8 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 
 from envs.datasets import Problem
 from envs.grader import grade_batch
-from envs.math_env import UnicodeText
+from envs.math_env import UnicodeText, score_batch
+from envs.rewards import RewardModel, StepContext
 from envs.vector import MathVectorEnv
 from envs.workflows import (WORKFLOWS, Limits, Message, Progress, TurnContext, Workflow, parse_verdict, resolve_workflow,
                             state_prompt)
@@ -82,8 +91,6 @@ REWARD_ASSIGNMENTS = ("team", "individual", "counterfactual")
 ROLE_METRICS = ("answer_correct", "verdict", "verdict_correct")  # the [N, A] infos of each role's verified output
 AUTORESET_MODES = (AutoresetMode.SAME_STEP, AutoresetMode.DISABLED)
 SINGLE_AGENT_KEYWORDS = {  # MathTask keywords that mean nothing for whole messages: why, and what instead
-    "reward_model": "a PRM or target solver scores the steps of one solution, not verdicts or debate rounds; credit "
-                    "comes from reward_assignment='team'|'individual'|'counterfactual'",
     "handoff_steps": "Prefix-RL is the workflow='prefix' here",
     "end_marker": "an action is a whole message, so a message ends where the generator stops",
 }
@@ -139,8 +146,9 @@ class MultiAgentMathVectorEnv(VectorEnv):
     """``num_envs`` episodes of ``workflow`` (a ``Workflow`` or a built-in's name: "chain", "debate",
     "prefix"). ``group_size``, ``group_offset``, ``total_groups`` as MathVectorEnv's; the other keywords
     build the shared ``MathTask`` (problem source, template, limits: see ``envs.math_env.MathTask``).
-    ``grade_timeout``: seconds the grader may spend on one comparison. Shapes, credit and infos: see
-    the module docstring."""
+    ``grade_timeout``: seconds the grader may spend on one comparison. ``reward_model``: the process
+    reward of answering roles' messages (None: none); ``outcome_weight`` scales ``reward_assignment``'s
+    credit. Shapes, credit, process rewards and infos: see the module docstring."""
 
     metadata = {"autoreset_mode": AutoresetMode.SAME_STEP, "render_modes": []}
 
@@ -154,6 +162,8 @@ class MultiAgentMathVectorEnv(VectorEnv):
         workflow: Workflow | str = "chain",
         reward_assignment: str = "team",
         grade_timeout: float = 1.0,
+        reward_model: RewardModel | None = None,
+        outcome_weight: float = 1.0,
         **task_kwargs: Any,
     ):
         supported = {mode: mode for mode in AUTORESET_MODES} | {mode.value: mode for mode in AUTORESET_MODES}
@@ -166,9 +176,15 @@ class MultiAgentMathVectorEnv(VectorEnv):
             raise ValueError(f"reward_assignment={reward_assignment!r} must be one of {REWARD_ASSIGNMENTS}")
         if not grade_timeout > 0:
             raise ValueError(f"grade_timeout={grade_timeout!r} must be > 0 seconds")
+        if reward_model is not None and not isinstance(reward_model, RewardModel):
+            raise TypeError(f"reward_model={reward_model!r:.100} has no name and score(contexts); pass an "
+                            "envs.rewards.RewardModel (e.g. reward_models.mixture.RewardMixture) or None")
+        if not np.isfinite(outcome_weight):
+            raise ValueError(f"outcome_weight={outcome_weight!r} must be a finite number (1.0: the credit as is)")
         check_task_keywords(task_kwargs)
         self.workflow = resolve_workflow(workflow)
         self.reward_assignment, self.grade_timeout = reward_assignment, grade_timeout
+        self.reward_model, self.outcome_weight = reward_model, float(outcome_weight)
         self.dealer = MathVectorEnv(num_envs, group_size, AutoresetMode.DISABLED, group_offset, total_groups,
                                     **task_kwargs)
         self.task = self.dealer.task
@@ -287,7 +303,37 @@ class MultiAgentMathVectorEnv(VectorEnv):
                         if other is not None:
                             checks.ask(answer, other)
         checks.grade(self.grade_timeout)
-        return self._credit(spoken, subjects, outcomes, checks)
+        credit, results = self._credit(spoken, subjects, outcomes, checks)
+        process, components = self._process_rewards(spoken)
+        results.update({f"reward/{name}": values for name, values in components.items()})
+        return self.outcome_weight * credit + process, results
+
+    def _process_rewards(self, spoken: list[tuple[int, int]]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """The reward model's rewards [N, A] for the solution messages among ``spoken`` (answering roles'),
+        all scored in one call, and its components {source: [N, A]}, NaN where a slot said no solution."""
+        shape = (self.num_envs, self.num_agents)
+        solutions = [(i, index) for i, index in spoken
+                     if self.workflow.roles[self.dialogues[i].transcript[index].slot].answers]
+        if self.reward_model is None or not solutions:
+            return np.zeros(shape), {}
+        contexts = [self._solution_context(i, index) for i, index in solutions]
+        output = score_batch(self.reward_model, contexts)
+        envs = [i for i, _ in solutions]
+        slots = [self.dialogues[i].transcript[index].slot for i, index in solutions]
+        rewards = np.zeros(shape)
+        rewards[envs, slots] = output.rewards
+        components = {}
+        for name, values in output.components.items():
+            components[name] = np.full(shape, np.nan)
+            components[name][envs, slots] = values
+        return rewards, components
+
+    def _solution_context(self, env_index: int, index: int) -> StepContext:
+        """Message ``index`` of env ``env_index`` as one finished solution, as the single-agent env gives a
+        solution-level action at its episode's end."""
+        dialogue = self.dialogues[env_index]
+        return StepContext(dialogue.problem, (), self.workflow.solution_of(dialogue.transcript, index), done=True,
+                           group_id=dialogue.group_id)
 
     def _outcome_candidates(self, env_index: int) -> dict[int | None, tuple[str | None, ...]]:
         """The final-answer candidates of env ``env_index``'s ended episode (key None) and, for

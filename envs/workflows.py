@@ -251,13 +251,17 @@ class Workflow:
         chars = sum(len(m.text) for m in transcript)
         return Progress(turn, slots, truncated=bool(slots) and (turn >= limits.max_turns or chars >= limits.max_chars))
 
-    def answer_of(self, transcript: Sequence[Message], index: int) -> str | None:
-        """The answer in message ``index`` (read together with the previous message for a continuing role)."""
+    def solution_of(self, transcript: Sequence[Message], index: int) -> str:
+        """The solution message ``index`` holds: its text, after the previous message's for a continuing
+        role (the prefix it continued, as its prompt showed it)."""
         message = transcript[index]
-        text = message.text
         if self.roles[message.slot].continues and index > 0:
-            text = transcript[index - 1].text + text
-        return extract_answer(text)
+            return transcript[index - 1].text + message.text
+        return message.text
+
+    def answer_of(self, transcript: Sequence[Message], index: int) -> str | None:
+        """The answer in message ``index``'s solution (``solution_of``)."""
+        return extract_answer(self.solution_of(transcript, index))
 
     def judged(self, transcript: Sequence[Message], index: int) -> int | None:
         """Index of the message that message ``index``'s verdict is about: the latest one before it of

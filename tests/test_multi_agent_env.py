@@ -12,7 +12,6 @@ from envs.datasets import Arith, Problem
 from envs.math_env import MathTask
 from envs.multi_agent import MultiAgentMathEnv, MultiAgentMathVectorEnv, register_builtin
 from envs.prompts import format_prompt
-from envs.rewards import OutcomeReward
 from envs.vector import MathVectorEnv
 from envs.workflows import (ACCEPT, REJECT, VERIFIER_INSTRUCTION, Role, Workflow, chain, debate, parse_verdict,
                             prefix)
@@ -256,14 +255,15 @@ def test_hostile_actions_are_clipped_or_refused():
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"autoreset_mode": AutoresetMode.NEXT_STEP}, "autoreset_mode=.*not supported"),
-    ({"reward_model": OutcomeReward()}, "reward_model= is not supported"),
+    ({"reward_model": "prm"}, "reward_model='prm' has no name and score"),
+    ({"outcome_weight": float("nan")}, "outcome_weight=nan must be a finite number"),
     ({"handoff_steps": 1}, "handoff_steps= is not supported"),
     ({"mode": "token"}, "whole messages"),
     ({"reward_assignment": "shared"}, "reward_assignment='shared' must be one of"),
     ({"workflow": "relay"}, "workflow='relay' is neither"),
 ])
 def test_refused_arguments(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises((ValueError, TypeError), match=message):
         MultiAgentMathVectorEnv(num_envs=1, problems=PROBLEMS, **kwargs)
 
 

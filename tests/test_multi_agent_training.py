@@ -275,6 +275,17 @@ def test_train_math_trains_the_chain_and_logs_each_role(untrained_policy_dir, tm
     assert [value for _, value in scalars["eval/refiner/answer_correct"]] == [0.0, 0.0, 0.0]
 
 
+def test_train_math_logs_each_answering_roles_process_reward(untrained_policy_dir, tmp_path):
+    run = run_train_math(small(untrained_policy_dir, tmp_path, "--env_id", "Arith-Chain-v0", "--num_env_steps", "48",
+                               "--eval_interval", "0", "--reward_assignment", "individual",
+                               "--reward", "outcome:1.0,steps:1.0"))
+    scalars = read_scalars_purged(run)
+    for tag in ("train/reward/steps", "train/solver/reward/steps", "train/refiner/reward/steps"):
+        assert [step for step, _ in scalars[tag]] == [0, 1], (tag, scalars.get(tag))
+        assert all(0 <= value <= 1 for _, value in scalars[tag]), (tag, scalars[tag])
+    assert "train/verifier/reward/steps" not in scalars  # a verdict is no solution
+
+
 def test_a_workflow_a_user_registers_trains_by_its_id(untrained_policy_dir, tmp_path, monkeypatch):
     module = tmp_path / "my_workflows.py"
     module.write_text(textwrap.dedent('''
@@ -322,7 +333,13 @@ def test_prefix_rl_writer_learns_to_help_the_frozen_target(tiny_models, tmp_path
     (["--algorithm_name", "APPO", "--critic", "per_role"], "has one agent"),
     (["--env_id", "Arith-Chain-v0", "--critic", "per_role"], "is critic-free"),
     (["--env_id", "Arith-Debate-v0", "--action_level", "step"], "whole message"),
-    (["--env_id", "Arith-Chain-v0", "--reward", "outcome:1.0"], "--reward_assignment"),
+    (["--env_id", "Arith-Chain-v0", "--reward", "steps"], "with the multi-agent --env_id=Arith-Chain-v0: its "
+                                                          "'outcome' source is the --reward_assignment credit"),
+    (["--env_id", "Arith-Prefix-v0", "--reward", "outcome,target", "--target_model_name_or_path", "tests"],
+     "whose solver role already is the frozen target finishing the prefix; drop 'target' from --reward and give "
+     "the target as --role_model solver=DIR"),
+    (["--env_id", "Arith-Prefix-v0", "--handoff_steps", "1", "--reward", "target", "--target_model_name_or_path",
+      "tests"], "--handoff_steps with the multi-agent --env_id=Arith-Prefix-v0"),
     (["--reward_assignment", "individual"], "has one agent"),
     (["--role_model", "solver=/models/target"], "has one agent"),
     (["--noshare_policy"], "has one agent"),

@@ -24,7 +24,7 @@ from envs.datasets import load_problems
 from envs.prompts import STEP_DELIMITER
 from envs.rewards import OutcomeReward, RewardModel
 from reward_models.implicit_prm import ImplicitPRM
-from reward_models.mixture import RewardMixture, parse_reward_spec
+from reward_models.mixture import RewardMixture
 from train import checkpoint, distributed
 from train import flags as train_flags
 from train.collector import Collector, Sampling, Voices
@@ -103,9 +103,15 @@ def build_policy(f: flags.FlagValues, model: str) -> LanguagePolicy:
                           role_adapters=role_adapters(f), value_heads=train_flags.value_heads(f)).eval()
 
 
-def build_reward_model(f: flags.FlagValues, device: str) -> RewardModel:
-    """The env's reward model from --reward: one source, or a weighted RewardMixture."""
-    weights = parse_reward_spec(train_flags.resolved_reward(f), train_flags.REWARD_SOURCES)
+def build_reward_model(f: flags.FlagValues, device: str) -> RewardModel | None:
+    """The env's reward model from --reward: one source, or a weighted RewardMixture. On a multi-agent env
+    the 'outcome' source is the --reward_assignment credit, which the env pays itself (``env_kwargs``), so
+    the model holds the other sources (None when there are none)."""
+    weights = train_flags.reward_weights(f)
+    if train_flags.workflow_of(f) is not None:
+        del weights["outcome"]
+        if not weights:
+            return None
     models = {name: build_reward_source(f, name, device) for name in weights}
     if len(weights) == 1 and next(iter(weights.values())) == 1.0:
         return next(iter(models.values()))
@@ -163,12 +169,14 @@ def problem_source(f: flags.FlagValues, split: str) -> dict:
     return {"split": split}
 
 
-def env_kwargs(f: flags.FlagValues, split: str, reward_model: RewardModel, tokenizer) -> dict:
+def env_kwargs(f: flags.FlagValues, split: str, reward_model: RewardModel | None, tokenizer) -> dict:
     """Task kwargs of the train (split "train") or held-out ("test") vector env; ``tokenizer`` is the
     policy's (it decodes token actions, and its EOS text ends a step-level episode). A multi-agent env
-    takes whole messages and credits them by ``--reward_assignment`` (no reward model)."""
-    if train_flags.workflow_of(f) is not None:  # whole messages, credited by verified answers
-        return {"reward_assignment": f.reward_assignment, **problem_source(f, split)}
+    takes whole messages, credits them by ``--reward_assignment`` (times the 'outcome' weight) and scores
+    its answering roles' messages with ``reward_model`` (the other --reward sources)."""
+    if train_flags.workflow_of(f) is not None:
+        return {"reward_assignment": f.reward_assignment, "reward_model": reward_model,
+                "outcome_weight": train_flags.reward_weights(f)["outcome"], **problem_source(f, split)}
     kwargs = {"reward_model": reward_model, **problem_source(f, split)}
     if f.handoff_steps is not None:
         kwargs["handoff_steps"] = f.handoff_steps
@@ -181,7 +189,7 @@ def env_kwargs(f: flags.FlagValues, split: str, reward_model: RewardModel, token
     return kwargs
 
 
-def build_envs(f: flags.FlagValues, reward_model: RewardModel, tokenizer, ranks: Ranks = Ranks(),
+def build_envs(f: flags.FlagValues, reward_model: RewardModel | None, tokenizer, ranks: Ranks = Ranks(),
                ) -> tuple[gymnasium.vector.VectorEnv, gymnasium.vector.VectorEnv]:
     """(train env, held-out eval env). Episodic algorithms run one episode per env per iteration (no
     autoreset); continuing ones reset an ended episode in the same step. Under torchrun the train env

@@ -248,9 +248,7 @@ class Collector:
         tally.seconds["reward"] += time.perf_counter() - started
         rewards = np.asarray(rewards, dtype=np.float64).reshape(-1, num_agents)  # [N, A]
         ended = terminated | truncated
-        for key, values_of_key in self.info.items():
-            if key.startswith("reward/"):
-                tally.add(f"train/{key}", np.asarray(values_of_key, dtype=np.float64)[envs])
+        self.tally_reward_sources(tally, envs, agents)
         correct = np.where(ended, np.asarray(self.info["correct"], dtype=np.float64), np.nan)
         buffer.add(step=step, envs=envs_t, agents=agents_t, prompt_ids=[out.prompt_token_ids[k] for k in pick],
                    action_ids=[out.token_ids[k] for k in pick], logprobs=[out.logprobs[k] for k in pick],
@@ -293,6 +291,21 @@ class Collector:
         tally.add("train/accuracy", np.nan_to_num(correct[ended]))
         for a, role in enumerate(self.roles or ()):
             tally.add(f"train/{role}/reward", self.episode_return[ended, a])
+
+    def tally_reward_sources(self, tally: Tally, envs: np.ndarray, agents: np.ndarray) -> None:
+        """Each reward source's reward of the actions ``envs[b], agents[b]`` just taken (``reward/<source>``
+        infos: [N], or [N, A] in a multi-agent env; NaN where an action was not scored), under
+        ``train/reward/<source>`` and, per role, ``train/<role>/reward/<source>``."""
+        for key, values in self.info.items():
+            if not key.startswith("reward/"):
+                continue
+            values = np.asarray(values, dtype=np.float64).reshape(self.env.num_envs, -1)[envs, agents]  # [B]
+            scored = ~np.isnan(values)
+            if scored.any():
+                tally.add(f"train/{key}", values[scored])
+            for a, role in enumerate(self.roles or ()):
+                if (scored & (agents == a)).any():
+                    tally.add(f"train/{role}/{key}", values[scored & (agents == a)])
 
     def tally_role_metrics(self, tally: Tally) -> None:
         """Each role's verified outputs of this step (multi-agent envs): its answers' accuracy, a judge's

@@ -77,8 +77,9 @@ def solve_batch(env, generator: Generator, sampling: Sampling, problem_ids: Sequ
         np.add.at(tokens, envs, [len(ids) for ids in out.token_ids])
         ended = (terminated | truncated) & ~done
         verdicts[ended] = np.nan_to_num(np.asarray(info["correct"], dtype=np.float64)[ended])
-        if "reward/prm" in info:
-            prm_scores += np.asarray(info["reward/prm"], dtype=np.float64)[envs].tolist()
+        if "reward/prm" in info:  # [N], or [N, A] in a multi-agent env; NaN where an action was not scored
+            prm = np.asarray(info["reward/prm"], dtype=np.float64).reshape(env.num_envs, -1)
+            prm_scores += prm[envs, agents].tolist()
         for m, metric in enumerate(ROLE_METRICS):
             if metric in info:
                 # [N, A], NaN where the slot said none; not the envs whose episode had ended, or that only pad the batch

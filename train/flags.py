@@ -97,7 +97,9 @@ flags.DEFINE_integer("handoff_steps", None, "Prefix-RL: an episode ends after th
                      "With --action_level solution and --max_new_tokens K the prefix is one action of at most K "
                      "tokens.", lower_bound=1)
 flags.DEFINE_string("reward", None, "Weighted reward sources, e.g. 'outcome:1.0,prm:0.2' (sources: "
-                    f"{', '.join(REWARD_SOURCES)}). Default: 'outcome', or {DEFAULT_PRM_REWARD!r} with a PRM.")
+                    f"{', '.join(REWARD_SOURCES)}). Default: 'outcome', or {DEFAULT_PRM_REWARD!r} with a PRM. On a "
+                    "multi-agent env 'outcome' is the --reward_assignment credit and the other sources score each "
+                    "answering role's message as one solution, paid to that role.")
 flags.DEFINE_string("target_model_name_or_path", None, "Frozen target solver for the 'target' reward source "
                     "(Prefix-RL).")
 flags.DEFINE_integer("target_num_samples", 1, "Completions the target samples from each prefix; the 'target' "
@@ -523,7 +525,8 @@ def workflow_of(flag_values: flags.FlagValues = FLAGS):
 
 
 def check_multi_agent(flag_values: flags.FlagValues = FLAGS) -> None:
-    """What a multi-agent env (every action a whole message, credit by --reward_assignment) rules out."""
+    """What a multi-agent env (every action a whole message, credit by --reward_assignment, the other --reward
+    sources on answering roles' messages) rules out."""
     f = flag_values
     workflow = workflow_of(f)
     if workflow is None:
@@ -549,10 +552,19 @@ def check_multi_agent(flag_values: flags.FlagValues = FLAGS) -> None:
     if f.action_level != "solution":
         raise flags.ValidationError(f"--action_level={f.action_level}: in the multi-agent --env_id={f.env_id} every "
                                     "action is one role's whole message; use --action_level solution")
-    for name in ("reward", "handoff_steps"):
-        if f[name].present:
-            raise flags.ValidationError(f"--{name} with the multi-agent --env_id={f.env_id}: its roles are credited by "
-                                        "verified answers (--reward_assignment); Prefix-RL is Arith-Prefix-v0 there")
+    if f["handoff_steps"].present:
+        raise flags.ValidationError(f"--handoff_steps with the multi-agent --env_id={f.env_id}: Prefix-RL is "
+                                    "Arith-Prefix-v0 there (its solver role finishes the writer's prefix)")
+    sources = reward_sources(resolved_reward(f))
+    if "outcome" not in sources:
+        raise flags.ValidationError(f"--reward={resolved_reward(f)!r} with the multi-agent --env_id={f.env_id}: its "
+                                    "'outcome' source is the --reward_assignment credit, which every role needs; "
+                                    "add it, e.g. --reward outcome:1.0,prm:0.2")
+    if "target" in sources and any(role.continues for role in workflow.roles):
+        continuing = next(role.name for role in workflow.roles if role.continues)
+        raise flags.ValidationError(f"--reward uses 'target' with --env_id={f.env_id}, whose {continuing} role already "
+                                    "is the frozen target finishing the prefix; drop 'target' from --reward and give "
+                                    f"the target as --role_model {continuing}=DIR")
 
 
 def role_models(flag_values: flags.FlagValues = FLAGS) -> dict[str, str]:
@@ -564,6 +576,13 @@ def role_models(flag_values: flags.FlagValues = FLAGS) -> dict[str, str]:
             raise flags.ValidationError(f"--role_model={entry!r} must be ROLE=DIR (e.g. solver=/models/target)")
         models[role] = directory
     return models
+
+
+def reward_weights(flag_values: flags.FlagValues = FLAGS) -> dict[str, float]:
+    """{source: weight} of --reward (or its default)."""
+    from reward_models.mixture import parse_reward_spec
+
+    return parse_reward_spec(resolved_reward(flag_values), REWARD_SOURCES)
 
 
 def resolved_reward(flag_values: flags.FlagValues = FLAGS) -> str:

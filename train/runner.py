@@ -285,8 +285,9 @@ class Runner:
         if self.ranks.distributed:
             tally = self.reduced_tally(tally)
         step_reward = tally.mean("train/step_reward")
-        # train/reward/<source> (the reward model's parts) and train/<role>/<metric> (multi-agent envs)
-        means = {key: tally.mean(key) for key in tally.sums if key.startswith("train/") and key.count("/") == 2}
+        # train/reward/<source> (the reward model's parts), train/<role>/<metric> and train/<role>/reward/<source>
+        # (multi-agent envs)
+        means = {key: tally.mean(key) for key in tally.sums if key.startswith("train/") and key.count("/") >= 2}
         return {
             "time/generate": tally.seconds["generate"], "time/reward": tally.seconds["reward"],
             "perf/tokens_per_second": tally.sums["tokens"] / max(tally.seconds["generate"], 1e-9),

@@ -66,7 +66,6 @@ never step, draws them and keeps that bookkeeping, so ``get_state`` / ``set_stat
 
 Autoreset: ``SAME_STEP`` (default) or ``DISABLED``. ``NEXT_STEP`` is refused: the step that resets
 would have every slot of the new episode generate a whole message only to throw it away.
-
 """
 
 from __future__ import annotations

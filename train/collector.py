@@ -304,8 +304,9 @@ class Collector:
             if scored.any():
                 tally.add(f"train/{key}", values[scored])
             for a, role in enumerate(self.roles or ()):
-                if (scored & (agents == a)).any():
-                    tally.add(f"train/{role}/{key}", values[scored & (agents == a)])
+                mine = scored & (agents == a)
+                if mine.any():
+                    tally.add(f"train/{role}/{key}", values[mine])
 
     def tally_role_metrics(self, tally: Tally) -> None:
         """Each role's verified outputs of this step (multi-agent envs): its answers' accuracy, a judge's

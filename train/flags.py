@@ -223,9 +223,9 @@ flags.DEFINE_float("accuracy_lower_bound", 0.2, "PRIME: keep prompts whose group
 flags.DEFINE_float("accuracy_upper_bound", 0.8, "PRIME: keep prompts whose group accuracy is <= this.")
 flags.DEFINE_integer("oversample_factor", 4, "PRIME: sample this many times the prompts, keep "
                      "--n_rollout_threads / --group_size of those passing the filter. On the tiny policy (temperature "
-                     "1.0, groups of 8) about a quarter of the groups pass [0.2, 0.8]: with 1, RLOO trained on ~16 of 64 samples per "
-                     "iteration and its training reward rose 0.152 -> 0.188 in 300 iterations; with 4, "
-                     "0.188 -> 0.261.", lower_bound=1)
+                     "1.0, groups of 8) about a quarter of the groups pass [0.2, 0.8]: with 1, RLOO trained on "
+                     "~16 of 64 samples per iteration and its training reward rose 0.152 -> 0.188 in 300 "
+                     "iterations; with 4, 0.188 -> 0.261.", lower_bound=1)
 flags.DEFINE_float("implicit_prm_beta", 0.05, "PRIME: implicit PRM beta.")
 flags.DEFINE_float("implicit_prm_lr", 1e-3, "PRIME: implicit PRM learning rate. On the tiny Arith policy's "
                    "solutions (bench/implicit_prm_fit.py, one step per 64) its held-out ROC-AUC after 32 steps was "

@@ -232,8 +232,8 @@ flags.DEFINE_float("implicit_prm_lr", 1e-3, "PRIME: implicit PRM learning rate. 
                    "0.51 at 1e-5, 0.71 at 1e-4 and 0.76 at 1e-3 (0.67 after 4 steps); PRIME used 1e-6 on 7B models.")
 flags.DEFINE_float("process_coef", 0.2, "PRIME: weight of the implicit-PRM reward stream (0: RLOO on the outcome "
                    "stream alone, and no implicit PRM is built or trained). On the tiny Arith policy (25,600 env "
-                   "steps, 2 seeds, temperature 1.0, groups of 8) weight 1 (PRIME's) ended at 0.308 held-out accuracy against 0.378 for the same "
-                   "sampling without the stream; 0.2 ended at 0.377.")
+                   "steps, 2 seeds, temperature 1.0, groups of 8) weight 1 (PRIME's) ended at 0.308 held-out "
+                   "accuracy against 0.378 for the same sampling without the stream; 0.2 ended at 0.377.")
 
 WITH_CRITIC = tuple(name for name, spec in ALGORITHMS.items() if spec.critic is not None)
 APPLIES_TO = {

@@ -200,19 +200,19 @@ def test_prime_implicit_prm_learns_to_predict_outcomes(tiny_models, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("reward", "iterations"), [("steps:1.0", 150), ("prm:1.0", 300)])
-def test_a_process_reward_alone_raises_held_out_accuracy(tiny_models, tmp_path, reward, iterations):
+@pytest.mark.parametrize("reward", ["steps:1.0", "outcome:1.0,prm:0.2"])
+def test_process_rewards_raise_held_out_accuracy(tiny_models, tmp_path, reward):
     """The process-reward claim (Math-Shepherd, OpenR): step rewards carry a learning signal that reaches
-    the verified answer. GRPO is paid only the process reward, never the outcome: Arith's exact step reward
-    (the share of reference steps reproduced before the first mistake), or the tiny PRM's score. A hacked
-    reward would rise while held-out accuracy stays or falls; a sound one lifts held-out accuracy. The PRM
-    alone is the weaker signal: 0.303 -> 0.341 (mean of the last 3 evals) after 150 iterations."""
-    prm = ["--prm_model_name_or_path", str(tiny_models.prm)] if reward.startswith("prm") else []
+    the verified answer. Arith's exact step reward (the share of reference steps reproduced before the first
+    mistake) alone, never the outcome, must lift held-out accuracy; the tiny PRM beside the outcome (the
+    grid's grpo_outcome_prm row) must too, i.e. not be hacked. Alone, the tiny PRM is hacked: held-out
+    accuracy went 0.303 -> 0.343 (iterations 50-100) -> 0.230 (250-300) while GRPO maximised its score."""
+    prm = ["--prm_model_name_or_path", str(tiny_models.prm)] if "prm" in reward else []
     run_dir = run_train_math(["--model_name_or_path", str(tiny_models.policy), "--reward", reward, *prm,
                               "--logdir", str(tmp_path), *GRPO_SAMPLING, "--group_size", "8",
-                              "--n_rollout_threads", "64", "--num_env_steps", str(64 * iterations),
-                              "--eval_interval", str(iterations // 6), "--eval_limit", "300", "--save_interval", "0"])
+                              "--n_rollout_threads", "64", "--num_env_steps", str(64 * 150),
+                              "--eval_interval", "25", "--eval_limit", "300", "--save_interval", "0"])
     accuracy = [value for _, value in sorted(read_scalars(run_dir)["eval/accuracy"])]
     start, late = accuracy[0], float(np.mean(accuracy[-3:]))
     print(f"{reward}: held-out accuracy {start:.3f} -> {late:.3f} (mean of the last 3 evals): {accuracy}")
-    assert late > start + 0.04, f"GRPO on {reward} alone did not raise held-out accuracy: {accuracy}"
+    assert late > start + 0.04, f"GRPO on {reward} did not raise held-out accuracy: {accuracy}"

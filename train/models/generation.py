@@ -589,13 +589,15 @@ class VLLMGenerator:
 
     def sync(self, policy: LanguagePolicy) -> float:
         """Pushes the policy's current weights (LoRA merged, HF names) into the engine, and loads its role
-        adapters anew; returns seconds.
+        adapters anew; returns seconds. With role adapters the merged weights are the frozen base (the
+        shared actor adapter stays at zero), so they are pushed at the first sync only.
 
         The prefix cache is reset afterwards: cached KV blocks were computed with the old weights.
         """
         start = time.perf_counter()
-        weights = list(policy.named_weights_for_inference())
-        self.llm.collective_rpc(_push_weights, args=(weights,))
+        if not (policy.role_adapters and self._lora_requests):
+            weights = list(policy.named_weights_for_inference())
+            self.llm.collective_rpc(_push_weights, args=(weights,))
         if self.role_adapters or policy.role_adapters:
             self._load_role_adapters(policy)
         self.llm.reset_prefix_cache()

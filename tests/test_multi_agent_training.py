@@ -347,9 +347,6 @@ def test_prefix_rl_writer_learns_to_help_the_frozen_target(tiny_models, tmp_path
     (["--env_id", "Arith-Chain-v0", "--role_model", "solver=/models/target"], "the frozen roles of"),
     (["--env_id", "Arith-Prefix-v0", "--role_model", "solver"], "must be ROLE=DIR"),
     (["--env_id", "Arith-Chain-v0", "--noshare_policy"], "add --lora_rank > 0"),
-    (["--env_id", "Arith-Chain-v0", "--noshare_policy", "--lora_rank", "4", "--generation_backend", "vllm_server",
-      "--vllm_url", "http://127.0.0.1:8002"], "the server serves one adapter, not one per role; use "
-                                              "--generation_backend vllm (or hf)"),
 ])
 def test_multi_agent_flags_that_cannot_work_fail_in_one_line(argv, message):
     from test_train_math import run_cli

@@ -206,26 +206,37 @@ def test_on_vllm_cpu_a_prompt_without_adapter_in_a_batch_with_adapters_gets_an_a
     assert mixed[base] != by_role(role_policy)[None][base]
 
 
-def test_after_a_step_of_one_role_and_a_sync_vllm_follows_that_role_alone(role_engine, role_policy, tmp_path):
-    role_engine.sync(role_policy)
-    before = role_engine.generate(ROLE_PROMPTS, adapters=ROLE_OF_PROMPT, **GREEDY).token_ids
-    solver = [param for name, param in role_policy.named_parameters() if ".solver." in name]
-    optimizer = torch.optim.Adam(solver, lr=1e-2)
+def teach_role(role_policy: LanguagePolicy, role: str) -> None:
+    """Ten Adam steps of ``role``'s adapter alone on ``LESSONS``."""
+    params = [param for name, param in role_policy.named_parameters() if f".{role}." in name]
+    optimizer = torch.optim.Adam(params, lr=1e-2)
     prompts = [role_policy.tokenizer(prompt)["input_ids"] for prompt in LESSONS]
     completions = [role_policy.tokenizer(text)["input_ids"] for text in LESSONS.values()]
     for _ in range(10):
         optimizer.zero_grad()
-        (-role_policy.evaluate(prompts, completions, adapters=["solver"] * len(prompts)).logprobs.sum()).backward()
+        (-role_policy.evaluate(prompts, completions, adapters=[role] * len(prompts)).logprobs.sum()).backward()
         optimizer.step()
     role_policy.eval()
-    seconds = role_engine.sync(role_policy)
-    after = role_engine.generate(ROLE_PROMPTS, adapters=ROLE_OF_PROMPT, **GREEDY).token_ids
+
+
+def assert_follows_the_solver_alone(generator, role_policy: LanguagePolicy) -> None:
+    """After a step of the solver's adapter and a sync, ``generator`` gives each row its adapter's HF greedy
+    tokens, and only the solver's rows change."""
+    generator.sync(role_policy)
+    before = generator.generate(ROLE_PROMPTS, adapters=ROLE_OF_PROMPT, **GREEDY).token_ids
+    teach_role(role_policy, "solver")
+    seconds = generator.sync(role_policy)
+    after = generator.generate(ROLE_PROMPTS, adapters=ROLE_OF_PROMPT, **GREEDY).token_ids
     expected = by_role(role_policy)
     print(f"role adapter sync {seconds * 1e3:.0f} ms")
     assert after == [expected[a][i] for i, a in enumerate(ROLE_OF_PROMPT)]
     solver_rows = [i for i, a in enumerate(ROLE_OF_PROMPT) if a == "solver"]
     assert [after[i] for i in solver_rows] != [before[i] for i in solver_rows]
     assert all(after[i] == before[i] for i, a in enumerate(ROLE_OF_PROMPT) if a != "solver")
+
+
+def test_after_a_step_of_one_role_and_a_sync_vllm_follows_that_role_alone(role_engine, role_policy):
+    assert_follows_the_solver_alone(role_engine, role_policy)
     assert len(role_engine.llm.llm_engine.list_loras()) == 2  # the previous versions left the engine
 
 

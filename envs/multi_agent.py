@@ -53,7 +53,13 @@ Infos are a plain dict of full arrays, as MathVectorEnv's:
   none), ``answer_correct`` [N, A] (an answering slot's own answer verified, NaN where it did not
   answer at this step), ``verdict`` [N, A] (a judging slot's verdict: 1 accept, 0 reject or
   unparseable, NaN where none), ``verdict_correct`` [N, A] (1 where that verdict agrees with the
-  verified truth, 0 where not, NaN where none), ``action_clipped`` [N, A] bool; ``reward/<source>``
+  verified truth, 0 where not, NaN where none); the same verdicts split by the truth, each NaN outside
+  its condition, so that its mean is the rate: ``verdict_precision`` (whether the answer was right,
+  where the verdict accepted it), ``verdict_recall`` (whether it accepted, where the answer was right),
+  ``verdict_specificity`` (whether it rejected, where the answer was wrong); an answering slot's
+  answer after a verdict (``Workflow.revised``: the chain's refiner), split by whether the judged answer
+  was right: ``fix_rate`` (its own answer right, where the judged one was wrong) and ``keep_rate``
+  (where the judged one was right); ``action_clipped`` [N, A] bool; ``reward/<source>``
   [N, A] float64, each component the reward model reported for a slot's solution message (NaN where
   the slot said none), at the steps that scored any;
 - SAME_STEP autoreset: ``final_obs`` [N] object (the ended episodes' prompts for the slots that would
@@ -87,7 +93,8 @@ from envs.workflows import (WORKFLOWS, Limits, Message, Progress, TurnContext, W
                             state_prompt)
 
 REWARD_ASSIGNMENTS = ("team", "individual", "counterfactual")
-ROLE_METRICS = ("answer_correct", "verdict", "verdict_correct")  # the [N, A] infos of each role's verified output
+ROLE_METRICS = ("answer_correct", "verdict", "verdict_correct", "verdict_precision", "verdict_recall",
+                "verdict_specificity", "fix_rate", "keep_rate")  # the [N, A] infos of each role's verified output
 AUTORESET_MODES = (AutoresetMode.SAME_STEP, AutoresetMode.DISABLED)
 SINGLE_AGENT_KEYWORDS = {  # MathTask keywords that mean nothing for whole messages: why, and what instead
     "handoff_steps": "Prefix-RL is the workflow='prefix' here",
@@ -284,6 +291,7 @@ class MultiAgentMathVectorEnv(VectorEnv):
         spoken = [(i, index) for i, start in first_new.items()
                   for index in range(start, len(self.dialogues[i].transcript))]
         subjects = {}  # (env, message index) -> the answer its individual credit verifies
+        revisions = {}  # (env, answering message index) -> the judged answer it revises (Workflow.revised)
         for i, index in spoken:
             dialogue = self.dialogues[i]
             role = self.workflow.roles[dialogue.transcript[index].slot]
@@ -293,6 +301,10 @@ class MultiAgentMathVectorEnv(VectorEnv):
             if source is not None:
                 subjects[(i, index)] = self.workflow.answer_of(dialogue.transcript, source)
                 checks.ask(subjects[(i, index)], dialogue.problem.answer)
+            judged = self.workflow.revised(dialogue.transcript, index) if role.answers else None
+            if judged is not None:
+                revisions[(i, index)] = self.workflow.answer_of(dialogue.transcript, judged)
+                checks.ask(revisions[(i, index)], dialogue.problem.answer)
         outcomes = {i: self._outcome_candidates(i) for i in first_new if self.dialogues[i].progress.ended}
         for i, candidates_by_slot in outcomes.items():
             for candidates in candidates_by_slot.values():
@@ -303,6 +315,7 @@ class MultiAgentMathVectorEnv(VectorEnv):
                             checks.ask(answer, other)
         checks.grade(self.grade_timeout)
         credit, results = self._credit(spoken, subjects, outcomes, checks)
+        results.update(self._role_rates(spoken, results, revisions, checks))
         process, components = self._process_rewards(spoken)
         results.update({f"reward/{name}": values for name, values in components.items()})
         return self.outcome_weight * credit + process, results
@@ -382,6 +395,23 @@ class MultiAgentMathVectorEnv(VectorEnv):
                 rewards[i, [s for s in acted if not roles[s].answers and roles[s].judges is None]] = solved[None]
         return rewards, {"correct": correct, "final_answer": final_answer, "answer_correct": answer_correct,
                          "verdict": verdict, "verdict_correct": verdict_correct}
+
+    def _role_rates(self, spoken: list[tuple[int, int]], results: dict[str, np.ndarray],
+                    revisions: dict[tuple[int, int], str | None], checks: AnswerChecks) -> dict[str, np.ndarray]:
+        """The verdicts and the revising answers of ``spoken`` split by the truth of what they judged or
+        revised, [N, A] each, NaN outside the condition (see the module docstring)."""
+        verdict, verdict_correct = results["verdict"], results["verdict_correct"]
+        nan = np.full_like(verdict, np.nan)
+        judged_right = np.where(np.isnan(verdict_correct), nan, np.where(verdict_correct == 1, verdict, 1 - verdict))
+        rates = {"verdict_precision": np.where(verdict == 1, judged_right, nan),
+                 "verdict_recall": np.where(judged_right == 1, verdict, nan),
+                 "verdict_specificity": np.where(judged_right == 0, 1 - verdict, nan),
+                 "fix_rate": nan.copy(), "keep_rate": nan.copy()}
+        for (i, index), revised_answer in revisions.items():
+            slot = self.dialogues[i].transcript[index].slot
+            key = "keep_rate" if checks.equivalent(revised_answer, self.dialogues[i].problem.answer) else "fix_rate"
+            rates[key][i, slot] = results["answer_correct"][i, slot]
+        return rates
 
     def _restart(self, ended: np.ndarray) -> dict[str, Any]:
         """SAME_STEP autoreset: starts the next episode of every ``ended`` env; returns gymnasium's

@@ -269,6 +269,14 @@ class Workflow:
         judged_role = self.roles[transcript[index].slot].judges
         return next((j for j in range(index - 1, -1, -1) if transcript[j].role == judged_role), None)
 
+    def revised(self, transcript: Sequence[Message], index: int) -> int | None:
+        """Index of the message that answering message ``index`` revises: the one the latest verdict before
+        it judged (the chain's refiner revises the solution the verifier rejected); None when no verdict
+        came before it."""
+        judge = next((j for j in range(index - 1, -1, -1) if self.roles[transcript[j].slot].judges is not None),
+                     None)
+        return None if judge is None else self.judged(transcript, judge)
+
     def candidates(self, transcript: Sequence[Message]) -> tuple[str | None, ...]:
         """The answers the final answer is chosen from (None: a message without one). ``"last"``: the
         last answering message's; ``"vote"``: those of the last turn in which answering roles spoke."""

@@ -104,6 +104,26 @@ CREDIT = {  # rewards [N, A] at each of the three steps
 }
 
 
+def test_chain_role_rates_split_verdicts_and_revisions_by_the_truth():
+    env = chain_env(reward_assignment="individual")
+    _, info = env.reset(seed=0)
+    say, infos = scripted(CASES), []
+    for _ in range(3):
+        *_, info = env.step(act(env, info, say))
+        infos.append(info)
+    nan = np.nan
+    # step 2, the verifiers: accepted envs 0 (right) and 3 (wrong); rejected 1 (right) and 2 (wrong)
+    np.testing.assert_array_equal(infos[1]["verdict_precision"][:, 1], [1, nan, nan, 0])
+    np.testing.assert_array_equal(infos[1]["verdict_recall"][:, 1], [1, 0, nan, nan])
+    np.testing.assert_array_equal(infos[1]["verdict_specificity"][:, 1], [nan, nan, 1, 0])
+    # step 3, the refiners: env 1 broke a right solution, env 2 fixed a wrong one
+    np.testing.assert_array_equal(infos[2]["keep_rate"][:, 2], [nan, 0, nan, nan])
+    np.testing.assert_array_equal(infos[2]["fix_rate"][:, 2], [nan, nan, 1, nan])
+    for key in ("verdict_precision", "verdict_recall", "verdict_specificity", "fix_rate", "keep_rate"):
+        assert np.isnan(infos[0][key]).all()  # the solvers revise nothing and judge nothing
+        assert np.isnan(np.delete(infos[1][key], 1, axis=1)).all() and np.isnan(np.delete(infos[2][key], 2, axis=1)).all()
+
+
 @pytest.mark.parametrize("assignment", sorted(CREDIT))
 def test_chain_credit(assignment):
     env = chain_env(reward_assignment=assignment)

@@ -93,6 +93,12 @@ def test_the_team_outcome_reaches_each_roles_last_action(policy):
     assert tally.mean("train/accuracy") == 7 / 8
     assert tally.mean("train/verifier/verdict_correct") == 7 / 8  # wrong only where it accepted a wrong answer
     assert tally.mean("train/solver/answer_correct") == 0.5
+    # accepted: 4 right, 1 wrong; the right ones: all accepted; the wrong ones: 3 of 4 rejected
+    assert tally.mean("train/verifier/verdict_precision") == 4 / 5
+    assert tally.mean("train/verifier/verdict_recall") == 1.0
+    assert tally.mean("train/verifier/verdict_specificity") == 3 / 4
+    assert tally.mean("train/refiner/fix_rate") == 1.0  # each refiner rewrote a wrong solution rightly
+    assert np.isnan(tally.mean("train/refiner/keep_rate"))  # no right solution was rejected
 
 
 def test_group_baselines_compare_one_roles_samples_of_one_problem(policy):

@@ -191,6 +191,11 @@ class Role:
         return self.default(context) if callable(self.default) else self.default
 
 
+def _latest(transcript: Sequence[Message], index: int, matches: Callable[[Message], bool]) -> int | None:
+    """Index of the latest message before ``index`` that ``matches`` (None if none does)."""
+    return next((j for j in range(index - 1, -1, -1) if matches(transcript[j])), None)
+
+
 def _latest_text(role_name: str, context: TurnContext) -> str:
     return next((m.text for m in reversed(context.transcript) if m.role == role_name), "")
 
@@ -267,14 +272,13 @@ class Workflow:
         """Index of the message that message ``index``'s verdict is about: the latest one before it of
         the role its role judges (None if that role has not spoken)."""
         judged_role = self.roles[transcript[index].slot].judges
-        return next((j for j in range(index - 1, -1, -1) if transcript[j].role == judged_role), None)
+        return _latest(transcript, index, lambda message: message.role == judged_role)
 
     def revised(self, transcript: Sequence[Message], index: int) -> int | None:
         """Index of the message that answering message ``index`` revises: the one the latest verdict before
         it judged (the chain's refiner revises the solution the verifier rejected); None when no verdict
         came before it."""
-        judge = next((j for j in range(index - 1, -1, -1) if self.roles[transcript[j].slot].judges is not None),
-                     None)
+        judge = _latest(transcript, index, lambda message: self.roles[message.slot].judges is not None)
         return None if judge is None else self.judged(transcript, judge)
 
     def candidates(self, transcript: Sequence[Message]) -> tuple[str | None, ...]:

@@ -29,15 +29,18 @@ LONG_PROMPTS = [format_prompt("Compute " + " + ".join(str(i) for i in range(star
 MATH500 = Path(__file__).resolve().parents[2] / "shared" / "data" / "math500.jsonl"
 
 
-def teach(policy: LanguagePolicy, lessons: dict[str, str], steps: int = 80) -> None:
-    """Fits each completion (then eos) after its prompt with Adam, so greedy decoding reproduces it."""
+def teach(policy: LanguagePolicy, lessons: dict[str, str], steps: int = 80, lr: float = 1e-3,
+          adapter: str | None = None) -> None:
+    """Fits each completion (then eos) after its prompt with Adam, so greedy decoding reproduces it; with
+    ``adapter`` (a role adapter) only that adapter is trained."""
     tokenizer = policy.tokenizer
     prompt_ids = [tokenizer(prompt)["input_ids"] for prompt in lessons]
     completion_ids = [tokenizer(completion)["input_ids"] + [tokenizer.eos_token_id] for completion in lessons.values()]
-    optimizer = torch.optim.Adam(policy.actor_parameters(), lr=1e-3)
+    adapters = None if adapter is None else [adapter] * len(prompt_ids)
+    optimizer = torch.optim.Adam(policy.actor_parameters(), lr=lr)  # only the adapter used gets gradients
     for _ in range(steps):
         optimizer.zero_grad()
-        (-policy.evaluate(prompt_ids, completion_ids, with_entropy=False).logprobs.sum()).backward()
+        (-policy.evaluate(prompt_ids, completion_ids, with_entropy=False, adapters=adapters).logprobs.sum()).backward()
         optimizer.step()
     policy.eval()
 

@@ -206,25 +206,12 @@ def test_on_vllm_cpu_a_prompt_without_adapter_in_a_batch_with_adapters_gets_an_a
     assert mixed[base] != by_role(role_policy)[None][base]
 
 
-def teach_role(role_policy: LanguagePolicy, role: str) -> None:
-    """Ten Adam steps of ``role``'s adapter alone on ``LESSONS``."""
-    params = [param for name, param in role_policy.named_parameters() if f".{role}." in name]
-    optimizer = torch.optim.Adam(params, lr=1e-2)
-    prompts = [role_policy.tokenizer(prompt)["input_ids"] for prompt in LESSONS]
-    completions = [role_policy.tokenizer(text)["input_ids"] for text in LESSONS.values()]
-    for _ in range(10):
-        optimizer.zero_grad()
-        (-role_policy.evaluate(prompts, completions, adapters=[role] * len(prompts)).logprobs.sum()).backward()
-        optimizer.step()
-    role_policy.eval()
-
-
 def assert_follows_the_solver_alone(generator, role_policy: LanguagePolicy) -> None:
     """After a step of the solver's adapter and a sync, ``generator`` gives each row its adapter's HF greedy
     tokens, and only the solver's rows change."""
     generator.sync(role_policy)
     before = generator.generate(ROLE_PROMPTS, adapters=ROLE_OF_PROMPT, **GREEDY).token_ids
-    teach_role(role_policy, "solver")
+    teach(role_policy, LESSONS, steps=10, lr=1e-2, adapter="solver")
     seconds = generator.sync(role_policy)
     after = generator.generate(ROLE_PROMPTS, adapters=ROLE_OF_PROMPT, **GREEDY).token_ids
     expected = by_role(role_policy)

@@ -124,8 +124,12 @@ def test_role_adapters_are_served_each_under_its_name_with_base_prompts_sent_aft
         generator.generate(ROLE_PROMPTS, adapters=ROLE_OF_PROMPT, **GREEDY)
     generator.sync(policy)
     waves, post_many = [], generator.client.post_many
-    monkeypatch.setattr(generator.client, "post_many",
-                        lambda path, payloads: waves.append([p["model"] for p in payloads]) or post_many(path, payloads))
+
+    def recorded(path, payloads):  # the real requests, their models noted
+        waves.append([payload["model"] for payload in payloads])
+        return post_many(path, payloads)
+
+    monkeypatch.setattr(generator.client, "post_many", recorded)
     out = generator.generate(ROLE_PROMPTS, adapters=ROLE_OF_PROMPT, **GREEDY)
     expected = by_role(policy)
     assert out.token_ids == [expected[a][i] for i, a in enumerate(ROLE_OF_PROMPT)]

@@ -2,7 +2,7 @@
 
 ``extract_answer`` takes the content of the last ``\\boxed{}``/``\\fbox{}`` (or the text after
 "The answer is"). ``is_equiv`` and ``grade_batch`` decide whether a model's answer equals the gold
-one. Model text is untrusted, so nothing here hands text to Python's or sympy's expression
+one; ``strings_equiv`` is the first tier alone, pure and quick. Model text is untrusted, so nothing here hands text to Python's or sympy's expression
 evaluators; every parse and every call is bounded.
 
 Grading runs in three tiers:
@@ -1455,6 +1455,14 @@ def is_equiv(pred: str, gold: str, timeout: float = 1.0) -> bool:
     if verdict is not None:
         return verdict
     return _get_pool().grade([(pred, gold)], timeout, deadline)[0]
+
+
+def strings_equiv(a: str, b: str) -> bool:
+    """Whether the answers ``a`` and ``b`` are equal at the string level: the same after normalisation
+    (wrappers, spacing, units, ...), or the same plain number. No symbolic tier, so it is pure, quick and
+    needs no worker; False where only the symbolic tier could tell (``\\sqrt{4}`` against ``2``)."""
+    _check_inputs(a, b, 1.0)
+    return _fast_verdict(a, b) is True
 
 
 def grade_batch(preds: Sequence[str | None], golds: Sequence[str], timeout: float = 1.0) -> list[bool]:

@@ -89,7 +89,7 @@ from envs.grader import grade_batch
 from envs.math_env import UnicodeText, score_batch
 from envs.rewards import RewardModel, StepContext
 from envs.vector import MathVectorEnv
-from envs.workflows import (WORKFLOWS, Limits, Message, Progress, TurnContext, Workflow, parse_verdict, resolve_workflow,
+from envs.workflows import (WORKFLOWS, Limits, Message, Progress, TurnContext, Workflow, resolve_workflow,
                             state_prompt)
 
 REWARD_ASSIGNMENTS = ("team", "individual", "counterfactual")
@@ -368,7 +368,7 @@ class MultiAgentMathVectorEnv(VectorEnv):
             message = self.dialogues[i].transcript[index]
             role = self.workflow.roles[message.slot]
             if role.judges is not None:
-                verdict[i, message.slot] = parse_verdict(message.text) is True
+                verdict[i, message.slot] = self.workflow.verdict(self.dialogues[i].transcript, index) is True
             if (i, index) in subjects:
                 right = checks.equivalent(subjects[(i, index)], self.dialogues[i].problem.answer)
                 if role.answers:

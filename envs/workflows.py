@@ -19,18 +19,29 @@ and then the role's instruction come before the single-agent prompt (``MathTask.
 prompt ends as the task's own prompts do, and a role with no instruction that reads no earlier
 message gets exactly the single-agent prompt.
 
-Verdicts: a judging role ends its message with one final line ``Verdict: correct`` (accept) or
-``Verdict: wrong`` (reject); case, surrounding spaces and a final period do not matter. Only the
-last ``MAX_VERDICT_CHARS`` characters are read, with an anchored regex: model output is untrusted.
-Anything else is unparseable and counts as a rejection (the solution was not vouched for).
+Verdicts (``Role.verdict_by``) come in two kinds:
+
+- ``"line"``: a judging role ends its message with one final line ``Verdict: correct`` (accept) or
+  ``Verdict: wrong`` (reject); case, surrounding spaces and a final period do not matter. Only the
+  last ``MAX_VERDICT_CHARS`` characters are read, with an anchored regex: model output is untrusted.
+- ``"solving"``: verification by solving again. The judging role writes its own solution, and it
+  accepts exactly when its answer agrees with the judged one at the string level
+  (``grader.strings_equiv``: normalised strings, plain numbers; pure, so the schedule can read it).
+  Agreement is evidence of a right answer as far as the two solutions' errors are independent (one
+  model solving twice shares many of them); answers that agree only symbolically (``\\sqrt{4}`` and
+  ``2``) count as a disagreement, which costs a revision, not a wrong acceptance.
+
+Anything else (no verdict line; no answer of its own) is unparseable and counts as a rejection (the
+solution was not vouched for).
 
 Built-ins (functions that return a fresh ``Workflow``):
 
-- ``chain()``: solver -> verifier -> refiner. The verifier reads the problem and the solver's
-  solution and gives a verdict; an accepted solution ends the episode with the solver's answer, a
-  rejected (or unparseable) one goes, with the verdict, to the refiner, whose answer is final.
-  Defaults: solver "" (no answer), verifier ``Verdict: correct`` (accept), refiner the solver's
-  message repeated (keeps the solver's answer).
+- ``chain(verdict_by)``: solver -> verifier -> refiner. The verifier reads the problem and the
+  solver's solution and gives a verdict (by default by solving again; ``"line"``: a verdict line); an
+  accepted solution ends the episode with the solver's answer, a rejected (or unparseable) one goes,
+  with the verifier's message, to the refiner, whose answer is final. Defaults: solver "" (no
+  answer), verifier accepting (``Verdict: correct``, or the solver's message repeated), refiner the
+  solver's message repeated (keeps the solver's answer).
 - ``debate(num_agents, rounds)``: every debater answers each round; from round 2 on each reads the
   other debaters' previous-round messages; the final answer is the vote over the last round.
   Defaults: "" (no answer, so no vote).
@@ -48,10 +59,11 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from envs.grader import extract_answer
+from envs.grader import extract_answer, strings_equiv
 from envs.prompts import format_prompt
 
 ANSWER_RULES = ("last", "vote")
+VERDICT_KINDS = ("line", "solving")
 ACCEPT = "Verdict: correct"
 REJECT = "Verdict: wrong"
 MAX_VERDICT_CHARS = 200  # the verdict line is short; reading a bounded tail keeps parsing O(1)
@@ -164,7 +176,8 @@ class Role:
     default: what it says in the counterfactual that measures its credit: a text, or a function of
         the ``TurnContext`` (e.g. ``repeat("solver")``).
     answers: its message holds an answer (``\\boxed{}``) that is verified and can be final.
-    judges: the name of the role whose latest answer its verdict line is about (a verifier).
+    judges: the name of the role whose latest answer its verdict is about (a verifier).
+    verdict_by: how a judging role gives its verdict: ``"line"`` or ``"solving"`` (module docstring).
     continues: its message continues the previous message as one solution (Prefix-RL's solver).
     """
 
@@ -175,6 +188,7 @@ class Role:
     default: str | DefaultMessage = ""
     answers: bool = True
     judges: str | None = None
+    verdict_by: str = "line"
     continues: bool = False
 
     def __post_init__(self) -> None:
@@ -183,12 +197,24 @@ class Role:
         if self.answers and self.judges is not None:
             raise ValueError(f"Role {self.name!r} both answers and judges {self.judges!r}; its individual credit "
                              "would be ambiguous: give it answers=False or judges=None")
+        if self.verdict_by not in VERDICT_KINDS:
+            raise ValueError(f"Role {self.name!r} verdict_by={self.verdict_by!r} must be one of {VERDICT_KINDS}")
 
     def build_prompt(self, context: TurnContext) -> str:
         return self.prompt(self, context)
 
     def default_message(self, context: TurnContext) -> str:
         return self.default(context) if callable(self.default) else self.default
+
+    def verdict(self, text: str, judged_answer: str | None) -> bool | None:
+        """This judging role's verdict in its message ``text`` on a solution whose answer is
+        ``judged_answer``: True accept, False reject, None unparseable (module docstring)."""
+        if self.verdict_by == "line":
+            return parse_verdict(text)
+        own = extract_answer(text)
+        if own is None:
+            return None
+        return judged_answer is not None and strings_equiv(own, judged_answer)
 
 
 def _latest(transcript: Sequence[Message], index: int, matches: Callable[[Message], bool]) -> int | None:
@@ -274,6 +300,12 @@ class Workflow:
         judged_role = self.roles[transcript[index].slot].judges
         return _latest(transcript, index, lambda message: message.role == judged_role)
 
+    def verdict(self, transcript: Sequence[Message], index: int) -> bool | None:
+        """The verdict of judging message ``index`` on the answer of the message it judges (``judged``)."""
+        judged = self.judged(transcript, index)
+        judged_answer = None if judged is None else self.answer_of(transcript, judged)
+        return self.roles[transcript[index].slot].verdict(transcript[index].text, judged_answer)
+
     def revised(self, transcript: Sequence[Message], index: int) -> int | None:
         """Index of the message that answering message ``index`` revises: the one the latest verdict before
         it judged (the chain's refiner revises the solution the verifier rejected); None when no verdict
@@ -334,11 +366,11 @@ def _in_order(num_slots: int, transcript: tuple[Message, ...], turn: int) -> tup
     return (turn,) if turn < num_slots else ()
 
 
-def _chain_schedule(transcript: tuple[Message, ...], turn: int) -> tuple[int, ...]:
+def _chain_schedule(verifier: Role, transcript: tuple[Message, ...], turn: int) -> tuple[int, ...]:
     """Solver, verifier, then the refiner only if the verifier did not accept."""
     if turn < 2:
         return (turn,)
-    if turn == 2 and parse_verdict(transcript[-1].text) is not True:
+    if turn == 2 and verifier.verdict(transcript[1].text, extract_answer(transcript[0].text)) is not True:
         return (2,)
     return ()
 
@@ -347,17 +379,25 @@ def _every_slot(num_slots: int, rounds: int, transcript: tuple[Message, ...], tu
     return tuple(range(num_slots)) if turn < rounds else ()
 
 
-VERIFIER_INSTRUCTION = f"Verifier: check the solver's steps. End with '{ACCEPT}' or '{REJECT}'."
-REFINER_INSTRUCTION = "Refiner: the verifier rejected the solution above. Write a corrected one, answer in \\boxed{}."
+VERIFIER_INSTRUCTIONS = {
+    "line": f"Verifier: check the solver's steps. End with '{ACCEPT}' or '{REJECT}'.",
+    "solving": "Verifier: solve it yourself, answer in \\boxed{}. The solution stands if your answer is the same.",
+}
+REFINER_INSTRUCTION = ("Refiner: the verifier did not accept the solver's solution. Write a corrected one, answer "
+                       "in \\boxed{}.")
 DEBATER_INSTRUCTION = "Debater {k}: above are the others' last solutions. Solve it, answer in \\boxed{{}}."
 
 
-def chain() -> Workflow:
-    """Solver -> verifier -> refiner (see the module docstring)."""
+def chain(verdict_by: str = "solving") -> Workflow:
+    """Solver -> verifier -> refiner, the verifier's verdict given ``verdict_by`` (see the module docstring)."""
+    if verdict_by not in VERDICT_KINDS:
+        raise ValueError(f"chain verdict_by={verdict_by!r} must be one of {VERDICT_KINDS}")
     solver = Role("solver", default="")
-    verifier = Role("verifier", instruction=VERIFIER_INSTRUCTION, default=ACCEPT, answers=False, judges="solver")
+    verifier = Role("verifier", instruction=VERIFIER_INSTRUCTIONS[verdict_by], answers=False, judges="solver",
+                    verdict_by=verdict_by, default=ACCEPT if verdict_by == "line" else repeat("solver"))
     refiner = Role("refiner", instruction=REFINER_INSTRUCTION, default=repeat("solver"))
-    return Workflow("chain", (solver, verifier, refiner), schedule=_chain_schedule, max_turns=3)
+    return Workflow("chain", (solver, verifier, refiner), schedule=functools.partial(_chain_schedule, verifier),
+                    max_turns=3)
 
 
 def debate(num_agents: int = 3, rounds: int = 2) -> Workflow:

@@ -15,7 +15,7 @@ from algorithms.tppo import TPPO
 from envs.multi_agent import MultiAgentMathVectorEnv
 from envs.prompts import format_prompt
 from envs.vector import MathVectorEnv
-from envs.workflows import ACCEPT
+from envs.workflows import ACCEPT, chain
 from test_checkpoint import read_scalars_purged
 from test_front_door import small
 from test_multi_agent_training import ScriptedWords
@@ -112,7 +112,7 @@ def test_a_truncated_episode_bootstraps_nothing(critic_policy):
 
 def chain_collect(policy: LanguagePolicy, critic: str):
     env = MultiAgentMathVectorEnv(4, group_size=2, autoreset_mode="Disabled", arith={"seed": 5}, split="train",
-                                  max_steps=8, workflow="chain")
+                                  max_steps=8, workflow=chain("line"))
 
     def say(prompt: str) -> str:
         return ACCEPT if "Verifier:" in prompt else "1 + 1 = 2\n\nThe answer is \\boxed{2}."

@@ -13,7 +13,7 @@ from envs.math_env import MathTask
 from envs.multi_agent import MultiAgentMathEnv, MultiAgentMathVectorEnv, register_builtin
 from envs.prompts import format_prompt
 from envs.vector import MathVectorEnv
-from envs.workflows import (ACCEPT, REJECT, VERIFIER_INSTRUCTION, Role, Workflow, chain, debate, parse_verdict,
+from envs.workflows import (ACCEPT, REJECT, VERIFIER_INSTRUCTIONS, Role, Workflow, chain, debate, parse_verdict,
                             prefix)
 
 PROBLEMS = Arith().problems(40, seed=1)
@@ -44,8 +44,9 @@ def scripted(scripts):
     return say
 
 
-def chain_env(num_envs=4, **kwargs):
-    return MultiAgentMathVectorEnv(num_envs=num_envs, problems=PROBLEMS, autoreset_mode=DISABLED, **kwargs)
+def chain_env(num_envs=4, verdict_by="line", **kwargs):
+    return MultiAgentMathVectorEnv(num_envs=num_envs, problems=PROBLEMS, autoreset_mode=DISABLED,
+                                   workflow=chain(verdict_by), **kwargs)
 
 
 @pytest.mark.parametrize("text, verdict", [
@@ -65,7 +66,7 @@ def test_first_prompt_is_the_single_agent_prompt_and_chain_ends_after_acceptance
     assert info["roles"] == ("solver", "verifier", "refiner") and info["acting"].tolist() == [[True, False, False]]
     obs, rewards, terminated, _, info = env.step([[right(problem.id), "", ""]])
     assert info["acting"].tolist() == [[False, True, False]] and info["turn"].tolist() == [1]
-    assert obs[0][1] == (f"[solver]\n{problem.solution}\n\n{VERIFIER_INSTRUCTION}\n\n"
+    assert obs[0][1] == (f"[solver]\n{problem.solution}\n\n{VERIFIER_INSTRUCTIONS['line']}\n\n"
                           + format_prompt(problem.problem))
     assert rewards.tolist() == [[0, 0, 0]] and not terminated[0] and np.isnan(info["correct"][0])
     obs, rewards, terminated, truncated, info = env.step([["", "Checked.\nVerdict: correct", ""]])
@@ -73,6 +74,34 @@ def test_first_prompt_is_the_single_agent_prompt_and_chain_ends_after_acceptance
     assert info["final_answer"][0] == problem.answer and info["correct"].tolist() == [1.0]
     np.testing.assert_array_equal(info["verdict"], [[np.nan, 1, np.nan]])
     assert rewards.tolist() == [[1, 1, 0]] and not info["acting"].any()
+
+
+@pytest.mark.parametrize("text, judged_answer, verdict", [
+    ("1 + 2 = 3\nThe answer is \\boxed{3}.", "3", True), ("\\boxed{4}", "3", False), ("Looks right.", "3", None),
+    (ACCEPT, "3", None), ("\\boxed{0.5}", "\\frac{1}{2}", True), ("\\boxed{ 3 }", "3.0", True),
+    ("\\boxed{\\sqrt{4}}", "2", False), ("\\boxed{3}", None, False),
+    ("\\boxed{" + "9" * 1_000_000 + "}", "3", False), ("x" * 1_000_000 + "\\boxed{3}", "3", True),
+])
+def test_a_verifier_that_solves_again_accepts_exactly_an_agreeing_answer(text, judged_answer, verdict):
+    verifier = chain().roles[1]
+    assert verifier.verdict_by == "solving" and verifier.verdict(text, judged_answer) is verdict
+
+
+def test_the_default_chain_verifier_solves_again_and_the_refiner_reads_both_solutions():
+    env = chain_env(num_envs=2, verdict_by="solving")
+    obs, info = env.reset(seed=0)
+    problem = BY_ID[info["problem_id"][0]]
+    say = scripted([[right, right], [WRONG, right, right]])
+    obs, _, terminated, _, info = env.step(act(env, info, say))
+    assert obs[0][1] == (f"[solver]\n{problem.solution}\n\n{VERIFIER_INSTRUCTIONS['solving']}\n\n"
+                         + format_prompt(problem.problem))
+    obs, _, terminated, _, info = env.step(act(env, info, say))
+    assert terminated.tolist() == [True, False] and info["verdict"][:, 1].tolist() == [1, 0]
+    assert info["verdict_correct"][:, 1].tolist() == [1, 1] and info["final_answer"][0] == problem.answer
+    second = BY_ID[info["problem_id"][1]]
+    assert obs[1][2].startswith(f"[solver]\n{WRONG}\n\n[verifier]\n{second.solution}\n\nRefiner:")
+    _, _, terminated, _, info = env.step(act(env, info, say))
+    assert terminated.tolist() == [False, True] and info["correct"][1] == 1
 
 
 def test_rejection_hands_over_to_the_refiner_whose_answer_is_final():
@@ -90,8 +119,10 @@ def test_rejection_hands_over_to_the_refiner_whose_answer_is_final():
 
 
 # env 0: right, accepted. env 1: right, wrongly rejected, the refiner breaks it. env 2: wrong, an unparseable
-# verdict (a rejection), the refiner fixes it. env 3: wrong, wrongly accepted.
-CASES = [[right, ACCEPT], [right, REJECT, WRONG], [WRONG, "Hmm, not sure.", right], [WRONG, ACCEPT]]
+# verdict (a rejection), the refiner fixes it. env 3: wrong, wrongly accepted. A verifier that solves again
+# accepts by reaching the solver's answer and rejects by reaching another; without an answer it is unparseable.
+CASES = {"line": [[right, ACCEPT], [right, REJECT, WRONG], [WRONG, "Hmm, not sure.", right], [WRONG, ACCEPT]],
+         "solving": [[right, right], [right, WRONG, WRONG], [WRONG, "Hmm, not sure.", right], [WRONG, WRONG]]}
 CREDIT = {  # rewards [N, A] at each of the three steps
     "team": [np.zeros((4, 3)), [[1, 1, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0]],
              [[0, 0, 0], [0, 0, 0], [1, 1, 1], [0, 0, 0]]],
@@ -104,10 +135,11 @@ CREDIT = {  # rewards [N, A] at each of the three steps
 }
 
 
-def test_chain_role_rates_split_verdicts_and_revisions_by_the_truth():
-    env = chain_env(reward_assignment="individual")
+@pytest.mark.parametrize("verdict_by", sorted(CASES))
+def test_chain_role_rates_split_verdicts_and_revisions_by_the_truth(verdict_by):
+    env = chain_env(verdict_by=verdict_by, reward_assignment="individual")
     _, info = env.reset(seed=0)
-    say, infos = scripted(CASES), []
+    say, infos = scripted(CASES[verdict_by]), []
     for _ in range(3):
         *_, info = env.step(act(env, info, say))
         infos.append(info)
@@ -124,11 +156,12 @@ def test_chain_role_rates_split_verdicts_and_revisions_by_the_truth():
         assert np.isnan(np.delete(infos[1][key], 1, axis=1)).all() and np.isnan(np.delete(infos[2][key], 2, axis=1)).all()
 
 
+@pytest.mark.parametrize("verdict_by", sorted(CASES))
 @pytest.mark.parametrize("assignment", sorted(CREDIT))
-def test_chain_credit(assignment):
-    env = chain_env(reward_assignment=assignment)
+def test_chain_credit(assignment, verdict_by):
+    env = chain_env(verdict_by=verdict_by, reward_assignment=assignment)
     _, info = env.reset(seed=0)
-    say, ends = scripted(CASES), []
+    say, ends = scripted(CASES[verdict_by]), []
     for expected in CREDIT[assignment]:
         _, rewards, terminated, truncated, info = env.step(act(env, info, say))
         assert rewards.dtype == np.float64 and rewards.shape == (4, 3)
@@ -192,7 +225,7 @@ def test_same_step_autoreset_and_truncation():
     env = MultiAgentMathVectorEnv(num_envs=2, problems=PROBLEMS, max_steps=2)
     _, info = env.reset(seed=0)
     first_ids = list(info["problem_id"])
-    say = scripted([[right, ACCEPT], [WRONG, REJECT]])
+    say = scripted([[right, right], [WRONG, right]])  # the default chain's verifier solves again
     *_, info = env.step(act(env, info, say))
     obs, _, terminated, truncated, info = env.step(act(env, info, say))
     assert terminated.tolist() == [True, False] and truncated.tolist() == [False, True]  # 2 turns: no refiner
@@ -216,7 +249,7 @@ def test_groups_draw_the_problems_math_vector_env_draws():
     assert list(shard_info["problem_id"]) == list(reference["problem_id"][3:]) and set(shard_info["group_id"]) == {1}
     # env 0 finishes first; its next problem is its group's next draw in both envs
     _, _, _, _, reference = single.step(["The answer is \\boxed{0}."] + ["thinking"] * 5)
-    say = scripted([[right, ACCEPT]] + [[WRONG, REJECT]] * 5)
+    say = scripted([[right, right]] + [[WRONG, right]] * 5)
     for _ in range(2):
         _, _, _, _, info = multi.step(act(multi, info, say))
     assert (info["problem_id"][0], info["group_id"][0]) == (reference["problem_id"][0], reference["group_id"][0])
@@ -227,7 +260,7 @@ def test_state_round_trip_mid_episode_gives_identical_next_steps():
         return MultiAgentMathVectorEnv(num_envs=4, group_size=2, problems=PROBLEMS, reward_assignment="counterfactual")
     env, twin = build(), build()
     _, info = env.reset(seed=3)
-    say = scripted([[right, ACCEPT]] * 2 + [[WRONG, REJECT, right, right, ACCEPT]] * 2)
+    say = scripted([[right, right]] * 2 + [[WRONG, right, right, right, right]] * 2)
     *_, info = env.step(act(env, info, say))
     obs, _, _, _, info = env.step(act(env, info, say))  # envs 0 and 1 restarted, 2 and 3 at the refiner
     assert info["acting"][:, 0].tolist() == [True, True, False, False] and info["acting"][2:, 2].all()
@@ -297,7 +330,9 @@ def test_workflow_checks():
     env.reset(seed=0)
     with pytest.raises(ValueError, match=r"schedule gave slots \(3,\) at turn 1"):
         env.step([["hi"]])
-    assert [role.default for role in chain().roles[:2]] == ["", ACCEPT]
+    assert [role.default for role in chain("line").roles[:2]] == ["", ACCEPT]
+    with pytest.raises(ValueError, match="verdict_by='vote' must be one of"):
+        chain("vote")
 
 
 @pytest.mark.parametrize("env_id, num_agents", [("Arith-Chain-v0", 3), ("Arith-Debate-v0", 3), ("Arith-Prefix-v0", 2)])
@@ -324,7 +359,7 @@ def test_make_of_a_registered_id_gives_the_single_env():
     assert info["problem_id"] == problem.id and info["acting"].tolist() == [True, False, False]
     _, reward, terminated, _, info = env.step([f"\\boxed{{{problem.answer}}}", "", ""])
     assert reward.tolist() == [0, 0, 0] and not terminated and info["acting"].tolist() == [False, True, False]
-    _, reward, terminated, _, info = env.step(["", ACCEPT, ""])
+    _, reward, terminated, _, info = env.step(["", f"So \\boxed{{{problem.answer}}}.", ""])  # solved again: agrees
     assert reward.tolist() == [1, 1, 0] and terminated and info["correct"] == 1 and info["roles"][1] == "verifier"
 
 

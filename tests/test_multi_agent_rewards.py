@@ -10,7 +10,7 @@ from envs.datasets import Arith, Problem
 from envs.multi_agent import MultiAgentMathVectorEnv
 from envs.rewards import OutcomeReward
 from envs.vector import MathVectorEnv
-from envs.workflows import ACCEPT, REJECT
+from envs.workflows import ACCEPT, REJECT, chain
 from reward_models.mixture import RewardMixture
 from reward_models.reference_steps import ReferenceStepsReward
 
@@ -55,7 +55,7 @@ def test_the_solver_gets_the_weighted_prm_score_the_single_agent_env_gives_its_s
     assert prm_scores[0] > 0.9 > 0.1 > prm_scores[1]  # the PRM sees the slip the verified answer does not
     # the chain, individual credit: the solver's reward is its answer's verdict plus 0.2 x the PRM's score
     env = MultiAgentMathVectorEnv(3, problems=problems, autoreset_mode=DISABLED, reward_assignment="individual",
-                                  reward_model=RewardMixture({"prm": prm}, {"prm": 0.2}))
+                                  reward_model=RewardMixture({"prm": prm}, {"prm": 0.2}), workflow=chain("line"))
     env.reset(options={"problem_ids": ids})
     _, rewards, *_, info = env.step([[text, "", ""] for text in solutions])
     np.testing.assert_allclose(rewards[:, 0], expected, rtol=1e-6)
@@ -75,7 +75,7 @@ def test_the_solver_gets_the_weighted_prm_score_the_single_agent_env_gives_its_s
 def test_steps_reward_per_role_by_hand():
     """'steps' pays the matched share of the reference steps: THREE has 3, TWO has 2."""
     env = MultiAgentMathVectorEnv(2, problems=[THREE, TWO], autoreset_mode=DISABLED, shuffle=False,
-                                  reward_assignment="team", reward_model=steps_reward(0.5), outcome_weight=2.0)
+                                  reward_assignment="team", reward_model=steps_reward(0.5), outcome_weight=2.0, workflow=chain("line"))
     env.reset(options={"problem_ids": ["three", "two"]})
     # env 0's solver: the first two steps, then a wrong answer (2/3); env 1's solver: the whole reference (1)
     _, rewards, *_, info = env.step([["56 + 77 = 133\n\n133 + 95 = 228\n\n" + WRONG, "", ""], [TWO.solution, "", ""]])
@@ -108,12 +108,13 @@ def test_a_continuing_role_is_scored_with_the_prefix_it_continues():
 def test_one_batched_score_call_per_env_step():
     problems = Arith().problems(8, seed=3)
     counted = CountedCalls(ReferenceStepsReward())
-    chain = MultiAgentMathVectorEnv(4, problems=problems, autoreset_mode=DISABLED, reward_model=counted)
-    _, info = chain.reset(seed=0)
+    env = MultiAgentMathVectorEnv(4, problems=problems, autoreset_mode=DISABLED, reward_model=counted,
+                                  workflow=chain("line"))
+    _, info = env.reset(seed=0)
     by_id = {p.id: p for p in problems}
-    chain.step([[by_id[i].solution, "", ""] for i in info["problem_id"]])
-    chain.step([["", verdict, ""] for verdict in (ACCEPT, REJECT, "unsure", ACCEPT)])  # verdicts only: no call
-    chain.step([["", "", WRONG]] * 4)  # the two rejected solutions' refiners
+    env.step([[by_id[i].solution, "", ""] for i in info["problem_id"]])
+    env.step([["", verdict, ""] for verdict in (ACCEPT, REJECT, "unsure", ACCEPT)])  # verdicts only: no call
+    env.step([["", "", WRONG]] * 4)  # the two rejected solutions' refiners
     assert counted.batches == [4, 2]
     counted.batches.clear()
     debate = MultiAgentMathVectorEnv(2, problems=problems, workflow="debate", autoreset_mode=DISABLED,

@@ -17,7 +17,7 @@ from algorithms.buffer import RolloutBuffer
 from algorithms.grpo import GRPO, group_advantages
 from algorithms.registry import algorithm_spec
 from envs.multi_agent import MultiAgentMathVectorEnv
-from envs.workflows import ACCEPT, REJECT
+from envs.workflows import ACCEPT, REJECT, chain
 from test_checkpoint import read_scalars_purged
 from test_front_door import small
 from test_generation import generate_with, role_adapter_policy
@@ -57,7 +57,7 @@ def chain_rollout(policy: LanguagePolicy, reward_assignment: str) -> tuple[Rollo
     verifier accepts (2 turns). Group 1: the solver is wrong, the verifier rejects and the refiner is
     right (3 turns), except in its last env, where the verifier wrongly accepts."""
     env = MultiAgentMathVectorEnv(8, group_size=4, autoreset_mode="Disabled", arith={"seed": 5}, split="train",
-                                  max_steps=8, workflow="chain", reward_assignment=reward_assignment)
+                                  max_steps=8, workflow=chain("line"), reward_assignment=reward_assignment)
     group_one_verdicts = iter([REJECT, REJECT, REJECT, ACCEPT])  # asked in env order
 
     def say(prompt: str) -> str:
@@ -144,7 +144,7 @@ def test_held_out_role_metrics_count_only_the_problems_evaluated(policy):
     """One problem on an eval env of 4: the 3 envs that pad the batch (their episodes run on empty messages)
     count in no role's metrics. The solver is right and the verifier accepts."""
     env = MultiAgentMathVectorEnv(4, group_size=1, autoreset_mode="Disabled", arith={"seed": 5}, split="test",
-                                  max_steps=8, workflow="chain", reward_assignment="team")
+                                  max_steps=8, workflow=chain("line"), reward_assignment="team")
     answers = {problem.problem: problem.answer for problem in env.problems}
 
     def say(prompt: str) -> str:

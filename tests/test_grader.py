@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from envs.grader import extract_answer, grade_batch, is_equiv, warm_up
+from envs.grader import extract_answer, grade_batch, is_equiv, strings_equiv, warm_up
 
 CASES_PATH = Path(__file__).resolve().parents[2] / "shared/data/grader_cases.jsonl"
 MIN_AGREEMENT = 0.97
@@ -182,3 +182,19 @@ def test_forked_child_grades_and_leaves_the_parents_workers_alone():
     start = time.monotonic()
     assert is_equiv("x^2-1", "(x-1)(x+1)")
     assert time.monotonic() - start < 1.0
+
+
+@pytest.mark.parametrize("a, b, same", [
+    ("0.5", "\\frac{1}{2}", True), ("\\$1{,}000", "1000", True), ("x = 3", "3", True), ("\\text{(B)}", "B", True),
+    ("\\sqrt{4}", "2", False),  # equal only symbolically: the string tier cannot tell
+    ("3", "4", False), ("", "3", False), ("9" * 100_000, "9" * 100_000, True),
+])
+def test_strings_equiv_is_the_string_tier_alone(a, b, same):
+    assert strings_equiv(a, b) is same
+    if same:
+        assert is_equiv(a, b)
+
+
+def test_strings_equiv_refuses_non_strings():
+    with pytest.raises(TypeError, match="pred must be a str or None, got int"):
+        strings_equiv(3, "3")

@@ -14,6 +14,7 @@ from envs.datasets import Arith, solve_steps
 from envs.prompts import SHEPHERD_STEP_TAG, STEP_DELIMITER, format_prompt, join_steps, shepherd_text, split_steps
 from train.tiny import (TinyConfig, arith_accuracy, build_tiny_models, build_tokenizer, cache_dir, config_hash,
                         heldout_problems, prm_metrics, save_untrained_policy)
+from train.tiny.config import team_hash
 from train.tiny.data import arith_batches, corrupt_solution, parse_arith, sft_batch
 from train.tiny.evaluation import prefix_metrics, prm_last_step_auc
 from train.tiny.model import new_model
@@ -142,9 +143,9 @@ def test_team_examples_are_the_envs_own_observations():
     prompt, reply = next((prompt, reply) for prompt, reply in iter(lambda: role_example("verifier", problem, rng), None)
                          if solution in prompt)  # a draw with the reference as the solver's solution
     assert prompt == obs[0][1]
-    assert reply == "Verdict: correct"
+    assert reply == solution  # the verifier solves again
     obs, *_ = env.step([["", reply, ""]])
-    assert env.dialogues[0].progress.terminated  # the reply is a verdict the env reads as an acceptance
+    assert env.dialogues[0].progress.terminated  # the same answer: the env reads an acceptance
 
 
 def test_team_batch_trains_the_replies_only(tiny_tokenizer):
@@ -153,13 +154,17 @@ def test_team_batch_trains_the_replies_only(tiny_tokenizer):
     assert ids.shape[0] == 32 and target_mask.shape == (32, ids.shape[1] - 1)
     trained = [tiny_tokenizer.decode(row[1:][mask]) for row, mask in zip(ids, target_mask)]
     assert all(text.endswith(tiny_tokenizer.eos_token) for text in trained)
-    assert any("Verdict:" in text for text in trained) and not any("Problem:" in text for text in trained)
+    assert all("\\boxed{" in text for text in trained) and not any("Problem:" in text for text in trained)
 
 
 def test_config_hash_keys_the_cache(tmp_path, monkeypatch):
     assert config_hash(TinyConfig()) == config_hash(TinyConfig())
     assert config_hash(TinyConfig(seed=1)) != config_hash(TinyConfig())
     assert len({config_hash(replace(TinyConfig(), lr=lr)) for lr in (1e-3, 2e-3, 3e-3)}) == 3
+    # the team stage is keyed apart: its knobs change its key, not the base models'
+    assert config_hash(replace(TinyConfig(), team_steps=1)) == config_hash(TinyConfig())
+    assert team_hash(replace(TinyConfig(), team_steps=1)) != team_hash(TinyConfig())
+    assert team_hash(replace(TinyConfig(), lr=1e-3)) != team_hash(TinyConfig())
     monkeypatch.setenv("MATHRL_CACHE", str(tmp_path))
     assert cache_dir(TinyConfig()) == tmp_path / "tiny" / config_hash(TinyConfig())
     keys = {}
@@ -187,6 +192,7 @@ def load(path):
 @pytest.mark.slow
 def test_build_is_cached_by_config_hash(tiny_models):
     assert tiny_models.root.name == config_hash(TinyConfig())
+    assert tiny_models.team == tiny_models.root / f"team-{team_hash(TinyConfig())}"
     assert build_tiny_models() == tiny_models  # found, not rebuilt
     for path in (tiny_models.policy, tiny_models.prm, tiny_models.target, tiny_models.team):
         assert (path / "config.json").is_file() and (path / "tokenizer.json").is_file()
@@ -226,5 +232,6 @@ def test_team_model_has_learned_every_role(tiny_models):
     model, tokenizer = load(tiny_models.team)
     metrics = team_metrics(model, tokenizer, HELD_OUT[:200], seed=7)
     print(f"tiny team model held-out {metrics}")
-    assert metrics["verifier_parsed"] >= 0.9  # it writes a verdict the env reads
+    assert metrics["verifier_parsed"] >= 0.9  # it solves again, to an answer the env reads
+    assert metrics["verifier_verdict_accuracy"] >= 0.6  # half the solutions it checks are right
     assert min(metrics[f"{role}_accuracy"] for role in ROLES if role != "verifier") >= 0.3

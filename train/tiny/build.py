@@ -1,8 +1,10 @@
 """The tiny build end to end: train the four models, measure them, and cache the result.
 
-A build takes minutes on a CPU, so it is kept in a directory named by ``config_hash`` and reused.
-It is written to a temporary sibling and renamed into place, so a killed build never leaves a
-partial directory that would later be taken for a finished one.
+A build takes minutes on a CPU, so it is kept and reused, in two stages: the base models (policy,
+target, PRM) in a directory named by ``config_hash``, and the team model, fine-tuned from that policy
+on a data stream of its own, in ``team-<team_hash>`` inside it, so that a change to the team stage
+rebuilds the team alone. Each stage is written to a temporary sibling and renamed into place, so a
+killed build never leaves a partial directory that would later be taken for a finished one.
 """
 
 from __future__ import annotations
@@ -16,14 +18,14 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
-from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoTokenizer, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from envs.datasets import Problem
 from envs.prompts import SHEPHERD_STEP_TAG
-from train.tiny.config import TinyConfig, cache_dir, config_hash
+from train.tiny.config import TinyConfig, cache_dir, config_hash, team_hash
 from train.tiny.data import BAD_TOKEN, GOOD_TOKEN, arith_batches, heldout_problems
 from train.tiny.evaluation import arith_accuracy, prefix_metrics, prm_last_step_auc, prm_metrics
 from train.tiny.model import new_model, num_parameters
@@ -46,9 +48,16 @@ class TinyModels:
     metrics: dict
 
 
-def _paths(root: Path) -> TinyModels:
-    metrics = json.loads((root / "metrics.json").read_text())
-    return TinyModels(root=root, policy=root / "policy", prm=root / "prm", target=root / "target", team=root / "team",
+def _team_dir(root: Path, config: TinyConfig) -> Path:
+    return root / f"team-{team_hash(config)}"
+
+
+def _paths(root: Path, config: TinyConfig) -> TinyModels:
+    """A finished build's paths; ``metrics["team"]`` comes from the team stage's own metrics.json."""
+    team = _team_dir(root, config)
+    metrics = {**json.loads((root / "metrics.json").read_text()),
+               "team": json.loads((team / "metrics.json").read_text())}
+    return TinyModels(root=root, policy=root / "policy", prm=root / "prm", target=root / "target", team=team,
                       metrics=metrics)
 
 
@@ -57,24 +66,36 @@ def _save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, out_dir: 
     tokenizer.save_pretrained(out_dir)
 
 
-def _build_team(policy: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, config: TinyConfig,
-                batches: Iterator[list[Problem]], evaluation: list[Problem], out_dir: Path, device: str) -> dict:
-    """The team model (``train.tiny.roles``), fine-tuned from ``policy`` in place, saved to ``out_dir``; its metrics."""
-    started = time.perf_counter()
-    train_team(policy, tokenizer, config, batches, config.seed + 3, device)
-    _save(policy, tokenizer, out_dir)
-    return {**team_metrics(policy, tokenizer, evaluation, config.seed + 4),
-            "seconds": round(time.perf_counter() - started, 1)}
-
-
-def _build(out_dir: Path, config: TinyConfig, device: str) -> dict:
-    """Trains the four models into ``out_dir`` and returns the metrics (also in metrics.json)."""
-    started = time.perf_counter()
-    arith = config.arith()
-    tokenizer = build_tokenizer(config.vocab_size)
+def _problem_draws(config: TinyConfig) -> tuple[list[Problem], list[Problem]]:
+    """The held-out evaluation problems and the validation problems that pick the policy checkpoint:
+    never trained on."""
     evaluation = heldout_problems(config)
-    select = arith.problems(config.num_select, seed=config.seed + 2_000_003, exclude=(p.id for p in evaluation))
-    batches = arith_batches(arith, config.batch_size, config.seed, {p.id for p in evaluation + select})
+    select = config.arith().problems(config.num_select, seed=config.seed + 2_000_003, exclude=(p.id for p in evaluation))
+    return evaluation, select
+
+
+def _build_team(root: Path, out_dir: Path, config: TinyConfig, device: str) -> None:
+    """The team model (``train.tiny.roles``), fine-tuned from ``root``'s policy on a stream of Arith problems
+    of its own, saved to ``out_dir`` with its metrics.json."""
+    started = time.perf_counter()
+    model = LlamaForCausalLM.from_pretrained(root / "policy").to(device)
+    tokenizer = AutoTokenizer.from_pretrained(root / "policy")
+    evaluation, select = _problem_draws(config)
+    batches = arith_batches(config.arith(), config.batch_size, config.seed + 5, {p.id for p in evaluation + select})
+    train_team(model, tokenizer, config, batches, config.seed + 3, device)
+    _save(model, tokenizer, out_dir)
+    metrics = {"team_hash": team_hash(config), **team_metrics(model, tokenizer, evaluation, config.seed + 4),
+               "seconds": round(time.perf_counter() - started, 1)}
+    log.info("team model: %s", metrics)
+    (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=1))
+
+
+def _build(out_dir: Path, config: TinyConfig, device: str) -> None:
+    """Trains the base models (policy, target, PRM) into ``out_dir``, with their metrics.json."""
+    started = time.perf_counter()
+    tokenizer = build_tokenizer(config.vocab_size)
+    evaluation, select = _problem_draws(config)
+    batches = arith_batches(config.arith(), config.batch_size, config.seed, {p.id for p in evaluation + select})
     model = new_model(tokenizer, config.seed, hidden_size=config.hidden_size, num_hidden_layers=config.num_layers,
                       num_attention_heads=config.num_heads, num_key_value_heads=config.num_heads,
                       intermediate_size=config.intermediate_size).to(device)
@@ -98,9 +119,6 @@ def _build(out_dir: Path, config: TinyConfig, device: str) -> dict:
     log.info("policy (step %d) held-out greedy accuracy %.3f (%.0f s)", sft_log["policy_step"], policy_accuracy,
              time.perf_counter() - started)
 
-    team = _build_team(model, tokenizer, config, batches, evaluation, out_dir / "team", device)
-    log.info("team model: %s (%.0f s)", team, time.perf_counter() - started)
-
     metrics = {
         "config_hash": config_hash(config),
         "config": asdict(config),
@@ -109,7 +127,6 @@ def _build(out_dir: Path, config: TinyConfig, device: str) -> dict:
         "num_eval_problems": len(evaluation),
         "policy": {"accuracy": policy_accuracy, **{k: v for k, v in sft_log.items() if k != "history"}},
         "target": target_metrics,
-        "team": team,
         "prm": {**prm_quality, **prm_choices, "num_parameters": num_parameters(prm), "good_token": GOOD_TOKEN,
                 "bad_token": BAD_TOKEN, "step_tag": SHEPHERD_STEP_TAG},
         "sft_history": sft_log["history"],
@@ -117,7 +134,6 @@ def _build(out_dir: Path, config: TinyConfig, device: str) -> dict:
         "torch_threads": torch.get_num_threads(),
     }
     (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=1))
-    return metrics
 
 
 def _usable_cores() -> int:
@@ -136,36 +152,45 @@ def _torch_threads(threads: int) -> Iterator[None]:
 
 def build_tiny_models(out_dir: str | os.PathLike | None = None, config: TinyConfig = TinyConfig(),
                       device: str = "cpu", threads: int | None = None) -> TinyModels:
-    """Builds (or finds already built) the tiny policy, PRM and target for ``config``.
+    """Builds (or finds already built) the tiny policy, PRM, target and team model for ``config``.
 
     ``threads``: torch CPU threads during a build, by default every core this process may use
     (the build expects the machine to itself). The float sums then differ from machine to machine,
     and the SFT's sudden jump with them, so builds match across runs on one machine, not across machines.
 
     ``out_dir`` None means the user cache (``cache_dir(config)``). A finished build there, or in
-    ``out_dir`` with the same config hash, is reused. The build goes to a temporary sibling
-    directory renamed into place at the end, so a killed build never leaves a partial one; when two
-    processes race, the first rename wins and the other's copy is dropped.
+    ``out_dir`` with the same config hash, is reused, and so is its team stage if its key matches
+    (otherwise only the team is built). Each stage goes to a temporary sibling directory renamed into
+    place at the end, so a killed build never leaves a partial one; when two processes race, the
+    first rename wins and the other's copy is dropped.
     """
     root = Path(out_dir) if out_dir is not None else cache_dir(config)
     if (root / "metrics.json").is_file():
-        found = _paths(root)
-        if found.metrics.get("config_hash") != config_hash(config):
-            raise FileExistsError(f"{root} holds a tiny build of another config (hash "
-                                  f"{found.metrics.get('config_hash')} != {config_hash(config)}); remove it or pick another --out")
-        return found
-    if root.exists() and any(root.iterdir()):
+        found = json.loads((root / "metrics.json").read_text()).get("config_hash")
+        if found != config_hash(config):
+            raise FileExistsError(f"{root} holds a tiny build of another config (hash {found} != "
+                                  f"{config_hash(config)}); remove it or pick another --out")
+    elif root.exists() and any(root.iterdir()):
         raise FileExistsError(f"{root} exists, is not empty and holds no finished tiny build; remove it or pick another --out")
-    root.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{root.name}.building-", dir=root.parent))
+    with _torch_threads(threads or _usable_cores()):
+        if not (root / "metrics.json").is_file():
+            _build_into(root, lambda staging: _build(staging, config, device))
+        team = _team_dir(root, config)
+        if not (team / "metrics.json").is_file():
+            _build_into(team, lambda staging: _build_team(root, staging, config, device))
+    return _paths(root, config)
+
+
+def _build_into(final: Path, build: Callable[[Path], None]) -> None:
+    """``build(staging)`` into a temporary sibling of ``final``, then renamed to ``final``."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.building-", dir=final.parent))
     try:
-        with _torch_threads(threads or _usable_cores()):
-            _build(staging, config, device)
+        build(staging)
         try:
-            os.replace(staging, root)
+            os.replace(staging, final)
         except OSError:
-            if not (root / "metrics.json").is_file():  # not a lost race: something else is wrong
+            if not (final / "metrics.json").is_file():  # not a lost race: something else is wrong
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return _paths(root)

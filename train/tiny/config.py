@@ -1,7 +1,9 @@
-"""Every knob of the tiny build in one frozen dataclass, and the cache key derived from it.
+"""Every knob of the tiny build in one frozen dataclass, and the cache keys derived from it.
 
 A build is reused whenever its key matches, so the key covers the config, ``BUILD_VERSION`` (for
-changes to the code) and the transformers major version (for the saved file formats).
+changes to the code) and the transformers major version (for the saved file formats). The team model
+is a stage of its own on top of the policy, keyed apart (``team_hash``: the base key, its own knobs and
+``TEAM_VERSION``), so that a change to the team stage rebuilds only the team.
 """
 
 from __future__ import annotations
@@ -17,7 +19,11 @@ import transformers
 from envs.datasets import Arith
 
 BUILD_VERSION = 4
-"""Part of the cache key: bump when a change in train.tiny changes what a build produces."""
+"""Part of the base key (policy, target, PRM): bump when a change in train.tiny changes what they are."""
+TEAM_VERSION = 2
+"""Part of the team key: bump when a change in train.tiny.roles (or the workflows' prompts) changes the team."""
+TEAM_FIELDS = ("team_steps", "team_lr")
+"""The knobs of the team stage alone: outside the base key."""
 
 
 @dataclass(frozen=True)
@@ -57,7 +63,7 @@ class TinyConfig:
     prm_fit_problems: int = 512  # corrupted solutions that pick the margin and fit the readout
     prm_margins: tuple[float, ...] = (1.0, 1.5, 2.0, 3.0, 4.0)
     prm_clean_fraction: float = 0.4  # share of those solutions left uncorrupted
-    # team model (train.tiny.roles: the policy taught the built-in workflows' roles)
+    # team model (train.tiny.roles: the policy taught the built-in workflows' roles; keyed by team_hash)
     team_steps: int = 250
     team_lr: float = 2e-3
 
@@ -65,12 +71,24 @@ class TinyConfig:
         return Arith(digits=self.digits, min_ops=self.min_ops, max_ops=self.max_ops, operators=self.operators)
 
 
+def _digest(payload: dict) -> str:
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def config_hash(config: TinyConfig) -> str:
-    """16 hex digits naming ``config``, BUILD_VERSION and the transformers major version: the cache key.
-    (A tokenizer saved by transformers 5 names the class "TokenizersBackend", which 4.x cannot load.)"""
-    payload = json.dumps({"build_version": BUILD_VERSION, "transformers_major": transformers.__version__.split(".")[0],
-                          **asdict(config)}, sort_keys=True)
-    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+    """16 hex digits naming ``config`` but its ``TEAM_FIELDS``, BUILD_VERSION and the transformers major
+    version: the key of the base models. (A tokenizer saved by transformers 5 names the class
+    "TokenizersBackend", which 4.x cannot load.)"""
+    knobs = {key: value for key, value in asdict(config).items() if key not in TEAM_FIELDS}
+    return _digest({"build_version": BUILD_VERSION, "transformers_major": transformers.__version__.split(".")[0],
+                    **knobs})
+
+
+def team_hash(config: TinyConfig) -> str:
+    """16 hex digits naming the team stage: the base key (the policy it starts from), ``TEAM_FIELDS``
+    and TEAM_VERSION."""
+    return _digest({"base": config_hash(config), "team_version": TEAM_VERSION,
+                    **{key: getattr(config, key) for key in TEAM_FIELDS}})
 
 
 def cache_dir(config: TinyConfig) -> Path:

@@ -6,15 +6,18 @@ a verdict, and RL cannot discover a line it never samples. The team model is the
 fine-tuned for ``team_steps`` more steps on examples of each role, with prompts built by the
 workflows' own prompt builders so that they match the env's observations exactly:
 
-- verifier: the solver's solution (reference, or with one slip) -> ``Verdict: correct`` / ``wrong``;
-- refiner: a rejected solution with one slip -> the reference solution;
+- verifier (the chain's, which verifies by solving again): the solver's solution (reference, or with
+  one slip) -> the reference solution, so that it accepts right solutions and rejects slipped ones;
+- refiner: the solver's solution and the verifier's, which disagree (at least one has a slip) -> the
+  reference solution;
 - debater, round 2: the other debaters' solutions (each reference or with a slip) -> the reference;
 - solver: the single-agent prompt -> the reference (keeps the plain solving skill in the mix).
 
-A short run leaves every role imperfect (metrics.json's ``team``), so the team's RL has something to
-learn. The verdict's format is learned at once, its judgement is not: within this budget the tiny
-model's verdicts stay near chance (telling a slipped step from a right one takes the comparison the
-PRM build writes in closed form, ``train.tiny.likelihood_prm``).
+A short run leaves every role imperfect (the team's metrics.json), so the team's RL has something to
+learn. The verifier solves again rather than writing a verdict line because the tiny model does not
+learn to judge: taught ``Verdict: correct`` / ``wrong`` directly, or after its own solution and the two
+answers on adjacent lines, its verdicts stayed at chance or at the majority class (equality of two
+digit strings is not learned at this size and budget), while solving again is the skill it has.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from envs.datasets import Problem
 from envs.prompts import DEFAULT_TEMPLATE, format_prompt, join_steps, split_steps
-from envs.workflows import ACCEPT, REJECT, Message, TurnContext, Workflow, chain, debate, parse_verdict
+from envs.grader import extract_answer
+from envs.workflows import Message, TurnContext, Workflow, chain, debate
 from train.tiny.config import TinyConfig
 from train.tiny.data import corrupt_solution, reply_batch
 from train.tiny.evaluation import first_boxed_integer, greedy_completions
@@ -35,7 +39,7 @@ from train.tiny.training import adamw, sft_loss, train_step, warmup_cosine
 
 ROLES = ("verifier", "refiner", "debater", "solver")
 ROLE_SHARES = (0.25, 0.3, 0.3, 0.15)
-"""Share of each role in a batch: a verdict is four tokens, a rewrite a whole solution."""
+"""Share of each role in a batch."""
 
 
 def _solution(problem: Problem, rng: np.random.Generator, clean_fraction: float) -> tuple[str, bool]:
@@ -48,16 +52,20 @@ def _prompt(workflow: Workflow, slot: int, problem: Problem, transcript: tuple[M
     return workflow.roles[slot].build_prompt(TurnContext(problem.problem, DEFAULT_TEMPLATE, transcript, slot, turn))
 
 
+def _verifier_prompt(problem: Problem, solution: str) -> str:
+    return _prompt(chain(), 1, problem, (Message(0, 0, "solver", solution),), 1)
+
+
 def role_example(role: str, problem: Problem, rng: np.random.Generator) -> tuple[str, str]:
     """(prompt, target text) of one example of ``role`` on ``problem``."""
     reference = join_steps(split_steps(problem.solution))
     team, duo = chain(), debate(3, 2)
     if role == "verifier":
-        solution, right = _solution(problem, rng, clean_fraction=0.5)
-        return _prompt(team, 1, problem, (Message(0, 0, "solver", solution),), 1), ACCEPT if right else REJECT
+        return _verifier_prompt(problem, _solution(problem, rng, clean_fraction=0.5)[0]), reference
     if role == "refiner":
-        solution, _ = _solution(problem, rng, clean_fraction=0.0)
-        said = (Message(0, 0, "solver", solution), Message(1, 1, "verifier", REJECT))
+        solution, right = _solution(problem, rng, clean_fraction=0.5)
+        check, _ = _solution(problem, rng, clean_fraction=0.0 if right else 0.5)
+        said = (Message(0, 0, "solver", solution), Message(1, 1, "verifier", check))
         return _prompt(team, 2, problem, said, 2), reference
     if role == "debater":
         said = tuple(Message(0, slot, f"debater_{slot}", _solution(problem, rng, clean_fraction=0.5)[0])
@@ -93,19 +101,23 @@ def train_team(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, conf
 def team_metrics(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, problems: list[Problem],
                  seed: int) -> dict:
     """Greedy measures of each role on held-out ``problems``: the verifier's verdict accuracy on half right,
-    half slipped solutions (and how often it writes a verdict at all), and the accuracy of the refiner,
-    of a round-2 debater and of the plain solver."""
+    half slipped solutions (and how often it gives a verdict at all) and its own answers' accuracy, and the
+    accuracy of the refiner, of a round-2 debater and of the plain solver."""
     rng = np.random.default_rng(seed)
     metrics = {}
     for role in ROLES:
-        examples = [role_example(role, p, rng) for p in problems]
-        completions = greedy_completions(model, tokenizer, [prompt for prompt, _ in examples], max_new_tokens=64)
         if role == "verifier":
-            verdicts = [parse_verdict(c) for c in completions]
-            metrics["verifier_verdict_accuracy"] = float(np.mean([(v is True) == t.endswith(ACCEPT)
-                                                                   for v, (_, t) in zip(verdicts, examples)]))
-            metrics["verifier_parsed"] = float(np.mean([v is not None for v in verdicts]))
+            shown = [_solution(p, rng, clean_fraction=0.5) for p in problems]
+            prompts = [_verifier_prompt(p, solution) for p, (solution, _) in zip(problems, shown)]
         else:
-            metrics[f"{role}_accuracy"] = float(np.mean([first_boxed_integer(c) == p.answer
-                                                         for c, p in zip(completions, problems)]))
+            prompts = [role_example(role, p, rng)[0] for p in problems]
+        completions = greedy_completions(model, tokenizer, prompts, max_new_tokens=64)
+        metrics[f"{role}_accuracy"] = float(np.mean([first_boxed_integer(c) == p.answer
+                                                     for c, p in zip(completions, problems)]))
+        if role == "verifier":
+            verifier = chain().roles[1]
+            verdicts = [verifier.verdict(c, extract_answer(solution)) for c, (solution, _) in zip(completions, shown)]
+            metrics["verifier_verdict_accuracy"] = float(np.mean([(v is True) == right
+                                                                   for v, (_, right) in zip(verdicts, shown)]))
+            metrics["verifier_parsed"] = float(np.mean([v is not None for v in verdicts]))
     return metrics

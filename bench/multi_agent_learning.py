@@ -1,19 +1,23 @@
 """Does a multi-agent team learn? Held-out accuracy of the built-in workflows before and after training,
 against the solver alone, with a control.
 
-    python bench/multi_agent_learning.py [--runs chain control debate] [--iterations 200]
+    python -m bench.multi_agent_learning [--runs chain control debate] [--iterations 200]
                                          [--n_rollout_threads 64] [--eval_limit 500] [--seed 0]
+                                         [--model team|policy]
 
-Every run is ``python train_math.py`` on the tiny team model (the default model of a multi-agent env), GRPO
-with groups of 8 per (problem, role) sampled at temperature 1.0, held-out greedy evaluation on the first
-``--eval_limit`` Arith test problems every ``--iterations / 4`` iterations (the first one, at iteration 0, is
-the untrained team):
+Every run is ``python train_math.py`` on the tiny team model (the default model of a multi-agent env; or,
+``--model policy``, the plain policy), GRPO
+with the default run's sampling (groups of 4 per (problem, role) at temperature 0.5) and step size,
+held-out greedy evaluation on the first ``--eval_limit`` Arith test problems every ``--iterations / 4``
+iterations (the first one, at iteration 0, is the untrained team):
 
-- chain: ``Arith-Chain-v0`` (solver -> verifier -> refiner), individual credit: the solver and the refiner
-  are paid their answers, the verifier its verdict against the truth.
+- chain: ``Arith-Chain-v0`` (solver -> verifier -> refiner; the verifier solves again and accepts an
+  agreeing answer), individual credit: the solver and the refiner are paid their answers, the verifier its
+  verdict against the truth.
 - control: the same, but each step's verifier rewards are shuffled among the envs whose verifier spoke
   (``Arith-ChainShuffledVerifier-v0``, registered here): the verifier is paid as often, for nothing it did.
-- debate: ``Arith-Debate-v0`` (3 debaters x 2 rounds, majority vote), team credit.
+- debate: ``Arith-Debate-v0`` (3 debaters x 2 rounds, majority vote), individual credit: each debater is paid
+  its own answer.
 
 Also measured: the solver alone, i.e. the same model on the single-agent ``Arith-v0`` with the same
 evaluation. Prints one JSON line per run (start, best and final team accuracy, each role's held-out
@@ -40,7 +44,7 @@ CONTROL_ID = "Arith-ChainShuffledVerifier-v0"
 RUNS = {
     "chain": ["--env_id", "Arith-Chain-v0", "--reward_assignment", "individual"],
     "control": ["--env_id", f"bench.multi_agent_learning:{CONTROL_ID}", "--reward_assignment", "individual"],
-    "debate": ["--env_id", "Arith-Debate-v0", "--reward_assignment", "team"],
+    "debate": ["--env_id", "Arith-Debate-v0", "--reward_assignment", "individual"],
     "solver_alone": ["--env_id", "Arith-v0"],
 }
 
@@ -62,18 +66,18 @@ if CONTROL_ID not in gymnasium.registry:
                        kwargs={**gymnasium.spec("Arith-Chain-v0").kwargs})
 
 
-def team_model() -> str:
+def tiny_model(kind: str) -> str:
+    """The path of the tiny build's ``kind`` model ("team" or "policy")."""
     from train.tiny import build_tiny_models
 
-    return str(build_tiny_models().team)
+    return str(getattr(build_tiny_models(), kind))
 
 
 def train(name: str, args: argparse.Namespace) -> dict:
     """One run of ``train_math.py``; its evaluation history and minutes of training."""
     iterations = 0 if name == "solver_alone" else args.iterations
     turns = {"chain": 3, "control": 3, "debate": 2, "solver_alone": 1}[name]
-    flags = ["--model_name_or_path", team_model(), "--algorithm_name", "GRPO", "--temperature", "1.0",
-             "--group_size", "8",
+    flags = ["--model_name_or_path", tiny_model(args.model), "--algorithm_name", "GRPO",
              "--n_rollout_threads", str(args.n_rollout_threads),
              "--num_env_steps", str(max(iterations, 1) * turns * args.n_rollout_threads),
              "--eval_interval", str(max(1, args.iterations // 4)), "--eval_limit", str(args.eval_limit),
@@ -101,6 +105,9 @@ def main() -> None:
     parser.add_argument("--n_rollout_threads", type=int, default=64)
     parser.add_argument("--eval_limit", type=int, default=500)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", choices=("team", "policy"), default="team",
+                        help="the tiny model every run starts from: the team model, taught the roles, or the plain "
+                             "policy, which has seen single-agent prompts only and leaves RL more room")
     parser.add_argument("--logdir", type=Path, default=ROOT / "runs" / "multi_agent_learning")
     args = parser.parse_args()
     for name in args.runs:

@@ -235,3 +235,21 @@ def test_team_model_has_learned_every_role(tiny_models):
     assert metrics["verifier_parsed"] >= 0.9  # it solves again, to an answer the env reads
     assert metrics["verifier_verdict_accuracy"] >= 0.6  # half the solutions it checks are right
     assert min(metrics[f"{role}_accuracy"] for role in ROLES if role != "verifier") >= 0.3
+
+
+def test_a_team_change_rebuilds_the_team_alone(tmp_path):
+    """On a finished base build (here an untrained policy under the config's key), the team stage is built
+    from its policy; other team knobs give a second team beside the first, the base files untouched."""
+    config = TinyConfig(num_eval=8, num_select=8, team_steps=2, batch_size=8)
+    save_untrained_policy(tmp_path / "policy", hidden_size=32, num_hidden_layers=1, num_attention_heads=1,
+                          num_key_value_heads=1, intermediate_size=64)
+    (tmp_path / "metrics.json").write_text(json.dumps({"config_hash": config_hash(config)}))
+    stamps = {path: path.stat().st_mtime_ns for path in tmp_path.rglob("*") if path.is_file()}
+    first = build_tiny_models(tmp_path, config, threads=1)
+    second = build_tiny_models(tmp_path, replace(config, team_steps=3), threads=1)
+    assert second.root == first.root == tmp_path and second.team != first.team
+    assert {path: path.stat().st_mtime_ns for path in stamps} == stamps
+    assert sorted(path.name for path in tmp_path.glob("team-*")) == sorted([first.team.name, second.team.name])
+    assert second.metrics["team"]["config"] == {"team_steps": 3, "team_lr": config.team_lr}
+    assert (second.team / "config.json").is_file() and (second.team / "tokenizer.json").is_file()
+    assert build_tiny_models(tmp_path, config) == first  # both stages found, nothing rebuilt

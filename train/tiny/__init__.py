@@ -1,6 +1,6 @@
 """The built-in tiny models: tokenizer, policy, PRM, target solver and team model, trained on a CPU and cached.
 
-    python -m train.tiny --out DIR      # DIR/policy, DIR/prm, DIR/target, DIR/team, DIR/metrics.json
+    python -m train.tiny --out DIR      # DIR/policy, DIR/prm, DIR/target, DIR/team-<hash>, DIR/metrics.json
 
 They let the trainer, the tests and the benchmarks run end to end with nothing downloaded. Each
 model directory is an ordinary Hugging Face one (``save_pretrained`` of a Llama causal LM and its
@@ -10,8 +10,8 @@ tokenizer), loaded back with the Auto classes: the code path a user's own model 
   has room to improve it.
 - target: the same run continued (Prefix-RL's frozen solver).
 - team: the policy taught the roles of the built-in multi-agent workflows (``train.tiny.roles``): a
-  verifier's verdict, a refiner's rewrite, a debater's second round; the default model of the
-  multi-agent envs.
+  verifier that solves again, a refiner's rewrite, a debater's second round; the default model of the
+  multi-agent envs, a build stage of its own (``config.team_hash``).
 - prm: Math-Shepherd format (``envs.prompts.shepherd_text``), P("+") over {"+", "-"} at each step
   tag; a likelihood verifier (``train.tiny.likelihood_prm``) on the target's trunk.
 

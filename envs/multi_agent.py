@@ -15,8 +15,9 @@ Credit (``reward_assignment``), all from answers verified against the gold answe
 
 - ``team``: the final answer's verdict (1/0), to every slot that acted in the episode;
 - ``individual``: each message's own verifiable output: an answering role's answer (1/0); a judging
-  role's verdict agreeing with whether the answer it judged is right (1/0; an unparseable verdict is
-  a rejection); a role with neither (Prefix-RL's writer, verified only through the solver) gets the
+  role's verdict (``Workflow.verdict``: its verdict line, or its own answer's agreement when it solves
+  again) agreeing with whether the answer it judged is right (1/0; an unparseable verdict is a
+  rejection); a role with neither (Prefix-RL's writer, verified only through the solver) gets the
   team outcome;
 - ``counterfactual``: the team outcome minus the outcome of ``Workflow.replay`` with the slot's
   messages replaced by its role's default, every other slot's held fixed: what its messages changed.

@@ -2,8 +2,8 @@
 
 ``extract_answer`` takes the content of the last ``\\boxed{}``/``\\fbox{}`` (or the text after
 "The answer is"). ``is_equiv`` and ``grade_batch`` decide whether a model's answer equals the gold
-one; ``strings_equiv`` is the first tier alone, pure and quick. Model text is untrusted, so nothing here hands text to Python's or sympy's expression
-evaluators; every parse and every call is bounded.
+one; ``strings_equiv`` is the first tier alone, pure and quick. Model text is untrusted, so nothing
+here hands text to Python's or sympy's expression evaluators; every parse and every call is bounded.
 
 Grading runs in three tiers:
 
@@ -1461,7 +1461,9 @@ def strings_equiv(a: str, b: str) -> bool:
     """Whether the answers ``a`` and ``b`` are equal at the string level: the same after normalisation
     (wrappers, spacing, units, ...), or the same plain number. No symbolic tier, so it is pure, quick and
     needs no worker; False where only the symbolic tier could tell (``\\sqrt{4}`` against ``2``)."""
-    _check_inputs(a, b, 1.0)
+    for name, value in (("a", a), ("b", b)):
+        if not isinstance(value, str):
+            raise TypeError(f"strings_equiv: {name} must be a str, got {_describe(value)}")
     return _fast_verdict(a, b) is True
 
 

@@ -15,7 +15,7 @@ Credit (``reward_assignment``), all from answers verified against the gold answe
 
 - ``team``: the final answer's verdict (1/0), to every slot that acted in the episode;
 - ``individual``: each message's own verifiable output: an answering role's answer (1/0); a judging
-  role's verdict (``Workflow.verdict``: its verdict line, or its own answer's agreement when it solves
+  role's verdict (``Role.verdict``: its verdict line, or its own answer's agreement when it solves
   again) agreeing with whether the answer it judged is right (1/0; an unparseable verdict is a
   rejection); a role with neither (Prefix-RL's writer, verified only through the solver) gets the
   team outcome;
@@ -369,7 +369,7 @@ class MultiAgentMathVectorEnv(VectorEnv):
             message = self.dialogues[i].transcript[index]
             role = self.workflow.roles[message.slot]
             if role.judges is not None:
-                verdict[i, message.slot] = self.workflow.verdict(self.dialogues[i].transcript, index) is True
+                verdict[i, message.slot] = role.verdict(message.text, subjects.get((i, index))) is True
             if (i, index) in subjects:
                 right = checks.equivalent(subjects[(i, index)], self.dialogues[i].problem.answer)
                 if role.answers:

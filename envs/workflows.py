@@ -300,12 +300,6 @@ class Workflow:
         judged_role = self.roles[transcript[index].slot].judges
         return _latest(transcript, index, lambda message: message.role == judged_role)
 
-    def verdict(self, transcript: Sequence[Message], index: int) -> bool | None:
-        """The verdict of judging message ``index`` on the answer of the message it judges (``judged``)."""
-        judged = self.judged(transcript, index)
-        judged_answer = None if judged is None else self.answer_of(transcript, judged)
-        return self.roles[transcript[index].slot].verdict(transcript[index].text, judged_answer)
-
     def revised(self, transcript: Sequence[Message], index: int) -> int | None:
         """Index of the message that answering message ``index`` revises: the one the latest verdict before
         it judged (the chain's refiner revises the solution the verifier rejected); None when no verdict

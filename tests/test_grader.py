@@ -196,5 +196,7 @@ def test_strings_equiv_is_the_string_tier_alone(a, b, same):
 
 
 def test_strings_equiv_refuses_non_strings():
-    with pytest.raises(TypeError, match="pred must be a str or None, got int"):
+    with pytest.raises(TypeError, match="a must be a str, got int"):
         strings_equiv(3, "3")
+    with pytest.raises(TypeError, match="b must be a str, got NoneType"):
+        strings_equiv("3", None)

@@ -16,7 +16,7 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -25,7 +25,7 @@ from transformers import AutoTokenizer, LlamaForCausalLM, PreTrainedTokenizerFas
 
 from envs.datasets import Problem
 from envs.prompts import SHEPHERD_STEP_TAG
-from train.tiny.config import TEAM_FIELDS, TinyConfig, cache_dir, config_hash, team_hash
+from train.tiny.config import TinyConfig, base_knobs, cache_dir, config_hash, team_hash, team_knobs
 from train.tiny.data import BAD_TOKEN, GOOD_TOKEN, arith_batches, heldout_problems
 from train.tiny.evaluation import arith_accuracy, prefix_metrics, prm_last_step_auc, prm_metrics
 from train.tiny.model import new_model, num_parameters
@@ -84,7 +84,7 @@ def _build_team(root: Path, out_dir: Path, config: TinyConfig, device: str) -> N
     batches = arith_batches(config.arith(), config.batch_size, config.seed + 5, {p.id for p in evaluation + select})
     train_team(model, tokenizer, config, batches, config.seed + 3, device)
     _save(model, tokenizer, out_dir)
-    metrics = {"team_hash": team_hash(config), "config": {key: getattr(config, key) for key in TEAM_FIELDS},
+    metrics = {"team_hash": team_hash(config), "config": team_knobs(config),
                **team_metrics(model, tokenizer, evaluation, config.seed + 4),
                "seconds": round(time.perf_counter() - started, 1)}
     log.info("team model: %s", metrics)
@@ -122,7 +122,7 @@ def _build(out_dir: Path, config: TinyConfig, device: str) -> None:
 
     metrics = {
         "config_hash": config_hash(config),
-        "config": {key: value for key, value in asdict(config).items() if key not in TEAM_FIELDS},
+        "config": base_knobs(config),
         "vocab_size": len(tokenizer),
         "num_parameters": num_parameters(model),
         "num_eval_problems": len(evaluation),

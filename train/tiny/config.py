@@ -75,20 +75,28 @@ def _digest(payload: dict) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def base_knobs(config: TinyConfig) -> dict:
+    """The knobs of the base models (policy, target, PRM): every field but ``TEAM_FIELDS``."""
+    return {key: value for key, value in asdict(config).items() if key not in TEAM_FIELDS}
+
+
+def team_knobs(config: TinyConfig) -> dict:
+    """The knobs of the team stage alone (``TEAM_FIELDS``)."""
+    return {key: getattr(config, key) for key in TEAM_FIELDS}
+
+
 def config_hash(config: TinyConfig) -> str:
     """16 hex digits naming ``config`` but its ``TEAM_FIELDS``, BUILD_VERSION and the transformers major
     version: the key of the base models. (A tokenizer saved by transformers 5 names the class
     "TokenizersBackend", which 4.x cannot load.)"""
-    knobs = {key: value for key, value in asdict(config).items() if key not in TEAM_FIELDS}
     return _digest({"build_version": BUILD_VERSION, "transformers_major": transformers.__version__.split(".")[0],
-                    **knobs})
+                    **base_knobs(config)})
 
 
 def team_hash(config: TinyConfig) -> str:
     """16 hex digits naming the team stage: the base key (the policy it starts from), ``TEAM_FIELDS``
     and TEAM_VERSION."""
-    return _digest({"base": config_hash(config), "team_version": TEAM_VERSION,
-                    **{key: getattr(config, key) for key in TEAM_FIELDS}})
+    return _digest({"base": config_hash(config), "team_version": TEAM_VERSION, **team_knobs(config)})
 
 
 def cache_dir(config: TinyConfig) -> Path:

@@ -48,29 +48,32 @@ def _solution(problem: Problem, rng: np.random.Generator, clean_fraction: float)
     return join_steps(steps).strip(), all(labels)
 
 
+CHAIN, DEBATE = chain(), debate(3, 2)
+"""The built-in workflows whose roles the team model learns, with the env's default arguments."""
+
+
 def _prompt(workflow: Workflow, slot: int, problem: Problem, transcript: tuple[Message, ...], turn: int) -> str:
     return workflow.roles[slot].build_prompt(TurnContext(problem.problem, DEFAULT_TEMPLATE, transcript, slot, turn))
 
 
 def _verifier_prompt(problem: Problem, solution: str) -> str:
-    return _prompt(chain(), 1, problem, (Message(0, 0, "solver", solution),), 1)
+    return _prompt(CHAIN, 1, problem, (Message(0, 0, "solver", solution),), 1)
 
 
 def role_example(role: str, problem: Problem, rng: np.random.Generator) -> tuple[str, str]:
     """(prompt, target text) of one example of ``role`` on ``problem``."""
     reference = join_steps(split_steps(problem.solution))
-    team, duo = chain(), debate(3, 2)
     if role == "verifier":
         return _verifier_prompt(problem, _solution(problem, rng, clean_fraction=0.5)[0]), reference
     if role == "refiner":
         solution, right = _solution(problem, rng, clean_fraction=0.5)
         check, _ = _solution(problem, rng, clean_fraction=0.0 if right else 0.5)
         said = (Message(0, 0, "solver", solution), Message(1, 1, "verifier", check))
-        return _prompt(team, 2, problem, said, 2), reference
+        return _prompt(CHAIN, 2, problem, said, 2), reference
     if role == "debater":
         said = tuple(Message(0, slot, f"debater_{slot}", _solution(problem, rng, clean_fraction=0.5)[0])
                      for slot in range(3))
-        return _prompt(duo, int(rng.integers(3)), problem, said, 1), reference
+        return _prompt(DEBATE, int(rng.integers(3)), problem, said, 1), reference
     if role == "solver":
         return format_prompt(problem.problem), reference
     raise ValueError(f"role={role!r} must be one of {ROLES}")
@@ -115,8 +118,7 @@ def team_metrics(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, pr
         metrics[f"{role}_accuracy"] = float(np.mean([first_boxed_integer(c) == p.answer
                                                      for c, p in zip(completions, problems)]))
         if role == "verifier":
-            verifier = chain().roles[1]
-            verdicts = [verifier.verdict(c, extract_answer(solution)) for c, (solution, _) in zip(completions, shown)]
+            verdicts = [CHAIN.roles[1].verdict(c, extract_answer(solution)) for c, (solution, _) in zip(completions, shown)]
             metrics["verifier_verdict_accuracy"] = float(np.mean([(v is True) == right
                                                                    for v, (_, right) in zip(verdicts, shown)]))
             metrics["verifier_parsed"] = float(np.mean([v is not None for v in verdicts]))

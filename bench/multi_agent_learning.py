@@ -3,10 +3,10 @@ against the solver alone, with a control.
 
     python -m bench.multi_agent_learning [--runs chain control debate] [--iterations 200]
                                          [--n_rollout_threads 64] [--eval_limit 500] [--seed 0]
-                                         [--model team|policy]
+                                         [--model team|policy|DIR]
 
 Every run is ``python train_math.py`` on the tiny team model (the default model of a multi-agent env; or,
-``--model policy``, the plain policy), GRPO
+``--model policy``, the plain policy; or any model directory), GRPO
 with the default run's sampling (groups of 4 per (problem, role) at temperature 0.5) and step size,
 held-out greedy evaluation on the first ``--eval_limit`` Arith test problems every ``--iterations / 4``
 iterations (the first one, at iteration 0, is the untrained team):
@@ -41,6 +41,7 @@ from envs.multi_agent import MultiAgentMathVectorEnv
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTROL_ID = "Arith-ChainShuffledVerifier-v0"
+TINY_MODELS = ("team", "policy")
 RUNS = {
     "chain": ["--env_id", "Arith-Chain-v0", "--reward_assignment", "individual"],
     "control": ["--env_id", f"bench.multi_agent_learning:{CONTROL_ID}", "--reward_assignment", "individual"],
@@ -66,18 +67,24 @@ if CONTROL_ID not in gymnasium.registry:
                        kwargs={**gymnasium.spec("Arith-Chain-v0").kwargs})
 
 
-def tiny_model(kind: str) -> str:
-    """The path of the tiny build's ``kind`` model ("team" or "policy")."""
+def start_model(model: str) -> str:
+    """The directory every run starts from: the tiny build's "team" or "policy" model, or ``model`` itself
+    (a model directory, e.g. a team trained another way)."""
+    if model not in TINY_MODELS:
+        if not (Path(model) / "config.json").is_file():
+            raise SystemExit(f"--model {model!r} is neither one of {TINY_MODELS} nor a model directory (no "
+                             "config.json in it): give team, policy or a directory from_pretrained loads")
+        return model
     from train.tiny import build_tiny_models
 
-    return str(getattr(build_tiny_models(), kind))
+    return str(getattr(build_tiny_models(), model))
 
 
 def train(name: str, args: argparse.Namespace) -> dict:
     """One run of ``train_math.py``; its evaluation history and minutes of training."""
     iterations = 0 if name == "solver_alone" else args.iterations
     turns = {"chain": 3, "control": 3, "debate": 2, "solver_alone": 1}[name]
-    flags = ["--model_name_or_path", tiny_model(args.model), "--algorithm_name", "GRPO",
+    flags = ["--model_name_or_path", start_model(args.model), "--algorithm_name", "GRPO",
              "--n_rollout_threads", str(args.n_rollout_threads),
              "--num_env_steps", str(max(iterations, 1) * turns * args.n_rollout_threads),
              "--eval_interval", str(max(1, args.iterations // 4)), "--eval_limit", str(args.eval_limit),
@@ -105,9 +112,10 @@ def main() -> None:
     parser.add_argument("--n_rollout_threads", type=int, default=64)
     parser.add_argument("--eval_limit", type=int, default=500)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--model", choices=("team", "policy"), default="team",
-                        help="the tiny model every run starts from: the team model, taught the roles, or the plain "
-                             "policy, which has seen single-agent prompts only and leaves RL more room")
+    parser.add_argument("--model", default="team",
+                        help="the model every run starts from: the tiny team model, taught the roles (team), the "
+                             "plain tiny policy, which has seen single-agent prompts only (policy), or a model "
+                             "directory")
     parser.add_argument("--logdir", type=Path, default=ROOT / "runs" / "multi_agent_learning")
     args = parser.parse_args()
     for name in args.runs:

@@ -82,7 +82,7 @@ def _build_team(root: Path, out_dir: Path, config: TinyConfig, device: str) -> N
     tokenizer = AutoTokenizer.from_pretrained(root / "policy")
     evaluation, select = _problem_draws(config)
     batches = arith_batches(config.arith(), config.batch_size, config.seed + 5, {p.id for p in evaluation + select})
-    train_team(model, tokenizer, config, batches, config.seed + 3, device)
+    model = train_team(model, tokenizer, config, batches, config.seed + 3, device)
     _save(model, tokenizer, out_dir)
     metrics = {"team_hash": team_hash(config), "config": team_knobs(config),
                **team_metrics(model, tokenizer, evaluation, config.seed + 4),

@@ -22,8 +22,12 @@ BUILD_VERSION = 4
 """Part of the base key (policy, target, PRM): bump when a change in train.tiny changes what they are."""
 TEAM_VERSION = 2
 """Part of the team key: bump when a change in train.tiny.roles (or the workflows' prompts) changes the team."""
-TEAM_FIELDS = ("team_steps", "team_lr")
+TEAM_FIELDS = ("team_steps", "team_lr", "team_rank", "team_targets")
 """The knobs of the team stage alone: outside the base key."""
+
+TEAM_TARGETS = ("policy", "reference")
+"""The team's replies: the policy's own greedy solution of the problem alone (the roles' formats at the
+policy's skill), or the reference solution (the formats and more skill)."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,14 @@ class TinyConfig:
     # team model (train.tiny.roles: the policy taught the built-in workflows' roles; keyed by team_hash)
     team_steps: int = 250
     team_lr: float = 2e-3
+    team_rank: int = 16  # LoRA rank of the team stage, merged into the weights after it; 0: every weight
+    team_targets: str = "policy"  # what each role learns to write (TEAM_TARGETS)
+
+    def __post_init__(self) -> None:
+        if self.team_targets not in TEAM_TARGETS:
+            raise ValueError(f"team_targets={self.team_targets!r} must be one of {TEAM_TARGETS}")
+        if self.team_rank < 0:
+            raise ValueError(f"team_rank={self.team_rank} must be >= 0 (0: fine-tune every weight)")
 
     def arith(self) -> Arith:
         return Arith(digits=self.digits, min_ops=self.min_ops, max_ops=self.max_ops, operators=self.operators)

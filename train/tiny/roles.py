@@ -3,25 +3,29 @@
 The tiny policy has only ever seen single-agent Arith prompts; a verifier's prompt (the problem, the
 solver's solution under ``[solver]``, an instruction) is out of its distribution, so it never writes
 a verdict, and RL cannot discover a line it never samples. The team model is the policy checkpoint
-fine-tuned for ``team_steps`` more steps on examples of each role, with prompts built by the
-workflows' own prompt builders so that they match the env's observations exactly:
+fine-tuned for ``team_steps`` more steps (a LoRA merged afterwards, ``team_rank``) on examples of each
+role, with prompts built by the workflows' own prompt builders so that they match the env's
+observations exactly, each answered by a solution of the problem (``team_targets``: the policy's own
+greedy solution of the problem alone, by default, or the reference):
 
 - verifier (the chain's, which verifies by solving again): the solver's solution (reference, or with
-  one slip) -> the reference solution, so that it accepts right solutions and rejects slipped ones;
-- refiner: the solver's solution and the verifier's, which disagree (at least one has a slip) -> the
-  reference solution;
-- debater, round 2: the other debaters' solutions (each reference or with a slip) -> the reference;
-- solver: the single-agent prompt -> the reference (keeps the plain solving skill in the mix).
+  one slip) -> a solution, so that it agrees with right solutions as often as it solves;
+- refiner: the solver's solution and the verifier's, which disagree (at least one has a slip) -> a
+  solution;
+- debater, round 2: the other debaters' solutions (each reference or with a slip) -> a solution;
+- solver: the single-agent prompt -> a solution (keeps the plain solving skill in the mix).
 
-A short run leaves every role imperfect (the team's metrics.json), so the team's RL has something to
-learn. The verifier solves again rather than writing a verdict line because the tiny model does not
-learn to judge: taught ``Verdict: correct`` / ``wrong`` directly, or after its own solution and the two
-answers on adjacent lines, its verdicts stayed at chance or at the majority class (equality of two
-digit strings is not learned at this size and budget), while solving again is the skill it has.
+Taught the policy's own solutions, every role starts at the policy's skill, so the team's RL has what
+the policy's has to learn. The verifier solves again rather than writing a verdict line because the
+tiny model does not learn to judge: taught ``Verdict: correct`` / ``wrong`` directly, or after its own
+solution and the two answers on adjacent lines, its verdicts stayed at chance or at the majority class
+(equality of two digit strings is not learned at this size and budget), while solving again is the
+skill it has.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Iterator
 
 import numpy as np
@@ -79,26 +83,49 @@ def role_example(role: str, problem: Problem, rng: np.random.Generator) -> tuple
     raise ValueError(f"role={role!r} must be one of {ROLES}")
 
 
-def team_batch(tokenizer: PreTrainedTokenizerFast, problems: list[Problem], rng: np.random.Generator
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``data.reply_batch`` of one example per problem, its role drawn by ``ROLE_SHARES``."""
+def team_batch(tokenizer: PreTrainedTokenizerFast, problems: list[Problem], rng: np.random.Generator,
+               replies: list[str] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``data.reply_batch`` of one example per problem, its role drawn by ``ROLE_SHARES``; each example's reply
+    is ``replies[i]`` (``[len(problems)]``), or the problem's reference solution."""
     roles = rng.choice(len(ROLES), size=len(problems), p=ROLE_SHARES)
     examples = [role_example(ROLES[r], p, rng) for r, p in zip(roles, problems)]
-    return reply_batch(tokenizer, [prompt for prompt, _ in examples], [reply for _, reply in examples])
+    if replies is None:
+        replies = [reply for _, reply in examples]
+    return reply_batch(tokenizer, [prompt for prompt, _ in examples], replies)
+
+
+def own_solutions(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, problems: list[Problem]) -> list[str]:
+    """``model``'s greedy solution of each problem alone (the single-agent prompt), as the env keeps a message."""
+    return [text.strip() for text in greedy_completions(model, tokenizer, [format_prompt(p.problem) for p in problems])]
 
 
 def train_team(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, config: TinyConfig,
-               batches: Iterator[list[Problem]], seed: int, device: str) -> None:
-    """Fine-tunes ``model`` (the policy checkpoint) in place for ``team_steps`` on ``team_batch``es, lr
-    ``team_lr`` with a short warmup and a cosine decay."""
+               batches: Iterator[list[Problem]], seed: int, device: str) -> LlamaForCausalLM:
+    """``model`` (the policy checkpoint) fine-tuned for ``team_steps`` on ``team_batch``es, lr ``team_lr`` with a
+    short warmup and a cosine decay: a LoRA of rank ``team_rank`` (alpha twice the rank, every linear layer)
+    merged into the weights afterwards, or every weight (rank 0). The replies (``team_targets``) are the
+    references, or what the policy itself writes for each problem alone: then every role learns its
+    prompt's format at the policy's skill, and RL has the room it has from the policy. (Taught the
+    references, the team solves about 0.5, above where GRPO lifts the tiny models at the default run's
+    flags: neither that team nor the tiny target gains under it.)"""
     rng = np.random.default_rng(seed)
+    teacher = copy.deepcopy(model).eval() if config.team_targets == "policy" else None
+    if config.team_rank:
+        from peft import LoraConfig, get_peft_model  # imported here: peft takes seconds to import
+
+        model = get_peft_model(model, LoraConfig(r=config.team_rank, lora_alpha=2 * config.team_rank,
+                                                 target_modules="all-linear", lora_dropout=0.0))
     optimizer = adamw(model, config.team_lr, config.weight_decay)
     model.train()
     for step in range(1, config.team_steps + 1):
-        ids, target_mask = team_batch(tokenizer, next(batches), rng)
+        problems = next(batches)
+        replies = own_solutions(teacher, tokenizer, problems) if teacher is not None else None
+        ids, target_mask = team_batch(tokenizer, problems, rng, replies)
         loss, _ = sft_loss(model, ids.to(device), target_mask.to(device))
         train_step(model, optimizer, loss, warmup_cosine(config.team_lr, step, config.team_steps, config.warmup_steps))
-    model.eval()
+    if config.team_rank:
+        model = model.merge_and_unload()
+    return model.eval()
 
 
 def team_metrics(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, problems: list[Problem],

@@ -263,6 +263,8 @@ def test_a_team_change_rebuilds_the_team_alone(tmp_path):
                           num_key_value_heads=1, intermediate_size=64)
     (tmp_path / "metrics.json").write_text(json.dumps({"config_hash": config_hash(config)}))
     stamps = {path: path.stat().st_mtime_ns for path in tmp_path.rglob("*") if path.is_file()}
+    base_only = build_tiny_models(tmp_path, config, threads=1, team=False)  # what a single-agent run asks for
+    assert "team" not in base_only.metrics and not list(tmp_path.glob("*team-*"))
     first = build_tiny_models(tmp_path, config, threads=1)  # a LoRA taught the policy's own solutions, merged
     second_knobs = {"team_steps": 3, "team_lr": config.team_lr, "team_rank": 0, "team_targets": "reference"}
     second = build_tiny_models(tmp_path, replace(config, **second_knobs), threads=1)

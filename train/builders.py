@@ -48,7 +48,7 @@ def model_dir(f: flags.FlagValues) -> str:
 
     kind = "policy" if train_flags.workflow_of(f) is None else "team"
     log.info("no --model_name_or_path: using the built-in tiny %s (built and cached on first use)", kind)
-    return str(getattr(build_tiny_models(), kind))
+    return str(getattr(build_tiny_models(team=kind == "team"), kind))
 
 
 def check_inputs(f: flags.FlagValues) -> None:

@@ -21,11 +21,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: every core; when another job shares the cores, "
                              "fewer threads can be faster)")
+    parser.add_argument("--team", action=argparse.BooleanOptionalAction, default=True,
+                        help="build the team model too (the multi-agent envs' default model)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(message)s")
-    models = build_tiny_models(args.out, TinyConfig(seed=args.seed), args.device, args.threads)
-    summary = {k: models.metrics[k] for k in ("vocab_size", "num_parameters", "policy", "target", "prm", "team",
-                                             "build_seconds")}
+    models = build_tiny_models(args.out, TinyConfig(seed=args.seed), args.device, args.threads, args.team)
+    summary = {k: models.metrics.get(k) for k in ("vocab_size", "num_parameters", "policy", "target", "prm", "team",
+                                                 "build_seconds")}
     print(json.dumps({"root": str(models.root), **summary}, indent=1))
 
 

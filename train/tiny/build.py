@@ -53,10 +53,12 @@ def _team_dir(root: Path, config: TinyConfig) -> Path:
 
 
 def _paths(root: Path, config: TinyConfig) -> TinyModels:
-    """A finished build's paths; ``metrics["team"]`` comes from the team stage's own metrics.json."""
+    """A finished build's paths; ``metrics["team"]`` comes from the team stage's own metrics.json, when the team
+    stage has been built."""
     team = _team_dir(root, config)
-    metrics = {**json.loads((root / "metrics.json").read_text()),
-               "team": json.loads((team / "metrics.json").read_text())}
+    metrics = json.loads((root / "metrics.json").read_text())
+    if (team / "metrics.json").is_file():
+        metrics["team"] = json.loads((team / "metrics.json").read_text())
     return TinyModels(root=root, policy=root / "policy", prm=root / "prm", target=root / "target", team=team,
                       metrics=metrics)
 
@@ -152,8 +154,12 @@ def _torch_threads(threads: int) -> Iterator[None]:
 
 
 def build_tiny_models(out_dir: str | os.PathLike | None = None, config: TinyConfig = TinyConfig(),
-                      device: str = "cpu", threads: int | None = None) -> TinyModels:
+                      device: str = "cpu", threads: int | None = None, team: bool = True) -> TinyModels:
     """Builds (or finds already built) the tiny policy, PRM, target and team model for ``config``.
+
+    ``team`` False leaves the team stage out (single-agent runs never read the team model, and the stage
+    costs about as much as the other three models together); the returned ``team`` path then holds a
+    model only if an earlier build made it.
 
     ``threads``: torch CPU threads during a build, by default every core this process may use
     (the build expects the machine to itself). The float sums then differ from machine to machine,
@@ -176,9 +182,9 @@ def build_tiny_models(out_dir: str | os.PathLike | None = None, config: TinyConf
     with _torch_threads(threads or _usable_cores()):
         if not (root / "metrics.json").is_file():
             _build_into(root, lambda staging: _build(staging, config, device))
-        team = _team_dir(root, config)
-        if not (team / "metrics.json").is_file():
-            _build_into(team, lambda staging: _build_team(root, staging, config, device))
+        team_dir = _team_dir(root, config)
+        if team and not (team_dir / "metrics.json").is_file():
+            _build_into(team_dir, lambda staging: _build_team(root, staging, config, device))
     return _paths(root, config)
 
 

@@ -255,6 +255,22 @@ def test_team_model_has_learned_every_role(tiny_models):
         assert metrics[f"{role}_accuracy"] >= policy_accuracy - 0.08, role
 
 
+def test_the_team_stage_repeats_whatever_ran_before_it(tmp_path):
+    """Two team stages from one policy give the same weights bit for bit, though the process's torch RNG
+    was left in another state before each (a cold build runs the base stages first, a rebuild does not)."""
+    config = TinyConfig(num_eval=8, num_select=8, team_steps=2, batch_size=8)
+    teams = []
+    for rng_state in (1, 2):
+        root = tmp_path / f"build_{rng_state}"
+        save_untrained_policy(root / "policy", hidden_size=32, num_hidden_layers=1, num_attention_heads=1,
+                              num_key_value_heads=1, intermediate_size=64)
+        (root / "metrics.json").write_text(json.dumps({"config_hash": config_hash(config)}))
+        torch.manual_seed(rng_state)
+        teams.append(load_file(build_tiny_models(root, config, threads=1).team / "model.safetensors"))
+    assert teams[0].keys() == teams[1].keys()
+    assert all(torch.equal(teams[0][name], teams[1][name]) for name in teams[0])
+
+
 def test_a_team_change_rebuilds_the_team_alone(tmp_path):
     """On a finished base build (here an untrained policy under the config's key), the team stage is built
     from its policy; other team knobs give a second team beside the first, the base files untouched."""

@@ -20,7 +20,7 @@ from envs.datasets import Arith
 
 BUILD_VERSION = 4
 """Part of the base key (policy, target, PRM): bump when a change in train.tiny changes what they are."""
-TEAM_VERSION = 2
+TEAM_VERSION = 3
 """Part of the team key: bump when a change in train.tiny.roles (or the workflows' prompts) changes the team."""
 TEAM_FIELDS = ("team_steps", "team_lr", "team_rank", "team_targets")
 """The knobs of the team stage alone: outside the base key."""

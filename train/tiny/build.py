@@ -158,8 +158,8 @@ def build_tiny_models(out_dir: str | os.PathLike | None = None, config: TinyConf
     """Builds (or finds already built) the tiny policy, PRM, target and team model for ``config``.
 
     ``team`` False leaves the team stage out (single-agent runs never read the team model, and the stage
-    costs about as much as the other three models together); the returned ``team`` path then holds a
-    model only if an earlier build made it.
+    costs more than the other three models together); the returned ``team`` path then holds a model only
+    if an earlier build made it.
 
     ``threads``: torch CPU threads during a build, by default every core this process may use
     (the build expects the machine to itself). The float sums then differ from machine to machine,

@@ -113,13 +113,14 @@ def train_team(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, conf
     flags: neither that team nor the tiny target gains under it.)"""
     rng = np.random.default_rng(seed)
     steps = [next(batches) for _ in range(config.team_steps)]
-    # The policy's replies are written before training starts, greedy_completions' batches of 500 rows
-    # taking about two thirds of the time of one 64-row call per training step, the replies the same.
+    # The policy's replies, all written before training: greedy_completions' batches of 500 rows take about
+    # two thirds of the time of one 64-row call per step, and give the same replies.
     replies = None
     if config.team_targets == "policy":
         started = time.perf_counter()
-        replies = iter(own_solutions(model, tokenizer, [p for problems in steps for p in problems]))
-        log.info("team stage: the policy's own solutions of %d problems in %.0f s", len(steps) * len(steps[0]),
+        every_problem = [p for problems in steps for p in problems]
+        replies = iter(own_solutions(model, tokenizer, every_problem))
+        log.info("team stage: the policy's own solutions of %d problems in %.0f s", len(every_problem),
                  time.perf_counter() - started)
     if config.team_rank:
         from peft import LoraConfig, get_peft_model  # imported here: peft takes seconds to import

@@ -255,6 +255,19 @@ def test_team_model_has_learned_every_role(tiny_models):
         assert metrics[f"{role}_accuracy"] >= policy_accuracy - 0.08, role
 
 
+def test_the_command_line_leaves_the_team_out_when_asked(tmp_path, capsys):
+    """``python -m train.tiny --no-team`` on a finished base build: nothing is built, the team is reported absent."""
+    from train.tiny.__main__ import main
+
+    base = {"config_hash": config_hash(TinyConfig()), "vocab_size": 513, "num_parameters": 1, "policy": {},
+            "target": {}, "prm": {}, "build_seconds": 1.0}
+    (tmp_path / "metrics.json").write_text(json.dumps(base))
+    main(["--out", str(tmp_path), "--no-team"])
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["team"] is None and printed["build_seconds"] == 1.0
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["metrics.json"]
+
+
 def test_the_team_stage_repeats_whatever_ran_before_it(tmp_path):
     """Two team stages from one policy give the same weights bit for bit, though the process's torch RNG
     was left in another state before each (a cold build runs the base stages first, a rebuild does not)."""

@@ -82,11 +82,12 @@ ROWS: dict[str, tuple[str, ...]] = {
     "debate": ("--env_id", "Arith-Debate-v0", "--reward_assignment", "team"),
 }
 """Trained rows: name -> the flags added to train_math's; {policy}, {target}, {team}, {prm}: the tiny models."""
-GRID_SAMPLING = ("--temperature", "1.0")
+GRID_SAMPLING = ("--temperature", "1.0", "--lr_schedule", "constant")
 GRID_GROUPS = ("--group_size", "8")
-"""Every trained row samples at temperature 1.0, and the rows that compare samples within a group (GRPO,
-RLOO) do so in groups of 8: GRPO's usual setting, kept fixed so that rows compare like with like
-(train_math's defaults, 0.5 and 4, are tuned for the default run)."""
+"""Every trained row samples at temperature 1.0 with a constant lr, and the rows that compare samples within
+a group (GRPO, RLOO) do so in groups of 8: GRPO's usual setting, kept fixed so that rows compare like with
+like (train_math's defaults, 0.5, 4 and an lr decayed over the run, are tuned for the default run; a decayed
+lr would also make each evaluation's step size depend on ``--env_steps``)."""
 CRITIC_ROWS = ("appo", "tppo")
 """Rows whose algorithm has a critic and groups of 1."""
 BASELINES: dict[str, tuple[str, ...]] = {

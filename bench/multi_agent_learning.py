@@ -7,7 +7,8 @@ against the solver alone, with a control.
 
 Every run is ``python train_math.py`` on the tiny team model (the default model of a multi-agent env; or,
 ``--model policy``, the plain policy; or any model directory), GRPO
-with the default run's sampling (groups of 4 per (problem, role) at temperature 0.5) and step size,
+with the default run's sampling (groups of 4 per (problem, role) at temperature 0.5) and lr, held constant
+(a run extended with ``--resume`` and a larger budget keeps its step size),
 held-out greedy evaluation on the first ``--eval_limit`` Arith test problems every ``--iterations / 4``
 iterations (the first one, at iteration 0, is the untrained team):
 
@@ -88,7 +89,7 @@ def train(name: str, args: argparse.Namespace) -> dict:
              "--n_rollout_threads", str(args.n_rollout_threads),
              "--num_env_steps", str(max(iterations, 1) * turns * args.n_rollout_threads),
              "--eval_interval", str(max(1, args.iterations // 4)), "--eval_limit", str(args.eval_limit),
-             "--save_interval", "0", "--seed", str(args.seed), *RUNS[name]]
+             "--save_interval", "0", "--seed", str(args.seed), "--lr_schedule", "constant", *RUNS[name]]
     history = train_math_history(flags, args.logdir / name)
     return {"history": history, "minutes": round(history[-1]["seconds"] / 60, 1)}
 

@@ -327,7 +327,7 @@ def test_prefix_rl_writer_learns_to_help_the_frozen_target(tiny_models, tmp_path
                           "--role_model", f"solver={tiny_models.target}", "--reward_assignment", "individual",
                           "--max_new_tokens", "12", "--target_max_new_tokens", "96", "--logdir", str(tmp_path),
                           "--n_rollout_threads", "64", "--group_size", "8", "--temperature", "1.0",
-                          "--eval_interval", "25",
+                          "--lr_schedule", "constant", "--eval_interval", "25",
                           "--eval_limit", "300", "--save_interval", "0", "--num_env_steps", str(64 * 2 * 150)])
     accuracy = [value for _, value in sorted(read_scalars_purged(run)["eval/accuracy"])]
     start, late = accuracy[0], float(np.mean(accuracy[-3:]))

@@ -149,9 +149,9 @@ asynchronous as by default on a CPU: GRPO 0.160 -> 0.227, APPO 0.186 -> 0.254, T
 on the outcome stream 0.155 -> 0.225, RLOO with PRIME's both streams 0.188 -> 0.261), while a quarter's
 mean has a standard error of ~0.012. Over 64 iterations the change was within noise."""
 
-GRPO_SAMPLING = ["--temperature", "1.0"]
+GRPO_SAMPLING = ["--temperature", "1.0", "--lr_schedule", "constant"]
 """The slow learning tests sample as GRPO commonly does (temperature 1.0; groups of 8 where an algorithm
-compares samples within a group), the settings their figures were measured with."""
+compares samples within a group) at a constant lr: the settings their figures were measured with."""
 
 SLOW_CASES = [
     pytest.param("GRPO", [], id="GRPO"),

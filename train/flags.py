@@ -54,9 +54,11 @@ flags.DEFINE_float("prm_kv_cache_mb", None, "MiB of PRM key/values kept between 
 flags.DEFINE_enum("algorithm_name", "GRPO", ALGORITHM_NAMES, "RL algorithm.")
 flags.DEFINE_integer("num_mini_batch", 1, "Minibatches (optimizer steps) per epoch over each rollout.", lower_bound=1)
 flags.DEFINE_integer("ppo_epoch", 1, "Epochs over each rollout.", lower_bound=1)
-flags.DEFINE_integer("num_env_steps", 166_400, "Env steps to take in all, oversampled and background batches "
+flags.DEFINE_integer("num_env_steps", 81_920, "Env steps to take in all, oversampled and background batches "
                      "included; iterations = ceil(num_env_steps / (episode_length * envs per iteration)), where "
-                     "envs per iteration = n_rollout_threads (x oversample_factor for RLOO).", lower_bound=1)
+                     "envs per iteration = n_rollout_threads (x oversample_factor for RLOO). The default: 640 "
+                     "iterations of 128 envs, about 10 minutes of the tiny Arith policy on a 2-core CPU.",
+                     lower_bound=1)
 flags.DEFINE_integer("episode_length", None, "Env steps per env per iteration (episodic algorithms: the longest "
                      "episode; longer ones are cut). Default: 1 with --action_level solution, else 8; in a multi-agent "
                      "env one step per turn, the workflow's most turns (or the env's max_steps).", lower_bound=1)
@@ -189,13 +191,16 @@ flags.DEFINE_integer("max_nonfinite_steps", 3, "A non-finite loss or gradient sk
 
 # --- Optimisation -----------------------------------------------------------------------------
 flags.DEFINE_float("lr", 1e-4, "Policy learning rate (AdamW). On the 1.1M tiny Arith policy (GRPO, 32 problems x "
-                   "4 samples at temperature 0.5) 1e-4 raised held-out greedy accuracy 0.28 -> 0.46 in 600 "
-                   "iterations; 1.5e-4 learned slower, and at temperature 1.0 4e-4 collapsed it (0.18 within 100 "
+                   "4 samples at temperature 0.5) 1e-4 raised held-out greedy accuracy 0.28 -> 0.49 in 500 "
+                   "iterations, decayed over 640 (0.46 at a constant 1e-4); 1.5e-4 learned slower, and at temperature 1.0 4e-4 collapsed it (0.18 within 100 "
                    "iterations), as did 2e-4 or 4 optimizer steps per batch with 8 x 8.")
 flags.DEFINE_float("critic_lr", 1e-3, "Critic learning rate (value head and critic adapter).")
 flags.DEFINE_integer("warmup_iterations", 20, "Linear lr warm-up length in iterations (Adam's first steps move "
                      "every weight by about lr; warm-up keeps them small).", lower_bound=0)
-flags.DEFINE_enum("lr_schedule", "constant", ("constant", "linear"), "After warm-up: constant or linear decay to 0.")
+flags.DEFINE_enum("lr_schedule", "linear", ("constant", "linear"), "After warm-up: linear decay to 0 at the last "
+                  "iteration, or constant. On the tiny Arith policy (the default run) linear decay over 640 iterations "
+                  "reached 0.487 held-out accuracy where a constant lr reached 0.459-0.463 (iterations 500-700). A run "
+                  "resumed with another --num_env_steps takes its lr from the new budget's line.")
 flags.DEFINE_float("max_grad_norm", 1.0, "Gradient norm clip (0: off).")
 flags.DEFINE_float("clip_param", 0.2, "PPO ratio clip epsilon.")
 flags.DEFINE_float("entropy_coef", 0.0, "Entropy bonus coefficient.")

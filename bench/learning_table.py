@@ -3,14 +3,14 @@ trained for the same budget of env steps with several seeds, each run's held-out
 against env steps and wall time, so that rewards, algorithms and multi-agent set-ups compare on one
 footing and the numbers can be reproduced by one command.
 
-    python -m bench.learning_table [--rows grpo_outcome appo ...] [--seeds 0 1 2] [--env_steps 166400]
+    python -m bench.learning_table [--rows grpo_outcome appo ...] [--seeds 0 1 2] [--env_steps 81920]
                                    [--eval_interval 100] [--eval_limit 1000] [--save_interval 50]
                                    [--n_rollout_threads 128] [--out runs/learning_table]
 
 Rows (the flags each adds to train_math's defaults: GRPO, outcome reward, the tiny policy on Arith-v0;
-every row samples at temperature 1.0 and groups of 8, see ``GRID_SAMPLING``):
+every row samples at temperature 1.0, groups of 8 and a constant lr, see ``GRID_SAMPLING``):
 
-- grpo_outcome: nothing more (the default run at temperature 1.0 and groups of 8).
+- grpo_outcome: nothing more (the default run at temperature 1.0, groups of 8 and a constant lr).
 - grpo_outcome_prm: the tiny PRM's step score beside the outcome (``--reward outcome:1.0,prm:0.2``).
 - grpo_outcome_steps: the exact Arith process reward (``--reward outcome:1.0,steps:1.0``).
 - appo, tppo: ``--algorithm_name APPO`` / ``TPPO`` (a critic; groups of 1).

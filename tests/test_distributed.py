@@ -55,11 +55,13 @@ def train(logdir: Path, policy_dir: Path, ranks: int, envs_per_rank: int, *extra
     """APPO (a critic: every iteration updates even without reward), 3 iterations of 2 steps at the
     default lr (Adam moves each weight by about lr per step, so a gradient that is float noise in both
     runs can move a weight by lr either way: at lr 1e-3 one embedding entry of a token never sampled
-    ended 2.1e-5 apart); ``ranks`` processes under torchrun, or one plain process."""
+    ended 2.1e-5 apart), held constant: a run resumed with a larger budget must take the steps a run of
+    that budget takes, and a decayed lr would follow each budget's own line; ``ranks`` processes under
+    torchrun, or one plain process."""
     flags = ["--model_name_or_path", str(policy_dir), "--logdir", str(logdir), "--algorithm_name", "APPO",
              "--noasync_rollouts", "--action_level", "step", "--episode_length", "2", "--max_new_tokens", "8",
              "--n_rollout_threads", str(ranks * envs_per_rank), "--eval_interval", "0", "--save_interval", "0",
-             "--lr", "1e-4", "--warmup_iterations", "0",
+             "--lr", "1e-4", "--warmup_iterations", "0", "--lr_schedule", "constant",
              "--num_env_steps", str(ranks * envs_per_rank * 2 * iterations), *extra]
     launcher = [*TORCHRUN, "--nproc_per_node", str(ranks)] if ranks > 1 else [sys.executable]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

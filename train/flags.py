@@ -192,8 +192,9 @@ flags.DEFINE_integer("max_nonfinite_steps", 3, "A non-finite loss or gradient sk
 # --- Optimisation -----------------------------------------------------------------------------
 flags.DEFINE_float("lr", 1e-4, "Policy learning rate (AdamW). On the 1.1M tiny Arith policy (GRPO, 32 problems x "
                    "4 samples at temperature 0.5) 1e-4 raised held-out greedy accuracy 0.28 -> 0.49 in 500 "
-                   "iterations, decayed over 640 (0.46 at a constant 1e-4); 1.5e-4 learned slower, and at temperature 1.0 4e-4 collapsed it (0.18 within 100 "
-                   "iterations), as did 2e-4 or 4 optimizer steps per batch with 8 x 8.")
+                   "iterations, decayed over 640 (0.46 at a constant 1e-4); 1.5e-4 learned slower, and at "
+                   "temperature 1.0 4e-4 collapsed it (0.18 within 100 iterations), as did 2e-4 or 4 optimizer "
+                   "steps per batch with 8 x 8.")
 flags.DEFINE_float("critic_lr", 1e-3, "Critic learning rate (value head and critic adapter).")
 flags.DEFINE_integer("warmup_iterations", 20, "Linear lr warm-up length in iterations (Adam's first steps move "
                      "every weight by about lr; warm-up keeps them small).", lower_bound=0)

@@ -33,7 +33,8 @@ def train_command(policy_dir, logdir, iterations: int, *extra: str) -> list[str]
     return [sys.executable, str(ROOT / "train_math.py"), "--model_name_or_path", str(policy_dir),
             "--logdir", str(logdir), "--algorithm_name", "APPO", "--noasync_rollouts", "--action_level", "step",
             "--episode_length", "2", "--n_rollout_threads", "8", "--max_new_tokens", "8", "--eval_interval", "0",
-            "--lr", "1e-4", "--warmup_iterations", "20", "--num_env_steps", str(16 * iterations), *extra]
+            "--lr", "1e-4", "--warmup_iterations", "20", "--lr_schedule", "linear",
+            "--num_env_steps", str(16 * iterations), *extra]
 
 
 def child_env(checkpoint_delay: float = 0.0) -> dict[str, str]:

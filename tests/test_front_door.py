@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 
 import train_math
 from test_trainer import read_scalars, run_train_math
@@ -148,6 +149,19 @@ def test_resuming_a_run_at_or_past_its_budget_changes_nothing(untrained_policy_d
         assert "has trained 4 iterations" in capsys.readouterr().out
         assert events_of(run_dir) == events and (run_dir / "eval_history.json").read_text() == history
     assert [step for step, _ in read_scalars(run_dir)["eval/accuracy"]] == [0, 2, 4]
+
+
+def test_a_run_resumed_with_a_larger_budget_trains_at_the_new_budgets_lr(untrained_policy_dir, tmp_path):
+    """A finished run's linear decay leaves the optimizer's lr at 0. Resumed with a budget of one more
+    iteration it trains that iteration at the new budget's lr (a third of --lr at step 2 of 3), so the
+    weights move; at the saved lr of 0 Adam would leave every one of them as it was."""
+    argv = small(untrained_policy_dir, tmp_path, "--algorithm_name", "APPO", "--group_size", "1",  # a critic: APPO
+                 "--lr_schedule", "linear", "--warmup_iterations", "0", "--eval_interval", "0")  # always updates
+    run_dir = Path(run_train_math([*argv, "--num_env_steps", "16"]))  # 2 iterations of 8 envs
+    run_train_math([*argv, "--num_env_steps", "24", "--resume", "auto"])
+    before, after = (load_file(run_dir / "checkpoints" / f"iter_{n}" / "policy" / "model.safetensors") for n in (2, 3))
+    moved = sum(int((before[name] != after[name]).sum()) for name in before)
+    assert moved > 0.5 * sum(tensor.numel() for tensor in before.values()), moved
 
 
 def test_resume_from_a_path_keeps_the_checkpoints_flags(untrained_policy_dir, tmp_path):

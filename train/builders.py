@@ -225,7 +225,7 @@ def build_algorithm(f: flags.FlagValues, ranks: Ranks = Ranks()) -> Algorithm:
 
 
 def build_optimizer(f: flags.FlagValues, policy: LanguagePolicy, iterations: int,
-                    ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+                    ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW over the policy's parameter groups, and the --lr_schedule (after --warmup_iterations)."""
     warmup, schedule = f.warmup_iterations, f.lr_schedule
 

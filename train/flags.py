@@ -201,8 +201,8 @@ flags.DEFINE_integer("warmup_iterations", 20, "Linear lr warm-up length in itera
 flags.DEFINE_enum("lr_schedule", "linear", ("constant", "linear"), "After warm-up: linear decay to 0 at the last "
                   "iteration, or constant. On the tiny Arith policy (the default run) linear decay over 640 iterations "
                   "reached 0.487 held-out accuracy where a constant lr reached 0.459-0.463 (iterations 500-700). A run "
-                  "resumed with another --num_env_steps follows the new budget's line from the iteration after "
-                  "the one it resumes at.")
+                  "resumed with another --num_env_steps goes on at the new budget's lr for the step it has "
+                  "reached.")
 flags.DEFINE_float("max_grad_norm", 1.0, "Gradient norm clip (0: off).")
 flags.DEFINE_float("clip_param", 0.2, "PPO ratio clip epsilon.")
 flags.DEFINE_float("entropy_coef", 0.0, "Entropy bonus coefficient.")

@@ -657,6 +657,11 @@ class Runner:
                 f"this run {'trains one' if self.implicit_prm is not None else 'trains none'}: resume with the "
                 "algorithm it was trained with")
         self.scheduler.load_state_dict(optimizers["scheduler"])
+        # Go on at this run's scheduled lr for the step reached: the optimizer saved the lr of the checkpoint's
+        # budget, and a resume may change --num_env_steps (a finished run's linear decay left it at 0).
+        for group, base_lr, factor in zip(self.optimizer.param_groups, self.scheduler.base_lrs,
+                                          self.scheduler.lr_lambdas):
+            group["lr"] = base_lr * factor(self.scheduler.last_epoch)
         if self.implicit_prm is not None:
             saved.load_implicit_prm(self.implicit_prm.model)
             self.implicit_prm.optimizer.load_state_dict(optimizers["implicit_prm"])

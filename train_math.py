@@ -137,7 +137,7 @@ def check_flags() -> None:
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         fail(f"unexpected positional arguments {argv[1:]}; every setting is a --flag")
-    from train.models.remote import ServiceError  # stdlib only: cheap before the flags are checked
+    from models.remote import ServiceError  # stdlib only: cheap before the flags are checked
 
     try:
         check_flags()

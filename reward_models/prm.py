@@ -38,7 +38,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForTokenClassification,
 
 from envs.prompts import DEFAULT_TEMPLATE, SHEPHERD_STEP_TAG, STEP_DELIMITER, format_prompt, shepherd_text, split_steps
 from envs.rewards import RewardOutput, StepContext
-from train.models.policy import (ModelDirError, inference_dtype, kv_cache_keyword, load_causal_lm, load_tokenizer,
+from models.policy import (ModelDirError, inference_dtype, kv_cache_keyword, load_causal_lm, load_tokenizer,
                                  resolve_device, right_padded)
 
 PRM_TYPES = ("shepherd", "classifier")

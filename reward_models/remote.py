@@ -16,7 +16,7 @@ import numpy as np
 
 from envs.rewards import RewardOutput, StepContext
 from reward_models.prm import AGGREGATIONS, step_rewards
-from train.models.remote import ClientSettings, ServiceClient, ServiceError
+from models.remote import ClientSettings, ServiceClient, ServiceError
 
 
 class RemotePRM:

@@ -22,7 +22,7 @@ import numpy as np
 from envs.grader import extract_answer, grade_batch
 from envs.prompts import DEFAULT_TEMPLATE, STEP_DELIMITER, format_prompt, join_steps
 from envs.rewards import RewardOutput, StepContext
-from train.models.generation import Generator, mix_seed
+from models.generation import Generator, mix_seed
 
 
 class TargetSolver:

@@ -1,9 +1,9 @@
 """Shared fixtures: the tiny tokenizer and an untrained tiny policy (fast), and the trained tiny
-models (the full cached build of train.tiny; only slow tests use it)."""
+models (the full cached build of models.tiny; only slow tests use it)."""
 
 import pytest
 
-from train.tiny import build_tiny_models, build_tokenizer, save_untrained_policy
+from models.tiny import build_tiny_models, build_tokenizer, save_untrained_policy
 
 
 @pytest.fixture(scope="session")

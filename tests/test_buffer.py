@@ -7,7 +7,7 @@ import torch
 
 from algorithms.base import AlgorithmConfig, make_algorithm
 from algorithms.buffer import RolloutBuffer, Targets
-from train.models.policy import ActionScores
+from models.policy import ActionScores
 
 VOCAB = 11
 

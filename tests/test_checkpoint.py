@@ -438,7 +438,7 @@ def test_unwritable_logdir_fails_before_any_model_loads(untrained_policy_dir, tm
     def no_model(*args, **kwargs):
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr("train.models.policy.LanguagePolicy.__init__", no_model)
+    monkeypatch.setattr("models.policy.LanguagePolicy.__init__", no_model)
     logdir = tmp_path / "not_a_directory"
     logdir.write_text("")
     with pytest.raises(SystemExit) as stopped:

@@ -14,9 +14,9 @@ from transformers import GenerationConfig
 
 from envs.datasets import load_problems
 from envs.prompts import STEP_DELIMITER, format_prompt
-from train.models.generation import (HFGenerator, VLLMGenerator, compacts, eos_token_ids, filter_logits,
+from models.generation import (HFGenerator, VLLMGenerator, compacts, eos_token_ids, filter_logits,
                                      inverse_cdf_sample, length_batches, make_generator, preallocated_cache)
-from train.models.policy import LanguagePolicy, LoraSettings
+from models.policy import LanguagePolicy, LoraSettings
 
 PROMPTS = [format_prompt("Compute 3 + 4."), format_prompt("Compute 12 - 5 + 40 - 7."), "Step"]
 SOLUTION = f"Step 1: 3 + 4 = 7{STEP_DELIMITER}The answer is \\boxed{{7}}"

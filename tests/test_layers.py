@@ -1,10 +1,10 @@
 """The layers of the house, read from every import statement (module level and inside functions):
 
-    envs -> algorithms -> train.models -> reward_models -> train (loop) -> train_math
+    envs -> algorithms -> models -> reward_models -> train (loop) -> train_math
 
-A module may import its own layer and the ones below it, never one above. The tiny-model build tool
-(train.tiny) sits beside the loop and is imported only by itself and by the default-model path
-(train.builders). envs import no torch; algorithms import no model library; the modules that parse
+A module may import its own layer and the ones below it, never one above, and so may a folder: each
+top-level package imports only the packages below it. The tiny-model build tool (models.tiny) is a
+subpackage of the model layer, imported only by itself and by the default-model path (train.builders). envs import no torch; algorithms import no model library; the modules that parse
 flags import nothing heavy at module level, so a bad flag fails before torch loads.
 """
 
@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("envs", "algorithms", "reward_models", "train")
-LAYERS = {"envs": 0, "algorithms": 1, "train.models": 2, "reward_models": 3, "train.tiny": 4, "train": 4,
+PACKAGES = ("envs", "algorithms", "models", "reward_models", "train")
+LAYERS = {"envs": 0, "algorithms": 1, "models": 2, "reward_models": 3, "models.tiny": 2, "train": 4,
           "train_math": 5}
-TINY_IMPORTERS = ("train.tiny", "train.builders")
+TINY_IMPORTERS = ("models.tiny", "train.builders")
 FORBIDDEN = {  # layer -> third-party packages it must not import
     "envs": ("torch", "transformers", "peft", "safetensors", "vllm"),
     "algorithms": ("transformers", "peft", "safetensors", "vllm", "gymnasium"),
@@ -81,8 +81,18 @@ def test_no_import_runs_back_up(module):
             continue
         assert LAYERS[layer_of(name)] <= mine, (f"{module}:{line} imports {name} from layer {layer_of(name)!r}, "
                                                 f"above its own {layer_of(module)!r}")
-        if layer_of(name) == "train.tiny":
+        if layer_of(name) == "models.tiny":
             assert module.startswith(TINY_IMPORTERS), f"{module}:{line} imports the build tool {name}"
+
+
+def test_no_folder_imports_a_folder_above_it():
+    """The folders read bottom to top with no circle: envs, algorithms, models, reward_models, train."""
+    order = [*PACKAGES, "train_math"]
+    for module in MODULES:
+        folder = module.split(".")[0]
+        for name, line in imports(module):
+            if is_project(name):
+                assert order.index(name.split(".")[0]) <= order.index(folder), f"{module}:{line} imports {name}"
 
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if layer_of(m) in FORBIDDEN))
@@ -101,9 +111,9 @@ def test_flag_parsing_modules_import_nothing_heavy_at_module_level(module):
 
 
 def test_the_layer_map_covers_every_module():
-    assert set(MODULES) >= {"envs.rewards", "algorithms.buffer", "train.models.policy", "reward_models.prm",
-                            "train.runner", "train.tiny.build"}
-    assert layer_of("train.models.generation") == "train.models" and layer_of("train.collector") == "train"
+    assert set(MODULES) >= {"envs.rewards", "algorithms.buffer", "models.policy", "reward_models.prm",
+                            "train.runner", "models.tiny.build"}
+    assert layer_of("models.generation") == "models" and layer_of("train.collector") == "train"
 
 
 @pytest.mark.parametrize("module", ["envs.rewards", "reward_models.mixture", "algorithms.base", "train.flags",

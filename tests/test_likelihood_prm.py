@@ -1,4 +1,4 @@
-"""The closed-form likelihood PRM (train/tiny/likelihood_prm.py) on a small random trunk: it keeps the
+"""The closed-form likelihood PRM (models/tiny/likelihood_prm.py) on a small random trunk: it keeps the
 trunk's computation, copies the previous position's logits, flags exactly the tokens whose margin
 ``running_max_margin`` says, survives save/load, the KV cache, bf16 and fp16, and fits its readout."""
 
@@ -10,9 +10,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from envs.datasets import Arith
 from envs.prompts import format_prompt, shepherd_text
 from reward_models.prm import ProcessRewardModel
-from train.tiny import likelihood_prm
-from train.tiny.data import PRM_ANCHOR, corrupt_solution, departure_tokens, label_token_ids, prm_batch
-from train.tiny.model import new_model
+from models.tiny import likelihood_prm
+from models.tiny.data import PRM_ANCHOR, corrupt_solution, departure_tokens, label_token_ids, prm_batch
+from models.tiny.model import new_model
 
 PROBLEMS = Arith().problems(48, seed=11)
 

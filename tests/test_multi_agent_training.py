@@ -24,8 +24,8 @@ from test_generation import generate_with, role_adapter_policy
 from test_trainer import run_train_math
 from train import evaluation
 from train.collector import Collector, Sampling, Tally, Voices
-from train.models.generation import GenerationOutput, HFGenerator
-from train.models.policy import LanguagePolicy, LoraSettings
+from models.generation import GenerationOutput, HFGenerator
+from models.policy import LanguagePolicy, LoraSettings
 
 
 class ScriptedWords:

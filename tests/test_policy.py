@@ -12,9 +12,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, ViTConfig, ViTModel
 
-from train.models.generation import HFGenerator
-from train.models import policy as policy_module
-from train.models.policy import (LanguagePolicy, LoraSettings, ModelDirError, check_model_dir, ensure_pad_token,
+from models.generation import HFGenerator
+from models import policy as policy_module
+from models.policy import (LanguagePolicy, LoraSettings, ModelDirError, check_model_dir, ensure_pad_token,
                                  hf_param_name, length_buckets, load_tokenizer, pack)
 
 LORA = LoraSettings(rank=4, alpha=8.0)
@@ -275,7 +275,7 @@ def test_bad_inputs_fail_clearly(untrained_policy_dir, tmp_path):
 def test_missing_pad_token_becomes_eos_with_a_warning(untrained_policy_dir, caplog):
     tokenizer = PreTrainedTokenizerFast.from_pretrained(untrained_policy_dir)
     tokenizer.pad_token = None
-    with caplog.at_level(logging.WARNING, logger="train.models.policy"):
+    with caplog.at_level(logging.WARNING, logger="models.policy"):
         ensure_pad_token(tokenizer, "test")
     assert tokenizer.pad_token_id == tokenizer.eos_token_id is not None
     assert "no pad token" in caplog.text

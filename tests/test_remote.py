@@ -25,7 +25,7 @@ from reward_models.remote import RemotePRM
 from reward_models.serve import make_server
 from test_faults import child_env, wait_for
 from train import checkpoint
-from train.models.remote import ClientSettings, ServiceClient, ServiceError
+from models.remote import ClientSettings, ServiceClient, ServiceError
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ClientSettings(connect_timeout=1.0, read_timeout=10.0, retries=3, backoff=0.01, max_backoff=0.05)

@@ -19,8 +19,8 @@ from reward_models.implicit_prm import ImplicitPRM
 from reward_models.prm import (MIN_LABEL_ODDS, ProcessRewardModel, aggregate_step_scores, check_prm_dir,
                                single_token_id)
 from reward_models.target_solver import TargetSolver
-from train.models.generation import HFGenerator
-from train.models.policy import LanguagePolicy, ModelDirError
+from models.generation import HFGenerator
+from models.policy import LanguagePolicy, ModelDirError
 
 
 def with_post_processor(tokenizer, template: str):

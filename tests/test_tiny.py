@@ -1,4 +1,4 @@
-"""The built-in tiny tokenizer and models (train/tiny/)."""
+"""The built-in tiny tokenizer and models (models/tiny/)."""
 
 import json
 from dataclasses import replace
@@ -13,15 +13,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from envs.datasets import Arith, solve_steps
 from envs.prompts import SHEPHERD_STEP_TAG, STEP_DELIMITER, format_prompt, join_steps, shepherd_text, split_steps
-from train.tiny import (TinyConfig, arith_accuracy, build_tiny_models, build_tokenizer, cache_dir, config_hash,
+from models.tiny import (TinyConfig, arith_accuracy, build_tiny_models, build_tokenizer, cache_dir, config_hash,
                         heldout_problems, prm_metrics, save_untrained_policy)
-from train.tiny.config import team_hash
-from train.tiny.data import arith_batches, corrupt_solution, parse_arith, sft_batch
-from train.tiny.evaluation import prefix_metrics, prm_last_step_auc
-from train.tiny.model import new_model
-from train.tiny.roles import ROLES, role_example, team_batch, team_metrics
-from train.tiny.tokenizer import LATEX_SNIPPETS, _tokenizer_json
-from train.tiny.training import adamw, sft_loss, train_step
+from models.tiny.config import team_hash
+from models.tiny.data import arith_batches, corrupt_solution, parse_arith, sft_batch
+from models.tiny.evaluation import prefix_metrics, prm_last_step_auc
+from models.tiny.model import new_model
+from models.tiny.roles import ROLES, role_example, team_batch, team_metrics
+from models.tiny.tokenizer import LATEX_SNIPPETS, _tokenizer_json
+from models.tiny.training import adamw, sft_loss, train_step
 
 MATH500 = Path(__file__).resolve().parents[2] / "shared" / "data" / "math500.jsonl"
 ARITH_TEXTS = [format_prompt(p.problem) + join_steps(split_steps(p.solution)) for p in Arith(digits=3, max_ops=4).problems(200, seed=5)]
@@ -256,8 +256,8 @@ def test_team_model_has_learned_every_role(tiny_models):
 
 
 def test_the_command_line_leaves_the_team_out_when_asked(tmp_path, capsys):
-    """``python -m train.tiny --no-team`` on a finished base build: nothing is built, the team is reported absent."""
-    from train.tiny.__main__ import main
+    """``python -m models.tiny --no-team`` on a finished base build: nothing is built, the team is reported absent."""
+    from models.tiny.__main__ import main
 
     base = {"config_hash": config_hash(TinyConfig()), "vocab_size": 513, "num_parameters": 1, "policy": {},
             "target": {}, "prm": {}, "build_seconds": 1.0}

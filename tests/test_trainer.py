@@ -15,7 +15,7 @@ import torch
 from algorithms.base import AlgorithmConfig, make_algorithm
 from algorithms.registry import ALGORITHMS
 from algorithms.buffer import RolloutBuffer
-from train.models.policy import LanguagePolicy
+from models.policy import LanguagePolicy
 
 
 @pytest.fixture(scope="module")

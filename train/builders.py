@@ -29,9 +29,9 @@ from train import checkpoint, distributed
 from train import flags as train_flags
 from train.collector import Collector, Sampling, Voices
 from train.distributed import Ranks
-from train.models.generation import Generator, make_generator
-from train.models.policy import LanguagePolicy, LoraSettings, check_model_dir, resolve_device
-from train.models.remote import ClientSettings, ServiceClient, ServiceError
+from models.generation import Generator, make_generator
+from models.policy import LanguagePolicy, LoraSettings, check_model_dir, resolve_device
+from models.remote import ClientSettings, ServiceClient, ServiceError
 from train.runner import Runner, RunnerConfig
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ def model_dir(f: flags.FlagValues) -> str:
     env the tiny team model, which has learned the built-in workflows' roles."""
     if f.model_name_or_path is not None:
         return f.model_name_or_path
-    from train.tiny import build_tiny_models  # the build tool loads only when it is needed
+    from models.tiny import build_tiny_models  # the build tool loads only when it is needed
 
     kind = "policy" if train_flags.workflow_of(f) is None else "team"
     log.info("no --model_name_or_path: using the built-in tiny %s (built and cached on first use)", kind)
@@ -140,7 +140,7 @@ def build_reward_source(f: flags.FlagValues, name: str, device: str) -> RewardMo
         from reward_models.target_solver import TargetSolver
 
         if f.target_url is not None:
-            from train.models.vllm_server import ServerGenerator
+            from models.vllm_server import ServerGenerator
 
             generator = ServerGenerator(f.target_url, f.target_model_name, settings=client_settings(f),
                                         model_flag="--target_model_name")
@@ -249,7 +249,7 @@ def build_generators(f: flags.FlagValues, policy: LanguagePolicy, model: str, sy
     if generator_factory is not None:
         generator = generator_factory(policy)
     elif f.generation_backend == "vllm_server":
-        from train.models.vllm_server import ServerGenerator
+        from models.vllm_server import ServerGenerator
 
         generator = ServerGenerator(f.vllm_url, f.vllm_model_name, tokenizer=policy.tokenizer, sync_dir=sync_dir,
                                     settings=client_settings(f), model_flag="--vllm_model_name",

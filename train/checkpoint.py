@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from train import distributed
 from train.distributed import Ranks
-from train.models.policy import LanguagePolicy
+from models.policy import LanguagePolicy
 
 log = logging.getLogger(__name__)
 

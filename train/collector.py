@@ -39,8 +39,8 @@ import torch
 from algorithms.buffer import RolloutBuffer
 from algorithms.registry import AlgorithmSpec
 from envs.multi_agent import ROLE_METRICS
-from train.models.generation import GenerationOutput, Generator, Seed, mix_seed
-from train.models.policy import LanguagePolicy
+from models.generation import GenerationOutput, Generator, Seed, mix_seed
+from models.policy import LanguagePolicy
 
 
 @dataclass(frozen=True)

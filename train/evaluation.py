@@ -21,7 +21,7 @@ from envs.multi_agent import ROLE_METRICS
 from train import distributed
 from train.collector import Sampling, Voices, acting_pairs, pair_actions, pair_prompts
 from train.distributed import Ranks
-from train.models.generation import Generator
+from models.generation import Generator
 
 
 @torch.no_grad()

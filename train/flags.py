@@ -36,7 +36,7 @@ flags.DEFINE_string("dataset_path", None, "Problems to train on: a JSONL/JSON fi
 flags.DEFINE_string("dataset_name", None, "OpenR's subject filter for a MATH dataset (e.g. 'prealgebra'); "
                     "default: all subjects.")
 flags.DEFINE_string("model_name_or_path", None, "Policy model directory (Hugging Face format). Default: the "
-                    "built-in tiny Arith policy (train.tiny, built and cached on first use; on a multi-agent env the tiny team "
+                    "built-in tiny Arith policy (models.tiny, built and cached on first use; on a multi-agent env the tiny team "
                     "model, which knows the workflows' roles).")
 flags.DEFINE_string("prm_model_name_or_path", None, "Process reward model directory; enables the 'prm' reward "
                     f"source (default --reward becomes {DEFAULT_PRM_REWARD!r}).")
@@ -354,7 +354,7 @@ for _name in ("target_url", "prm_url", "vllm_url"):
 
 
 def _valid_urls(value: str) -> bool:
-    from train.models.remote import parse_urls
+    from models.remote import parse_urls
 
     try:
         parse_urls(value)

@@ -53,8 +53,8 @@ from algorithms.registry import algorithm_spec
 from train import checkpoint, distributed, evaluation
 from train.collector import Collector, Tally
 from train.distributed import Ranks
-from train.models.generation import Generator
-from train.models.policy import LanguagePolicy
+from models.generation import Generator
+from models.policy import LanguagePolicy
 
 log = logging.getLogger(__name__)
 

@@ -37,10 +37,10 @@ from envs.datasets import Problem
 from envs.prompts import DEFAULT_TEMPLATE, format_prompt, join_steps, split_steps
 from envs.grader import extract_answer
 from envs.workflows import Message, TurnContext, Workflow, chain, debate
-from train.tiny.config import TinyConfig
-from train.tiny.data import corrupt_solution, reply_batch
-from train.tiny.evaluation import first_boxed_integer, greedy_completions
-from train.tiny.training import adamw, sft_loss, train_step, warmup_cosine
+from models.tiny.config import TinyConfig
+from models.tiny.data import corrupt_solution, reply_batch
+from models.tiny.evaluation import first_boxed_integer, greedy_completions
+from models.tiny.training import adamw, sft_loss, train_step, warmup_cosine
 
 log = logging.getLogger(__name__)
 

@@ -42,7 +42,7 @@ import torch
 from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase, StopStringCriteria
 from transformers.cache_utils import Cache, DynamicLayer
 
-from train.models.policy import (LanguagePolicy, cheapest_runs, distinct_rows, kv_cache_keyword, left_padded,
+from models.policy import (LanguagePolicy, cheapest_runs, distinct_rows, kv_cache_keyword, left_padded,
                                  load_tokenizer)
 
 if TYPE_CHECKING:
@@ -525,8 +525,8 @@ def compacts(running: torch.Tensor) -> bool:
 
 def _push_weights(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
     """Runs inside the vLLM worker (same process): loads HF-named weights in place (see
-    ``train.models.vllm_worker`` for the tied lm_head)."""
-    from train.models.vllm_worker import refresh_tied_lm_head
+    ``models.vllm_worker`` for the tied lm_head)."""
+    from models.vllm_worker import refresh_tied_lm_head
 
     worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
     refresh_tied_lm_head(worker)

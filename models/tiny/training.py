@@ -4,7 +4,7 @@ The policy is fine-tuned from scratch on Arith reference solutions (loss on solu
 eos). Learning comes as a sudden jump rather than gradually, so greedy validation accuracy is
 checked every ``eval_every`` steps once it starts and the checkpoint nearest
 ``policy_target_accuracy`` is kept, leaving room for RL. The same run continued with a decaying lr
-gives the target, Prefix-RL's frozen solver. The PRM is ``train.tiny.likelihood_prm`` written on a
+gives the target, Prefix-RL's frozen solver. The PRM is ``models.tiny.likelihood_prm`` written on a
 copy of the target whose trunk has learned the Math-Shepherd step format; only its margin and
 readout are fitted, on corrupted solutions.
 """
@@ -22,10 +22,10 @@ import torch.nn.functional as F
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from envs.datasets import Problem
-from train.tiny import likelihood_prm
-from train.tiny.config import TinyConfig
-from train.tiny.data import PRM_ANCHOR, corrupt_solution, departure_tokens, label_token_ids, prm_batch, sft_batch
-from train.tiny.evaluation import arith_accuracy, prm_step_scores
+from models.tiny import likelihood_prm
+from models.tiny.config import TinyConfig
+from models.tiny.data import PRM_ANCHOR, corrupt_solution, departure_tokens, label_token_ids, prm_batch, sft_batch
+from models.tiny.evaluation import arith_accuracy, prm_step_scores
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ def tune_prm_trunk(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, 
 
 def build_prm(target: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, config: TinyConfig,
               batches: Iterator[list[Problem]], seed: int, device: str) -> tuple[LlamaForCausalLM, dict]:
-    """The tiny PRM (``train.tiny.likelihood_prm``) on a copy of ``target``: the trunk is tuned on
+    """The tiny PRM (``models.tiny.likelihood_prm``) on a copy of ``target``: the trunk is tuned on
     tagged reference solutions, then on ``prm_fit_problems`` corrupted solutions the margin is
     picked from ``prm_margins`` (best step accuracy of ``running_max_margin``) and the readout's
     threshold and scale are fitted (``likelihood_prm.fit_readout``). Returns (PRM on the CPU, what was chosen)."""

@@ -2,7 +2,7 @@
 engine (``VLLMGenerator.sync``) and for a ``vllm serve`` server (``ServerGenerator.sync``).
 
 A server runs it as a worker extension: start it with
-``--worker-extension-cls train.models.vllm_worker.WeightReload`` (this project installed in the server's
+``--worker-extension-cls models.vllm_worker.WeightReload`` (this project installed in the server's
 environment) and ``VLLM_SERVER_DEV_MODE=1``, which opens ``/collective_rpc``; the trainer then calls
 ``reload_from`` by name with the directory it wrote.
 

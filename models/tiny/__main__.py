@@ -1,4 +1,4 @@
-"""``python -m train.tiny --out DIR``: build (or find) the tiny models and print their metrics."""
+"""``python -m models.tiny --out DIR``: build (or find) the tiny models and print their metrics."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import logging
 import sys
 from pathlib import Path
 
-from train.tiny.build import build_tiny_models
-from train.tiny.config import TinyConfig
+from models.tiny.build import build_tiny_models
+from models.tiny.config import TinyConfig
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m train.tiny",
+    parser = argparse.ArgumentParser(prog="python -m models.tiny",
                                      description="Build the tiny tokenizer, policy, PRM, target and team models.")
     parser.add_argument("--out", type=Path, default=None, help="output directory (default: the user cache)")
     parser.add_argument("--seed", type=int, default=TinyConfig.seed)

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from train.tiny.config import TinyConfig
-from train.tiny.tokenizer import build_tokenizer
+from models.tiny.config import TinyConfig
+from models.tiny.tokenizer import build_tokenizer
 
 
 def tiny_model_config(tokenizer: PreTrainedTokenizerFast, **overrides) -> LlamaConfig:

@@ -17,8 +17,8 @@ from transformers import PreTrainedTokenizerFast
 
 from envs.datasets import Arith, Problem, solve_steps
 from envs.prompts import SHEPHERD_STEP_TAG, format_prompt, join_steps, shepherd_text, split_steps
-from train.models.policy import right_padded
-from train.tiny.config import TinyConfig
+from models.policy import right_padded
+from models.tiny.config import TinyConfig
 
 GOOD_TOKEN, BAD_TOKEN = "+", "-"
 """The PRM reads P(GOOD_TOKEN) vs P(BAD_TOKEN) at each step tag; both are single tokens."""

@@ -19,9 +19,9 @@ import transformers
 from envs.datasets import Arith
 
 BUILD_VERSION = 4
-"""Part of the base key (policy, target, PRM): bump when a change in train.tiny changes what they are."""
+"""Part of the base key (policy, target, PRM): bump when a change in models.tiny changes what they are."""
 TEAM_VERSION = 3
-"""Part of the team key: bump when a change in train.tiny.roles (or the workflows' prompts) changes the team."""
+"""Part of the team key: bump when a change in models.tiny.roles (or the workflows' prompts) changes the team."""
 TEAM_FIELDS = ("team_steps", "team_lr", "team_rank", "team_targets")
 """The knobs of the team stage alone: outside the base key."""
 
@@ -61,13 +61,13 @@ class TinyConfig:
     policy_min_accuracy: float = 0.18
     policy_max_accuracy: float = 0.45
     target_steps: int = 450
-    # PRM (train.tiny.likelihood_prm on the target's trunk)
+    # PRM (models.tiny.likelihood_prm on the target's trunk)
     prm_trunk_steps: int = 300  # language-model steps on tagged reference solutions
     prm_lr: float = 1e-3
     prm_fit_problems: int = 512  # corrupted solutions that pick the margin and fit the readout
     prm_margins: tuple[float, ...] = (1.0, 1.5, 2.0, 3.0, 4.0)
     prm_clean_fraction: float = 0.4  # share of those solutions left uncorrupted
-    # team model (train.tiny.roles: the policy taught the built-in workflows' roles; keyed by team_hash)
+    # team model (models.tiny.roles: the policy taught the built-in workflows' roles; keyed by team_hash)
     team_steps: int = 250
     team_lr: float = 2e-3
     team_rank: int = 16  # LoRA rank of the team stage, merged into the weights after it; 0: every weight

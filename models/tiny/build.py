@@ -25,13 +25,13 @@ from transformers import AutoTokenizer, LlamaForCausalLM, PreTrainedTokenizerFas
 
 from envs.datasets import Problem
 from envs.prompts import SHEPHERD_STEP_TAG
-from train.tiny.config import TinyConfig, base_knobs, cache_dir, config_hash, team_hash, team_knobs
-from train.tiny.data import BAD_TOKEN, GOOD_TOKEN, arith_batches, heldout_problems
-from train.tiny.evaluation import arith_accuracy, prefix_metrics, prm_last_step_auc, prm_metrics
-from train.tiny.model import new_model, num_parameters
-from train.tiny.roles import team_metrics, train_team
-from train.tiny.tokenizer import build_tokenizer
-from train.tiny.training import build_prm, train_policy_and_target
+from models.tiny.config import TinyConfig, base_knobs, cache_dir, config_hash, team_hash, team_knobs
+from models.tiny.data import BAD_TOKEN, GOOD_TOKEN, arith_batches, heldout_problems
+from models.tiny.evaluation import arith_accuracy, prefix_metrics, prm_last_step_auc, prm_metrics
+from models.tiny.model import new_model, num_parameters
+from models.tiny.roles import team_metrics, train_team
+from models.tiny.tokenizer import build_tokenizer
+from models.tiny.training import build_prm, train_policy_and_target
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def _problem_draws(config: TinyConfig) -> tuple[list[Problem], list[Problem]]:
 
 
 def _build_team(root: Path, out_dir: Path, config: TinyConfig, device: str) -> None:
-    """The team model (``train.tiny.roles``), fine-tuned from ``root``'s policy on a stream of Arith problems
+    """The team model (``models.tiny.roles``), fine-tuned from ``root``'s policy on a stream of Arith problems
     of its own, saved to ``out_dir`` with its metrics.json."""
     started = time.perf_counter()
     model = LlamaForCausalLM.from_pretrained(root / "policy").to(device)

@@ -321,7 +321,7 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
                 "pytorch_model.bin.index.json")  # what from_pretrained looks for, sharded (index) or not
 TOKENIZER_VOCAB_FILES = ("tokenizer.model", "vocab.json", "vocab.txt", "*.tiktoken")
 MODEL_DIR_FIX = ("pass a directory written by save_pretrained with its tokenizer (e.g. a run's best/ or "
-                 "checkpoints/iter_N/policy/, or train.tiny's)")
+                 "checkpoints/iter_N/policy/, or models.tiny's)")
 
 
 def check_model_dir(path: str | Path, role: str = "model_dir") -> None:

@@ -1,6 +1,6 @@
 """The built-in tiny models: tokenizer, policy, PRM, target solver and team model, trained on a CPU and cached.
 
-    python -m train.tiny --out DIR      # DIR/policy, DIR/prm, DIR/target, DIR/team-<hash>, DIR/metrics.json
+    python -m models.tiny --out DIR      # DIR/policy, DIR/prm, DIR/target, DIR/team-<hash>, DIR/metrics.json
 
 They let the trainer, the tests and the benchmarks run end to end with nothing downloaded. Each
 model directory is an ordinary Hugging Face one (``save_pretrained`` of a Llama causal LM and its
@@ -9,11 +9,11 @@ tokenizer), loaded back with the Auto classes: the code path a user's own model 
 - policy: a small Llama fine-tuned on Arith reference solutions, stopped at modest accuracy so RL
   has room to improve it.
 - target: the same run continued (Prefix-RL's frozen solver).
-- team: the policy taught the roles of the built-in multi-agent workflows (``train.tiny.roles``): a
+- team: the policy taught the roles of the built-in multi-agent workflows (``models.tiny.roles``): a
   verifier that solves again, a refiner's rewrite, a debater's second round; the default model of the
   multi-agent envs, a build stage of its own (``config.team_hash``).
 - prm: Math-Shepherd format (``envs.prompts.shepherd_text``), P("+") over {"+", "-"} at each step
-  tag; a likelihood verifier (``train.tiny.likelihood_prm``) on the target's trunk.
+  tag; a likelihood verifier (``models.tiny.likelihood_prm``) on the target's trunk.
 
 Modules: ``config`` (knobs and cache key), ``tokenizer``, ``model``, ``data`` (Arith batches and
 corrupted solutions), ``training``, ``roles`` (the team model), ``evaluation``, ``likelihood_prm``,
@@ -21,12 +21,12 @@ corrupted solutions), ``training``, ``roles`` (the team model), ``evaluation``, 
 Only train_math.py's default-model path, the tests and the benchmarks import this package.
 """
 
-from train.tiny.build import TinyModels, build_tiny_models
-from train.tiny.config import TinyConfig, cache_dir, config_hash
-from train.tiny.data import heldout_problems
-from train.tiny.evaluation import arith_accuracy, prm_metrics
-from train.tiny.model import save_untrained_policy
-from train.tiny.tokenizer import build_tokenizer
+from models.tiny.build import TinyModels, build_tiny_models
+from models.tiny.config import TinyConfig, cache_dir, config_hash
+from models.tiny.data import heldout_problems
+from models.tiny.evaluation import arith_accuracy, prm_metrics
+from models.tiny.model import save_untrained_policy
+from models.tiny.tokenizer import build_tokenizer
 
 __all__ = [
     "TinyConfig", "TinyModels", "arith_accuracy", "build_tiny_models", "build_tokenizer", "cache_dir", "config_hash",

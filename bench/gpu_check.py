@@ -1,7 +1,7 @@
 """Device check: real model shapes trained for two GRPO iterations by ``train_math.py``, as one table.
 
     python -m bench.gpu_check [--models 0.5b 1.5b] [--device auto] [--batch 32] [--prompt_tokens 128]
-                              [--new_tokens 256] [--dtype bfloat16] [--out FILE]
+                              [--new_tokens 256] [--micro_batches 4] [--dtype bfloat16] [--out FILE]
 
 Each model (Qwen2.5-0.5B's or 1.5B's architecture, or a tiny Qwen2 for the CPU test) is initialised at
 random and saved with a byte-level tokenizer covering its whole vocabulary; ``train_math.py`` then runs
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import string
 import struct
@@ -116,17 +115,23 @@ def qwen2_config(shape: Shape):
                        bos_token_id=shape.vocab - 1, eos_token_id=shape.vocab - 1)
 
 
-def write_model(shape: Shape, directory: Path, dtype: str) -> int:
+def write_model(shape: Shape, directory: Path, dtype: str, device: str) -> int:
     """Saves a randomly initialised Qwen2 model of ``shape`` in ``dtype`` with its tokenizer to
-    ``directory``; returns its parameter count."""
+    ``directory``; returns its parameter count. Initialised on ``device``: a CPU draws normal samples on
+    one thread, ~70 s for 1.5B parameters."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(qwen2_config(shape), dtype=getattr(torch, dtype))
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(qwen2_config(shape), dtype=getattr(torch, dtype))
     model.save_pretrained(directory)
     byte_level_tokenizer(shape.vocab).save_pretrained(directory)
-    return sum(p.numel() for p in model.parameters())
+    params = sum(p.numel() for p in model.parameters())
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the training run is another process
+    return params
 
 
 def write_problems(path: Path, count: int, prompt_tokens: int) -> None:
@@ -191,6 +196,7 @@ def train_flags(model_dir: Path, dataset: Path, logdir: Path, backend: str, args
     return ["--model_name_or_path", str(model_dir), "--dataset_path", str(dataset), "--logdir", str(logdir),
             "--experiment_name", "gpu_check", "--generation_backend", backend, "--device", args.device,
             "--dtype", args.dtype, "--n_rollout_threads", str(args.batch), "--group_size", str(GROUP_SIZE),
+            "--gradient_cp_steps", str(args.micro_batches),
             "--num_env_steps", str(ITERATIONS * args.batch), "--max_new_tokens", str(args.new_tokens),
             "--temperature", "1.0", "--entropy_coef", str(ENTROPY_COEF), "--noasync_rollouts",
             "--eval_interval", "0", "--save_interval", "0"]
@@ -220,8 +226,11 @@ def peak_flops(device: str) -> float | None:
 def measure(name: str, params: int, backend: str, model_dir: Path, dataset: Path,
             args: argparse.Namespace) -> tuple[Row, str]:
     """One row from one train_math run, and the device it ran on."""
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="gpu_check_run_") as logdir:
         scalars, child = run_train_math(train_flags(model_dir, dataset, Path(logdir), backend, args), Path(logdir))
+    print(f"{name} {backend}: train_math.py took {time.perf_counter() - started:.0f} s (start-up, {ITERATIONS} "
+          "iterations, the final checkpoint)", file=sys.stderr, flush=True)
     seconds = {phase: scalars[f"time/{phase}"] for phase in ("generate", "reward", "update", "sync")}
     tokens = args.batch * scalars["train/action_tokens"] + args.batch // GROUP_SIZE * args.prompt_tokens
     peak = peak_flops(child["device"]) if args.dtype == "bfloat16" else None
@@ -253,8 +262,17 @@ def caption(device: str, args: argparse.Namespace) -> str:
     peak = peak_flops(device)
     return (f"{device}{f' (dense bf16 peak {peak / 1e12:.0f} TFLOP/s)' if peak else ''}: train_math.py GRPO, "
             f"full fine-tuning in {args.dtype}, random-init weights; {args.batch} samples ({args.batch // GROUP_SIZE} "
-            f"prompts x {GROUP_SIZE}) of {args.prompt_tokens} prompt + {args.new_tokens} new tokens; the second of "
-            f"{ITERATIONS} iterations.")
+            f"prompts x {GROUP_SIZE}) of {args.prompt_tokens} prompt + {args.new_tokens} new tokens, "
+            f"{args.micro_batches} micro-batches per update; the second of {ITERATIONS} iterations.")
+
+
+def resolved_device(device: str) -> str:
+    """``auto``: cuda when available, else cpu."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
 
 
 def vllm_missing() -> str | None:
@@ -274,19 +292,25 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32, help="samples per iteration (a multiple of 4)")
     parser.add_argument("--prompt_tokens", type=int, default=128)
     parser.add_argument("--new_tokens", type=int, default=256)
+    parser.add_argument("--micro_batches", type=int, default=4, help="micro-batches per update (train_math's "
+                        "--gradient_cp_steps): 4 keeps 1.5B's vocabulary-wide logits of 32 x 256 tokens within an "
+                        "H100 (in one micro-batch its second update ran out of 80 GB)")
     parser.add_argument("--out", type=Path, help="also write the table (markdown) here")
     args = parser.parse_args()
     if args.batch < GROUP_SIZE or args.batch % GROUP_SIZE:
         parser.error(f"--batch={args.batch} must be a positive multiple of the group size {GROUP_SIZE}")
     started, skip_vllm, device = time.perf_counter(), vllm_missing(), "cpu"
+    args.device = resolved_device(args.device)
     lines = [HEADER]
     print(HEADER, flush=True)
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as work:
         dataset = Path(work) / "problems.jsonl"
         write_problems(dataset, args.batch, args.prompt_tokens)
         for name in args.models:
-            model_dir = Path(work) / name
-            params = write_model(SHAPES[name], model_dir, args.dtype)
+            model_dir, built = Path(work) / name, time.perf_counter()
+            params = write_model(SHAPES[name], model_dir, args.dtype, args.device)
+            print(f"{name}: random-init model written in {time.perf_counter() - built:.0f} s", file=sys.stderr,
+                  flush=True)
             for backend in BACKENDS:
                 if backend == "vllm" and skip_vllm:
                     row = Row(name, params, backend, skipped=skip_vllm)

@@ -56,7 +56,7 @@ def test_tiny_check_on_cpu_prints_one_row_per_backend(tmp_path):
     assert completed.returncode == 0, completed.stderr[-3000:]
     caption, _, *lines = out.read_text().splitlines()
     assert caption.startswith("cpu: train_math.py GRPO, full fine-tuning in bfloat16")
-    assert "8 samples (2 prompts x 4) of 32 prompt + 16 new tokens" in caption
+    assert "8 samples (2 prompts x 4) of 32 prompt + 16 new tokens, 4 micro-batches per update" in caption
     rows = {tuple(cells[:3]): cells[3:] for cells in (line.strip("| ").split(" | ") for line in lines[2:])}
     assert list(rows) == [("tiny", "0.1M", "hf"), ("tiny", "0.1M", "vllm")]
     tokens_per_second, iteration, generate, reward, update, sync, peak_gib, mfu = rows["tiny", "0.1M", "hf"]

@@ -8,8 +8,12 @@ import copy
 import pytest
 
 from envs.datasets import Arith
+from envs.rewards import StepContext
+from envs.multi_agent import MultiAgentMathVectorEnv
 from envs.prompts import DEFAULT_TEMPLATE, TEMPLATES, format_prompt
+from envs.workflows import VERIFIER_INSTRUCTIONS, chain
 from models.prompting import build_template
+from reward_models.target_solver import TargetSolver
 
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
@@ -46,6 +50,28 @@ def test_a_roles_context_goes_inside_the_user_turn(chat_tokenizer):
     assert ids == by_hand(chat_tokenizer, context + PROBLEMS[0])
     # The plain template keeps the context in front of the whole prompt, as workflows always wrote it.
     assert format_prompt("1 + 2", DEFAULT_TEMPLATE, context) == context + "Problem: 1 + 2\nSolution:\n"
+
+
+def test_every_role_of_a_workflow_reads_one_conversation(chat_tokenizer):
+    template = build_template("chat", chat_tokenizer, system_prompt="Solve it.")
+    arith = Arith().problems(4, seed=1)
+    env = MultiAgentMathVectorEnv(num_envs=1, problems=arith, workflow=chain("line"), template=template)
+    obs, info = env.reset(seed=0)
+    problem = next(p for p in arith if p.id == info["problem_id"][0])
+    assert chat_tokenizer(obs[0][0])["input_ids"] == by_hand(chat_tokenizer, problem.problem, "Solve it.")
+    obs, *_ = env.step([[problem.solution, "", ""]])
+    verifier_reads = f"[solver]\n{problem.solution}\n\n{VERIFIER_INSTRUCTIONS['line']}\n\n{problem.problem}"
+    assert chat_tokenizer(obs[0][1])["input_ids"] == by_hand(chat_tokenizer, verifier_reads, "Solve it.")
+
+
+def test_the_target_solver_continues_the_prefix_in_its_assistant_turn(chat_tokenizer):
+    problem = Arith().problems(1, seed=2)[0]
+    steps = problem.solution.split("\n\n")
+    solver = TargetSolver(generator=None, template=build_template("chat", chat_tokenizer))
+    prompt, = solver.prompts([StepContext(problem, tuple(steps[:1]), steps[1], done=True)])
+    expected = by_hand(chat_tokenizer, problem.problem) + chat_tokenizer(f"{steps[0]}\n\n{steps[1]}")["input_ids"]
+    assert chat_tokenizer(prompt)["input_ids"] == expected
+    assert TargetSolver(generator=None, template="qwen_math").template == TEMPLATES["qwen_math"]
 
 
 def test_a_bos_the_tokenizer_adds_itself_is_not_doubled(chat_tokenizer):

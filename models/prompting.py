@@ -8,14 +8,19 @@ was tuned on.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from envs.prompts import QWEN_MATH_SYSTEM, TEMPLATES, chatml_template
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 PROMPT_KINDS = ("default", "qwen_math", "chat")
 USER_SLOT = "MATHRL-USER-TURN-7f3a9c"
 """Stands in for the user's message while the chat template renders; replaced by the env's placeholders."""
 
 
-def build_template(kind: str, tokenizer, system_prompt: str | None = None) -> str:
+def build_template(kind: str, tokenizer: PreTrainedTokenizerBase, system_prompt: str | None = None) -> str:
     """A template for ``envs.prompts.format_prompt`` (the envs' ``template=``) of ``kind``: ``default``
     (plain text; takes no system prompt), ``qwen_math`` (ChatML with ``system_prompt``, Qwen-Math's by
     default) or ``chat`` (``tokenizer``'s chat template; a system turn only when ``system_prompt`` is given)."""
@@ -31,7 +36,7 @@ def build_template(kind: str, tokenizer, system_prompt: str | None = None) -> st
     raise ValueError(f"prompt template kind {kind!r} is not one of {PROMPT_KINDS}")
 
 
-def chat_template(tokenizer, system_prompt: str | None = None) -> str:
+def chat_template(tokenizer: PreTrainedTokenizerBase, system_prompt: str | None = None) -> str:
     """``tokenizer``'s chat template rendered around one user message (after a system message when
     ``system_prompt`` is given) with the generation prompt, the message replaced by ``{context}{problem}``.
     A leading BOS the template writes is dropped when the tokenizer adds it itself, so tokenizing the
@@ -53,7 +58,7 @@ def chat_template(tokenizer, system_prompt: str | None = None) -> str:
     return text.replace(USER_SLOT, "{context}{problem}")
 
 
-def adds_bos(tokenizer) -> bool:
+def adds_bos(tokenizer: PreTrainedTokenizerBase) -> bool:
     """Whether ``tokenizer(text)`` puts the BOS token in front by itself."""
     ids = tokenizer("x")["input_ids"]
     return bool(ids) and ids[0] == tokenizer.bos_token_id and ids != tokenizer("x", add_special_tokens=False)["input_ids"]

@@ -58,5 +58,5 @@ register_builtin()  # after Arith-v0: the Arith-* workflow ids take its keywords
 DEFAULT_REWARDS.update({spec.id: "outcome" for spec in gymnasium.registry.values()  # the --reward_assignment credit
                         if spec.entry_point == "envs.multi_agent:MultiAgentMathEnv"})
 
-__all__ = ["DEFAULT_REWARDS", "Arith", "MathEnv", "MathTask", "MathVectorEnv", "MultiAgentMathEnv", "MultiAgentMathVectorEnv",
-           "Problem", "default_reward", "load_problems"]
+__all__ = ["DEFAULT_REWARDS", "Arith", "MathEnv", "MathTask", "MathVectorEnv", "MultiAgentMathEnv",
+           "MultiAgentMathVectorEnv", "Problem", "default_reward", "load_problems"]

@@ -539,7 +539,8 @@ def register_builtin() -> None:
     ids (idempotent). Each family takes its single-agent id's registered keywords (Arith's problem knobs and
     limits, MATH's bundled MATH-500), so ``envs`` must have registered ``Arith-v0`` and ``MATH-v0`` first."""
     if "Arith-v0" not in gymnasium.registry or "MATH-v0" not in gymnasium.registry:
-        raise RuntimeError("register_builtin() reads Arith-v0's and MATH-v0's keywords: call it after envs registers them")
+        raise RuntimeError("register_builtin() reads Arith-v0's and MATH-v0's keywords: call it after envs "
+                           "registers them")
     families = {family: gymnasium.spec(f"{family}-v0").kwargs for family in ("Arith", "MATH")}
     for family, kwargs in families.items():
         for name in WORKFLOWS:

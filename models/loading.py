@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -132,3 +132,11 @@ def load_causal_lm(model_dir: str | Path, dtype: torch.dtype, device: torch.devi
         raise ValueError(f"{path} does not hold a causal language model (AutoModelForCausalLM could not "
                          f"load it): {error}") from error
     return model.to(device)
+
+
+def meta_causal_lm(model_dir: str | Path, dtype: torch.dtype, role: str = "model_dir") -> PreTrainedModel:
+    """The causal LM of ``model_dir`` built from its config on the meta device: no weights read and no
+    memory taken (its weights arrive later, e.g. broadcast from rank 0 into FSDP2 shards)."""
+    check_model_dir(model_dir, role)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(model_dir)), dtype=dtype)

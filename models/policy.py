@@ -14,12 +14,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
 from torch import nn
 from transformers import PreTrainedModel
 
 from models.forward import hidden_at_actions
-from models.loading import load_causal_lm, load_tokenizer, resolve_device, resolve_precision
+from models.loading import load_causal_lm, load_tokenizer, meta_causal_lm, resolve_device, resolve_precision
 from models.packing import (PackedBatch, SharedPromptBatch, TokenBatch, distinct_rows, length_buckets, pack,
                             pack_shared, take, token_lengths, token_rows)
 from models.saving import ACTOR_ADAPTER, ADAPTER_DIR, CRITIC_ADAPTER, POLICY_META, VALUE_HEAD_FILE, PolicyWeights
@@ -49,6 +50,20 @@ class LoraSettings:
         targets = self.target_modules if isinstance(self.target_modules, str) else list(self.target_modules)
         return LoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout,
                           target_modules=targets, task_type="CAUSAL_LM")
+
+
+def builds_empty(weights_from_rank0: bool, lora: LoraSettings | None) -> bool:
+    """Whether this process builds the model on the meta device (no weights read) and receives its shards
+    from rank 0 in ``fully_shard``: with ``weights_from_rank0``, on every rank but 0."""
+    if not weights_from_rank0:
+        return False
+    if lora is not None:
+        raise ValueError("weights_from_rank0 is for FSDP2 full fine-tuning; a LoRA policy (DDP) reads its weights "
+                         "on every rank: pass weights_from_rank0=False")
+    if not dist.is_initialized():
+        raise ValueError("weights_from_rank0=True needs a process group (torchrun, then init_process_group); "
+                         "without one pass weights_from_rank0=False")
+    return dist.get_rank() != 0
 
 
 class LanguagePolicy(PolicyWeights, nn.Module):
@@ -89,6 +104,7 @@ class LanguagePolicy(PolicyWeights, nn.Module):
         reference_dir: str | Path | None = None,
         role_adapters: Sequence[str] = (),
         value_heads: int = 1,
+        weights_from_rank0: bool = False,
     ) -> None:
         super().__init__()
         if role_adapters and lora is None:
@@ -104,7 +120,9 @@ class LanguagePolicy(PolicyWeights, nn.Module):
         # A frozen LoRA base needs no fp32 master copy: it is stored in the compute dtype (peft keeps
         # the adapters in fp32).
         base_dtype = self.precision.weights if lora is None else self.precision.compute
-        causal_lm = load_causal_lm(model_dir, base_dtype, self.device)
+        self._weights_from_rank0 = weights_from_rank0
+        empty = builds_empty(weights_from_rank0, lora)
+        causal_lm = meta_causal_lm(model_dir, base_dtype) if empty else load_causal_lm(model_dir, base_dtype, self.device)
         self.tokenizer = load_tokenizer(model_dir)
         if gradient_checkpointing:
             # transformers 5.24 renamed it activation checkpointing; the old name warns there
@@ -115,7 +133,7 @@ class LanguagePolicy(PolicyWeights, nn.Module):
         hidden_size = causal_lm.config.get_text_config().hidden_size
         if value_heads < 1:
             raise ValueError(f"value_heads={value_heads} must be >= 1 (one per role for per-role critics)")
-        self.value_head = nn.Linear(hidden_size, value_heads, device=self.device) if with_critic else None
+        self.value_head = nn.Linear(hidden_size, value_heads, device="meta" if empty else self.device) if with_critic else None
         self._trainable = [p for p in self.parameters() if p.requires_grad]
         # with role adapters the shared actor adapter stays frozen (peft's switches would unfreeze it)
         self._frozen_adapter = [p for name, p in self.named_parameters()
@@ -168,24 +186,42 @@ class LanguagePolicy(PolicyWeights, nn.Module):
         pads with zero-loss ones). Build the optimizer after this: the parameters are new objects.
 
         The code outside ``forward`` that calls the model (generation, values, saving) runs inside
-        ``gathered()``. Full fine-tuning only: LoRA's few trainable weights gain nothing from it (DDP)."""
-        import torch.distributed as dist
+        ``gathered()``. Full fine-tuning only: LoRA's few trainable weights gain nothing from it (DDP).
+        Built with ``weights_from_rank0``, rank 0 broadcasts the weights it read into every rank's shards.
+        """
         from torch.distributed.fsdp import fully_shard
 
         if self.lora is not None:
             raise ValueError("fully_shard shards full fine-tuning; a LoRA policy trains with DDP "
                              "(--data_parallel ddp)")
+        whole = self.state_dict() if self._weights_from_rank0 and dist.get_rank() == 0 else None
         units = [fully_shard(layer, mesh=mesh) for layer in self.causal_lm.get_decoder().layers]
         units.append(fully_shard(self, mesh=mesh))
         if dist.get_backend(mesh.get_group()) == "gloo":  # gloo has no average: reduce-scatter a sum, divide after
             for unit in units:
                 unit.set_force_sum_reduction_for_comms(True)
         self._units = units
+        if self._weights_from_rank0:
+            self._receive_weights(whole, mesh.get_group())
+        del whole  # rank 0's whole copy: freed before the first pass
         pad = self.tokenizer.pad_token_id
         with torch.no_grad():  # FSDP takes the first module run as its root: the policy, not a layer
             self([[pad]], [[pad]], with_entropy=False)
         self.reshard()  # a root keeps its weights gathered after a forward without backward
         self._trainable = [p for p in self.parameters() if p.requires_grad]
+
+    def _receive_weights(self, whole: dict[str, torch.Tensor] | None, group: dist.ProcessGroup) -> None:
+        """Fills every rank's shards from rank 0's ``whole`` state dict (None elsewhere: those ranks' weights
+        are on the meta device until now) and every buffer from rank 0's (rotary frequencies are buffers
+        outside the state dict)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        if whole is None:
+            self.to_empty(device=self.device)
+        set_model_state_dict(self, whole if whole is not None else {},
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        for buffer in self.buffers():
+            dist.broadcast(buffer, src=dist.get_global_rank(group, 0), group=group)
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:

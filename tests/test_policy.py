@@ -7,6 +7,7 @@ import logging
 import re
 import shutil
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -353,3 +354,59 @@ def test_kv_cache_goes_by_the_keyword_transformers_expects(policy):
         warnings.simplefilter("error", FutureWarning)
         output = HFGenerator(policy).generate(["Compute 12 + 35."], n=2, max_new_tokens=6, seed=0)
     assert len(output.texts) == 2
+
+
+def sharded_start(policy_dir: str, out_dir: str) -> None:
+    """One torchrun rank of ``test_fsdp_ranks_start_from_rank_0s_weights``: builds the policy with weights from
+    rank 0, shards it, and saves what it holds then (whole weights, buffers, scores) to ``out_dir``."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(dist.get_rank())  # a value head initialised apart on each rank: rank 0's must win
+    policy = LanguagePolicy(policy_dir, device="cpu", with_critic=True, weights_from_rank0=True)
+    on_meta = all(param.is_meta for param in policy.parameters())
+    policy.fully_shard(init_device_mesh("cpu", (2,)))
+    prompts, actions = grouped_rows(policy.tokenizer.pad_token_id)
+    with torch.no_grad():
+        logprobs = policy(prompts[:3], actions[:3]).logprobs  # the call runs FSDP2's gathering hooks
+    torch.save({"on_meta": on_meta, "whole": policy.whole_state_dict(), "logprobs": logprobs,
+                "buffers": dict(policy.named_buffers())}, f"{out_dir}/rank_{dist.get_rank()}.pt")
+    dist.destroy_process_group()
+
+
+def test_fsdp_ranks_start_from_rank_0s_weights(untrained_policy_dir, tmp_path):
+    """2 gloo ranks: rank 1 builds on the meta device (reads no weights) and receives its shards and buffers
+    from rank 0; both then hold the weights, value head and scores of a policy loaded in one process."""
+    import os
+    import subprocess
+    import sys
+
+    root = str(Path(__file__).resolve().parents[1])  # this checkout's packages, not an installed copy
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           __file__, str(untrained_policy_dir), str(tmp_path)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank_{rank}.pt") for rank in range(2)]
+    assert [rank["on_meta"] for rank in ranks] == [False, True]
+    plain = LanguagePolicy(untrained_policy_dir, device="cpu")
+    expected = {f"model.{name}": tensor for name, tensor in plain.causal_lm.state_dict().items()}
+    with torch.no_grad():
+        expected_logprobs = plain.evaluate(*[rows[:3] for rows in grouped_rows(plain.tokenizer.pad_token_id)]).logprobs
+    for rank in ranks:
+        assert rank["whole"].keys() == expected.keys() | {"value_head.weight", "value_head.bias"}
+        for name, tensor in expected.items():
+            assert torch.equal(rank["whole"][name], tensor), name
+        for name, buffer in plain.named_buffers():
+            assert torch.equal(rank["buffers"][name], buffer), name
+        torch.testing.assert_close(rank["logprobs"], expected_logprobs, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(rank["whole"]["value_head.weight"], ranks[0]["whole"]["value_head.weight"],
+                                   atol=0, rtol=0)
+
+
+if __name__ == "__main__":  # a rank of test_fsdp_ranks_start_from_rank_0s_weights, under torchrun
+    import sys
+
+    sharded_start(*sys.argv[1:])
+

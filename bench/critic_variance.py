@@ -36,7 +36,8 @@ from envs.multi_agent import MultiAgentMathVectorEnv
 from envs.workflows import Role, TurnContext, Workflow
 from train.collector import Collector, Sampling
 from models.generation import HFGenerator
-from models.policy import LanguagePolicy, right_padded
+from models.packing import right_padded
+from models.policy import LanguagePolicy
 from models.tiny import TinyConfig, cache_dir
 
 ROLES = ("solver", "reporter")

@@ -41,7 +41,8 @@ import torch
 from envs.datasets import MATH500, Arith, load_problems
 from envs.prompts import format_prompt
 from models.generation import Generator, make_generator
-from models.policy import LanguagePolicy, left_padded
+from models.packing import left_padded
+from models.policy import LanguagePolicy
 from models.tiny import TinyConfig, cache_dir, save_untrained_policy
 
 WARM_UP_PROMPTS = 8

@@ -42,8 +42,10 @@ import torch
 from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase, StopStringCriteria
 from transformers.cache_utils import Cache, DynamicLayer
 
-from models.policy import (LanguagePolicy, cheapest_runs, distinct_rows, kv_cache_keyword, left_padded,
-                                 load_tokenizer)
+from models.forward import kv_cache_keyword
+from models.loading import load_tokenizer
+from models.packing import cheapest_runs, distinct_rows, left_padded
+from models.policy import LanguagePolicy
 
 if TYPE_CHECKING:
     from vllm.lora.request import LoRARequest

@@ -18,7 +18,8 @@ from typing import Callable
 
 import torch
 
-from models.policy import LanguagePolicy, LoraSettings, TokenBatch
+from models.packing import TokenBatch
+from models.policy import LanguagePolicy, LoraSettings
 
 GRANULARITIES = ("token", "step")
 

@@ -38,8 +38,9 @@ from transformers import AutoConfig, AutoModel, AutoModelForTokenClassification,
 
 from envs.prompts import DEFAULT_TEMPLATE, SHEPHERD_STEP_TAG, STEP_DELIMITER, format_prompt, shepherd_text, split_steps
 from envs.rewards import RewardOutput, StepContext
-from models.policy import (ModelDirError, inference_dtype, kv_cache_keyword, load_causal_lm, load_tokenizer,
-                                 resolve_device, right_padded)
+from models.forward import kv_cache_keyword
+from models.loading import ModelDirError, inference_dtype, load_causal_lm, load_tokenizer, resolve_device
+from models.packing import right_padded
 
 PRM_TYPES = ("shepherd", "classifier")
 AGGREGATIONS = ("step", "last", "min", "product", "mean")

@@ -7,7 +7,7 @@ import torch
 
 from algorithms.base import AlgorithmConfig, make_algorithm
 from algorithms.buffer import RolloutBuffer, Targets
-from models.policy import ActionScores
+from models.scoring import ActionScores
 
 VOCAB = 11
 

@@ -7,6 +7,7 @@ import logging
 import re
 import shutil
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,8 +15,11 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, ViTConfi
 
 from models.generation import HFGenerator
 from models import policy as policy_module
-from models.policy import (LanguagePolicy, LoraSettings, ModelDirError, check_model_dir, ensure_pad_token,
-                                 hf_param_name, length_buckets, load_tokenizer, pack)
+from models import packing
+from models.loading import ModelDirError, check_model_dir, ensure_pad_token, load_tokenizer
+from models.packing import length_buckets, pack
+from models.policy import LanguagePolicy, LoraSettings
+from models.saving import hf_param_name
 
 LORA = LoraSettings(rank=4, alpha=8.0)
 MODES = {"full": None, "lora": LORA}
@@ -193,11 +197,36 @@ def test_gradient_checkpointing_gives_the_same_gradients(untrained_policy_dir, p
     torch.testing.assert_close(grads[0], grads[1])
 
 
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_shared_prompts_under_gradient_checkpointing_give_the_scores_and_gradients_without_it(untrained_policy_dir,
+                                                                                              mode):
+    """GRPO-like rows take the shared-prompt pass with activation checkpointing on too (its KV cache
+    survives the layers' replay in the backward): the same log-probs, entropies, values and gradients."""
+    prompts, actions = grouped_rows(load_tokenizer(untrained_policy_dir).pad_token_id)
+    results = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)  # same LoRA and value head init both times
+        policy = LanguagePolicy(untrained_policy_dir, device="cpu", lora=MODES[mode], with_critic=True,
+                                gradient_checkpointing=checkpointing).train()
+        assert isinstance(policy.pack(prompts, actions), packing.SharedPromptBatch)
+        results.append(scores_and_grads(policy, prompts, actions))
+    assert_same_scores_and_grads(*results)
+
+
 def test_length_buckets_cut_sorted_rows_where_padding_costs_more_than_a_pass():
     assert length_buckets([40, 41, 39, 40]) == [[0, 1, 2, 3]]  # alike: one pass, rows in the given order
     buckets = length_buckets([1_500, 60, 1_400, 50, 70, 55])  # MATH-like spread: short rows apart from long
     assert buckets[0] == [3, 5, 1, 4] and len(buckets) > 1  # the short rows in one pass, shortest first
     assert [row for bucket in buckets for row in bucket] == [3, 5, 1, 4, 2, 0]  # every row once, by length
+
+
+def grouped_rows(pad: int) -> tuple[list[list[int]], list[list[int]]]:
+    """12 GRPO-like rows: 3 prompts of different lengths (one holding the pad id), 4 actions each."""
+    generator = torch.Generator().manual_seed(1)
+    distinct = [[5, pad, 7], torch.randint(3, 300, (40,), generator=generator).tolist(), [9, 10, 11, 12, 13]]
+    prompts = [distinct[row % 3] for row in range(12)]
+    actions = [torch.randint(3, 300, (1 + row % 5,), generator=generator).tolist() for row in range(12)]
+    return prompts, actions
 
 
 def scores_and_grads(policy: LanguagePolicy, prompts, actions):
@@ -240,12 +269,8 @@ def test_shared_prompts_give_the_scores_and_gradients_of_packed_rows(untrained_p
     gradients of packing every (prompt, action) row whole."""
     torch.manual_seed(0)
     policy = LanguagePolicy(untrained_policy_dir, device="cpu", lora=MODES[mode], with_critic=True).train()
-    generator = torch.Generator().manual_seed(1)
-    pad = policy.tokenizer.pad_token_id
-    distinct = [[5, pad, 7], torch.randint(3, 300, (40,), generator=generator).tolist(), [9, 10, 11, 12, 13]]
-    prompts = [distinct[row % 3] for row in range(12)]
-    actions = [torch.randint(3, 300, (1 + row % 5,), generator=generator).tolist() for row in range(12)]
-    assert isinstance(policy.pack(prompts, actions), policy_module.SharedPromptBatch)
+    prompts, actions = grouped_rows(policy.tokenizer.pad_token_id)
+    assert isinstance(policy.pack(prompts, actions), packing.SharedPromptBatch)
     passes = policy._pass_rows(prompts, actions, list(range(12)))  # a prompt's rows never split over passes
     assert sorted(row for rows in passes for row in rows) == list(range(12))
     for group in ({0, 3, 6, 9}, {1, 4, 7, 10}, {2, 5, 8, 11}):
@@ -275,7 +300,7 @@ def test_bad_inputs_fail_clearly(untrained_policy_dir, tmp_path):
 def test_missing_pad_token_becomes_eos_with_a_warning(untrained_policy_dir, caplog):
     tokenizer = PreTrainedTokenizerFast.from_pretrained(untrained_policy_dir)
     tokenizer.pad_token = None
-    with caplog.at_level(logging.WARNING, logger="models.policy"):
+    with caplog.at_level(logging.WARNING, logger="models.loading"):
         ensure_pad_token(tokenizer, "test")
     assert tokenizer.pad_token_id == tokenizer.eos_token_id is not None
     assert "no pad token" in caplog.text
@@ -329,3 +354,59 @@ def test_kv_cache_goes_by_the_keyword_transformers_expects(policy):
         warnings.simplefilter("error", FutureWarning)
         output = HFGenerator(policy).generate(["Compute 12 + 35."], n=2, max_new_tokens=6, seed=0)
     assert len(output.texts) == 2
+
+
+def sharded_start(policy_dir: str, out_dir: str) -> None:
+    """One torchrun rank of ``test_fsdp_ranks_start_from_rank_0s_weights``: builds the policy with weights from
+    rank 0, shards it, and saves what it holds then (whole weights, buffers, scores) to ``out_dir``."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(dist.get_rank())  # a value head initialised apart on each rank: rank 0's must win
+    policy = LanguagePolicy(policy_dir, device="cpu", with_critic=True, weights_from_rank0=True)
+    on_meta = all(param.is_meta for param in policy.parameters())
+    policy.fully_shard(init_device_mesh("cpu", (2,)))
+    prompts, actions = grouped_rows(policy.tokenizer.pad_token_id)
+    with torch.no_grad():
+        logprobs = policy(prompts[:3], actions[:3]).logprobs  # the call runs FSDP2's gathering hooks
+    torch.save({"on_meta": on_meta, "whole": policy.whole_state_dict(), "logprobs": logprobs,
+                "buffers": dict(policy.named_buffers())}, f"{out_dir}/rank_{dist.get_rank()}.pt")
+    dist.destroy_process_group()
+
+
+def test_fsdp_ranks_start_from_rank_0s_weights(untrained_policy_dir, tmp_path):
+    """2 gloo ranks: rank 1 builds on the meta device (reads no weights) and receives its shards and buffers
+    from rank 0; both then hold the weights, value head and scores of a policy loaded in one process."""
+    import os
+    import subprocess
+    import sys
+
+    root = str(Path(__file__).resolve().parents[1])  # this checkout's packages, not an installed copy
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           __file__, str(untrained_policy_dir), str(tmp_path)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank_{rank}.pt") for rank in range(2)]
+    assert [rank["on_meta"] for rank in ranks] == [False, True]
+    plain = LanguagePolicy(untrained_policy_dir, device="cpu")
+    expected = {f"model.{name}": tensor for name, tensor in plain.causal_lm.state_dict().items()}
+    with torch.no_grad():
+        expected_logprobs = plain.evaluate(*[rows[:3] for rows in grouped_rows(plain.tokenizer.pad_token_id)]).logprobs
+    for rank in ranks:
+        assert rank["whole"].keys() == expected.keys() | {"value_head.weight", "value_head.bias"}
+        for name, tensor in expected.items():
+            assert torch.equal(rank["whole"][name], tensor), name
+        for name, buffer in plain.named_buffers():
+            assert torch.equal(rank["buffers"][name], buffer), name
+        torch.testing.assert_close(rank["logprobs"], expected_logprobs, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(rank["whole"]["value_head.weight"], ranks[0]["whole"]["value_head.weight"],
+                                   atol=0, rtol=0)
+
+
+if __name__ == "__main__":  # a rank of test_fsdp_ranks_start_from_rank_0s_weights, under torchrun
+    import sys
+
+    sharded_start(*sys.argv[1:])
+

@@ -20,7 +20,8 @@ from reward_models.prm import (MIN_LABEL_ODDS, ProcessRewardModel, aggregate_ste
                                single_token_id)
 from reward_models.target_solver import TargetSolver
 from models.generation import HFGenerator
-from models.policy import LanguagePolicy, ModelDirError
+from models.loading import ModelDirError
+from models.policy import LanguagePolicy
 
 
 def with_post_processor(tokenizer, template: str):

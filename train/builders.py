@@ -30,7 +30,8 @@ from train import flags as train_flags
 from train.collector import Collector, Sampling, Voices
 from train.distributed import Ranks
 from models.generation import Generator, make_generator
-from models.policy import LanguagePolicy, LoraSettings, check_model_dir, resolve_device
+from models.loading import check_model_dir, resolve_device
+from models.policy import LanguagePolicy, LoraSettings
 from models.remote import ClientSettings, ServiceClient, ServiceError
 from train.runner import Runner, RunnerConfig
 
@@ -93,14 +94,20 @@ def lora_settings(f: flags.FlagValues) -> LoraSettings | None:
     return LoraSettings(rank=f.lora_rank, alpha=2.0 * f.lora_rank) if f.lora_rank else None
 
 
-def build_policy(f: flags.FlagValues, model: str) -> LanguagePolicy:
+def shards_weights(data_parallel: str, lora_rank: int, ranks: Ranks) -> bool:
+    """Whether the policy is sharded with FSDP2 (``data_parallel`` fsdp, or auto with full fine-tuning)."""
+    return ranks.distributed and (data_parallel == "fsdp" or (data_parallel == "auto" and not lora_rank))
+
+
+def build_policy(f: flags.FlagValues, model: str, ranks: Ranks = Ranks()) -> LanguagePolicy:
     """The trained policy (with a critic for APPO/TPPO) at its starting weights (a resumed run loads its
     checkpoint's into it: ``Runner.restore``); in eval mode (no dropout: recomputed log-probs must match
-    the sampler's)."""
+    the sampler's). Sharded with FSDP2, only rank 0 reads the weights (the others receive their shards)."""
     with_critic = algorithm_spec(f.algorithm_name).critic is not None
     return LanguagePolicy(model, lora=lora_settings(f), with_critic=with_critic, device=str(resolve_device(f.device)),
                           dtype=f.dtype, gradient_checkpointing=f.gradient_checkpointing,
-                          role_adapters=role_adapters(f), value_heads=train_flags.value_heads(f)).eval()
+                          role_adapters=role_adapters(f), value_heads=train_flags.value_heads(f),
+                          weights_from_rank0=shards_weights(f.data_parallel, f.lora_rank, ranks)).eval()
 
 
 def build_reward_model(f: flags.FlagValues, device: str) -> RewardModel | None:
@@ -266,7 +273,7 @@ def build_generators(f: flags.FlagValues, policy: LanguagePolicy, model: str, sy
                                     dtype=f.dtype, gradient_checkpointing=f.gradient_checkpointing,
                                     role_adapters=policy.role_adapters,
                                     value_heads=max(policy.num_value_heads, 1)).eval()
-    rollout_policy.load_state_dict(policy.state_dict())
+    rollout_policy.load_state_dict(policy.whole_state_dict())  # sharded: every rank gathers
     return generator, rollout_policy, make_generator("hf", rollout_policy)
 
 
@@ -309,7 +316,7 @@ def build_trainable(policy: LanguagePolicy, ranks: Ranks, data_parallel: str) ->
     parameters a step leaves unused, such as an idle critic, are allowed). Gradients are averaged over ranks."""
     if not ranks.distributed:
         return policy
-    if data_parallel == "fsdp" or (data_parallel == "auto" and policy.lora is None):
+    if shards_weights(data_parallel, policy.lora.rank if policy.lora else 0, ranks):
         from torch.distributed.device_mesh import init_device_mesh
 
         policy.fully_shard(init_device_mesh(policy.device.type, (ranks.world_size,)))
@@ -327,7 +334,9 @@ def build_runner(f: flags.FlagValues, run_dir: Path, writer, saved: checkpoint.C
     ``generator_factory`` builds the generation backend when the caller needs engine settings the flags
     do not cover; ``ranks``: this process's place in a torchrun job."""
     model = model_dir(f)
-    policy = build_policy(f, model)
+    policy = build_policy(f, model, ranks)
+    # first: under FSDP2 the ranks but 0 hold no weights until sharded, and the parameters become new objects
+    trainable = build_trainable(policy, ranks, f.data_parallel)
     env, eval_env = build_envs(f, build_reward_model(f, str(policy.device)), policy.tokenizer, ranks)
     sync_dir = Path(f.vllm_sync_dir) if f.vllm_sync_dir is not None else run_dir / "sync"
     if ranks.distributed:  # each rank writes (and its servers load) its own copy: no two writers on one path
@@ -339,7 +348,6 @@ def build_runner(f: flags.FlagValues, run_dir: Path, writer, saved: checkpoint.C
         implicit_prm = ImplicitPRM(model, beta=f.implicit_prm_beta, lr=f.implicit_prm_lr, device=str(policy.device),
                                    dtype=f.dtype, lora=lora_settings(f))
     config = runner_config(f)
-    trainable = build_trainable(policy, ranks, f.data_parallel)  # first: FSDP2 makes new parameter objects
     optimizer, scheduler = build_optimizer(f, policy, config.num_iterations)
     sampling = Sampling(max_new_tokens=1 if f.action_level == "token" else f.max_new_tokens, temperature=f.temperature,
                         top_p=f.top_p, eos_text=policy.tokenizer.eos_token or "", token_actions=f.action_level == "token",

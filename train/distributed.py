@@ -11,7 +11,8 @@ environment the same code runs as one process and nothing here communicates.
   draw derives from (seed, iteration, global sample index), never from the rank (envs and collector).
 - Gradients: a LoRA policy is wrapped in DDP (every rank holds the whole model), a fully fine-tuned one
   is sharded with FSDP2 (``LanguagePolicy.fully_shard``: weights, gradients and optimizer state split
-  over the ranks; ``--data_parallel`` chooses); both average gradients over ranks, so losses are
+  over the ranks; ``--data_parallel`` chooses; only rank 0 reads the weights, the other ranks build on
+  the meta device and receive their shards); both average gradients over ranks, so losses are
   normalised by the global sample or token count (``all_reduce_sum`` of the minibatch totals) and
   scaled by the world size: N ranks compute the gradient one process would on all their samples.
 - Rank 0 alone writes TensorBoard, the progress bar and the policy export; statistics are sums and

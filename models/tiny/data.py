@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerFast
 
 from envs.datasets import Arith, Problem, solve_steps
 from envs.prompts import SHEPHERD_STEP_TAG, format_prompt, join_steps, shepherd_text, split_steps
-from models.policy import right_padded
+from models.packing import right_padded
 from models.tiny.config import TinyConfig
 
 GOOD_TOKEN, BAD_TOKEN = "+", "-"

@@ -15,7 +15,7 @@ from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 from algorithms.base import roc_auc
 from envs.datasets import Problem, solve_steps
 from envs.prompts import format_prompt, join_steps, split_steps
-from models.policy import left_padded
+from models.packing import left_padded
 from models.tiny.data import OFFSETS, corrupt_first_step, corrupt_solution, label_token_ids, parse_arith, prm_batch
 
 BOXED_INTEGER = re.compile(r"\\boxed\{\s*(-?\d+)\s*\}")

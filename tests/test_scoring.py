@@ -1,0 +1,91 @@
+"""Chunked token scoring equals the plain [B, L, V] computation: log-probs, entropies and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+from models.scoring import chunk_rows, token_scores
+
+QWEN_VOCAB = 151_936
+
+
+def plain_scores(lm_head: torch.nn.Module, hidden: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
+                 temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropies from the whole [B, L, V] float32 log-softmax."""
+    log_probs = (lm_head(hidden).float() / temperature).log_softmax(-1)
+    chosen = log_probs.gather(-1, ids[..., None]).squeeze(-1)
+    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    return torch.where(mask, chosen, 0.0), torch.where(mask, entropy, 0.0)
+
+
+def scores_and_grads(score, lm_head: torch.nn.Module, hidden: torch.Tensor, weights: torch.Tensor):
+    """(log-probs, entropies, d/d hidden, d/d lm_head weight) of a weighted sum of both scores."""
+    hidden = hidden.detach().requires_grad_(True)
+    lm_head.zero_grad(set_to_none=True)
+    logprobs, entropy = score(hidden)
+    ((logprobs * weights[0]).sum() + (entropy * weights[1]).sum()).backward()
+    return logprobs.detach(), entropy.detach(), hidden.grad, lm_head.weight.grad.clone()
+
+
+def assert_parity(lm_head: torch.nn.Module, hidden: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
+                  rows_per_chunk: int | None, temperature: float = 0.7) -> None:
+    weights = torch.randn((2, *ids.shape), generator=torch.Generator().manual_seed(2))
+
+    def chunked(h):
+        scores = token_scores(lm_head, h, ids, mask, temperature, True, rows_per_chunk=rows_per_chunk)
+        return scores.logprobs, scores.entropy
+
+    expected = scores_and_grads(lambda h: plain_scores(lm_head, h, ids, mask, temperature), lm_head, hidden, weights)
+    got = scores_and_grads(chunked, lm_head, hidden, weights)
+    for name, want, have in zip(("logprobs", "entropy", "grad hidden", "grad lm_head"), expected, got):
+        torch.testing.assert_close(have, want, atol=1e-5, rtol=1e-5, msg=name)
+    assert bool((got[0][~mask] == 0).all() and (got[2][~mask] == 0).all())
+
+
+def ragged_batch(vocab: int, shape: tuple[int, int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, L]`` token ids and a mask of right-padded rows of different lengths (one of them empty)."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, shape, generator=generator)
+    lengths = torch.linspace(0, shape[1], shape[0]).long()
+    return ids, torch.arange(shape[1])[None] < lengths[:, None]
+
+
+@pytest.mark.parametrize("rows_per_chunk", [None, 3])
+def test_tiny_policy_scores_and_gradients_equal_the_plain_computation(untrained_policy_dir, rows_per_chunk):
+    model = AutoModelForCausalLM.from_pretrained(untrained_policy_dir, dtype=torch.float32)
+    ids, mask = ragged_batch(model.config.vocab_size, (4, 9), seed=0)
+    hidden = model.get_decoder()(input_ids=ids).last_hidden_state.detach()
+    assert chunk_rows(model.config.vocab_size) > int(mask.sum())  # default: one chunk, the plain computation
+    assert_parity(model.get_output_embeddings(), hidden, ids, mask, rows_per_chunk)
+
+
+def test_large_vocabulary_qwen2_scores_and_gradients_equal_the_plain_computation():
+    """A random-init Qwen2 at the real vocabulary: the default chunking splits these rows in several chunks."""
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=QWEN_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    ids, mask = ragged_batch(QWEN_VOCAB, (3, 160), seed=1)
+    assert int(mask.sum()) > 2 * chunk_rows(QWEN_VOCAB)
+    hidden = model.get_decoder()(input_ids=ids).last_hidden_state.detach()
+    assert_parity(model.get_output_embeddings(), hidden, ids, mask, rows_per_chunk=None)
+
+
+def test_without_gradients_nothing_is_recomputed_and_scores_match(untrained_policy_dir):
+    model = AutoModelForCausalLM.from_pretrained(untrained_policy_dir, dtype=torch.float32)
+    ids, mask = ragged_batch(model.config.vocab_size, (3, 6), seed=3)
+    with torch.no_grad():
+        hidden = model.get_decoder()(input_ids=ids).last_hidden_state
+        scores = token_scores(model.get_output_embeddings(), hidden, ids, mask, 1.0, False, rows_per_chunk=2)
+        expected, _ = plain_scores(model.get_output_embeddings(), hidden, ids, mask, 1.0)
+    assert scores.entropy is None and scores.logprobs.grad_fn is None
+    torch.testing.assert_close(scores.logprobs, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_temperature_must_be_positive():
+    head = torch.nn.Linear(4, 5)
+    with pytest.raises(ValueError, match="temperature=0"):
+        token_scores(head, torch.zeros(1, 1, 4), torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool),
+                     0, False)

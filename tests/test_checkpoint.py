@@ -1,4 +1,4 @@
-"""Checkpoints (train/checkpoint.py, Runner.save/restore): the env's state round trip, atomic writes
+"""Checkpoints (train/checkpoint.py, train/checkpointing.py): the env's state round trip, atomic writes
 that leave the previous checkpoint intact when the disk is full, incomplete directories skipped and
 reported, pruning, exact resume (k + resume + k iterations = 2k in one go, same parameters,
 optimizer state and logged values), non-finite steps, and a reward model that raises."""
@@ -33,7 +33,9 @@ from test_env import StepLengthReward
 from test_train_math import parse
 from test_trainer import run_train_math
 from train import builders, checkpoint, evaluation
-from train.runner import NonFiniteError, Runner, write_out
+from train.learner import Learner
+from train.reporting import write_out
+from train.runner import NonFiniteError, Runner
 
 PROBLEMS = Arith().problems(30, seed=2)
 
@@ -322,17 +324,17 @@ def test_training_seconds_continue_across_a_resume(untrained_policy_dir, tmp_pat
     time excluded), and a resumed run counts on from its checkpoint's instead of from 0: with every update
     slowed by 0.3 s, the evaluation after 2 iterations, a SIGTERM and a resume reports at least the
     stopped run's 0.6 s; with every evaluation batch slowed by 0.3 s too, none of that time counts."""
-    delay, update, solve_batch = 0.3, Runner.update, evaluation.solve_batch
+    delay, update, solve_batch = 0.3, Learner.update, evaluation.solve_batch
 
-    def slow_update(self, buffer):
+    def slow_update(self, buffer, progress):
         time.sleep(delay)
-        return update(self, buffer)
+        return update(self, buffer, progress)
 
     def slow_solve_batch(*args, **kwargs):
         time.sleep(delay)
         return solve_batch(*args, **kwargs)
 
-    monkeypatch.setattr(Runner, "update", slow_update)
+    monkeypatch.setattr(Learner, "update", slow_update)
     monkeypatch.setattr(evaluation, "solve_batch", slow_solve_batch)
     with monkeypatch.context() as patch:
         sigterm_after_iteration(patch, 1)
@@ -369,7 +371,7 @@ def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(untrained_policy_d
     with pytest.raises(NonFiniteError, match=r"iteration 4: 2 optimizer steps in a row had a non-finite loss "
                                              r"\(--max_nonfinite_steps=2\); stopped without saving\. Last good "
                                              r"checkpoint: .*checkpoints/iter_4\."):
-        with caplog.at_level(logging.WARNING, logger="train.runner"):
+        with caplog.at_level(logging.WARNING, logger="train.learner"):
             run_train_math(argv)
     assert "iteration 1: non-finite loss; optimizer step skipped (1 in a row, 1 in the run)" in caplog.text
     (run_dir,) = glob.glob(f"{tmp_path}/APPO_Arith-v0/run_*")

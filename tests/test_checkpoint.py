@@ -313,6 +313,9 @@ def test_k_then_resume_then_k_equals_2k_in_one_go(untrained_policy_dir, tmp_path
     expected, got = deterministic_scalars(straight), deterministic_scalars(resumed)
     assert [step for step, _ in got["train/reward"]] == list(range(2 * k))  # no duplicated or missing points
     assert got == expected
+    if "per_role" in extra:  # a value loss for each role's critic
+        assert {tag for tag in got if tag.endswith("/value_loss")} == {
+            "loss/value_loss", "loss/solver/value_loss", "loss/verifier/value_loss", "loss/refiner/value_loss"}
     if algorithm != "APPO":
         assert [step for step, _ in got["eval/accuracy"]] == [0, 2, 4]  # every 2 iterations and at the end
         history = json.loads((Path(resumed) / "eval_history.json").read_text())
@@ -521,6 +524,42 @@ def test_best_policy_is_saved_when_eval_accuracy_improves(untrained_policy_dir, 
         torch.testing.assert_close(tensor, saved[-1][2][name], rtol=0, atol=0)
     final = AutoModelForCausalLM.from_pretrained(run_dir / "checkpoints" / "iter_6" / "policy").state_dict()
     assert any(not torch.equal(final[name], best[name]) for name in best)  # training went on after the best
+
+
+def test_the_last_checkpoint_is_written_once_and_a_resume_evaluates_each_iteration_once(untrained_policy_dir, tmp_path,
+                                                                                      monkeypatch, length_reward):
+    """--save_interval 2 over 4 iterations writes iter_2 and iter_4 once each (the final save is the
+    periodic one's). Resumed from iter_4, whose history holds the evaluation of iteration 4, with a budget
+    of 6: the run does not evaluate iteration 4 again, and TensorBoard still shows it."""
+    save, written = checkpoint.save, []
+
+    def recorded(checkpoints_dir, iteration, **kwargs):
+        written.append(iteration)
+        return save(checkpoints_dir, iteration, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "save", recorded)
+    run_dir = Path(run_train_math(flags_for(untrained_policy_dir, tmp_path, "GRPO", 4, "--save_interval", "2")))
+    assert written == [2, 4]
+    first = json.loads((run_dir / "eval_history.json").read_text())
+    run_train_math(flags_for(untrained_policy_dir, tmp_path, "GRPO", 6, "--save_interval", "2", "--resume", "auto"))
+    assert written == [2, 4, 6]
+    history = json.loads((run_dir / "eval_history.json").read_text())
+    assert [h["iteration"] for h in history] == [0, 2, 4, 6] and history[:3] == first
+    assert [step for step, _ in read_scalars_purged(run_dir)["eval/accuracy"]] == [0, 2, 4, 6]
+
+
+def test_async_rollouts_count_only_the_batches_trained_on(untrained_policy_dir, tmp_path):
+    """Under asynchronous rollouts the next batch is collected while one trains: evaluations and
+    train/env_steps count the batches handed to the trainer only (4 env steps an iteration). The untrained
+    policy earns no outcome reward, so every GRPO advantage is 0 and no iteration steps the optimizer:
+    none logs train/trained_samples."""
+    run_dir = Path(run_train_math(flags_for(untrained_policy_dir, tmp_path, "GRPO", 4, "--async_rollouts")))
+    history = json.loads((run_dir / "eval_history.json").read_text())
+    assert [(h["iteration"], h["env_steps"]) for h in history] == [(0, 0), (2, 8), (4, 16)]
+    scalars = read_scalars_purged(run_dir)
+    assert scalars["train/env_steps"] == [(i, 4.0 * (i + 1)) for i in range(4)]
+    assert scalars["train/optimizer_steps"] == [(i, 0.0) for i in range(4)]
+    assert "train/trained_samples" not in scalars
 
 
 def test_writers_opened_in_the_same_second_keep_their_own_event_files(tmp_path):

@@ -108,15 +108,14 @@ def prm_proxy(untrained_policy_dir):
         stop(server)
 
 
-def served_prm_command(policy_dir, logdir, prm_url: str, iterations: int, ranks: int) -> list[str]:
+def served_prm_command(policy_dir, logdir, prm_url: str, iterations: int, ranks: int, save_interval: int) -> list[str]:
     """APPO in steps with the default asynchronous rollouts, paid by the PRM at --prm_url (4 requests at
     start-up and rank: /health and /v1/models for the train and the eval env; then 2 per iteration and rank,
-    one per env step), a checkpoint
-    every iteration; no retries, so that a dead server fails the run at once."""
+    one per env step); no retries, so that a dead server fails the run at once."""
     launcher = [*TORCHRUN, "--nproc_per_node", str(ranks)] if ranks > 1 else [sys.executable]
     return [*launcher, str(ROOT / "train_math.py"), "--model_name_or_path", str(policy_dir), "--logdir", str(logdir),
             "--algorithm_name", "APPO", "--action_level", "step", "--episode_length", "2", "--max_new_tokens", "8",
-            "--n_rollout_threads", str(4 * ranks), "--eval_interval", "0", "--save_interval", "1",
+            "--n_rollout_threads", str(4 * ranks), "--eval_interval", "0", "--save_interval", str(save_interval),
             "--reward", "outcome:1.0,prm:0.2", "--prm_url", prm_url, "--prm_model_name", "tiny",
             "--service_retries", "0", "--dist_timeout", "60", "--num_env_steps", str(8 * ranks * iterations)]
 
@@ -124,10 +123,11 @@ def served_prm_command(policy_dir, logdir, prm_url: str, iterations: int, ranks:
 def test_a_prm_server_dying_under_async_rollouts_leaves_a_state_that_resumes(untrained_policy_dir, tmp_path,
                                                                             prm_proxy):
     """The server stops answering in the 4th iteration's batch, which the rollout thread collects while
-    the 3rd trains: the run saves the state at the start of the 4th (iter_3, the env before that batch),
-    names it in the command it prints, and that command finishes the run once the server is back."""
+    the 3rd trains: with no checkpoint before the end (--save_interval 0), the run saves the state at the
+    start of the 4th (iter_3, the env before that batch), names it in the command it prints, and that
+    command finishes the run once the server is back."""
     prm_proxy.fail_from = 4 + 2 * 3
-    command = served_prm_command(untrained_policy_dir, tmp_path, prm_proxy.url, iterations=5, ranks=1)
+    command = served_prm_command(untrained_policy_dir, tmp_path, prm_proxy.url, iterations=5, ranks=1, save_interval=0)
     failed = subprocess.run(command, capture_output=True, text=True, env=child_env(), cwd=ROOT, timeout=300)
     assert failed.returncode == 1, failed.stderr[-3000:]
     line = failed.stderr.strip().splitlines()[-1]
@@ -148,7 +148,7 @@ def test_a_prm_server_dying_under_two_ranks_names_the_last_checkpoint(untrained_
     written (one exists: the 3rd batch is collected after the first is saved) and --resume auto. Start-up
     lines come from rank 0 alone."""
     prm_proxy.fail_from = 2 * (4 + 2 * 2)  # from the 3rd batch on (the first requests of either rank's)
-    command = served_prm_command(untrained_policy_dir, tmp_path, prm_proxy.url, iterations=5, ranks=2)
+    command = served_prm_command(untrained_policy_dir, tmp_path, prm_proxy.url, iterations=5, ranks=2, save_interval=1)
     failed = subprocess.run(command, capture_output=True, text=True, env=child_env(), cwd=ROOT, timeout=300)
     assert failed.returncode != 0
     (run_dir,) = tmp_path.glob("APPO_Arith-v0/run_*")

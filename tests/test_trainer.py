@@ -16,6 +16,7 @@ from algorithms.base import AlgorithmConfig, make_algorithm
 from algorithms.registry import ALGORITHMS
 from algorithms.buffer import RolloutBuffer
 from models.policy import LanguagePolicy
+from train.reporting import bar_summary
 
 
 @pytest.fixture(scope="module")
@@ -216,3 +217,11 @@ def test_process_rewards_raise_held_out_accuracy(tiny_models, tmp_path, reward):
     start, late = accuracy[0], float(np.mean(accuracy[-3:]))
     print(f"{reward}: held-out accuracy {start:.3f} -> {late:.3f} (mean of the last 3 evals): {accuracy}")
     assert late > start + 0.04, f"GRPO on {reward} did not raise held-out accuracy: {accuracy}"
+
+
+def test_the_progress_bar_shows_each_roles_reward_not_their_sum():
+    """A multi-agent episode's return adds every role's rewards: the bar shows each role's own instead."""
+    stats = {"train/reward": 1.5, "train/accuracy": 0.5, "train/solver/reward": 1.0, "train/verifier/reward": 0.5}
+    assert bar_summary(stats, ["solver", "verifier"]) == {"solver_reward": "1.000", "verifier_reward": "0.500",
+                                                          "train_acc": "0.500"}
+    assert bar_summary(stats, None) == {"reward": "1.500", "train_acc": "0.500"}

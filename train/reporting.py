@@ -49,15 +49,19 @@ class Reporter:
 
     def log_evaluation(self, iteration: int, result: dict[str, float], env_steps: int, num_problems: int) -> None:
         """An evaluation's scalars, its log line and the last rollout's sampled solutions."""
+        self.log_scalars(iteration, result)
         if not self.ranks.is_main:
             return
-        for key, value in result.items():
-            self.writer.add_scalar(key, value, iteration)
         log.info("eval iteration %d (%d env steps): greedy accuracy %.3f on %d problems, mean length %.1f tokens%s",
                  iteration, env_steps, result["eval/accuracy"], num_problems, result["eval/mean_length"],
                  f", PRM score {result['eval/prm_score']:.3f}" if "eval/prm_score" in result else "")
         if self.last_buffer is not None:
             self.writer.add_text("samples", self.samples_markdown(self.last_buffer), iteration)
+
+    def log_scalars(self, iteration: int, values: dict[str, float]) -> None:
+        if self.ranks.is_main:
+            for key, value in values.items():
+                self.writer.add_scalar(key, value, iteration)
 
     def samples_markdown(self, buffer: RolloutBuffer) -> str:
         """A few sampled episodes of the last rollout: each action with its reward (and, in a multi-agent

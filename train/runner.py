@@ -189,13 +189,12 @@ class Runner:
         postfix.update(bar_summary(stats, self.collector.roles))
 
     def evaluate_and_collect(self, iteration: int, postfix: dict[str, str]) -> tuple[RolloutBuffer, dict[str, float]]:
-        """The iteration's evaluation (when due and not already in the history: a resume of a finished
-        run) and its batch. A failure saves the state at the iteration's start first (one process)."""
+        """The iteration's evaluation, when due, and its batch. A failure saves the state at the
+        iteration's start first (one process)."""
         start = self.snapshot() if not self.ranks.distributed else None  # the other ranks could not join a save
         try:
-            due = self.config.eval_interval and iteration % self.config.eval_interval == 0
-            if due and not (self.history and self.history[-1]["iteration"] == iteration):
-                postfix["acc"] = f"{self.evaluate(iteration)['eval/accuracy']:.3f}"
+            if self.config.eval_interval and iteration % self.config.eval_interval == 0:
+                postfix["acc"] = f"{self.evaluate_once(iteration)['eval/accuracy']:.3f}"
             return self.rollouts.next(iteration, self.progress)
         except Exception:
             if start is not None:
@@ -226,6 +225,15 @@ class Runner:
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
+
+    def evaluate_once(self, iteration: int) -> dict[str, float]:
+        """``evaluate``, unless the history already holds this iteration (a resume of a finished run's
+        final checkpoint): then its logged values again, which the resumed writer's purge dropped."""
+        if not (self.history and self.history[-1]["iteration"] == iteration):
+            return self.evaluate(iteration)
+        result = {key: value for key, value in self.history[-1].items() if key.startswith(("eval/", "time/"))}
+        self.reporter.log_scalars(iteration, result)
+        return result
 
     def evaluate(self, iteration: int) -> dict[str, float]:
         """Held-out evaluation (``train.evaluation``), logged, added to the history, and the policy saved

@@ -21,13 +21,15 @@ def row_statistics(logprobs: torch.Tensor, entropy: torch.Tensor, batch: Batch,
     """[B] per action of ``batch``: its mean token entropy, its approx KL (k3, joint log-prob) to the
     behaviour policy and, given (``value_loss`` [B]), its value loss. ``logprobs``, ``entropy``: [B, L]."""
     mask = batch.token_mask.to(logprobs.dtype)
-    rows = {"entropy": masked_mean(entropy, mask, dim=-1), "approx_kl": kl_k3(batch.old_logprobs.sum(-1), logprobs.sum(-1))}
+    rows = {"entropy": masked_mean(entropy, mask, dim=-1),
+            "approx_kl": kl_k3(batch.old_logprobs.sum(-1), logprobs.sum(-1))}
     if value_loss is not None:
         rows["value_loss"] = value_loss
     return {name: values.detach() for name, values in rows.items()}
 
 
-def role_sums(rows: dict[str, torch.Tensor], agents: torch.Tensor, roles: Sequence[str]) -> dict[str, tuple[float, int]]:
+def role_sums(rows: dict[str, torch.Tensor], agents: torch.Tensor,
+              roles: Sequence[str]) -> dict[str, tuple[float, int]]:
     """``<role>/<name>`` -> (sum, count) of each role's rows of ``rows`` ([B] each; ``agents`` [B] the agent
     slot of each row); roles without a row in the batch are left out."""
     sums = {}

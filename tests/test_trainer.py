@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import math
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -225,3 +226,17 @@ def test_the_progress_bar_shows_each_roles_reward_not_their_sum():
     assert bar_summary(stats, ["solver", "verifier"]) == {"solver_reward": "1.000", "verifier_reward": "0.500",
                                                           "train_acc": "0.500"}
     assert bar_summary(stats, None) == {"reward": "1.500", "train_acc": "0.500"}
+
+
+def test_prefix_rl_by_handoff_steps_evaluates_the_target_finishing_the_prefix(tiny_models, tmp_path):
+    """--handoff_steps 1 with a 6-token prefix: the policy's prefix alone never holds the answer, the
+    frozen target finishes it. Held-out accuracy is the target's verdict on the finished solution (what
+    the reward pays), not the prefix's own (0.000 at every evaluation), so best/ is saved for it."""
+    run_dir = run_train_math(["--model_name_or_path", str(tiny_models.policy), "--handoff_steps", "1",
+                              "--reward", "target", "--target_model_name_or_path", str(tiny_models.target),
+                              "--max_new_tokens", "6", "--logdir", str(tmp_path), "--noasync_rollouts",
+                              "--n_rollout_threads", "8", "--num_env_steps", "8", "--eval_limit", "32",
+                              "--eval_batch_size", "32", "--eval_interval", "1", "--save_interval", "0"])
+    accuracy = [value for _, value in sorted(read_scalars(run_dir)["eval/accuracy"])]
+    assert len(accuracy) == 2 and min(accuracy) > 0.1, accuracy
+    assert (Path(run_dir) / "best").is_dir()

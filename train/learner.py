@@ -241,8 +241,8 @@ class Learner:
                     progress.iteration, what, progress.nonfinite_in_a_row, progress.nonfinite_steps)
         if progress.nonfinite_in_a_row >= self.config.max_nonfinite_steps:
             raise NonFiniteError(
-                f"iteration {progress.iteration}: {progress.nonfinite_in_a_row} optimizer steps in a row had a non-finite "
-                f"{what} (--max_nonfinite_steps={self.config.max_nonfinite_steps}); stopped without saving")
+                f"iteration {progress.iteration}: {progress.nonfinite_in_a_row} optimizer steps in a row had a "
+                f"non-finite {what} (--max_nonfinite_steps={self.config.max_nonfinite_steps}); stopped without saving")
 
     def update_implicit_prm(self, buffer: RolloutBuffer, trained: torch.Tensor) -> float:
         """PRIME: one step of the implicit PRM on the actions the policy trained on (``trained`` [T, N, A]),

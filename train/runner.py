@@ -71,6 +71,9 @@ class RunnerConfig:
     async_rollouts: bool = False
     max_policy_lag: int = 1
     num_text_samples: int = 4
+    # the info key of an ended held-out episode's verdict: "reward/target" where a frozen target finishes
+    # the policy's prefix (Prefix-RL by --handoff_steps), so that evaluation measures what the reward pays
+    eval_verdict: str = "correct"
 
 
 class Runner:
@@ -241,7 +244,7 @@ class Runner:
         self.rollouts.wait()  # the env reward models must not run in two threads at once
         with self.policy.gathered():
             result = evaluation.evaluate(self.eval_env, self.generator, self.collector.sampling, self.config.eval_limit,
-                                         self.ranks, self.collector.voices)
+                                         self.ranks, self.collector.voices, self.config.eval_verdict)
         env_steps = self.rollouts.env_steps()
         best_before = max((h["eval/accuracy"] for h in self.history), default=-math.inf)
         # seconds: the training time the policy evaluated here took, every evaluation so far excluded

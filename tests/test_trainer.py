@@ -17,6 +17,7 @@ from algorithms.base import AlgorithmConfig, make_algorithm
 from algorithms.registry import ALGORITHMS
 from algorithms.buffer import RolloutBuffer
 from models.policy import LanguagePolicy
+from models.tiny.build import build_tiny_models
 from train.reporting import bar_summary
 
 
@@ -228,12 +229,18 @@ def test_the_progress_bar_shows_each_roles_reward_not_their_sum():
     assert bar_summary(stats, None) == {"reward": "1.500", "train_acc": "0.500"}
 
 
-def test_prefix_rl_by_handoff_steps_evaluates_the_target_finishing_the_prefix(tiny_models, tmp_path):
+@pytest.fixture(scope="module")
+def tiny_solvers():
+    """The tiny policy and target (the ``tiny_models`` fixture's, without the team model it builds too)."""
+    return build_tiny_models(team=False)
+
+
+def test_prefix_rl_by_handoff_steps_evaluates_the_target_finishing_the_prefix(tiny_solvers, tmp_path):
     """--handoff_steps 1 with a 6-token prefix: the policy's prefix alone never holds the answer, the
     frozen target finishes it. Held-out accuracy is the target's verdict on the finished solution (what
     the reward pays), not the prefix's own (0.000 at every evaluation), so best/ is saved for it."""
-    run_dir = run_train_math(["--model_name_or_path", str(tiny_models.policy), "--handoff_steps", "1",
-                              "--reward", "target", "--target_model_name_or_path", str(tiny_models.target),
+    run_dir = run_train_math(["--model_name_or_path", str(tiny_solvers.policy), "--handoff_steps", "1",
+                              "--reward", "target", "--target_model_name_or_path", str(tiny_solvers.target),
                               "--max_new_tokens", "6", "--logdir", str(tmp_path), "--noasync_rollouts",
                               "--n_rollout_threads", "8", "--num_env_steps", "8", "--eval_limit", "32",
                               "--eval_batch_size", "32", "--eval_interval", "1", "--save_interval", "0"])

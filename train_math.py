@@ -127,6 +127,17 @@ def without_flag_dump(message: str) -> str:
     return message
 
 
+def after_service_failure(runner: Runner) -> str:
+    """What to do after a server stopped answering: resume from the state saved at the failure, or (several
+    ranks cannot join a save) from the last checkpoint with --resume auto."""
+    if runner.saved_at_failure is not None:
+        return (f"The state before the failure is saved; once the server is back, resume with: "
+                f"{resume_command(runner.saved_at_failure)}")
+    why = f" (its {runner.ranks.world_size} ranks cannot join a save)" if runner.ranks.distributed else ""
+    return (f"Nothing was saved at the failure{why}; the last checkpoint is {runner.last_checkpoint or 'none yet'}. "
+            "Once the server is back, launch the same command with --resume auto")
+
+
 def check_flags() -> None:
     """What the flags alone decide, before anything heavy is imported."""
     train_flags.check_algorithm_specific()
@@ -161,8 +172,7 @@ def main(argv: list[str]) -> None:
     except Exception as error:
         if not caused_by(error, ServiceError):
             raise
-        fail(f"{error}. The state before the failure is saved; once the server is back, resume with: "
-             f"{resume_command(runner.last_checkpoint)}")
+        fail(f"{error}. {after_service_failure(runner)}")
     if not runner.ranks.is_main:
         return
     (run_dir / "eval_history.json").write_text(json.dumps(history, indent=1))

@@ -68,14 +68,18 @@ class APPO(BaseAlgorithm):
         log_prob = scores.logprobs.sum(-1)  # [B] joint log-prob of the action
         old_log_prob = batch.old_logprobs.sum(-1)
         surrogate, clipped = clipped_surrogate(log_prob, old_log_prob, batch.advantages, config.clip_param)
-        value = scores.values[:, 0]  # V(s_t), read at the last prompt token
-        critic_loss = value_loss(value, batch.old_values, batch.returns, config.value_clip_param, config.huber_delta)
+        critic_loss = self.value_loss_rows(scores, batch)
         entropy = masked_mean(scores.entropy, mask, dim=-1)  # [B] mean token entropy of each action
         per_sample = surrogate + config.value_coef * critic_loss - config.entropy_coef * entropy
         stats = {"policy_loss": surrogate.mean(), "value_loss": critic_loss.mean(), "entropy": entropy.mean(),
                  "clip_fraction": clipped.mean(), "approx_kl": kl_k3(old_log_prob, log_prob).mean()}
         weight = batch.weight("sample")
         return per_sample.mean() * weight, detached(stats)
+
+    def value_loss_rows(self, scores: ActionScores, batch: Batch) -> torch.Tensor:
+        value = scores.values[:, 0]  # V(s_t), read at the last prompt token
+        config = self.config
+        return value_loss(value, batch.old_values, batch.returns, config.value_clip_param, config.huber_delta)
 
     def skippable_rows(self, batch: Batch) -> torch.Tensor:
         return torch.zeros(batch.num_samples, dtype=torch.bool)

@@ -95,6 +95,10 @@ class Algorithm(Protocol):
         """[B] rows whose loss and gradient are exactly zero (the runner need not forward them)."""
         ...
 
+    def value_loss_rows(self, scores: ActionScores, batch: Batch) -> torch.Tensor | None:
+        """[B] each action's value loss (the one ``loss`` trains the critic on), or None without a critic."""
+        ...
+
 
 SumReducer = Callable[[torch.Tensor], torch.Tensor]
 """Adds a tensor over the processes that each hold part of one batch (the identity in one process)."""
@@ -134,6 +138,9 @@ class BaseAlgorithm:
     @property
     def needs_reference(self) -> bool:
         return self.config.kl_coef > 0
+
+    def value_loss_rows(self, scores: ActionScores, batch: Batch) -> torch.Tensor | None:
+        return None
 
 
 def make_algorithm(name: str, config: AlgorithmConfig) -> Algorithm:

@@ -14,7 +14,7 @@ import torch
 from algorithms.appo import normalized
 from algorithms.base import ActionScores, BaseAlgorithm, decoupled_gae, token_policy_loss
 from algorithms.buffer import Batch, RolloutBuffer, Targets
-from algorithms.losses import aggregate, discount_matrix, discounted_reverse_cumsum, value_loss
+from algorithms.losses import aggregate, discount_matrix, discounted_reverse_cumsum, masked_mean, value_loss
 
 
 def tppo_advantages(
@@ -89,11 +89,19 @@ class TPPO(BaseAlgorithm):
     def loss(self, scores: ActionScores, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         config, mask = self.config, batch.token_mask.to(scores.logprobs.dtype)
         policy_loss, stats = token_policy_loss(scores, batch, batch.advantages, config)
-        critic_loss = value_loss(scores.values, batch.old_values, batch.returns, config.value_clip_param,
-                                 config.huber_delta)
+        critic_loss = self.token_value_loss(scores, batch)
         stats["value_loss"] = aggregate(critic_loss, mask, config.loss_agg).detach()
         weight = batch.weight(config.loss_agg)
         return policy_loss + config.value_coef * aggregate(critic_loss, mask, config.loss_agg) * weight, stats
+
+    def token_value_loss(self, scores: ActionScores, batch: Batch) -> torch.Tensor:
+        """[B, L] the (clipped) value loss of each token's value."""
+        config = self.config
+        return value_loss(scores.values, batch.old_values, batch.returns, config.value_clip_param, config.huber_delta)
+
+    def value_loss_rows(self, scores: ActionScores, batch: Batch) -> torch.Tensor:
+        """[B] each action's mean token value loss."""
+        return masked_mean(self.token_value_loss(scores, batch), batch.token_mask.to(scores.logprobs.dtype), dim=-1)
 
     def skippable_rows(self, batch: Batch) -> torch.Tensor:
         return torch.zeros(batch.num_samples, dtype=torch.bool)

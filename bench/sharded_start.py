@@ -1,7 +1,7 @@
 """Per-rank peak memory of an FSDP2 start on 2 gloo ranks: every rank reading the whole model (before)
 against rank 0 reading it and the others building on the meta device (``weights_from_rank0``).
 
-    python bench/sharded_start.py [--model 0.5b]
+    python -m bench.sharded_start [--model 0.5b]
 
 The model is a random-init Qwen2.5 config written by ``bench/memory.py`` (bfloat16 on disk; the policy
 keeps fp32 master weights, as full fine-tuning does). Each rank builds the policy, shards it
@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from memory import MODELS, write_model
+from bench.memory import MODELS, write_model
 
 RESULT = "RESULT "
 
@@ -41,9 +41,10 @@ def rank_main(model_dir: str, from_rank0: bool) -> None:
 
 def measure(model_dir: Path, from_rank0: bool) -> list[float]:
     """Peak GiB of each of 2 ranks."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
-               "--rank_of", str(model_dir), *(["--from_rank0"] if from_rank0 else [])]
-    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--module",
+               "bench.sharded_start", "--rank_of", str(model_dir), *(["--from_rank0"] if from_rank0 else [])]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1],
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     results = [json.loads(line.split(RESULT, 1)[1]) for line in done.stdout.splitlines() if RESULT in line]
     if done.returncode != 0 or len(results) != 2:
         raise RuntimeError(f"torchrun failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
@@ -68,5 +69,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's packages
     main()

@@ -1,7 +1,8 @@
 """A fault-injecting HTTP proxy on loopback, in front of a real server, for the client tests.
 
-Each request gets a number (0, 1, ...) in arrival order. Requests numbered below ``fail_first`` are
-answered with ``fail_status`` without reaching the server; those below ``slow_first`` are held for
+Each request gets a number (0, 1, ...) in arrival order. Requests numbered below ``fail_first``, and
+from ``fail_from`` on (a server that died mid-run; None: never), are answered with ``fail_status``
+without reaching the server; those below ``slow_first`` are held for
 ``delay`` seconds first (longer than a client's read timeout: it gives up); the rest are forwarded as
 they are. ``seen`` counts requests, ``forwarded`` those that reached the server.
 """
@@ -18,9 +19,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 class FaultProxy:
     def __init__(self, upstream: str, fail_first: int = 0, fail_status: int = 503, slow_first: int = 0,
-                 delay: float = 0.0):
+                 delay: float = 0.0, fail_from: int | None = None):
         self.upstream = urllib.parse.urlsplit(upstream)
-        self.fail_first, self.fail_status = fail_first, fail_status
+        self.fail_first, self.fail_from, self.fail_status = fail_first, fail_from, fail_status
         self.slow_first, self.delay = slow_first, delay
         self.seen = self.forwarded = 0
         self.lock = threading.Lock()
@@ -55,7 +56,7 @@ class FaultProxy:
     def handle(self, request: BaseHTTPRequestHandler, body: bytes | None) -> None:
         with self.lock:
             number, self.seen = self.seen, self.seen + 1
-        if number < self.fail_first:
+        if number < self.fail_first or (self.fail_from is not None and number >= self.fail_from):
             return self.reply(request, self.fail_status, json.dumps({"error": "injected"}).encode())
         if number < self.slow_first:
             time.sleep(self.delay)

@@ -1,4 +1,5 @@
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ from algorithms.base import roc_auc
 from algorithms.grpo import group_advantages
 from algorithms.losses import aggregate, clipped_surrogate, discounted_reverse_cumsum, huber, kl_k3, value_loss
 from algorithms.rloo import filter_groups, leave_one_out_baseline, rloo_returns
+from algorithms.statistics import kl_early_stop, role_sums, row_statistics
 from algorithms.tppo import tppo_advantages
 
 
@@ -177,3 +179,26 @@ def test_filter_groups_by_accuracy():
     groups = torch.tensor([0] * 4 + [1] * 4 + [2] * 4)
     keep = filter_groups(correct, groups, 0.2, 0.8)
     assert keep.tolist() == [False] * 4 + [True] * 4 + [False] * 4
+
+
+def test_kl_early_stop_only_above_a_set_target():
+    assert kl_early_stop(0.03, target_kl=0.02) and not kl_early_stop(0.02, target_kl=0.02)
+    assert not kl_early_stop(5.0, target_kl=0.0)  # 0: off
+
+
+def test_role_statistics_by_hand():
+    """Three actions of two tokens (the last one token long): agents 0, 1, 0 of roles (writer, judge).
+    Entropy is each action's mean over its own tokens, approx KL the k3 of its joint log-probs."""
+    batch = SimpleNamespace(token_mask=torch.tensor([[True, True], [True, True], [True, False]]),
+                            old_logprobs=torch.tensor([[-1.0, -1.0], [-0.5, -0.5], [-2.0, 0.0]]))
+    logprobs = torch.tensor([[-1.0, -1.0], [-1.0, -0.5], [-1.0, 0.0]])
+    entropy = torch.tensor([[1.0, 3.0], [0.5, 0.5], [4.0, 100.0]])
+    rows = row_statistics(logprobs, entropy, batch, value_loss=torch.tensor([0.1, 0.2, 0.3]))
+    torch.testing.assert_close(rows["entropy"], torch.tensor([2.0, 0.5, 4.0]))
+    # k3 = exp(d) - 1 - d with d = new - old joint log-prob: 0, -0.5, 1.0
+    torch.testing.assert_close(rows["approx_kl"], torch.tensor([0.0, math.exp(-0.5) - 0.5, math.exp(1.0) - 2.0]))
+    sums = role_sums(rows, torch.tensor([0, 1, 0]), ["writer", "judge"])
+    assert sums["writer/entropy"] == (6.0, 2) and sums["judge/entropy"] == (0.5, 1)
+    assert sums["writer/value_loss"] == (pytest.approx(0.4), 2) and sums["judge/value_loss"] == (pytest.approx(0.2), 1)
+    assert set(role_sums(rows, torch.tensor([0, 0, 0]), ["writer", "judge"])) == {
+        "writer/entropy", "writer/approx_kl", "writer/value_loss"}  # a role without rows in the batch: none

@@ -1,4 +1,4 @@
-"""Checkpoints (train/checkpoint.py, Runner.save/restore): the env's state round trip, atomic writes
+"""Checkpoints (train/checkpoint.py, train/checkpointing.py): the env's state round trip, atomic writes
 that leave the previous checkpoint intact when the disk is full, incomplete directories skipped and
 reported, pruning, exact resume (k + resume + k iterations = 2k in one go, same parameters,
 optimizer state and logged values), non-finite steps, and a reward model that raises."""
@@ -33,7 +33,9 @@ from test_env import StepLengthReward
 from test_train_math import parse
 from test_trainer import run_train_math
 from train import builders, checkpoint, evaluation
-from train.runner import NonFiniteError, Runner, write_out
+from train.learner import Learner
+from train.reporting import write_out
+from train.runner import NonFiniteError, Runner
 
 PROBLEMS = Arith().problems(30, seed=2)
 
@@ -311,6 +313,9 @@ def test_k_then_resume_then_k_equals_2k_in_one_go(untrained_policy_dir, tmp_path
     expected, got = deterministic_scalars(straight), deterministic_scalars(resumed)
     assert [step for step, _ in got["train/reward"]] == list(range(2 * k))  # no duplicated or missing points
     assert got == expected
+    if "per_role" in extra:  # a value loss for each role's critic
+        assert {tag for tag in got if tag.endswith("/value_loss")} == {
+            "loss/value_loss", "loss/solver/value_loss", "loss/verifier/value_loss", "loss/refiner/value_loss"}
     if algorithm != "APPO":
         assert [step for step, _ in got["eval/accuracy"]] == [0, 2, 4]  # every 2 iterations and at the end
         history = json.loads((Path(resumed) / "eval_history.json").read_text())
@@ -322,17 +327,17 @@ def test_training_seconds_continue_across_a_resume(untrained_policy_dir, tmp_pat
     time excluded), and a resumed run counts on from its checkpoint's instead of from 0: with every update
     slowed by 0.3 s, the evaluation after 2 iterations, a SIGTERM and a resume reports at least the
     stopped run's 0.6 s; with every evaluation batch slowed by 0.3 s too, none of that time counts."""
-    delay, update, solve_batch = 0.3, Runner.update, evaluation.solve_batch
+    delay, update, solve_batch = 0.3, Learner.update, evaluation.solve_batch
 
-    def slow_update(self, buffer):
+    def slow_update(self, buffer, progress):
         time.sleep(delay)
-        return update(self, buffer)
+        return update(self, buffer, progress)
 
     def slow_solve_batch(*args, **kwargs):
         time.sleep(delay)
         return solve_batch(*args, **kwargs)
 
-    monkeypatch.setattr(Runner, "update", slow_update)
+    monkeypatch.setattr(Learner, "update", slow_update)
     monkeypatch.setattr(evaluation, "solve_batch", slow_solve_batch)
     with monkeypatch.context() as patch:
         sigterm_after_iteration(patch, 1)
@@ -369,7 +374,7 @@ def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(untrained_policy_d
     with pytest.raises(NonFiniteError, match=r"iteration 4: 2 optimizer steps in a row had a non-finite loss "
                                              r"\(--max_nonfinite_steps=2\); stopped without saving\. Last good "
                                              r"checkpoint: .*checkpoints/iter_4\."):
-        with caplog.at_level(logging.WARNING, logger="train.runner"):
+        with caplog.at_level(logging.WARNING, logger="train.learner"):
             run_train_math(argv)
     assert "iteration 1: non-finite loss; optimizer step skipped (1 in a row, 1 in the run)" in caplog.text
     (run_dir,) = glob.glob(f"{tmp_path}/APPO_Arith-v0/run_*")
@@ -519,6 +524,42 @@ def test_best_policy_is_saved_when_eval_accuracy_improves(untrained_policy_dir, 
         torch.testing.assert_close(tensor, saved[-1][2][name], rtol=0, atol=0)
     final = AutoModelForCausalLM.from_pretrained(run_dir / "checkpoints" / "iter_6" / "policy").state_dict()
     assert any(not torch.equal(final[name], best[name]) for name in best)  # training went on after the best
+
+
+def test_the_last_checkpoint_is_written_once_and_a_resume_evaluates_each_iteration_once(untrained_policy_dir, tmp_path,
+                                                                                      monkeypatch, length_reward):
+    """--save_interval 2 over 4 iterations writes iter_2 and iter_4 once each (the final save is the
+    periodic one's). Resumed from iter_4, whose history holds the evaluation of iteration 4, with a budget
+    of 6: the run does not evaluate iteration 4 again, and TensorBoard still shows it."""
+    save, written = checkpoint.save, []
+
+    def recorded(checkpoints_dir, iteration, **kwargs):
+        written.append(iteration)
+        return save(checkpoints_dir, iteration, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "save", recorded)
+    run_dir = Path(run_train_math(flags_for(untrained_policy_dir, tmp_path, "GRPO", 4, "--save_interval", "2")))
+    assert written == [2, 4]
+    first = json.loads((run_dir / "eval_history.json").read_text())
+    run_train_math(flags_for(untrained_policy_dir, tmp_path, "GRPO", 6, "--save_interval", "2", "--resume", "auto"))
+    assert written == [2, 4, 6]
+    history = json.loads((run_dir / "eval_history.json").read_text())
+    assert [h["iteration"] for h in history] == [0, 2, 4, 6] and history[:3] == first
+    assert [step for step, _ in read_scalars_purged(run_dir)["eval/accuracy"]] == [0, 2, 4, 6]
+
+
+def test_async_rollouts_count_only_the_batches_trained_on(untrained_policy_dir, tmp_path):
+    """Under asynchronous rollouts the next batch is collected while one trains: evaluations and
+    train/env_steps count the batches handed to the trainer only (4 env steps an iteration). The untrained
+    policy earns no outcome reward, so every GRPO advantage is 0 and no iteration steps the optimizer:
+    none logs train/trained_samples."""
+    run_dir = Path(run_train_math(flags_for(untrained_policy_dir, tmp_path, "GRPO", 4, "--async_rollouts")))
+    history = json.loads((run_dir / "eval_history.json").read_text())
+    assert [(h["iteration"], h["env_steps"]) for h in history] == [(0, 0), (2, 8), (4, 16)]
+    scalars = read_scalars_purged(run_dir)
+    assert scalars["train/env_steps"] == [(i, 4.0 * (i + 1)) for i in range(4)]
+    assert scalars["train/optimizer_steps"] == [(i, 0.0) for i in range(4)]
+    assert "train/trained_samples" not in scalars
 
 
 def test_writers_opened_in_the_same_second_keep_their_own_event_files(tmp_path):

@@ -19,7 +19,11 @@ import numpy as np
 import pytest
 
 from envs.vector import MathVectorEnv
+from fault_proxy import FaultProxy
+from reward_models.prm import ProcessRewardModel
 from test_checkpoint import assert_same_training_state, deterministic_scalars
+from test_distributed import TORCHRUN
+from test_prm_server import serving, stop
 from train import checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,6 +95,69 @@ def test_env_survives_empty_non_utf8_and_huge_generations(tiny_tokenizer):
     assert info["correct"][terminated | truncated].tolist() == [0.0, 0.0, 0.0, 0.0]
     obs, rewards, terminated, truncated, _ = env.step(["The answer is \\boxed{0}."] * len(actions))
     assert terminated[0] and all(isinstance(o, str) for o in obs)
+
+
+@pytest.fixture
+def prm_proxy(untrained_policy_dir):
+    """A served PRM (the untrained tiny policy read as a shepherd PRM, served as "tiny") behind a FaultProxy."""
+    server = serving(ProcessRewardModel(untrained_policy_dir, device="cpu", check_labels=False))
+    try:
+        with FaultProxy(server.url) as proxy:
+            yield proxy
+    finally:
+        stop(server)
+
+
+def served_prm_command(policy_dir, logdir, prm_url: str, iterations: int, ranks: int, save_interval: int) -> list[str]:
+    """APPO in steps with the default asynchronous rollouts, paid by the PRM at --prm_url (4 requests at
+    start-up and rank: /health and /v1/models for the train and the eval env; then 2 per iteration and rank,
+    one per env step); no retries, so that a dead server fails the run at once."""
+    launcher = [*TORCHRUN, "--nproc_per_node", str(ranks)] if ranks > 1 else [sys.executable]
+    return [*launcher, str(ROOT / "train_math.py"), "--model_name_or_path", str(policy_dir), "--logdir", str(logdir),
+            "--algorithm_name", "APPO", "--action_level", "step", "--episode_length", "2", "--max_new_tokens", "8",
+            "--n_rollout_threads", str(4 * ranks), "--eval_interval", "0", "--save_interval", str(save_interval),
+            "--reward", "outcome:1.0,prm:0.2", "--prm_url", prm_url, "--prm_model_name", "tiny",
+            "--service_retries", "0", "--dist_timeout", "60", "--num_env_steps", str(8 * ranks * iterations)]
+
+
+def test_a_prm_server_dying_under_async_rollouts_leaves_a_state_that_resumes(untrained_policy_dir, tmp_path,
+                                                                            prm_proxy):
+    """The server stops answering in the 4th iteration's batch, which the rollout thread collects while
+    the 3rd trains: with no checkpoint before the end (--save_interval 0), the run saves the state at the
+    start of the 4th (iter_3, the env before that batch), names it in the command it prints, and that
+    command finishes the run once the server is back."""
+    prm_proxy.fail_from = 4 + 2 * 3
+    command = served_prm_command(untrained_policy_dir, tmp_path, prm_proxy.url, iterations=5, ranks=1, save_interval=0)
+    failed = subprocess.run(command, capture_output=True, text=True, env=child_env(), cwd=ROOT, timeout=300)
+    assert failed.returncode == 1, failed.stderr[-3000:]
+    line = failed.stderr.strip().splitlines()[-1]
+    match = re.search(r"The state before the failure is saved; once the server is back, resume with: (.+)$", line)
+    assert line.startswith("train_math.py: error: ") and match, failed.stderr[-3000:]
+    resume = shlex.split(match[1])
+    path = Path(resume[-1].removeprefix("--resume="))
+    assert path.name == "iter_3" and checkpoint.invalid_reason(path) is None, line
+    assert checkpoint.load(path).state["env_steps"] == 3 * 8  # the failed batch's steps are not in it
+    prm_proxy.fail_from = None
+    resumed = subprocess.run(resume, capture_output=True, text=True, env=child_env(), cwd=ROOT, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert checkpoint.find_latest(path.parents[1]).name == "iter_5"
+
+
+def test_a_prm_server_dying_under_two_ranks_names_the_last_checkpoint(untrained_policy_dir, tmp_path, prm_proxy):
+    """Two torchrun ranks cannot join a save once one has failed: the error names the last checkpoint
+    written (one exists: the 3rd batch is collected after the first is saved) and --resume auto. Start-up
+    lines come from rank 0 alone."""
+    prm_proxy.fail_from = 2 * (4 + 2 * 2)  # from the 3rd batch on (the first requests of either rank's)
+    command = served_prm_command(untrained_policy_dir, tmp_path, prm_proxy.url, iterations=5, ranks=2, save_interval=1)
+    failed = subprocess.run(command, capture_output=True, text=True, env=child_env(), cwd=ROOT, timeout=300)
+    assert failed.returncode != 0
+    (run_dir,) = tmp_path.glob("APPO_Arith-v0/run_*")
+    last = checkpoint.find_latest(run_dir)
+    assert last is not None, failed.stderr[-3000:]
+    assert (f"[rank 0] train_math.py: error: " in failed.stderr and "Nothing was saved at the failure (its 2 ranks "
+            f"cannot join a save); the last checkpoint is {last}. Once the server is back, launch the same command "
+            "with --resume auto" in failed.stderr), failed.stderr[-3000:]
+    assert failed.stderr.count("run directory ") == 1, failed.stderr[-3000:]
 
 
 # ---------------------------------------------------------------------------------------------

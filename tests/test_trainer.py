@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import math
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +17,8 @@ from algorithms.base import AlgorithmConfig, make_algorithm
 from algorithms.registry import ALGORITHMS
 from algorithms.buffer import RolloutBuffer
 from models.policy import LanguagePolicy
+from models.tiny.build import build_tiny_models
+from train.reporting import bar_summary
 
 
 @pytest.fixture(scope="module")
@@ -216,3 +219,31 @@ def test_process_rewards_raise_held_out_accuracy(tiny_models, tmp_path, reward):
     start, late = accuracy[0], float(np.mean(accuracy[-3:]))
     print(f"{reward}: held-out accuracy {start:.3f} -> {late:.3f} (mean of the last 3 evals): {accuracy}")
     assert late > start + 0.04, f"GRPO on {reward} did not raise held-out accuracy: {accuracy}"
+
+
+def test_the_progress_bar_shows_each_roles_reward_not_their_sum():
+    """A multi-agent episode's return adds every role's rewards: the bar shows each role's own instead."""
+    stats = {"train/reward": 1.5, "train/accuracy": 0.5, "train/solver/reward": 1.0, "train/verifier/reward": 0.5}
+    assert bar_summary(stats, ["solver", "verifier"]) == {"solver_reward": "1.000", "verifier_reward": "0.500",
+                                                          "train_acc": "0.500"}
+    assert bar_summary(stats, None) == {"reward": "1.500", "train_acc": "0.500"}
+
+
+@pytest.fixture(scope="module")
+def tiny_solvers():
+    """The tiny policy and target (the ``tiny_models`` fixture's, without the team model it builds too)."""
+    return build_tiny_models(team=False)
+
+
+def test_prefix_rl_by_handoff_steps_evaluates_the_target_finishing_the_prefix(tiny_solvers, tmp_path):
+    """--handoff_steps 1 with a 6-token prefix: the policy's prefix alone never holds the answer, the
+    frozen target finishes it. Held-out accuracy is the target's verdict on the finished solution (what
+    the reward pays), not the prefix's own (0.000 at every evaluation), so best/ is saved for it."""
+    run_dir = run_train_math(["--model_name_or_path", str(tiny_solvers.policy), "--handoff_steps", "1",
+                              "--reward", "target", "--target_model_name_or_path", str(tiny_solvers.target),
+                              "--max_new_tokens", "6", "--logdir", str(tmp_path), "--noasync_rollouts",
+                              "--n_rollout_threads", "8", "--num_env_steps", "8", "--eval_limit", "32",
+                              "--eval_batch_size", "32", "--eval_interval", "1", "--save_interval", "0"])
+    accuracy = [value for _, value in sorted(read_scalars(run_dir)["eval/accuracy"])]
+    assert len(accuracy) == 2 and min(accuracy) > 0.1, accuracy
+    assert (Path(run_dir) / "best").is_dir()

@@ -284,7 +284,8 @@ def runner_config(f: flags.FlagValues) -> RunnerConfig:
         eval_interval=f.eval_interval, eval_limit=f.eval_limit, log_interval=f.log_interval,
         save_interval=f.save_interval, keep_checkpoints=f.keep_checkpoints, save_best=f.save_best,
         max_nonfinite_steps=f.max_nonfinite_steps, seed=f.seed, async_rollouts=train_flags.resolved_async_rollouts(f),
-        max_policy_lag=f.max_policy_lag)
+        max_policy_lag=f.max_policy_lag,
+        eval_verdict="reward/target" if f.handoff_steps is not None else "correct")  # Prefix-RL: the target's
 
 
 def role_adapters(f: flags.FlagValues) -> tuple[str, ...]:

@@ -22,6 +22,7 @@ environment the same code runs as one process and nothing here communicates.
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -76,6 +77,9 @@ def init(device: str, timeout_s: float) -> Ranks:
         torch.cuda.set_device(ranks.local_rank)
     dist.init_process_group("nccl" if wants_cuda else "gloo", timeout=timedelta(seconds=timeout_s))
     atexit.register(shutdown)
+    if not ranks.is_main:  # rank 0 alone tells how the run goes; warnings and errors come from every rank
+        for logger in (logging.getLogger(), logging.getLogger("absl")):
+            logger.setLevel(logging.WARNING)
     return ranks
 
 

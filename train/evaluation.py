@@ -26,11 +26,12 @@ from models.generation import Generator
 
 @torch.no_grad()
 def evaluate(env, generator: Generator, sampling: Sampling, limit: int, ranks: Ranks = Ranks(),
-             voices: Voices = Voices()) -> dict[str, float]:
+             voices: Voices = Voices(), verdict: str = "correct") -> dict[str, float]:
     """Greedy accuracy, mean solution length in tokens and, when the env pays a PRM reward, the mean
     PRM score, over the first ``limit`` of ``env.problems`` (this rank's share of them, then summed).
     ``voices``: who speaks for each agent of a multi-agent env (the policy's role adapters, frozen roles'
-    own models)."""
+    own models). ``verdict``: the info key holding an ended episode's verdict ("reward/target": the
+    frozen target's, finishing the policy's prefix)."""
     started = time.perf_counter()
     problem_ids = [p.id for p in env.problems][:limit][ranks.rank::ranks.world_size]
     roles = getattr(env, "roles", ())
@@ -39,7 +40,7 @@ def evaluate(env, generator: Generator, sampling: Sampling, limit: int, ranks: R
     for start in range(0, len(problem_ids), env.num_envs):
         batch_correct, batch_lengths, batch_prm = solve_batch(env, generator, sampling,
                                                               problem_ids[start:start + env.num_envs],
-                                                              voices, role_sums)
+                                                              voices, role_sums, verdict)
         correct += batch_correct
         lengths += batch_lengths
         prm_scores += batch_prm
@@ -60,10 +61,10 @@ def evaluate(env, generator: Generator, sampling: Sampling, limit: int, ranks: R
 
 
 def solve_batch(env, generator: Generator, sampling: Sampling, problem_ids: Sequence[str], voices: Voices,
-                role_sums: np.ndarray) -> tuple[list[float], list[float], list[float]]:
-    """(verdicts, solution lengths in tokens) of the problems ``problem_ids`` (at most ``env.num_envs``),
-    and the PRM scores of every step taken; adds each role's verified outputs into ``role_sums``
-    [2 (sum, count), A, len(ROLE_METRICS)] (multi-agent envs)."""
+                role_sums: np.ndarray, verdict: str = "correct") -> tuple[list[float], list[float], list[float]]:
+    """(verdicts from ``info[verdict]``, solution lengths in tokens) of the problems ``problem_ids`` (at most
+    ``env.num_envs``), and the PRM scores of every step taken; adds each role's verified outputs into
+    ``role_sums`` [2 (sum, count), A, len(ROLE_METRICS)] (multi-agent envs)."""
     count = len(problem_ids)
     padded = list(problem_ids) + [problem_ids[0]] * (env.num_envs - count)  # the env has a fixed size; extras ignored
     obs, info = env.reset(options={"problem_ids": padded})
@@ -76,7 +77,7 @@ def solve_batch(env, generator: Generator, sampling: Sampling, problem_ids: Sequ
         obs, _, terminated, truncated, info = env.step(pair_actions(env, sampling, out, envs, agents))
         np.add.at(tokens, envs, [len(ids) for ids in out.token_ids])
         ended = (terminated | truncated) & ~done
-        verdicts[ended] = np.nan_to_num(np.asarray(info["correct"], dtype=np.float64)[ended])
+        verdicts[ended] = np.nan_to_num(np.asarray(info[verdict], dtype=np.float64)[ended])
         if "reward/prm" in info:  # [N], or [N, A] in a multi-agent env; NaN where an action was not scored
             prm = np.asarray(info["reward/prm"], dtype=np.float64).reshape(env.num_envs, -1)
             prm_scores += prm[envs, agents].tolist()

@@ -1,0 +1,124 @@
+"""Each iteration's batch: collected now (synchronous), or collected in a background thread by a copy of
+the policy while the previous batch trains (asynchronous), and the statistics logged about it.
+
+Asynchronous: the copy is refreshed so that no batch lags more than ``max_policy_lag`` policy versions;
+ratios use the behaviour log-probs recorded at generation time. What the trainer has been handed is
+"settled": a checkpoint or a logged count of env steps never includes the batch still in flight, so a
+resume collects that batch again from the env state it started from.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+from typing import Any
+
+from algorithms.buffer import RolloutBuffer
+from models.generation import Generator
+from models.policy import LanguagePolicy
+from train import distributed
+from train.collector import Collector, Tally
+from train.distributed import Ranks
+
+
+class Rollouts:
+    """``rollout_policy``/``rollout_generator``: the copy asynchronous collection uses (None: synchronous)."""
+
+    def __init__(self, collector: Collector, policy: LanguagePolicy, generator: Generator, seed: int,
+                 num_iterations: int, max_policy_lag: int, ranks: Ranks,
+                 rollout_policy: LanguagePolicy | None = None, rollout_generator: Generator | None = None):
+        self.collector, self.policy, self.generator = collector, policy, generator
+        self.seed, self.num_iterations, self.max_policy_lag, self.ranks = seed, num_iterations, max_policy_lag, ranks
+        self.rollout_policy, self.rollout_generator = rollout_policy, rollout_generator
+        asynchronous = rollout_policy is not None
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1) if asynchronous else None
+        self.pending: concurrent.futures.Future | None = None
+        self.pending_version = 0  # the rollout copy's version when the pending batch was started
+        self.pending_start: dict[str, Any] | None = None  # the collector's state before the pending batch
+
+    def iteration_seed(self, iteration: int) -> int:
+        return self.seed * 1_000_003 + iteration * 1_009
+
+    def next(self, iteration: int, progress) -> tuple[RolloutBuffer, dict[str, float]]:
+        """This iteration's batch and its statistics: collected now, or (async) the one collected in the
+        background, after starting the next one with a policy copy at most ``max_policy_lag`` versions old.
+        ``progress``: the runner's counters (``version``, ``rollout_version``: updated here)."""
+        seed = self.iteration_seed(iteration)
+        if self.pool is None:
+            with self.policy.gathered():
+                buffer, tally = self.collector.collect(self.policy, self.generator, seed)
+            return buffer, self.statistics(tally)
+        if self.pending is not None:
+            (buffer, tally), version = self.pending.result(), self.pending_version
+        else:
+            buffer, tally = self.collector.collect(self.rollout_policy, self.rollout_generator, seed)
+            version = progress.rollout_version
+        stats = {**self.statistics(tally), "train/policy_lag": float(progress.version - version)}
+        # The next batch is trained on after this iteration's update, at version + 1.
+        if progress.version + 1 - progress.rollout_version > self.max_policy_lag:
+            self.refresh()
+            progress.rollout_version = progress.version
+        self.pending_version = progress.rollout_version
+        self.pending, self.pending_start = None, None
+        if iteration + 1 < self.num_iterations:  # no batch beyond the budget: every env step taken is trained on
+            self.pending_start = copy.deepcopy(self.collector.get_state())  # the thread changes its lists
+            self.pending = self.pool.submit(self.collector.collect, self.rollout_policy, self.rollout_generator,
+                                            seed + 1)
+        return buffer, stats
+
+    def refresh(self) -> None:
+        """The background rollouts' copy takes the policy's current weights (every rank together)."""
+        self.rollout_policy.load_state_dict(self.policy.whole_state_dict())
+        self.rollout_generator.sync(self.rollout_policy)
+
+    def wait(self) -> None:
+        """Returns once no batch is in flight (the env and its reward models are free); a failed batch
+        raises where its result is taken (``next``)."""
+        if self.pending is not None:
+            concurrent.futures.wait([self.pending])
+
+    def settled_state(self) -> dict[str, Any]:
+        """The collector's state (``Collector.get_state``) after the batches handed to the trainer: before
+        the batch in flight, if one is."""
+        return self.pending_start if self.pending is not None else self.collector.get_state()
+
+    def env_steps(self) -> int:
+        """Env steps of the batches handed to the trainer, by every rank together."""
+        return int(distributed.all_reduce_sum([self.settled_state()["env_steps"]])[0])
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+
+    def statistics(self, tally: Tally) -> dict[str, float]:
+        """The rollout's logged statistics: means of the collector's sums and counts, added over ranks
+        first (times: the slowest rank's)."""
+        if self.ranks.distributed:
+            tally = reduced_tally(tally)
+        step_reward = tally.mean("train/step_reward")
+        # train/reward/<source> (the reward model's parts), train/<role>/<metric> and train/<role>/reward/<source>
+        # (multi-agent envs)
+        means = {key: tally.mean(key) for key in tally.sums if key.startswith("train/") and key.count("/") >= 2}
+        return {
+            "time/generate": tally.seconds["generate"], "time/reward": tally.seconds["reward"],
+            "perf/tokens_per_second": tally.sums["tokens"] / max(tally.seconds["generate"], 1e-9),
+            "train/step_reward": step_reward,
+            # mean return of the episodes that ended in this rollout (every episode, when episodic)
+            "train/reward": tally.mean("train/reward") if tally.counts["train/reward"] else step_reward,
+            "train/accuracy": tally.mean("train/accuracy"),
+            "train/episodes": float(tally.counts["train/reward"]),
+            "train/action_tokens": tally.mean("train/action_tokens"),
+            **means,
+        }
+
+
+def reduced_tally(tally: Tally) -> Tally:
+    """Sums and counts added over ranks, seconds the slowest rank's."""
+    total = Tally()
+    sums, counts = distributed.sum_by_key(tally.sums, tally.counts)
+    total.sums.update(sums)
+    total.counts.update({key: int(count) for key, count in counts.items()})
+    gathered = distributed.all_gather_objects(dict(tally.seconds))
+    for name in set().union(*gathered):
+        total.seconds[name] = max(rank_seconds.get(name, 0.0) for rank_seconds in gathered)
+    return total

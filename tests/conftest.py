@@ -8,13 +8,23 @@ run that would build the tiny models (minutes) fails at once naming ``NO_BUILD``
 the same work on a machine with the cache as on one without.
 """
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from models.tiny import build_tiny_models, build_tokenizer, save_untrained_policy
 
 NO_BUILD = "no-tiny-build-outside-slow-tests--pass-model-dirs"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One torch thread in each test process and, through OMP_NUM_THREADS, in each process a test starts: the
+    suite already runs one worker per core (addopts -n 2), and OpenMP threads beyond the free cores ran the
+    tiny model's training steps about 10x slower."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(scope="session")

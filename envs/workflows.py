@@ -15,9 +15,10 @@ Everything here is a pure function of it; nothing grades. Answer equivalence com
 so the env can grade every comparison of one step in one time-bounded batch.
 
 Prompts reuse the env's template (``envs.prompts``): the earlier messages, each under ``[role name]``,
-and then the role's instruction come before the single-agent prompt (``MathTask.prompt``), so every
-prompt ends as the task's own prompts do, and a role with no instruction that reads no earlier
-message gets exactly the single-agent prompt.
+and then the role's instruction come before the problem, as the template's context (in front of the
+plain template's prompt; inside the user turn of a chat template, so every role reads one
+conversation), so every prompt ends as the task's own prompts do, and a role with no instruction that
+reads no earlier message gets exactly the single-agent prompt.
 
 Verdicts (``Role.verdict_by``) come in two kinds:
 
@@ -128,11 +129,11 @@ def parse_verdict(text: str) -> bool | None:
 
 
 def role_prompt(context: TurnContext, messages: Sequence[Message], instruction: str) -> str:
-    """``messages`` (each under ``[role name]``) and ``instruction``, separated by blank lines, then the
-    single-agent prompt (the env's template around the problem text): the prompt ends as every prompt
-    of the task does, and is exactly the single-agent one when both are empty."""
-    parts = [*(f"[{m.role}]\n{m.text}" for m in messages), instruction, format_prompt(context.problem, context.template)]
-    return "\n\n".join(part for part in parts if part)
+    """``messages`` (each under ``[role name]``) and ``instruction``, each followed by a blank line, as the
+    context of the single-agent prompt (the env's template around the problem text): the prompt ends as
+    every prompt of the task does, and is exactly the single-agent one when both are empty."""
+    parts = [*(f"[{m.role}]\n{m.text}" for m in messages), instruction]
+    return format_prompt(context.problem, context.template, "".join(part + "\n\n" for part in parts if part))
 
 
 def transcript_prompt(role: Role, context: TurnContext) -> str:

@@ -20,7 +20,7 @@ from typing import Sequence
 import numpy as np
 
 from envs.grader import extract_answer, grade_batch
-from envs.prompts import DEFAULT_TEMPLATE, STEP_DELIMITER, format_prompt, join_steps
+from envs.prompts import DEFAULT_TEMPLATE, STEP_DELIMITER, format_prompt, join_steps, resolve_template
 from envs.rewards import RewardOutput, StepContext
 from models.generation import Generator, mix_seed
 
@@ -33,7 +33,9 @@ class TargetSolver:
             ``LanguagePolicy`` of its directory, or a ``VLLMGenerator``).
         num_samples: completions per trajectory (m); reward = fraction verified correct.
         max_new_tokens, temperature: the target's sampling (temperature 0: greedy, m should be 1).
-        template: the prompt template the target expects.
+        template: the prompt template the target expects: a key of ``envs.prompts.TEMPLATES`` or a string
+            holding ``{problem}``, e.g. ``models.prompting.build_template("chat", target_tokenizer)`` for an
+            instruct target (the prefix then continues its assistant turn).
         seed: base of the sampling seeds. A context's completions are seeded from it, the episode's
             ``group_id`` and the prefix (and, for identical prefixes of one group in one call, their
             order), so they do not depend on how contexts are batched into calls or split over ranks.
@@ -58,7 +60,7 @@ class TargetSolver:
                              "use temperature > 0 or num_samples=1")
         self.generator, self.num_samples = generator, num_samples
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
-        self.template, self.seed, self.timeout, self.name = template, seed, timeout, name
+        self.template, self.seed, self.timeout, self.name = resolve_template(template), seed, timeout, name
 
     def prompts(self, contexts: Sequence[StepContext]) -> list[str]:
         """The target's input: the problem in its template, then the policy's steps as the prefix, the

@@ -47,7 +47,8 @@ def tiny_models():
 
 @pytest.fixture(autouse=True)
 def no_tiny_build_outside_slow_tests(request, tmp_path_factory, monkeypatch) -> None:
-    if request.node.get_closest_marker("slow") is None:
+    """Opt-in tests (slow, real_model) keep the user cache: they may build into it."""
+    if not any(request.node.get_closest_marker(marker) for marker in ("slow", "real_model")):
         blocker = tmp_path_factory.getbasetemp() / NO_BUILD
         blocker.touch()
         monkeypatch.setenv("MATHRL_CACHE", str(blocker))

@@ -1,9 +1,30 @@
-"""Shared fixtures: the tiny tokenizer and an untrained tiny policy (fast), and the trained tiny
-models (the full cached build of models.tiny; only slow tests use it)."""
+"""Shared fixtures: the tiny tokenizer and an untrained tiny policy (seconds), and the trained tiny models
+(the cached build of models.tiny, minutes when cold; only slow tests use it).
+
+Tests of mechanics pass model directories explicitly; only a test that needs a model that can do arithmetic
+(model quality, learning curves, PRM accuracy) reads the trained build, and it is marked slow. Outside slow
+tests the tiny-model cache ($MATHRL_CACHE, which child processes inherit) points below a file, so a default-model
+run that would build the tiny models (minutes) fails at once naming ``NO_BUILD``, and the default suite does
+the same work on a machine with the cache as on one without.
+"""
+
+import os
+from pathlib import Path
 
 import pytest
+import torch
 
 from models.tiny import build_tiny_models, build_tokenizer, save_untrained_policy
+
+NO_BUILD = "no-tiny-build-outside-slow-tests--pass-model-dirs"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One torch thread in each test process and, through OMP_NUM_THREADS, in each process a test starts: the
+    suite already runs one worker per core (addopts -n 2), and OpenMP threads beyond the free cores ran the
+    tiny model's training steps about 10x slower."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(scope="session")
@@ -12,7 +33,9 @@ def tiny_tokenizer():
 
 
 @pytest.fixture(scope="session")
-def untrained_policy_dir(tmp_path_factory):
+def untrained_policy_dir(tmp_path_factory) -> Path:
+    """A random-init tiny Llama with the tiny tokenizer: a policy, target or team model, or (with
+    ``check_labels=False``) a Math-Shepherd PRM, for tests of mechanics."""
     return save_untrained_policy(tmp_path_factory.mktemp("untrained_policy"))
 
 
@@ -20,3 +43,20 @@ def untrained_policy_dir(tmp_path_factory):
 def tiny_models():
     """Built once per machine into the user cache ($MATHRL_CACHE), minutes when cold."""
     return build_tiny_models()
+
+
+@pytest.fixture(autouse=True)
+def no_tiny_build_outside_slow_tests(request, tmp_path_factory, monkeypatch) -> None:
+    """Opt-in tests (slow, real_model) keep the user cache: they may build into it."""
+    if not any(request.node.get_closest_marker(marker) for marker in ("slow", "real_model")):
+        blocker = tmp_path_factory.getbasetemp() / NO_BUILD
+        blocker.touch()
+        monkeypatch.setenv("MATHRL_CACHE", str(blocker))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    unmarked = [item.nodeid for item in items
+                if "tiny_models" in item.fixturenames and item.get_closest_marker("slow") is None]
+    if unmarked:
+        raise pytest.UsageError(f"{unmarked} use the trained tiny models (minutes to build) without "
+                                "@pytest.mark.slow: mark them slow, or pass untrained_policy_dir")

@@ -36,6 +36,7 @@ def steps_reward(weight: float) -> RewardMixture:
     return RewardMixture({"steps": ReferenceStepsReward()}, {"steps": weight})
 
 
+@pytest.mark.slow  # the trained PRM: it must tell the slip from the clean solution
 def test_the_solver_gets_the_weighted_prm_score_the_single_agent_env_gives_its_solution(tiny_models):
     from reward_models.prm import ProcessRewardModel
 

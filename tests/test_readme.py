@@ -5,7 +5,8 @@ How a fenced block is treated:
   must substitute replaced by small real files (``placeholders``).
 - ```bash runs as one bash script (slow: the quickstart trains on the tiny models, which it builds on
   first use), with every budget shrunk (``--num_env_steps``, ``--env_steps``; ``SMOKE_STEPS``), run
-  directories in a temporary directory, and its background jobs (servers) killed at the end.
+  directories in a temporary directory, and its background jobs (servers) killed at the end. Variables
+  a page sets in a runnable block (``TINY=$(...)`` lines) carry to its later blocks, as in one shell.
 - A block whose first line is ``# needs: REASON`` is illustrative (GPU recipes, several nodes, an
   hour-long grid): skipped with that reason. Its ``train_math.py`` flags are still checked to exist.
 - A block of ``pip install`` commands is a set-up command: .ci/run runs the test command in a fresh venv.
@@ -183,12 +184,23 @@ def test_smoke_script_shrinks_budgets_and_moves_runs(tmp_path):
     assert f"--env_steps 100 --out {tmp_path}/runs/grid" in script
 
 
+def variables_set_before(block: Block) -> str:
+    """The ``NAME=...`` lines of the runnable bash blocks before ``block`` on its page."""
+    earlier = [b for b in BASH if b.page == block.page and b.index < block.index and not b.needs]
+    return "".join(line + "\n" for b in earlier for line in commands(b.code) if re.match(r"[A-Z][A-Z0-9_]*=", line))
+
+
+def test_variables_carry_to_later_blocks_of_a_page():
+    later = [block for block in BASH if "$TINY" in block.code and not block.needs]
+    assert later and all(variables_set_before(block).startswith("TINY=$(") for block in later)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("block", BASH, ids=lambda b: b.name)
 def test_bash_block_runs(block, tmp_path):
     if block.needs:
         pytest.skip(f"{block.name} needs {block.needs}")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(["bash", "-c", smoke_script(block.code, tmp_path)], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=900)
+    script = smoke_script(variables_set_before(block) + block.code, tmp_path)
+    result = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, f"{block.name} failed:\n{block.code}\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"

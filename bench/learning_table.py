@@ -451,9 +451,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    if importlib.util.find_spec("matplotlib") is None:  # before hours of runs, not after them
-        raise SystemExit("bench/learning_table.py: the plots need matplotlib: pip install -e '.[bench]' (or pip "
-                         "install matplotlib)")
+    plots = importlib.util.find_spec("matplotlib") is not None
+    if not plots:  # said before hours of runs, not after them
+        print("bench/learning_table.py: matplotlib is not installed: writing the CSV and the table, no plots "
+              "(pip install -e '.[bench]')", file=sys.stderr)
     try:
         results = run_grid(args)
     except KeyboardInterrupt as interrupt:
@@ -463,7 +464,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"{args.env_steps:,} env steps per trained run, {args.n_rollout_threads} envs per iteration, held-out "
             f"greedy accuracy on the first {args.eval_limit} Arith test problems every {args.eval_interval} "
             "iterations; mean ± sd over seeds; minutes of training wall time.")
-    for path in [*write_tables(results, args.out, note), *plot(results, args.out)]:
+    for path in [*write_tables(results, args.out, note), *(plot(results, args.out) if plots else [])]:
         print(f"wrote {path}")
 
 

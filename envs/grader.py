@@ -1,38 +1,13 @@
 """Final-answer extraction and safe, time-bounded equivalence of MATH answers.
 
-``extract_answer`` takes the content of the last ``\\boxed{}``/``\\fbox{}`` (or the text after
-"The answer is"). ``is_equiv`` and ``grade_batch`` decide whether a model's answer equals the gold
-one; ``strings_equiv`` is the first tier alone, pure and quick. Model text is untrusted, so nothing
-here hands text to Python's or sympy's expression evaluators; every parse and every call is bounded.
-
-Grading runs in three tiers:
-
-1. Fast path, in the calling process: LaTeX-aware normalisation (``\\dfrac``, ``\\left``, units,
-   degrees, percent, currency, thousands separators, spacing, ``x =`` prefixes), then equal
-   strings, plain numbers as exact fractions (integers exactly, others within ``REL_TOL``) and
-   text words. Pure regex/string work on inputs capped at ``MAX_ANSWER_CHARS``; most answers end here.
-2. Safe parser, in worker processes: a recursive-descent parser of LaTeX/plain math that builds
-   sympy objects directly (numbers, + - * / ^, implicit products, ``\\frac``, ``\\sqrt[n]{}``,
-   functions, tuples, intervals, sets, unions, matrices, relations, ``\\pm``). It bounds depth,
-   node count, literal sizes, exponents, factorials and exact integer sizes, so a ``9^{9^{9^9}}``
-   is rejected before sympy computes it. Values are compared structurally, then by evaluating both
-   sides at three fixed pseudo-random points in complex floating point (in sympy's big floats
-   where that overflows); never with ``simplify``, whose running time has no useful bound.
-   Relations compare as proportional ``lhs - rhs``; one-variable inequalities also compare with
-   intervals. Integers compare exactly; anything else within ``REL_TOL``.
-3. Worker pool: ``min(2, cpu_count)`` persistent worker processes, forked on request by a template
-   process: a fresh interpreter (started with ``subprocess``, so nothing of the caller, its threads
-   or torch, is forked) that imports sympy once and runs no threads, so forking it is safe and a
-   replacement worker is ready in milliseconds. (Not ``multiprocessing.Process``: its atexit hook
-   in a forked child would terminate the parent's workers.) A caller waits for a verdict until its
-   deadline, then has that worker killed, a replacement forked, and returns False; so every call
-   is bounded in wall time, from any thread. Workers start lazily (``warm_up()`` starts them
-   ahead: the template's start-up counts against a first ``is_equiv``), are reused, run under a
-   memory limit, and are killed at exit. A forked child of the caller starts its own pool.
-
-Policy, where public graders disagree: bare comma-separated answers compare as sets (order and
-repeats ignored), parenthesised tuples in order; unreduced fractions are equal to reduced ones;
-``10\\%`` equals ``10`` and ``0.1``; ``2\\frac{1}{2}`` is a mixed number; ``3e5`` is 300000.
+``extract_answer`` takes the content of the last ``\\boxed{}``/``\\fbox{}`` (or the text after "The answer
+is"); ``is_equiv`` and ``grade_batch`` decide whether a model's answer equals the gold one, in three tiers:
+a LaTeX-aware string and number fast path in the caller (``strings_equiv`` alone), a bounded parser that
+builds sympy objects in worker processes, and a deadline on every call after which its worker is killed.
+Model text is untrusted: nothing here hands it to Python's or sympy's evaluators, and every call returns
+within its timeout, from any thread. Where public graders disagree: bare comma-separated answers compare
+as sets, parenthesised tuples in order; unreduced fractions equal reduced ones; ``10\\%`` equals ``10``
+and ``0.1``; ``2\\frac{1}{2}`` is a mixed number; ``3e5`` is 300000.
 """
 
 from __future__ import annotations
@@ -421,6 +396,14 @@ _DIGIT_ARGUMENT = re.compile(r" ?(?:\{([0-9]{1,50})\}|([0-9]))")
 _SUBSCRIPT_TOKEN = re.compile(r"[0-9]+|[a-zA-Z]")
 _RELATION_TOKENS = (("\\le", "<="), ("\\ge", ">="), ("\\ne", "!="), ("<", "<"), (">", ">"), ("=", "="))
 
+
+# The symbolic tier parses LaTeX or plain math into sympy objects directly (numbers, + - * / ^, implicit
+# products, \frac, \sqrt[n]{}, functions, tuples, intervals, sets, unions, matrices, relations, \pm). It
+# bounds depth, node count, literal sizes, exponents, factorials and exact integer sizes, so 9^{9^{9^9}} is
+# rejected before sympy computes it. Values compare structurally, then by evaluating both sides at three
+# fixed pseudo-random points in complex floating point (sympy's big floats where that overflows); never
+# with simplify, whose running time has no useful bound. Relations compare as proportional lhs - rhs;
+# one-variable inequalities also as intervals. Integers compare exactly, anything else within REL_TOL.
 
 def _parse(text: str):
     """The value of one normalised answer; ValueError when it is not (bounded) math."""
@@ -1124,6 +1107,14 @@ def _evaluate_big(expr: sympy.Expr, values: dict, index: int) -> sympy.Expr:
 
 # ----------------------------------------------------------------------------------------------
 # Worker processes
+#
+# min(2, cpu_count) persistent workers, forked on request by a template process: a fresh interpreter
+# (started with subprocess, so nothing of the caller, its threads or torch, is forked) that imports sympy
+# once and runs no threads, so forking it is safe and a replacement is ready in milliseconds. Not
+# multiprocessing.Process: its atexit hook in a forked child would terminate the parent's workers. A caller
+# waits for a verdict until its deadline, then has that worker killed, a replacement forked, and returns
+# False. Workers start lazily (warm_up() starts them ahead), are reused, run under a memory limit and are
+# killed at exit; a forked child of the caller starts its own pool.
 
 _READY = b"ready"
 _TEMPLATE_MAIN = ("import sys, runpy; runpy.run_path(sys.argv[1], run_name='mathrl_grader_template')"

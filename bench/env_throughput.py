@@ -12,18 +12,16 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import numpy as np
 from gymnasium.vector import SyncVectorEnv
 
-from envs.datasets import Arith, load_problems
+from envs.datasets import MATH500, Arith, load_problems
 from envs.grader import grade_batch
 from envs.math_env import MathEnv
 from envs.prompts import split_steps
 from envs.vector import MathVectorEnv
 
-MATH500 = Path(__file__).resolve().parents[2] / "shared" / "data" / "math500.jsonl"
 
 
 def reference_actions(problems_by_id: dict, problem_ids, step_counts) -> list[str]:
@@ -55,8 +53,6 @@ def main() -> None:
     args = parser.parse_args()
 
     if args.dataset == "math500":
-        if not MATH500.is_file():
-            raise SystemExit(f"{MATH500} not found: run from a checkout with ../shared/data, or use --dataset arith")
         problems = load_problems(MATH500)
     else:
         problems = Arith().problems(5000, seed=0)

@@ -20,6 +20,7 @@ import torch
 from gymnasium.vector import AutoresetMode
 
 import envs  # noqa: F401  (registers MATH-v0)
+from envs.datasets import MATH500
 from envs.prompts import STEP_DELIMITER
 from train.collector import Sampling
 from train.evaluation import evaluate
@@ -27,7 +28,6 @@ from models.generation import make_generator
 from models.policy import LanguagePolicy
 from models.tiny import TinyConfig, cache_dir
 
-MATH500 = Path(__file__).resolve().parents[2] / "shared" / "data" / "math500.jsonl"
 
 
 def main() -> None:
@@ -36,8 +36,6 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=500, help="problems (and envs)")
     parser.add_argument("--max_new_tokens", type=int, default=64, help="tokens per step")
     args = parser.parse_args()
-    if not MATH500.is_file():
-        raise SystemExit(f"{MATH500} not found: run from a checkout with ../shared/data")
     torch.set_num_threads(1)
     policy = LanguagePolicy(args.policy or cache_dir(TinyConfig()) / "policy", device="cpu")
     eos = policy.tokenizer.eos_token or ""

@@ -38,13 +38,12 @@ from typing import Callable
 
 import torch
 
-from envs.datasets import Arith, load_problems
+from envs.datasets import MATH500, Arith, load_problems
 from envs.prompts import format_prompt
 from models.generation import Generator, make_generator
 from models.policy import LanguagePolicy, left_padded
 from models.tiny import TinyConfig, cache_dir, save_untrained_policy
 
-MATH500 = Path(__file__).resolve().parents[2] / "shared" / "data" / "math500.jsonl"
 WARM_UP_PROMPTS = 8
 
 Side = Callable[[list[str], float, int], list[list[int]]]
@@ -63,8 +62,6 @@ def bench_prompts(dataset: str, count: int) -> list[str]:
     """``count`` prompts of ``dataset`` in the env's template."""
     if dataset == "arith":
         return [format_prompt(p.problem) for p in Arith().problems(count, seed=0)]
-    if not MATH500.is_file():
-        raise SystemExit(f"{MATH500} not found: run from a checkout with ../shared/data, or use --dataset arith")
     return [format_prompt(p.problem) for p in load_problems(MATH500, limit=count)]
 
 

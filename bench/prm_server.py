@@ -3,7 +3,7 @@
     python bench/prm_server.py [--dataset math500|arith] [--clients 64] [--seconds 20]
                                [--solutions_per_request 4] [--torch_threads N] [--prm_dir DIR]
 
-Trajectories: MATH-500 problems (``--data``, default ../shared/data/math500.jsonl) with their reference
+Trajectories: MATH-500 problems (``--data``, default the bundled envs/data/math500.jsonl) with their reference
 solutions split into steps (``envs.prompts.split_steps``), each cut at a random step (seeded; finished
 when the cut is the whole solution); ``--dataset arith``: Arith problems, short texts. A pool of
 ``clients x solutions_per_request`` of them is scored in-process first: the reference answers.
@@ -53,12 +53,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from envs.datasets import Arith, load_problems
+from envs.datasets import MATH500, Arith, load_problems
 from envs.prompts import split_steps
 from reward_models.prm import ProcessRewardModel
 
 ROOT = Path(__file__).resolve().parents[1]
-MATH500 = ROOT.parent / "shared" / "data" / "math500.jsonl"
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@
 
 Both sides train the same policy on the same prompt pool in the env's prompt template
 (``envs.prompts.format_prompt``): Arith-v0's train split, or MATH-500 (``--dataset math500``:
-``../shared/data/math500.jsonl`` read by ``envs.datasets.load_problems``; ours trains on it as
+the bundled ``envs/data/math500.jsonl`` read by ``envs.datasets.load_problems``; ours trains on it as
 ``train_math.py --dataset_path`` does, through the MATH-v0 env; prompts of 15-1,488 tiny tokens, median
 96). 8 prompts x 8 completions = 64 per step, at most 32 new tokens, temperature 1.0, one AdamW update
 per generation (lr 1e-4, constant, grad-norm clip 1.0, fp32, no gradient checkpointing), clipped
@@ -85,7 +85,6 @@ SEED = 0
 HASH_BONUS = 0.1  # --reward varied: the most a solution's text hash adds to its reward
 TARGET_RATIO = 1.5  # below this ratio the bench profiles one step of each side
 TRL_FIX = 'pip install -e ".[bench]"'
-MATH500 = Path(__file__).resolve().parents[2] / "shared" / "data" / "math500.jsonl"
 
 
 @dataclass
@@ -120,6 +119,7 @@ class OursSide:
     def __init__(self, policy_dir: Path, dataset: str, reward_model: RewardModel, backend: str, run_dir: Path) -> None:
         from tensorboardX import SummaryWriter
 
+        from envs.datasets import MATH500
         from train import builders
         from train.config import config_from_flags
         from train.flags import FLAGS
@@ -402,7 +402,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--policy", type=Path, help="model directory (default: the tiny policy: the trained build "
                         "when models.tiny has it cached, else a random-init one of the same shape)")
     parser.add_argument("--dataset", choices=("arith", "math500"), default="arith", help="the prompt pool: "
-                        "Arith-v0's train split, or MATH-500 (MATH-v0 over ../shared/data/math500.jsonl)")
+                        "Arith-v0's train split, or MATH-500 (MATH-v0 over the bundled envs/data/math500.jsonl)")
     parser.add_argument("--reward", choices=("outcome", "varied"), default="outcome", help="both sides' reward: "
                         f"the verified answer, or that plus up to {HASH_BONUS} from a hash of the solution's text "
                         "(rewards then differ within a group, so no update is skipped)")
@@ -423,9 +423,6 @@ def parse_args() -> argparse.Namespace:
     if args.policy is not None and not (args.policy / "config.json").is_file():
         parser.error(f"--policy={args.policy} is not a Hugging Face model directory (no config.json); pass one, or "
                      "leave --policy out for the tiny policy")
-    if args.dataset == "math500" and not MATH500.is_file():
-        parser.error(f"--dataset math500 reads {MATH500}, which is not there: run from a checkout with ../shared/data, "
-                     "or use --dataset arith")
     return args
 
 

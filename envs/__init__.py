@@ -1,7 +1,8 @@
 """mathrl environments. Importing this package registers the built-in gymnasium ids:
 
-- ``MATH-v0``: problems from a dataset (``dataset_path=`` a JSONL/JSON file or ``hf://NAME[:split]``,
-  filters ``split``, ``subjects``, ``levels``, ``limit``), step- or token-level (``mode=``).
+- ``MATH-v0``: problems from a dataset (``dataset_path=`` a JSONL/JSON file or ``hf://NAME[:split]``; by
+  default MATH-500, shipped with the package; filters ``split``, ``subjects``, ``levels``, ``limit``),
+  step- or token-level (``mode=``).
 - ``Arith-v0``: procedural arithmetic (``arith=`` knobs of ``envs.datasets.Arith``), the task the
   built-in tiny models learn on a CPU; no data file needed.
 - ``Arith-Chain-v0``, ``Arith-Debate-v0``, ``Arith-Prefix-v0`` and the same three ``MATH-*`` ids: the
@@ -11,11 +12,15 @@
 All have a ``vector_entry_point``, so
 ``gymnasium.make_vec("Arith-v0", num_envs=64, vectorization_mode="vector_entry_point")`` returns
 one ``MathVectorEnv`` that scores all envs' rewards in one batch.
+
+Each id declares the reward it trains on by default (``default_reward(env_id)``, the trainer's
+``--reward`` default): Arith-v0 the verified outcome plus the exact step reward of its canonical
+solutions (``outcome:1.0,steps:1.0``), every other id the outcome.
 """
 
 import gymnasium
 
-from envs.datasets import Arith, Problem, load_problems
+from envs.datasets import MATH500, Arith, Problem, load_problems
 from envs.math_env import MathEnv, MathTask
 from envs.multi_agent import MultiAgentMathEnv, MultiAgentMathVectorEnv, register_builtin
 from envs.vector import MathVectorEnv
@@ -23,8 +28,13 @@ from envs.vector import MathVectorEnv
 DEFAULT_ARITH = {"digits": 2, "min_ops": 1, "max_ops": 3, "operators": "+-", "num_train": 20_000, "num_test": 1_000,
                  "seed": 0}
 
+DEFAULT_REWARDS: dict[str, str] = {}
+"""Each registered id's default ``--reward`` spec (weighted sources, see ``reward_models.mixture``)."""
+FALLBACK_REWARD = "outcome"
+"""The default reward of an id that declares none (your own envs): the verified final answer."""
 
-def _register(env_id: str, **kwargs) -> None:
+
+def _register(env_id: str, reward: str, **kwargs) -> None:
     if env_id not in gymnasium.registry:
         gymnasium.register(
             env_id,
@@ -32,11 +42,21 @@ def _register(env_id: str, **kwargs) -> None:
             vector_entry_point="envs.vector:MathVectorEnv",
             kwargs=kwargs,
         )
+    DEFAULT_REWARDS[env_id] = reward
 
 
-_register("MATH-v0")
-_register("Arith-v0", arith=DEFAULT_ARITH, max_steps=8)
+def default_reward(env_id: str) -> str:
+    """The reward ``env_id`` trains on unless told otherwise: its declared spec, else ``FALLBACK_REWARD``."""
+    return DEFAULT_REWARDS.get(env_id, FALLBACK_REWARD)
+
+
+_register("MATH-v0", reward="outcome", dataset_path=str(MATH500))
+# Arith's canonical solutions make the matched share of their steps an exact process reward; with the
+# outcome it trains the default run further than the outcome alone.
+_register("Arith-v0", reward="outcome:1.0,steps:1.0", arith=DEFAULT_ARITH, max_steps=8)
 register_builtin()  # after Arith-v0: the Arith-* workflow ids take its keywords
+DEFAULT_REWARDS.update({spec.id: "outcome" for spec in gymnasium.registry.values()  # the --reward_assignment credit
+                        if spec.entry_point == "envs.multi_agent:MultiAgentMathEnv"})
 
-__all__ = ["Arith", "MathEnv", "MathTask", "MathVectorEnv", "MultiAgentMathEnv", "MultiAgentMathVectorEnv", "Problem",
-           "load_problems"]
+__all__ = ["DEFAULT_REWARDS", "Arith", "MathEnv", "MathTask", "MathVectorEnv", "MultiAgentMathEnv", "MultiAgentMathVectorEnv",
+           "Problem", "default_reward", "load_problems"]

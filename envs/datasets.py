@@ -15,6 +15,9 @@ import numpy as np
 
 from envs.prompts import STEP_DELIMITER
 
+MATH500 = Path(__file__).resolve().parent / "data" / "math500.jsonl"
+"""MATH-500 as shipped with the package (source and license: envs/data/README.md): MATH-v0's default problems."""
+
 
 @dataclass(frozen=True)
 class Problem:

@@ -536,11 +536,11 @@ class MultiAgentMathEnv(gymnasium.Env):
 
 def register_builtin() -> None:
     """Registers ``Arith-Chain-v0``, ``Arith-Debate-v0``, ``Arith-Prefix-v0`` and the same three ``MATH-*``
-    ids (idempotent). The Arith ids take ``Arith-v0``'s registered keywords (problem knobs, limits), so
-    ``envs`` must have registered ``Arith-v0`` first; the MATH ids need ``dataset_path=`` like ``MATH-v0``."""
-    if "Arith-v0" not in gymnasium.registry:
-        raise RuntimeError("register_builtin() reads Arith-v0's defaults: call it after envs registered Arith-v0")
-    families = {"Arith": gymnasium.spec("Arith-v0").kwargs, "MATH": {}}
+    ids (idempotent). Each family takes its single-agent id's registered keywords (Arith's problem knobs and
+    limits, MATH's bundled MATH-500), so ``envs`` must have registered ``Arith-v0`` and ``MATH-v0`` first."""
+    if "Arith-v0" not in gymnasium.registry or "MATH-v0" not in gymnasium.registry:
+        raise RuntimeError("register_builtin() reads Arith-v0's and MATH-v0's keywords: call it after envs registers them")
+    families = {family: gymnasium.spec(f"{family}-v0").kwargs for family in ("Arith", "MATH")}
     for family, kwargs in families.items():
         for name in WORKFLOWS:
             env_id = f"{family}-{name.capitalize()}-v0"

@@ -6,12 +6,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from envs.datasets import Arith, Problem, load_problems, solve_steps
+from envs.datasets import MATH500, Arith, Problem, load_problems, solve_steps
 from envs.prompts import STEP_DELIMITER, split_steps
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-MATH500 = SHARED_DATA / "math500.jsonl"
-needs_math500 = pytest.mark.skipif(not MATH500.is_file(), reason=f"{MATH500} is absent (shared data not checked out)")
 
 
 def write_jsonl(path: Path, records: list) -> Path:
@@ -19,7 +16,6 @@ def write_jsonl(path: Path, records: list) -> Path:
     return path
 
 
-@needs_math500
 def test_math500_loads_with_all_fields():
     problems = load_problems(MATH500)
     assert len(problems) == 500
@@ -30,7 +26,6 @@ def test_math500_loads_with_all_fields():
     assert {p.level for p in problems} == {1, 2, 3, 4, 5}
 
 
-@needs_math500
 def test_filters_and_limit():
     algebra_l1 = load_problems(MATH500, subjects=["algebra"], levels=[1])
     assert algebra_l1 and all(p.subject == "Algebra" and p.level == 1 for p in algebra_l1)

@@ -169,7 +169,7 @@ def test_gymnasium_make_arith_and_math500(tmp_path):
     obs, info = env.reset(seed=0)
     assert obs.startswith("Problem: Compute ") and info["problem_id"].startswith("arith:")
     with pytest.raises(ValueError, match="exactly one problem source"):
-        gymnasium.make("MATH-v0")
+        gymnasium.make("MATH-v0", problems=PROBLEMS)  # MATH-v0 reads the bundled MATH-500 by default
 
 
 def test_handoff_steps_terminates_for_prefix_rl():

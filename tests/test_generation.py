@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from envs.datasets import load_problems
+from envs.datasets import MATH500, load_problems
 from envs.prompts import STEP_DELIMITER, format_prompt
 from models.generation import (HFGenerator, VLLMGenerator, compacts, eos_token_ids, filter_logits,
                                      inverse_cdf_sample, length_batches, make_generator, preallocated_cache)
@@ -26,7 +26,6 @@ LESSONS = {PROMPTS[0]: SOLUTION, PROMPTS[1]: NEWLINE_FIRST}
 # 187 tokens each against PROMPTS' 3-17: a spread worth decoding in two batches.
 LONG_PROMPTS = [format_prompt("Compute " + " + ".join(str(i) for i in range(start, start + 60)) + ".")
                 for start in (10, 40)]
-MATH500 = Path(__file__).resolve().parents[2] / "shared" / "data" / "math500.jsonl"
 
 
 def teach(policy: LanguagePolicy, lessons: dict[str, str], steps: int = 80, lr: float = 1e-3,
@@ -224,7 +223,6 @@ def test_length_buckets_change_no_sample(policy, temperature):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not MATH500.is_file(), reason=f"{MATH500} is absent (shared data not checked out)")
 def test_math500_greedy_tokens_do_not_depend_on_length_buckets(tiny_models):
     """The first 64 MATH-500 prompts (18-631 tokens) on the trained policy: bucketed as the cost model
     chooses or in one padded batch, the same greedy token ids."""

@@ -2,7 +2,6 @@
 
 import json
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,7 +10,7 @@ import transformers
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from envs.datasets import Arith, solve_steps
+from envs.datasets import MATH500, Arith, solve_steps
 from envs.prompts import SHEPHERD_STEP_TAG, STEP_DELIMITER, format_prompt, join_steps, shepherd_text, split_steps
 from models.tiny import (TinyConfig, arith_accuracy, build_tiny_models, build_tokenizer, cache_dir, config_hash,
                         heldout_problems, prm_metrics, save_untrained_policy)
@@ -23,7 +22,6 @@ from models.tiny.roles import ROLES, role_example, team_batch, team_metrics
 from models.tiny.tokenizer import LATEX_SNIPPETS, _tokenizer_json
 from models.tiny.training import adamw, sft_loss, train_step
 
-MATH500 = Path(__file__).resolve().parents[2] / "shared" / "data" / "math500.jsonl"
 ARITH_TEXTS = [format_prompt(p.problem) + join_steps(split_steps(p.solution)) for p in Arith(digits=3, max_ops=4).problems(200, seed=5)]
 HELD_OUT = heldout_problems()  # never trained on by the default build
 
@@ -35,7 +33,6 @@ def test_tokenizer_round_trips_arith_and_latex(tiny_tokenizer):
         assert tiny_tokenizer.decode(tiny_tokenizer(text)["input_ids"]) == text
 
 
-@pytest.mark.skipif(not MATH500.is_file(), reason=f"{MATH500} not present")
 def test_tokenizer_round_trips_math500(tiny_tokenizer):
     for line in MATH500.read_text().splitlines():
         record = json.loads(line)

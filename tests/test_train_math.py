@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 from absl import flags
 
+from envs.datasets import MATH500
 from test_trainer import read_scalars, run_train_math
 from train import flags as train_flags
 from train.config import config_from_flags
 
 ROOT = Path(__file__).resolve().parents[1]
-MATH500 = ROOT.parent / "shared" / "data" / "math500.jsonl"
 FLAGS = train_flags.FLAGS
 
 

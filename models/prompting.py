@@ -1,0 +1,59 @@
+"""Prompt templates for a model: the plain ones of ``envs.prompts`` or the tokenizer's own chat template.
+
+``build_template`` returns a template string holding ``{problem}`` (and ``{context}``), which the envs and
+the target solver fill in without a tokenizer: ``chat`` renders the tokenizer's chat template once around
+a placeholder user message, with the generation prompt, so an instruct model sees the conversation it
+was tuned on.
+"""
+
+from __future__ import annotations
+
+from envs.prompts import QWEN_MATH_SYSTEM, TEMPLATES, chatml_template
+
+PROMPT_KINDS = ("default", "qwen_math", "chat")
+USER_SLOT = "MATHRL-USER-TURN-7f3a9c"
+"""Stands in for the user's message while the chat template renders; replaced by the env's placeholders."""
+
+
+def build_template(kind: str, tokenizer, system_prompt: str | None = None) -> str:
+    """A template for ``envs.prompts.format_prompt`` (the envs' ``template=``) of ``kind``: ``default``
+    (plain text; takes no system prompt), ``qwen_math`` (ChatML with ``system_prompt``, Qwen-Math's by
+    default) or ``chat`` (``tokenizer``'s chat template; a system turn only when ``system_prompt`` is given)."""
+    if kind == "default":
+        if system_prompt is not None:
+            raise ValueError("--system_prompt needs a chat prompt template (--prompt_template chat or qwen_math); "
+                             "the default plain template has no system turn")
+        return TEMPLATES["default"]
+    if kind == "qwen_math":
+        return chatml_template(QWEN_MATH_SYSTEM if system_prompt is None else system_prompt)
+    if kind == "chat":
+        return chat_template(tokenizer, system_prompt)
+    raise ValueError(f"prompt template kind {kind!r} is not one of {PROMPT_KINDS}")
+
+
+def chat_template(tokenizer, system_prompt: str | None = None) -> str:
+    """``tokenizer``'s chat template rendered around one user message (after a system message when
+    ``system_prompt`` is given) with the generation prompt, the message replaced by ``{context}{problem}``.
+    A leading BOS the template writes is dropped when the tokenizer adds it itself, so tokenizing the
+    filled-in prompt gives the ids ``apply_chat_template`` gives."""
+    where = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"the tokenizer of {where} has no chat template: use --prompt_template default or qwen_math, "
+                         "or a model whose tokenizer_config.json has one")
+    messages = [{"role": "user", "content": USER_SLOT}]
+    if system_prompt is not None:
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if text.count(USER_SLOT) != 1 or "{problem}" in text or "{context}" in text:
+        raise ValueError(f"the chat template of {where} does not render the user message once as written "
+                         f"(or its text holds '{{problem}}'/'{{context}}'): use --prompt_template default or qwen_math")
+    bos = tokenizer.bos_token
+    if bos and text.startswith(bos) and adds_bos(tokenizer):
+        text = text[len(bos):]
+    return text.replace(USER_SLOT, "{context}{problem}")
+
+
+def adds_bos(tokenizer) -> bool:
+    """Whether ``tokenizer(text)`` puts the BOS token in front by itself."""
+    ids = tokenizer("x")["input_ids"]
+    return bool(ids) and ids[0] == tokenizer.bos_token_id and ids != tokenizer("x", add_special_tokens=False)["input_ids"]

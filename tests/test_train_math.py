@@ -15,6 +15,7 @@ import pytest
 from absl import flags
 
 from envs.datasets import MATH500
+from envs.rewards import StepContext
 from test_trainer import read_scalars, run_train_math
 from train import flags as train_flags
 from train.config import config_from_flags
@@ -66,7 +67,7 @@ def test_bad_path_fails_fast_naming_the_flag():
     (["--generation_backend", "vllm_server"], "needs --vllm_url"),
     (["--reward", "outcom"], "unknown source"),
     (["--env_id", "Arith-v0", "--dataset_path", str(MATH500)], "drop --dataset_path"),
-    (["--env_id", "MATH-v0"], "needs --dataset_path"),
+    (["--env_id", "MATH-v0", "--reward", "steps"], "Drop 'steps'"),
     (["--accuracy_lower_bound", "0.9", "--accuracy_upper_bound", "0.1", "--algorithm_name", "RLOO"], "<="),
     (["--accuracy_lower_bound", "0.1"], "applies to RLOO"),
     (["--algorithm_name", "GRPO", "--gae_lambda", "0.9"], "applies to APPO/TPPO"),
@@ -211,6 +212,48 @@ def test_a_run_builds_from_a_run_config_without_absl(untrained_policy_dir, tmp_p
     assert [h["iteration"] for h in history] == [0, 2]
     assert (tmp_path / "checkpoints" / "iter_2" / "manifest.json").is_file()
     assert [step for step, _ in read_scalars(tmp_path)["train/reward"]] == [0, 1]
+
+
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def chat_policy(policy_dir: Path, out: Path) -> Path:
+    """``policy_dir``'s weights with its tokenizer given a ChatML chat template."""
+    from transformers import AutoTokenizer
+
+    out.mkdir()
+    for item in Path(policy_dir).iterdir():
+        if "token" not in item.name and item.name != "special_tokens_map.json":
+            (out / item.name).symlink_to(item)
+    tokenizer = AutoTokenizer.from_pretrained(policy_dir)
+    tokenizer.chat_template = CHATML
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def test_chat_prompts_reach_the_train_and_eval_envs_and_the_target(untrained_policy_dir, tmp_path):
+    from train.builders import build_runner
+    from train.config import BudgetConfig, EnvConfig, ModelConfig, RewardConfig, RunConfig
+
+    model = str(chat_policy(untrained_policy_dir, tmp_path / "chat_policy"))
+    config = RunConfig(model=ModelConfig(name_or_path=model, device="cpu"),
+                       env=EnvConfig(num_envs=4, group_size=4, eval_batch_size=2, prompt_template="chat",
+                                     system_prompt="Be brief."),
+                       rewards=RewardConfig(spec="outcome:1.0,target:0.5", target_model=model),
+                       budget=BudgetConfig(num_iterations=1, eval_interval=0))
+    runner = build_runner(config, tmp_path / "run", writer=None)
+    tokenizer = runner.policy.tokenizer
+    for env in (runner.collector.env.unwrapped, runner.eval_env.unwrapped):
+        prompts, _ = env.reset(seed=0)
+        problem = env.episodes[0].problem.problem
+        by_hand = tokenizer.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                                 {"role": "user", "content": problem}],
+                                                tokenize=False, add_generation_prompt=True)
+        assert prompts[0] == by_hand
+        target = env.task.reward_model.models["target"]
+        context = StepContext(problem=env.episodes[0].problem, previous_steps=(), new_step="2+2", done=True)
+        assert target.prompts([context]) == [by_hand + "2+2"]
 
 
 @pytest.mark.slow

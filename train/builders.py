@@ -31,6 +31,7 @@ from train.config import (EnvConfig, GenerationConfig, LearningConfig, ModelConf
 from train.distributed import Ranks
 from models.generation import Generator, make_generator
 from models.policy import LanguagePolicy, LoraSettings, check_model_dir, resolve_device
+from models.prompting import build_template
 from models.remote import ServiceClient, ServiceError
 from train.runner import Runner, RunnerConfig
 
@@ -103,22 +104,23 @@ def build_policy(model: ModelConfig, directory: str, algorithm: str) -> Language
                           value_heads=model.value_heads).eval()
 
 
-def build_reward_model(config: RunConfig, device: str) -> RewardModel | None:
+def build_reward_model(config: RunConfig, device: str, policy_template: str) -> RewardModel | None:
     """The env's reward model from the reward spec: one source, or a weighted RewardMixture. On a multi-agent
     env the 'outcome' source is the reward-assignment credit, which the env pays itself (``env_kwargs``), so
-    the model holds the other sources (None when there are none)."""
+    the model holds the other sources (None when there are none). ``policy_template``: the policy's prompt
+    template (a served target reads it too)."""
     weights = config.rewards.weights
     if config.env.workflow is not None:
         del weights["outcome"]
         if not weights:
             return None
-    models = {name: build_reward_source(config, name, device) for name in weights}
+    models = {name: build_reward_source(config, name, device, policy_template) for name in weights}
     if len(weights) == 1 and next(iter(weights.values())) == 1.0:
         return next(iter(models.values()))
     return RewardMixture(models, weights)
 
 
-def build_reward_source(config: RunConfig, name: str, device: str) -> RewardModel:
+def build_reward_source(config: RunConfig, name: str, device: str, policy_template: str) -> RewardModel:
     """One reward source; the model-based ones load only when asked for."""
     rewards, services = config.rewards, config.services
     if name == "outcome":
@@ -138,25 +140,28 @@ def build_reward_source(config: RunConfig, name: str, device: str) -> RewardMode
                                   dtype=config.model.dtype, adapter_path=rewards.prm_checkpoint_path,
                                   kv_cache_mb=rewards.prm_kv_cache_mb, **prm_marker(rewards))
     if name == "target":
-        return build_target_solver(config, device)
+        return build_target_solver(config, device, policy_template)
     raise ValueError(f"unknown reward source {name!r}; known: outcome, prm, target, steps")
 
 
-def build_target_solver(config: RunConfig, device: str) -> RewardModel:
-    """The 'target' source: the frozen target (a served one, or a local model) finishing each prefix."""
+def build_target_solver(config: RunConfig, device: str, policy_template: str) -> RewardModel:
+    """The 'target' source: the frozen target (a served one, or a local model) finishing each prefix, its
+    prompt in the configured template kind (a local target's own chat template under ``chat``)."""
     from reward_models.target_solver import TargetSolver
 
-    rewards, services = config.rewards, config.services
+    rewards, services, env = config.rewards, config.services, config.env
     if services.target_url is not None:
         from models.vllm_server import ServerGenerator
 
         generator = ServerGenerator(services.target_url, services.target_model_name, settings=services.client,
                                     model_flag="--target_model_name")
+        template = policy_template  # a served target's tokenizer is not here: it reads the policy's prompt
     else:
-        generator = make_generator("hf", LanguagePolicy(rewards.target_model, device=device,
-                                                        dtype=config.model.dtype).eval())
+        target = LanguagePolicy(rewards.target_model, device=device, dtype=config.model.dtype).eval()
+        generator = make_generator("hf", target)
+        template = build_template(env.prompt_template, target.tokenizer, env.system_prompt)
     return TargetSolver(generator, num_samples=rewards.target_num_samples, max_new_tokens=rewards.target_max_new_tokens,
-                        temperature=rewards.target_temperature, seed=config.seed)
+                        temperature=rewards.target_temperature, seed=config.seed, template=template)
 
 
 def prm_marker(rewards: RewardConfig) -> dict[str, str]:
@@ -176,15 +181,17 @@ def problem_source(env: EnvConfig, split: str) -> dict:
     return {"split": split}
 
 
-def env_kwargs(env: EnvConfig, split: str, reward_model: RewardModel | None, outcome_weight: float, tokenizer) -> dict:
+def env_kwargs(env: EnvConfig, split: str, reward_model: RewardModel | None, outcome_weight: float, tokenizer,
+               template: str) -> dict:
     """Task kwargs of the train (split "train") or held-out ("test") vector env; ``tokenizer`` is the
-    policy's (it decodes token actions, and its EOS text ends a step-level episode). A multi-agent env
+    policy's (it decodes token actions, and its EOS text ends a step-level episode), ``template`` its
+    prompt template (``models.prompting.build_template``), for every role of a workflow. A multi-agent env
     takes whole messages, credits them by ``env.reward_assignment`` (times ``outcome_weight``) and scores
     its answering roles' messages with ``reward_model`` (the other reward sources)."""
     if env.workflow is not None:
         return {"reward_assignment": env.reward_assignment, "reward_model": reward_model,
-                "outcome_weight": outcome_weight, **problem_source(env, split)}
-    kwargs = {"reward_model": reward_model, **problem_source(env, split)}
+                "outcome_weight": outcome_weight, "template": template, **problem_source(env, split)}
+    kwargs = {"reward_model": reward_model, "template": template, **problem_source(env, split)}
     if env.handoff_steps is not None:
         kwargs["handoff_steps"] = env.handoff_steps
     if env.action_level == "solution":
@@ -196,7 +203,7 @@ def env_kwargs(env: EnvConfig, split: str, reward_model: RewardModel | None, out
     return kwargs
 
 
-def build_envs(env: EnvConfig, reward_model: RewardModel | None, outcome_weight: float, tokenizer,
+def build_envs(env: EnvConfig, reward_model: RewardModel | None, outcome_weight: float, tokenizer, template: str,
                ranks: Ranks = Ranks()) -> tuple[gymnasium.vector.VectorEnv, gymnasium.vector.VectorEnv]:
     """(train env, held-out eval env). Episodic algorithms run one episode per env per iteration (no
     autoreset); continuing ones reset an ended episode in the same step. Under torchrun the train env
@@ -207,10 +214,10 @@ def build_envs(env: EnvConfig, reward_model: RewardModel | None, outcome_weight:
              if ranks.distributed else {})
     train_env = gymnasium.make_vec(env.env_id, num_envs=count, vectorization_mode="vector_entry_point",
                                    group_size=env.group_size, autoreset_mode=autoreset, **split,
-                                   **env_kwargs(env, "train", reward_model, outcome_weight, tokenizer))
+                                   **env_kwargs(env, "train", reward_model, outcome_weight, tokenizer, template))
     eval_env = gymnasium.make_vec(env.env_id, num_envs=env.eval_batch_size, vectorization_mode="vector_entry_point",
                                   group_size=1, autoreset_mode=AutoresetMode.DISABLED,
-                                  **env_kwargs(env, "test", reward_model, outcome_weight, tokenizer))
+                                  **env_kwargs(env, "test", reward_model, outcome_weight, tokenizer, template))
     return train_env, eval_env
 
 
@@ -330,8 +337,9 @@ def build_runner(config: RunConfig, run_dir: Path, writer, saved: checkpoint.Che
     env, learning = config.env, config.learning
     directory = model_dir(config.model, env.workflow is not None)
     policy = build_policy(config.model, directory, learning.algorithm)
-    train_env, eval_env = build_envs(env, build_reward_model(config, str(policy.device)),
-                                     config.rewards.weights.get("outcome", 0.0), policy.tokenizer, ranks)
+    template = build_template(env.prompt_template, policy.tokenizer, env.system_prompt)
+    train_env, eval_env = build_envs(env, build_reward_model(config, str(policy.device), template),
+                                     config.rewards.weights.get("outcome", 0.0), policy.tokenizer, template, ranks)
     sync_dir = Path(config.services.vllm_sync_dir or run_dir / "sync")
     if ranks.distributed:  # each rank writes (and its servers load) its own copy: no two writers on one path
         sync_dir = sync_dir / f"rank_{ranks.rank}"

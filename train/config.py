@@ -18,6 +18,7 @@ import envs  # noqa: F401  (registers the built-in ids)
 from algorithms.base import AlgorithmConfig
 from algorithms.registry import ALGORITHMS
 from envs.workflows import Workflow, resolve_workflow
+from models.hub import resolve_model
 from models.remote import ClientSettings
 from reward_models.mixture import parse_reward_spec
 from train.flags.checks import check_algorithm_specific, default_group_size, reward_sources
@@ -29,6 +30,7 @@ class ModelConfig:
     """The policy's weights and how it runs. Model paths are local directories (hub ids already resolved)."""
 
     name_or_path: str | None = None  # None: the built-in tiny policy (the tiny team model on a workflow)
+    revision: str | None = None  # the hub revision the model paths were resolved at
     device: str = "auto"
     dtype: str = "float32"
     lora_rank: int = 0
@@ -286,12 +288,19 @@ def role_models(f: flags.FlagValues) -> dict[str, str]:
     return models
 
 
+def local_model(f: flags.FlagValues, value: str | None, flag: str) -> str | None:
+    """A model flag's local directory: the directory itself, or a hub id's snapshot at --revision."""
+    return None if value is None else str(resolve_model(value, f.revision, flag))
+
+
 def model_config(f: flags.FlagValues, workflow: Workflow | None) -> ModelConfig:
     trained = [] if f.share_policy or workflow is None else [role.name for role in workflow.roles if role.trainable]
     per_role_critic = workflow is not None and f.critic == "per_role"
-    return ModelConfig(name_or_path=f.model_name_or_path, device=f.device, dtype=f.dtype, lora_rank=f.lora_rank,
+    frozen = {role: local_model(f, name, f"--role_model {role}") for role, name in role_models(f).items()}
+    return ModelConfig(name_or_path=local_model(f, f.model_name_or_path, "--model_name_or_path"), revision=f.revision,
+                       device=f.device, dtype=f.dtype, lora_rank=f.lora_rank,
                        gradient_checkpointing=f.gradient_checkpointing, role_adapters=tuple(trained),
-                       role_models=role_models(f), value_heads=len(workflow.roles) if per_role_critic else 1,
+                       role_models=frozen, value_heads=len(workflow.roles) if per_role_critic else 1,
                        torch_threads=f.torch_threads, data_parallel=f.data_parallel, dist_timeout=f.dist_timeout)
 
 
@@ -317,10 +326,12 @@ def episode_length(f: flags.FlagValues, env_id: str, workflow: Workflow | None) 
 
 
 def reward_config(f: flags.FlagValues) -> RewardConfig:
-    return RewardConfig(spec=reward_spec(f), prm_model=f.prm_model_name_or_path,
+    return RewardConfig(spec=reward_spec(f), prm_model=local_model(f, f.prm_model_name_or_path,
+                                                                   "--prm_model_name_or_path"),
                         prm_checkpoint_path=f.prm_checkpoint_path, prm_type=PRM_TYPES[f.prm_type.lower()],
                         prm_step_tag=f.prm_step_tag, prm_kv_cache_mb=f.prm_kv_cache_mb,
-                        target_model=f.target_model_name_or_path, target_num_samples=f.target_num_samples,
+                        target_model=local_model(f, f.target_model_name_or_path, "--target_model_name_or_path"),
+                        target_num_samples=f.target_num_samples,
                         target_temperature=f.target_temperature, target_max_new_tokens=f.target_max_new_tokens)
 
 

@@ -200,12 +200,13 @@ def _check_reward(f: dict) -> bool:
     return True
 
 
-@flags.multi_flags_validator(["reward", "dataset_path"])
+@flags.multi_flags_validator(["reward", "dataset_path", "env_id"])
 def _check_steps_reward(f: dict) -> bool:
-    if f["reward"] is not None and "steps" in reward_sources(f["reward"]) and f["dataset_path"] is not None:
+    on_math = f["dataset_path"] is not None or (f["env_id"] or "").rpartition(":")[2].startswith("MATH")
+    if f["reward"] is not None and "steps" in reward_sources(f["reward"]) and on_math:
         raise flags.ValidationError("--reward uses 'steps', which pays the share of a canonical step-by-step solution "
                                     "reproduced exactly: only Arith's generated problems have one (MATH solutions "
-                                    "are prose, so it would pay 0). Drop 'steps' or drop --dataset_path")
+                                    "are prose, so it would pay 0). Drop 'steps' or use an Arith env")
     return True
 
 
@@ -240,8 +241,6 @@ def _check_env_source(f: dict) -> bool:
     if env_name.startswith("Arith") and f["dataset_path"] is not None:
         raise flags.ValidationError(f"--env_id={f['env_id']} generates its problems; drop --dataset_path or use "
                                     "--env_id=MATH-v0")
-    if env_name.startswith("MATH") and f["dataset_path"] is None:
-        raise flags.ValidationError(f"--env_id={f['env_id']} needs --dataset_path (e.g. ../shared/data/math500.jsonl)")
     if f["dataset_name"] is not None and f["dataset_path"] is None:
         raise flags.ValidationError("--dataset_name filters a MATH dataset's subjects: give --dataset_path too")
     return True

@@ -154,6 +154,46 @@ def test_ctrl_c_during_start_up_is_one_line(untrained_policy_dir, tmp_path, monk
     assert capsys.readouterr().err.strip() == "train_math.py: error: interrupted during start-up; nothing was trained"
 
 
+def hub_cache(hf_home: Path, policy_dir: Path) -> None:
+    """HF_HOME holding org/tiny-math in the hub's layout: revision v1 is ``policy_dir``'s files, main a snapshot
+    with a config only (no weights, no tokenizer)."""
+    repo = hf_home / "hub" / "models--org--tiny-math"
+    for ref, sha in (("main", "a" * 40), ("v1", "b" * 40)):
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / ref).write_text(sha)
+        snapshot = repo / "snapshots" / sha
+        snapshot.mkdir(parents=True)
+        for item in Path(policy_dir).iterdir():
+            if ref == "v1" or item.name == "config.json":
+                (snapshot / item.name).symlink_to(item)
+
+
+def test_model_flags_take_hub_ids_resolved_offline_at_a_revision(untrained_policy_dir, tmp_path):
+    hf_home = tmp_path / "hf"
+    hub_cache(hf_home, untrained_policy_dir)
+    env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"}
+
+    def run(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(ROOT / "train_math.py"), *argv, "--logdir", str(tmp_path / "runs")],
+                              capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+
+    trained = run(*small("org/tiny-math", tmp_path / "runs", "--revision", "v1", "--num_env_steps", "8",
+                         "--eval_interval", "0"))
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    (policy,) = (tmp_path / "runs").glob("*/run_*/checkpoints/iter_1/policy")
+    assert (policy / "model.safetensors").is_file() or list(policy.glob("*.safetensors"))
+    no_weights = the_one_error_line(run("--model_name_or_path", "org/tiny-math"))  # main: a config alone
+    assert "--model_name_or_path" in no_weights and "a" * 40 in no_weights
+    absent = the_one_error_line(run("--prm_model_name_or_path", "org/absent"))
+    assert "--prm_model_name_or_path='org/absent'" in absent and "not in the Hugging Face cache" in absent
+
+
+def test_chat_template_missing_is_one_line(untrained_policy_dir, tmp_path):
+    line = the_one_error_line(run_cli(*small(untrained_policy_dir, tmp_path, "--prompt_template", "chat")))
+    assert "has no chat template" in line and "--prompt_template default" in line
+    assert not list(tmp_path.iterdir())
+
+
 def events_of(run_dir: Path) -> dict[str, int]:
     return {path.name: path.stat().st_size for path in run_dir.glob("events.out.tfevents.*")}
 

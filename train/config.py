@@ -208,7 +208,8 @@ def registered_env_id(f: flags.FlagValues) -> str:
             importlib.import_module(module)
         except ImportError as error:
             raise flags.ValidationError(f"--env_id={env_id}: cannot import registration module {module!r} ({error}); "
-                                        "it must be importable: add the directory holding it to PYTHONPATH (e.g. PYTHONPATH=.)") from None
+                                        "it must be importable: add the directory holding it to PYTHONPATH (e.g. "
+                                        "PYTHONPATH=.)") from None
     if name not in gymnasium.registry:
         known = ", ".join(sorted(k for k in gymnasium.registry if k.startswith(("MATH", "Arith"))))
         raise flags.ValidationError(f"--env_id={env_id}: {name!r} is not a registered gymnasium id (built in: {known}); "

@@ -1,7 +1,7 @@
 """Train a language model on a gymnasium MATH env with APPO, GRPO, TPPO or RLOO.
 
     python train_math.py                      # tiny built-in policy on Arith-v0, GRPO, CPU
-    python train_math.py --helpfull           # every flag
+    python train_math.py --help               # the main flags, grouped (--helpfull: every flag, by section)
     torchrun --standalone --nproc_per_node 2 train_math.py   # data-parallel over 2 ranks (train/distributed.py)
     python -u train_math.py --dataset_path ./math_500.jsonl --model_name_or_path ./Qwen2.5-Math-1.5B \\
         --prm_model_name_or_path ./math-shepherd-mistral-7b-prm --algorithm_name APPO --num_mini_batch 4 --ppo_epoch 1

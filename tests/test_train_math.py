@@ -75,6 +75,8 @@ def test_bad_path_fails_fast_naming_the_flag():
     (["--top_p", "0"], "(0, 1]"),
     (["--data_parallel", "fsdp", "--lora_rank", "8"], "use --data_parallel ddp"),
     (["--model_name_or_path", str(MATH500)], "not a directory"),
+    (["--system_prompt", "Be brief."], "--system_prompt needs a chat prompt template"),
+    (["--model_name_or_path", "./no/such/dir"], "does not exist"),  # a path, not a hub id
 ])
 def test_bad_values_and_contradictions_fail_naming_the_flag(argv, message):
     with pytest.raises((flags.Error, ValueError), match=message.replace("(", r"\(").replace(")", r"\)")

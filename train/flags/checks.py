@@ -276,3 +276,11 @@ def default_group_size(algorithm: str) -> int:
     return 4 if ALGORITHMS[algorithm].episodic else 1
 
 
+
+
+@flags.multi_flags_validator(["prompt_template", "system_prompt"])
+def _check_system_prompt(f: dict) -> bool:
+    if f["system_prompt"] is not None and f["prompt_template"] == "default":
+        raise flags.ValidationError("--system_prompt needs a chat prompt template: add --prompt_template chat (the "
+                                    "tokenizer's own) or qwen_math; the default plain template has no system turn")
+    return True

@@ -213,6 +213,23 @@ def test_resuming_a_run_at_or_past_its_budget_changes_nothing(untrained_policy_d
     assert [step for step, _ in read_scalars(run_dir)["eval/accuracy"]] == [0, 2, 4]
 
 
+def test_a_checkpoint_from_before_the_new_flags_resumes(untrained_policy_dir, tmp_path):
+    """flags.json of a checkpoint written before --revision/--prompt_template/--system_prompt existed (and
+    holding a flag since removed): the new flags keep their defaults, the removed one is skipped."""
+    argv = small(untrained_policy_dir, tmp_path, "--num_env_steps", "8", "--eval_interval", "0")
+    run_dir = Path(run_train_math(argv))
+    saved = run_dir / "checkpoints" / "iter_1" / "flags.json"
+    old = {k: v for k, v in json.loads(saved.read_text()).items()
+           if k not in ("revision", "prompt_template", "system_prompt")}
+    saved.write_text(json.dumps({**old, "a_removed_flag": 1}))
+    manifest = saved.parent / "manifest.json"  # as that trainer wrote it: the manifest lists each file's size
+    listed = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps({**listed, "files": {**listed["files"], "flags.json": saved.stat().st_size}}))
+    run_train_math(["--resume", str(saved.parent), "--num_env_steps", "16", "--logdir", str(tmp_path)])
+    assert (run_dir / "checkpoints" / "iter_2" / "manifest.json").is_file()
+    assert json.loads((run_dir / "checkpoints" / "iter_2" / "flags.json").read_text())["prompt_template"] == "default"
+
+
 def test_a_run_resumed_with_a_larger_budget_trains_at_the_new_budgets_lr(untrained_policy_dir, tmp_path):
     """A finished run's linear decay leaves the optimizer's lr at 0. Resumed with a budget of one more
     iteration it trains that iteration at the new budget's lr (a third of --lr at step 2 of 3), so the

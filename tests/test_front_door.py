@@ -4,7 +4,6 @@ the env steps that run; the env's modes (token actions, Prefix-RL hand-off) are 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -81,8 +80,6 @@ def bad_inputs(tmp_path_factory, untrained_policy_dir) -> dict[str, list[str]]:
         "joint groups with TPPO": ["--env_id", "Arith-Chain-v0", "--algorithm_name", "TPPO", "--agent_groups", "joint"],
         "role flag on one agent": ["--reward_assignment", "individual"],
         "unimportable env module": ["--env_id", "no_such_workflows:X-v0"],
-        "hub dataset without datasets": ["--model_name_or_path", str(untrained_policy_dir), "--dataset_path",
-                                         "hf://HuggingFaceH4/MATH-500:test"],
     }
 
 
@@ -105,7 +102,6 @@ EXPECTED = {
     "joint groups with TPPO": ("--agent_groups applies to GRPO/RLOO", "--algorithm_name=TPPO"),
     "role flag on one agent": ("--reward_assignment", "--env_id=Arith-v0 has one agent"),
     "unimportable env module": ("'no_such_workflows'", "PYTHONPATH"),
-    "hub dataset without datasets": ("--dataset_path", "pip install datasets"),
 }
 
 
@@ -116,12 +112,22 @@ def test_every_start_up_mistake_is_one_line_naming_the_flag(bad_inputs, case, tm
 
         if torch.cuda.is_available():
             pytest.skip("this machine has CUDA")
-    if case == "hub dataset without datasets" and importlib.util.find_spec("datasets") is not None:
-        pytest.skip("the datasets package is installed here")
     line = the_one_error_line(run_cli(*bad_inputs[case], "--logdir", str(tmp_path)))
     for part in EXPECTED[case]:
         assert part in line, line
     assert not list(tmp_path.iterdir()), "a run that never started must leave no directory behind"
+
+
+def test_a_hub_dataset_without_the_datasets_package_fails_before_any_model_loads(untrained_policy_dir, tmp_path):
+    """As where the datasets package is not installed (the import system is told it is absent)."""
+    argv = ["train_math.py", "--model_name_or_path", str(untrained_policy_dir), "--dataset_path",
+            "hf://HuggingFaceH4/MATH-500:test", "--logdir", str(tmp_path)]
+    script = (f"import runpy, sys; sys.modules['datasets'] = None; sys.argv = {argv!r}; "
+              f"runpy.run_path({str(ROOT / 'train_math.py')!r}, run_name='__main__')")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180, cwd=ROOT)
+    line = the_one_error_line(result)
+    assert "--dataset_path" in line and "pip install datasets" in line
+    assert "Loading weights" not in result.stderr and not list(tmp_path.iterdir())
 
 
 def test_several_flag_errors_are_one_line_each(tmp_path):

@@ -1,13 +1,13 @@
 """Train a language model on a gymnasium MATH env with APPO, GRPO, TPPO or RLOO.
 
     python train_math.py                      # tiny built-in policy on Arith-v0, GRPO, CPU
-    python train_math.py --helpfull           # every flag
+    python train_math.py --help               # the main flags, grouped (--helpfull: every flag, by section)
     torchrun --standalone --nproc_per_node 2 train_math.py   # data-parallel over 2 ranks (train/distributed.py)
     python -u train_math.py --dataset_path ./math_500.jsonl --model_name_or_path ./Qwen2.5-Math-1.5B \\
         --prm_model_name_or_path ./math-shepherd-mistral-7b-prm --algorithm_name APPO --num_mini_batch 4 --ppo_epoch 1
 
-Flags are parsed and validated (train/flags.py) before anything heavy is imported or loaded; the run
-is then composed by train/builders.py.
+Flags are parsed and validated (train/flags/) before anything heavy is imported or loaded, resolved
+once into a RunConfig (train/config.py), and the run is composed from it by train/builders.py.
 TensorBoard logs and checkpoints go to <logdir>/<experiment>/<run>; ``--resume auto`` continues the
 newest complete checkpoint in the same run directory (train/checkpoint.py). SIGINT/SIGTERM save a
 checkpoint after the current iteration and exit 0 with the command that resumes.
@@ -30,12 +30,13 @@ from train import flags as train_flags
 
 if TYPE_CHECKING:
     from train.checkpoint import Checkpoint
+    from train.config import LoggingConfig, RunConfig
     from train.runner import Runner
 
 FLAGS = train_flags.FLAGS
 
 
-def prepare_run_dir(saved, ranks) -> Path:
+def prepare_run_dir(logs: LoggingConfig, saved, ranks) -> Path:
     """The run directory: the resumed checkpoint's, else a new <logdir>/<experiment>/run_<time> (rank 0's
     time under torchrun). Created (and checked writable) before any model loads."""
     from train import distributed
@@ -44,7 +45,7 @@ def prepare_run_dir(saved, ranks) -> Path:
         run_dir = saved.run_dir
     else:
         name = distributed.all_gather_objects(time.strftime("run_%Y%m%d_%H%M%S"))[0]
-        run_dir = Path(FLAGS.logdir) / train_flags.resolved_experiment_name() / name
+        run_dir = Path(logs.logdir) / logs.experiment_name / name
     if not ranks.is_main:
         return run_dir
     try:
@@ -53,7 +54,7 @@ def prepare_run_dir(saved, ranks) -> Path:
         probe.write_text("")
         probe.unlink()
     except OSError as error:
-        raise ValueError(f"--logdir={FLAGS.logdir}: cannot write to {run_dir} ({error.strerror}); "
+        raise ValueError(f"--logdir={logs.logdir}: cannot write to {run_dir} ({error.strerror}); "
                          "pass a writable --logdir") from error
     return run_dir
 
@@ -88,13 +89,14 @@ def resume_command(path: Path) -> str:
     return shlex.join([sys.executable, sys.argv[0], *args, f"--resume={path}"])
 
 
-def fail(message: str, code: int = 1) -> NoReturn:
+def fail(*messages: str, code: int = 1) -> NoReturn:
     """The one format for every mistake a user can make before training starts (bad flags, files, model
     directories or checkpoints raise flags.Error, ValueError, OSError or CheckpointError) and for a
-    server that stops answering (ServiceError): one line, no traceback, exit code 1. Under torchrun the
-    line names the rank."""
+    server that stops answering (ServiceError): one line per message, no traceback, exit code 1. Under
+    torchrun each line names the rank."""
     rank = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
-    print(f"{rank}train_math.py: error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
+    for message in messages:
+        print(f"{rank}train_math.py: error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
     sys.exit(code)
 
 
@@ -109,18 +111,24 @@ def caused_by(error: BaseException, kind: type) -> bool:
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-    """absl's parsing, with its errors in ``fail``'s format."""
+    """absl's parsing, with its errors in ``fail``'s format (one line each when several flags are wrong),
+    and the project's grouped --help and --helpfull."""
+    asked = [train_flags.HELP_FLAGS[arg] for arg in argv[1:] if arg in train_flags.HELP_FLAGS]
+    if asked:
+        print(train_flags.help_text(__doc__, full=any(asked)), end="")
+        sys.exit(0)
     try:
         return FLAGS(argv)
     except flags.Error as error:
-        fail(f"{without_flag_dump(str(error))} (--helpfull lists every flag)")
+        errors = [without_flag_dump(line) for line in str(error).splitlines() if line.strip()]
+        fail(*errors[:-1], f"{errors[-1]} (--helpfull lists every flag)")
 
 
 def without_flag_dump(message: str) -> str:
     """absl prefixes a multi-flag validator's message with the value of every flag it read ("flags a=1,
     b=None, ...: "); the project's messages name the flags that matter, so the dump goes."""
-    for flag in FLAGS.get_flags_for_module(train_flags.__name__):
-        for validator in flag.validators:
+    for name in train_flags.flag_dict():
+        for validator in FLAGS[name].validators:
             prefix = f"{validator.print_flags_with_values(FLAGS)}: "
             if prefix.startswith("flags ") and message.startswith(prefix):
                 return message[len(prefix):]
@@ -138,24 +146,17 @@ def after_service_failure(runner: Runner) -> str:
             "Once the server is back, launch the same command with --resume auto")
 
 
-def check_flags() -> None:
-    """What the flags alone decide, before anything heavy is imported."""
-    train_flags.check_algorithm_specific()
-    train_flags.registered_env_id()
-    train_flags.check_multi_agent()
-
-
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         fail(f"unexpected positional arguments {argv[1:]}; every setting is a --flag")
     from models.remote import ServiceError  # stdlib only: cheap before the flags are checked
 
     try:
-        check_flags()
         from train.checkpoint import CheckpointError
+        from train.config import config_from_flags
 
         try:
-            started = start()
+            started = start(config_from_flags(FLAGS))
         except CheckpointError as error:
             fail(str(error))
     except KeyboardInterrupt:
@@ -164,7 +165,7 @@ def main(argv: list[str]) -> None:
         fail(str(error))
     if started is None:
         return
-    runner, writer, run_dir, saved = started
+    runner, writer, run_dir, saved, config = started
     try:
         history = runner.run()
     except KeyboardInterrupt as interrupt:
@@ -181,70 +182,90 @@ def main(argv: list[str]) -> None:
         print(f"stopped by {runner.stop_signal} after iteration {runner.iteration}: checkpoint "
               f"{runner.last_checkpoint}; resume with: {resume_command(runner.last_checkpoint)}", flush=True)
         return
-    finish(writer, run_dir, history, {**runner.run_flags, **resolved_settings(runner, saved)})
+    finish(writer, run_dir, history, {**runner.run_flags, **resolved_settings(config, runner, saved)},
+           config.logging.save_best)
 
 
-def start() -> tuple[Runner, Any, Path, Checkpoint | None] | None:
+def resumed(config: RunConfig) -> tuple[RunConfig, Checkpoint | None]:
+    """The checkpoint ``config.logging.resume`` names (or None), and the config with every flag this command
+    line left out inherited from it."""
+    from train import checkpoint
+    from train.config import config_from_flags
+
+    logs = config.logging
+    resume_path = checkpoint.resolve_resume(logs.resume, Path(logs.logdir) / logs.experiment_name)
+    if resume_path is None:
+        return config, None
+    saved = checkpoint.load(resume_path)
+    inherited = train_flags.inherit(saved.flags)
+    if inherited:
+        logging.info("resuming with the checkpoint's %s", ", ".join(f"--{n}={FLAGS[n].value}" for n in inherited))
+    return config_from_flags(FLAGS), saved
+
+
+def start(config: RunConfig) -> tuple[Runner, Any, Path, Checkpoint | None, RunConfig] | None:
     """Resolves the resume, checks what can be checked before models load, and builds the run; returns
-    (runner, writer, run directory, checkpoint or None), or None when the checkpoint is already done."""
+    (runner, writer, run directory, checkpoint or None, the config), or None when the checkpoint is done."""
     import numpy as np
     import torch
 
     from train import builders, checkpoint, distributed
 
-    ranks = distributed.init(FLAGS.device, FLAGS.dist_timeout)
-    resume_path = checkpoint.resolve_resume(FLAGS.resume, Path(FLAGS.logdir) / train_flags.resolved_experiment_name())
-    saved = checkpoint.load(resume_path) if resume_path is not None else None
-    if saved is not None:
-        inherited = train_flags.inherit(saved.flags)
-        if inherited:
-            logging.info("resuming with the checkpoint's %s", ", ".join(f"--{n}={FLAGS[n].value}" for n in inherited))
-        check_flags()
-        total = train_flags.resolved_num_iterations()
-        if saved.iteration >= total:
-            print(f"{saved.path} has trained {saved.iteration} iterations and --num_env_steps={FLAGS.num_env_steps} "
-                  f"asks for {total}: nothing to do (raise --num_env_steps to train further)", flush=True)
-            return None
-    builders.check_inputs(FLAGS)
-    run_dir = prepare_run_dir(saved, ranks)
+    ranks = distributed.init(config.model.device, config.model.dist_timeout)
+    config, saved = resumed(config)
+    if saved is not None and saved.iteration >= config.budget.num_iterations:
+        print(f"{saved.path} has trained {saved.iteration} iterations and --num_env_steps="
+              f"{config.budget.num_env_steps} asks for {config.budget.num_iterations}: nothing to do (raise "
+              "--num_env_steps to train further)", flush=True)
+        return None
+    builders.check_inputs(config)
+    run_dir = prepare_run_dir(config.logging, saved, ranks)
     try:
         if saved is not None:
             logging.info("resuming from %s (iteration %d)", saved.path, saved.iteration)
             if ranks.is_main:
                 checkpoint.retire_newer(saved)
-            log_changed_flags(saved.flags, train_flags.flag_dict())
-        torch.set_num_threads(FLAGS.torch_threads)
-        torch.manual_seed(FLAGS.seed)
-        np.random.seed(FLAGS.seed)
+            log_changed_flags(saved.flags, config.flags)
+        torch.set_num_threads(config.model.torch_threads)
+        torch.manual_seed(config.seed)
+        np.random.seed(config.seed)
         start_iteration = saved.iteration if saved is not None else 0
         # purge_step: TensorBoard drops points a killed run logged at or after the checkpoint's iteration.
         writer = (open_writer(run_dir, purge_step=start_iteration if saved is not None else None)
                   if ranks.is_main else None)  # rank 0 alone logs
-        runner = builders.build_runner(FLAGS, run_dir, writer, saved, ranks=ranks)
+        runner = builders.build_runner(config, run_dir, writer, saved, ranks=ranks)
     except BaseException:
         if saved is None and ranks.is_main:  # a run that never started leaves no directory behind
-            shutil.rmtree(run_dir, ignore_errors=ranks.distributed)
+            remove_run_dir(run_dir, ranks.distributed)
         raise
     if ranks.is_main:
-        resolved = resolved_settings(runner, saved)
+        resolved = resolved_settings(config, runner, saved)
         writer.add_text("flags", "\n".join(f"    --{k}={v}" for k, v in runner.run_flags.items()), start_iteration)
         writer.add_text("resolved", "\n".join(f"    {k}: {v}" for k, v in resolved.items()), start_iteration)
-    logging.info("run directory %s; %s, %d iterations of %d envs x %d steps%s", run_dir, FLAGS.algorithm_name,
+    logging.info("run directory %s; %s, %d iterations of %d envs x %d steps%s", run_dir, config.learning.algorithm,
                  runner.config.num_iterations, runner.collector.env.num_envs, runner.collector.episode_length,
                  f" on each of {ranks.world_size} ranks" if ranks.distributed else "")
-    return runner, writer, run_dir, saved
+    return runner, writer, run_dir, saved, config
 
 
-def resolved_settings(runner: Runner, saved: Checkpoint | None) -> dict:
+def remove_run_dir(run_dir: Path, distributed: bool) -> None:
+    """Removes a run directory that never started, and its experiment directory if that is left empty."""
+    shutil.rmtree(run_dir, ignore_errors=distributed)
+    experiment = run_dir.parent
+    if experiment.is_dir() and not any(experiment.iterdir()):
+        experiment.rmdir()
+
+
+def resolved_settings(config: RunConfig, runner: Runner, saved: Checkpoint | None) -> dict:
     """The settings the flags left to be worked out (logged as TensorBoard text and hparams)."""
-    return {"env_id": train_flags.resolved_env_id(), "reward": train_flags.resolved_reward(),
+    return {"env_id": config.env.env_id, "reward": config.rewards.spec,
             "episode_length": runner.collector.episode_length, "async_rollouts": runner.config.async_rollouts,
-            "group_size": train_flags.resolved_group_size(), "model_dir": str(runner.policy.model_dir),
+            "group_size": config.env.group_size, "model_dir": str(runner.policy.model_dir),
             "num_iterations": runner.config.num_iterations, "device": str(runner.policy.device),
             "resumed_from": str(saved.path) if saved is not None else None}
 
 
-def finish(writer, run_dir: Path, history: list[dict], settings: dict) -> None:
+def finish(writer, run_dir: Path, history: list[dict], settings: dict, save_best: bool) -> None:
     """Writes the hparams summary and logs the start, end and best held-out accuracy."""
     hparams = {k: v for k, v in settings.items() if isinstance(v, (int, float, str, bool))}
     final = {k: v for k, v in (history[-1] if history else {}).items() if k.startswith("eval/")}
@@ -254,7 +275,7 @@ def finish(writer, run_dir: Path, history: list[dict], settings: dict) -> None:
         best = max(history, key=lambda h: h["eval/accuracy"])
         logging.info("greedy accuracy: %.3f at the start -> %.3f at the end (%d evaluations); best %.3f at "
                      "iteration %d%s", history[0]["eval/accuracy"], history[-1]["eval/accuracy"], len(history),
-                     best["eval/accuracy"], best["iteration"], f" ({run_dir / 'best'})" if FLAGS.save_best else "")
+                     best["eval/accuracy"], best["iteration"], f" ({run_dir / 'best'})" if save_best else "")
 
 
 def run() -> None:

@@ -46,14 +46,16 @@ class PhaseWriter:
 
 def build(run_dir: Path, extra: list[str]):
     from train import builders
+    from train.config import config_from_flags
     from train.flags import FLAGS
 
     FLAGS(["iteration_profile", "--noasync_rollouts", "--eval_interval", "0", "--save_interval", "0",
            "--num_env_steps", str(10**9), *extra])
-    torch.set_num_threads(FLAGS.torch_threads)
-    torch.manual_seed(FLAGS.seed)
+    config = config_from_flags(FLAGS)
+    torch.set_num_threads(config.model.torch_threads)
+    torch.manual_seed(config.seed)
     writer = PhaseWriter()
-    return builders.build_runner(FLAGS, run_dir, writer), writer
+    return builders.build_runner(config, run_dir, writer), writer
 
 
 def main() -> None:

@@ -100,6 +100,7 @@ def run_ours(args: argparse.Namespace, model_dir: Path, problems: Path, scratch:
     from tensorboardX import SummaryWriter
 
     from train import builders
+    from train.config import config_from_flags
     from train.flags import FLAGS
     from vs_trl import TextHashOutcome
 
@@ -114,7 +115,7 @@ def run_ours(args: argparse.Namespace, model_dir: Path, problems: Path, scratch:
            f"--{'' if args.gc == 'on' else 'no'}gradient_checkpointing", f"--logdir={scratch}",
            f"--torch_threads={torch.get_num_threads()}"])
     writer = SummaryWriter(str(scratch))
-    runner = builders.build_runner(FLAGS, scratch, writer)
+    runner = builders.build_runner(config_from_flags(FLAGS), scratch, writer)
     runner.collector.env.unwrapped.task.reward_model = TextHashOutcome()
     synchronize(args.device)
     started = time.perf_counter()

@@ -121,6 +121,7 @@ class OursSide:
 
         from envs.datasets import MATH500
         from train import builders
+        from train.config import config_from_flags
         from train.flags import FLAGS
 
         problems = ["--env_id=Arith-v0"] if dataset == "arith" else ["--env_id=MATH-v0", f"--dataset_path={MATH500}"]
@@ -133,7 +134,7 @@ class OursSide:
                "--save_interval=0", "--nosave_best", f"--seed={SEED}", "--noasync_rollouts", "--device=cpu",
                "--dtype=float32", f"--generation_backend={backend}", f"--logdir={run_dir}"])
         self.writer = SummaryWriter(str(run_dir))
-        self.runner = builders.build_runner(FLAGS, run_dir, self.writer,
+        self.runner = builders.build_runner(config_from_flags(FLAGS), run_dir, self.writer,
                                             generator_factory=make_vllm_generator if backend == "vllm" else None)
         self.env = self.runner.collector.env
         self.env.unwrapped.task.reward_model = reward_model

@@ -266,7 +266,7 @@ def flags_for(policy_dir, logdir, algorithm: str, iterations: int, *extra: str) 
 @pytest.fixture
 def length_reward(monkeypatch):
     """train_math's env pays len(step) / 100 (the untrained policy never answers correctly)."""
-    monkeypatch.setattr(builders, "build_reward_model", lambda flags, device: StepLengthReward())
+    monkeypatch.setattr(builders, "build_reward_model", lambda config, device, template: StepLengthReward())
 
 
 def sigterm_after_iteration(monkeypatch, last: int) -> None:
@@ -405,7 +405,7 @@ class FailingReward(StepLengthReward):
 def test_reward_model_error_names_model_and_batch_and_saves_first(untrained_policy_dir, tmp_path, monkeypatch):
     """One scoring call per iteration (solution mode, no eval): the 3rd fails in iteration 2, whose
     start state is saved as iter_2, from which the run then resumes and finishes."""
-    monkeypatch.setattr(builders, "build_reward_model", lambda flags, device: FailingReward(fail_at=3))
+    monkeypatch.setattr(builders, "build_reward_model", lambda config, device, template: FailingReward(fail_at=3))
     argv = flags_for(untrained_policy_dir, tmp_path, "GRPO", 4, "--eval_interval", "0", "--save_interval", "0")
     with pytest.raises(RewardModelError, match=r"reward model 'flaky' \(FailingReward\) raised RuntimeError: CUDA "
                                                r"error: device-side assert triggered while scoring a batch of 4 steps "
@@ -414,7 +414,7 @@ def test_reward_model_error_names_model_and_batch_and_saves_first(untrained_poli
     (run_dir,) = glob.glob(f"{tmp_path}/GRPO_Arith-v0/run_*")
     saved = checkpoint.find_latest(run_dir)
     assert saved is not None and saved.name == "iter_2"
-    monkeypatch.setattr(builders, "build_reward_model", lambda flags, device: StepLengthReward())
+    monkeypatch.setattr(builders, "build_reward_model", lambda config, device, template: StepLengthReward())
     assert run_train_math([*argv, "--resume", "auto"]) == run_dir
     assert checkpoint.find_latest(run_dir).name == "iter_4"
 
@@ -497,7 +497,7 @@ def test_best_policy_is_saved_when_eval_accuracy_improves(untrained_policy_dir, 
     from transformers import AutoModelForCausalLM
 
     verdicts = ScheduledVerdicts([0.25, 0.75, 0.5, 0.75], batch=4)
-    monkeypatch.setattr(builders, "build_reward_model", lambda flags, device: verdicts)
+    monkeypatch.setattr(builders, "build_reward_model", lambda config, device, template: verdicts)
     evaluate, saved, evals = Runner.evaluate, [], []
 
     def counted(self, iteration):

@@ -76,6 +76,10 @@ def bad_inputs(tmp_path_factory, untrained_policy_dir) -> dict[str, list[str]]:
                           "--prm_model_name_or_path", str(untrained_policy_dir)],
         "multi-token step tag": ["--model_name_or_path", str(untrained_policy_dir),
                                  "--prm_model_name_or_path", str(untrained_policy_dir), "--prm_step_tag", "STEP DONE"],
+        "joint groups with APPO": ["--env_id", "Arith-Chain-v0", "--algorithm_name", "APPO", "--agent_groups", "joint"],
+        "joint groups with TPPO": ["--env_id", "Arith-Chain-v0", "--algorithm_name", "TPPO", "--agent_groups", "joint"],
+        "role flag on one agent": ["--reward_assignment", "individual"],
+        "unimportable env module": ["--env_id", "no_such_workflows:X-v0"],
     }
 
 
@@ -94,6 +98,10 @@ EXPECTED = {
     "implicit PRM as a reward": ("'implicit_prm' is not a --reward source", "--algorithm_name RLOO"),
     "policy as PRM": ("untrained_policy", "is not a Math-Shepherd PRM"),
     "multi-token step tag": ("--prm_step_tag", "STEP DONE"),
+    "joint groups with APPO": ("--agent_groups applies to GRPO/RLOO", "--algorithm_name=APPO"),
+    "joint groups with TPPO": ("--agent_groups applies to GRPO/RLOO", "--algorithm_name=TPPO"),
+    "role flag on one agent": ("--reward_assignment", "--env_id=Arith-v0 has one agent"),
+    "unimportable env module": ("'no_such_workflows'", "PYTHONPATH"),
 }
 
 
@@ -107,7 +115,27 @@ def test_every_start_up_mistake_is_one_line_naming_the_flag(bad_inputs, case, tm
     line = the_one_error_line(run_cli(*bad_inputs[case], "--logdir", str(tmp_path)))
     for part in EXPECTED[case]:
         assert part in line, line
-    assert not list(tmp_path.glob("*/run_*")), "a run that never started must leave no run directory"
+    assert not list(tmp_path.iterdir()), "a run that never started must leave no directory behind"
+
+
+def test_a_hub_dataset_without_the_datasets_package_fails_before_any_model_loads(untrained_policy_dir, tmp_path):
+    """As where the datasets package is not installed (the import system is told it is absent)."""
+    argv = ["train_math.py", "--model_name_or_path", str(untrained_policy_dir), "--dataset_path",
+            "hf://HuggingFaceH4/MATH-500:test", "--logdir", str(tmp_path)]
+    script = (f"import runpy, sys; sys.modules['datasets'] = None; sys.argv = {argv!r}; "
+              f"runpy.run_path({str(ROOT / 'train_math.py')!r}, run_name='__main__')")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180, cwd=ROOT)
+    line = the_one_error_line(result)
+    assert "--dataset_path" in line and "pip install datasets" in line
+    assert "Loading weights" not in result.stderr and not list(tmp_path.iterdir())
+
+
+def test_several_flag_errors_are_one_line_each(tmp_path):
+    result = run_cli("--lr", "-1", "--top_p", "0", "--logdir", str(tmp_path))
+    assert result.returncode == 1
+    first, second = error_lines(result.stderr)
+    assert "--lr=-1.0: must be > 0" in first and "--top_p" not in first
+    assert "--top_p=0.0: must be in (0, 1]" in second
 
 
 def test_a_build_failure_leaves_no_run_directory(untrained_policy_dir, tmp_path, monkeypatch, capsys):
@@ -118,7 +146,7 @@ def test_a_build_failure_leaves_no_run_directory(untrained_policy_dir, tmp_path,
     with pytest.raises(SystemExit) as stopped:
         run_train_math(small(untrained_policy_dir, tmp_path))
     assert stopped.value.code == 1 and "is not a PRM" in capsys.readouterr().err
-    assert not list(tmp_path.glob("*/run_*"))
+    assert not list(tmp_path.iterdir())  # nor an empty experiment directory
 
 
 def test_ctrl_c_during_start_up_is_one_line(untrained_policy_dir, tmp_path, monkeypatch, capsys):
@@ -130,6 +158,46 @@ def test_ctrl_c_during_start_up_is_one_line(untrained_policy_dir, tmp_path, monk
         run_train_math(small(untrained_policy_dir, tmp_path))
     assert stopped.value.code == 130
     assert capsys.readouterr().err.strip() == "train_math.py: error: interrupted during start-up; nothing was trained"
+
+
+def hub_cache(hf_home: Path, policy_dir: Path) -> None:
+    """HF_HOME holding org/tiny-math in the hub's layout: revision v1 is ``policy_dir``'s files, main a snapshot
+    with a config only (no weights, no tokenizer)."""
+    repo = hf_home / "hub" / "models--org--tiny-math"
+    for ref, sha in (("main", "a" * 40), ("v1", "b" * 40)):
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / ref).write_text(sha)
+        snapshot = repo / "snapshots" / sha
+        snapshot.mkdir(parents=True)
+        for item in Path(policy_dir).iterdir():
+            if ref == "v1" or item.name == "config.json":
+                (snapshot / item.name).symlink_to(item)
+
+
+def test_model_flags_take_hub_ids_resolved_offline_at_a_revision(untrained_policy_dir, tmp_path):
+    hf_home = tmp_path / "hf"
+    hub_cache(hf_home, untrained_policy_dir)
+    env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"}
+
+    def run(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(ROOT / "train_math.py"), *argv, "--logdir", str(tmp_path / "runs")],
+                              capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+
+    trained = run(*small("org/tiny-math", tmp_path / "runs", "--revision", "v1", "--num_env_steps", "8",
+                         "--eval_interval", "0"))
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    (policy,) = (tmp_path / "runs").glob("*/run_*/checkpoints/iter_1/policy")
+    assert (policy / "model.safetensors").is_file() or list(policy.glob("*.safetensors"))
+    no_weights = the_one_error_line(run("--model_name_or_path", "org/tiny-math"))  # main: a config alone
+    assert "--model_name_or_path" in no_weights and "a" * 40 in no_weights
+    absent = the_one_error_line(run("--prm_model_name_or_path", "org/absent"))
+    assert "--prm_model_name_or_path='org/absent'" in absent and "not in the Hugging Face cache" in absent
+
+
+def test_chat_template_missing_is_one_line(untrained_policy_dir, tmp_path):
+    line = the_one_error_line(run_cli(*small(untrained_policy_dir, tmp_path, "--prompt_template", "chat")))
+    assert "has no chat template" in line and "--prompt_template default" in line
+    assert not list(tmp_path.iterdir())
 
 
 def events_of(run_dir: Path) -> dict[str, int]:
@@ -149,6 +217,23 @@ def test_resuming_a_run_at_or_past_its_budget_changes_nothing(untrained_policy_d
         assert "has trained 4 iterations" in capsys.readouterr().out
         assert events_of(run_dir) == events and (run_dir / "eval_history.json").read_text() == history
     assert [step for step, _ in read_scalars(run_dir)["eval/accuracy"]] == [0, 2, 4]
+
+
+def test_a_checkpoint_from_before_the_new_flags_resumes(untrained_policy_dir, tmp_path):
+    """flags.json of a checkpoint written before --revision/--prompt_template/--system_prompt existed (and
+    holding a flag since removed): the new flags keep their defaults, the removed one is skipped."""
+    argv = small(untrained_policy_dir, tmp_path, "--num_env_steps", "8", "--eval_interval", "0")
+    run_dir = Path(run_train_math(argv))
+    saved = run_dir / "checkpoints" / "iter_1" / "flags.json"
+    old = {k: v for k, v in json.loads(saved.read_text()).items()
+           if k not in ("revision", "prompt_template", "system_prompt")}
+    saved.write_text(json.dumps({**old, "a_removed_flag": 1}))
+    manifest = saved.parent / "manifest.json"  # as that trainer wrote it: the manifest lists each file's size
+    listed = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps({**listed, "files": {**listed["files"], "flags.json": saved.stat().st_size}}))
+    run_train_math(["--resume", str(saved.parent), "--num_env_steps", "16", "--logdir", str(tmp_path)])
+    assert (run_dir / "checkpoints" / "iter_2" / "manifest.json").is_file()
+    assert json.loads((run_dir / "checkpoints" / "iter_2" / "flags.json").read_text())["prompt_template"] == "default"
 
 
 def test_a_run_resumed_with_a_larger_budget_trains_at_the_new_budgets_lr(untrained_policy_dir, tmp_path):

@@ -26,7 +26,6 @@ FORBIDDEN = {  # layer -> third-party packages it must not import
     "envs": ("torch", "transformers", "peft", "safetensors", "vllm"),
     "algorithms": ("transformers", "peft", "safetensors", "vllm", "gymnasium"),
 }
-LIGHT_AT_IMPORT = ("algorithms.registry", "train.flags", "train_math")
 HEAVY = ("torch", "transformers", "peft", "vllm", "numpy", "sympy")
 
 
@@ -40,6 +39,8 @@ def project_modules() -> dict[str, Path]:
 
 
 MODULES = project_modules()
+LIGHT_AT_IMPORT = ("algorithms.registry", "train_math",
+                   *sorted(m for m in MODULES if m == "train.flags" or m.startswith("train.flags.")))
 
 
 def layer_of(module: str) -> str:

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-import train_math
 from bench import learning_table
 from train import flags as train_flags
+from train.config import config_from_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -99,8 +99,7 @@ def test_every_row_passes_train_maths_checks(row, untrained_policy_dir, tmp_path
     train_flags.FLAGS.unparse_flags()
     try:
         train_flags.FLAGS(["train_math", *flags, "--logdir", str(tmp_path)])
-        train_math.check_flags()
-        iterations = train_flags.resolved_num_iterations()
+        iterations = config_from_flags(train_flags.FLAGS).budget.num_iterations
     finally:
         train_flags.FLAGS.unparse_flags()
     expected = {"grpo_outcome": 24, "rloo_outcome": 24, "rloo_filter": 6, "rloo_prime": 6, "chain": 8, "debate": 12,

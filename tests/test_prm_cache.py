@@ -14,7 +14,7 @@ from envs.datasets import Arith
 from envs.prompts import split_steps
 from envs.rewards import StepContext
 from reward_models.prm import Past, PastCache, ProcessRewardModel
-from train import flags as train_flags
+from train.config import config_from_flags
 
 PROBLEMS = Arith().problems(12, seed=5)
 SOLUTIONS = [(p.problem, split_steps(p.solution)) for p in PROBLEMS]
@@ -218,6 +218,6 @@ def test_bad_cache_arguments_fail_naming_the_value(untrained_policy_dir, tmp_pat
             FLAGS(["train_math", "--prm_type", "qwen", "--prm_kv_cache_mb", "8"])
         FLAGS.unparse_flags()
         FLAGS(["train_math", "--prm_type", "qwen", "--prm_kv_cache_mb", "0"])
-        assert train_flags.resolved_prm_type() == "classifier"
+        assert config_from_flags(FLAGS).rewards.prm_type == "classifier"
     finally:
         FLAGS.unparse_flags()

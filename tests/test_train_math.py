@@ -5,6 +5,7 @@ OpenR's command with the tiny models writing TensorBoard event files that read b
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
 import time
@@ -14,8 +15,10 @@ import pytest
 from absl import flags
 
 from envs.datasets import MATH500
+from envs.rewards import StepContext
 from test_trainer import read_scalars, run_train_math
 from train import flags as train_flags
+from train.config import config_from_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 FLAGS = train_flags.FLAGS
@@ -26,12 +29,13 @@ def run_cli(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
                           timeout=timeout, cwd=ROOT)
 
 
-def parse(*argv: str) -> None:
-    """Parses ``argv`` into the global FLAGS (validators run), leaving them unparsed afterwards."""
+def parse(*argv: str):
+    """Parses ``argv`` into the global FLAGS (validators run) and resolves them into a RunConfig, leaving
+    the flags unparsed afterwards."""
     FLAGS.unparse_flags()
     try:
         FLAGS(["train_math", *argv])
-        train_flags.check_algorithm_specific()
+        return config_from_flags(FLAGS)
     finally:
         FLAGS.unparse_flags()
 
@@ -63,7 +67,7 @@ def test_bad_path_fails_fast_naming_the_flag():
     (["--generation_backend", "vllm_server"], "needs --vllm_url"),
     (["--reward", "outcom"], "unknown source"),
     (["--env_id", "Arith-v0", "--dataset_path", str(MATH500)], "drop --dataset_path"),
-    (["--env_id", "MATH-v0"], "needs --dataset_path"),
+    (["--env_id", "MATH-v0", "--reward", "steps"], "Drop 'steps'"),
     (["--accuracy_lower_bound", "0.9", "--accuracy_upper_bound", "0.1", "--algorithm_name", "RLOO"], "<="),
     (["--accuracy_lower_bound", "0.1"], "applies to RLOO"),
     (["--algorithm_name", "GRPO", "--gae_lambda", "0.9"], "applies to APPO/TPPO"),
@@ -71,9 +75,12 @@ def test_bad_path_fails_fast_naming_the_flag():
     (["--top_p", "0"], "(0, 1]"),
     (["--data_parallel", "fsdp", "--lora_rank", "8"], "use --data_parallel ddp"),
     (["--model_name_or_path", str(MATH500)], "not a directory"),
+    (["--system_prompt", "Be brief."], "--system_prompt needs a chat prompt template"),
+    (["--model_name_or_path", "./no/such/dir"], "does not exist"),  # a path, not a hub id
 ])
 def test_bad_values_and_contradictions_fail_naming_the_flag(argv, message):
-    with pytest.raises(flags.Error, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+    with pytest.raises((flags.Error, ValueError), match=message.replace("(", r"\(").replace(")", r"\)")
+                       .replace("[", r"\[")):
         parse(*argv)
 
 
@@ -85,12 +92,7 @@ def test_bad_values_and_contradictions_fail_naming_the_flag(argv, message):
     (["--algorithm_name", "TPPO", "--noasync_rollouts"], False),
 ])
 def test_async_rollouts_default(argv, expected):
-    FLAGS.unparse_flags()
-    try:
-        FLAGS(["train_math", *argv])
-        assert train_flags.resolved_async_rollouts() is expected
-    finally:
-        FLAGS.unparse_flags()
+    assert parse(*argv).generation.async_rollouts is expected
 
 
 def test_max_policy_lag_without_async_rollouts_fails():
@@ -108,22 +110,18 @@ def test_openr_command_parses_unchanged(tmp_path):
     model, prm = tmp_path / "Qwen2.5-Math-1.5B", tmp_path / "Qwen2.5-Math-7B-Instruct"
     model.mkdir()
     prm.mkdir()
-    FLAGS.unparse_flags()
-    FLAGS(["train_math.py", "--dataset_path", str(MATH500), "--model_name_or_path", str(model),
-           "--prm_model_name_or_path", str(prm), "--algorithm_name", "APPO", "--num_mini_batch", "4",
-           "--ppo_epoch", "1", "--dataset_name", "Algebra", "--num_env_steps", "100", "--episode_length", "4",
-           "--n_rollout_threads", "4", "--eval_interval", "5", "--log_interval", "1", "--save_interval", "10",
-           "--prm_type", "MS", "--max_new_tokens", "256", "--gradient_cp_steps", "2", "--seed", "10",
-           "--experiment_name", "ms_single"])
-    try:
-        train_flags.check_algorithm_specific()
-        assert train_flags.resolved_env_id() == "MATH-v0"
-        assert train_flags.resolved_reward() == train_flags.DEFAULT_PRM_REWARD
-        assert train_flags.resolved_prm_type() == "shepherd"
-        assert train_flags.resolved_async_rollouts() is True
-        assert FLAGS.num_mini_batch == 4 and FLAGS.gradient_cp_steps == 2  # nothing overridden
-    finally:
-        FLAGS.unparse_flags()
+    config = parse("--dataset_path", str(MATH500), "--model_name_or_path", str(model),
+                   "--prm_model_name_or_path", str(prm), "--algorithm_name", "APPO", "--num_mini_batch", "4",
+                   "--ppo_epoch", "1", "--dataset_name", "Algebra", "--num_env_steps", "100", "--episode_length", "4",
+                   "--n_rollout_threads", "4", "--eval_interval", "5", "--log_interval", "1", "--save_interval", "10",
+                   "--prm_type", "MS", "--max_new_tokens", "256", "--gradient_cp_steps", "2", "--seed", "10",
+                   "--experiment_name", "ms_single")
+    assert config.env.env_id == "MATH-v0" and config.env.dataset_name == "Algebra"
+    assert config.rewards.spec == "outcome:1.0,prm:0.2" and config.rewards.prm_type == "shepherd"
+    assert config.rewards.prm_model == str(prm) and config.model.name_or_path == str(model)
+    assert config.generation.async_rollouts is True
+    assert config.learning.num_mini_batch == 4 and config.learning.gradient_cp_steps == 2  # nothing overridden
+    assert config.budget.num_iterations == 7 and config.logging.experiment_name == "ms_single"  # ceil(100 / 16)
 
 
 def test_flagfile_is_read(tmp_path):
@@ -137,11 +135,38 @@ def test_flagfile_is_read(tmp_path):
         FLAGS.unparse_flags()
 
 
-def test_helpfull_documents_every_flag():
-    result = run_cli("--helpfull")  # absl prints the help and exits (status 1, its convention)
-    assert "train.flags:" in result.stdout
+def listed_flags(help_text: str) -> list[str]:
+    return re.findall(r"^  --(?:\[no\])?(\w+):", help_text, re.M)
+
+
+def test_help_shows_the_newcomer_flags_grouped():
+    result = run_cli("--help")
+    assert result.returncode == 0, result.stderr
+    assert re.findall(r"^(\w[\w ]*):$", result.stdout, re.M) == ["model", "data", "algorithm", "budget", "logging"]
+    listed = listed_flags(result.stdout)
+    assert listed == [name for names in train_flags.NEWCOMER_FLAGS.values() for name in names]
+    assert 10 <= len(listed) <= 16 and "--helpfull lists every flag" in result.stdout
+    assert "(default: 'GRPO')" in result.stdout  # a flag's default is shown
+
+
+def test_helpfull_groups_every_flag_by_section():
+    result = run_cli("--helpfull")
+    assert result.returncode == 0, result.stderr
+    assert sorted(listed_flags(result.stdout)) == sorted(train_flags.flag_dict())  # every flag, once
+    titles = list(train_flags.SECTIONS)
+    assert re.findall(r"^(\S.*):$", result.stdout, re.M)[-len(titles):] == titles
+    sections = dict(zip(titles, re.split(r"^(?:" + "|".join(map(re.escape, titles)) + r"):$", result.stdout,
+                                         flags=re.M)[1:]))
+    for title, name in (("multi-agent", "agent_groups"), ("PRIME (RLOO)", "process_coef"),
+                        ("Prefix-RL", "handoff_steps"), ("services", "prm_url"), ("distributed", "data_parallel"),
+                        ("model", "revision"), ("data and env", "prompt_template")):
+        assert name in listed_flags(sections[title]), (title, name)
+
+
+def test_flag_help_quotes_no_measurement():
+    measured = re.compile(r"\d\.\d+\s*(->|against|instead of)|\d+x (slower|faster)|ROC-AUC|accuracy \d")
     for name in train_flags.flag_dict():
-        assert f"--{name}" in result.stdout or f"--[no]{name}" in result.stdout, name
+        assert not measured.search(FLAGS[name].help), (name, FLAGS[name].help)
 
 
 @pytest.mark.parametrize("name, extra", [
@@ -167,6 +192,70 @@ def test_every_algorithm_runs_an_iteration(untrained_policy_dir, tmp_path, name,
     if with_implicit_prm:  # before its first update the PRM is its reference: every outcome score is 0, "wrong"
         (_, heldout), (_, accuracy) = scalars["implicit_prm/heldout_accuracy"][0], scalars["train/accuracy"][0]
         assert heldout == pytest.approx(1.0 - accuracy)
+
+
+def test_a_run_builds_from_a_run_config_without_absl(untrained_policy_dir, tmp_path):
+    """A library user's run: a RunConfig built by hand, no flag parsed, trains and evaluates."""
+    from tensorboardX import SummaryWriter
+
+    from train.builders import build_runner
+    from train.config import BudgetConfig, EnvConfig, GenerationConfig, LoggingConfig, ModelConfig, RunConfig
+
+    FLAGS.unparse_flags()
+    config = RunConfig(model=ModelConfig(name_or_path=str(untrained_policy_dir), device="cpu"),
+                       env=EnvConfig(num_envs=8, group_size=4, eval_batch_size=4),
+                       generation=GenerationConfig(max_new_tokens=6),
+                       budget=BudgetConfig(num_iterations=2, eval_interval=2, eval_limit=4),
+                       logging=LoggingConfig(save_interval=0, save_best=False))
+    writer = SummaryWriter(str(tmp_path))
+    history = build_runner(config, tmp_path, writer).run()
+    writer.close()
+    assert not FLAGS.is_parsed()
+    assert [h["iteration"] for h in history] == [0, 2]
+    assert (tmp_path / "checkpoints" / "iter_2" / "manifest.json").is_file()
+    assert [step for step, _ in read_scalars(tmp_path)["train/reward"]] == [0, 1]
+
+
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def chat_policy(policy_dir: Path, out: Path) -> Path:
+    """``policy_dir``'s weights with its tokenizer given a ChatML chat template."""
+    from transformers import AutoTokenizer
+
+    out.mkdir()
+    for item in Path(policy_dir).iterdir():
+        if "token" not in item.name and item.name != "special_tokens_map.json":
+            (out / item.name).symlink_to(item)
+    tokenizer = AutoTokenizer.from_pretrained(policy_dir)
+    tokenizer.chat_template = CHATML
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def test_chat_prompts_reach_the_train_and_eval_envs_and_the_target(untrained_policy_dir, tmp_path):
+    from train.builders import build_runner
+    from train.config import BudgetConfig, EnvConfig, ModelConfig, RewardConfig, RunConfig
+
+    model = str(chat_policy(untrained_policy_dir, tmp_path / "chat_policy"))
+    config = RunConfig(model=ModelConfig(name_or_path=model, device="cpu"),
+                       env=EnvConfig(num_envs=4, group_size=4, eval_batch_size=2, prompt_template="chat",
+                                     system_prompt="Be brief."),
+                       rewards=RewardConfig(spec="outcome:1.0,target:0.5", target_model=model),
+                       budget=BudgetConfig(num_iterations=1, eval_interval=0))
+    runner = build_runner(config, tmp_path / "run", writer=None)
+    tokenizer = runner.policy.tokenizer
+    for env in (runner.collector.env.unwrapped, runner.eval_env.unwrapped):
+        prompts, _ = env.reset(seed=0)
+        problem = env.episodes[0].problem.problem
+        by_hand = tokenizer.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                                 {"role": "user", "content": problem}],
+                                                tokenize=False, add_generation_prompt=True)
+        assert prompts[0] == by_hand
+        target = env.task.reward_model.models["target"]
+        context = StepContext(problem=env.episodes[0].problem, previous_steps=(), new_step="2+2", done=True)
+        assert target.prompts([context]) == [by_hand + "2+2"]
 
 
 @pytest.mark.slow

@@ -1,8 +1,8 @@
-"""Builders: parsed flags in, the pieces of a training run out, and ``build_runner`` composing them.
+"""Builders: a RunConfig's parts in, the pieces of a training run out, and ``build_runner`` composing them.
 
-Each builder reads the flags it needs from an absl ``FlagValues`` (``train.flags``), so train_math.py,
-the benchmarks and the tests build a run the same way. ``build_envs`` is where a process's share of
-the environments is decided.
+Each builder takes only the part of ``train.config.RunConfig`` it needs, so train_math.py, the
+benchmarks, the tests and library users build a run the same way, with or without absl flags.
+``build_envs`` is where a process's share of the environments is decided.
 """
 
 from __future__ import annotations
@@ -14,11 +14,10 @@ from typing import Callable
 
 import gymnasium
 import torch
-from absl import flags
 from gymnasium.vector import AutoresetMode
 
 import envs  # noqa: F401  (registers the built-in ids)
-from algorithms.base import Algorithm, AlgorithmConfig, make_algorithm
+from algorithms.base import Algorithm, make_algorithm
 from algorithms.registry import algorithm_spec
 from envs.datasets import load_problems
 from envs.prompts import STEP_DELIMITER
@@ -26,13 +25,15 @@ from envs.rewards import OutcomeReward, RewardModel
 from reward_models.implicit_prm import ImplicitPRM
 from reward_models.mixture import RewardMixture
 from train import checkpoint, distributed
-from train import flags as train_flags
 from train.collector import Collector, Sampling, Voices
+from train.config import (EnvConfig, GenerationConfig, LearningConfig, ModelConfig, RewardConfig, RunConfig,
+                          ServicesConfig)
 from train.distributed import Ranks
 from models.generation import Generator, make_generator
 from models.loading import check_model_dir, resolve_device
 from models.policy import LanguagePolicy, LoraSettings
-from models.remote import ClientSettings, ServiceClient, ServiceError
+from models.prompting import build_template
+from models.remote import ServiceClient, ServiceError
 from train.runner import Runner, RunnerConfig
 
 log = logging.getLogger(__name__)
@@ -40,58 +41,57 @@ log = logging.getLogger(__name__)
 GeneratorFactory = Callable[[LanguagePolicy], Generator]
 
 
-def model_dir(f: flags.FlagValues) -> str:
-    """--model_name_or_path, or the built-in tiny policy (built and cached on first use): on a multi-agent
+def model_dir(model: ModelConfig, multi_agent: bool) -> str:
+    """The policy's directory, or the built-in tiny policy (built and cached on first use): on a multi-agent
     env the tiny team model, which has learned the built-in workflows' roles."""
-    if f.model_name_or_path is not None:
-        return f.model_name_or_path
+    if model.name_or_path is not None:
+        return model.name_or_path
     from models.tiny import build_tiny_models  # the build tool loads only when it is needed
 
-    kind = "policy" if train_flags.workflow_of(f) is None else "team"
+    kind = "team" if multi_agent else "policy"
     log.info("no --model_name_or_path: using the built-in tiny %s (built and cached on first use)", kind)
-    return str(getattr(build_tiny_models(team=kind == "team"), kind))
+    return str(getattr(build_tiny_models(team=multi_agent), kind))
 
 
-def check_inputs(f: flags.FlagValues) -> None:
+def check_inputs(config: RunConfig) -> None:
     """What can be checked before any model loads: the device exists, every model directory holds a config,
-    weights and a tokenizer, and the datasets read and select at least one problem. Raises ValueError
-    naming the flag (and file and line) and the fix."""
-    resolve_device(f.device)
-    for role in ("model_name_or_path", "target_model_name_or_path"):
-        if f[role].value is not None:
-            check_model_dir(f[role].value, f"--{role}")
-    for role, directory in train_flags.role_models(f).items():
-        check_model_dir(directory, f"--role_model {role}")
-    if f.prm_model_name_or_path is not None:
+    weights and a tokenizer, the servers answer, and the datasets read and select at least one problem.
+    Raises ValueError naming the flag (and file and line) and the fix."""
+    resolve_device(config.model.device)
+    for flag, directory in (("--model_name_or_path", config.model.name_or_path),
+                            ("--target_model_name_or_path", config.rewards.target_model),
+                            *((f"--role_model {role}", path) for role, path in config.model.role_models.items())):
+        if directory is not None:
+            check_model_dir(directory, flag)
+    if config.rewards.prm_model is not None:
         from reward_models.prm import check_prm_dir
 
-        check_prm_dir(f.prm_model_name_or_path, train_flags.resolved_prm_type(f), role="--prm_model_name_or_path",
-                      **prm_marker(f))
+        check_prm_dir(config.rewards.prm_model, config.rewards.prm_type, role="--prm_model_name_or_path",
+                      **prm_marker(config.rewards))
+    check_services(config.services)
+    env = config.env
+    for flag, path, subjects in (("--dataset_path", env.dataset_path, env.dataset_name),
+                                 ("--eval_dataset_path", env.eval_dataset_path, None)):
+        if path is not None and not path.startswith("hf://"):  # hub datasets load once, later
+            try:
+                load_problems(path, subjects=[subjects] if subjects is not None else None)
+            except ValueError as error:
+                raise ValueError(f"{flag}: {error}") from error
+
+
+def check_services(services: ServicesConfig) -> None:
+    """Every given server answers and serves the named model (or exactly one)."""
     for service in ("target", "prm", "vllm"):
-        url, name = f[f"{service}_url"].value, f[f"{service}_model_name"].value
+        url, name = getattr(services, f"{service}_url"), getattr(services, f"{service}_model_name")
         if url is not None:
             try:
-                ServiceClient(url, client_settings(f)).check(name)
+                ServiceClient(url, services.client).check(name)
             except ServiceError as error:
                 raise ServiceError(f"--{service}_url: {error}") from error
-    subjects = [f.dataset_name] if f.dataset_name is not None else None
-    for role in ("dataset_path", "eval_dataset_path"):
-        if f[role].value is not None and not f[role].value.startswith("hf://"):  # hub datasets load once, later
-            try:
-                load_problems(f[role].value, subjects=subjects if role == "dataset_path" else None)
-            except ValueError as error:
-                raise ValueError(f"--{role}: {error}") from error
 
 
-def client_settings(f: flags.FlagValues) -> ClientSettings:
-    """How the clients of --target_url, --prm_url and --vllm_url wait and retry."""
-    return ClientSettings(connect_timeout=f.service_connect_timeout, read_timeout=f.service_read_timeout,
-                          retries=f.service_retries, backoff=f.service_backoff, max_backoff=30.0,
-                          max_in_flight=f.service_max_in_flight)
-
-
-def lora_settings(f: flags.FlagValues) -> LoraSettings | None:
-    return LoraSettings(rank=f.lora_rank, alpha=2.0 * f.lora_rank) if f.lora_rank else None
+def lora_settings(model: ModelConfig) -> LoraSettings | None:
+    return LoraSettings(rank=model.lora_rank, alpha=2.0 * model.lora_rank) if model.lora_rank else None
 
 
 def shards_weights(data_parallel: str, lora_rank: int, ranks: Ranks) -> bool:
@@ -99,142 +99,149 @@ def shards_weights(data_parallel: str, lora_rank: int, ranks: Ranks) -> bool:
     return ranks.distributed and (data_parallel == "fsdp" or (data_parallel == "auto" and not lora_rank))
 
 
-def build_policy(f: flags.FlagValues, model: str, ranks: Ranks = Ranks()) -> LanguagePolicy:
+def build_policy(model: ModelConfig, directory: str, algorithm: str, ranks: Ranks = Ranks()) -> LanguagePolicy:
     """The trained policy (with a critic for APPO/TPPO) at its starting weights (a resumed run loads its
     checkpoint's into it: ``Runner.restore``); in eval mode (no dropout: recomputed log-probs must match
     the sampler's). Sharded with FSDP2, only rank 0 reads the weights (the others receive their shards)."""
-    with_critic = algorithm_spec(f.algorithm_name).critic is not None
-    return LanguagePolicy(model, lora=lora_settings(f), with_critic=with_critic, device=str(resolve_device(f.device)),
-                          dtype=f.dtype, gradient_checkpointing=f.gradient_checkpointing,
-                          role_adapters=role_adapters(f), value_heads=train_flags.value_heads(f),
-                          weights_from_rank0=shards_weights(f.data_parallel, f.lora_rank, ranks)).eval()
+    with_critic = algorithm_spec(algorithm).critic is not None
+    return LanguagePolicy(directory, lora=lora_settings(model), with_critic=with_critic,
+                          device=str(resolve_device(model.device)), dtype=model.dtype,
+                          gradient_checkpointing=model.gradient_checkpointing, role_adapters=model.role_adapters,
+                          value_heads=model.value_heads,
+                          weights_from_rank0=shards_weights(model.data_parallel, model.lora_rank, ranks)).eval()
 
 
-def build_reward_model(f: flags.FlagValues, device: str) -> RewardModel | None:
-    """The env's reward model from --reward: one source, or a weighted RewardMixture. On a multi-agent env
-    the 'outcome' source is the --reward_assignment credit, which the env pays itself (``env_kwargs``), so
-    the model holds the other sources (None when there are none)."""
-    weights = train_flags.reward_weights(f)
-    if train_flags.workflow_of(f) is not None:
+def build_reward_model(config: RunConfig, device: str, policy_template: str) -> RewardModel | None:
+    """The env's reward model from the reward spec: one source, or a weighted RewardMixture. On a multi-agent
+    env the 'outcome' source is the reward-assignment credit, which the env pays itself (``env_kwargs``), so
+    the model holds the other sources (None when there are none). ``policy_template``: the policy's prompt
+    template (a served target reads it too)."""
+    weights = config.rewards.weights
+    if config.env.workflow is not None:
         del weights["outcome"]
         if not weights:
             return None
-    models = {name: build_reward_source(f, name, device) for name in weights}
+    models = {name: build_reward_source(config, name, device, policy_template) for name in weights}
     if len(weights) == 1 and next(iter(weights.values())) == 1.0:
         return next(iter(models.values()))
     return RewardMixture(models, weights)
 
 
-def build_reward_source(f: flags.FlagValues, name: str, device: str) -> RewardModel:
-    """One --reward source; the model-based ones load only when asked for."""
+def build_reward_source(config: RunConfig, name: str, device: str, policy_template: str) -> RewardModel:
+    """One reward source; the model-based ones load only when asked for."""
+    rewards, services = config.rewards, config.services
     if name == "outcome":
         return OutcomeReward()
     if name == "steps":
         from reward_models.reference_steps import ReferenceStepsReward
 
         return ReferenceStepsReward()
-    if name == "prm" and f.prm_url is not None:
+    if name == "prm" and services.prm_url is not None:
         from reward_models.remote import RemotePRM
 
-        return RemotePRM(f.prm_url, f.prm_model_name, settings=client_settings(f))
+        return RemotePRM(services.prm_url, services.prm_model_name, settings=services.client)
     if name == "prm":
         from reward_models.prm import ProcessRewardModel
 
-        return ProcessRewardModel(f.prm_model_name_or_path, prm_type=train_flags.resolved_prm_type(f), device=device,
-                                  dtype=f.dtype, adapter_path=f.prm_checkpoint_path, kv_cache_mb=f.prm_kv_cache_mb,
-                                  **prm_marker(f))
+        return ProcessRewardModel(rewards.prm_model, prm_type=rewards.prm_type, device=device,
+                                  dtype=config.model.dtype, adapter_path=rewards.prm_checkpoint_path,
+                                  kv_cache_mb=rewards.prm_kv_cache_mb, **prm_marker(rewards))
     if name == "target":
-        from reward_models.target_solver import TargetSolver
-
-        if f.target_url is not None:
-            from models.vllm_server import ServerGenerator
-
-            generator = ServerGenerator(f.target_url, f.target_model_name, settings=client_settings(f),
-                                        model_flag="--target_model_name")
-        else:
-            generator = make_generator("hf", LanguagePolicy(f.target_model_name_or_path, device=device,
-                                                            dtype=f.dtype).eval())
-        return TargetSolver(generator, num_samples=f.target_num_samples, max_new_tokens=f.target_max_new_tokens,
-                            temperature=f.target_temperature, seed=f.seed)
-    raise ValueError(f"unknown reward source {name!r}; known: {', '.join(train_flags.REWARD_SOURCES)}")
+        return build_target_solver(config, device, policy_template)
+    raise ValueError(f"unknown reward source {name!r}; known: outcome, prm, target, steps")
 
 
-def prm_marker(f: flags.FlagValues) -> dict[str, str]:
-    """--prm_step_tag as the PRM's argument: a shepherd PRM's step tag, or a classifier PRM's separator."""
-    if f.prm_step_tag is None:
+def build_target_solver(config: RunConfig, device: str, policy_template: str) -> RewardModel:
+    """The 'target' source: the frozen target (a served one, or a local model) finishing each prefix, its
+    prompt in the configured template kind (a local target's own chat template under ``chat``)."""
+    from reward_models.target_solver import TargetSolver
+
+    rewards, services, env = config.rewards, config.services, config.env
+    if services.target_url is not None:
+        from models.vllm_server import ServerGenerator
+
+        generator = ServerGenerator(services.target_url, services.target_model_name, settings=services.client,
+                                    model_flag="--target_model_name")
+        template = policy_template  # a served target's tokenizer is not here: it reads the policy's prompt
+    else:
+        target = LanguagePolicy(rewards.target_model, device=device, dtype=config.model.dtype).eval()
+        generator = make_generator("hf", target)
+        template = build_template(env.prompt_template, target.tokenizer, env.system_prompt)
+    return TargetSolver(generator, num_samples=rewards.target_num_samples, max_new_tokens=rewards.target_max_new_tokens,
+                        temperature=rewards.target_temperature, seed=config.seed, template=template)
+
+
+def prm_marker(rewards: RewardConfig) -> dict[str, str]:
+    """The PRM's step tag as its argument: a shepherd PRM's step tag, or a classifier PRM's separator."""
+    if rewards.prm_step_tag is None:
         return {}
-    return {"step_tag" if train_flags.resolved_prm_type(f) == "shepherd" else "separator": f.prm_step_tag}
+    return {"step_tag" if rewards.prm_type == "shepherd" else "separator": rewards.prm_step_tag}
 
 
-def problem_source(f: flags.FlagValues, split: str) -> dict:
+def problem_source(env: EnvConfig, split: str) -> dict:
     """Where the train (split "train") or held-out ("test") env's problems come from."""
-    if f.dataset_path is not None:
-        source = {"dataset_path": (f.eval_dataset_path or f.dataset_path) if split == "test" else f.dataset_path}
-        return source if f.dataset_name is None else {**source, "subjects": [f.dataset_name]}
-    if f.eval_dataset_path is not None and split == "test":
-        return {"dataset_path": f.eval_dataset_path, "arith": None}
+    if env.dataset_path is not None:
+        source = {"dataset_path": (env.eval_dataset_path or env.dataset_path) if split == "test" else env.dataset_path}
+        return source if env.dataset_name is None else {**source, "subjects": [env.dataset_name]}
+    if env.eval_dataset_path is not None and split == "test":
+        return {"dataset_path": env.eval_dataset_path, "arith": None}
     return {"split": split}
 
 
-def env_kwargs(f: flags.FlagValues, split: str, reward_model: RewardModel | None, tokenizer) -> dict:
+def env_kwargs(env: EnvConfig, split: str, reward_model: RewardModel | None, outcome_weight: float, tokenizer,
+               template: str) -> dict:
     """Task kwargs of the train (split "train") or held-out ("test") vector env; ``tokenizer`` is the
-    policy's (it decodes token actions, and its EOS text ends a step-level episode). A multi-agent env
-    takes whole messages, credits them by ``--reward_assignment`` (times the 'outcome' weight) and scores
-    its answering roles' messages with ``reward_model`` (the other --reward sources)."""
-    if train_flags.workflow_of(f) is not None:
-        return {"reward_assignment": f.reward_assignment, "reward_model": reward_model,
-                "outcome_weight": train_flags.reward_weights(f)["outcome"], **problem_source(f, split)}
-    kwargs = {"reward_model": reward_model, **problem_source(f, split)}
-    if f.handoff_steps is not None:
-        kwargs["handoff_steps"] = f.handoff_steps
-    if f.action_level == "solution":
+    policy's (it decodes token actions, and its EOS text ends a step-level episode), ``template`` its
+    prompt template (``models.prompting.build_template``), for every role of a workflow. A multi-agent env
+    takes whole messages, credits them by ``env.reward_assignment`` (times ``outcome_weight``) and scores
+    its answering roles' messages with ``reward_model`` (the other reward sources)."""
+    if env.workflow is not None:
+        return {"reward_assignment": env.reward_assignment, "reward_model": reward_model,
+                "outcome_weight": outcome_weight, "template": template, **problem_source(env, split)}
+    kwargs = {"reward_model": reward_model, "template": template, **problem_source(env, split)}
+    if env.handoff_steps is not None:
+        kwargs["handoff_steps"] = env.handoff_steps
+    if env.action_level == "solution":
         kwargs["max_steps"] = 1  # the action is the whole solution
-    elif f.action_level == "step":
+    elif env.action_level == "step":
         kwargs["end_marker"] = tokenizer.eos_token or ""  # a step that ended on EOS ends the episode
     else:
         kwargs.update(mode="token", tokenizer=tokenizer)
     return kwargs
 
 
-def build_envs(f: flags.FlagValues, reward_model: RewardModel | None, tokenizer, ranks: Ranks = Ranks(),
-               ) -> tuple[gymnasium.vector.VectorEnv, gymnasium.vector.VectorEnv]:
+def build_envs(env: EnvConfig, reward_model: RewardModel | None, outcome_weight: float, tokenizer, template: str,
+               ranks: Ranks = Ranks()) -> tuple[gymnasium.vector.VectorEnv, gymnasium.vector.VectorEnv]:
     """(train env, held-out eval env). Episodic algorithms run one episode per env per iteration (no
     autoreset); continuing ones reset an ended episode in the same step. Under torchrun the train env
     holds this rank's whole groups (``distributed.shard``), drawing the problems one process would."""
-    name = train_flags.registered_env_id(f)
-    autoreset = AutoresetMode.DISABLED if train_flags.whole_episodes(f) else AutoresetMode.SAME_STEP
-    total, group_size = train_flags.num_train_envs(f), train_flags.resolved_group_size(f)
-    first, count = distributed.shard(total, group_size, ranks)
-    split = {"group_offset": first // group_size, "total_groups": total // group_size} if ranks.distributed else {}
-    env = gymnasium.make_vec(name, num_envs=count, vectorization_mode="vector_entry_point", group_size=group_size,
-                             autoreset_mode=autoreset, **split, **env_kwargs(f, "train", reward_model, tokenizer))
-    eval_env = gymnasium.make_vec(name, num_envs=f.eval_batch_size, vectorization_mode="vector_entry_point",
+    autoreset = AutoresetMode.DISABLED if env.whole_episodes else AutoresetMode.SAME_STEP
+    first, count = distributed.shard(env.num_envs, env.group_size, ranks)
+    split = ({"group_offset": first // env.group_size, "total_groups": env.num_envs // env.group_size}
+             if ranks.distributed else {})
+    train_env = gymnasium.make_vec(env.env_id, num_envs=count, vectorization_mode="vector_entry_point",
+                                   group_size=env.group_size, autoreset_mode=autoreset, **split,
+                                   **env_kwargs(env, "train", reward_model, outcome_weight, tokenizer, template))
+    eval_env = gymnasium.make_vec(env.env_id, num_envs=env.eval_batch_size, vectorization_mode="vector_entry_point",
                                   group_size=1, autoreset_mode=AutoresetMode.DISABLED,
-                                  **env_kwargs(f, "test", reward_model, tokenizer))
-    return env, eval_env
+                                  **env_kwargs(env, "test", reward_model, outcome_weight, tokenizer, template))
+    return train_env, eval_env
 
 
-def build_algorithm(f: flags.FlagValues, ranks: Ranks = Ranks()) -> Algorithm:
-    """The algorithm of --algorithm_name; under torchrun RLOO keeps its share of the filtered groups on
-    each rank, and batch statistics are taken over every rank's part."""
-    config = AlgorithmConfig(
-        clip_param=f.clip_param, value_clip_param=f.value_clip_param or None, huber_delta=f.huber_delta or None,
-        value_coef=f.value_coef, entropy_coef=f.entropy_coef, gamma=f.gamma, gae_lambda=f.gae_lambda,
-        value_lambda=f.value_lambda, scale_rewards=f.scale_rewards, kl_coef=f.kl_coef, loss_agg=f.loss_agg,
-        process_coef=f.process_coef, accuracy_lower_bound=f.accuracy_lower_bound,
-        accuracy_upper_bound=f.accuracy_upper_bound,
-        max_groups=(f.n_rollout_threads // train_flags.resolved_group_size(f) // ranks.world_size
-                    if f.oversample_factor > 1 else None), joint_groups=f.agent_groups == "joint")
-    algorithm = make_algorithm(f.algorithm_name, config)
+def build_algorithm(learning: LearningConfig, ranks: Ranks = Ranks()) -> Algorithm:
+    """The algorithm; under torchrun RLOO keeps its share of the filtered groups on each rank, and batch
+    statistics are taken over every rank's part."""
+    max_groups = learning.prompt_groups // ranks.world_size if learning.prompt_groups is not None else None
+    algorithm = make_algorithm(learning.algorithm, dataclasses.replace(learning.losses, max_groups=max_groups))
     if ranks.distributed:
         algorithm.reduce_sum = distributed.all_reduce_tensor
     return algorithm
 
 
-def build_optimizer(f: flags.FlagValues, policy: LanguagePolicy, iterations: int,
+def build_optimizer(learning: LearningConfig, policy: LanguagePolicy, iterations: int,
                     ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW over the policy's parameter groups, and the --lr_schedule (after --warmup_iterations)."""
-    warmup, schedule = f.warmup_iterations, f.lr_schedule
+    """AdamW over the policy's parameter groups, and the lr schedule (after the warm-up iterations)."""
+    warmup, schedule = learning.warmup_iterations, learning.lr_schedule
 
     def factor(iteration: int) -> float:
         if iteration < warmup:
@@ -243,71 +250,65 @@ def build_optimizer(f: flags.FlagValues, policy: LanguagePolicy, iterations: int
             return max(0.0, 1.0 - (iteration - warmup) / max(iterations - warmup, 1))
         return 1.0
 
-    optimizer = torch.optim.AdamW(policy.param_groups(f.lr, f.critic_lr), weight_decay=0.0)
+    optimizer = torch.optim.AdamW(policy.param_groups(learning.lr, learning.critic_lr), weight_decay=0.0)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def build_generators(f: flags.FlagValues, policy: LanguagePolicy, model: str, sync_dir: Path,
+def build_generators(config: RunConfig, policy: LanguagePolicy, directory: str, sync_dir: Path,
                      generator_factory: GeneratorFactory | None = None,
                      ) -> tuple[Generator, LanguagePolicy | None, Generator | None]:
-    """(the policy's generator: ``generator_factory(policy)`` or --generation_backend's, synced to the policy;
-    the asynchronous rollout copy and its HF generator, or None, None). ``sync_dir``: where weights are
-    written for vLLM servers to load, and role adapters for the in-process vLLM engine."""
+    """(the policy's generator: ``generator_factory(policy)`` or the configured backend's, synced to the
+    policy; the asynchronous rollout copy and its HF generator, or None, None). ``sync_dir``: where weights
+    are written for vLLM servers to load, and role adapters for the in-process vLLM engine."""
+    generation, services, model = config.generation, config.services, config.model
     if generator_factory is not None:
         generator = generator_factory(policy)
-    elif f.generation_backend == "vllm_server":
+    elif generation.backend == "vllm_server":
         from models.vllm_server import ServerGenerator
 
-        generator = ServerGenerator(f.vllm_url, f.vllm_model_name, tokenizer=policy.tokenizer, sync_dir=sync_dir,
-                                    settings=client_settings(f), model_flag="--vllm_model_name",
+        generator = ServerGenerator(services.vllm_url, services.vllm_model_name, tokenizer=policy.tokenizer,
+                                    sync_dir=sync_dir, settings=services.client, model_flag="--vllm_model_name",
                                     role_adapters=policy.role_adapters)
         generator.sync(policy)
-    elif f.generation_backend == "vllm":
+    elif generation.backend == "vllm":
         generator = make_generator("vllm", policy, sync_dir=sync_dir)
     else:
-        generator = make_generator(f.generation_backend, policy)
-    if not train_flags.resolved_async_rollouts(f):
+        generator = make_generator(generation.backend, policy)
+    if not generation.async_rollouts:
         return generator, None, None
-    with_critic = algorithm_spec(f.algorithm_name).critic is not None
-    rollout_policy = LanguagePolicy(model, lora=lora_settings(f), with_critic=with_critic, device=policy.device,
-                                    dtype=f.dtype, gradient_checkpointing=f.gradient_checkpointing,
+    with_critic = algorithm_spec(config.learning.algorithm).critic is not None
+    rollout_policy = LanguagePolicy(directory, lora=lora_settings(model), with_critic=with_critic,
+                                    device=policy.device, dtype=model.dtype,
+                                    gradient_checkpointing=model.gradient_checkpointing,
                                     role_adapters=policy.role_adapters,
                                     value_heads=max(policy.num_value_heads, 1)).eval()
     rollout_policy.load_state_dict(policy.whole_state_dict())  # sharded: every rank gathers
     return generator, rollout_policy, make_generator("hf", rollout_policy)
 
 
-def runner_config(f: flags.FlagValues) -> RunnerConfig:
+def runner_config(config: RunConfig) -> RunnerConfig:
+    learning, budget, logs = config.learning, config.budget, config.logging
     return RunnerConfig(
-        num_iterations=train_flags.resolved_num_iterations(f), num_mini_batch=f.num_mini_batch, ppo_epoch=f.ppo_epoch,
-        gradient_cp_steps=f.gradient_cp_steps, max_grad_norm=f.max_grad_norm, target_kl=f.target_kl,
-        eval_interval=f.eval_interval, eval_limit=f.eval_limit, log_interval=f.log_interval,
-        save_interval=f.save_interval, keep_checkpoints=f.keep_checkpoints, save_best=f.save_best,
-        max_nonfinite_steps=f.max_nonfinite_steps, seed=f.seed, async_rollouts=train_flags.resolved_async_rollouts(f),
-        max_policy_lag=f.max_policy_lag,
-        eval_verdict="reward/target" if f.handoff_steps is not None else "correct")  # Prefix-RL: the target's
+        num_iterations=budget.num_iterations, num_mini_batch=learning.num_mini_batch, ppo_epoch=learning.ppo_epoch,
+        gradient_cp_steps=learning.gradient_cp_steps, max_grad_norm=learning.max_grad_norm,
+        target_kl=learning.target_kl, eval_interval=budget.eval_interval, eval_limit=budget.eval_limit,
+        log_interval=logs.log_interval, save_interval=logs.save_interval, keep_checkpoints=logs.keep_checkpoints,
+        save_best=logs.save_best, max_nonfinite_steps=learning.max_nonfinite_steps, seed=config.seed,
+        async_rollouts=config.generation.async_rollouts, max_policy_lag=config.generation.max_policy_lag,
+        eval_verdict="reward/target" if config.env.handoff_steps is not None else "correct")  # Prefix-RL: the target's
 
 
-def role_adapters(f: flags.FlagValues) -> tuple[str, ...]:
-    """The trained roles of a multi-agent --env_id, each with an adapter of its own (--noshare_policy)."""
-    workflow = train_flags.workflow_of(f)
-    if f.share_policy or workflow is None:
-        return ()
-    return tuple(role.name for role in workflow.roles if role.trainable)
-
-
-def build_voices(f: flags.FlagValues, env, policy: LanguagePolicy, sampling: Sampling) -> Voices:
-    """Who speaks for each agent slot: its role adapter (--noshare_policy), a frozen role's own model
-    (--role_model, an HF generator sampled as the target is: --target_max_new_tokens, --target_temperature),
-    else the policy."""
-    models, slots = train_flags.role_models(f), dict(enumerate(getattr(env, "roles", ())))
+def build_voices(config: RunConfig, env, policy: LanguagePolicy, sampling: Sampling) -> Voices:
+    """Who speaks for each agent slot: its role adapter (per-role adapters), a frozen role's own model (an HF
+    generator sampled as the target is: the target's max new tokens and temperature), else the policy."""
+    models, slots = config.model.role_models, dict(enumerate(getattr(env, "roles", ())))
     own = [slot for slot, role in slots.items() if role in models]
-    target_sampling = dataclasses.replace(sampling, max_new_tokens=f.target_max_new_tokens,
-                                          temperature=f.target_temperature)
+    target_sampling = dataclasses.replace(sampling, max_new_tokens=config.rewards.target_max_new_tokens,
+                                          temperature=config.rewards.target_temperature)
     return Voices(
         adapters={slot: role for slot, role in slots.items() if role in policy.role_adapters},
         generators={slot: make_generator("hf", LanguagePolicy(models[slots[slot]], device=str(policy.device),
-                                                              dtype=f.dtype).eval()) for slot in own},
+                                                              dtype=config.model.dtype).eval()) for slot in own},
         samplings={slot: target_sampling for slot in own})
 
 
@@ -328,38 +329,47 @@ def build_trainable(policy: LanguagePolicy, ranks: Ranks, data_parallel: str) ->
     return DistributedDataParallel(policy, device_ids=device_ids, find_unused_parameters=True)
 
 
-def build_runner(f: flags.FlagValues, run_dir: Path, writer, saved: checkpoint.Checkpoint | None = None,
+def sampling_of(generation: GenerationConfig, action_level: str, eos_text: str) -> Sampling:
+    """How rollouts sample: one token per action in token mode; a step stops at the step delimiter."""
+    return Sampling(max_new_tokens=1 if action_level == "token" else generation.max_new_tokens,
+                    temperature=generation.temperature, top_p=generation.top_p, eos_text=eos_text,
+                    token_actions=action_level == "token", stop=(STEP_DELIMITER,) if action_level == "step" else None)
+
+
+def build_runner(config: RunConfig, run_dir: Path, writer, saved: checkpoint.Checkpoint | None = None,
                  generator_factory: GeneratorFactory | None = None, ranks: Ranks = Ranks()) -> Runner:
-    """Every piece of a run from the flags, composed into a Runner (restored from ``saved`` if given).
+    """Every piece of a run from its config, composed into a Runner (restored from ``saved`` if given).
     ``writer`` is a tensorboardX SummaryWriter on ``run_dir`` (None on ranks other than 0);
-    ``generator_factory`` builds the generation backend when the caller needs engine settings the flags
-    do not cover; ``ranks``: this process's place in a torchrun job."""
-    model = model_dir(f)
-    policy = build_policy(f, model, ranks)
+    ``generator_factory`` builds the generation backend when the caller needs engine settings the config
+    does not cover; ``ranks``: this process's place in a torchrun job."""
+    env, learning = config.env, config.learning
+    directory = model_dir(config.model, env.workflow is not None)
+    policy = build_policy(config.model, directory, learning.algorithm, ranks)
     # first: under FSDP2 the ranks but 0 hold no weights until sharded, and the parameters become new objects
-    trainable = build_trainable(policy, ranks, f.data_parallel)
-    env, eval_env = build_envs(f, build_reward_model(f, str(policy.device)), policy.tokenizer, ranks)
-    sync_dir = Path(f.vllm_sync_dir) if f.vllm_sync_dir is not None else run_dir / "sync"
+    trainable = build_trainable(policy, ranks, config.model.data_parallel)
+    template = build_template(env.prompt_template, policy.tokenizer, env.system_prompt)
+    train_env, eval_env = build_envs(env, build_reward_model(config, str(policy.device), template),
+                                     config.rewards.weights.get("outcome", 0.0), policy.tokenizer, template, ranks)
+    sync_dir = Path(config.services.vllm_sync_dir or run_dir / "sync")
     if ranks.distributed:  # each rank writes (and its servers load) its own copy: no two writers on one path
         sync_dir = sync_dir / f"rank_{ranks.rank}"
-    generator, rollout_policy, rollout_generator = build_generators(f, policy, model, sync_dir, generator_factory)
-    algorithm = build_algorithm(f, ranks)
+    generator, rollout_policy, rollout_generator = build_generators(config, policy, directory, sync_dir,
+                                                                    generator_factory)
+    algorithm = build_algorithm(learning, ranks)
     implicit_prm = None
     if algorithm.needs_process_rewards:
-        implicit_prm = ImplicitPRM(model, beta=f.implicit_prm_beta, lr=f.implicit_prm_lr, device=str(policy.device),
-                                   dtype=f.dtype, lora=lora_settings(f))
-    config = runner_config(f)
-    optimizer, scheduler = build_optimizer(f, policy, config.num_iterations)
-    sampling = Sampling(max_new_tokens=1 if f.action_level == "token" else f.max_new_tokens, temperature=f.temperature,
-                        top_p=f.top_p, eos_text=policy.tokenizer.eos_token or "", token_actions=f.action_level == "token",
-                        stop=(STEP_DELIMITER,) if f.action_level == "step" else None)
-    collector = Collector(env, algorithm_spec(f.algorithm_name), train_flags.resolved_episode_length(f), sampling,
-                          seed=f.seed, env_offset=distributed.shard(train_flags.num_train_envs(f),
-                                                                    train_flags.resolved_group_size(f), ranks)[0],
-                          voices=build_voices(f, env, policy, sampling), critic=train_flags.critic_view(f))
-    runner = Runner(config, collector, eval_env, policy, generator, algorithm, optimizer, scheduler, writer, run_dir,
-                    implicit_prm=implicit_prm, rollout_policy=rollout_policy, rollout_generator=rollout_generator,
-                    run_flags=train_flags.flag_dict(f), ranks=ranks, trainable=trainable)
+        implicit_prm = ImplicitPRM(directory, beta=learning.implicit_prm_beta, lr=learning.implicit_prm_lr,
+                                   device=str(policy.device), dtype=config.model.dtype,
+                                   lora=lora_settings(config.model))
+    runner_settings = runner_config(config)
+    optimizer, scheduler = build_optimizer(learning, policy, runner_settings.num_iterations)
+    sampling = sampling_of(config.generation, env.action_level, policy.tokenizer.eos_token or "")
+    collector = Collector(train_env, algorithm_spec(learning.algorithm), env.episode_length, sampling, seed=config.seed,
+                          env_offset=distributed.shard(env.num_envs, env.group_size, ranks)[0],
+                          voices=build_voices(config, train_env, policy, sampling), critic=learning.critic_view)
+    runner = Runner(runner_settings, collector, eval_env, policy, generator, algorithm, optimizer, scheduler, writer,
+                    run_dir, implicit_prm=implicit_prm, rollout_policy=rollout_policy,
+                    rollout_generator=rollout_generator, run_flags=config.flags, ranks=ranks, trainable=trainable)
     if saved is not None:
         runner.restore(saved)
     return runner

@@ -1,0 +1,92 @@
+"""Every command-line flag of train_math.py, defined once per section, validated at parse time.
+
+Each section module (model, env, generation, rewards, algorithm, PRIME, multi-agent, Prefix-RL,
+services, distributed, budget, logs) defines its flags; ``checks`` holds the validators absl runs
+before any model is loaded or heavy module imported, so a wrong path, a bad value or a contradictory
+combination fails at once naming the flag and the fix. No flag is changed after parsing: the values
+that depend on others are resolved once into a ``train.config.RunConfig``.
+
+OpenR's flags keep their names and meanings (``--dataset_path``, ``--model_name_or_path``,
+``--prm_model_name_or_path``, ``--algorithm_name``, ``--num_mini_batch``, ``--ppo_epoch``, ...), so
+OpenR's ``train_math.py`` command runs unchanged.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+from absl import flags
+
+from train.flags import (algorithm, budget, distributed, env, generation, logs, model, multi_agent, prefix_rl, prime,
+                         rewards, services)
+from train.flags import checks  # noqa: F401  (after the sections: it registers validators on their flags)
+
+FLAGS = flags.FLAGS
+
+SECTIONS = {"model": model, "data and env": env, "generation": generation, "rewards": rewards,
+            "algorithm": algorithm, "PRIME (RLOO)": prime, "multi-agent": multi_agent, "Prefix-RL": prefix_rl,
+            "services": services, "distributed": distributed, "budget": budget, "logging and checkpoints": logs}
+"""--helpfull's sections, in reading order: {title: module defining its flags}."""
+
+NEWCOMER_FLAGS = {
+    "model": ("model_name_or_path", "prompt_template", "device"),
+    "data": ("dataset_path", "env_id"),
+    "algorithm": ("algorithm_name", "reward", "lr", "group_size"),
+    "budget": ("num_env_steps", "n_rollout_threads", "max_new_tokens"),
+    "logging": ("logdir", "eval_interval", "resume"),
+}
+"""--help's flags: the ones a first run needs, grouped."""
+
+HELP_FLAGS = {"--help": False, "-help": False, "-h": False, "-?": False, "--helpshort": False, "--helpfull": True,
+              "-helpfull": True}
+"""Help flags on the command line: {flag: whether it asks for every flag}."""
+
+
+def section_flags(module) -> list[flags.Flag]:
+    return sorted(FLAGS.get_flags_for_module(module.__name__), key=lambda flag: flag.name)
+
+
+def describe(flag: flags.Flag) -> str:
+    """One flag's help: its name, what it does, and its default."""
+    name = f"--[no]{flag.name}" if isinstance(flag, flags.BooleanFlag) else f"--{flag.name}"
+    text = textwrap.fill(f"{name}: {flag.help}", width=100, initial_indent="  ", subsequent_indent="      ")
+    if flag.default is None and "Default:" in flag.help:  # the help says what it resolves to
+        return text
+    return f"{text}\n      (default: {flag.default_as_str or flag.default})"
+
+
+def help_text(usage: str, full: bool) -> str:
+    """--help (the newcomer's flags, grouped) or --helpfull (every flag, by section) under ``usage``."""
+    if full:
+        groups = {title: section_flags(module) for title, module in SECTIONS.items()}
+        tail = ("absl's own flags also apply: --flagfile=FILE reads flags from FILE (one per line); --verbosity, "
+                "--logtostderr and the rest of absl.logging's.")
+    else:
+        groups = {title: [FLAGS[name] for name in names] for title, names in NEWCOMER_FLAGS.items()}
+        tail = "--helpfull lists every flag, by section."
+    parts = [usage.strip(), ""]
+    for title, members in groups.items():
+        parts += [f"{title}:", *(describe(flag) for flag in members), ""]
+    return "\n".join([*parts, tail, ""])
+
+
+def flag_dict(flag_values: flags.FlagValues = FLAGS) -> dict:
+    """{name: value} of every flag the sections define (saved with checkpoints, logged as TensorBoard text)."""
+    found = [flag for module in SECTIONS.values() for flag in flag_values.get_flags_for_module(module.__name__)]
+    return {flag.name: flag.value for flag in sorted(found, key=lambda flag: flag.name)}
+
+
+def inherit(saved: dict, flag_values: flags.FlagValues = FLAGS) -> list[str]:
+    """Resuming: every flag not given on this command line takes its value in the checkpoint's ``saved``
+    flags (a ``flag_dict``), so a resumed run trains as the run it continues unless told otherwise.
+    A flag the checkpoint lacks (added since) keeps its default; one it has that no longer exists is
+    skipped. Returns the names whose value changed; the flags are validated again."""
+    inherited = []
+    for name, value in saved.items():
+        if name == "resume" or name not in flag_values or flag_values[name].present:
+            continue
+        if flag_values[name].value != value:
+            flag_values[name].value = value
+            inherited.append(name)
+    flag_values.validate_all_flags()
+    return inherited

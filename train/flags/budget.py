@@ -1,0 +1,14 @@
+"""Flags of the run's budget: how many env steps, how often and how much to evaluate, the seed."""
+
+from __future__ import annotations
+
+from absl import flags
+
+flags.DEFINE_integer("num_env_steps", 81_920, "Env steps to take in all, oversampled and background batches "
+                     "included; iterations = ceil(num_env_steps / (episode_length * envs per iteration)), where "
+                     "envs per iteration = n_rollout_threads (x oversample_factor for RLOO).", lower_bound=1)
+flags.DEFINE_integer("eval_interval", 100, "Evaluate every this many iterations (and at the start and end); 0: "
+                     "never.", lower_bound=0)
+flags.DEFINE_integer("eval_limit", 1000, "Most held-out problems per evaluation.", lower_bound=1)
+flags.DEFINE_integer("eval_batch_size", 500, "Problems evaluated per batch (greedy decoding).", lower_bound=1)
+flags.DEFINE_integer("seed", 0, "Seed of torch, numpy, the problem sampler and generation.")

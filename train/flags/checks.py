@@ -1,0 +1,286 @@
+"""Validators of the flags, run by absl at parse time before anything heavy is imported.
+
+Each names the flag and the fix. Flags that only some algorithms read are refused for the others
+(``APPLIES_TO``) instead of silently ignored; checks that need resolved values (the env's workflow,
+asynchronous rollouts) run in ``train.config.config_from_flags``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+from absl import flags
+
+from algorithms.registry import ALGORITHMS
+from train.flags.rewards import DEFAULT_PRM_REWARD, PRM_TYPES, REWARD_SOURCES
+
+FLAGS = flags.FLAGS
+
+WITH_CRITIC = tuple(name for name, spec in ALGORITHMS.items() if spec.critic is not None)
+APPLIES_TO = {
+    **dict.fromkeys(("accuracy_lower_bound", "accuracy_upper_bound", "oversample_factor", "implicit_prm_beta",
+                     "implicit_prm_lr", "process_coef"), ("RLOO",)),
+    "scale_rewards": ("GRPO",),
+    "agent_groups": ("GRPO", "RLOO"),
+    "kl_coef": ("GRPO", "TPPO", "RLOO"),
+    **dict.fromkeys(("value_coef", "value_clip_param", "huber_delta", "gae_lambda", "value_lambda", "critic_lr"),
+                    WITH_CRITIC),
+}
+"""Flags that only some algorithms read: passing one to another algorithm is an error rather than
+silently ignored, and each one's help says which algorithms it applies to."""
+for _name, _algorithms in APPLIES_TO.items():
+    FLAGS[_name].help += f" [{'/'.join(_algorithms)} only]"
+
+
+def _register_path(name: str, kind: str) -> None:
+    """--name must be an existing ``kind`` when given: "data" (a file or directory, or hf://NAME with the
+    datasets package installed), "model" (a directory, or a hub id resolved later), "dir", or "checkpoint"
+    (a checkpoint directory, or 'auto')."""
+    def check(value: str | None) -> bool:
+        if value is None or (kind == "checkpoint" and value == "auto"):
+            return True
+        if kind == "data" and value.startswith("hf://"):
+            return _check_hub_dataset(value)
+        path = Path(value).expanduser()
+        if kind == "model" and not path.exists() and looks_like_hub_id(value):
+            return True
+        if not path.exists():
+            raise flags.ValidationError(f"{value!r} does not exist; pass an existing path or leave --{name} out")
+        if kind in ("dir", "model") and not path.is_dir():
+            raise flags.ValidationError(f"{value!r} is not a directory; pass a Hugging Face model directory")
+        if kind == "checkpoint" and not (path / "manifest.json").is_file():
+            raise flags.ValidationError(f"{value!r} has no manifest.json: pass 'auto' or a complete checkpoint "
+                                        "directory written by this trainer (<logdir>/<experiment>/<run>/checkpoints/"
+                                        "iter_N)")
+        return True
+    flags.register_validator(name, check)
+
+
+def looks_like_hub_id(value: str) -> bool:
+    """Whether ``value`` has a hub id's shape, NAME or ORG/NAME (a missing relative path of at most two parts
+    has it too; resolving it then says it is neither)."""
+    return re.fullmatch(r"[\w\-.]+(/[\w\-.]+)?", value) is not None and not value.startswith((".", "-"))
+
+
+def _check_hub_dataset(value: str) -> bool:
+    if importlib.util.find_spec("datasets") is None:
+        raise flags.ValidationError(f"{value!r} is a Hugging Face hub dataset, which needs the datasets package: "
+                                    "pip install datasets (or pass a local JSONL file)")
+    return True
+
+
+for _name, _kind in (("dataset_path", "data"), ("eval_dataset_path", "data"), ("model_name_or_path", "model"),
+                     ("prm_model_name_or_path", "model"), ("prm_checkpoint_path", "dir"),
+                     ("target_model_name_or_path", "model"), ("resume", "checkpoint")):
+    _register_path(_name, _kind)
+
+
+def _positive(name: str, allow_zero: bool = False) -> None:
+    flags.register_validator(name, lambda v: v >= 0 if allow_zero else v > 0,
+                             f"must be {'>= 0' if allow_zero else '> 0'}")
+
+
+for _name in ("lr", "critic_lr", "clip_param", "temperature"):
+    _positive(_name)
+for _name in ("max_grad_norm", "entropy_coef", "target_kl", "value_coef", "value_clip_param", "huber_delta",
+              "kl_coef", "implicit_prm_beta", "implicit_prm_lr", "process_coef"):
+    _positive(_name, allow_zero=True)
+flags.register_validator("top_p", lambda v: 0 < v <= 1, "must be in (0, 1]")
+flags.register_validator("gamma", lambda v: 0 <= v <= 1, "must be in [0, 1]")
+for _name in ("gae_lambda", "value_lambda"):
+    flags.register_validator(_name, lambda v: 0 <= v <= 1, "must be in [0, 1]")
+flags.register_validator("device", lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", v) is not None,
+                         "must be auto, cpu, cuda or cuda:N")
+flags.register_validator("experiment_name", lambda v: v is None or re.fullmatch(r"[\w.\-]+", v) is not None,
+                         "must be letters, digits, '.', '-' or '_' (it names a directory)")
+
+
+@flags.multi_flags_validator(["n_rollout_threads", "group_size", "algorithm_name"])
+def _check_groups(f: dict) -> bool:
+    threads, algorithm = f["n_rollout_threads"], f["algorithm_name"]
+    group_size = f["group_size"] or default_group_size(algorithm)
+    if threads % group_size:
+        raise flags.ValidationError(f"--n_rollout_threads={threads} must be a multiple of --group_size={group_size}")
+    if ALGORITHMS[algorithm].episodic and group_size < 2:
+        raise flags.ValidationError(f"--algorithm_name={algorithm} compares samples within a prompt group: "
+                                    f"--group_size={group_size} must be >= 2")
+    return True
+
+
+@flags.multi_flags_validator(["algorithm_name", "critic"])
+def _check_critic(f: dict) -> bool:
+    algorithm, critic = f["algorithm_name"], f["critic"]
+    if has_critic(algorithm) and critic == "off":
+        raise flags.ValidationError(f"--algorithm_name={algorithm} needs a critic (its advantages come from V); "
+                                    "drop --critic=off or use GRPO/RLOO")
+    if not has_critic(algorithm) and critic not in ("auto", "off"):
+        raise flags.ValidationError(f"--algorithm_name={algorithm} is critic-free; drop --critic={critic} or use APPO/TPPO")
+    return True
+
+
+@flags.validator("generation_backend", "--generation_backend=vllm needs vLLM: pip install 'mathrl[vllm]' "
+                 "(or use --generation_backend=hf)")
+def _check_vllm(backend: str) -> bool:
+    return backend != "vllm" or importlib.util.find_spec("vllm") is not None
+
+
+@flags.multi_flags_validator(["data_parallel", "lora_rank"])
+def _check_data_parallel(f: dict) -> bool:
+    if f["data_parallel"] == "fsdp" and f["lora_rank"] > 0:
+        raise flags.ValidationError(f"--data_parallel=fsdp shards full fine-tuning; with --lora_rank={f['lora_rank']} "
+                                    "the adapters are small enough for every rank: use --data_parallel ddp (or auto)")
+    return True
+
+
+@flags.multi_flags_validator(["async_rollouts", "generation_backend"])
+def _check_async_backend(f: dict) -> bool:
+    if f["async_rollouts"] and f["generation_backend"] != "hf":
+        raise flags.ValidationError("--async_rollouts generates with an HF copy of the policy; with "
+                                    f"--generation_backend={f['generation_backend']} use --noasync_rollouts")
+    return True
+
+
+for _name in ("target_url", "prm_url", "vllm_url"):
+    flags.register_validator(_name, lambda v: v is None or _valid_urls(v),
+                             "must be http(s)://HOST:PORT[,http(s)://HOST:PORT...], e.g. http://127.0.0.1:8000")
+
+
+def _valid_urls(value: str) -> bool:
+    from models.remote import parse_urls
+
+    try:
+        parse_urls(value)
+    except ValueError:
+        return False
+    return True
+
+
+@flags.multi_flags_validator(["generation_backend", "vllm_url", "vllm_model_name", "vllm_sync_dir"])
+def _check_vllm_server(f: dict) -> bool:
+    if f["generation_backend"] == "vllm_server" and f["vllm_url"] is None:
+        raise flags.ValidationError("--generation_backend=vllm_server needs --vllm_url (the server of the policy)")
+    extra = [name for name in ("vllm_url", "vllm_model_name", "vllm_sync_dir") if f[name] is not None]
+    if f["generation_backend"] != "vllm_server" and extra:
+        raise flags.ValidationError(f"--{extra[0]} is for --generation_backend=vllm_server; add it or drop --{extra[0]}")
+    return True
+
+
+@flags.multi_flags_validator(["accuracy_lower_bound", "accuracy_upper_bound"])
+def _check_accuracy_bounds(f: dict) -> bool:
+    if not 0 <= f["accuracy_lower_bound"] <= f["accuracy_upper_bound"] <= 1:
+        raise flags.ValidationError(f"need 0 <= --accuracy_lower_bound ({f['accuracy_lower_bound']}) <= "
+                                    f"--accuracy_upper_bound ({f['accuracy_upper_bound']}) <= 1")
+    return True
+
+
+@flags.multi_flags_validator(["reward", "prm_model_name_or_path", "prm_url", "prm_model_name",
+                              "target_model_name_or_path", "target_url", "target_model_name", "prm_checkpoint_path"])
+def _check_reward(f: dict) -> bool:
+    with_prm = f["prm_model_name_or_path"] is not None or f["prm_url"] is not None
+    spec = f["reward"] or (DEFAULT_PRM_REWARD if with_prm else "outcome")
+    names = reward_sources(spec)
+    for source, where in (("prm", ("prm_model_name_or_path", "prm_url")),
+                          ("target", ("target_model_name_or_path", "target_url"))):
+        given = [name for name in where if f[name] is not None]
+        if source in names and not given:
+            raise flags.ValidationError(f"--reward uses {source!r} but neither --{where[0]} nor --{where[1]} is given")
+        if len(given) == 2:
+            raise flags.ValidationError(f"--{where[0]} runs the {source} here and --{where[1]} on a server: give one")
+        if given and source not in names:
+            raise flags.ValidationError(f"--{given[0]} is given but --reward={spec!r} does not use "
+                                        f"{source!r}; add it (e.g. '{source}:0.2') or drop --{given[0]}")
+        if f[f"{source}_model_name"] is not None and f[where[1]] is None:
+            raise flags.ValidationError(f"--{source}_model_name names the model served at --{where[1]}; add "
+                                        f"--{where[1]} or drop it")
+    if f["prm_checkpoint_path"] is not None and f["prm_model_name_or_path"] is None:
+        raise flags.ValidationError("--prm_checkpoint_path is an adapter for a local PRM: give --prm_model_name_or_path "
+                                    "(a PRM server applies its own adapter)")
+    return True
+
+
+@flags.multi_flags_validator(["reward", "dataset_path", "env_id"])
+def _check_steps_reward(f: dict) -> bool:
+    on_math = f["dataset_path"] is not None or (f["env_id"] or "").rpartition(":")[2].startswith("MATH")
+    if f["reward"] is not None and "steps" in reward_sources(f["reward"]) and on_math:
+        raise flags.ValidationError("--reward uses 'steps', which pays the share of a canonical step-by-step solution "
+                                    "reproduced exactly: only Arith's generated problems have one (MATH solutions "
+                                    "are prose, so it would pay 0). Drop 'steps' or use an Arith env")
+    return True
+
+
+@flags.multi_flags_validator(["handoff_steps", "reward", "target_model_name_or_path", "action_level"])
+def _check_handoff(f: dict) -> bool:
+    if f["handoff_steps"] is None:
+        return True
+    if f["reward"] is None or "target" not in reward_sources(f["reward"]):
+        raise flags.ValidationError("--handoff_steps hands the prefix to the frozen target: add 'target' to --reward "
+                                    "(e.g. --reward target) and --target_model_name_or_path or --target_url")
+    if f["action_level"] == "token":
+        raise flags.ValidationError("--handoff_steps counts actions; with --action_level token use --action_level "
+                                    "solution and --max_new_tokens for a prefix of at most that many tokens")
+    if f["action_level"] == "solution" and f["handoff_steps"] != 1:
+        raise flags.ValidationError(f"--handoff_steps={f['handoff_steps']}: with --action_level solution an episode "
+                                    "is one action; use --handoff_steps 1, or --action_level step for a prefix of "
+                                    "several steps")
+    return True
+
+
+@flags.multi_flags_validator(["prm_kv_cache_mb", "prm_type"])
+def _check_prm_kv_cache(f: dict) -> bool:
+    if f["prm_kv_cache_mb"] and PRM_TYPES[f["prm_type"].lower()] != "shepherd":
+        raise flags.ValidationError(f"--prm_kv_cache_mb={f['prm_kv_cache_mb']} needs --prm_type=shepherd; "
+                                    f"--prm_type={f['prm_type']} always recomputes (drop the flag or pass 0)")
+    return True
+
+
+@flags.multi_flags_validator(["env_id", "dataset_path", "dataset_name"])
+def _check_env_source(f: dict) -> bool:
+    env_name = (f["env_id"] or "").rpartition(":")[2]
+    if env_name.startswith("Arith") and f["dataset_path"] is not None:
+        raise flags.ValidationError(f"--env_id={f['env_id']} generates its problems; drop --dataset_path or use "
+                                    "--env_id=MATH-v0")
+    if f["dataset_name"] is not None and f["dataset_path"] is None:
+        raise flags.ValidationError("--dataset_name filters a MATH dataset's subjects: give --dataset_path too")
+    return True
+
+
+def reward_sources(spec: str) -> list[str]:
+    """Source names of a --reward spec (validated fully by reward_models.mixture.parse_reward_spec)."""
+    from reward_models.mixture import parse_reward_spec
+
+    if "implicit_prm" in spec:
+        raise flags.ValidationError("'implicit_prm' is not a --reward source: PRIME's implicit PRM is RLOO's second "
+                                    "reward stream; use --algorithm_name RLOO (--process_coef weighs it)")
+    try:
+        return list(parse_reward_spec(spec, REWARD_SOURCES))
+    except ValueError as error:
+        raise flags.ValidationError(str(error)) from None
+
+
+def check_algorithm_specific(flag_values: flags.FlagValues = FLAGS) -> None:
+    """Flags the chosen algorithm would ignore must not be passed (``APPLIES_TO``)."""
+    algorithm = flag_values.algorithm_name
+    for name, algorithms in APPLIES_TO.items():
+        if algorithm not in algorithms and flag_values[name].present:
+            raise flags.ValidationError(f"--{name} applies to {'/'.join(algorithms)}; --algorithm_name={algorithm} "
+                                        f"would ignore it. Drop it or use --algorithm_name={algorithms[0]}")
+
+
+def has_critic(algorithm: str) -> bool:
+    return ALGORITHMS[algorithm].critic is not None
+
+
+def default_group_size(algorithm: str) -> int:
+    return 4 if ALGORITHMS[algorithm].episodic else 1
+
+
+
+
+@flags.multi_flags_validator(["prompt_template", "system_prompt"])
+def _check_system_prompt(f: dict) -> bool:
+    if f["system_prompt"] is not None and f["prompt_template"] == "default":
+        raise flags.ValidationError("--system_prompt needs a chat prompt template: add --prompt_template chat (the "
+                                    "tokenizer's own) or qwen_math; the default plain template has no system turn")
+    return True

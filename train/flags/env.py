@@ -1,0 +1,31 @@
+"""Flags of the problems and the env: the dataset, the gymnasium id, what one action is, the prompt."""
+
+from __future__ import annotations
+
+from absl import flags
+
+flags.DEFINE_string("dataset_path", None, "Problems to train on: a JSONL/JSON file (MATH-500 or OpenR schema), a "
+                    "directory holding {split}.jsonl, or hf://NAME[:split] (needs the datasets package). Given "
+                    "alone, the env is MATH-v0.")
+flags.DEFINE_string("dataset_name", None, "OpenR's subject filter for a MATH dataset (e.g. 'prealgebra'); "
+                    "default: all subjects.")
+flags.DEFINE_string("eval_dataset_path", None, "Held-out problems for evaluation. Default: the env's test split "
+                    "(Arith-v0), or --dataset_path itself (e.g. MATH-500).")
+flags.DEFINE_string("env_id", None, "A registered gymnasium id with a vector entry point (MathVectorEnv or "
+                    "compatible), or 'module:EnvId' to import a registration module first (on PYTHONPATH). "
+                    "Default: MATH-v0 with --dataset_path, else Arith-v0.")
+flags.DEFINE_enum("action_level", "solution", ("solution", "step", "token"), "What one env action is: a whole "
+                  "solution (one generate call per episode), one reasoning step (generation stops at the step "
+                  "delimiter) or one token (the env's token mode; --episode_length then counts tokens).")
+flags.DEFINE_enum("prompt_template", "default", ("default", "qwen_math", "chat"), "How a problem becomes a prompt: "
+                  "default ('Problem: ...\\nSolution:\\n'), qwen_math (Qwen2.5-Math's ChatML prompt), or chat (the "
+                  "tokenizer's own chat template, generation prompt added; for instruct models).")
+flags.DEFINE_string("system_prompt", None, "System message of --prompt_template chat (and qwen_math). Default: "
+                    "the template's own.")
+flags.DEFINE_integer("episode_length", None, "Env steps per env per iteration (episodic algorithms: the longest "
+                     "episode; longer ones are cut). Default: 1 with --action_level solution, else 8; in a multi-agent "
+                     "env one step per turn, the workflow's most turns (or the env's max_steps).", lower_bound=1)
+flags.DEFINE_integer("n_rollout_threads", 128, "Parallel envs (= samples per iteration); groups of --group_size "
+                     "consecutive envs share a problem.", lower_bound=1)
+flags.DEFINE_integer("group_size", None, "Samples per problem (consecutive envs sharing one). Default: 4 for "
+                     "GRPO/RLOO (they compare samples within a group), 1 for APPO/TPPO.", lower_bound=1)

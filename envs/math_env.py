@@ -26,34 +26,9 @@ from gymnasium import spaces
 from envs.datasets import Arith, Problem, load_problems
 from envs.grader import extract_answer
 from envs.prompts import DEFAULT_TEMPLATE, STEP_DELIMITER, format_prompt, resolve_template
-from envs.rewards import OutcomeReward, RewardModel, RewardOutput, StepContext, verify
+from envs.rewards import OutcomeReward, RewardModel, StepContext, score_batch, verify
 
 MODES = ("step", "token")
-
-
-class RewardModelError(RuntimeError):
-    """A reward model raised while scoring a batch; the message names the model and the batch."""
-
-    def __init__(self, reward_model: RewardModel, contexts: Sequence[StepContext], error: Exception):
-        ids = list(dict.fromkeys(c.problem.id for c in contexts))  # a group's samples share a problem
-        shown = ", ".join(ids[:8]) + (f", ... ({len(ids)} in all)" if len(ids) > 8 else "")
-        super().__init__(f"reward model {getattr(reward_model, 'name', '?')!r} ({type(reward_model).__name__}) "
-                         f"raised {type(error).__name__}: {error} while scoring a batch of {len(contexts)} steps "
-                         f"of problems [{shown}]")
-
-
-def score_batch(reward_model: RewardModel, contexts: Sequence[StepContext]) -> RewardOutput:
-    """``reward_model.score(contexts)``, its rewards checked to be [B] (one per context); an exception it
-    raises comes back as a ``RewardModelError`` naming the model and the batch's problems."""
-    try:
-        output = reward_model.score(contexts)
-    except Exception as error:
-        raise RewardModelError(reward_model, contexts, error) from error
-    shape = np.shape(output.rewards)
-    if shape != (len(contexts),):
-        raise ValueError(f"reward model {getattr(reward_model, 'name', '?')!r} returned rewards of shape {shape} for "
-                         f"a batch of {len(contexts)} steps; score() must return one reward per context")
-    return output
 
 
 class UnicodeText(spaces.Text):

@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 
 from envs.datasets import Problem
-from envs.rewards import OutcomeReward, RewardModel, RewardOutput, StepContext
-from reward_models.mixture import RewardMixture, parse_reward_spec
+from envs.rewards import OutcomeReward, RewardMixture, RewardModel, RewardOutput, StepContext
+from reward_models.mixture import parse_reward_spec
 
 PROBLEM = Problem(id="p", problem="What is 1/2 + 1/4?", answer="\\frac{3}{4}")
 

@@ -22,9 +22,8 @@ from algorithms.base import Algorithm, AlgorithmConfig, make_algorithm
 from algorithms.registry import algorithm_spec
 from envs.datasets import load_problems
 from envs.prompts import STEP_DELIMITER
-from envs.rewards import OutcomeReward, RewardModel
+from envs.rewards import OutcomeReward, RewardMixture, RewardModel
 from reward_models.implicit_prm import ImplicitPRM
-from reward_models.mixture import RewardMixture
 from train import checkpoint, distributed
 from train import flags as train_flags
 from train.collector import Collector, Sampling, Voices
@@ -103,15 +102,10 @@ def build_policy(f: flags.FlagValues, model: str) -> LanguagePolicy:
                           role_adapters=role_adapters(f), value_heads=train_flags.value_heads(f)).eval()
 
 
-def build_reward_model(f: flags.FlagValues, device: str) -> RewardModel | None:
-    """The env's reward model from --reward: one source, or a weighted RewardMixture. On a multi-agent env
-    the 'outcome' source is the --reward_assignment credit, which the env pays itself (``env_kwargs``), so
-    the model holds the other sources (None when there are none)."""
+def build_reward_model(f: flags.FlagValues, device: str) -> RewardModel:
+    """The env's reward model from --reward: one source, or a weighted RewardMixture (on a multi-agent env
+    its 'outcome' source is the --reward_assignment credit)."""
     weights = train_flags.reward_weights(f)
-    if train_flags.workflow_of(f) is not None:
-        del weights["outcome"]
-        if not weights:
-            return None
     models = {name: build_reward_source(f, name, device) for name in weights}
     if len(weights) == 1 and next(iter(weights.values())) == 1.0:
         return next(iter(models.values()))
@@ -172,11 +166,9 @@ def problem_source(f: flags.FlagValues, split: str) -> dict:
 def env_kwargs(f: flags.FlagValues, split: str, reward_model: RewardModel | None, tokenizer) -> dict:
     """Task kwargs of the train (split "train") or held-out ("test") vector env; ``tokenizer`` is the
     policy's (it decodes token actions, and its EOS text ends a step-level episode). A multi-agent env
-    takes whole messages, credits them by ``--reward_assignment`` (times the 'outcome' weight) and scores
-    its answering roles' messages with ``reward_model`` (the other --reward sources)."""
+    takes whole messages and credits its 'outcome' source by ``--reward_assignment``."""
     if train_flags.workflow_of(f) is not None:
-        return {"reward_assignment": f.reward_assignment, "reward_model": reward_model,
-                "outcome_weight": train_flags.reward_weights(f)["outcome"], **problem_source(f, split)}
+        return {"reward_assignment": f.reward_assignment, "reward_model": reward_model, **problem_source(f, split)}
     kwargs = {"reward_model": reward_model, **problem_source(f, split)}
     if f.handoff_steps is not None:
         kwargs["handoff_steps"] = f.handoff_steps
@@ -292,7 +284,7 @@ def build_voices(f: flags.FlagValues, env, policy: LanguagePolicy, sampling: Sam
     """Who speaks for each agent slot: its role adapter (--noshare_policy), a frozen role's own model
     (--role_model, an HF generator sampled as the target is: --target_max_new_tokens, --target_temperature),
     else the policy."""
-    models, slots = train_flags.role_models(f), dict(enumerate(getattr(env, "roles", ())))
+    models, slots = train_flags.role_models(f), dict(enumerate(env.agents.roles))
     own = [slot for slot, role in slots.items() if role in models]
     target_sampling = dataclasses.replace(sampling, max_new_tokens=f.target_max_new_tokens,
                                           temperature=f.target_temperature)

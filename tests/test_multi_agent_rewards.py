@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from gymnasium.vector import AutoresetMode
 
+from envs.contract import FACTS
 from envs.datasets import Arith, Problem
 from envs.multi_agent import MultiAgentMathVectorEnv
 from envs.rewards import OutcomeReward, RewardMixture
@@ -72,6 +73,29 @@ def test_the_solver_gets_the_weighted_prm_score_the_single_agent_env_gives_its_s
     np.testing.assert_allclose(rewards[1:, 2], expected[1:], rtol=1e-6)
     np.testing.assert_allclose(info["reward/prm"][1:], [[np.nan, np.nan, prm_scores[1]],
                                                         [np.nan, np.nan, prm_scores[2]]], rtol=1e-6)
+
+
+def test_the_outcome_source_is_the_credit_and_only_paid_when_named():
+    """--reward means the same on every env: without 'outcome' the workflow pays no credit; its weight scales
+    the credit; the trainer's facts hold each source's own reward."""
+    solved = [[THREE.solution, "", ""], [TWO.solution, "", ""]]
+    steps_only = MultiAgentMathVectorEnv(2, problems=[THREE, TWO], autoreset_mode=DISABLED, shuffle=False,
+                                         reward_assignment="individual", reward_model=ReferenceStepsReward(),
+                                         workflow=chain("line"))
+    steps_only.reset(options={"problem_ids": ["three", "two"]})
+    _, rewards, *_, info = steps_only.step(solved)
+    assert rewards.tolist() == [[1, 0, 0], [1, 0, 0]] and "reward/outcome" not in info  # the steps alone
+    both = MultiAgentMathVectorEnv(2, problems=[THREE, TWO], autoreset_mode=DISABLED, shuffle=False,
+                                   reward_assignment="individual", reward_model=steps_reward(0.5, outcome=3.0),
+                                   workflow=chain("line"))
+    both.reset(options={"problem_ids": ["three", "two"]})
+    _, rewards, *_, info = both.step(solved)
+    facts = info[FACTS]
+    assert rewards.tolist() == [[3.5, 0, 0], [3.5, 0, 0]] and facts.rewards is rewards
+    np.testing.assert_array_equal(facts.sources["outcome"], [[1, np.nan, np.nan]] * 2)  # the solvers spoke
+    np.testing.assert_array_equal(facts.sources["steps"], info["reward/steps"])
+    assert facts.outputs["answer_correct"][:, 0].tolist() == [1.0, 1.0] and facts.acting[:, 1].all()
+    assert both.agents.roles == ("solver", "verifier", "refiner") and both.agents.trainable == (True,) * 3
 
 
 def test_steps_reward_per_role_by_hand():

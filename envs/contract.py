@@ -46,7 +46,9 @@ class StepFacts:
     slot; multi-agent envs).
 
     Of the actions just taken (none at a reset): ``rewards`` [N, A] float64, what each slot was paid, every
-    reward source combined; ``sources`` {name: [N, A] float64}, each source's own reward, NaN where it
+    reward source combined; ``returns`` [N, A] float64, each slot's rewards summed over the episode they
+    belong to (where an episode ended at this step, its whole return: the one place returns are summed for
+    the record; a trainer's own returns are what its buffer kept); ``sources`` {name: [N, A] float64}, each source's own reward, NaN where it
     scored nothing; ``correct`` [N] float64, the verified verdict where an episode ended at this step, NaN
     elsewhere; ``clipped`` [N, A] bool, the action was longer than the env keeps; ``outputs``
     {metric: [N, A] float64}, each slot's verified output (multi-agent: ``envs.multi_agent.ROLE_METRICS``),
@@ -59,6 +61,7 @@ class StepFacts:
     acting: np.ndarray
     states: np.ndarray | None = None
     rewards: np.ndarray | None = None
+    returns: np.ndarray | None = None
     sources: dict[str, np.ndarray] = field(default_factory=dict)
     correct: np.ndarray | None = None
     clipped: np.ndarray | None = None
@@ -69,6 +72,8 @@ class StepFacts:
         shape = self.acting.shape
         if self.rewards is None:
             self.rewards = np.zeros(shape)
+        if self.returns is None:
+            self.returns = np.zeros(shape)
         if self.correct is None:
             self.correct = np.full(shape[0], np.nan)
         if self.clipped is None:

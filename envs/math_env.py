@@ -143,7 +143,8 @@ class ProblemSampler:
 @dataclass
 class Episode:
     """The state of one episode. ``solution_ids``, ``step_start`` and ``completed_text`` are used
-    in token mode only; ``solution_text`` is what the observation shows after the prompt."""
+    in token mode only; ``solution_text`` is what the observation shows after the prompt; ``paid`` is
+    its return so far."""
 
     problem: Problem
     group_id: int
@@ -154,6 +155,7 @@ class Episode:
     completed_text: str = ""  # token mode: decoded text of the completed steps
     solution_text: str = ""
     done: bool = False
+    paid: float = 0.0  # the rewards of the episode so far
 
     def get_state(self) -> dict[str, Any]:
         """JSON-serialisable copy; the problem by id, the prompt left out (rebuilt from the problem)."""

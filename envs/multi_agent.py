@@ -78,6 +78,12 @@ def check_task_keywords(task_kwargs: dict[str, Any]) -> None:
             raise ValueError(f"{key}= is not supported by MultiAgentMathVectorEnv ({why}); leave it out")
 
 
+def saved_returns(state: dict[str, Any]) -> list[list[float]]:
+    """[N][A] the slots' returns so far in a ``get_state``; zeros in a state saved before they were kept (its
+    episodes are replaced before a trainer steps them: multi-agent rollouts are whole episodes)."""
+    return state.get("returns", [[0.0] * len(state["roles"])] * len(state["transcripts"]))
+
+
 class AnswerChecks:
     """The answer comparisons one env step needs: asked first, then decided in one ``grade_batch`` call."""
 
@@ -102,12 +108,14 @@ class AnswerChecks:
 
 @dataclass
 class Dialogue:
-    """One env's episode: its problem and group id (the dealer's draw), the messages so far, where it stands."""
+    """One env's episode: its problem and group id (the dealer's draw), the messages so far, where it stands
+    and each slot's return so far, ``paid`` [A]."""
 
     problem: Problem
     group_id: int
     transcript: list[Message]
     progress: Progress
+    paid: np.ndarray
 
     def acted(self) -> list[int]:
         """The slots that have said something in this episode."""
@@ -213,6 +221,9 @@ class MultiAgentMathVectorEnv(VectorEnv):
             clipped[i] = self._say(i, actions[i])
         results, final_answer = self._score(first_new)
         results["clipped"] = clipped
+        for dialogue, rewards in zip(self.dialogues, results["rewards"]):
+            dialogue.paid += rewards
+        results["returns"] = np.array([dialogue.paid for dialogue in self.dialogues])  # before an autoreset
         terminated = np.array([i in first_new and d.progress.terminated for i, d in enumerate(self.dialogues)])
         truncated = np.array([i in first_new and d.progress.truncated for i, d in enumerate(self.dialogues)])
         ended = terminated | truncated
@@ -415,7 +426,8 @@ class MultiAgentMathVectorEnv(VectorEnv):
 
     def _new_dialogue(self, env_index: int) -> Dialogue:
         episode = self.dealer.episodes[env_index]
-        return Dialogue(episode.problem, episode.group_id, [], self.workflow.progress((), self.limits))
+        return Dialogue(episode.problem, episode.group_id, [], self.workflow.progress((), self.limits),
+                        np.zeros(self.num_agents))
 
     def _prompts(self, dialogue: Dialogue, slots: Sequence[int]) -> tuple[str, ...]:
         """[A] the prompts of ``slots`` ("" for the other slots)."""
@@ -465,9 +477,11 @@ class MultiAgentMathVectorEnv(VectorEnv):
 
     def get_state(self) -> dict[str, Any]:
         """JSON-serialisable: the workflow's name and roles, the dealer's state (problem sampler, each
-        env's problem and group, group bookkeeping) and every env's transcript as [turn, slot, text]."""
+        env's problem and group, group bookkeeping), every env's transcript as [turn, slot, text] and its
+        slots' returns so far."""
         return {"workflow": self.workflow.name, "roles": list(self.roles), "draws": self.dealer.get_state(),
-                "transcripts": [[[m.turn, m.slot, m.text] for m in d.transcript] for d in self.dialogues]}
+                "transcripts": [[[m.turn, m.slot, m.text] for m in d.transcript] for d in self.dialogues],
+                "returns": [d.paid.tolist() for d in self.dialogues]}
 
     def set_state(self, state: dict[str, Any]) -> tuple[tuple[tuple[str, ...], ...], dict]:
         """Continues exactly where ``get_state`` was called (same workflow, problems, ``num_envs`` and
@@ -478,17 +492,17 @@ class MultiAgentMathVectorEnv(VectorEnv):
                              "the same workflow")
         self.dealer.set_state(state["draws"])
         self.dialogues = []
-        for episode, transcript in zip(self.dealer.episodes, state["transcripts"]):
+        for episode, transcript, paid in zip(self.dealer.episodes, state["transcripts"], saved_returns(state)):
             messages = [Message(turn, slot, self.roles[slot], text) for turn, slot, text in transcript]
             self.dialogues.append(Dialogue(episode.problem, episode.group_id, messages,
-                                           self.workflow.progress(messages, self.limits)))
+                                           self.workflow.progress(messages, self.limits), np.array(paid)))
         return self._observations(), self._info(self._facts())
 
     @staticmethod
     def merge_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
         """One state of all the envs from the ``get_state`` of consecutive shards (MathVectorEnv.merge_states)."""
         return {**states[0], "draws": MathVectorEnv.merge_states([state["draws"] for state in states]),
-                "transcripts": [transcript for state in states for transcript in state["transcripts"]]}
+                **{key: [item for state in states for item in state[key]] for key in ("transcripts", "returns")}}
 
     @staticmethod
     def split_state(state: dict[str, Any], group_offset: int, num_groups: int) -> dict[str, Any]:
@@ -496,7 +510,7 @@ class MultiAgentMathVectorEnv(VectorEnv):
         group_size = state["draws"]["group_size"]
         envs = slice(group_offset * group_size, (group_offset + num_groups) * group_size)
         return {**state, "draws": MathVectorEnv.split_state(state["draws"], group_offset, num_groups),
-                "transcripts": state["transcripts"][envs]}
+                "transcripts": state["transcripts"][envs], "returns": saved_returns(state)[envs]}
 
 
 class MultiAgentMathEnv(gymnasium.Env):

@@ -142,8 +142,8 @@ class MathVectorEnv(VectorEnv):
 
     def _act(self, actions: Sequence[Any], acting: np.ndarray) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
         """Applies the actions of the ``acting`` envs and scores them in one reward-model call. Returns the
-        ``StepFacts`` fields of the results (rewards, sources [N, 1], correct [N], clipped [N, 1]; 0 / NaN /
-        False for the envs that did not act) and terminated, truncated [N]."""
+        ``StepFacts`` fields of the results (rewards, returns, sources [N, 1], correct [N], clipped [N, 1]; 0 /
+        NaN / False for the envs that did not act) and terminated, truncated [N]."""
         terminated, truncated, clipped = (np.zeros(self.num_envs, dtype=bool) for _ in range(3))
         transitions = []
         for i in acting:
@@ -154,8 +154,11 @@ class MathVectorEnv(VectorEnv):
         scores = self.task.score([self.episodes[i] for i in acting], transitions)
         rewards = np.zeros(self.num_envs, dtype=np.float64)
         rewards[acting] = scores.rewards
+        for episode, reward in zip(self.episodes, rewards):
+            episode.paid += float(reward)
+        returns = np.array([[episode.paid] for episode in self.episodes])  # before an autoreset replaces them
         sources = {name: self._spread(values, acting)[:, None] for name, values in scores.components.items()}
-        results = {"rewards": rewards[:, None], "sources": sources, "correct": self._spread(scores.correct, acting),
+        results = {"rewards": rewards[:, None], "returns": returns, "sources": sources, "correct": self._spread(scores.correct, acting),
                    "clipped": clipped[:, None]}
         return results, terminated, truncated
 

@@ -96,6 +96,9 @@ def test_the_outcome_source_is_the_credit_and_only_paid_when_named():
     np.testing.assert_array_equal(facts.sources["steps"], info["reward/steps"])
     assert facts.outputs["answer_correct"][:, 0].tolist() == [1.0, 1.0] and facts.acting[:, 1].all()
     assert both.agents.roles == ("solver", "verifier", "refiner") and both.agents.trainable == (True,) * 3
+    _, rewards, terminated, _, info = both.step([["", ACCEPT, ""]] * 2)  # right verdicts end both episodes
+    assert terminated.all() and rewards.tolist() == [[0, 3, 0]] * 2
+    assert info[FACTS].returns.tolist() == [[3.5, 3, 0]] * 2  # each slot's whole episode
 
 
 def test_steps_reward_per_role_by_hand():

@@ -111,6 +111,7 @@ def test_infos_are_full_arrays_of_the_action_just_taken():
     assert info["action_clipped"].tolist() == [True, False, False] and terminated.tolist() == [False, True, False]
     # the trainer's view of the same step: one agent slot
     np.testing.assert_array_equal(facts.rewards, np.array(expected)[:, None])
+    np.testing.assert_array_equal(facts.returns, facts.rewards)  # every episode's first step
     np.testing.assert_array_equal(facts.sources["length"], np.array(expected)[:, None])
     np.testing.assert_array_equal(facts.correct, info["correct"])
     assert facts.clipped[:, 0].tolist() == [True, False, False] and facts.acting[:, 0].tolist() == [True, False, True]
@@ -121,6 +122,7 @@ def test_infos_are_full_arrays_of_the_action_just_taken():
     np.testing.assert_array_equal(info["correct"], [np.nan, np.nan, 0.0])
     assert rewards[1] == 0.0 and info["step"].tolist() == [2, 0, 2] and not info["action_clipped"].any()
     assert info[FACTS].acting[:, 0].tolist() == [True, True, False]
+    np.testing.assert_allclose(info[FACTS].returns[:, 0], [0.41, 0.0, 0.02 + len("The answer is \\boxed{-1}.") / 100])
 
 
 def test_draws_without_replacement_per_epoch_and_reproducible():

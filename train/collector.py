@@ -187,7 +187,6 @@ class Collector:
         self.voices = voices
         self.obs, info = env.reset(seed=seed)
         self.facts: StepFacts = info[FACTS]
-        self.episode_return = np.zeros((env.num_envs, self.num_agents))
         self.env_steps = 0
 
     @torch.no_grad()
@@ -199,7 +198,6 @@ class Collector:
         if self.episodic:
             self.obs, info = self.env.reset()
             self.facts = info[FACTS]
-            self.episode_return[:] = 0
         done = np.zeros(num_envs, dtype=bool)
         tally = Tally()
         for step in range(self.episode_length):
@@ -209,10 +207,8 @@ class Collector:
             terminated, truncated = self.step(step, envs, agents, policy, generator, buffer, tally, seed)
             if self.episodic:
                 done |= terminated | truncated
-        if self.episodic:
-            self.episode_return[:] = 0
-            if spec.critic is not None:
-                buffer.next_values = buffer.next_action_values()
+        if self.episodic and spec.critic is not None:
+            buffer.next_values = buffer.next_action_values()
         elif spec.critic is not None:
             buffer.next_values = self.next_values(policy, buffer)
         tally.add("train/step_reward", buffer.rewards[buffer.live].double().cpu().numpy())
@@ -249,20 +245,18 @@ class Collector:
         buffer.settle(step, facts.rewards, terminated, truncated, facts.correct)
         ended = terminated | truncated
         self.tally_reward_sources(tally, envs, agents)
-        self.episode_return += facts.rewards
-        self.tally_ended_episodes(tally, ended, facts.correct)
+        self.tally_ended_episodes(tally, ended)
         self.tally_role_metrics(tally)
-        self.episode_return[ended] = 0
         self.env_steps += len(np.unique(envs))
         return terminated, truncated
 
-    def tally_ended_episodes(self, tally: Tally, ended: np.ndarray, correct: np.ndarray) -> None:
+    def tally_ended_episodes(self, tally: Tally, ended: np.ndarray) -> None:
         """Returns (summed over agents, and per role in a multi-agent env) and verdicts of the episodes
-        that ended."""
-        tally.add("train/reward", self.episode_return[ended].sum(1))
-        tally.add("train/accuracy", np.nan_to_num(correct[ended]))
+        that ended [N]."""
+        tally.add("train/reward", self.facts.returns[ended].sum(1))
+        tally.add("train/accuracy", np.nan_to_num(self.facts.correct[ended]))
         for a, role in enumerate(self.roles or ()):
-            tally.add(f"train/{role}/reward", self.episode_return[ended, a])
+            tally.add(f"train/{role}/reward", self.facts.returns[ended, a])
 
     def tally_reward_sources(self, tally: Tally, envs: np.ndarray, agents: np.ndarray) -> None:
         """Each reward source's reward of the actions ``envs[b], agents[b]`` just taken (``reward/<source>``
@@ -313,28 +307,24 @@ class Collector:
         return torch.where(buffer.episode_ends()[..., 0], 0.0, following)[..., None]
 
     def get_state(self) -> dict[str, Any]:
-        """JSON-serialisable: the env's state (problem sampler, episodes in progress), each env's running
-        episode return and the env steps taken."""
-        return {"env": self.env.get_state(), "episode_return": self.episode_return.tolist(),
-                "env_steps": self.env_steps}
+        """JSON-serialisable: the env's state (problem sampler, episodes in progress with their returns so
+        far) and the env steps taken."""
+        return {"env": self.env.get_state(), "env_steps": self.env_steps}
 
     def merge_states(self, states: Sequence[dict[str, Any]]) -> dict[str, Any]:
         """The collector state of one process holding every rank's envs (``states`` in rank order)."""
         return {"env": self.env.merge_states([state["env"] for state in states]),
-                "episode_return": [value for state in states for value in state["episode_return"]],
                 "env_steps": sum(state["env_steps"] for state in states)}
 
     def split_state(self, state: dict[str, Any], rank: int) -> dict[str, Any]:
         """This collector's share of a merged state (its envs: ``env_offset`` on); rank 0 keeps the count
         of env steps, so the ranks' counts still add up to it."""
         num_envs, group_size = self.env.num_envs, self.env.group_size
-        envs = slice(self.env_offset, self.env_offset + num_envs)
         return {"env": self.env.split_state(state["env"], self.env_offset // group_size, num_envs // group_size),
-                "episode_return": state["episode_return"][envs], "env_steps": state["env_steps"] if rank == 0 else 0}
+                "env_steps": state["env_steps"] if rank == 0 else 0}
 
     def set_state(self, state: dict[str, Any]) -> None:
         """Continues exactly where ``get_state`` was called."""
         self.obs, info = self.env.set_state(state["env"])
         self.facts = info[FACTS]
-        self.episode_return = np.asarray(state["episode_return"], dtype=np.float64).reshape(-1, self.num_agents)
         self.env_steps = state["env_steps"]

@@ -48,11 +48,11 @@ class StepFacts:
     Of the actions just taken (none at a reset): ``rewards`` [N, A] float64, what each slot was paid, every
     reward source combined; ``returns`` [N, A] float64, each slot's rewards summed over the episode they
     belong to (where an episode ended at this step, its whole return: the one place returns are summed for
-    the record; a trainer's own returns are what its buffer kept); ``sources`` {name: [N, A] float64}, each source's own reward, NaN where it
-    scored nothing; ``correct`` [N] float64, the verified verdict where an episode ended at this step, NaN
-    elsewhere; ``clipped`` [N, A] bool, the action was longer than the env keeps; ``outputs``
-    {metric: [N, A] float64}, each slot's verified output (multi-agent: ``envs.multi_agent.ROLE_METRICS``),
-    NaN where it gave none.
+    the record; a trainer's own returns are what its buffer kept); ``sources`` {name: [N, A] float64}, each
+    source's own reward, NaN where it scored nothing; ``correct`` [N] float64, the verified verdict where an
+    episode ended at this step, NaN elsewhere; ``clipped`` [N, A] bool, the action was longer than the env
+    keeps; ``outputs`` {metric: [N, A] float64}, each slot's verified output (multi-agent:
+    ``envs.multi_agent.ROLE_METRICS``), NaN where it gave none.
     """
 
     problem_ids: np.ndarray

@@ -138,7 +138,8 @@ class MathVectorEnv(VectorEnv):
         elif ended.any():
             final = self._restart(ended)
         facts = self._facts(**results)
-        return self._observations(), facts.rewards[:, 0], terminated, truncated, {**self._info(facts, stepped=True), **final}
+        info = {**self._info(facts, stepped=True), **final}
+        return self._observations(), facts.rewards[:, 0], terminated, truncated, info
 
     def _act(self, actions: Sequence[Any], acting: np.ndarray) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
         """Applies the actions of the ``acting`` envs and scores them in one reward-model call. Returns the
@@ -158,8 +159,8 @@ class MathVectorEnv(VectorEnv):
             episode.paid += float(reward)
         returns = np.array([[episode.paid] for episode in self.episodes])  # before an autoreset replaces them
         sources = {name: self._spread(values, acting)[:, None] for name, values in scores.components.items()}
-        results = {"rewards": rewards[:, None], "returns": returns, "sources": sources, "correct": self._spread(scores.correct, acting),
-                   "clipped": clipped[:, None]}
+        results = {"rewards": rewards[:, None], "returns": returns, "sources": sources,
+                   "correct": self._spread(scores.correct, acting), "clipped": clipped[:, None]}
         return results, terminated, truncated
 
     def _restart(self, ended: np.ndarray) -> dict[str, Any]:

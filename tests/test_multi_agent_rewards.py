@@ -104,7 +104,8 @@ def test_the_outcome_source_is_the_credit_and_only_paid_when_named():
 def test_steps_reward_per_role_by_hand():
     """'steps' pays the matched share of the reference steps: THREE has 3, TWO has 2."""
     env = MultiAgentMathVectorEnv(2, problems=[THREE, TWO], autoreset_mode=DISABLED, shuffle=False,
-                                  reward_assignment="team", reward_model=steps_reward(0.5, outcome=2.0), workflow=chain("line"))
+                                  reward_assignment="team", reward_model=steps_reward(0.5, outcome=2.0),
+                                  workflow=chain("line"))
     env.reset(options={"problem_ids": ["three", "two"]})
     # env 0's solver: the first two steps, then a wrong answer (2/3); env 1's solver: the whole reference (1)
     _, rewards, *_, info = env.step([["56 + 77 = 133\n\n133 + 95 = 228\n\n" + WRONG, "", ""], [TWO.solution, "", ""]])

@@ -101,7 +101,8 @@ def pair_prompts(agents: Agents, obs: Sequence, envs: np.ndarray, slots: np.ndar
     return [obs[i][a] for i, a in zip(envs, slots)]
 
 
-def pair_actions(env, sampling: Sampling, out: GenerationOutput, envs: np.ndarray, slots: np.ndarray) -> list | np.ndarray:
+def pair_actions(env, sampling: Sampling, out: GenerationOutput, envs: np.ndarray,
+                 slots: np.ndarray) -> list | np.ndarray:
     """The env's actions from ``out``'s samples of the pairs ``envs[b], slots[b]``: one per env, or (several
     agents) one message per agent slot of each env, with placeholders where nobody acts."""
     if not env.agents.multi:

@@ -11,7 +11,8 @@ multi-agent env's are the [N, A] array itself.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import numpy as np
 
@@ -78,3 +79,20 @@ class StepFacts:
             self.correct = np.full(shape[0], np.nan)
         if self.clipped is None:
             self.clipped = np.zeros(shape, dtype=bool)
+
+    def __eq__(self, other: object) -> bool:
+        """Field by field, arrays by value (NaN equal to NaN): what gymnasium's ``check_env`` asks of two infos
+        of the same seed and actions."""
+        if not isinstance(other, StepFacts):
+            return NotImplemented
+        return all(same(getattr(self, f.name), getattr(other, f.name)) for f in fields(self))
+
+
+def same(a: Any, b: Any) -> bool:
+    """Whether two ``StepFacts`` fields hold the same: arrays of the same shape, dtype and values, or dicts of them."""
+    if isinstance(a, dict) or isinstance(b, dict):
+        return isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if a is None or b is None:
+        return a is b
+    a, b = np.asarray(a), np.asarray(b)
+    return a.dtype == b.dtype and np.array_equal(a, b, equal_nan=a.dtype.kind == "f")

@@ -23,6 +23,7 @@ import gymnasium
 import numpy as np
 from gymnasium import spaces
 
+from envs.contract import FACTS, StepFacts
 from envs.datasets import Arith, Problem, load_problems
 from envs.grader import extract_answer
 from envs.prompts import DEFAULT_TEMPLATE, STEP_DELIMITER, format_prompt, resolve_template
@@ -294,6 +295,15 @@ class MathTask:
     def info(self, episode: Episode) -> dict[str, Any]:
         return {"problem_id": episode.problem.id, "group_id": episode.group_id, "step": len(episode.steps)}
 
+    @staticmethod
+    def facts(episodes: Sequence[Episode], acting: np.ndarray, **results: Any) -> StepFacts:
+        """The ``StepFacts`` of ``episodes`` (one agent slot; ``acting`` [N]) and ``results``, the fields of
+        the actions just taken (none: a reset's)."""
+        return StepFacts(problem_ids=np.array([e.problem.id for e in episodes], dtype=object),
+                         group_ids=np.array([e.group_id for e in episodes], dtype=np.int64),
+                         turns=np.array([len(e.steps) for e in episodes], dtype=np.int64),
+                         acting=np.asarray(acting, dtype=bool)[:, None], **results)
+
     def apply(self, episode: Episode, action: Any) -> Transition:
         """Applies one action to a live episode (marking it done if the action ended it)."""
         if episode.done:
@@ -379,7 +389,8 @@ class MathEnv(gymnasium.Env):
     ``reset(seed=..., options={"problem_id": ...})`` returns the prompt and info (problem id, group
     id, step count). ``step(action)`` takes one step of text (step mode) or one token id (token
     mode). Its info has ``reward/<source>`` for a scored step, ``action_clipped`` (step mode) and,
-    at episode end, ``correct`` (the verifier's verdict, bool).
+    at episode end, ``correct`` (the verifier's verdict, bool); ``info[FACTS]`` is the same as the
+    ``envs.contract.StepFacts`` of one env.
     """
 
     metadata = {"render_modes": ["ansi"]}
@@ -403,14 +414,20 @@ class MathEnv(gymnasium.Env):
         problem = self.task.sampler.get(problem_id) if problem_id is not None else self.task.sampler.draw()
         self.episode = self.task.new_episode(problem, group_id=self.episodes_started)
         self.episodes_started += 1
-        return self.task.observation(self.episode), self.task.info(self.episode)
+        info = {**self.task.info(self.episode), FACTS: self.task.facts([self.episode], [True])}
+        return self.task.observation(self.episode), info
 
     def step(self, action: Any) -> tuple[str, float, bool, bool, dict[str, Any]]:
         if self.episode is None:
             raise RuntimeError("call reset() before step()")
         transition = self.task.apply(self.episode, action)
         scores = self.task.score([self.episode], [transition])
+        self.episode.paid += float(scores.rewards[0])
         info = self.task.info(self.episode)
+        info[FACTS] = self.task.facts([self.episode], [not self.episode.done], rewards=scores.rewards[:, None],
+                                      returns=np.array([[self.episode.paid]]), correct=scores.correct,
+                                      sources={name: values[:, None] for name, values in scores.components.items()},
+                                      clipped=np.array([[transition.action_clipped]]))
         info.update({f"reward/{name}": float(values[0]) for name, values in scores.components.items()})
         if self.task.mode == "step":
             info["action_clipped"] = transition.action_clipped

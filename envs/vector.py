@@ -258,10 +258,7 @@ class MathVectorEnv(VectorEnv):
     def _facts(self, **results: Any) -> StepFacts:
         """The facts of the episodes now running (the one agent acts wherever the env needs no reset) and
         ``results``, the ``StepFacts`` fields of the actions just taken (none: a reset's)."""
-        return StepFacts(problem_ids=np.array([e.problem.id for e in self.episodes], dtype=object),
-                         group_ids=np.array([e.group_id for e in self.episodes], dtype=np.int64),
-                         turns=np.array([len(e.steps) for e in self.episodes], dtype=np.int64),
-                         acting=~self.needs_reset[:, None], **results)
+        return self.task.facts(self.episodes, ~self.needs_reset, **results)
 
     def _info(self, facts: StepFacts, stepped: bool = False) -> dict[str, Any]:
         """``facts`` under ``FACTS``, and as the plain [N] arrays the class docstring lists (the results of

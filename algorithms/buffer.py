@@ -70,7 +70,8 @@ class Batch:
 class RolloutBuffer:
     """Storage for T steps of N envs with A agents; actions up to L tokens.
 
-    Filled by ``add`` (one call per env step, for the (env, agent) pairs that acted). Collection also
+    Filled by ``add`` (one call per env step, for the (env, agent) pairs that acted) and ``settle`` (what
+    the env paid for them, once per env step). Collection also
     writes ``next_values`` [T, N, A], the value to bootstrap from after each action (0 where the
     episode terminated), and before the update ``ref_logprobs`` / ``token_rewards`` where the
     algorithm reads them.
@@ -112,16 +113,16 @@ class RolloutBuffer:
         return step * num_envs * num_agents + envs * num_agents + agents
 
     def add(self, *, step: int, envs: Sequence[int], agents: Sequence[int], prompt_ids: Sequence[list[int]],
-            action_ids: Sequence[list[int]], logprobs: Sequence[list[float]], rewards: torch.Tensor,
-            terminated: torch.Tensor, truncated: torch.Tensor, group_ids: torch.Tensor, correct: torch.Tensor,
+            action_ids: Sequence[list[int]], logprobs: Sequence[list[float]], group_ids: torch.Tensor,
             texts: Sequence[str], values: torch.Tensor | None = None,
             token_values: torch.Tensor | None = None, critic_prompt_ids: Sequence[list[int]] | None = None) -> None:
-        """Records the actions taken at ``step`` by the B (env, agent) pairs ``envs[b], agents[b]``.
+        """Records the actions taken at ``step`` by the B (env, agent) pairs ``envs[b], agents[b]``; what the
+        env paid for them comes after, through ``settle``.
 
         action_ids / logprobs: B lists (the generated tokens and their behaviour log-probs, up to
-        L each). rewards, terminated, truncated, group_ids, correct (NaN where the episode goes
-        on), values: [B]. token_values: [B, L'] with L' <= L. critic_prompt_ids: B lists, what the critic
-        read instead of the prompt (a multi-agent env's joint transcript), to read again at the update.
+        L each). group_ids, values: [B]. token_values: [B, L'] with L' <= L. critic_prompt_ids: B lists,
+        what the critic read instead of the prompt (a multi-agent env's joint transcript), to read again at
+        the update.
         """
         envs_t = torch.as_tensor(list(envs), dtype=torch.long, device=self.device)
         agents_t = torch.as_tensor(list(agents), dtype=torch.long, device=self.device)
@@ -134,11 +135,7 @@ class RolloutBuffer:
         self.action_ids[at] = ids
         self.behaviour_logprobs[at] = lps
         self.action_lengths[at] = torch.tensor(lengths, dtype=torch.long, device=self.device)
-        self.rewards[at] = rewards.to(self.device, torch.float32)
-        self.terminated[at] = terminated.to(self.device)
-        self.truncated[at] = truncated.to(self.device)
         self.group_ids[at] = group_ids.to(self.device)
-        self.correct[at] = correct.to(self.device, torch.float32)
         self.live[at] = True
         if values is not None:
             self.values[at] = values.to(self.device, torch.float32)
@@ -155,18 +152,24 @@ class RolloutBuffer:
                 self.critic_prompt_ids[flat] = list(prompt)
         self.steps_filled = max(self.steps_filled, step + 1)
 
-    def credit_late(self, *, steps: np.ndarray, envs: np.ndarray, agents: np.ndarray, rewards: torch.Tensor,
-                    terminated: torch.Tensor, truncated: torch.Tensor, correct: torch.Tensor) -> None:
-        """What reaches B agents after their last action, credited to it (``steps[b]``, ``envs[b]``,
-        ``agents[b]``): ``rewards`` [B] are added (a team outcome paid when another agent ended the
-        episode); ``terminated`` / ``truncated`` [B] mark the episode's end there when set; ``correct``
-        [B] the verdict, where it is not NaN."""
-        at = tuple(torch.as_tensor(np.asarray(x), dtype=torch.long, device=self.device) for x in (steps, envs, agents))
-        self.rewards[at] += rewards.to(self.device, torch.float32)
-        self.terminated[at] |= terminated.to(self.device)
-        self.truncated[at] |= truncated.to(self.device)
-        correct = correct.to(self.device, torch.float32)
-        self.correct[at] = torch.where(torch.isnan(correct), self.correct[at], correct)
+    def settle(self, step: int, rewards: np.ndarray, terminated: np.ndarray, truncated: np.ndarray,
+               correct: np.ndarray) -> None:
+        """What the env paid at ``step``: each (env, agent)'s reward [N, A] is added to its latest action in
+        this rollout (the one at ``step`` if it acted then; else its last, e.g. a team outcome paid when
+        another agent ended the episode), and an episode's end, terminated / truncated [N], marks it, with the
+        verdict ``correct`` [N] where that is not NaN. A pair with no action in this rollout has none to take
+        them."""
+        steps = torch.arange(step + 1, device=self.device)[:, None, None]
+        latest = torch.where(self.live[:step + 1], steps, -1).amax(0)  # [N, A]
+        envs, agents = torch.nonzero(latest >= 0, as_tuple=True)
+        at = (latest[envs, agents], envs, agents)
+        env_index = envs.cpu().numpy()
+        self.rewards[at] += torch.as_tensor(rewards[env_index, agents.cpu().numpy()], device=self.device,
+                                            dtype=torch.float32)
+        self.terminated[at] |= torch.as_tensor(terminated[env_index], device=self.device)
+        self.truncated[at] |= torch.as_tensor(truncated[env_index], device=self.device)
+        verdicts = torch.as_tensor(correct[env_index], device=self.device, dtype=torch.float32)
+        self.correct[at] = torch.where(torch.isnan(verdicts), self.correct[at], verdicts)
 
     def token_mask(self) -> torch.Tensor:
         """[T, N, A, L] True on each live action's real tokens (from lengths)."""

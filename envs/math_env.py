@@ -23,37 +23,13 @@ import gymnasium
 import numpy as np
 from gymnasium import spaces
 
+from envs.contract import FACTS, StepFacts
 from envs.datasets import Arith, Problem, load_problems
 from envs.grader import extract_answer
 from envs.prompts import DEFAULT_TEMPLATE, STEP_DELIMITER, format_prompt, resolve_template
-from envs.rewards import OutcomeReward, RewardModel, RewardOutput, StepContext, verify
+from envs.rewards import OutcomeReward, RewardModel, StepContext, score_batch, verify
 
 MODES = ("step", "token")
-
-
-class RewardModelError(RuntimeError):
-    """A reward model raised while scoring a batch; the message names the model and the batch."""
-
-    def __init__(self, reward_model: RewardModel, contexts: Sequence[StepContext], error: Exception):
-        ids = list(dict.fromkeys(c.problem.id for c in contexts))  # a group's samples share a problem
-        shown = ", ".join(ids[:8]) + (f", ... ({len(ids)} in all)" if len(ids) > 8 else "")
-        super().__init__(f"reward model {getattr(reward_model, 'name', '?')!r} ({type(reward_model).__name__}) "
-                         f"raised {type(error).__name__}: {error} while scoring a batch of {len(contexts)} steps "
-                         f"of problems [{shown}]")
-
-
-def score_batch(reward_model: RewardModel, contexts: Sequence[StepContext]) -> RewardOutput:
-    """``reward_model.score(contexts)``, its rewards checked to be [B] (one per context); an exception it
-    raises comes back as a ``RewardModelError`` naming the model and the batch's problems."""
-    try:
-        output = reward_model.score(contexts)
-    except Exception as error:
-        raise RewardModelError(reward_model, contexts, error) from error
-    shape = np.shape(output.rewards)
-    if shape != (len(contexts),):
-        raise ValueError(f"reward model {getattr(reward_model, 'name', '?')!r} returned rewards of shape {shape} for "
-                         f"a batch of {len(contexts)} steps; score() must return one reward per context")
-    return output
 
 
 class UnicodeText(spaces.Text):
@@ -168,7 +144,8 @@ class ProblemSampler:
 @dataclass
 class Episode:
     """The state of one episode. ``solution_ids``, ``step_start`` and ``completed_text`` are used
-    in token mode only; ``solution_text`` is what the observation shows after the prompt."""
+    in token mode only; ``solution_text`` is what the observation shows after the prompt; ``paid`` is
+    its return so far."""
 
     problem: Problem
     group_id: int
@@ -179,6 +156,7 @@ class Episode:
     completed_text: str = ""  # token mode: decoded text of the completed steps
     solution_text: str = ""
     done: bool = False
+    paid: float = 0.0  # the rewards of the episode so far
 
     def get_state(self) -> dict[str, Any]:
         """JSON-serialisable copy; the problem by id, the prompt left out (rebuilt from the problem)."""
@@ -317,6 +295,15 @@ class MathTask:
     def info(self, episode: Episode) -> dict[str, Any]:
         return {"problem_id": episode.problem.id, "group_id": episode.group_id, "step": len(episode.steps)}
 
+    @staticmethod
+    def facts(episodes: Sequence[Episode], acting: np.ndarray, **results: Any) -> StepFacts:
+        """The ``StepFacts`` of ``episodes`` (one agent slot; ``acting`` [N]) and ``results``, the fields of
+        the actions just taken (none: a reset's)."""
+        return StepFacts(problem_ids=np.array([e.problem.id for e in episodes], dtype=object),
+                         group_ids=np.array([e.group_id for e in episodes], dtype=np.int64),
+                         turns=np.array([len(e.steps) for e in episodes], dtype=np.int64),
+                         acting=np.asarray(acting, dtype=bool)[:, None], **results)
+
     def apply(self, episode: Episode, action: Any) -> Transition:
         """Applies one action to a live episode (marking it done if the action ended it)."""
         if episode.done:
@@ -402,7 +389,8 @@ class MathEnv(gymnasium.Env):
     ``reset(seed=..., options={"problem_id": ...})`` returns the prompt and info (problem id, group
     id, step count). ``step(action)`` takes one step of text (step mode) or one token id (token
     mode). Its info has ``reward/<source>`` for a scored step, ``action_clipped`` (step mode) and,
-    at episode end, ``correct`` (the verifier's verdict, bool).
+    at episode end, ``correct`` (the verifier's verdict, bool); ``info[FACTS]`` is the same as the
+    ``envs.contract.StepFacts`` of one env.
     """
 
     metadata = {"render_modes": ["ansi"]}
@@ -426,14 +414,20 @@ class MathEnv(gymnasium.Env):
         problem = self.task.sampler.get(problem_id) if problem_id is not None else self.task.sampler.draw()
         self.episode = self.task.new_episode(problem, group_id=self.episodes_started)
         self.episodes_started += 1
-        return self.task.observation(self.episode), self.task.info(self.episode)
+        info = {**self.task.info(self.episode), FACTS: self.task.facts([self.episode], [True])}
+        return self.task.observation(self.episode), info
 
     def step(self, action: Any) -> tuple[str, float, bool, bool, dict[str, Any]]:
         if self.episode is None:
             raise RuntimeError("call reset() before step()")
         transition = self.task.apply(self.episode, action)
         scores = self.task.score([self.episode], [transition])
+        self.episode.paid += float(scores.rewards[0])
         info = self.task.info(self.episode)
+        info[FACTS] = self.task.facts([self.episode], [not self.episode.done], rewards=scores.rewards[:, None],
+                                      returns=np.array([[self.episode.paid]]), correct=scores.correct,
+                                      sources={name: values[:, None] for name, values in scores.components.items()},
+                                      clipped=np.array([[transition.action_clipped]]))
         info.update({f"reward/{name}": float(values[0]) for name, values in scores.components.items()})
         if self.task.mode == "step":
             info["action_clipped"] = transition.action_clipped

@@ -2,77 +2,41 @@
 solver -> verifier -> refiner chain, a debate, Prefix-RL's writer and solver, or your own) on one
 problem, every answer of a step graded in one time-bounded batch.
 
-The trainer sees roles only as the rollout buffer's agent axis, so the env speaks in agent slots:
-A = the workflow's number of roles (debate: ``num_agents``), one slot each, N envs.
+The env keeps the ``envs.contract`` with A = the workflow's roles, one agent slot each: observations
+are N tuples of A prompts ("" where a slot does not act next), actions N sequences of A messages (a
+message longer than ``max_step_chars`` is clipped), rewards [N, A], terminated / truncated [N] (the
+workflow ended the episode / ``max_steps`` turns or ``max_solution_chars`` characters cut it).
 
-- observations: a tuple of N tuples of A prompts, "" where the slot does not act next;
-- actions: N sequences of A strings, one whole message per acting slot (the other entries are
-  ignored); a message longer than ``max_step_chars`` is clipped, as MathTask clips a step;
-- rewards: float64 [N, A]; terminated / truncated: bool [N], the episode's (the workflow ended it /
-  ``max_steps`` turns or ``max_solution_chars`` characters of messages cut it).
+Rewards come from ``reward_model``'s sources (``--reward``; default: "outcome" alone), combined by
+``envs.rewards.RewardMixture.combine`` as on the single-agent env:
 
-Credit (``reward_assignment``), all from answers verified against the gold answer:
+- "outcome" is the verified outcome, credited by ``reward_assignment``: ``team``, the final answer's
+  verdict (1/0) to every slot that acted in the episode; ``individual``, each message's own verified
+  output (an answer's verdict; a judge's verdict agreeing with the truth; a role with neither gets the
+  team outcome); ``counterfactual``, the team outcome minus that of ``Workflow.replay`` with the slot's
+  messages replaced by its role's default. Credit that needs the outcome is paid at the episode's end
+  step to every slot that acted, whether it acts then or not (a trainer adds it to the slot's last action);
+- every other source scores each answering role's message as one finished solution
+  (``StepContext(problem, (), Workflow.solution_of(...), done=True)``, as the single-agent env scores a
+  whole-solution action), all of a step's solutions in one call per source; verdicts get none.
 
-- ``team``: the final answer's verdict (1/0), to every slot that acted in the episode;
-- ``individual``: each message's own verifiable output: an answering role's answer (1/0); a judging
-  role's verdict (``Role.verdict``: its verdict line, or its own answer's agreement when it solves
-  again) agreeing with whether the answer it judged is right (1/0; an unparseable verdict is a
-  rejection); a role with neither (Prefix-RL's writer, verified only through the solver) gets the
-  team outcome;
-- ``counterfactual``: the team outcome minus the outcome of ``Workflow.replay`` with the slot's
-  messages replaced by its role's default, every other slot's held fixed: what its messages changed.
+Grading: a step first collects every comparison it needs (new answers, the answers new verdicts judge,
+the final answers of ended episodes and their counterfactuals, a vote's candidates pairwise), then decides
+them in ONE ``envs.grader.grade_batch`` call, each bounded by ``grade_timeout`` seconds.
 
-Team, counterfactual and the writer's individual credit need the episode's outcome, so they are paid
-at the episode's end step to every slot that acted in the episode, whether it acts at that step or
-not (a trainer adds it to that slot's last action); the rest of the individual credit is paid at the
-step of the message. ``outcome_weight`` (``--reward``'s ``outcome`` weight) scales all of it.
+Infos: ``info[FACTS]`` (``StepFacts``: ``states`` is the joint transcript a centralized critic reads,
+``outputs`` each slot's verified output, ``ROLE_METRICS``), and the same facts as plain arrays:
+``problem_id``, ``group_id``, ``turn`` [N], ``acting``, ``state`` [N, A], ``roles`` [A] and, from
+``step``, ``correct`` [N], ``final_answer`` [N] object, ``action_clipped`` [N, A], ``reward/<source>`` and
+each of ``ROLE_METRICS`` [N, A] (NaN where none): ``answer_correct``, ``verdict`` (1 accept, 0 reject or
+unparseable), ``verdict_correct``, and split by the truth so that a mean is a rate, ``verdict_precision``,
+``verdict_recall``, ``verdict_specificity``, ``fix_rate`` and ``keep_rate`` (a revising answer right,
+where the judged one was wrong / right). SAME_STEP autoreset adds gymnasium's ``final_obs``,
+``final_info`` and their masks.
 
-Process rewards (``reward_model``: the ``--reward`` sources other than ``outcome``, e.g. a weighted
-``RewardMixture`` of the PRM, Arith's exact ``steps`` reward, the target solver): each message of an
-answering role (``Role.answers``: solver, refiner, debaters, Prefix-RL's solver) is one whole solution,
-scored as the single-agent env scores a solution-level action at the end of its episode,
-``StepContext(problem, (), solution, done=True, group_id)``, the solution being
-``Workflow.solution_of`` (a continuing role's message after the prefix it continues). All such
-messages of all envs of a step go to the reward model in ONE ``score`` call, and each one's reward is
-added to its own slot's reward at that step. Verdicts (``Role.judges``) and the other messages that
-answer nothing (Prefix-RL's writer) get none; counterfactual replays change only the outcome. An
-``OutcomeReward`` in ``reward_model`` would pay every answer a second time: the outcome is the credit.
-
-Grading: a step first collects every comparison it needs (each new answer, and each answer a new
-verdict is about, against the gold answer; the final answer of each ended episode and of its
-counterfactuals; for a vote, every two candidates with each other), then decides them all in ONE
-``envs.grader.grade_batch`` call, each bounded by ``grade_timeout`` seconds (``OutcomeReward``'s path).
-
-Infos are a plain dict of full arrays, as MathVectorEnv's:
-
-- the episode whose observation is returned: ``problem_id`` [N] object, ``group_id`` [N] int64,
-  ``turn`` [N] int64 (turns done), ``acting`` [N, A] bool (the slots that act on the next step),
-  ``state`` [N, A] object (for each acting slot the joint transcript a centralized critic reads,
-  ``envs.workflows.state_prompt``; "" elsewhere) and ``roles`` (the A role names, a tuple);
-- from ``step`` only, the results of the messages just taken: ``correct`` [N] float64 (1/0 where an
-  episode ended at this step, NaN elsewhere), ``final_answer`` [N] object (its answer, None where
-  none), ``answer_correct`` [N, A] (an answering slot's own answer verified, NaN where it did not
-  answer at this step), ``verdict`` [N, A] (a judging slot's verdict: 1 accept, 0 reject or
-  unparseable, NaN where none), ``verdict_correct`` [N, A] (1 where that verdict agrees with the
-  verified truth, 0 where not, NaN where none); the same verdicts split by the truth, each NaN outside
-  its condition, so that its mean is the rate: ``verdict_precision`` (whether the answer was right,
-  where the verdict accepted it), ``verdict_recall`` (whether it accepted, where the answer was right),
-  ``verdict_specificity`` (whether it rejected, where the answer was wrong); an answering slot's
-  answer after a verdict (``Workflow.revised``: the chain's refiner), split by whether the judged answer
-  was right: ``fix_rate`` (its own answer right, where the judged one was wrong) and ``keep_rate``
-  (where the judged one was right); ``action_clipped`` [N, A] bool; ``reward/<source>``
-  [N, A] float64, each component the reward model reported for a slot's solution message (NaN where
-  the slot said none), at the steps that scored any;
-- SAME_STEP autoreset: ``final_obs`` [N] object (the ended episodes' prompts for the slots that would
-  act next: all "" unless truncated), ``final_info`` (the ended episodes' metadata) and their masks.
-
-Problems and groups are exactly MathVectorEnv's (group g's d-th problem is the sampler's position
-``d * total_groups + g``, which is its ``group_id``): a MathVectorEnv, the ``dealer``, whose episodes
-never step, draws them and keeps that bookkeeping, so ``get_state`` / ``set_state`` /
-``merge_states`` / ``split_state`` carry its state beside the transcripts.
-
-Autoreset: ``SAME_STEP`` (default) or ``DISABLED``. ``NEXT_STEP`` is refused: the step that resets
-would have every slot of the new episode generate a whole message only to throw it away.
+Problems and groups are MathVectorEnv's: a MathVectorEnv that never steps, the ``dealer``, draws them, and
+its state travels in ``get_state``. Autoreset: ``SAME_STEP`` (default) or ``DISABLED``; ``NEXT_STEP`` is
+refused (every slot of a resetting env would generate a message only to throw it away).
 """
 
 from __future__ import annotations
@@ -87,8 +51,9 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 
 from envs.datasets import Problem
 from envs.grader import grade_batch
-from envs.math_env import UnicodeText, score_batch
-from envs.rewards import RewardModel, StepContext
+from envs.contract import FACTS, Agents, StepFacts
+from envs.math_env import UnicodeText
+from envs.rewards import OutcomeReward, RewardMixture, RewardModel, StepContext, score_batch
 from envs.vector import MathVectorEnv
 from envs.workflows import (WORKFLOWS, Limits, Message, Progress, TurnContext, Workflow, resolve_workflow,
                             state_prompt)
@@ -111,6 +76,12 @@ def check_task_keywords(task_kwargs: dict[str, Any]) -> None:
     for key, why in SINGLE_AGENT_KEYWORDS.items():
         if task_kwargs.get(key) is not None:
             raise ValueError(f"{key}= is not supported by MultiAgentMathVectorEnv ({why}); leave it out")
+
+
+def saved_returns(state: dict[str, Any]) -> list[list[float]]:
+    """[N][A] the slots' returns so far in a ``get_state``; zeros in a state saved before they were kept (its
+    episodes are replaced before a trainer steps them: multi-agent rollouts are whole episodes)."""
+    return state.get("returns", [[0.0] * len(state["roles"])] * len(state["transcripts"]))
 
 
 class AnswerChecks:
@@ -137,12 +108,14 @@ class AnswerChecks:
 
 @dataclass
 class Dialogue:
-    """One env's episode: its problem and group id (the dealer's draw), the messages so far, where it stands."""
+    """One env's episode: its problem and group id (the dealer's draw), the messages so far, where it stands
+    and each slot's return so far, ``paid`` [A]."""
 
     problem: Problem
     group_id: int
     transcript: list[Message]
     progress: Progress
+    paid: np.ndarray
 
     def acted(self) -> list[int]:
         """The slots that have said something in this episode."""
@@ -153,9 +126,9 @@ class MultiAgentMathVectorEnv(VectorEnv):
     """``num_envs`` episodes of ``workflow`` (a ``Workflow`` or a built-in's name: "chain", "debate",
     "prefix"). ``group_size``, ``group_offset``, ``total_groups`` as MathVectorEnv's; the other keywords
     build the shared ``MathTask`` (problem source, template, limits: see ``envs.math_env.MathTask``).
-    ``grade_timeout``: seconds the grader may spend on one comparison. ``reward_model``: the process
-    reward of answering roles' messages (None: none); ``outcome_weight`` scales ``reward_assignment``'s
-    credit. Shapes, credit, process rewards and infos: see the module docstring."""
+    ``grade_timeout``: seconds the grader may spend on one comparison. ``reward_model``: a ``RewardModel`` or
+    a ``RewardMixture`` of sources (None: "outcome" alone), its "outcome" source the ``reward_assignment``
+    credit. Shapes, credit, rewards and infos: see the module docstring."""
 
     metadata = {"autoreset_mode": AutoresetMode.SAME_STEP, "render_modes": []}
 
@@ -170,7 +143,6 @@ class MultiAgentMathVectorEnv(VectorEnv):
         reward_assignment: str = "team",
         grade_timeout: float = 1.0,
         reward_model: RewardModel | None = None,
-        outcome_weight: float = 1.0,
         **task_kwargs: Any,
     ):
         supported = {mode: mode for mode in AUTORESET_MODES} | {mode.value: mode for mode in AUTORESET_MODES}
@@ -185,13 +157,11 @@ class MultiAgentMathVectorEnv(VectorEnv):
             raise ValueError(f"grade_timeout={grade_timeout!r} must be > 0 seconds")
         if reward_model is not None and not isinstance(reward_model, RewardModel):
             raise TypeError(f"reward_model={reward_model!r:.100} has no name and score(contexts); pass an "
-                            "envs.rewards.RewardModel (e.g. reward_models.mixture.RewardMixture) or None")
-        if not np.isfinite(outcome_weight):
-            raise ValueError(f"outcome_weight={outcome_weight!r} must be a finite number (1.0: the credit as is)")
+                            "envs.rewards.RewardModel (e.g. envs.rewards.RewardMixture) or None")
         check_task_keywords(task_kwargs)
         self.workflow = resolve_workflow(workflow)
         self.reward_assignment, self.grade_timeout = reward_assignment, grade_timeout
-        self.reward_model, self.outcome_weight = reward_model, float(outcome_weight)
+        self.reward = RewardMixture.of(reward_model if reward_model is not None else OutcomeReward())
         self.dealer = MathVectorEnv(num_envs, group_size, AutoresetMode.DISABLED, group_offset, total_groups,
                                     **task_kwargs)
         self.task = self.dealer.task
@@ -201,6 +171,7 @@ class MultiAgentMathVectorEnv(VectorEnv):
         self.num_envs, self.group_size = num_envs, group_size
         self.roles = self.workflow.role_names
         self.num_agents = len(self.roles)
+        self.agents = Agents(self.roles, tuple(role.trainable for role in self.workflow.roles))
         self.single_observation_space = spaces.Tuple([UnicodeText(self._longest_prompt())] * self.num_agents)
         self.single_action_space = spaces.Tuple([UnicodeText(self.task.max_step_chars)] * self.num_agents)
         self.observation_space = spaces.Tuple([self.single_observation_space] * num_envs)
@@ -235,7 +206,7 @@ class MultiAgentMathVectorEnv(VectorEnv):
             self.dialogues = [None] * self.num_envs
         for i in np.flatnonzero(mask):
             self.dialogues[i] = self._new_dialogue(int(i))
-        return self._observations(), self._metadata()
+        return self._observations(), self._info(self._facts())
 
     def step(self, actions: Sequence[Sequence[Any]]) -> tuple[tuple[tuple[str, ...], ...], np.ndarray, np.ndarray,
                                                               np.ndarray, dict[str, Any]]:
@@ -248,14 +219,18 @@ class MultiAgentMathVectorEnv(VectorEnv):
         for i in live:
             first_new[i] = len(self.dialogues[i].transcript)
             clipped[i] = self._say(i, actions[i])
-        rewards, results = self._score(first_new)
-        results["action_clipped"] = clipped
+        results, final_answer = self._score(first_new)
+        results["clipped"] = clipped
+        for dialogue, rewards in zip(self.dialogues, results["rewards"]):
+            dialogue.paid += rewards
+        results["returns"] = np.array([dialogue.paid for dialogue in self.dialogues])  # before an autoreset
         terminated = np.array([i in first_new and d.progress.terminated for i, d in enumerate(self.dialogues)])
         truncated = np.array([i in first_new and d.progress.truncated for i, d in enumerate(self.dialogues)])
         ended = terminated | truncated
-        if self.autoreset_mode == AutoresetMode.SAME_STEP and ended.any():
-            results.update(self._restart(ended))
-        return self._observations(), rewards, terminated, truncated, {**self._metadata(), **results}
+        final = self._restart(ended) if self.autoreset_mode == AutoresetMode.SAME_STEP and ended.any() else {}
+        facts = self._facts(**results)
+        info = {**self._info(facts, stepped=True), "final_answer": final_answer, **final}
+        return self._observations(), facts.rewards, terminated, truncated, info
 
     def _check_actions(self, actions: Sequence[Sequence[Any]], live: list[int]) -> None:
         """Fails before any message is taken, so that a bad action leaves every episode as it was."""
@@ -285,9 +260,10 @@ class MultiAgentMathVectorEnv(VectorEnv):
         dialogue.progress = self.workflow.progress(dialogue.transcript, self.limits)
         return clipped
 
-    def _score(self, first_new: dict[int, int]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """Rewards [N, A] and the result arrays of the messages from ``first_new`` on, all comparisons
-        decided in one grading call."""
+    def _score(self, first_new: dict[int, int]) -> tuple[dict[str, Any], np.ndarray]:
+        """The ``StepFacts`` fields of the messages from ``first_new`` on (but ``clipped``) and the final answer
+        [N] of each episode that ended, all comparisons decided in one grading call; the rewards [N, A] are
+        every reward source's, combined by the mixture."""
         checks = AnswerChecks()
         spoken = [(i, index) for i, start in first_new.items()
                   for index in range(start, len(self.dialogues[i].transcript))]
@@ -315,31 +291,50 @@ class MultiAgentMathVectorEnv(VectorEnv):
                         if other is not None:
                             checks.ask(answer, other)
         checks.grade(self.grade_timeout)
-        credit, results = self._credit(spoken, subjects, outcomes, checks)
-        results.update(self._role_rates(spoken, results, revisions, checks))
-        process, components = self._process_rewards(spoken)
-        results.update({f"reward/{name}": values for name, values in components.items()})
-        return self.outcome_weight * credit + process, results
+        credit, outputs = self._credit(spoken, subjects, outcomes, checks)
+        outputs.update(self._role_rates(spoken, outputs, revisions, checks))
+        paid, sources = self._process_rewards(spoken)
+        if "outcome" in self.reward.weights:
+            paid["outcome"] = credit
+            sources["outcome"] = np.where(self._credited(spoken, outcomes), credit, np.nan)
+        final_answer = outputs.pop("final_answer")
+        return {"rewards": self.reward.combine(paid), "sources": sources, "correct": outputs.pop("correct"),
+                "outputs": outputs}, final_answer
 
-    def _process_rewards(self, spoken: list[tuple[int, int]]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """The reward model's rewards [N, A] for the solution messages among ``spoken`` (answering roles'),
-        all scored in one call, and its components {source: [N, A]}, NaN where a slot said no solution."""
+    def _credited(self, spoken: list[tuple[int, int]], outcomes: dict[int, Any]) -> np.ndarray:
+        """[N, A] the slots the outcome credit concerns at this step: those that spoke, and every slot that
+        acted in an episode that ended."""
+        credited = np.zeros((self.num_envs, self.num_agents), dtype=bool)
+        for i, index in spoken:
+            credited[i, self.dialogues[i].transcript[index].slot] = True
+        for i in outcomes:
+            credited[i, self.dialogues[i].acted()] = True
+        return credited
+
+    def _process_rewards(self, spoken: list[tuple[int, int]]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """Every reward source but "outcome" on the solution messages among ``spoken`` (answering roles'), each
+        scoring all of them in one call: its rewards {source: [N, A]} (0 where a slot said no solution) and
+        the components each reported {name: [N, A]}, NaN where a slot said no solution."""
         shape = (self.num_envs, self.num_agents)
+        models = {name: model for name, model in self.reward.models.items() if name != "outcome"}
+        paid = {name: np.zeros(shape) for name in models}
         solutions = [(i, index) for i, index in spoken
                      if self.workflow.roles[self.dialogues[i].transcript[index].slot].answers]
-        if self.reward_model is None or not solutions:
-            return np.zeros(shape), {}
+        if not solutions:
+            return paid, {}
         contexts = [self._solution_context(i, index) for i, index in solutions]
-        output = score_batch(self.reward_model, contexts)
         envs = [i for i, _ in solutions]
         slots = [self.dialogues[i].transcript[index].slot for i, index in solutions]
-        rewards = np.zeros(shape)
-        rewards[envs, slots] = output.rewards
         components = {}
-        for name, values in output.components.items():
-            components[name] = np.full(shape, np.nan)
-            components[name][envs, slots] = values
-        return rewards, components
+        for name, model in models.items():
+            output = score_batch(model, contexts)
+            paid[name][envs, slots] = output.rewards
+            reported = dict(output.components)
+            reported.setdefault(name, output.rewards)
+            for key, values in reported.items():
+                components[key] = np.full(shape, np.nan)
+                components[key][envs, slots] = values
+        return paid, components
 
     def _solution_context(self, env_index: int, index: int) -> StepContext:
         """Message ``index`` of env ``env_index`` as one finished solution, as the single-agent env gives a
@@ -420,7 +415,7 @@ class MultiAgentMathVectorEnv(VectorEnv):
         final_obs = np.full(self.num_envs, None, dtype=object)
         for i in np.flatnonzero(ended):
             final_obs[i] = self._prompts(self.dialogues[i], self.dialogues[i].progress.slots)
-        final = {"final_obs": final_obs, "_final_obs": ended.copy(), "final_info": self._metadata(),
+        final = {"final_obs": final_obs, "_final_obs": ended.copy(), "final_info": self._info(self._facts()),
                  "_final_info": ended.copy()}
         for i in np.flatnonzero(ended):
             # the dealer's own per-env draw (what its autoreset runs): the members of a group that finish
@@ -431,7 +426,8 @@ class MultiAgentMathVectorEnv(VectorEnv):
 
     def _new_dialogue(self, env_index: int) -> Dialogue:
         episode = self.dealer.episodes[env_index]
-        return Dialogue(episode.problem, episode.group_id, [], self.workflow.progress((), self.limits))
+        return Dialogue(episode.problem, episode.group_id, [], self.workflow.progress((), self.limits),
+                        np.zeros(self.num_agents))
 
     def _prompts(self, dialogue: Dialogue, slots: Sequence[int]) -> tuple[str, ...]:
         """[A] the prompts of ``slots`` ("" for the other slots)."""
@@ -457,23 +453,35 @@ class MultiAgentMathVectorEnv(VectorEnv):
                 states[i, slot] = state_prompt(self.workflow.roles[slot], context)
         return states
 
-    def _metadata(self) -> dict[str, Any]:
-        """The current episodes': ``problem_id``, ``group_id``, ``turn`` [N], ``acting`` and ``state`` [N, A],
-        ``roles`` [A]."""
+    def _facts(self, **results: Any) -> StepFacts:
+        """The facts of the episodes now running and ``results``, the ``StepFacts`` fields of the messages just
+        taken (none: a reset's)."""
         acting = np.zeros((self.num_envs, self.num_agents), dtype=bool)
         for i, dialogue in enumerate(self.dialogues):
             if not dialogue.progress.ended:
                 acting[i, list(dialogue.progress.slots)] = True
-        return {"problem_id": np.array([d.problem.id for d in self.dialogues], dtype=object),
-                "group_id": np.array([d.group_id for d in self.dialogues], dtype=np.int64),
-                "turn": np.array([d.progress.turn for d in self.dialogues], dtype=np.int64),
-                "acting": acting, "state": self._states(), "roles": self.roles}
+        return StepFacts(problem_ids=np.array([d.problem.id for d in self.dialogues], dtype=object),
+                         group_ids=np.array([d.group_id for d in self.dialogues], dtype=np.int64),
+                         turns=np.array([d.progress.turn for d in self.dialogues], dtype=np.int64),
+                         acting=acting, states=self._states(), **results)
+
+    def _info(self, facts: StepFacts, stepped: bool = False) -> dict[str, Any]:
+        """``facts`` under ``FACTS``, and as the plain arrays the module docstring lists (the results of the
+        messages only when ``stepped``)."""
+        info = {FACTS: facts, "problem_id": facts.problem_ids, "group_id": facts.group_ids, "turn": facts.turns,
+                "acting": facts.acting, "state": facts.states, "roles": self.roles}
+        if stepped:
+            info.update(correct=facts.correct, action_clipped=facts.clipped, **facts.outputs)
+            info.update({f"reward/{name}": values for name, values in facts.sources.items()})
+        return info
 
     def get_state(self) -> dict[str, Any]:
         """JSON-serialisable: the workflow's name and roles, the dealer's state (problem sampler, each
-        env's problem and group, group bookkeeping) and every env's transcript as [turn, slot, text]."""
+        env's problem and group, group bookkeeping), every env's transcript as [turn, slot, text] and its
+        slots' returns so far."""
         return {"workflow": self.workflow.name, "roles": list(self.roles), "draws": self.dealer.get_state(),
-                "transcripts": [[[m.turn, m.slot, m.text] for m in d.transcript] for d in self.dialogues]}
+                "transcripts": [[[m.turn, m.slot, m.text] for m in d.transcript] for d in self.dialogues],
+                "returns": [d.paid.tolist() for d in self.dialogues]}
 
     def set_state(self, state: dict[str, Any]) -> tuple[tuple[tuple[str, ...], ...], dict]:
         """Continues exactly where ``get_state`` was called (same workflow, problems, ``num_envs`` and
@@ -484,17 +492,17 @@ class MultiAgentMathVectorEnv(VectorEnv):
                              "the same workflow")
         self.dealer.set_state(state["draws"])
         self.dialogues = []
-        for episode, transcript in zip(self.dealer.episodes, state["transcripts"]):
+        for episode, transcript, paid in zip(self.dealer.episodes, state["transcripts"], saved_returns(state)):
             messages = [Message(turn, slot, self.roles[slot], text) for turn, slot, text in transcript]
             self.dialogues.append(Dialogue(episode.problem, episode.group_id, messages,
-                                           self.workflow.progress(messages, self.limits)))
-        return self._observations(), self._metadata()
+                                           self.workflow.progress(messages, self.limits), np.array(paid)))
+        return self._observations(), self._info(self._facts())
 
     @staticmethod
     def merge_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
         """One state of all the envs from the ``get_state`` of consecutive shards (MathVectorEnv.merge_states)."""
         return {**states[0], "draws": MathVectorEnv.merge_states([state["draws"] for state in states]),
-                "transcripts": [transcript for state in states for transcript in state["transcripts"]]}
+                **{key: [item for state in states for item in state[key]] for key in ("transcripts", "returns")}}
 
     @staticmethod
     def split_state(state: dict[str, Any], group_offset: int, num_groups: int) -> dict[str, Any]:
@@ -502,7 +510,7 @@ class MultiAgentMathVectorEnv(VectorEnv):
         group_size = state["draws"]["group_size"]
         envs = slice(group_offset * group_size, (group_offset + num_groups) * group_size)
         return {**state, "draws": MathVectorEnv.split_state(state["draws"], group_offset, num_groups),
-                "transcripts": state["transcripts"][envs]}
+                "transcripts": state["transcripts"][envs], "returns": saved_returns(state)[envs]}
 
 
 class MultiAgentMathEnv(gymnasium.Env):
@@ -531,7 +539,7 @@ class MultiAgentMathEnv(gymnasium.Env):
 
     @staticmethod
     def _first(info: dict[str, Any]) -> dict[str, Any]:
-        return {key: value if key == "roles" else value[0] for key, value in info.items()}
+        return {key: value if key in ("roles", FACTS) else value[0] for key, value in info.items()}
 
 
 def register_builtin() -> None:

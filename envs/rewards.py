@@ -1,17 +1,19 @@
-"""The reward contract between the env and whatever turns text into reward, and the env's default
-reward: the verified final answer.
+"""The reward contract between the env and whatever turns text into reward, the env's default reward
+(the verified final answer) and the weighted mixture of reward sources that ``--reward`` names.
 
 The env calls ``score`` once per env step with every trajectory that completed a step, so a
-model-based reward runs one batched forward pass per step, not one per env. No torch here: envs
-never import training code, and model-based rewards (``reward_models``) implement this protocol
-from above.
+model-based reward runs one batched forward pass per step, not one per env. Every env combines its
+sources with ``RewardMixture.combine``: the single-agent env through ``score``, the multi-agent env with
+its own "outcome" source (the workflow's verified outcome, credited to the roles) beside the scored
+ones. No torch here: envs never import training code, and model-based rewards (``reward_models``)
+implement this protocol from above.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -68,6 +70,76 @@ class RewardModel(Protocol):
     def score(self, contexts: Sequence[StepContext]) -> RewardOutput:
         """Scores all B contexts in one call; returns ``RewardOutput`` with ``rewards`` of shape [B]."""
         ...
+
+
+class RewardModelError(RuntimeError):
+    """A reward model raised while scoring a batch; the message names the model and the batch."""
+
+    def __init__(self, reward_model: RewardModel, contexts: Sequence[StepContext], error: Exception):
+        ids = list(dict.fromkeys(c.problem.id for c in contexts))  # a group's samples share a problem
+        shown = ", ".join(ids[:8]) + (f", ... ({len(ids)} in all)" if len(ids) > 8 else "")
+        super().__init__(f"reward model {getattr(reward_model, 'name', '?')!r} ({type(reward_model).__name__}) "
+                         f"raised {type(error).__name__}: {error} while scoring a batch of {len(contexts)} steps "
+                         f"of problems [{shown}]")
+
+
+def score_batch(reward_model: RewardModel, contexts: Sequence[StepContext]) -> RewardOutput:
+    """``reward_model.score(contexts)``, its rewards checked to be [B] (one per context); an exception it
+    raises comes back as a ``RewardModelError`` naming the model and the batch's problems."""
+    try:
+        output = reward_model.score(contexts)
+    except Exception as error:
+        raise RewardModelError(reward_model, contexts, error) from error
+    shape = np.shape(output.rewards)
+    if shape != (len(contexts),):
+        raise ValueError(f"reward model {getattr(reward_model, 'name', '?')!r} returned rewards of shape {shape} for "
+                         f"a batch of {len(contexts)} steps; score() must return one reward per context")
+    return output
+
+
+class RewardMixture:
+    """sum_k weight_k * reward_k over the given models (keyed by source name)."""
+
+    name = "mixture"
+
+    def __init__(self, models: Mapping[str, RewardModel], weights: Mapping[str, float]):
+        missing = set(weights) - set(models)
+        if not weights:
+            raise ValueError("a RewardMixture needs at least one source weight, e.g. {'outcome': 1.0}")
+        if missing:
+            raise ValueError(f"reward weights name {sorted(missing)} but no model was built for them")
+        self.models = {name: models[name] for name in weights}
+        self.weights = dict(weights)
+
+    @classmethod
+    def of(cls, model: RewardModel) -> RewardMixture:
+        """``model`` as a mixture: itself when it is one, else its one source at weight 1."""
+        return model if isinstance(model, RewardMixture) else cls({model.name: model}, {model.name: 1.0})
+
+    def combine(self, rewards: Mapping[str, np.ndarray]) -> np.ndarray:
+        """The weighted sum (float64, any shape) of every source's rewards ``rewards[name]``."""
+        total = np.zeros(np.shape(rewards[next(iter(self.weights))]), dtype=np.float64)
+        for name, weight in self.weights.items():
+            total += weight * np.asarray(rewards[name], dtype=np.float64)
+        return total
+
+    def score_each(self, contexts: Sequence[StepContext], skip: Sequence[str] = ()) -> dict[str, RewardOutput]:
+        """Every source's own ``RewardOutput`` for the batch (each scoring it once), but those in ``skip``."""
+        return {name: model.score(contexts) for name, model in self.models.items() if name not in skip}
+
+    def score(self, contexts: Sequence[StepContext]) -> RewardOutput:
+        """Weighted sum [B] of every source's reward; ``components`` holds what each source reported and its
+        own reward under its name; ``correct`` comes from the last source that gives it."""
+        outputs = self.score_each(contexts)
+        components: dict[str, np.ndarray] = {}
+        correct = None
+        for name, output in outputs.items():
+            components.update({key: np.asarray(value) for key, value in output.components.items()})
+            components.setdefault(name, np.asarray(output.rewards, dtype=np.float64))
+            correct = output.correct if output.correct is not None else correct
+        rewards = self.combine({name: output.rewards for name, output in outputs.items()})
+        return RewardOutput(rewards=rewards, components=components, correct=correct)
+
 
 BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 

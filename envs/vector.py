@@ -1,5 +1,6 @@
 """MathVectorEnv: N math episodes stepped together, every completed step scored in ONE batched
-reward-model call (where a PRM or a target solver gets its speed).
+reward-model call (where a PRM or a target solver gets its speed). It keeps the ``envs.contract``
+with one agent slot: each step's ``StepFacts`` hold rewards [N, 1].
 
 Groups: with ``group_size=k`` the envs ``[g*k, (g+1)*k)`` form group g and always work on the same
 problem (GRPO and RLOO compare samples within a group). When a member finishes, its next episode
@@ -29,6 +30,7 @@ import numpy as np
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space
 
+from envs.contract import FACTS, Agents, StepFacts
 from envs.math_env import Episode, MathTask
 
 
@@ -37,7 +39,9 @@ class MathVectorEnv(VectorEnv):
     (problem source, mode, tokenizer, reward model, limits: see ``envs.math_env.MathTask``).
 
     Observations are a tuple of N strings; actions a sequence of N strings (step mode) or an
-    int array [N] (token mode). Infos are a plain dict of full [N] arrays, without ``_key`` masks:
+    int array [N] (token mode); rewards [N] (``info[FACTS].rewards`` [N, 1]: ``envs.contract``). Infos
+    are a plain dict: ``info[FACTS]``, the ``StepFacts`` a trainer reads (one agent slot, never role
+    metrics or critic states), and the same facts as full [N] arrays, without ``_key`` masks:
 
     - the episode whose observation is returned: ``problem_id`` (object), ``group_id``, ``step`` (int64);
     - from ``step`` only (``reset`` and ``set_state`` return the metadata alone), the results of the
@@ -74,6 +78,7 @@ class MathVectorEnv(VectorEnv):
         self.num_envs = num_envs
         self.group_size = group_size
         self.task = MathTask(**task_kwargs)
+        self.agents = Agents()
         self.single_observation_space = self.task.observation_space
         self.single_action_space = self.task.action_space
         self.observation_space = batch_space(self.single_observation_space, num_envs)
@@ -114,7 +119,7 @@ class MathVectorEnv(VectorEnv):
         for i in np.flatnonzero(mask):
             self.episodes[i] = self._start_episode(i, problem_ids)
         self.needs_reset[mask] = False
-        return self._observations(), self._metadata()
+        return self._observations(), self._info(self._facts())
 
     def step(self, actions: Sequence[Any]) -> tuple[tuple[str, ...], np.ndarray, np.ndarray, np.ndarray, dict]:
         if len(actions) != self.num_envs:
@@ -123,20 +128,23 @@ class MathVectorEnv(VectorEnv):
         if self.autoreset_mode == AutoresetMode.NEXT_STEP:  # this step resets, its action is ignored
             for i in np.flatnonzero(self.needs_reset):
                 self.episodes[i] = self._start_episode(i)
-        rewards, terminated, truncated, results = self._act(actions, acting)
+        results, terminated, truncated = self._act(actions, acting)
         ended = terminated | truncated
+        final = {}
         if self.autoreset_mode == AutoresetMode.DISABLED:
             self.needs_reset |= ended
         elif self.autoreset_mode == AutoresetMode.NEXT_STEP:
             self.needs_reset = ended
         elif ended.any():
-            results.update(self._restart(ended))
-        return self._observations(), rewards, terminated, truncated, {**self._metadata(), **results}
+            final = self._restart(ended)
+        facts = self._facts(**results)
+        info = {**self._info(facts, stepped=True), **final}
+        return self._observations(), facts.rewards[:, 0], terminated, truncated, info
 
-    def _act(self, actions: Sequence[Any], acting: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict]:
-        """Applies the actions of the ``acting`` envs and scores them in one reward-model call.
-        Returns rewards, terminated, truncated [N] and the [N] result arrays of info (0 / False /
-        NaN for the envs that did not act)."""
+    def _act(self, actions: Sequence[Any], acting: np.ndarray) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
+        """Applies the actions of the ``acting`` envs and scores them in one reward-model call. Returns the
+        ``StepFacts`` fields of the results (rewards, returns, sources [N, 1], correct [N], clipped [N, 1]; 0 /
+        NaN / False for the envs that did not act) and terminated, truncated [N]."""
         terminated, truncated, clipped = (np.zeros(self.num_envs, dtype=bool) for _ in range(3))
         transitions = []
         for i in acting:
@@ -147,18 +155,20 @@ class MathVectorEnv(VectorEnv):
         scores = self.task.score([self.episodes[i] for i in acting], transitions)
         rewards = np.zeros(self.num_envs, dtype=np.float64)
         rewards[acting] = scores.rewards
-        results = {"correct": self._spread(scores.correct, acting)}
-        results.update({f"reward/{name}": self._spread(values, acting) for name, values in scores.components.items()})
-        if self.task.mode == "step":
-            results["action_clipped"] = clipped
-        return rewards, terminated, truncated, results
+        for episode, reward in zip(self.episodes, rewards):
+            episode.paid += float(reward)
+        returns = np.array([[episode.paid] for episode in self.episodes])  # before an autoreset replaces them
+        sources = {name: self._spread(values, acting)[:, None] for name, values in scores.components.items()}
+        results = {"rewards": rewards[:, None], "returns": returns, "sources": sources,
+                   "correct": self._spread(scores.correct, acting), "clipped": clipped[:, None]}
+        return results, terminated, truncated
 
     def _restart(self, ended: np.ndarray) -> dict[str, Any]:
         """SAME_STEP autoreset: starts the next episode of every ``ended`` env; returns gymnasium's
         ``final_obs`` and ``final_info`` (the ended episodes' metadata) with their masks."""
         final = {"final_obs": np.array([self.task.observation(e) if end else None
                                         for e, end in zip(self.episodes, ended)], dtype=object),
-                 "_final_obs": ended.copy(), "final_info": self._metadata(), "_final_info": ended.copy()}
+                 "_final_obs": ended.copy(), "final_info": self._info(self._facts()), "_final_info": ended.copy()}
         for i in np.flatnonzero(ended):
             self.episodes[i] = self._start_episode(i)
         return final
@@ -194,7 +204,7 @@ class MathVectorEnv(VectorEnv):
                             for group, j, problem_id, group_id, left in state["group_draws"]}
         self.draws_made = np.asarray(state["draws_made"], dtype=np.int64)
         self.needs_reset = np.asarray(state["needs_reset"], dtype=bool)
-        return self._observations(), self._metadata()
+        return self._observations(), self._info(self._facts())
 
     @staticmethod
     def merge_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -245,11 +255,21 @@ class MathVectorEnv(VectorEnv):
     def _observations(self) -> tuple[str, ...]:
         return tuple(self.task.observation(e) for e in self.episodes)
 
-    def _metadata(self) -> dict[str, np.ndarray]:
-        """[N] arrays naming each env's current episode: ``problem_id``, ``group_id``, ``step``."""
-        return {"problem_id": np.array([e.problem.id for e in self.episodes], dtype=object),
-                "group_id": np.array([e.group_id for e in self.episodes], dtype=np.int64),
-                "step": np.array([len(e.steps) for e in self.episodes], dtype=np.int64)}
+    def _facts(self, **results: Any) -> StepFacts:
+        """The facts of the episodes now running (the one agent acts wherever the env needs no reset) and
+        ``results``, the ``StepFacts`` fields of the actions just taken (none: a reset's)."""
+        return self.task.facts(self.episodes, ~self.needs_reset, **results)
+
+    def _info(self, facts: StepFacts, stepped: bool = False) -> dict[str, Any]:
+        """``facts`` under ``FACTS``, and as the plain [N] arrays the class docstring lists (the results of
+        the actions only when ``stepped``)."""
+        info = {FACTS: facts, "problem_id": facts.problem_ids, "group_id": facts.group_ids, "step": facts.turns}
+        if stepped:
+            info["correct"] = facts.correct
+            info.update({f"reward/{name}": values[:, 0] for name, values in facts.sources.items()})
+            if self.task.mode == "step":
+                info["action_clipped"] = facts.clipped[:, 0]
+        return info
 
     def _spread(self, values: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """[N] float64: ``values`` at ``rows``, NaN at the other envs."""

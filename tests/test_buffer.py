@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -23,21 +24,42 @@ def filled_buffer(num_steps: int = 2, num_envs: int = 7, max_tokens: int = 5,
         lengths = torch.randint(1, max_tokens + 1, (len(envs),), generator=g).tolist()
         actions = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
         logprobs = [(-torch.rand(n, generator=g)).tolist() for n in lengths]
+        rewards = np.zeros((num_envs, 1))
+        rewards[envs, 0] = torch.rand(len(envs), generator=g).numpy()
         buffer.add(step=step, envs=envs, agents=[0] * len(envs), prompt_ids=[[1, 2, 3]] * len(envs),
-                   action_ids=actions, logprobs=logprobs, rewards=torch.rand(len(envs), generator=g),
-                   terminated=torch.zeros(len(envs), dtype=torch.bool), truncated=torch.zeros(len(envs), dtype=torch.bool),
-                   group_ids=torch.tensor([e // 2 for e in envs]), correct=torch.full((len(envs),), float("nan")),
+                   action_ids=actions, logprobs=logprobs, group_ids=torch.tensor([e // 2 for e in envs]),
                    texts=["x"] * len(envs), values=torch.randn(len(envs), generator=g))
+        buffer.settle(step, rewards, np.zeros(num_envs, dtype=bool), np.zeros(num_envs, dtype=bool),
+                      np.full(num_envs, np.nan))
     advantages = torch.randn(buffer.shape, generator=g) * buffer.live
     return buffer, Targets(advantages, returns=torch.randn(buffer.shape, generator=g))
+
+
+def test_settle_pays_each_agent_at_its_latest_action():
+    """Two envs, two agents: in env 0 agent 0 acts at steps 0 and 2, agent 1 at step 1; env 1's agent 1 never
+    acts. The team outcome paid at step 2 lands on each agent's latest action, with the episode's end."""
+    buffer = RolloutBuffer(3, 2, 2, 1)
+    nan = float("nan")
+    for step, agent in ((0, 0), (1, 1), (2, 0)):
+        buffer.add(step=step, envs=[0, 1], agents=[agent, 0], prompt_ids=[[1]] * 2, action_ids=[[2]] * 2,
+                   logprobs=[[0.0]] * 2, group_ids=torch.tensor([0, 1]), texts=["x"] * 2)
+        rewards = np.array([[0.5, 0.0], [0.0, 0.0]]) if step == 0 else np.zeros((2, 2))
+        if step == 2:
+            rewards = np.array([[1.0, 1.0], [0.0, 7.0]])  # env 1's agent 1 has no action to take its 7
+        ended = np.array([step == 2, False])
+        buffer.settle(step, rewards, ended, np.zeros(2, dtype=bool), np.array([1.0 if step == 2 else nan, nan]))
+    assert buffer.rewards[:, 0].tolist() == [[0.5, 0.0], [0.0, 1.0], [1.0, 0.0]]
+    assert buffer.rewards[:, 1].tolist() == [[0.0, 0.0]] * 3
+    assert buffer.terminated[:, 0].tolist() == [[False, False], [False, True], [True, False]]
+    assert not buffer.terminated[:, 1].any()
+    assert buffer.correct[1, 0, 1] == 1.0 and buffer.correct[2, 0, 0] == 1.0 and buffer.correct[0, 0, 0].isnan()
+    assert buffer.episode_returns().tolist() == [[1.5, 1.0], [0.0, 0.0]]
 
 
 def test_token_mask_comes_from_lengths_not_pad_ids():
     buffer = RolloutBuffer(1, 2, 1, 4)
     buffer.add(step=0, envs=[0, 1], agents=[0, 0], prompt_ids=[[5], [6]], action_ids=[[0, 0, 7], [0]],
-               logprobs=[[-1.0] * 3, [-2.0]], rewards=torch.zeros(2), terminated=torch.zeros(2, dtype=torch.bool),
-               truncated=torch.zeros(2, dtype=torch.bool), group_ids=torch.zeros(2, dtype=torch.long),
-               correct=torch.full((2,), float("nan")), texts=["a", "b"])
+               logprobs=[[-1.0] * 3, [-2.0]], group_ids=torch.zeros(2, dtype=torch.long), texts=["a", "b"])
     assert buffer.token_mask()[0, :, 0].tolist() == [[True, True, True, False], [True, False, False, False]]
     batch = buffer.rows()
     assert batch.action_ids.shape == (2, 3) and batch.token_mask.sum().item() == 4

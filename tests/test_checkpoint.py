@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 import train_math
 from algorithms.appo import APPO
 from envs.datasets import Arith
-from envs.math_env import RewardModelError
+from envs.rewards import RewardModelError
 from envs.vector import MathVectorEnv
 from test_env import StepLengthReward
 from test_train_math import parse

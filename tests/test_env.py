@@ -4,6 +4,7 @@ import pytest
 from gymnasium.utils.env_checker import check_env
 
 import envs  # noqa: F401  (registers the env ids)
+from envs.contract import FACTS
 from envs.datasets import Arith, Problem
 from envs.math_env import MathEnv, MathTask, Transition
 from envs.prompts import format_prompt, split_steps
@@ -48,7 +49,9 @@ def test_reference_solution_is_rewarded_and_terminates():
     env = MathEnv(problems=PROBLEMS)
     obs, info = env.reset(seed=0)
     problem = next(p for p in PROBLEMS if p.id == info["problem_id"])
+    facts = info.pop(FACTS)
     assert obs == format_prompt(problem.problem) and info == {"problem_id": problem.id, "group_id": 0, "step": 0}
+    assert facts.problem_ids.tolist() == [problem.id] and facts.acting.tolist() == [[True]]
     steps = split_steps(problem.solution)
     results = play(env, [s + "\n\n" for s in steps])
     assert [r[0] for r in results] == [0.0] * (len(steps) - 1) + [1.0]
@@ -56,6 +59,11 @@ def test_reference_solution_is_rewarded_and_terminates():
     assert not any(r[2] for r in results)
     assert all("correct" not in r[3] and r[3]["reward/outcome"] == 0.0 for r in results[:-1])
     assert results[-1][3]["correct"] is True and results[-1][3]["reward/outcome"] == 1.0
+    # the same step as the one env of the contract: rewards [1, 1], the episode's return, its verdict
+    last = results[-1][3][FACTS]
+    assert last.rewards.tolist() == [[1.0]] and last.returns.tolist() == [[1.0]] and last.correct.tolist() == [1.0]
+    assert last.sources["outcome"].tolist() == [[1.0]] and last.acting.tolist() == [[False]]
+    assert last.turns.tolist() == [len(steps)]
     assert env.render() is None
 
 

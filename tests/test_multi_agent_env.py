@@ -309,7 +309,6 @@ def test_hostile_actions_are_clipped_or_refused():
 @pytest.mark.parametrize("kwargs, message", [
     ({"autoreset_mode": AutoresetMode.NEXT_STEP}, "autoreset_mode=.*not supported"),
     ({"reward_model": "prm"}, "reward_model='prm' has no name and score"),
-    ({"outcome_weight": float("nan")}, "outcome_weight=nan must be a finite number"),
     ({"handoff_steps": 1}, "handoff_steps= is not supported"),
     ({"mode": "token"}, "whole messages"),
     ({"reward_assignment": "shared"}, "reward_assignment='shared' must be one of"),

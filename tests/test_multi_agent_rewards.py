@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 from gymnasium.vector import AutoresetMode
 
+from envs.contract import FACTS
 from envs.datasets import Arith, Problem
 from envs.multi_agent import MultiAgentMathVectorEnv
-from envs.rewards import OutcomeReward
+from envs.rewards import OutcomeReward, RewardMixture
 from envs.vector import MathVectorEnv
 from envs.workflows import ACCEPT, REJECT, chain
-from reward_models.mixture import RewardMixture
 from reward_models.reference_steps import ReferenceStepsReward
 
 DISABLED = AutoresetMode.DISABLED
@@ -32,8 +32,10 @@ class CountedCalls:
         return self.model.score(contexts)
 
 
-def steps_reward(weight: float) -> RewardMixture:
-    return RewardMixture({"steps": ReferenceStepsReward()}, {"steps": weight})
+def steps_reward(weight: float, outcome: float = 1.0) -> RewardMixture:
+    """--reward outcome:<outcome>,steps:<weight>."""
+    return RewardMixture({"outcome": OutcomeReward(), "steps": ReferenceStepsReward()},
+                         {"outcome": outcome, "steps": weight})
 
 
 @pytest.mark.slow  # the trained PRM: it must tell the slip from the clean solution
@@ -46,17 +48,18 @@ def test_the_solver_gets_the_weighted_prm_score_the_single_agent_env_gives_its_s
     slip = problems[1].solution.replace("127 + 38 = 165", "127 + 38 = 175")  # a slip, and still the right answer
     solutions = [problems[0].solution, slip, WRONG]
     # the single-agent env, one whole solution per episode, --reward outcome:1.0,prm:0.2
+    reward = RewardMixture({"outcome": OutcomeReward(), "prm": prm}, {"outcome": 1.0, "prm": 0.2})
     single = MathVectorEnv(3, problems=problems, autoreset_mode=DISABLED, max_steps=1, shuffle=False,
-                           reward_model=RewardMixture({"outcome": OutcomeReward(), "prm": prm},
-                                                      {"outcome": 1.0, "prm": 0.2}))
+                           reward_model=reward)
     single.reset(options={"problem_ids": ids})
     _, expected, *_, single_info = single.step(solutions)
     prm_scores = single_info["reward/prm"]
     np.testing.assert_allclose(expected, [1 + 0.2 * prm_scores[0], 1 + 0.2 * prm_scores[1], 0.2 * prm_scores[2]])
     assert prm_scores[0] > 0.9 > 0.1 > prm_scores[1]  # the PRM sees the slip the verified answer does not
-    # the chain, individual credit: the solver's reward is its answer's verdict plus 0.2 x the PRM's score
+    # the chain with the same --reward, individual credit: the solver's reward is its answer's verdict (the
+    # outcome source) plus 0.2 x the PRM's score
     env = MultiAgentMathVectorEnv(3, problems=problems, autoreset_mode=DISABLED, reward_assignment="individual",
-                                  reward_model=RewardMixture({"prm": prm}, {"prm": 0.2}), workflow=chain("line"))
+                                  reward_model=reward, workflow=chain("line"))
     env.reset(options={"problem_ids": ids})
     _, rewards, *_, info = env.step([[text, "", ""] for text in solutions])
     np.testing.assert_allclose(rewards[:, 0], expected, rtol=1e-6)
@@ -73,10 +76,37 @@ def test_the_solver_gets_the_weighted_prm_score_the_single_agent_env_gives_its_s
                                                         [np.nan, np.nan, prm_scores[2]]], rtol=1e-6)
 
 
+def test_the_outcome_source_is_the_credit_and_only_paid_when_named():
+    """--reward means the same on every env: without 'outcome' the workflow pays no credit; its weight scales
+    the credit; the trainer's facts hold each source's own reward."""
+    solved = [[THREE.solution, "", ""], [TWO.solution, "", ""]]
+    steps_only = MultiAgentMathVectorEnv(2, problems=[THREE, TWO], autoreset_mode=DISABLED, shuffle=False,
+                                         reward_assignment="individual", reward_model=ReferenceStepsReward(),
+                                         workflow=chain("line"))
+    steps_only.reset(options={"problem_ids": ["three", "two"]})
+    _, rewards, *_, info = steps_only.step(solved)
+    assert rewards.tolist() == [[1, 0, 0], [1, 0, 0]] and "reward/outcome" not in info  # the steps alone
+    both = MultiAgentMathVectorEnv(2, problems=[THREE, TWO], autoreset_mode=DISABLED, shuffle=False,
+                                   reward_assignment="individual", reward_model=steps_reward(0.5, outcome=3.0),
+                                   workflow=chain("line"))
+    both.reset(options={"problem_ids": ["three", "two"]})
+    _, rewards, *_, info = both.step(solved)
+    facts = info[FACTS]
+    assert rewards.tolist() == [[3.5, 0, 0], [3.5, 0, 0]] and facts.rewards is rewards
+    np.testing.assert_array_equal(facts.sources["outcome"], [[1, np.nan, np.nan]] * 2)  # the solvers spoke
+    np.testing.assert_array_equal(facts.sources["steps"], info["reward/steps"])
+    assert facts.outputs["answer_correct"][:, 0].tolist() == [1.0, 1.0] and facts.acting[:, 1].all()
+    assert both.agents.roles == ("solver", "verifier", "refiner") and both.agents.trainable == (True,) * 3
+    _, rewards, terminated, _, info = both.step([["", ACCEPT, ""]] * 2)  # right verdicts end both episodes
+    assert terminated.all() and rewards.tolist() == [[0, 3, 0]] * 2
+    assert info[FACTS].returns.tolist() == [[3.5, 3, 0]] * 2  # each slot's whole episode
+
+
 def test_steps_reward_per_role_by_hand():
     """'steps' pays the matched share of the reference steps: THREE has 3, TWO has 2."""
     env = MultiAgentMathVectorEnv(2, problems=[THREE, TWO], autoreset_mode=DISABLED, shuffle=False,
-                                  reward_assignment="team", reward_model=steps_reward(0.5), outcome_weight=2.0, workflow=chain("line"))
+                                  reward_assignment="team", reward_model=steps_reward(0.5, outcome=2.0),
+                                  workflow=chain("line"))
     env.reset(options={"problem_ids": ["three", "two"]})
     # env 0's solver: the first two steps, then a wrong answer (2/3); env 1's solver: the whole reference (1)
     _, rewards, *_, info = env.step([["56 + 77 = 133\n\n133 + 95 = 228\n\n" + WRONG, "", ""], [TWO.solution, "", ""]])
@@ -95,7 +125,7 @@ def test_steps_reward_per_role_by_hand():
 
 def test_a_continuing_role_is_scored_with_the_prefix_it_continues():
     env = MultiAgentMathVectorEnv(1, problems=[THREE], workflow="prefix", autoreset_mode=DISABLED,
-                                  reward_assignment="individual", reward_model=ReferenceStepsReward())
+                                  reward_assignment="individual", reward_model=steps_reward(1.0))
     env.reset()
     _, rewards, *_, info = env.step([["56 + 77 = 13", ""]])  # the writer's prefix, cut mid-step: no reward
     assert rewards.tolist() == [[0, 0]] and "reward/steps" not in info

@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 
 from envs.datasets import Problem
-from envs.rewards import OutcomeReward, RewardModel, RewardOutput, StepContext
-from reward_models.mixture import RewardMixture, parse_reward_spec
+from envs.rewards import OutcomeReward, RewardMixture, RewardModel, RewardOutput, StepContext
+from reward_models.mixture import parse_reward_spec
 
 PROBLEM = Problem(id="p", problem="What is 1/2 + 1/4?", answer="\\frac{3}{4}")
 
@@ -54,6 +54,20 @@ def test_mixture_combines_weights_and_keeps_components():
     np.testing.assert_array_equal(output.components["prm"], [0.5] * 5)
     np.testing.assert_array_equal(output.correct[:4], [1.0, 1.0, 0.0, 0.0])
     assert prm.calls == 1
+
+
+def test_a_mixture_combines_any_shape_and_a_bare_model_is_one_source():
+    mixture = RewardMixture({"outcome": OutcomeReward(), "prm": ConstantPerStep("prm", 0.5)},
+                            {"outcome": 2.0, "prm": 0.5})
+    # [N, A] rewards per source, as the multi-agent env gives them
+    combined = mixture.combine({"prm": np.array([[1.0, 0.0]]), "outcome": np.array([[1.0, 1.0]])})
+    np.testing.assert_array_equal(combined, [[2.5, 2.0]])
+    outcome = OutcomeReward()
+    one = RewardMixture.of(outcome)
+    assert one.models == {"outcome": outcome} and one.weights == {"outcome": 1.0}
+    assert RewardMixture.of(mixture) is mixture
+    with pytest.raises(ValueError, match="needs at least one source"):
+        RewardMixture({}, {})
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ import pytest
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
 import envs  # noqa: F401  (registers the env ids)
+from envs.contract import FACTS, Agents
 from envs.datasets import Arith
 from envs.math_env import MathEnv
 from envs.prompts import split_steps
@@ -95,9 +96,11 @@ def test_infos_are_full_arrays_of_the_action_just_taken():
     reward = StepLengthReward()
     env = MathVectorEnv(num_envs=3, problems=PROBLEMS, reward_model=reward, max_step_chars=40)
     _, info = env.reset(seed=0)
-    assert sorted(info) == ["group_id", "problem_id", "step"]
+    assert sorted(info) == [FACTS, "group_id", "problem_id", "step"]
+    assert info[FACTS].acting.tolist() == [[True]] * 3 and info[FACTS].rewards.tolist() == [[0.0]] * 3
     answer = f"The answer is \\boxed{{{BY_ID[info['problem_id'][1]].answer}}}."
     _, rewards, terminated, _, info = env.step(["x" * 50, answer, "ab"])
+    facts = info.pop(FACTS)
     assert sorted(info) == ["action_clipped", "correct", "group_id", "problem_id", "reward/length", "step"]
     assert all(isinstance(v, np.ndarray) and v.shape == (3,) for v in info.values())
     assert info["problem_id"].dtype == object and info["group_id"].dtype == info["step"].dtype == np.int64
@@ -106,11 +109,20 @@ def test_infos_are_full_arrays_of_the_action_just_taken():
     np.testing.assert_allclose(info["reward/length"], expected)
     np.testing.assert_array_equal(info["correct"], [np.nan, 1.0, np.nan])
     assert info["action_clipped"].tolist() == [True, False, False] and terminated.tolist() == [False, True, False]
+    # the trainer's view of the same step: one agent slot
+    np.testing.assert_array_equal(facts.rewards, np.array(expected)[:, None])
+    np.testing.assert_array_equal(facts.returns, facts.rewards)  # every episode's first step
+    np.testing.assert_array_equal(facts.sources["length"], np.array(expected)[:, None])
+    np.testing.assert_array_equal(facts.correct, info["correct"])
+    assert facts.clipped[:, 0].tolist() == [True, False, False] and facts.acting[:, 0].tolist() == [True, False, True]
+    assert facts.group_ids.tolist() == info["group_id"].tolist() and env.agents == Agents()
     # NEXT_STEP: env 1 resets and ignores its action, so it has no result this step
     _, rewards, _, _, info = env.step(["a", "ignored", "The answer is \\boxed{-1}."])
     np.testing.assert_allclose(info["reward/length"], [0.01, np.nan, len("The answer is \\boxed{-1}.") / 100])
     np.testing.assert_array_equal(info["correct"], [np.nan, np.nan, 0.0])
     assert rewards[1] == 0.0 and info["step"].tolist() == [2, 0, 2] and not info["action_clipped"].any()
+    assert info[FACTS].acting[:, 0].tolist() == [True, True, False]
+    np.testing.assert_allclose(info[FACTS].returns[:, 0], [0.41, 0.0, 0.02 + len("The answer is \\boxed{-1}.") / 100])
 
 
 def test_draws_without_replacement_per_epoch_and_reproducible():

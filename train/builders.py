@@ -21,9 +21,8 @@ from algorithms.base import Algorithm, make_algorithm
 from algorithms.registry import algorithm_spec
 from envs.datasets import load_problems
 from envs.prompts import STEP_DELIMITER
-from envs.rewards import OutcomeReward, RewardModel
+from envs.rewards import OutcomeReward, RewardMixture, RewardModel
 from reward_models.implicit_prm import ImplicitPRM
-from reward_models.mixture import RewardMixture
 from train import checkpoint, distributed
 from train.collector import Collector, Sampling, Voices
 from train.config import (EnvConfig, GenerationConfig, LearningConfig, ModelConfig, RewardConfig, RunConfig,
@@ -111,16 +110,11 @@ def build_policy(model: ModelConfig, directory: str, algorithm: str, ranks: Rank
                           weights_from_rank0=shards_weights(model.data_parallel, model.lora_rank, ranks)).eval()
 
 
-def build_reward_model(config: RunConfig, device: str, policy_template: str) -> RewardModel | None:
-    """The env's reward model from the reward spec: one source, or a weighted RewardMixture. On a multi-agent
-    env the 'outcome' source is the reward-assignment credit, which the env pays itself (``env_kwargs``), so
-    the model holds the other sources (None when there are none). ``policy_template``: the policy's prompt
+def build_reward_model(config: RunConfig, device: str, policy_template: str) -> RewardModel:
+    """The env's reward model from the reward spec: one source, or a weighted RewardMixture (on a multi-agent
+    env its 'outcome' source is the reward-assignment credit). ``policy_template``: the policy's prompt
     template (a served target reads it too)."""
     weights = config.rewards.weights
-    if config.env.workflow is not None:
-        del weights["outcome"]
-        if not weights:
-            return None
     models = {name: build_reward_source(config, name, device, policy_template) for name in weights}
     if len(weights) == 1 and next(iter(weights.values())) == 1.0:
         return next(iter(models.values()))
@@ -188,16 +182,14 @@ def problem_source(env: EnvConfig, split: str) -> dict:
     return {"split": split}
 
 
-def env_kwargs(env: EnvConfig, split: str, reward_model: RewardModel | None, outcome_weight: float, tokenizer,
-               template: str) -> dict:
+def env_kwargs(env: EnvConfig, split: str, reward_model: RewardModel, tokenizer, template: str) -> dict:
     """Task kwargs of the train (split "train") or held-out ("test") vector env; ``tokenizer`` is the
     policy's (it decodes token actions, and its EOS text ends a step-level episode), ``template`` its
     prompt template (``models.prompting.build_template``), for every role of a workflow. A multi-agent env
-    takes whole messages, credits them by ``env.reward_assignment`` (times ``outcome_weight``) and scores
-    its answering roles' messages with ``reward_model`` (the other reward sources)."""
+    takes whole messages and credits its 'outcome' source by ``env.reward_assignment``."""
     if env.workflow is not None:
-        return {"reward_assignment": env.reward_assignment, "reward_model": reward_model,
-                "outcome_weight": outcome_weight, "template": template, **problem_source(env, split)}
+        return {"reward_assignment": env.reward_assignment, "reward_model": reward_model, "template": template,
+                **problem_source(env, split)}
     kwargs = {"reward_model": reward_model, "template": template, **problem_source(env, split)}
     if env.handoff_steps is not None:
         kwargs["handoff_steps"] = env.handoff_steps
@@ -210,7 +202,7 @@ def env_kwargs(env: EnvConfig, split: str, reward_model: RewardModel | None, out
     return kwargs
 
 
-def build_envs(env: EnvConfig, reward_model: RewardModel | None, outcome_weight: float, tokenizer, template: str,
+def build_envs(env: EnvConfig, reward_model: RewardModel, tokenizer, template: str,
                ranks: Ranks = Ranks()) -> tuple[gymnasium.vector.VectorEnv, gymnasium.vector.VectorEnv]:
     """(train env, held-out eval env). Episodic algorithms run one episode per env per iteration (no
     autoreset); continuing ones reset an ended episode in the same step. Under torchrun the train env
@@ -221,10 +213,10 @@ def build_envs(env: EnvConfig, reward_model: RewardModel | None, outcome_weight:
              if ranks.distributed else {})
     train_env = gymnasium.make_vec(env.env_id, num_envs=count, vectorization_mode="vector_entry_point",
                                    group_size=env.group_size, autoreset_mode=autoreset, **split,
-                                   **env_kwargs(env, "train", reward_model, outcome_weight, tokenizer, template))
+                                   **env_kwargs(env, "train", reward_model, tokenizer, template))
     eval_env = gymnasium.make_vec(env.env_id, num_envs=env.eval_batch_size, vectorization_mode="vector_entry_point",
                                   group_size=1, autoreset_mode=AutoresetMode.DISABLED,
-                                  **env_kwargs(env, "test", reward_model, outcome_weight, tokenizer, template))
+                                  **env_kwargs(env, "test", reward_model, tokenizer, template))
     return train_env, eval_env
 
 
@@ -295,13 +287,13 @@ def runner_config(config: RunConfig) -> RunnerConfig:
         log_interval=logs.log_interval, save_interval=logs.save_interval, keep_checkpoints=logs.keep_checkpoints,
         save_best=logs.save_best, max_nonfinite_steps=learning.max_nonfinite_steps, seed=config.seed,
         async_rollouts=config.generation.async_rollouts, max_policy_lag=config.generation.max_policy_lag,
-        eval_verdict="reward/target" if config.env.handoff_steps is not None else "correct")  # Prefix-RL: the target's
+        eval_verdict="target" if config.env.handoff_steps is not None else "correct")  # Prefix-RL: the target's
 
 
 def build_voices(config: RunConfig, env, policy: LanguagePolicy, sampling: Sampling) -> Voices:
     """Who speaks for each agent slot: its role adapter (per-role adapters), a frozen role's own model (an HF
     generator sampled as the target is: the target's max new tokens and temperature), else the policy."""
-    models, slots = config.model.role_models, dict(enumerate(getattr(env, "roles", ())))
+    models, slots = config.model.role_models, dict(enumerate(env.agents.roles))
     own = [slot for slot, role in slots.items() if role in models]
     target_sampling = dataclasses.replace(sampling, max_new_tokens=config.rewards.target_max_new_tokens,
                                           temperature=config.rewards.target_temperature)
@@ -348,8 +340,8 @@ def build_runner(config: RunConfig, run_dir: Path, writer, saved: checkpoint.Che
     # first: under FSDP2 the ranks but 0 hold no weights until sharded, and the parameters become new objects
     trainable = build_trainable(policy, ranks, config.model.data_parallel)
     template = build_template(env.prompt_template, policy.tokenizer, env.system_prompt)
-    train_env, eval_env = build_envs(env, build_reward_model(config, str(policy.device), template),
-                                     config.rewards.weights.get("outcome", 0.0), policy.tokenizer, template, ranks)
+    train_env, eval_env = build_envs(env, build_reward_model(config, str(policy.device), template), policy.tokenizer,
+                                     template, ranks)
     sync_dir = Path(config.services.vllm_sync_dir or run_dir / "sync")
     if ranks.distributed:  # each rank writes (and its servers load) its own copy: no two writers on one path
         sync_dir = sync_dir / f"rank_{ranks.rank}"

@@ -11,12 +11,12 @@ multi-agent env is always collected in whole episodes: an agent's action bootstr
 its own next action in the episode (0 after its last), and its critic reads either the joint
 transcript with its role's name (``critic="centralized"``: MAPPO's centralized value, one head) or its
 own prompt with a value head of its own (``critic="per_role"``). At each
-step the (env, agent) pairs that act get one action each, all generated in one call: the single-agent
-envs have one agent per env (observations [N]); a multi-agent env (``envs.multi_agent``) has A agent
-slots per env (observations [N][A], ``info["acting"]`` [N, A] says which act) and pays rewards [N, A].
-The env scores the rewards itself, in one batch, and returns them as arrays. A reward that reaches an
-agent after its last action (a team outcome paid when another agent ended the episode), and the end
-of the episode, are credited to that last action.
+step the (env, agent) pairs that act get one action each, all generated in one call. The collector
+reads the env only through ``envs.contract``: ``env.agents`` (A slots, their roles, which are trained;
+observations [N], or [N][A] with several agents) and each step's ``StepFacts`` (which slots act next,
+rewards [N, A] scored in the env, every source's share, verdicts). The rewards go to the buffer once,
+``RolloutBuffer.settle``: a reward that reaches an agent after its last action (a team outcome paid
+when another agent ended the episode), and the end of the episode, land on that last action.
 
 Statistics leave as sums and counts (``Tally``): means are taken by the runner, where the tallies of
 several processes are added first.
@@ -38,7 +38,7 @@ import torch
 
 from algorithms.buffer import RolloutBuffer
 from algorithms.registry import AlgorithmSpec
-from envs.multi_agent import ROLE_METRICS
+from envs.contract import FACTS, Agents, StepFacts
 from models.generation import GenerationOutput, Generator, Seed, mix_seed
 from models.policy import LanguagePolicy
 
@@ -89,29 +89,26 @@ class Sampling:
         return every
 
 
-def acting_pairs(env, info: dict[str, Any], done: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(envs, agents) [B]: the (env, agent) pairs of ``env`` that act now, among the envs not ``done`` [N]."""
-    if getattr(env, "num_agents", 1) == 1:
-        envs = np.flatnonzero(~done)
-        return envs, np.zeros_like(envs)
-    return np.nonzero(np.asarray(info["acting"], dtype=bool) & ~done[:, None])
+def acting_pairs(facts: StepFacts, done: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(envs, agents) [B]: the (env, agent) pairs that act now (``facts.acting``), among the envs not ``done`` [N]."""
+    return np.nonzero(facts.acting & ~done[:, None])
 
 
-def pair_prompts(env, obs: Sequence, envs: np.ndarray, agents: np.ndarray) -> list[str]:
-    """The observations of the pairs ``envs[b], agents[b]`` (one per env, or [N][A] in a multi-agent env)."""
-    if getattr(env, "num_agents", 1) == 1:
+def pair_prompts(agents: Agents, obs: Sequence, envs: np.ndarray, slots: np.ndarray) -> list[str]:
+    """The observations of the pairs ``envs[b], slots[b]`` (one per env, or [N][A] with several agents)."""
+    if not agents.multi:
         return [obs[i] for i in envs]
-    return [obs[i][a] for i, a in zip(envs, agents)]
+    return [obs[i][a] for i, a in zip(envs, slots)]
 
 
-def pair_actions(env, sampling: Sampling, out: GenerationOutput, envs: np.ndarray, agents: np.ndarray) -> list | np.ndarray:
-    """The env's actions from ``out``'s samples of the pairs ``envs[b], agents[b]``: one per env, or (multi-agent)
-    one message per agent slot of each env, with placeholders where nobody acts."""
-    num_agents = getattr(env, "num_agents", 1)
-    if num_agents == 1:
+def pair_actions(env, sampling: Sampling, out: GenerationOutput, envs: np.ndarray,
+                 slots: np.ndarray) -> list | np.ndarray:
+    """The env's actions from ``out``'s samples of the pairs ``envs[b], slots[b]``: one per env, or (several
+    agents) one message per agent slot of each env, with placeholders where nobody acts."""
+    if not env.agents.multi:
         return sampling.env_actions(out, envs, env.num_envs)
-    actions = [[""] * num_agents for _ in range(env.num_envs)]
-    for i, a, action in zip(envs, agents, sampling.actions(out)):
+    actions = [[""] * env.agents.count for _ in range(env.num_envs)]
+    for i, a, action in zip(envs, slots, sampling.actions(out)):
         actions[i][a] = action
     return actions
 
@@ -180,18 +177,17 @@ class Collector:
             raise ValueError(f"critic={critic!r} must be one of {CRITICS}")
         self.env, self.spec, self.episode_length, self.sampling = env, spec, episode_length, sampling
         self.env_offset = env_offset
-        self.num_agents = getattr(env, "num_agents", 1)
-        self.roles = getattr(env, "roles", None)  # the agent slots' role names (multi-agent envs)
-        workflow = getattr(env, "workflow", None)
-        self.episodic = spec.episodic or workflow is not None
+        agents: Agents = env.agents
+        self.num_agents = agents.count
+        self.roles = agents.roles or None  # the agent slots' role names (multi-agent envs)
+        self.episodic = spec.episodic or agents.multi
         # what the critic reads in a multi-agent env (one agent: its prompt, one head)
-        self.critic = critic if workflow is not None and spec.critic is not None else None
+        self.critic = critic if agents.multi and spec.critic is not None else None
         # [A] the agents whose actions are trained on: a workflow's frozen roles act but are not trained
-        self.trained_agents = np.array([role.trainable for role in workflow.roles] if workflow else [True])
+        self.trained_agents = np.array(agents.trainable)
         self.voices = voices
-        self.obs, self.info = env.reset(seed=seed)
-        self.episode_return = np.zeros((env.num_envs, self.num_agents))
-        self.last_step = np.full((env.num_envs, self.num_agents), -1)  # each agent's last action in this rollout
+        self.obs, info = env.reset(seed=seed)
+        self.facts: StepFacts = info[FACTS]
         self.env_steps = 0
 
     @torch.no_grad()
@@ -200,23 +196,20 @@ class Collector:
         num_envs, spec = self.env.num_envs, self.spec
         buffer = RolloutBuffer(self.episode_length, num_envs, self.num_agents, self.sampling.max_new_tokens,
                                policy.device, token_values=spec.critic == "token")
-        self.last_step[:] = -1
         if self.episodic:
-            self.obs, self.info = self.env.reset()
-            self.episode_return[:] = 0
+            self.obs, info = self.env.reset()
+            self.facts = info[FACTS]
         done = np.zeros(num_envs, dtype=bool)
         tally = Tally()
         for step in range(self.episode_length):
-            envs, agents = acting_pairs(self.env, self.info, done)
+            envs, agents = acting_pairs(self.facts, done)
             if len(envs) == 0:
                 break
             terminated, truncated = self.step(step, envs, agents, policy, generator, buffer, tally, seed)
             if self.episodic:
                 done |= terminated | truncated
-        if self.episodic:
-            self.episode_return[:] = 0
-            if spec.critic is not None:
-                buffer.next_values = buffer.next_action_values()
+        if self.episodic and spec.critic is not None:
+            buffer.next_values = buffer.next_action_values()
         elif spec.critic is not None:
             buffer.next_values = self.next_values(policy, buffer)
         tally.add("train/step_reward", buffer.rewards[buffer.live].double().cpu().numpy())
@@ -230,8 +223,8 @@ class Collector:
         num_agents = self.num_agents
         started = time.perf_counter()
         seeds = [mix_seed(seed, step, (self.env_offset + i) * num_agents + a) for i, a in zip(envs, agents)]
-        out = self.voices.generate(self.sampling, generator, pair_prompts(self.env, self.obs, envs, agents), agents,
-                                   seeds)
+        out = self.voices.generate(self.sampling, generator, pair_prompts(self.env.agents, self.obs, envs, agents),
+                                   agents, seeds)
         tally.seconds["generate"] += time.perf_counter() - started
         tally.add("tokens", [len(ids) for ids in out.token_ids])
         trained = np.flatnonzero(self.trained_agents[agents])  # the pairs to train on (all, with one agent)
@@ -241,80 +234,49 @@ class Collector:
         values, token_values = self.critic_values(
             policy, critic_prompts or [out.prompt_token_ids[k] for k in pick], [out.token_ids[k] for k in pick],
             agents_t.tolist() if self.critic == "per_role" else None)
-        group_ids = np.asarray(self.info["group_id"], dtype=np.int64)[envs]  # the episode each env acts in
-        started = time.perf_counter()
-        actions = pair_actions(self.env, self.sampling, out, envs, agents)
-        self.obs, rewards, terminated, truncated, self.info = self.env.step(actions)
-        tally.seconds["reward"] += time.perf_counter() - started
-        rewards = np.asarray(rewards, dtype=np.float64).reshape(-1, num_agents)  # [N, A]
-        ended = terminated | truncated
-        self.tally_reward_sources(tally, envs, agents)
-        correct = np.where(ended, np.asarray(self.info["correct"], dtype=np.float64), np.nan)
         buffer.add(step=step, envs=envs_t, agents=agents_t, prompt_ids=[out.prompt_token_ids[k] for k in pick],
                    action_ids=[out.token_ids[k] for k in pick], logprobs=[out.logprobs[k] for k in pick],
-                   rewards=torch.as_tensor(rewards[envs_t, agents_t]), terminated=torch.as_tensor(terminated[envs_t]),
-                   truncated=torch.as_tensor(truncated[envs_t]), group_ids=torch.as_tensor(group_ids[trained]),
-                   correct=torch.as_tensor(correct[envs_t]), texts=[out.texts[k] for k in pick],
+                   group_ids=torch.as_tensor(self.facts.group_ids[envs_t]), texts=[out.texts[k] for k in pick],
                    values=values, token_values=token_values, critic_prompt_ids=critic_prompts)
-        self.last_step[envs_t, agents_t] = step
-        self.credit_after_last_action(buffer, rewards, envs, agents, terminated, truncated, correct)
-        self.episode_return += rewards
-        self.tally_ended_episodes(tally, ended, correct)
+        started = time.perf_counter()
+        self.obs, _, terminated, truncated, info = self.env.step(pair_actions(self.env, self.sampling, out, envs,
+                                                                              agents))
+        tally.seconds["reward"] += time.perf_counter() - started
+        self.facts = facts = info[FACTS]
+        buffer.settle(step, facts.rewards, terminated, truncated, facts.correct)
+        ended = terminated | truncated
+        self.tally_reward_sources(tally, envs, agents)
+        self.tally_ended_episodes(tally, ended)
         self.tally_role_metrics(tally)
-        self.episode_return[ended] = 0
-        self.last_step[ended] = -1
         self.env_steps += len(np.unique(envs))
         return terminated, truncated
 
-    def credit_after_last_action(self, buffer: RolloutBuffer, rewards: np.ndarray, envs: np.ndarray,
-                                 agents: np.ndarray, terminated: np.ndarray, truncated: np.ndarray,
-                                 correct: np.ndarray) -> None:
-        """Rewards [N, A] of agents that did not act at this step, and the end of their episode, go to
-        their last action (an agent that never acted in this rollout has none to take them). With one
-        agent per env there are none: an env's agent acts at every step of its episode."""
-        idle = self.last_step >= 0
-        idle[envs, agents] = False
-        ended = terminated | truncated
-        late = idle & ((rewards != 0) | ended[:, None])
-        late_envs, late_agents = np.nonzero(late)
-        if len(late_envs):
-            buffer.credit_late(steps=self.last_step[late_envs, late_agents], envs=late_envs, agents=late_agents,
-                               rewards=torch.as_tensor(rewards[late_envs, late_agents]),
-                               terminated=torch.as_tensor(terminated[late_envs]),
-                               truncated=torch.as_tensor(truncated[late_envs]),
-                               correct=torch.as_tensor(correct[late_envs]))
-
-    def tally_ended_episodes(self, tally: Tally, ended: np.ndarray, correct: np.ndarray) -> None:
+    def tally_ended_episodes(self, tally: Tally, ended: np.ndarray) -> None:
         """Returns (summed over agents, and per role in a multi-agent env) and verdicts of the episodes
-        that ended."""
-        tally.add("train/reward", self.episode_return[ended].sum(1))
-        tally.add("train/accuracy", np.nan_to_num(correct[ended]))
+        that ended [N]."""
+        tally.add("train/reward", self.facts.returns[ended].sum(1))
+        tally.add("train/accuracy", np.nan_to_num(self.facts.correct[ended]))
         for a, role in enumerate(self.roles or ()):
-            tally.add(f"train/{role}/reward", self.episode_return[ended, a])
+            tally.add(f"train/{role}/reward", self.facts.returns[ended, a])
 
     def tally_reward_sources(self, tally: Tally, envs: np.ndarray, agents: np.ndarray) -> None:
         """Each reward source's reward of the actions ``envs[b], agents[b]`` just taken (``reward/<source>``
         infos: [N], or [N, A] in a multi-agent env; NaN where an action was not scored), under
         ``train/reward/<source>`` and, per role, ``train/<role>/reward/<source>``."""
-        for key, values in self.info.items():
-            if not key.startswith("reward/"):
-                continue
-            values = np.asarray(values, dtype=np.float64).reshape(self.env.num_envs, -1)[envs, agents]  # [B]
+        for name, values in self.facts.sources.items():
+            values = values[envs, agents]  # [B]
             scored = ~np.isnan(values)
             if scored.any():
-                tally.add(f"train/{key}", values[scored])
+                tally.add(f"train/reward/{name}", values[scored])
             for a, role in enumerate(self.roles or ()):
                 mine = scored & (agents == a)
                 if mine.any():
-                    tally.add(f"train/{role}/{key}", values[mine])
+                    tally.add(f"train/{role}/reward/{name}", values[mine])
 
     def tally_role_metrics(self, tally: Tally) -> None:
         """Each role's verified outputs of this step (multi-agent envs): its answers' accuracy, a judge's
         acceptance rate and how often its verdict was right."""
-        for metric in ROLE_METRICS:
-            if metric not in self.info:
-                continue
-            values = np.asarray(self.info[metric], dtype=np.float64)  # [N, A], NaN where the slot had none
+        for metric, values in self.facts.outputs.items():  # [N, A], NaN where the slot had none
             for a, role in enumerate(self.roles or ()):
                 said = ~np.isnan(values[:, a])
                 if said.any():
@@ -322,11 +284,10 @@ class Collector:
 
     def critic_prompts(self, policy: LanguagePolicy, envs: np.ndarray, agents: np.ndarray) -> list[list[int]] | None:
         """Token ids [B] of the joint transcripts a centralized critic reads for the pairs ``envs[b], agents[b]``
-        about to act (the env's ``info["state"]``); None when the critic reads the actor's prompt."""
+        about to act (the env's ``facts.states``); None when the critic reads the actor's prompt."""
         if self.critic != "centralized" or len(envs) == 0:
             return None
-        states = np.asarray(self.info["state"], dtype=object)
-        return policy.tokenizer([states[i, a] for i, a in zip(envs, agents)])["input_ids"]
+        return policy.tokenizer([self.facts.states[i, a] for i, a in zip(envs, agents)])["input_ids"]
 
     def critic_values(self, policy: LanguagePolicy, prompts: list[list[int]], actions: list[list[int]],
                       heads: list[int] | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -347,27 +308,24 @@ class Collector:
         return torch.where(buffer.episode_ends()[..., 0], 0.0, following)[..., None]
 
     def get_state(self) -> dict[str, Any]:
-        """JSON-serialisable: the env's state (problem sampler, episodes in progress), each env's running
-        episode return and the env steps taken."""
-        return {"env": self.env.get_state(), "episode_return": self.episode_return.tolist(),
-                "env_steps": self.env_steps}
+        """JSON-serialisable: the env's state (problem sampler, episodes in progress with their returns so
+        far) and the env steps taken."""
+        return {"env": self.env.get_state(), "env_steps": self.env_steps}
 
     def merge_states(self, states: Sequence[dict[str, Any]]) -> dict[str, Any]:
         """The collector state of one process holding every rank's envs (``states`` in rank order)."""
         return {"env": self.env.merge_states([state["env"] for state in states]),
-                "episode_return": [value for state in states for value in state["episode_return"]],
                 "env_steps": sum(state["env_steps"] for state in states)}
 
     def split_state(self, state: dict[str, Any], rank: int) -> dict[str, Any]:
         """This collector's share of a merged state (its envs: ``env_offset`` on); rank 0 keeps the count
         of env steps, so the ranks' counts still add up to it."""
         num_envs, group_size = self.env.num_envs, self.env.group_size
-        envs = slice(self.env_offset, self.env_offset + num_envs)
         return {"env": self.env.split_state(state["env"], self.env_offset // group_size, num_envs // group_size),
-                "episode_return": state["episode_return"][envs], "env_steps": state["env_steps"] if rank == 0 else 0}
+                "env_steps": state["env_steps"] if rank == 0 else 0}
 
     def set_state(self, state: dict[str, Any]) -> None:
         """Continues exactly where ``get_state`` was called."""
-        self.obs, self.info = self.env.set_state(state["env"])
-        self.episode_return = np.asarray(state["episode_return"], dtype=np.float64).reshape(-1, self.num_agents)
+        self.obs, info = self.env.set_state(state["env"])
+        self.facts = info[FACTS]
         self.env_steps = state["env_steps"]

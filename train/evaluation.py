@@ -17,6 +17,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from envs.contract import FACTS
 from envs.multi_agent import ROLE_METRICS
 from train import distributed
 from train.collector import Sampling, Voices, acting_pairs, pair_actions, pair_prompts
@@ -30,11 +31,11 @@ def evaluate(env, generator: Generator, sampling: Sampling, limit: int, ranks: R
     """Greedy accuracy, mean solution length in tokens and, when the env pays a PRM reward, the mean
     PRM score, over the first ``limit`` of ``env.problems`` (this rank's share of them, then summed).
     ``voices``: who speaks for each agent of a multi-agent env (the policy's role adapters, frozen roles'
-    own models). ``verdict``: the info key holding an ended episode's verdict ("reward/target": the
-    frozen target's, finishing the policy's prefix)."""
+    own models). ``verdict``: what an ended episode's verdict is: "correct" (the verified answer) or a
+    reward source's name ("target": the frozen target's, finishing the policy's prefix)."""
     started = time.perf_counter()
     problem_ids = [p.id for p in env.problems][:limit][ranks.rank::ranks.world_size]
-    roles = getattr(env, "roles", ())
+    roles = env.agents.roles
     correct, lengths, prm_scores = [], [], []
     role_sums = np.zeros((2, len(roles), len(ROLE_METRICS)))  # (sum, count) of each role's metrics
     for start in range(0, len(problem_ids), env.num_envs):
@@ -62,7 +63,7 @@ def evaluate(env, generator: Generator, sampling: Sampling, limit: int, ranks: R
 
 def solve_batch(env, generator: Generator, sampling: Sampling, problem_ids: Sequence[str], voices: Voices,
                 role_sums: np.ndarray, verdict: str = "correct") -> tuple[list[float], list[float], list[float]]:
-    """(verdicts from ``info[verdict]``, solution lengths in tokens) of the problems ``problem_ids`` (at most
+    """(verdicts (``verdict`` as in ``evaluate``), solution lengths in tokens) of the problems ``problem_ids`` (at most
     ``env.num_envs``), and the PRM scores of every step taken; adds each role's verified outputs into
     ``role_sums`` [2 (sum, count), A, len(ROLE_METRICS)] (multi-agent envs)."""
     count = len(problem_ids)
@@ -72,19 +73,19 @@ def solve_batch(env, generator: Generator, sampling: Sampling, problem_ids: Sequ
     done[count:] = True
     tokens, verdicts, prm_scores = np.zeros(env.num_envs), np.zeros(env.num_envs), []
     while not done.all():
-        envs, agents = acting_pairs(env, info, done)
-        out = voices.generate(sampling, generator, pair_prompts(env, obs, envs, agents), agents, greedy=True)
+        envs, agents = acting_pairs(info[FACTS], done)
+        out = voices.generate(sampling, generator, pair_prompts(env.agents, obs, envs, agents), agents, greedy=True)
         obs, _, terminated, truncated, info = env.step(pair_actions(env, sampling, out, envs, agents))
+        facts = info[FACTS]
         np.add.at(tokens, envs, [len(ids) for ids in out.token_ids])
         ended = (terminated | truncated) & ~done
-        verdicts[ended] = np.nan_to_num(np.asarray(info[verdict], dtype=np.float64)[ended])
-        if "reward/prm" in info:  # [N], or [N, A] in a multi-agent env; NaN where an action was not scored
-            prm = np.asarray(info["reward/prm"], dtype=np.float64).reshape(env.num_envs, -1)
-            prm_scores += prm[envs, agents].tolist()
+        verdicts[ended] = np.nan_to_num(facts.correct if verdict == "correct" else facts.sources[verdict][:, 0])[ended]
+        if "prm" in facts.sources:  # [N, A]; NaN where an action was not scored
+            prm_scores += facts.sources["prm"][envs, agents].tolist()
         for m, metric in enumerate(ROLE_METRICS):
-            if metric in info:
+            if metric in facts.outputs:
                 # [N, A], NaN where the slot said none; not the envs whose episode had ended, or that only pad the batch
-                values = np.asarray(info[metric], dtype=np.float64)[~done]
+                values = facts.outputs[metric][~done]
                 role_sums[0, :, m] += np.nansum(values, axis=0)
                 role_sums[1, :, m] += (~np.isnan(values)).sum(0)
         done |= terminated | truncated

@@ -71,7 +71,7 @@ class RunnerConfig:
     async_rollouts: bool = False
     max_policy_lag: int = 1
     num_text_samples: int = 4
-    # the info key of an ended held-out episode's verdict: "reward/target" where a frozen target finishes
+    # an ended held-out episode's verdict: "correct", or "target" (a reward source) where a frozen target finishes
     # the policy's prefix (Prefix-RL by --handoff_steps), so that evaluation measures what the reward pays
     eval_verdict: str = "correct"
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import gymnasium
 from absl import flags
 
-import envs  # noqa: F401  (registers the built-in ids)
+import envs  # registers the built-in ids
 from algorithms.base import AlgorithmConfig
 from algorithms.registry import ALGORITHMS
 from envs.workflows import Workflow, resolve_workflow
@@ -227,10 +227,13 @@ def workflow_of(env_id: str) -> Workflow | None:
 
 
 def reward_spec(f: flags.FlagValues) -> str:
-    """--reward, or its default: the outcome, with a PRM's score when a PRM is given."""
+    """--reward, or its default: the outcome with a PRM's score when a PRM is given, else the env id's own
+    declared default (``envs.default_reward``: Arith-v0's adds its exact step reward)."""
     if f.reward is not None:
         return f.reward
-    return DEFAULT_PRM_REWARD if f.prm_model_name_or_path is not None or f.prm_url is not None else "outcome"
+    if f.prm_model_name_or_path is not None or f.prm_url is not None:
+        return DEFAULT_PRM_REWARD
+    return envs.default_reward(registered_env_id(f))
 
 
 def check_multi_agent(f: flags.FlagValues, workflow: Workflow | None) -> None:

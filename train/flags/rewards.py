@@ -9,7 +9,8 @@ REWARD_SOURCES = ("outcome", "prm", "target", "steps")
 DEFAULT_PRM_REWARD = "outcome:1.0,prm:0.2"
 
 flags.DEFINE_string("reward", None, "Weighted reward sources, e.g. 'outcome:1.0,prm:0.2' (sources: "
-                    f"{', '.join(REWARD_SOURCES)}). Default: 'outcome', or {DEFAULT_PRM_REWARD!r} with a PRM. On a "
+                    f"{', '.join(REWARD_SOURCES)}). Default: {DEFAULT_PRM_REWARD!r} with a PRM, else the env id's "
+                    "declared default (Arith-v0: 'outcome:1.0,steps:1.0'; MATH and the workflows: 'outcome'). On a "
                     "multi-agent env 'outcome' is the --reward_assignment credit and the other sources score each "
                     "answering role's message as one solution, paid to that role.")
 flags.DEFINE_string("prm_model_name_or_path", None, "Process reward model: a directory or a hub id (see "

@@ -152,11 +152,13 @@ def main(argv: list[str]) -> None:
     from models.remote import ServiceError  # stdlib only: cheap before the flags are checked
 
     try:
-        from train.checkpoint import CheckpointError
         from train.config import config_from_flags
 
+        config = config_from_flags(FLAGS)
+        from train.checkpoint import CheckpointError  # torch and transformers: only once the flags resolve
+
         try:
-            started = start(config_from_flags(FLAGS))
+            started = start(config)
         except CheckpointError as error:
             fail(str(error))
     except KeyboardInterrupt:

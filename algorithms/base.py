@@ -10,7 +10,6 @@ registered, with the traits the trainer needs, in ``algorithms.registry``.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import numpy as np
@@ -18,7 +17,7 @@ import torch
 
 from algorithms.buffer import Batch, RolloutBuffer, Targets
 from algorithms.losses import aggregate, clipped_surrogate, kl_k3, masked_mean
-from algorithms.registry import algorithm_spec
+from algorithms.registry import AlgorithmConfig, algorithm_spec
 
 
 class ActionScores(Protocol):
@@ -31,28 +30,6 @@ class ActionScores(Protocol):
     logprobs: torch.Tensor
     entropy: torch.Tensor | None
     values: torch.Tensor | None
-
-
-@dataclass(frozen=True)
-class AlgorithmConfig:
-    """Hyper-parameters shared by the algorithms (each reads the ones it needs)."""
-
-    clip_param: float = 0.2
-    value_clip_param: float | None = 0.2  # None: no value clipping
-    huber_delta: float | None = None  # None: 0.5 * squared error
-    value_coef: float = 0.5
-    entropy_coef: float = 0.0
-    gamma: float = 1.0
-    gae_lambda: float = 0.95  # the policy's advantages
-    value_lambda: float = 1.0  # the critic's targets (returns); 1.0 = Monte Carlo, free of the critic's own bias
-    scale_rewards: str = "group"
-    kl_coef: float = 0.0
-    loss_agg: str = "token_mean"
-    process_coef: float = 1.0  # RLOO: weight of the implicit-PRM stream
-    accuracy_lower_bound: float = 0.2  # RLOO: PRIME's prompt filter
-    accuracy_upper_bound: float = 0.8
-    max_groups: int | None = None  # RLOO: groups kept after filtering an oversampled batch
-    joint_groups: bool = False  # multi-agent GRPO/RLOO: one baseline over all agents of a prompt group (MAGRPO)
 
 
 def decoupled_gae(estimate: Callable[[float], tuple[torch.Tensor, torch.Tensor]], config: AlgorithmConfig

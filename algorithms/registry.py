@@ -1,9 +1,9 @@
 """The algorithms the trainer knows, and the traits it must know of each before building one.
 
 Torch-free on purpose: the command line checks flags against these traits (an episodic algorithm
-compares samples within prompt groups; only algorithms with a critic take critic flags) before torch
-is imported. Adding an algorithm is a module with a class following ``algorithms.base.Algorithm``
-plus one entry in ``ALGORITHMS``.
+compares samples within prompt groups; only algorithms with a critic take critic flags) and resolves
+the hyper-parameters (``AlgorithmConfig``) before torch is imported. Adding an algorithm is a module
+with a class following ``algorithms.base.Algorithm`` plus one entry in ``ALGORITHMS``.
 """
 
 from __future__ import annotations
@@ -11,6 +11,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 CRITICS = (None, "action", "token")
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    """Hyper-parameters shared by the algorithms (each reads the ones it needs)."""
+
+    clip_param: float = 0.2
+    value_clip_param: float | None = 0.2  # None: no value clipping
+    huber_delta: float | None = None  # None: 0.5 * squared error
+    value_coef: float = 0.5
+    entropy_coef: float = 0.0
+    gamma: float = 1.0
+    gae_lambda: float = 0.95  # the policy's advantages
+    value_lambda: float = 1.0  # the critic's targets (returns); 1.0 = Monte Carlo, free of the critic's own bias
+    scale_rewards: str = "group"
+    kl_coef: float = 0.0
+    loss_agg: str = "token_mean"
+    process_coef: float = 1.0  # RLOO: weight of the implicit-PRM stream
+    accuracy_lower_bound: float = 0.2  # RLOO: PRIME's prompt filter
+    accuracy_upper_bound: float = 0.8
+    max_groups: int | None = None  # RLOO: groups kept after filtering an oversampled batch
+    joint_groups: bool = False  # multi-agent GRPO/RLOO: one baseline over all agents of a prompt group (MAGRPO)
 
 
 @dataclass(frozen=True)

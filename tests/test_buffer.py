@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from algorithms.base import AlgorithmConfig, make_algorithm
+from algorithms.base import make_algorithm
+from algorithms.registry import AlgorithmConfig
 from algorithms.buffer import RolloutBuffer, Targets
 from models.scoring import ActionScores
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from algorithms.appo import APPO
-from algorithms.base import AlgorithmConfig
+from algorithms.registry import AlgorithmConfig
 from algorithms.buffer import RolloutBuffer
 from algorithms.registry import algorithm_spec
 from algorithms.tppo import TPPO

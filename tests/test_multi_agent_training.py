@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from algorithms.base import AlgorithmConfig
+from algorithms.registry import AlgorithmConfig
 from algorithms.buffer import RolloutBuffer
 from algorithms.grpo import GRPO, group_advantages
 from algorithms.registry import algorithm_spec

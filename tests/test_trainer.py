@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from algorithms.base import AlgorithmConfig, make_algorithm
+from algorithms.base import make_algorithm
+from algorithms.registry import AlgorithmConfig
 from algorithms.registry import ALGORITHMS
 from algorithms.buffer import RolloutBuffer
 from models.policy import LanguagePolicy

@@ -15,7 +15,7 @@ import gymnasium
 from absl import flags
 
 import envs  # registers the built-in ids
-from algorithms.base import AlgorithmConfig
+from algorithms.registry import AlgorithmConfig
 from algorithms.registry import ALGORITHMS
 from envs.workflows import Workflow, resolve_workflow
 from models.hub import resolve_model

@@ -235,6 +235,7 @@ def tiny_solvers():
     return build_tiny_models(team=False)
 
 
+@pytest.mark.slow  # the trained tiny policy and target: a target that solves is the point
 def test_prefix_rl_by_handoff_steps_evaluates_the_target_finishing_the_prefix(tiny_solvers, tmp_path):
     """--handoff_steps 1 with a 6-token prefix: the policy's prefix alone never holds the answer, the
     frozen target finishes it. Held-out accuracy is the target's verdict on the finished solution (what

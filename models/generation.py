@@ -27,24 +27,20 @@ Conventions every backend follows:
 The backends: ``models.hf_generation`` (HF transformers; its batching in ``models.batching``) and
 ``models.vllm_generation`` (vLLM in this process); ``models.vllm_server`` serves vLLM behind HTTP. What
 they share is in ``models.sampling``; this module names the protocol, builds a backend, and exports the
-names callers use.
+types every caller of a backend uses (helpers are imported from the module that defines them).
 """
 
 from __future__ import annotations
 
 from typing import Protocol, Sequence
 
-from models.batching import compacts, length_batches
-from models.hf_generation import HFGenerator, eos_token_ids, inverse_cdf_sample, preallocated_cache
+from models.hf_generation import HFGenerator
 from models.policy import LanguagePolicy
-from models.sampling import (FINISH_REASONS, GenerationOutput, Prompts, Seed, adapter_groups, check_sampling,
-                             encode_prompts, filter_logits, finish_texts, mix_seed, row_seeds)
-from models.vllm_generation import VLLMGenerator, request_seeds
+from models.sampling import GenerationOutput, Prompts, Seed, mix_seed
+from models.vllm_generation import VLLMGenerator
 
-__all__ = ["FINISH_REASONS", "GenerationOutput", "Generator", "HFGenerator", "Prompts", "Seed", "VLLMGenerator",
-           "adapter_groups", "check_sampling", "compacts", "encode_prompts", "eos_token_ids", "filter_logits",
-           "finish_texts", "inverse_cdf_sample", "length_batches", "make_generator", "mix_seed",
-           "preallocated_cache", "request_seeds", "row_seeds"]
+__all__ = ["GenerationOutput", "Generator", "HFGenerator", "Prompts", "Seed", "VLLMGenerator", "make_generator",
+           "mix_seed"]
 
 
 class Generator(Protocol):

@@ -37,8 +37,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from models.generation import (GenerationOutput, Prompts, Seed, adapter_groups, check_sampling, encode_prompts,
-                                     finish_texts, request_seeds)
+from models.sampling import (GenerationOutput, Prompts, Seed, adapter_groups, check_sampling, encode_prompts,
+                             finish_texts)
+from models.vllm_generation import request_seeds
 from models.policy import LanguagePolicy
 from models.remote import ClientSettings, ServiceClient, ServiceError
 

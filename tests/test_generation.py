@@ -14,8 +14,10 @@ from transformers import GenerationConfig
 
 from envs.datasets import MATH500, load_problems
 from envs.prompts import STEP_DELIMITER, format_prompt
-from models.generation import (HFGenerator, VLLMGenerator, compacts, eos_token_ids, filter_logits,
-                                     inverse_cdf_sample, length_batches, make_generator, preallocated_cache)
+from models.batching import compacts, length_batches
+from models.generation import HFGenerator, VLLMGenerator, make_generator
+from models.hf_generation import eos_token_ids, inverse_cdf_sample, preallocated_cache
+from models.sampling import filter_logits
 from models.policy import LanguagePolicy, LoraSettings
 
 PROMPTS = [format_prompt("Compute 3 + 4."), format_prompt("Compute 12 - 5 + 40 - 7."), "Step"]

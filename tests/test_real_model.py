@@ -24,7 +24,8 @@ from envs.datasets import Arith
 from envs.prompts import STEP_DELIMITER, format_prompt
 from envs.vector import MathVectorEnv
 from models import smollm2
-from models.generation import HFGenerator, eos_token_ids
+from models.generation import HFGenerator
+from models.hf_generation import eos_token_ids
 from models.policy import LanguagePolicy
 from models.prompting import build_template
 from test_trainer import read_scalars

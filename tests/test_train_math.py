@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from absl import flags
 
 from envs.datasets import MATH500
@@ -214,6 +215,44 @@ def test_a_run_builds_from_a_run_config_without_absl(untrained_policy_dir, tmp_p
     assert [h["iteration"] for h in history] == [0, 2]
     assert (tmp_path / "checkpoints" / "iter_2" / "manifest.json").is_file()
     assert [step for step, _ in read_scalars(tmp_path)["train/reward"]] == [0, 1]
+
+
+@pytest.mark.parametrize("lora_rank", [0, 8], ids=["full", "lora"])
+def test_gradient_checkpointing_holds_fewer_activations_in_the_update(untrained_policy_dir, tmp_path, lora_rank):
+    """``--gradient_checkpointing`` acts in the runner's update (the layers checkpoint only in training mode),
+    and the policy is back in eval mode for sampling after it."""
+    from tensorboardX import SummaryWriter
+
+    from train.builders import build_runner
+    from train.config import (BudgetConfig, EnvConfig, GenerationConfig, LearningConfig, LoggingConfig, ModelConfig,
+                              RunConfig)
+
+    def saved_bytes_in_update(checkpointing: bool) -> int:
+        torch.manual_seed(0)
+        config = RunConfig(model=ModelConfig(name_or_path=str(untrained_policy_dir), device="cpu", lora_rank=lora_rank,
+                                             gradient_checkpointing=checkpointing),
+                           env=EnvConfig(num_envs=8), generation=GenerationConfig(max_new_tokens=6),
+                           learning=LearningConfig(algorithm="APPO"),  # its value loss trains every row
+                           budget=BudgetConfig(num_iterations=1, eval_interval=0),
+                           logging=LoggingConfig(save_interval=0, save_best=False))
+        runner = build_runner(config, tmp_path / str(checkpointing), SummaryWriter(str(tmp_path / str(checkpointing))))
+        saved, update = [0], runner.learner.update
+
+        def count(tensor: torch.Tensor) -> torch.Tensor:
+            saved[0] += tensor.numel() * tensor.element_size()
+            return tensor
+
+        def counted_update(*args):
+            with torch.autograd.graph.saved_tensors_hooks(count, lambda tensor: tensor):
+                return update(*args)
+
+        runner.learner.update = counted_update
+        runner.train_iteration(0, {})
+        assert not runner.policy.training
+        return saved[0]
+
+    plain, checkpointed = saved_bytes_in_update(False), saved_bytes_in_update(True)
+    assert checkpointed < plain / 2, (checkpointed, plain)
 
 
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "

@@ -14,7 +14,7 @@ import logging
 import math
 import time
 from collections import defaultdict
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -30,6 +30,17 @@ from train.collector import Collector
 from train.distributed import Ranks
 
 log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def training_mode(policy: torch.nn.Module) -> Iterator[None]:
+    """``policy`` in training mode for the minibatch steps, where activation checkpointing (and dropout)
+    act, and back in eval mode after: sampling and the rollout's scores read the eval-mode model."""
+    policy.train()
+    try:
+        yield
+    finally:
+        policy.eval()
 
 
 class NonFiniteError(RuntimeError):
@@ -59,16 +70,18 @@ class Learner:
         targets = algorithm.advantages(buffer)
         sums, weights = defaultdict(float), defaultdict(float)
         grad_norms, steps, stopped_early = [], 0, False
-        for _ in range(config.ppo_epoch):
-            for minibatch in buffer.minibatches(targets, config.num_mini_batch, config.gradient_cp_steps, self.shuffle,
-                                                skip=algorithm.skippable_rows, reduce_totals=self.reduce_totals):
-                minibatch_kl, stepped = self.minibatch_step(minibatch, progress, sums, weights, grad_norms)
-                steps += stepped
-                stopped_early = kl_early_stop(minibatch_kl, config.target_kl)
+        with training_mode(self.policy):
+            for _ in range(config.ppo_epoch):
+                for minibatch in buffer.minibatches(targets, config.num_mini_batch, config.gradient_cp_steps,
+                                                    self.shuffle, skip=algorithm.skippable_rows,
+                                                    reduce_totals=self.reduce_totals):
+                    minibatch_kl, stepped = self.minibatch_step(minibatch, progress, sums, weights, grad_norms)
+                    steps += stepped
+                    stopped_early = kl_early_stop(minibatch_kl, config.target_kl)
+                    if stopped_early:
+                        break
                 if stopped_early:
                     break
-            if stopped_early:
-                break
         if steps:  # the schedule advances with iterations that updated the policy
             self.scheduler.step()
         if self.ranks.distributed:

@@ -45,13 +45,27 @@ def tiny_models():
     return build_tiny_models()
 
 
+OPT_IN = ("slow", "real_model")  # the markers of tests that may build into (and read) the user cache
+
+
+def blocker(factory: pytest.TempPathFactory) -> str:
+    path = factory.getbasetemp() / NO_BUILD
+    path.touch()
+    return str(path)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """A run without opt-in tests (the default suite) blocks the build for the whole session, so that no
+    fixture of any scope can build before a test's own guard below; a run with some blocks it per test."""
+    if not any(item.get_closest_marker(marker) for item in session.items for marker in OPT_IN):
+        os.environ["MATHRL_CACHE"] = blocker(session.config._tmp_path_factory)
+
+
 @pytest.fixture(autouse=True)
 def no_tiny_build_outside_slow_tests(request, tmp_path_factory, monkeypatch) -> None:
     """Opt-in tests (slow, real_model) keep the user cache: they may build into it."""
-    if not any(request.node.get_closest_marker(marker) for marker in ("slow", "real_model")):
-        blocker = tmp_path_factory.getbasetemp() / NO_BUILD
-        blocker.touch()
-        monkeypatch.setenv("MATHRL_CACHE", str(blocker))
+    if not any(request.node.get_closest_marker(marker) for marker in OPT_IN):
+        monkeypatch.setenv("MATHRL_CACHE", blocker(tmp_path_factory))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

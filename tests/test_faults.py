@@ -143,6 +143,7 @@ def test_a_prm_server_dying_under_async_rollouts_leaves_a_state_that_resumes(unt
     assert checkpoint.find_latest(path.parents[1]).name == "iter_5"
 
 
+@pytest.mark.slow  # 25 s; a dead server in one process and a failing rank under torchrun run by default
 def test_a_prm_server_dying_under_two_ranks_names_the_last_checkpoint(untrained_policy_dir, tmp_path, prm_proxy):
     """Two torchrun ranks cannot join a save once one has failed: the error names the last checkpoint
     written (one exists: the 3rd batch is collected after the first is saved) and --resume auto. Start-up

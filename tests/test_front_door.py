@@ -25,6 +25,23 @@ def run_cli(*argv: str, cwd: Path = ROOT, timeout: float = 180) -> subprocess.Co
                           timeout=timeout, cwd=cwd)
 
 
+def run_in_process(capsys: pytest.CaptureFixture, *argv: str) -> subprocess.CompletedProcess:
+    """``train_math.py ARGV`` as its ``__main__`` runs it (absl's parsing, then ``main``), in this process: what
+    fails at start-up costs no interpreter and no torch import. Its exit code and output."""
+    from train.flags import FLAGS
+
+    FLAGS.unparse_flags()
+    try:
+        train_math.main(train_math.parse_flags(["train_math.py", *argv]))
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code
+    finally:
+        FLAGS.unparse_flags()
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["train_math.py", *argv], code, out, err)
+
+
 def small(policy_dir: Path, logdir: Path, *extra: str) -> list[str]:
     """A few-second GRPO run on the untrained tiny policy: 8 envs in groups of 4, 8 new tokens."""
     return ["--model_name_or_path", str(policy_dir), "--logdir", str(logdir), "--n_rollout_threads", "8",
@@ -106,13 +123,14 @@ EXPECTED = {
 
 
 @pytest.mark.parametrize("case", sorted(EXPECTED))
-def test_every_start_up_mistake_is_one_line_naming_the_flag(bad_inputs, case, tmp_path):
+def test_every_start_up_mistake_is_one_line_naming_the_flag(bad_inputs, case, tmp_path, capsys):
+    """In this process; the tests below run the command line in a process of its own."""
     if case == "cuda on a cpu machine":
         import torch
 
         if torch.cuda.is_available():
             pytest.skip("this machine has CUDA")
-    line = the_one_error_line(run_cli(*bad_inputs[case], "--logdir", str(tmp_path)))
+    line = the_one_error_line(run_in_process(capsys, *bad_inputs[case], "--logdir", str(tmp_path)))
     for part in EXPECTED[case]:
         assert part in line, line
     assert not list(tmp_path.iterdir()), "a run that never started must leave no directory behind"
@@ -174,7 +192,7 @@ def hub_cache(hf_home: Path, policy_dir: Path) -> None:
                 (snapshot / item.name).symlink_to(item)
 
 
-def test_model_flags_take_hub_ids_resolved_offline_at_a_revision(untrained_policy_dir, tmp_path):
+def test_model_flags_take_hub_ids_resolved_offline_at_a_revision(untrained_policy_dir, tmp_path, monkeypatch, capsys):
     hf_home = tmp_path / "hf"
     hub_cache(hf_home, untrained_policy_dir)
     env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"}
@@ -188,14 +206,21 @@ def test_model_flags_take_hub_ids_resolved_offline_at_a_revision(untrained_polic
     assert trained.returncode == 0, trained.stderr[-3000:]
     (policy,) = (tmp_path / "runs").glob("*/run_*/checkpoints/iter_1/policy")
     assert (policy / "model.safetensors").is_file() or list(policy.glob("*.safetensors"))
-    no_weights = the_one_error_line(run("--model_name_or_path", "org/tiny-math"))  # main: a config alone
-    assert "--model_name_or_path" in no_weights and "a" * 40 in no_weights
-    absent = the_one_error_line(run("--prm_model_name_or_path", "org/absent"))
+
+    # the mistakes in this process, the hub client pointed at the same cache (it reads these at each call)
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hf_home / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    logdir = ("--logdir", str(tmp_path / "runs"))
+    no_weights = the_one_error_line(run_in_process(capsys, "--model_name_or_path", "org/tiny-math", *logdir))
+    assert "--model_name_or_path" in no_weights and "a" * 40 in no_weights  # main: a config alone
+    absent = the_one_error_line(run_in_process(capsys, "--prm_model_name_or_path", "org/absent", *logdir))
     assert "--prm_model_name_or_path='org/absent'" in absent and "not in the Hugging Face cache" in absent
 
 
-def test_chat_template_missing_is_one_line(untrained_policy_dir, tmp_path):
-    line = the_one_error_line(run_cli(*small(untrained_policy_dir, tmp_path, "--prompt_template", "chat")))
+def test_chat_template_missing_is_one_line(untrained_policy_dir, tmp_path, capsys):
+    line = the_one_error_line(run_in_process(capsys, *small(untrained_policy_dir, tmp_path, "--prompt_template", "chat")))
     assert "has no chat template" in line and "--prompt_template default" in line
     assert not list(tmp_path.iterdir())
 

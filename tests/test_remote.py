@@ -149,7 +149,7 @@ def test_a_prm_server_killed_mid_run_stops_training_saved_and_a_new_one_resumes_
     command = [sys.executable, str(ROOT / "train_math.py"), "--model_name_or_path", str(untrained_policy_dir),
                "--logdir", str(tmp_path), "--algorithm_name", "GRPO", "--noasync_rollouts", "--action_level", "step",
                "--episode_length", "2", "--n_rollout_threads", "8", "--group_size", "4", "--max_new_tokens", "8",
-               "--eval_interval", "0", "--save_interval", "0", "--num_env_steps", str(16 * 16),
+               "--eval_interval", "0", "--save_interval", "0", "--num_env_steps", str(16 * 8),
                "--service_retries", "2", "--service_backoff", "0.05", "--service_connect_timeout", "1"]
     server, url = start_prm_server(untrained_policy_dir)
     try:
@@ -166,7 +166,7 @@ def test_a_prm_server_killed_mid_run_stops_training_saved_and_a_new_one_resumes_
     assert last.startswith("train_math.py: error: ") and url in last and "of problems [" in last, last
     resume = re.search(r"resume with: .*--resume=(\S+)$", last)
     saved = Path(resume[1])
-    assert checkpoint.invalid_reason(saved) is None and 0 < int(saved.name.removeprefix("iter_")) < 16
+    assert checkpoint.invalid_reason(saved) is None and 0 < int(saved.name.removeprefix("iter_")) < 8
     server, url = start_prm_server(untrained_policy_dir)
     try:
         finished = subprocess.run([*command, "--prm_url", url, f"--resume={saved}"], capture_output=True, text=True,
@@ -174,7 +174,7 @@ def test_a_prm_server_killed_mid_run_stops_training_saved_and_a_new_one_resumes_
     finally:
         server.kill()
     assert finished.returncode == 0, finished.stderr[-3000:]
-    assert (saved.parent / "iter_16").is_dir()
+    assert (saved.parent / "iter_8").is_dir()
 
 
 def served_requests(url: str) -> int:

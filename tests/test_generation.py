@@ -125,6 +125,18 @@ def test_greedy_tokens_equal_transformers_generate(policy_name, request):
     assert all(len(ids) == 20 or ids[-1] in eos_ids for ids in out.token_ids)
 
 
+def test_the_lm_head_reads_contiguous_hidden_states(policy):
+    """A strided [rows, 1, H] input (the last position sliced off the prompts' states) makes a CPU linear
+    expand the [V, H] head per row: GBs and seconds at a real vocabulary."""
+    inputs = []
+    hook = policy.causal_lm.get_output_embeddings().register_forward_pre_hook(lambda _, args: inputs.append(args[0]))
+    try:
+        HFGenerator(policy).generate(PROMPTS, n=2, max_new_tokens=4, temperature=1.0, seed=0)
+    finally:
+        hook.remove()
+    assert len(inputs) == 4 and all(hidden.is_contiguous() for hidden in inputs), [h.stride() for h in inputs]
+
+
 @pytest.mark.parametrize("top_k, top_p", [(5, 1.0), (-1, 0.8), (20, 0.9)])
 def test_filtered_sampling_logprobs_are_those_of_the_filtered_distribution(policy, top_k, top_p):
     temperature = 0.8

@@ -28,7 +28,7 @@ class AlgorithmConfig:
     scale_rewards: str = "group"
     kl_coef: float = 0.0
     loss_agg: str = "token_mean"
-    process_coef: float = 1.0  # RLOO: weight of the implicit-PRM stream
+    process_coef: float = 0.2  # RLOO: weight of the implicit-PRM stream
     accuracy_lower_bound: float = 0.2  # RLOO: PRIME's prompt filter
     accuracy_upper_bound: float = 0.8
     max_groups: int | None = None  # RLOO: groups kept after filtering an oversampled batch

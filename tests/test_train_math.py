@@ -217,6 +217,31 @@ def test_a_run_builds_from_a_run_config_without_absl(untrained_policy_dir, tmp_p
     assert [step for step, _ in read_scalars(tmp_path)["train/reward"]] == [0, 1]
 
 
+def test_a_run_config_defaults_to_what_the_command_line_defaults_to():
+    """A library user's ``RunConfig()`` and ``train_math.py`` with no flag run the same, but for what the flags
+    resolve from the env and the machine."""
+    import dataclasses
+
+    from train.config import RunConfig, config_from_flags
+
+    resolved_from_the_env = {("rewards", "spec"), ("learning", "prompt_groups"), ("budget", "num_env_steps"),
+                             ("generation", "async_rollouts")}  # its default reward, groups, budget; the device
+    FLAGS.unparse_flags()
+    FLAGS(["train_math"])
+    try:
+        from_flags = config_from_flags(FLAGS)
+    finally:
+        FLAGS.unparse_flags()
+    default = RunConfig()
+    differ = [(part.name, value.name, getattr(getattr(from_flags, part.name), value.name),
+               getattr(getattr(default, part.name), value.name))
+              for part in dataclasses.fields(RunConfig) if dataclasses.is_dataclass(getattr(default, part.name))
+              for value in dataclasses.fields(getattr(default, part.name))
+              if (part.name, value.name) not in resolved_from_the_env
+              and getattr(getattr(from_flags, part.name), value.name) != getattr(getattr(default, part.name), value.name)]
+    assert differ == []
+
+
 @pytest.mark.parametrize("lora_rank", [0, 8], ids=["full", "lora"])
 def test_gradient_checkpointing_holds_fewer_activations_in_the_update(untrained_policy_dir, tmp_path, lora_rank):
     """``--gradient_checkpointing`` acts in the runner's update (the layers checkpoint only in training mode),

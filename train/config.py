@@ -129,11 +129,16 @@ class BudgetConfig:
     eval_limit: int = 1000
 
 
+SERVICE_CLIENT = ClientSettings(read_timeout=300.0, backoff=1.0, max_backoff=30.0)
+"""How a run's clients wait by default: more patiently than a bare client, since a batch of long completions
+takes a while and a run would rather wait than lose an iteration."""
+
+
 @dataclass(frozen=True)
 class ServicesConfig:
     """Models behind servers and how their clients wait and retry."""
 
-    client: ClientSettings = field(default_factory=ClientSettings)
+    client: ClientSettings = field(default_factory=lambda: SERVICE_CLIENT)
     target_url: str | None = None
     target_model_name: str | None = None
     prm_url: str | None = None
@@ -383,7 +388,7 @@ def async_rollouts(f: flags.FlagValues) -> bool:
 
 def services_config(f: flags.FlagValues) -> ServicesConfig:
     client = ClientSettings(connect_timeout=f.service_connect_timeout, read_timeout=f.service_read_timeout,
-                            retries=f.service_retries, backoff=f.service_backoff, max_backoff=30.0,
+                            retries=f.service_retries, backoff=f.service_backoff, max_backoff=SERVICE_CLIENT.max_backoff,
                             max_in_flight=f.service_max_in_flight)
     return ServicesConfig(client=client, target_url=f.target_url, target_model_name=f.target_model_name,
                           prm_url=f.prm_url, prm_model_name=f.prm_model_name, vllm_url=f.vllm_url,

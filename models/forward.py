@@ -79,6 +79,18 @@ def layers_keep_cache(decoder: nn.Module) -> Iterator[None]:
             del layer._can_checkpoint_with_cache
 
 
+@contextlib.contextmanager
+def module_mode(module: nn.Module, training: bool) -> Iterator[None]:
+    """``module`` in training (activation checkpointing and dropout act) or eval mode for the enclosed
+    passes; the caller's mode afterwards."""
+    was_training = module.training
+    module.train(training)
+    try:
+        yield
+    finally:
+        module.train(was_training)
+
+
 def hidden_at_actions(decoder: nn.Module, batch: PackedBatch | SharedPromptBatch,
                       autocast: Autocast = contextlib.nullcontext) -> torch.Tensor:
     """``[B, L, H]`` final hidden states of ``decoder`` (a causal LM's ``get_decoder()``) at the positions

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, StopStringCriteria
 from transformers.cache_utils import Cache, DynamicLayer
 
 from models.batching import compacts, length_batches
-from models.forward import kv_cache_keyword
+from models.forward import kv_cache_keyword, module_mode
 from models.packing import distinct_rows, left_padded
 from models.policy import LanguagePolicy
 from models.sampling import (GenerationOutput, Prompts, Seed, adapter_groups, check_sampling, encode_prompts,
@@ -124,17 +124,6 @@ def preallocated_cache(model: PreTrainedModel, capacity: int) -> Cache:
     return Cache(layers=[_PreallocatedLayer(capacity) for _ in range(config.num_hidden_layers)])
 
 
-@contextlib.contextmanager
-def _eval_mode(model: PreTrainedModel) -> Iterator[None]:
-    """Eval mode (no dropout) for the enclosed forwards; the caller's mode afterwards."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was_training)
-
-
 def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) -> list[int]:
     """The tokenizer's EOS plus any the model's generation config lists (as vLLM does)."""
     configured = model.generation_config.eos_token_id
@@ -242,7 +231,7 @@ class HFGenerator:
         # The last position by index, not logits_to_keep=1: that slice is a strided [U, 1, H] view, and a CPU
         # linear on it expands the [V, H] head per row (2.2 GB and 4.5 s for 8 rows at V = 151,936).
         last = torch.tensor([input_ids.shape[1] - 1], device=device)
-        with _eval_mode(model), torch.no_grad(), self.policy.autocast():
+        with module_mode(model, training=False), torch.no_grad(), self.policy.autocast():
             logits = model(input_ids=input_ids, attention_mask=attention_mask,
                            position_ids=(attention_mask.cumsum(1) - 1).clamp(min=0),
                            **{kv_cache_keyword(model): cache}, use_cache=True, logits_to_keep=last).logits[:, -1]  # [U, V]

@@ -14,7 +14,7 @@ import logging
 import math
 import time
 from collections import defaultdict
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,23 +24,13 @@ from algorithms.base import Algorithm, roc_auc
 from algorithms.buffer import RolloutBuffer
 from algorithms.registry import algorithm_spec
 from algorithms.statistics import kl_early_stop, role_sums, row_statistics
+from models.forward import module_mode
 from models.policy import LanguagePolicy
 from train import distributed
 from train.collector import Collector
 from train.distributed import Ranks
 
 log = logging.getLogger(__name__)
-
-
-@contextlib.contextmanager
-def training_mode(policy: torch.nn.Module) -> Iterator[None]:
-    """``policy`` in training mode for the minibatch steps, where activation checkpointing (and dropout)
-    act, and back in eval mode after: sampling and the rollout's scores read the eval-mode model."""
-    policy.train()
-    try:
-        yield
-    finally:
-        policy.eval()
 
 
 class NonFiniteError(RuntimeError):
@@ -70,7 +60,7 @@ class Learner:
         targets = algorithm.advantages(buffer)
         sums, weights = defaultdict(float), defaultdict(float)
         grad_norms, steps, stopped_early = [], 0, False
-        with training_mode(self.policy):
+        with module_mode(self.policy, training=True):  # checkpointing acts; eval mode again for sampling
             for _ in range(config.ppo_epoch):
                 for minibatch in buffer.minibatches(targets, config.num_mini_batch, config.gradient_cp_steps,
                                                     self.shuffle, skip=algorithm.skippable_rows,

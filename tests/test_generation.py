@@ -358,6 +358,22 @@ def test_bfloat16_policies_generate_score_and_train(untrained_policy_dir, policy
     assert low.actor_parameters()[0].dtype == stored
 
 
+def test_a_fresh_lora_acts_as_full_fine_tuning_with_bfloat16_weights(untrained_policy_dir):
+    """A fresh adapter adds exactly zero, so LoRA's greedy outputs and scores are those of its bf16 base, the
+    path of ``low_precision_weights``; full fine-tuning's fp32 master weights (autocast) run norms and residual
+    adds in fp32, a different path whose greedy outputs may differ."""
+    outputs = {}
+    for name, precision in {"lora": dict(lora=LoraSettings(rank=4)), "bf16-weights": dict(low_precision_weights=True),
+                            "fp32-master": {}}.items():
+        low = LanguagePolicy(untrained_policy_dir, device="cpu", dtype="bfloat16", **precision)
+        out = HFGenerator(low).generate(PROMPTS, max_new_tokens=12, temperature=0.0)
+        with torch.no_grad():
+            outputs[name] = out.token_ids, low.evaluate(out.prompt_token_ids, out.token_ids).logprobs
+    assert outputs["lora"][0] == outputs["bf16-weights"][0]
+    assert torch.equal(outputs["lora"][1], outputs["bf16-weights"][1])
+    assert not torch.equal(outputs["lora"][1], outputs["fp32-master"][1])
+
+
 def test_bad_arguments_fail_clearly(policy):
     with pytest.raises(ValueError, match="not one of 'hf', 'vllm'"):
         make_generator("sglang", policy)

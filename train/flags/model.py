@@ -11,7 +11,9 @@ flags.DEFINE_string("model_name_or_path", None, "Policy model: a Hugging Face mo
 flags.DEFINE_string("revision", None, "Hub revision (branch, tag or commit) of every model flag given as a hub id. "
                     "Default: the hub's default branch.")
 flags.DEFINE_string("device", "auto", "auto, cpu, cuda or cuda:N.")
-flags.DEFINE_enum("dtype", "float32", ("float32", "bfloat16", "float16"), "Compute dtype (fp32 master weights).")
+flags.DEFINE_enum("dtype", "float32", ("float32", "bfloat16", "float16"),
+                  "Compute dtype: matmuls run in it under autocast; trained weights stay fp32 (master weights) "
+                  "and a LoRA's frozen base is stored in it.")
 flags.DEFINE_integer("lora_rank", 0, "LoRA rank; 0 trains all weights.", lower_bound=0)
 flags.DEFINE_boolean("gradient_checkpointing", False, "Recompute activations in the backward pass.")
 flags.DEFINE_integer("torch_threads", 1, "torch intra-op CPU threads. 1 by default: on a machine whose cores other "

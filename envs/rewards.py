@@ -88,6 +88,8 @@ def score_batch(reward_model: RewardModel, contexts: Sequence[StepContext]) -> R
     raises comes back as a ``RewardModelError`` naming the model and the batch's problems."""
     try:
         output = reward_model.score(contexts)
+    except RewardModelError:
+        raise  # a mixture's source already named itself
     except Exception as error:
         raise RewardModelError(reward_model, contexts, error) from error
     shape = np.shape(output.rewards)
@@ -124,8 +126,9 @@ class RewardMixture:
         return total
 
     def score_each(self, contexts: Sequence[StepContext], skip: Sequence[str] = ()) -> dict[str, RewardOutput]:
-        """Every source's own ``RewardOutput`` for the batch (each scoring it once), but those in ``skip``."""
-        return {name: model.score(contexts) for name, model in self.models.items() if name not in skip}
+        """Every source's own ``RewardOutput`` for the batch (each scoring it once, through ``score_batch``, so
+        that a failing source is the one named), but those in ``skip``."""
+        return {name: score_batch(model, contexts) for name, model in self.models.items() if name not in skip}
 
     def score(self, contexts: Sequence[StepContext]) -> RewardOutput:
         """Weighted sum [B] of every source's reward; ``components`` holds what each source reported and its

@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 
 from envs.datasets import Problem
-from envs.rewards import OutcomeReward, RewardMixture, RewardModel, RewardOutput, StepContext
+from envs.rewards import (OutcomeReward, RewardMixture, RewardModel, RewardModelError, RewardOutput, StepContext,
+                          score_batch)
 from reward_models.mixture import parse_reward_spec
 
 PROBLEM = Problem(id="p", problem="What is 1/2 + 1/4?", answer="\\frac{3}{4}")
@@ -54,6 +55,20 @@ def test_mixture_combines_weights_and_keeps_components():
     np.testing.assert_array_equal(output.components["prm"], [0.5] * 5)
     np.testing.assert_array_equal(output.correct[:4], [1.0, 1.0, 0.0, 0.0])
     assert prm.calls == 1
+
+
+class Unreachable(ConstantPerStep):
+    def score(self, contexts):
+        raise ConnectionError("PRM server at http://127.0.0.1:8001 refused the connection")
+
+
+def test_a_failing_source_of_a_mixture_is_the_one_named():
+    mixture = RewardMixture({"outcome": OutcomeReward(), "prm": Unreachable("prm", 0.0)},
+                            parse_reward_spec("outcome:1.0,prm:0.2", ["outcome", "prm"]))
+    with pytest.raises(RewardModelError, match=r"^reward model 'prm' \(Unreachable\) raised ConnectionError: PRM server "
+                                               r"at http://127.0.0.1:8001 refused the connection while scoring a batch "
+                                               r"of 5 steps of problems \[p\]$"):
+        score_batch(mixture, BATCH)
 
 
 def test_a_mixture_combines_any_shape_and_a_bare_model_is_one_source():

@@ -211,7 +211,7 @@ def start(config: RunConfig) -> tuple[Runner, Any, Path, Checkpoint | None, RunC
     import numpy as np
     import torch
 
-    from train import builders, checkpoint, distributed
+    from train import builders, checkpoint, distributed, host
 
     ranks = distributed.init(config.model.device, config.model.dist_timeout)
     config, saved = resumed(config)
@@ -228,7 +228,7 @@ def start(config: RunConfig) -> tuple[Runner, Any, Path, Checkpoint | None, RunC
             if ranks.is_main:
                 checkpoint.retire_newer(saved)
             log_changed_flags(saved.flags, config.flags)
-        torch.set_num_threads(config.model.torch_threads)
+        host.set_up(config.model)
         torch.manual_seed(config.seed)
         np.random.seed(config.seed)
         start_iteration = saved.iteration if saved is not None else 0

@@ -99,7 +99,7 @@ def run_ours(args: argparse.Namespace, model_dir: Path, problems: Path, scratch:
     """Seconds of one ``Runner.train_iteration`` built as train_math.py builds it."""
     from tensorboardX import SummaryWriter
 
-    from train import builders
+    from train import builders, host
     from train.config import config_from_flags
     from train.flags import FLAGS
     from vs_trl import TextHashOutcome
@@ -114,8 +114,10 @@ def run_ours(args: argparse.Namespace, model_dir: Path, problems: Path, scratch:
            f"--lora_rank={LORA_RANK if args.mode == 'lora' else 0}",
            f"--{'' if args.gc == 'on' else 'no'}gradient_checkpointing", f"--logdir={scratch}",
            f"--torch_threads={torch.get_num_threads()}"])
+    config = config_from_flags(FLAGS)
+    host.set_up(config.model)  # as train_math.py does
     writer = SummaryWriter(str(scratch))
-    runner = builders.build_runner(config_from_flags(FLAGS), scratch, writer)
+    runner = builders.build_runner(config, scratch, writer)
     runner.collector.env.unwrapped.task.reward_model = TextHashOutcome()
     synchronize(args.device)
     started = time.perf_counter()

@@ -39,6 +39,7 @@ class ModelConfig:
     role_models: dict[str, str] = field(default_factory=dict)  # frozen role -> its model directory
     value_heads: int = 1  # one per role with a per-role critic
     torch_threads: int = 1
+    return_freed_memory: bool = True  # on a CPU device: freed tensors leave the resident set
     data_parallel: str = "auto"  # under torchrun: ddp, fsdp or auto
     dist_timeout: float = 600.0  # under torchrun: seconds a collective may wait
 
@@ -310,7 +311,8 @@ def model_config(f: flags.FlagValues, workflow: Workflow | None) -> ModelConfig:
                        device=f.device, dtype=f.dtype, lora_rank=f.lora_rank,
                        gradient_checkpointing=f.gradient_checkpointing, role_adapters=tuple(trained),
                        role_models=frozen, value_heads=len(workflow.roles) if per_role_critic else 1,
-                       torch_threads=f.torch_threads, data_parallel=f.data_parallel, dist_timeout=f.dist_timeout)
+                       torch_threads=f.torch_threads, return_freed_memory=f.return_freed_memory,
+                       data_parallel=f.data_parallel, dist_timeout=f.dist_timeout)
 
 
 def env_config(f: flags.FlagValues, env_id: str, workflow: Workflow | None) -> EnvConfig:

@@ -16,5 +16,8 @@ flags.DEFINE_enum("dtype", "float32", ("float32", "bfloat16", "float16"),
                   "and a LoRA's frozen base is stored in it.")
 flags.DEFINE_integer("lora_rank", 0, "LoRA rank; 0 trains all weights.", lower_bound=0)
 flags.DEFINE_boolean("gradient_checkpointing", False, "Recompute activations in the backward pass.")
+flags.DEFINE_boolean("return_freed_memory", True, "On a CPU device, freed tensors of 1 MiB or more go back to the "
+                     "OS at once, so the resident set follows the live tensors, for more system time per "
+                     "allocation; --noreturn_freed_memory keeps glibc's default, which holds on to freed memory.")
 flags.DEFINE_integer("torch_threads", 1, "torch intra-op CPU threads. 1 by default: on a machine whose cores other "
                      "processes share, more threads oversubscribe OpenMP.", lower_bound=1)

@@ -270,9 +270,11 @@ class RolloutBuffer:
     def minibatches(self, targets: Targets, num_mini_batch: int, micro_batches: int,
                     generator: torch.Generator | None = None,
                     skip: Callable[[Batch], torch.Tensor] | None = None,
-                    reduce_totals: Callable[[np.ndarray], np.ndarray] | None = None) -> Iterator[list[Batch]]:
+                    reduce_totals: Callable[[np.ndarray], np.ndarray] | None = None,
+                    max_tokens: int = 0) -> Iterator[list[Batch]]:
         """Shuffles the trained slots into ``num_mini_batch`` minibatches (one optimizer step each),
-        each split into up to ``micro_batches`` micro-batches (gradient accumulation).
+        each split into up to ``micro_batches`` micro-batches (gradient accumulation), and these further
+        into micro-batches of at most ``max_tokens`` forwarded tokens (``within_tokens``; 0: no limit).
 
         Sizes differ by at most one when the counts do not divide; every micro-batch carries its
         minibatch's sample and token totals, so each sample weighs the same. ``skip(batch) -> [B]``
@@ -299,8 +301,35 @@ class RolloutBuffer:
             if skip is not None and len(minibatch):
                 minibatch = minibatch[~skip(self.batch(minibatch, samples, tokens, targets)).to(minibatch.device)]
             chunks = [chunk for chunk in torch.tensor_split(minibatch, micro_batches) if len(chunk)]
+            if max_tokens:
+                chunks = [part for chunk in chunks for part in self.within_tokens(chunk, max_tokens)]
             if chunks or reduce_totals is not None:  # all rows skipped (one process): no gradient, no step
                 yield [self.batch(chunk, samples, tokens, targets) for chunk in chunks]
+
+    def within_tokens(self, index: torch.Tensor, max_tokens: int) -> list[torch.Tensor]:
+        """The slots ``index`` [B] cut into micro-batches that forward at most ``max_tokens`` tokens each, as
+        the policy forwards rows that share a prompt: the prompt once, then every row's action. Rows that
+        continue one prompt are placed together (a group is cut only where it alone exceeds the budget), in
+        the order their prompts first appear; a row longer than the budget is a micro-batch of its own."""
+        slots = index.tolist()
+        prompts = [tuple(self.prompt_ids[slot]) for slot in slots]
+        first_seen: dict[tuple[int, ...], int] = {}
+        for prompt in prompts:
+            first_seen.setdefault(prompt, len(first_seen))
+        order = sorted(range(len(slots)), key=lambda k: first_seen[prompts[k]])
+        lengths = self.action_lengths.flatten()[index].tolist()
+        parts: list[list[int]] = [[]]
+        forwarded, prompts_in_part = 0, set()
+        for k in order:
+            cost = lengths[k] + (0 if prompts[k] in prompts_in_part else len(prompts[k]))
+            if parts[-1] and forwarded + cost > max_tokens:
+                parts.append([])
+                forwarded, prompts_in_part = 0, set()
+                cost = lengths[k] + len(prompts[k])
+            parts[-1].append(slots[k])
+            prompts_in_part.add(prompts[k])
+            forwarded += cost
+        return [torch.tensor(part, dtype=index.dtype, device=index.device) for part in parts]
 
     def batch(self, index: torch.Tensor, minibatch_samples: int, minibatch_tokens: int,
               targets: Targets | None = None) -> Batch:

@@ -75,11 +75,12 @@ def scores_from(theta: torch.Tensor, batch) -> ActionScores:
                         values=theta[batch.action_ids].tanh())
 
 
-def accumulated_gradient(buffer, targets, algorithm, num_mini_batch, micro_batches, skip=None) -> list[torch.Tensor]:
+def accumulated_gradient(buffer, targets, algorithm, num_mini_batch, micro_batches, skip=None,
+                         max_tokens: int = 0) -> list[torch.Tensor]:
     """Gradient of each minibatch, accumulated over its micro-batches."""
     grads = []
     for minibatch in buffer.minibatches(targets, num_mini_batch, micro_batches, torch.Generator().manual_seed(3),
-                                        skip=skip):
+                                        skip=skip, max_tokens=max_tokens):
         theta = torch.linspace(-1, 1, VOCAB, requires_grad=True)
         for batch in minibatch:
             loss, _ = algorithm.loss(scores_from(theta, batch), batch)
@@ -96,6 +97,34 @@ def test_gradient_accumulation_equals_full_batch_gradient(name, loss_agg, micro_
     (full,) = accumulated_gradient(buffer, targets, algorithm, 1, 1)
     (accumulated,) = accumulated_gradient(buffer, targets, algorithm, 1, micro_batches)
     torch.testing.assert_close(accumulated, full, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 9, 20])
+def test_a_token_budget_per_micro_batch_keeps_the_gradient(max_tokens):
+    buffer, targets = filled_buffer()
+    algorithm = make_algorithm("GRPO", AlgorithmConfig(entropy_coef=0.1))
+    (full,) = accumulated_gradient(buffer, targets, algorithm, 1, 1)
+    (budgeted,) = accumulated_gradient(buffer, targets, algorithm, 1, 2, max_tokens=max_tokens)
+    torch.testing.assert_close(budgeted, full, atol=1e-6, rtol=1e-5)
+
+
+def test_a_token_budget_cuts_micro_batches_by_forwarded_tokens_keeping_a_prompts_rows_together():
+    """Three groups of rows: prompts of 4, 6 and 3 tokens, actions of the lengths below. A micro-batch forwards
+    each prompt once plus every action: 4 + 2 + 3 = 9 for group a, 6 + 5 + 5 = 16 for group b (over a budget
+    of 12, so cut: 6 + 5 and 6 + 5), 3 + 1 + 1 = 5 for group c, which fits beside nothing else."""
+    prompts = {"a": [1, 2, 3, 4], "b": [5, 6, 7, 8, 9, 10], "c": [11, 12, 13]}
+    rows = [("b", 5), ("a", 2), ("c", 1), ("b", 5), ("a", 3), ("c", 1)]
+    buffer = RolloutBuffer(1, len(rows), 1, 5)
+    buffer.add(step=0, envs=list(range(len(rows))), agents=[0] * len(rows), prompt_ids=[prompts[g] for g, _ in rows],
+               action_ids=[[7] * n for _, n in rows], logprobs=[[-1.0] * n for _, n in rows],
+               group_ids=torch.tensor([ord(g) for g, _ in rows]), texts=["x"] * len(rows))
+
+    def cut(max_tokens: int) -> list[list[int]]:
+        return [part.tolist() for part in buffer.within_tokens(torch.arange(len(rows)), max_tokens)]
+
+    assert cut(12) == [[0], [3], [1, 4], [2, 5]]  # b first (its prompt is seen first), then a, then c
+    assert cut(100) == [[0, 3, 1, 4, 2, 5]]
+    assert cut(1) == [[0], [3], [1], [4], [2], [5]]  # a row over the budget goes alone
 
 
 def test_skipping_zero_advantage_rows_keeps_the_gradient():

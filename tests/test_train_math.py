@@ -280,6 +280,43 @@ def test_gradient_checkpointing_holds_fewer_activations_in_the_update(untrained_
     assert checkpointed < plain / 2, (checkpointed, plain)
 
 
+def test_a_micro_batch_token_budget_bounds_each_pass_and_trains_the_same_weights(untrained_policy_dir, tmp_path):
+    """``--micro_batch_tokens``: every update pass forwards at most the budget (a shared prompt once, then each
+    action) and the step is the one of a single micro-batch."""
+    from tensorboardX import SummaryWriter
+
+    from models.packing import distinct_rows, token_lengths
+    from train.builders import build_runner
+    from train.config import (BudgetConfig, EnvConfig, GenerationConfig, LearningConfig, LoggingConfig, ModelConfig,
+                              RunConfig)
+
+    def one_iteration(budget: int) -> tuple[list[int], list[torch.Tensor]]:
+        torch.manual_seed(0)
+        config = RunConfig(model=ModelConfig(name_or_path=str(untrained_policy_dir), device="cpu"),
+                           env=EnvConfig(num_envs=8), generation=GenerationConfig(max_new_tokens=6),
+                           learning=LearningConfig(algorithm="APPO", micro_batch_tokens=budget),  # every row trains
+                           budget=BudgetConfig(num_iterations=1, eval_interval=0),
+                           logging=LoggingConfig(save_interval=0, save_best=False))
+        runner = build_runner(config, tmp_path / str(budget), SummaryWriter(str(tmp_path / str(budget))))
+        forwarded, trainable = [], runner.learner.trainable
+
+        def counted(prompts, actions, *args, **kwargs):
+            distinct, _ = distinct_rows([list(prompt) for prompt in prompts])
+            forwarded.append(sum(map(len, distinct)) + sum(token_lengths(actions)))
+            return trainable(prompts, actions, *args, **kwargs)
+
+        runner.learner.trainable = counted
+        runner.train_iteration(0, {})
+        return forwarded, [p.detach().clone() for p in runner.policy.actor_parameters()]
+
+    whole, whole_weights = one_iteration(0)
+    budget = whole[0] // 3
+    cut, cut_weights = one_iteration(budget)
+    assert len(whole) == 1 and len(cut) > 3 and max(cut) <= budget
+    for expected, got in zip(whole_weights, cut_weights):
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+
+
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
           "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 

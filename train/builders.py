@@ -282,7 +282,8 @@ def runner_config(config: RunConfig) -> RunnerConfig:
     learning, budget, logs = config.learning, config.budget, config.logging
     return RunnerConfig(
         num_iterations=budget.num_iterations, num_mini_batch=learning.num_mini_batch, ppo_epoch=learning.ppo_epoch,
-        gradient_cp_steps=learning.gradient_cp_steps, max_grad_norm=learning.max_grad_norm,
+        gradient_cp_steps=learning.gradient_cp_steps, micro_batch_tokens=learning.micro_batch_tokens,
+        max_grad_norm=learning.max_grad_norm,
         target_kl=learning.target_kl, eval_interval=budget.eval_interval, eval_limit=budget.eval_limit,
         log_interval=logs.log_interval, save_interval=logs.save_interval, keep_checkpoints=logs.keep_checkpoints,
         save_best=logs.save_best, max_nonfinite_steps=learning.max_nonfinite_steps, seed=config.seed,

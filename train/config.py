@@ -101,6 +101,7 @@ class LearningConfig:
     num_mini_batch: int = 1
     ppo_epoch: int = 1
     gradient_cp_steps: int = 1
+    micro_batch_tokens: int = 0
     max_grad_norm: float = 1.0
     target_kl: float = 0.0
     max_nonfinite_steps: int = 3
@@ -359,7 +360,8 @@ def learning_config(f: flags.FlagValues, workflow: Workflow | None) -> LearningC
         prompt_groups=f.n_rollout_threads // group_size if f.oversample_factor > 1 else None,
         critic_view="per_role" if f.critic == "per_role" else "centralized", lr=f.lr, critic_lr=f.critic_lr,
         warmup_iterations=f.warmup_iterations, lr_schedule=f.lr_schedule, num_mini_batch=f.num_mini_batch,
-        ppo_epoch=f.ppo_epoch, gradient_cp_steps=f.gradient_cp_steps, max_grad_norm=f.max_grad_norm,
+        ppo_epoch=f.ppo_epoch, gradient_cp_steps=f.gradient_cp_steps, micro_batch_tokens=f.micro_batch_tokens,
+        max_grad_norm=f.max_grad_norm,
         target_kl=f.target_kl, max_nonfinite_steps=f.max_nonfinite_steps, implicit_prm_beta=f.implicit_prm_beta,
         implicit_prm_lr=f.implicit_prm_lr)
 

@@ -64,7 +64,8 @@ class Learner:
             for _ in range(config.ppo_epoch):
                 for minibatch in buffer.minibatches(targets, config.num_mini_batch, config.gradient_cp_steps,
                                                     self.shuffle, skip=algorithm.skippable_rows,
-                                                    reduce_totals=self.reduce_totals):
+                                                    reduce_totals=self.reduce_totals,
+                                                    max_tokens=config.micro_batch_tokens):
                     minibatch_kl, stepped = self.minibatch_step(minibatch, progress, sums, weights, grad_norms)
                     steps += stepped
                     stopped_early = kl_early_stop(minibatch_kl, config.target_kl)

@@ -58,6 +58,7 @@ class RunnerConfig:
     num_mini_batch: int = 1
     ppo_epoch: int = 1
     gradient_cp_steps: int = 1
+    micro_batch_tokens: int = 0  # 0: no token limit on a micro-batch
     max_grad_norm: float = 1.0  # 0: no clipping
     target_kl: float = 0.0  # 0: off
     eval_interval: int = 50  # 0: never

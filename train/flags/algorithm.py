@@ -10,6 +10,9 @@ flags.DEFINE_enum("algorithm_name", "GRPO", tuple(ALGORITHMS), "RL algorithm.")
 flags.DEFINE_integer("num_mini_batch", 1, "Minibatches (optimizer steps) per epoch over each rollout.", lower_bound=1)
 flags.DEFINE_integer("ppo_epoch", 1, "Epochs over each rollout.", lower_bound=1)
 flags.DEFINE_integer("gradient_cp_steps", 1, "Gradient accumulation: micro-batches per minibatch.", lower_bound=1)
+flags.DEFINE_integer("micro_batch_tokens", 0, "Most tokens one micro-batch forwards (a shared prompt once, then each "
+                     "action): micro-batches are cut further until each fits, rows of one prompt kept together, the "
+                     "gradient unchanged. It bounds the update's activation memory; 0: no limit.", lower_bound=0)
 flags.DEFINE_float("lr", 1e-4, "Policy learning rate (AdamW).")
 flags.DEFINE_float("critic_lr", 1e-3, "Critic learning rate (value head and critic adapter).")
 flags.DEFINE_integer("warmup_iterations", 20, "Linear lr warm-up length in iterations (Adam's first steps move "

@@ -116,7 +116,8 @@ class LanguagePolicy(ShardedPolicy, PolicyWeights, nn.Module):
             enable = getattr(causal_lm, "activation_checkpointing_enable", causal_lm.gradient_checkpointing_enable)
             enable({"use_reentrant": False} if lora is None else {"use_reentrant": False,
                                                                   "context_fn": self._replay_with_active_adapter})
-        self.model = causal_lm if lora is None else self._with_adapters(causal_lm, lora, with_critic, self.role_adapters)
+        self.model = causal_lm if lora is None else self._with_adapters(causal_lm, lora, with_critic, self.role_adapters,
+                                                                        cast_inputs=not self.precision.autocast_enabled)
         hidden_size = causal_lm.config.get_text_config().hidden_size
         if value_heads < 1:
             raise ValueError(f"value_heads={value_heads} must be >= 1 (one per role for per-role critics)")
@@ -131,10 +132,13 @@ class LanguagePolicy(ShardedPolicy, PolicyWeights, nn.Module):
 
     @staticmethod
     def _with_adapters(causal_lm: PreTrainedModel, lora: LoraSettings, with_critic: bool,
-                       role_adapters: tuple[str, ...]) -> nn.Module:
+                       role_adapters: tuple[str, ...], cast_inputs: bool) -> nn.Module:
         """The actor adapter, the critic's, and one per role (each role then acts and learns through its own;
-        the shared actor adapter stays frozen at zero: the base)."""
+        the shared actor adapter stays frozen at zero: the base). ``cast_inputs=False`` where every pass runs
+        under autocast: peft would otherwise copy each adapter's input to the adapter's fp32, and autocast copy
+        it back to the compute dtype for the matmul, two copies of every activation that give the same result."""
         from peft import get_peft_model
+        from peft.tuners.tuners_utils import BaseTunerLayer
 
         peft_model = get_peft_model(causal_lm, lora.peft_config())
         extra = ((CRITIC_ADAPTER,) if with_critic else ()) + role_adapters
@@ -145,6 +149,9 @@ class LanguagePolicy(ShardedPolicy, PolicyWeights, nn.Module):
                 param.requires_grad_(True)
             elif role_adapters and f".{ACTOR_ADAPTER}." in name:
                 param.requires_grad_(False)
+        for module in peft_model.modules():
+            if isinstance(module, BaseTunerLayer):
+                module.cast_input_dtype_enabled = cast_inputs
         return peft_model
 
     # ---------------------------------------------------------------------------------------------

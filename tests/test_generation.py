@@ -358,6 +358,44 @@ def test_bfloat16_policies_generate_score_and_train(untrained_policy_dir, policy
     assert low.actor_parameters()[0].dtype == stored
 
 
+def test_a_bfloat16_lora_leaves_its_input_casts_to_autocast(untrained_policy_dir):
+    """peft casts each adapter's input to the adapter's fp32, which autocast casts back to bf16 for the matmul: a
+    bf16 LoRA policy turns that cast off, with the same scores and gradients and fewer copies."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountCopies(TorchDispatchMode):
+        copies = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            CountCopies.copies += func is torch.ops.aten._to_copy.default
+            return func(*args, **(kwargs or {}))
+
+    low = LanguagePolicy(untrained_policy_dir, device="cpu", dtype="bfloat16", lora=LoraSettings(rank=4))
+    torch.manual_seed(0)
+    for name, param in low.named_parameters():
+        if "lora_B" in name:  # an adapter that adds something
+            param.data.normal_(0.0, 0.1)
+    prompts, actions = [[5, 6, 7], [8, 9]], [[3, 4], [5]]
+
+    def scores_grads_and_copies(cast_inputs: bool) -> tuple[torch.Tensor, list[torch.Tensor], int]:
+        for module in low.modules():
+            if isinstance(module, BaseTunerLayer):
+                module.cast_input_dtype_enabled = cast_inputs
+        low.zero_grad()
+        CountCopies.copies = 0
+        with CountCopies():
+            scores = low.evaluate(prompts, actions).logprobs
+            scores.sum().backward()
+        return scores.detach(), [p.grad.clone() for p in low.actor_parameters()], CountCopies.copies
+
+    assert all(not module.cast_input_dtype_enabled for module in low.modules() if isinstance(module, BaseTunerLayer))
+    left_to_autocast, cast = scores_grads_and_copies(False), scores_grads_and_copies(True)
+    assert torch.equal(left_to_autocast[0], cast[0])
+    assert all(torch.equal(a, b) for a, b in zip(left_to_autocast[1], cast[1]))
+    assert left_to_autocast[2] < cast[2]
+
+
 def test_a_fresh_lora_acts_as_full_fine_tuning_with_bfloat16_weights(untrained_policy_dir):
     """A fresh adapter adds exactly zero, so LoRA's greedy outputs and scores are those of its bf16 base, the
     path of ``low_precision_weights``; full fine-tuning's fp32 master weights (autocast) run norms and residual

@@ -16,7 +16,8 @@ side skips its update), bfloat16 compute, fp32 trainable weights (the frozen LoR
 rank-16 LoRA on all linear layers or full fine-tuning, the same activation checkpointing, one
 optimizer step over all ``--prompts`` x ``--samples`` completions, no KL, no evaluation.
 
-Each case runs in a fresh process: peak memory is the peak resident set size on CPU and
+Ours runs as ``train_math.py`` runs it, with its process set-up (``train.host``: on a CPU, freed tensors go
+back to the OS). Each case runs in a fresh process: peak memory is the peak resident set size on CPU and
 ``torch.cuda.max_memory_allocated`` on CUDA; time is the iteration's wall time (model loading
 excluded). The floor is what weights, gradients and AdamW states alone take. Full fine-tuning at
 1.5B is left out (the issue's grid); ask for it with ``--full_models``.

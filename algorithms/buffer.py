@@ -308,27 +308,26 @@ class RolloutBuffer:
 
     def within_tokens(self, index: torch.Tensor, max_tokens: int) -> list[torch.Tensor]:
         """The slots ``index`` [B] cut into micro-batches that forward at most ``max_tokens`` tokens each, as
-        the policy forwards rows that share a prompt: the prompt once, then every row's action. Rows that
-        continue one prompt are placed together (a group is cut only where it alone exceeds the budget), in
-        the order their prompts first appear; a row longer than the budget is a micro-batch of its own."""
-        slots = index.tolist()
-        prompts = [tuple(self.prompt_ids[slot]) for slot in slots]
-        first_seen: dict[tuple[int, ...], int] = {}
-        for prompt in prompts:
-            first_seen.setdefault(prompt, len(first_seen))
-        order = sorted(range(len(slots)), key=lambda k: first_seen[prompts[k]])
-        lengths = self.action_lengths.flatten()[index].tolist()
+        the policy forwards rows that share a prompt: the prompt once, then every row's action. The rows of one
+        prompt form a group, taken in the order the prompts first appear: a group that does not fit beside the
+        rows before it starts a micro-batch, and one that alone exceeds the budget is cut across micro-batches,
+        each paying its prompt again; a row longer than the budget is a micro-batch of its own."""
+        groups: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+        for slot, length in zip(index.tolist(), self.action_lengths.flatten()[index].tolist()):
+            groups.setdefault(tuple(self.prompt_ids[slot]), []).append((slot, length))
         parts: list[list[int]] = [[]]
-        forwarded, prompts_in_part = 0, set()
-        for k in order:
-            cost = lengths[k] + (0 if prompts[k] in prompts_in_part else len(prompts[k]))
-            if parts[-1] and forwarded + cost > max_tokens:
+        forwarded = 0
+        for prompt, rows in groups.items():
+            if parts[-1] and forwarded + len(prompt) + sum(length for _, length in rows) > max_tokens:
                 parts.append([])
-                forwarded, prompts_in_part = 0, set()
-                cost = lengths[k] + len(prompts[k])
-            parts[-1].append(slots[k])
-            prompts_in_part.add(prompts[k])
-            forwarded += cost
+                forwarded = 0
+            forwarded += len(prompt)
+            for slot, length in rows:
+                if parts[-1] and forwarded + length > max_tokens:
+                    parts.append([])
+                    forwarded = len(prompt)
+                parts[-1].append(slot)
+                forwarded += length
         return [torch.tensor(part, dtype=index.dtype, device=index.device) for part in parts]
 
     def batch(self, index: torch.Tensor, minibatch_samples: int, minibatch_tokens: int,

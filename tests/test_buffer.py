@@ -123,6 +123,8 @@ def test_a_token_budget_cuts_micro_batches_by_forwarded_tokens_keeping_a_prompts
         return [part.tolist() for part in buffer.within_tokens(torch.arange(len(rows)), max_tokens)]
 
     assert cut(12) == [[0], [3], [1, 4], [2, 5]]  # b first (its prompt is seen first), then a, then c
+    assert cut(13) == [[0], [3], [1, 4], [2, 5]]  # c (5) does not fit beside a (9): moved whole, not cut
+    assert cut(14) == [[0], [3], [1, 4, 2, 5]]
     assert cut(100) == [[0, 3, 1, 4, 2, 5]]
     assert cut(1) == [[0], [3], [1], [4], [2], [5]]  # a row over the budget goes alone
 

@@ -40,6 +40,7 @@ def resident_growth(threshold: str) -> tuple[int, int]:
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the mmap threshold is glibc's")
 def test_freed_tensors_return_to_the_os_under_a_fixed_mmap_threshold():
-    assert resident_growth("dynamic") == (256, 256)  # glibc's default keeps every freed block
+    peak, end = resident_growth("dynamic")
+    assert peak >= 256 and end >= 256  # glibc's default keeps every freed block
     peak, end = resident_growth("fixed")
-    assert peak == 256 and end == 0
+    assert peak >= 256 and end <= 4

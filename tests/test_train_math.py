@@ -374,3 +374,44 @@ def test_openr_command_runs_with_tiny_models_and_writes_readable_events(tiny_mod
                 "loss/policy_loss", "grad/norm", "lr/actor", "time/generate", "time/update"):
         assert tag in scalars, f"{tag} missing from {sorted(scalars)}"
     assert len(scalars["train/reward"]) == 2
+
+
+def test_an_optimizer_step_allocates_no_temporary_of_a_parameters_size(untrained_policy_dir):
+    """The update's memory peaks in the optimizer step (weights, gradients and both moments alive), so the
+    step updates in place: after the first step has made the moments, nothing it allocates is as large as
+    the largest parameter (the per-parameter loop allocates two, a 151,936 x 896 embedding's ~1 GB)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from models.policy import LanguagePolicy
+    from train.builders import build_optimizer
+    from train.config import LearningConfig
+
+    class LargestNewTensor(TorchDispatchMode):
+        """The largest tensor an op returns that is none of ``existing`` (an in-place op returns its input)."""
+
+        def __init__(self, existing: set[int]):
+            super().__init__()
+            self.existing, self.largest = existing, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for tensor in torch.utils._pytree.tree_leaves(out):
+                if isinstance(tensor, torch.Tensor) and tensor.untyped_storage().data_ptr() not in self.existing:
+                    self.largest = max(self.largest, tensor.numel())
+            return out
+
+    policy = LanguagePolicy(untrained_policy_dir, device="cpu", with_critic=True)
+    optimizer, _ = build_optimizer(LearningConfig(), policy, iterations=1)
+    parameters = [p for group in optimizer.param_groups for p in group["params"]]
+    for step in range(2):
+        for parameter in parameters:
+            parameter.grad = torch.full_like(parameter, 0.01 * (step + 1))
+        if step == 0:
+            optimizer.step()
+    existing = {t.untyped_storage().data_ptr() for p in parameters
+                for t in (p, p.grad, *optimizer.state[p].values()) if t.numel() > 1}
+    with LargestNewTensor(existing) as mode:
+        optimizer.step()
+    largest_parameter = max(p.numel() for p in parameters)
+    assert largest_parameter > 10_000  # the embedding
+    assert mode.largest < largest_parameter / 100, mode.largest

@@ -53,7 +53,7 @@ class ImplicitPRM:
             raise ValueError(f"implicit PRM beta={beta} must be > 0")
         self.beta, self.granularity, self.normalize = beta, granularity, normalize
         self.model = LanguagePolicy(model_dir, device=device, dtype=dtype, lora=lora)
-        self.optimizer = torch.optim.AdamW(self.model.actor_parameters(), lr=lr)
+        self.optimizer = torch.optim.AdamW(self.model.actor_parameters(), lr=lr, fused=True)  # no temporaries
 
     def log_ratios(self, prompts: TokenBatch, actions: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(log pi_psi - log pi_ref [B, L] with grad through psi, action mask [B, L])."""
@@ -88,7 +88,6 @@ class ImplicitPRM:
         process's loss is its share of the mean, and ``sum_gradients`` adds the gradients (in place)
         over the processes before the step; a process with no samples joins with zero gradients."""
         total = len(labels) if total is None else total
-        self.optimizer.zero_grad(set_to_none=False)
         loss = torch.zeros(())
         if len(labels):
             log_ratio, _ = self.log_ratios(prompts, actions)
@@ -101,6 +100,7 @@ class ImplicitPRM:
                     param.grad = torch.zeros_like(param)
             sum_gradients([param.grad for param in self.model.actor_parameters()])
         self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)  # a model's worth, not held between updates
         return float(loss.detach())
 
 

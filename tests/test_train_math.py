@@ -415,3 +415,31 @@ def test_an_optimizer_step_allocates_no_temporary_of_a_parameters_size(untrained
     largest_parameter = max(p.numel() for p in parameters)
     assert largest_parameter > 10_000  # the embedding
     assert mode.largest < largest_parameter / 100, mode.largest
+
+
+def test_no_gradient_is_held_after_an_update(untrained_policy_dir, tmp_path, monkeypatch):
+    """The policy's and the implicit PRM's gradients are freed once their step has used them: held, each is a
+    model's worth of memory through the next iteration's generation and evaluation."""
+    from tensorboardX import SummaryWriter
+
+    from algorithms.registry import AlgorithmConfig
+    from test_env import StepLengthReward
+    from train import builders
+    from train.builders import build_runner
+    from train.config import BudgetConfig, EnvConfig, GenerationConfig, LearningConfig, LoggingConfig, ModelConfig, RunConfig
+
+    monkeypatch.setattr(builders, "build_reward_model", lambda config, device, template: StepLengthReward())
+    torch.manual_seed(0)  # the untrained policy never verifies: every group kept, rewards from the step lengths
+    config = RunConfig(model=ModelConfig(name_or_path=str(untrained_policy_dir), device="cpu"),
+                       env=EnvConfig(num_envs=8), generation=GenerationConfig(max_new_tokens=24),
+                       learning=LearningConfig(algorithm="RLOO", losses=AlgorithmConfig(accuracy_lower_bound=0.0)),
+                       budget=BudgetConfig(num_iterations=1, eval_interval=0),
+                       logging=LoggingConfig(save_interval=0, save_best=False))
+    runner = build_runner(config, tmp_path, SummaryWriter(str(tmp_path)))
+    models = (runner.policy, runner.learner.implicit_prm.model)
+    before = [[p.detach().clone() for p in model.actor_parameters()] for model in models]
+    runner.train_iteration(0, {})
+    for model, weights in zip(models, before):  # both stepped
+        assert not all(torch.equal(a, b) for a, b in zip(weights, model.actor_parameters()))
+    held = [name for model in models for name, p in model.named_parameters() if p.grad is not None]
+    assert held == []

@@ -167,6 +167,7 @@ class Learner:
         progress.nonfinite_in_a_row = 0
         grad_norms.append(grad_norm)
         self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)  # else a model's worth is held through the next generation
         return kl, True
 
     def micro_batch_backward(self, batch, sums: dict, weights: dict) -> tuple[dict[str, torch.Tensor], bool]:

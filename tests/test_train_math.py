@@ -403,11 +403,9 @@ def test_an_optimizer_step_allocates_no_temporary_of_a_parameters_size(untrained
     policy = LanguagePolicy(untrained_policy_dir, device="cpu", with_critic=True)
     optimizer, _ = build_optimizer(LearningConfig(), policy, iterations=1)
     parameters = [p for group in optimizer.param_groups for p in group["params"]]
-    for step in range(2):
-        for parameter in parameters:
-            parameter.grad = torch.full_like(parameter, 0.01 * (step + 1))
-        if step == 0:
-            optimizer.step()
+    for parameter in parameters:
+        parameter.grad = torch.full_like(parameter, 0.01)
+    optimizer.step()  # makes the moments
     existing = {t.untyped_storage().data_ptr() for p in parameters
                 for t in (p, p.grad, *optimizer.state[p].values()) if t.numel() > 1}
     with LargestNewTensor(existing) as mode:

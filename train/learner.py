@@ -138,13 +138,15 @@ class Learner:
         Several ranks: DDP and FSDP2 average the gradients over ranks, so each loss (normalised by the
         global totals) is scaled by the world size. Every rank runs as many forward and backward passes as
         the rank with the most micro-batches (both need them matched), the missing ones zero-gradient
-        passes (``idle_backward``)."""
+        passes (``idle_backward``).
+
+        Gradients exist only inside this call: they are freed on its way out, stepped or not (held, they
+        are a model's worth of memory through the next iteration's generation and evaluation)."""
         passes = len(minibatch)
         if self.ranks.distributed:
             passes = int(distributed.all_reduce_max([passes])[0])
             if passes == 0:
                 return 0.0, False  # every rank skipped every row: no gradient anywhere, no step (as in one process)
-        self.optimizer.zero_grad(set_to_none=True)
         kl_sum, kl_weight, finite_loss = 0.0, 0, True
         for k in range(passes):
             with self.gradient_sync(last=k == passes - 1):
@@ -161,14 +163,15 @@ class Learner:
             finite_loss = nonfinite == 0
         grad_norm = self.clipped_grad_norm()
         kl = kl_sum / max(kl_weight, 1)
-        if not (finite_loss and math.isfinite(grad_norm)):
+        stepped = finite_loss and math.isfinite(grad_norm)
+        if stepped:
+            progress.nonfinite_in_a_row = 0
+            grad_norms.append(grad_norm)
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if not stepped:
             self.skip_nonfinite_step("loss" if not finite_loss else f"gradient norm ({grad_norm})", progress)
-            return kl, False
-        progress.nonfinite_in_a_row = 0
-        grad_norms.append(grad_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)  # else a model's worth is held through the next generation
-        return kl, True
+        return kl, stepped
 
     def micro_batch_backward(self, batch, sums: dict, weights: dict) -> tuple[dict[str, torch.Tensor], bool]:
         """One micro-batch's forward and backward, its statistics added into ``sums``/``weights``; returns
@@ -237,9 +240,8 @@ class Learner:
         zero.backward()
 
     def skip_nonfinite_step(self, what: str, progress) -> None:
-        """Drops the step's gradients; ``max_nonfinite_steps`` in a row stop the run (the runner names the
-        last checkpoint, which stays the last good state: nothing is saved)."""
-        self.optimizer.zero_grad(set_to_none=True)
+        """Counts a step skipped for a non-finite ``what``; ``max_nonfinite_steps`` in a row stop the run (the
+        runner names the last checkpoint, which stays the last good state: nothing is saved)."""
         progress.nonfinite_steps += 1
         progress.nonfinite_in_a_row += 1
         log.warning("iteration %d: non-finite %s; optimizer step skipped (%d in a row, %d in the run)",

@@ -18,10 +18,12 @@ Each id declares the reward it trains on by default (``default_reward(env_id)``,
 solutions (``outcome:1.0,steps:1.0``), every other id the outcome.
 """
 
+import inspect
+
 import gymnasium
 
 from envs.datasets import MATH500, Arith, Problem, load_problems
-from envs.math_env import MathEnv, MathTask
+from envs.math_env import MathEnv, MathTask, build_problems
 from envs.multi_agent import MultiAgentMathEnv, MultiAgentMathVectorEnv, register_builtin
 from envs.vector import MathVectorEnv
 
@@ -50,6 +52,50 @@ def default_reward(env_id: str) -> str:
     return DEFAULT_REWARDS.get(env_id, FALLBACK_REWARD)
 
 
+TRAINER_KWARGS = {"num_envs": "--n_rollout_threads", "group_size": "--group_size", "autoreset_mode": "the algorithm",
+                  "group_offset": "torchrun", "total_groups": "torchrun", "reward_model": "--reward",
+                  "template": "--prompt_template", "tokenizer": "the policy", "mode": "--action_level",
+                  "end_marker": "--action_level", "handoff_steps": "--handoff_steps", "split": "the train/held-out split",
+                  "problems": "--dataset_path", "dataset_path": "--dataset_path", "workflow": "--env_id",
+                  "reward_assignment": "--reward_assignment"}
+"""Env keywords the trainer sets itself: {keyword: the flag (or the part of the run) that decides it}."""
+
+
+def override_kwargs(env_id: str, overrides: dict) -> dict:
+    """The keywords that ``overrides`` (a user's ``--env_kwargs``) passes to ``env_id``'s vector env: each
+    replaces the registered value, except a dict (Arith's ``arith`` knobs), whose keys update the registered
+    dict. Raises ValueError naming a keyword the trainer sets itself or the env does not take, and any
+    problem source the result cannot build (Arith knobs, MATH ``levels``/``subjects`` that match nothing)."""
+    if not isinstance(overrides, dict):
+        raise ValueError(f"env kwargs must be a JSON object such as '{{\"arith\": {{\"digits\": 1}}}}', got "
+                         f"{overrides!r}")
+    for key in overrides:
+        if key in TRAINER_KWARGS:
+            raise ValueError(f"env kwarg {key!r} is set by the trainer from {TRAINER_KWARGS[key]}; drop it")
+    spec = gymnasium.spec(env_id)
+    accepted = env_keywords(spec)
+    unknown = sorted(set(overrides) - accepted) if accepted is not None else []
+    if unknown:
+        raise ValueError(f"{env_id} takes no keyword {unknown}; it takes {sorted(accepted - set(TRAINER_KWARGS))}")
+    merged = {key: {**spec.kwargs[key], **value} if isinstance(value, dict) and isinstance(spec.kwargs.get(key), dict)
+              else value for key, value in overrides.items()}
+    if accepted is not None:  # a built-in env: its problem source must build (Arith draws both splits at once)
+        source = {key: value for key, value in {**spec.kwargs, **merged}.items()
+                  if key in ("dataset_path", "subjects", "levels", "limit", "arith")}
+        build_problems(split="train", **source)
+    return merged
+
+
+def env_keywords(spec: gymnasium.envs.registration.EnvSpec) -> set[str] | None:
+    """The keywords a built-in vector env (and its ``MathTask``) takes; None for another env (not checked)."""
+    entry = spec.vector_entry_point
+    if entry not in ("envs.vector:MathVectorEnv", "envs.multi_agent:MultiAgentMathVectorEnv"):
+        return None
+    vector_env = MathVectorEnv if entry.endswith(":MathVectorEnv") else MultiAgentMathVectorEnv
+    names = (inspect.signature(vector_env).parameters.keys() | inspect.signature(MathTask).parameters.keys())
+    return {name for name in names if name != "task_kwargs"}
+
+
 _register("MATH-v0", reward="outcome", dataset_path=str(MATH500))
 # Arith's canonical solutions make the matched share of their steps an exact process reward; with the
 # outcome it trains the default run further than the outcome alone.
@@ -59,4 +105,4 @@ DEFAULT_REWARDS.update({spec.id: "outcome" for spec in gymnasium.registry.values
                         if spec.entry_point == "envs.multi_agent:MultiAgentMathEnv"})
 
 __all__ = ["DEFAULT_REWARDS", "Arith", "MathEnv", "MathTask", "MathVectorEnv", "MultiAgentMathEnv",
-           "MultiAgentMathVectorEnv", "Problem", "default_reward", "load_problems"]
+           "MultiAgentMathVectorEnv", "Problem", "default_reward", "load_problems", "override_kwargs"]

@@ -248,7 +248,8 @@ class Arith:
             if problem.id not in seen:
                 seen.add(problem.id)
                 out.append(problem)
-        raise ValueError(f"{self} has fewer than {n} distinct problems outside the excluded ones; widen its knobs")
+        raise ValueError(f"{self} has fewer than {n} distinct problems outside the excluded ones; widen its knobs "
+                         "or ask for fewer (num_train, num_test)")
 
     def split(self, num_train: int, num_test: int, seed: int) -> tuple[list[Problem], list[Problem]]:
         """Disjoint train and held-out test sets, both determined by ``seed``."""

@@ -20,10 +20,13 @@ USER_SLOT = "MATHRL-USER-TURN-7f3a9c"
 """Stands in for the user's message while the chat template renders; replaced by the env's placeholders."""
 
 
-def build_template(kind: str, tokenizer: PreTrainedTokenizerBase, system_prompt: str | None = None) -> str:
+def build_template(kind: str, tokenizer: PreTrainedTokenizerBase, system_prompt: str | None = None,
+                   answer_instruction: str = "") -> str:
     """A template for ``envs.prompts.format_prompt`` (the envs' ``template=``) of ``kind``: ``default``
     (plain text; takes no system prompt), ``qwen_math`` (ChatML with ``system_prompt``, Qwen-Math's by
-    default) or ``chat`` (``tokenizer``'s chat template; a system turn only when ``system_prompt`` is given)."""
+    default, which already asks for a boxed answer) or ``chat`` (``tokenizer``'s chat template; a system turn
+    only when ``system_prompt`` is given; the user turn ends with ``answer_instruction`` when it is not empty,
+    e.g. ``envs.prompts.ANSWER_INSTRUCTION``)."""
     if kind == "default":
         if system_prompt is not None:
             raise ValueError("--system_prompt needs a chat prompt template (--prompt_template chat or qwen_math); "
@@ -32,13 +35,15 @@ def build_template(kind: str, tokenizer: PreTrainedTokenizerBase, system_prompt:
     if kind == "qwen_math":
         return chatml_template(QWEN_MATH_SYSTEM if system_prompt is None else system_prompt)
     if kind == "chat":
-        return chat_template(tokenizer, system_prompt)
+        return chat_template(tokenizer, system_prompt, answer_instruction)
     raise ValueError(f"prompt template kind {kind!r} is not one of {PROMPT_KINDS}")
 
 
-def chat_template(tokenizer: PreTrainedTokenizerBase, system_prompt: str | None = None) -> str:
+def chat_template(tokenizer: PreTrainedTokenizerBase, system_prompt: str | None = None,
+                  answer_instruction: str = "") -> str:
     """``tokenizer``'s chat template rendered around one user message (after a system message when
-    ``system_prompt`` is given) with the generation prompt, the message replaced by ``{context}{problem}``.
+    ``system_prompt`` is given) with the generation prompt, the message replaced by ``{context}{problem}``
+    and, when given, a space and ``answer_instruction`` (after the problem, where verl's recipes put it).
     A leading BOS the template writes is dropped when the tokenizer adds it itself, so tokenizing the
     filled-in prompt gives the ids ``apply_chat_template`` gives."""
     where = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
@@ -55,7 +60,8 @@ def chat_template(tokenizer: PreTrainedTokenizerBase, system_prompt: str | None 
     bos = tokenizer.bos_token
     if bos and text.startswith(bos) and adds_bos(tokenizer):
         text = text[len(bos):]
-    return text.replace(USER_SLOT, "{context}{problem}")
+    user_turn = "{context}{problem}" + (f" {answer_instruction}" if answer_instruction else "")
+    return text.replace(USER_SLOT, user_turn)
 
 
 def adds_bos(tokenizer: PreTrainedTokenizerBase) -> bool:

@@ -189,3 +189,16 @@ def test_handoff_steps_terminates_for_prefix_rl():
     assert terminated and not truncated and info["step"] == 2
     with pytest.raises(ValueError, match="handoff_steps=0"):
         MathEnv(problems=PROBLEMS, handoff_steps=0)
+
+
+def test_env_kwargs_update_the_registered_knobs_and_reach_the_problems():
+    overrides = envs.override_kwargs("Arith-v0", {"arith": {"digits": 1, "max_ops": 2, "num_train": 3000,
+                                                            "num_test": 200}, "max_steps": 4})
+    assert overrides == {"arith": {**envs.DEFAULT_ARITH, "digits": 1, "max_ops": 2, "num_train": 3000,
+                                   "num_test": 200}, "max_steps": 4}
+    env = gymnasium.make_vec("Arith-v0", num_envs=2, vectorization_mode="vector_entry_point", split="test",
+                             **overrides)
+    assert len(env.problems) == 200 and env.task.max_steps == 4
+    operands = [int(x) for p in env.problems for x in p.problem[len("Compute "):-1].split()[::2]]
+    assert max(operands) <= 9 and {p.level for p in env.problems} == {1, 2}
+    assert envs.override_kwargs("MATH-v0", {"levels": [1]}) == {"levels": [1]}

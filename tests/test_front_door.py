@@ -97,6 +97,11 @@ def bad_inputs(tmp_path_factory, untrained_policy_dir) -> dict[str, list[str]]:
         "joint groups with TPPO": ["--env_id", "Arith-Chain-v0", "--algorithm_name", "TPPO", "--agent_groups", "joint"],
         "role flag on one agent": ["--reward_assignment", "individual"],
         "unimportable env module": ["--env_id", "no_such_workflows:X-v0"],
+        "env kwarg the trainer sets": ["--env_kwargs", '{"group_size": 2}'],
+        "env kwarg the env lacks": ["--env_kwargs", '{"digits": 1}'],
+        "arith too small for its split": ["--env_kwargs", '{"arith": {"digits": 1, "max_ops": 1}}'],
+        "env kwargs not an object": ["--env_kwargs", '[1, 2]'],
+        "answer instruction without chat": ["--answer_instruction", "Box it."],
     }
 
 
@@ -119,6 +124,11 @@ EXPECTED = {
     "joint groups with TPPO": ("--agent_groups applies to GRPO/RLOO", "--algorithm_name=TPPO"),
     "role flag on one agent": ("--reward_assignment", "--env_id=Arith-v0 has one agent"),
     "unimportable env module": ("'no_such_workflows'", "PYTHONPATH"),
+    "env kwarg the trainer sets": ("--env_kwargs", "'group_size' is set by the trainer from --group_size"),
+    "env kwarg the env lacks": ("--env_kwargs", "Arith-v0 takes no keyword ['digits']", "'arith'"),
+    "arith too small for its split": ("--env_kwargs", "fewer than 1000 distinct problems", "num_test"),
+    "env kwargs not an object": ("--env_kwargs", "must be a JSON object"),
+    "answer instruction without chat": ("--answer_instruction", "--prompt_template chat"),
 }
 
 

@@ -10,7 +10,7 @@ import pytest
 from envs.datasets import Arith
 from envs.rewards import StepContext
 from envs.multi_agent import MultiAgentMathVectorEnv
-from envs.prompts import DEFAULT_TEMPLATE, TEMPLATES, format_prompt
+from envs.prompts import ANSWER_INSTRUCTION, DEFAULT_TEMPLATE, TEMPLATES, format_prompt
 from envs.workflows import VERIFIER_INSTRUCTIONS, chain
 from models.prompting import build_template
 from reward_models.target_solver import TargetSolver
@@ -42,6 +42,15 @@ def test_chat_prompts_tokenize_as_the_chat_template_applied_by_hand(chat_tokeniz
         ids = chat_tokenizer(format_prompt(problem, template))["input_ids"]
         assert ids == by_hand(chat_tokenizer, problem, system)
     assert format_prompt("1 + 2", template).endswith("<|im_start|>user\n1 + 2<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_the_answer_instruction_ends_the_user_turn(chat_tokenizer):
+    template = build_template("chat", chat_tokenizer, answer_instruction=ANSWER_INSTRUCTION)
+    context = "[solver]\n1 + 2 = 3\n\n"
+    for problem in PROBLEMS:
+        ids = chat_tokenizer(format_prompt(problem, template, context))["input_ids"]
+        assert ids == by_hand(chat_tokenizer, f"{context}{problem} {ANSWER_INSTRUCTION}")
+    assert build_template("chat", chat_tokenizer, answer_instruction="") == build_template("chat", chat_tokenizer)
 
 
 def test_a_roles_context_goes_inside_the_user_turn(chat_tokenizer):

@@ -160,7 +160,7 @@ def build_target_solver(config: RunConfig, device: str, policy_template: str) ->
     else:
         target = LanguagePolicy(rewards.target_model, device=device, dtype=config.model.dtype).eval()
         generator = make_generator("hf", target)
-        template = build_template(env.prompt_template, target.tokenizer, env.system_prompt)
+        template = build_template(env.prompt_template, target.tokenizer, env.system_prompt, env.answer_instruction)
     return TargetSolver(generator, num_samples=rewards.target_num_samples, max_new_tokens=rewards.target_max_new_tokens,
                         temperature=rewards.target_temperature, seed=config.seed, template=template)
 
@@ -186,11 +186,13 @@ def env_kwargs(env: EnvConfig, split: str, reward_model: RewardModel, tokenizer,
     """Task kwargs of the train (split "train") or held-out ("test") vector env; ``tokenizer`` is the
     policy's (it decodes token actions, and its EOS text ends a step-level episode), ``template`` its
     prompt template (``models.prompting.build_template``), for every role of a workflow. A multi-agent env
-    takes whole messages and credits its 'outcome' source by ``env.reward_assignment``."""
+    takes whole messages and credits its 'outcome' source by ``env.reward_assignment``. The user's
+    ``env.env_kwargs`` come first: what the trainer sets (the problem source of a separate held-out set, a
+    solution-level action's one step) wins."""
     if env.workflow is not None:
-        return {"reward_assignment": env.reward_assignment, "reward_model": reward_model, "template": template,
-                **problem_source(env, split)}
-    kwargs = {"reward_model": reward_model, "template": template, **problem_source(env, split)}
+        return {**env.env_kwargs, "reward_assignment": env.reward_assignment, "reward_model": reward_model,
+                "template": template, **problem_source(env, split)}
+    kwargs = {**env.env_kwargs, "reward_model": reward_model, "template": template, **problem_source(env, split)}
     if env.handoff_steps is not None:
         kwargs["handoff_steps"] = env.handoff_steps
     if env.action_level == "solution":
@@ -345,7 +347,7 @@ def build_runner(config: RunConfig, run_dir: Path, writer, saved: checkpoint.Che
     policy = build_policy(config.model, directory, learning.algorithm, ranks)
     # first: under FSDP2 the ranks but 0 hold no weights until sharded, and the parameters become new objects
     trainable = build_trainable(policy, ranks, config.model.data_parallel)
-    template = build_template(env.prompt_template, policy.tokenizer, env.system_prompt)
+    template = build_template(env.prompt_template, policy.tokenizer, env.system_prompt, env.answer_instruction)
     train_env, eval_env = build_envs(env, build_reward_model(config, str(policy.device), template), policy.tokenizer,
                                      template, ranks)
     sync_dir = Path(config.services.vllm_sync_dir or run_dir / "sync")

@@ -9,6 +9,7 @@ part, so a library user builds a run without absl: ``build_runner(RunConfig(...)
 from __future__ import annotations
 
 import importlib
+import json
 from dataclasses import dataclass, field
 
 import gymnasium
@@ -17,6 +18,7 @@ from absl import flags
 import envs  # registers the built-in ids
 from algorithms.registry import AlgorithmConfig
 from algorithms.registry import ALGORITHMS
+from envs.prompts import ANSWER_INSTRUCTION
 from envs.workflows import Workflow, resolve_workflow
 from models.hub import resolve_model
 from models.remote import ClientSettings
@@ -63,6 +65,8 @@ class EnvConfig:
     reward_assignment: str = "team"  # multi-agent credit
     prompt_template: str = "default"  # default, qwen_math or chat
     system_prompt: str | None = None
+    answer_instruction: str = ANSWER_INSTRUCTION  # ends a chat prompt's user turn
+    env_kwargs: dict = field(default_factory=dict)  # the user's keywords for the env id (envs.override_kwargs)
 
 
 @dataclass(frozen=True)
@@ -324,7 +328,18 @@ def env_config(f: flags.FlagValues, env_id: str, workflow: Workflow | None) -> E
                      group_size=f.group_size or default_group_size(f.algorithm_name),
                      whole_episodes=ALGORITHMS[f.algorithm_name].episodic or workflow is not None,
                      eval_batch_size=f.eval_batch_size, reward_assignment=f.reward_assignment,
-                     prompt_template=f.prompt_template, system_prompt=f.system_prompt)
+                     prompt_template=f.prompt_template, system_prompt=f.system_prompt,
+                     answer_instruction=f.answer_instruction, env_kwargs=user_env_kwargs(f, env_id))
+
+
+def user_env_kwargs(f: flags.FlagValues, env_id: str) -> dict:
+    """--env_kwargs parsed and checked against ``env_id`` (``envs.override_kwargs``), before torch loads."""
+    if f.env_kwargs is None:
+        return {}
+    try:
+        return envs.override_kwargs(env_id, json.loads(f.env_kwargs))
+    except (ValueError, TypeError) as error:  # json.JSONDecodeError is a ValueError
+        raise flags.ValidationError(f"--env_kwargs={f.env_kwargs!r}: {error}") from None
 
 
 def episode_length(f: flags.FlagValues, env_id: str, workflow: Workflow | None) -> int:

@@ -278,6 +278,14 @@ def default_group_size(algorithm: str) -> int:
 
 
 
+@flags.multi_flags_validator(["prompt_template", "answer_instruction"])
+def _check_answer_instruction(f: dict) -> bool:
+    if f["answer_instruction"] and FLAGS["answer_instruction"].present and f["prompt_template"] != "chat":
+        raise flags.ValidationError("--answer_instruction ends the user turn of --prompt_template chat; add it, or "
+                                    "write the instruction into --system_prompt (qwen_math) instead")
+    return True
+
+
 @flags.multi_flags_validator(["prompt_template", "system_prompt"])
 def _check_system_prompt(f: dict) -> bool:
     if f["system_prompt"] is not None and f["prompt_template"] == "default":

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from absl import flags
 
+from envs.prompts import ANSWER_INSTRUCTION
+
 flags.DEFINE_string("dataset_path", None, "Problems to train on: a JSONL/JSON file (MATH-500 or OpenR schema), a "
                     "directory holding {split}.jsonl, or hf://NAME[:split] (needs the datasets package). Given "
                     "alone, the env is MATH-v0.")
@@ -20,6 +22,13 @@ flags.DEFINE_enum("action_level", "solution", ("solution", "step", "token"), "Wh
 flags.DEFINE_enum("prompt_template", "default", ("default", "qwen_math", "chat"), "How a problem becomes a prompt: "
                   "default ('Problem: ...\\nSolution:\\n'), qwen_math (Qwen2.5-Math's ChatML prompt), or chat (the "
                   "tokenizer's own chat template, generation prompt added; for instruct models).")
+flags.DEFINE_string("env_kwargs", None, "JSON object of keywords for the env id (gymnasium.make's kwargs), e.g. "
+                    "'{\"arith\": {\"digits\": 1, \"max_ops\": 2, \"num_train\": 3000}}' for Arith-v0's knobs or "
+                    "'{\"levels\": [1, 2]}' for MATH-v0; a dict value updates the registered dict key by key. Applies "
+                    "to the train and held-out envs.")
+flags.DEFINE_string("answer_instruction", ANSWER_INSTRUCTION, "Sentence appended to the user turn of --prompt_template "
+                    "chat, telling an instruct model where to put its answer (verl's math recipes append the same); "
+                    "'' for none. Every role of a workflow reads it.")
 flags.DEFINE_string("system_prompt", None, "System message of --prompt_template chat (and qwen_math). Default: "
                     "the template's own.")
 flags.DEFINE_integer("episode_length", None, "Env steps per env per iteration (episodic algorithms: the longest "

@@ -1,0 +1,159 @@
+"""A real pretrained instruct model trained by ``train_math.py``'s own path, and what it gained.
+
+    python -m bench.real_model_learning [--model DIR_OR_HUB_ID] [--modes lora full] [--iterations 40]
+                                        [--eval_interval 10] [--eval_limit 500] [--seed 0]
+                                        [--out runs/real_model_learning]
+
+Each mode is one ``python train_math.py`` run (GRPO under the model's own chat template, the answer
+format asked for as ``--answer_instruction`` does by default) on an Arith difficulty where the model has
+signal, evaluated greedily on ``--eval_limit`` held-out problems at the start, every ``--eval_interval``
+iterations and at the end. Defaults: SmolLM2-135M-Instruct (``python -m models.smollm2`` converts it into
+the cache) on one-digit operands with one or two additions or subtractions. Sampled at temperature 1.0
+this model answers 1% of such problems right and a group of 8 samples rarely holds a right one; at 0.7
+half of the groups hold one, so the runs sample at 0.7.
+
+What a gain is made of: ``eval/readable`` is the share of answers the grader can read (boxed, or after
+"the answer is"), ``eval/accuracy_readable`` the accuracy among those. Accuracy is their product, so a
+gain splits into format (more readable answers at the start's accuracy among them) and arithmetic (the
+rest: more of the readable answers right). The standard error of an accuracy ``p`` on ``n`` problems is
+``sqrt(p (1 - p) / n)``; a gain's is that of the difference of two independent estimates (the same
+problems are evaluated twice, so it overstates the noise a little).
+
+Outputs in ``--out``: ``runs/<mode>/`` (train_math's logdir: TensorBoard, ``train.log``, ``history.json``),
+``curve.csv`` (one line per mode and evaluation), ``curve.png`` (with matplotlib), and on stdout one line
+per mode ending ``held-out accuracy A -> B (+G points, Z standard errors) in M minutes``. Minutes are
+training time (train_math's ``seconds``: evaluations and start-up excluded). Re-running the same command
+reuses finished runs and continues an interrupted one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+from pathlib import Path
+from typing import Sequence
+
+from bench.learning_table import train_math_history
+
+ARITH = {"digits": 1, "min_ops": 1, "max_ops": 2, "operators": "+-", "num_train": 3000, "num_test": 500}
+"""The task: 4,200 distinct problems, 500 held out."""
+COMMON_FLAGS = ("--prompt_template", "chat", "--temperature", "0.7", "--group_size", "8", "--n_rollout_threads", "64",
+                "--max_new_tokens", "128", "--lr_schedule", "constant", "--warmup_iterations", "2",
+                "--torch_threads", "2", "--noasync_rollouts", "--keep_checkpoints", "1", "--save_interval", "10")
+"""GRPO in groups of 8, 8 prompts an iteration; both cores to one process (the asynchronous sampler would
+take one of them)."""
+MODES = {"lora": ("--lora_rank", "16", "--lr", "2e-5"), "full": ("--lr", "2e-6")}
+"""Each mode's flags: a rank-16 LoRA, or every weight trained (a pretrained model takes a small lr)."""
+CSV_KEYS = ("mode", "iteration", "env_steps", "minutes", "accuracy", "standard_error", "readable",
+            "accuracy_readable", "mean_length")
+
+
+def default_model() -> str:
+    from models.smollm2 import cache_dir
+
+    return str(cache_dir())
+
+
+def run_flags(mode: str, args: argparse.Namespace) -> list[str]:
+    """train_math's flags for one mode (its logdir and --resume aside)."""
+    return ["--model_name_or_path", args.model, "--env_kwargs", json.dumps({"arith": ARITH}), *COMMON_FLAGS,
+            *MODES[mode], "--num_env_steps", str(args.iterations * 64), "--eval_interval", str(args.eval_interval),
+            "--eval_limit", str(args.eval_limit), "--eval_batch_size", str(min(args.eval_limit, 250)),
+            "--seed", str(args.seed), "--experiment_name", mode]
+
+
+def standard_error(accuracy: float, n: int) -> float:
+    """Binomial standard error of an accuracy measured on ``n`` problems."""
+    return math.sqrt(accuracy * (1 - accuracy) / n)
+
+
+def gain_split(before: dict[str, float], after: dict[str, float]) -> tuple[float, float] | None:
+    """(format, arithmetic) parts of the accuracy gain from ``before`` to ``after``: accuracy = readable x
+    accuracy among readable, so format = d(readable) x before's accuracy among readable and arithmetic =
+    after's readable x d(accuracy among readable); they add up to the gain. None when not logged."""
+    if "eval/readable" not in before:
+        return None
+    format_part = (after["eval/readable"] - before["eval/readable"]) * before["eval/accuracy_readable"]
+    arithmetic = after["eval/readable"] * (after["eval/accuracy_readable"] - before["eval/accuracy_readable"])
+    return format_part, arithmetic
+
+
+def summary(mode: str, history: list[dict[str, float]], n: int) -> str:
+    """One line: the gain from the first evaluation to the last, in points and standard errors, its split."""
+    before, after = history[0], history[-1]
+    a, b = before["eval/accuracy"], after["eval/accuracy"]
+    gain_se = math.hypot(standard_error(a, n), standard_error(b, n))
+    z = (b - a) / gain_se if gain_se else math.inf
+    split = gain_split(before, after)
+    parts = "" if split is None else f"format {100 * split[0]:+.1f}, arithmetic {100 * split[1]:+.1f} points; "
+    return (f"{mode}: {parts}held-out accuracy {a:.3f} -> {b:.3f} ({100 * (b - a):+.1f} points, {z:.1f} standard "
+            f"errors) in {after['seconds'] / 60:.0f} minutes")
+
+
+def curve_rows(histories: dict[str, list[dict[str, float]]], n: int) -> list[dict[str, object]]:
+    return [{"mode": mode, "iteration": h["iteration"], "env_steps": h["env_steps"],
+             "minutes": round(h["seconds"] / 60, 2), "accuracy": h["eval/accuracy"],
+             "standard_error": round(standard_error(h["eval/accuracy"], n), 4),
+             "readable": h.get("eval/readable", ""), "accuracy_readable": h.get("eval/accuracy_readable", ""),
+             "mean_length": round(h["eval/mean_length"], 1)}
+            for mode, history in histories.items() for h in history]
+
+
+def plot(rows: list[dict[str, object]], path: Path) -> Path | None:
+    """Held-out accuracy against training minutes, one line per mode with a one-standard-error band."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -e '.[bench]'): no curve.png")
+        return None
+    figure, axes = plt.subplots(figsize=(6, 4))
+    for mode in dict.fromkeys(row["mode"] for row in rows):
+        mine = [row for row in rows if row["mode"] == mode]
+        minutes = [row["minutes"] for row in mine]
+        accuracy = [row["accuracy"] for row in mine]
+        se = [row["standard_error"] for row in mine]
+        axes.plot(minutes, accuracy, marker="o", label=mode)
+        axes.fill_between(minutes, [a - s for a, s in zip(accuracy, se)], [a + s for a, s in zip(accuracy, se)],
+                          alpha=0.2)
+    axes.set(xlabel="training minutes", ylabel="held-out greedy accuracy", title="GRPO on a real instruct model")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    return path
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="Model directory or hub id (default: SmolLM2-135M-Instruct "
+                        "in the cache, from python -m models.smollm2).")
+    parser.add_argument("--modes", nargs="+", choices=tuple(MODES), default=list(MODES))
+    parser.add_argument("--iterations", type=int, default=40, help="GRPO iterations of 64 samples per mode.")
+    parser.add_argument("--eval_interval", type=int, default=10, help="Evaluate every this many iterations.")
+    parser.add_argument("--eval_limit", type=int, default=500, help="Held-out problems per evaluation.")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("runs/real_model_learning"))
+    args = parser.parse_args(argv)
+    args.model = args.model or default_model()
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    histories = {mode: train_math_history(run_flags(mode, args), args.out / "runs" / mode) for mode in args.modes}
+    rows = curve_rows(histories, args.eval_limit)
+    with open(args.out / "curve.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=CSV_KEYS)
+        writer.writeheader()
+        writer.writerows(rows)
+    plot(rows, args.out / "curve.png")
+    for mode, history in histories.items():
+        print(summary(mode, history, args.eval_limit), flush=True)
+
+
+if __name__ == "__main__":
+    main()

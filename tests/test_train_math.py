@@ -347,7 +347,7 @@ def test_chat_prompts_reach_the_train_and_eval_envs_and_the_target(untrained_pol
                        budget=BudgetConfig(num_iterations=1, eval_interval=0))
     runner = build_runner(config, tmp_path / "run", writer=None)
     tokenizer = runner.policy.tokenizer
-    for env in (runner.collector.env.unwrapped, runner.eval_env.unwrapped):
+    for env in (runner.collector.env.unwrapped, runner.eval_envs[None].unwrapped):
         prompts, _ = env.reset(seed=0)
         problem = env.episodes[0].problem.problem
         by_hand = tokenizer.apply_chat_template([{"role": "system", "content": "Be brief."},

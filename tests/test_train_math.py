@@ -17,7 +17,8 @@ from absl import flags
 
 from envs.datasets import MATH500
 from envs.rewards import StepContext
-from test_trainer import read_scalars, run_train_math
+from event_files import read_scalars
+from test_trainer import run_train_math
 from train import flags as train_flags
 from train.config import config_from_flags
 

@@ -11,7 +11,8 @@
 - ``mean@n``: the mean accuracy of all n samples.
 
 k runs over 1, 2, 4, ... below n, and n (``maj@k`` from k = 2: maj@1 is the first sample's accuracy).
-Every value leaves as a sum over problems, so that ranks add theirs before dividing.
+They are logged as ``pass_at_k``, ``maj_at_k`` and ``mean_at_n`` (a TensorBoard tag holds no '@'). Every value
+leaves as a sum over problems, so that ranks add theirs before dividing.
 """
 
 from __future__ import annotations
@@ -50,9 +51,9 @@ def answer_equality(answers: Sequence[Sequence[str | None]], timeout: float = 1.
         same[p][i, j] = same[p][j, i] = verdict
     equality = []
     for row, values, table in zip(answers, distinct, same):
-        index = np.array([values.index(a) if a is not None else -1 for a in row])
-        readable = index >= 0
-        equality.append(table[index][:, index] & readable[:, None] & readable[None, :])
+        index = np.array([values.index(a) if a is not None else -1 for a in row], dtype=np.int64)
+        table = np.pad(table, (0, 1))  # index -1, no answer: the added row and column, equal to nothing
+        equality.append(table[index][:, index])
     return equality
 
 
@@ -80,10 +81,10 @@ def sampled_sums(correct: np.ndarray, answers: Sequence[Sequence[str | None]] | 
     sample's verdict (1.0 / 0.0); ``answers`` [P][n]: each sample's extracted answer, None where none."""
     n = correct.shape[1]
     right = correct.sum(axis=1).astype(int)
-    sums = {f"pass@{k}": sum(pass_at_k(n, int(c), k) for c in right) for k in sample_sizes(n)}
+    sums = {f"pass_at_{k}": sum(pass_at_k(n, int(c), k) for c in right) for k in sample_sizes(n)}
     if answers is not None:
         equality = answer_equality(answers, timeout)
         for k in sample_sizes(n)[1:]:
-            sums[f"maj@{k}"] = sum(majority_correct(equal[:k, :k], row[:k]) for equal, row in zip(equality, correct))
-    sums[f"mean@{n}"] = float(correct.mean(axis=1).sum())
+            sums[f"maj_at_{k}"] = sum(majority_correct(equal[:k, :k], row[:k]) for equal, row in zip(equality, correct))
+    sums[f"mean_at_{n}"] = float(correct.mean(axis=1).sum())
     return sums

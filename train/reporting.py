@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 
 EXTRA_EVAL_METRICS = (("readable", "readable"), ("prm_score", "PRM score"))
 """Evaluation metrics an evaluation's log line adds where present: (key after the set's prefix, label); the
-sampled ones (pass@k, maj@k, mean@n) follow."""
+sampled ones (pass_at_k, maj_at_k, mean_at_n) follow."""
 
 
 class Reporter:
@@ -62,7 +62,7 @@ class Reporter:
             prefix = "eval/" if name is None else f"eval/{name}/"
             extras = [(label, result[prefix + key]) for key, label in EXTRA_EVAL_METRICS if prefix + key in result]
             extras += [(key[len(prefix):], value) for key, value in result.items()
-                       if key.startswith(prefix) and "@" in key and "/" not in key[len(prefix):]]
+                       if key.startswith(prefix) and "_at_" in key and "/" not in key[len(prefix):]]
             extras = "".join(f", {label} {value:.3f}" for label, value in extras)
             log.info("eval iteration %d (%d env steps)%s: greedy accuracy %.3f on %d problems, mean length %.1f "
                      "tokens%s", iteration, env_steps, "" if name is None else f" {name}", result[prefix + "accuracy"],

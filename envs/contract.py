@@ -53,7 +53,9 @@ class StepFacts:
     source's own reward, NaN where it scored nothing; ``correct`` [N] float64, the verified verdict where an
     episode ended at this step, NaN elsewhere; ``clipped`` [N, A] bool, the action was longer than the env
     keeps; ``outputs`` {metric: [N, A] float64}, each slot's verified output (multi-agent:
-    ``envs.multi_agent.ROLE_METRICS``), NaN where it gave none.
+    ``envs.multi_agent.ROLE_METRICS``), NaN where it gave none; ``answers`` [N] object, the final answer
+    ``correct`` judged (extracted, a str) where an episode ended at this step, None where it had none the
+    grader could read, and elsewhere.
     """
 
     problem_ids: np.ndarray
@@ -67,9 +69,10 @@ class StepFacts:
     correct: np.ndarray | None = None
     clipped: np.ndarray | None = None
     outputs: dict[str, np.ndarray] = field(default_factory=dict)
+    answers: np.ndarray | None = None
 
     def __post_init__(self) -> None:
-        """A reset's facts: nothing paid, no verdict, nothing clipped."""
+        """A reset's facts: nothing paid, no verdict or answer, nothing clipped."""
         shape = self.acting.shape
         if self.rewards is None:
             self.rewards = np.zeros(shape)
@@ -79,6 +82,8 @@ class StepFacts:
             self.correct = np.full(shape[0], np.nan)
         if self.clipped is None:
             self.clipped = np.zeros(shape, dtype=bool)
+        if self.answers is None:
+            self.answers = np.full(shape[0], None, dtype=object)
 
     def __eq__(self, other: object) -> bool:
         """Field by field, arrays by value (NaN equal to NaN): what gymnasium's ``check_env`` asks of two infos

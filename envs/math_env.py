@@ -27,7 +27,7 @@ from envs.contract import FACTS, StepFacts
 from envs.datasets import Arith, Problem, load_problems
 from envs.grader import extract_answer
 from envs.prompts import DEFAULT_TEMPLATE, STEP_DELIMITER, format_prompt, resolve_template
-from envs.rewards import OutcomeReward, RewardModel, StepContext, score_batch, verify
+from envs.rewards import OutcomeReward, RewardModel, StepContext, final_answer, score_batch, verify
 
 MODES = ("step", "token")
 
@@ -183,11 +183,14 @@ class StepScores:
     rewards: [B] float64, 0.0 where the action completed no step.
     components: {source name: [B] float64} as the reward model reported them, NaN where no step was scored.
     correct: [B] float64 verdicts, 1.0 / 0.0 where the episode ended at this step, NaN elsewhere.
+    answers: [B] object, the extracted final answer where the episode ended at this step, None elsewhere
+        (and where the solution has none).
     """
 
     rewards: np.ndarray
     components: dict[str, np.ndarray]
     correct: np.ndarray
+    answers: np.ndarray
 
 
 def check_task_arguments(mode: str, tokenizer: Any, step_delimiter: str, **limits: int) -> None:
@@ -356,7 +359,8 @@ class MathTask:
     def score(self, episodes: Sequence[Episode], transitions: Sequence[Transition]) -> StepScores:
         """Scores every completed step of a batch of B episodes with ONE reward-model call (and
         grades the finished episodes once); see ``StepScores`` for the [B] arrays."""
-        scores = StepScores(rewards=np.zeros(len(episodes)), components={}, correct=np.full(len(episodes), np.nan))
+        scores = StepScores(rewards=np.zeros(len(episodes)), components={}, correct=np.full(len(episodes), np.nan),
+                            answers=np.full(len(episodes), None, dtype=object))
         scored = [i for i, t in enumerate(transitions) if t.completed_step is not None]
         if not scored:
             return scores
@@ -372,9 +376,11 @@ class MathTask:
         ]
         output = score_batch(self.reward_model, contexts)
         rewards = np.asarray(output.rewards, dtype=np.float64)
-        correct = output.correct if output.correct is not None else verify(contexts)
+        answers = [final_answer(c) if c.done else None for c in contexts]
+        correct = output.correct if output.correct is not None else verify(contexts, answers)
         done = np.array([c.done for c in contexts])
         scores.rewards[scored] = rewards
+        scores.answers[scored] = answers
         # verdicts only where the episode ended: a model may grade unfinished steps too
         scores.correct[scored] = np.where(done, np.asarray(correct, dtype=np.float64), np.nan)
         for name, values in output.components.items():
@@ -426,6 +432,7 @@ class MathEnv(gymnasium.Env):
         info = self.task.info(self.episode)
         info[FACTS] = self.task.facts([self.episode], [not self.episode.done], rewards=scores.rewards[:, None],
                                       returns=np.array([[self.episode.paid]]), correct=scores.correct,
+                                      answers=scores.answers,
                                       sources={name: values[:, None] for name, values in scores.components.items()},
                                       clipped=np.array([[transition.action_clipped]]))
         info.update({f"reward/{name}": float(values[0]) for name, values in scores.components.items()})

@@ -219,7 +219,7 @@ class MultiAgentMathVectorEnv(VectorEnv):
         for i in live:
             first_new[i] = len(self.dialogues[i].transcript)
             clipped[i] = self._say(i, actions[i])
-        results, final_answer = self._score(first_new)
+        results = self._score(first_new)
         results["clipped"] = clipped
         for dialogue, rewards in zip(self.dialogues, results["rewards"]):
             dialogue.paid += rewards
@@ -229,7 +229,7 @@ class MultiAgentMathVectorEnv(VectorEnv):
         ended = terminated | truncated
         final = self._restart(ended) if self.autoreset_mode == AutoresetMode.SAME_STEP and ended.any() else {}
         facts = self._facts(**results)
-        info = {**self._info(facts, stepped=True), "final_answer": final_answer, **final}
+        info = {**self._info(facts, stepped=True), **final}
         return self._observations(), facts.rewards, terminated, truncated, info
 
     def _check_actions(self, actions: Sequence[Sequence[Any]], live: list[int]) -> None:
@@ -260,10 +260,10 @@ class MultiAgentMathVectorEnv(VectorEnv):
         dialogue.progress = self.workflow.progress(dialogue.transcript, self.limits)
         return clipped
 
-    def _score(self, first_new: dict[int, int]) -> tuple[dict[str, Any], np.ndarray]:
-        """The ``StepFacts`` fields of the messages from ``first_new`` on (but ``clipped``) and the final answer
-        [N] of each episode that ended, all comparisons decided in one grading call; the rewards [N, A] are
-        every reward source's, combined by the mixture."""
+    def _score(self, first_new: dict[int, int]) -> dict[str, Any]:
+        """The ``StepFacts`` fields of the messages from ``first_new`` on (but ``clipped``), ``answers`` the final
+        answer [N] of each episode that ended, all comparisons decided in one grading call; the rewards [N, A]
+        are every reward source's, combined by the mixture."""
         checks = AnswerChecks()
         spoken = [(i, index) for i, start in first_new.items()
                   for index in range(start, len(self.dialogues[i].transcript))]
@@ -297,9 +297,8 @@ class MultiAgentMathVectorEnv(VectorEnv):
         if "outcome" in self.reward.weights:
             paid["outcome"] = credit
             sources["outcome"] = np.where(self._credited(spoken, outcomes), credit, np.nan)
-        final_answer = outputs.pop("final_answer")
         return {"rewards": self.reward.combine(paid), "sources": sources, "correct": outputs.pop("correct"),
-                "outputs": outputs}, final_answer
+                "answers": outputs.pop("final_answer"), "outputs": outputs}
 
     def _credited(self, spoken: list[tuple[int, int]], outcomes: dict[int, Any]) -> np.ndarray:
         """[N, A] the slots the outcome credit concerns at this step: those that spoke, and every slot that
@@ -471,7 +470,7 @@ class MultiAgentMathVectorEnv(VectorEnv):
         info = {FACTS: facts, "problem_id": facts.problem_ids, "group_id": facts.group_ids, "turn": facts.turns,
                 "acting": facts.acting, "state": facts.states, "roles": self.roles}
         if stepped:
-            info.update(correct=facts.correct, action_clipped=facts.clipped, **facts.outputs)
+            info.update(correct=facts.correct, final_answer=facts.answers, action_clipped=facts.clipped, **facts.outputs)
             info.update({f"reward/{name}": values for name, values in facts.sources.items()})
         return info
 

@@ -46,7 +46,7 @@ class MathVectorEnv(VectorEnv):
     - the episode whose observation is returned: ``problem_id`` (object), ``group_id``, ``step`` (int64);
     - from ``step`` only (``reset`` and ``set_state`` return the metadata alone), the results of the
       action just taken: ``correct`` (float64, 1.0 / 0.0 where an episode ended at this step, NaN
-      elsewhere), ``reward/<source>`` (float64, every component the reward model reported, NaN
+      elsewhere), ``final_answer`` (object: the answer it judged, None where none), ``reward/<source>`` (float64, every component the reward model reported, NaN
       where no step was scored) and, in step mode, ``action_clipped`` (bool);
     - SAME_STEP autoreset: gymnasium's ``final_obs`` / ``_final_obs`` and ``final_info`` /
       ``_final_info``, where ``final_info`` holds the ended episodes' metadata arrays (their
@@ -143,7 +143,7 @@ class MathVectorEnv(VectorEnv):
 
     def _act(self, actions: Sequence[Any], acting: np.ndarray) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
         """Applies the actions of the ``acting`` envs and scores them in one reward-model call. Returns the
-        ``StepFacts`` fields of the results (rewards, returns, sources [N, 1], correct [N], clipped [N, 1]; 0 /
+        ``StepFacts`` fields of the results (rewards, returns, sources [N, 1], correct [N], clipped [N, 1], answers [N]; 0 /
         NaN / False for the envs that did not act) and terminated, truncated [N]."""
         terminated, truncated, clipped = (np.zeros(self.num_envs, dtype=bool) for _ in range(3))
         transitions = []
@@ -159,8 +159,10 @@ class MathVectorEnv(VectorEnv):
             episode.paid += float(reward)
         returns = np.array([[episode.paid] for episode in self.episodes])  # before an autoreset replaces them
         sources = {name: self._spread(values, acting)[:, None] for name, values in scores.components.items()}
+        answers = np.full(self.num_envs, None, dtype=object)
+        answers[acting] = scores.answers
         results = {"rewards": rewards[:, None], "returns": returns, "sources": sources,
-                   "correct": self._spread(scores.correct, acting), "clipped": clipped[:, None]}
+                   "correct": self._spread(scores.correct, acting), "clipped": clipped[:, None], "answers": answers}
         return results, terminated, truncated
 
     def _restart(self, ended: np.ndarray) -> dict[str, Any]:
@@ -265,7 +267,7 @@ class MathVectorEnv(VectorEnv):
         the actions only when ``stepped``)."""
         info = {FACTS: facts, "problem_id": facts.problem_ids, "group_id": facts.group_ids, "step": facts.turns}
         if stepped:
-            info["correct"] = facts.correct
+            info["correct"], info["final_answer"] = facts.correct, facts.answers
             info.update({f"reward/{name}": values[:, 0] for name, values in facts.sources.items()})
             if self.task.mode == "step":
                 info["action_clipped"] = facts.clipped[:, 0]

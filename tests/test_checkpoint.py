@@ -29,6 +29,7 @@ from algorithms.appo import APPO
 from envs.datasets import Arith
 from envs.rewards import RewardModelError
 from envs.vector import MathVectorEnv
+from event_files import event_files, read_scalars
 from test_env import StepLengthReward
 from test_train_math import parse
 from test_trainer import run_train_math
@@ -40,31 +41,9 @@ from train.runner import NonFiniteError, Runner
 PROBLEMS = Arith().problems(30, seed=2)
 
 
-def read_scalars_purged(run_dir) -> dict[str, list[tuple[int, float]]]:
-    """Scalars of a run directory as TensorBoard shows them: event files in order, and a
-    SessionLog START at step s (a writer's purge_step) drops the points already read at steps >= s."""
-    from tensorboardX.proto import event_pb2
-
-    scalars: dict[str, list[tuple[int, float]]] = {}
-    for path in sorted(glob.glob(f"{run_dir}/events.out.tfevents.*")):
-        data, offset = open(path, "rb").read(), 0
-        while offset + 12 <= len(data):
-            length = int.from_bytes(data[offset:offset + 8], "little")
-            if offset + 12 + length + 4 > len(data):
-                break  # a record cut by SIGKILL (TensorBoard skips it too)
-            event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
-            offset += 12 + length + 4
-            if event.HasField("session_log") and event.session_log.status == event_pb2.SessionLog.START:
-                scalars = {tag: [(s, v) for s, v in points if s < event.step] for tag, points in scalars.items()}
-            for value in event.summary.value:
-                if value.HasField("simple_value"):
-                    scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
-    return scalars
-
-
 def deterministic_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
     """Every scalar except wall-clock ones (time/, perf/)."""
-    return {tag: sorted(points) for tag, points in read_scalars_purged(run_dir).items()
+    return {tag: sorted(points) for tag, points in read_scalars(run_dir).items()
             if not tag.startswith(("time/", "perf/"))}
 
 
@@ -225,10 +204,10 @@ def test_write_out_puts_every_logged_point_in_the_file(tmp_path):
         for step in range(50):
             writer.add_scalar("x", float(step + round_), 50 * round_ + step)
         write_out(writer)
-        assert len(read_scalars_purged(tmp_path)["x"]) == 50 * (round_ + 1)
+        assert len(read_scalars(tmp_path)["x"]) == 50 * (round_ + 1)
     writer.add_scalar("x", -1.0, 150)
     writer.close()
-    points = read_scalars_purged(tmp_path)["x"]
+    points = read_scalars(tmp_path)["x"]
     assert [step for step, _ in points] == list(range(151)) and points[-1] == (150, -1.0)
 
 
@@ -383,7 +362,7 @@ def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(untrained_policy_d
     weights = [load_file(checkpoints / f"iter_{n}" / "policy" / "model.safetensors") for n in (1, 2, 3, 4)]
     same = [all(torch.equal(before[k], after[k]) for k in before) for before, after in zip(weights, weights[1:])]
     assert same == [True, False, True]  # iterations 1 and 3 skipped their step, iteration 2 trained
-    counts = read_scalars_purged(run_dir)["train/nonfinite_steps"]
+    counts = read_scalars(run_dir)["train/nonfinite_steps"]
     assert counts == [(0, 0.0), (1, 1.0), (2, 1.0), (3, 2.0)]
 
 
@@ -545,7 +524,7 @@ def test_the_last_checkpoint_is_written_once_and_a_resume_evaluates_each_iterati
     assert written == [2, 4, 6]
     history = json.loads((run_dir / "eval_history.json").read_text())
     assert [h["iteration"] for h in history] == [0, 2, 4, 6] and history[:3] == first
-    assert [step for step, _ in read_scalars_purged(run_dir)["eval/accuracy"]] == [0, 2, 4, 6]
+    assert [step for step, _ in read_scalars(run_dir)["eval/accuracy"]] == [0, 2, 4, 6]
 
 
 def test_async_rollouts_count_only_the_batches_trained_on(untrained_policy_dir, tmp_path):
@@ -556,7 +535,7 @@ def test_async_rollouts_count_only_the_batches_trained_on(untrained_policy_dir, 
     run_dir = Path(run_train_math(flags_for(untrained_policy_dir, tmp_path, "GRPO", 4, "--async_rollouts")))
     history = json.loads((run_dir / "eval_history.json").read_text())
     assert [(h["iteration"], h["env_steps"]) for h in history] == [(0, 0), (2, 8), (4, 16)]
-    scalars = read_scalars_purged(run_dir)
+    scalars = read_scalars(run_dir)
     assert scalars["train/env_steps"] == [(i, 4.0 * (i + 1)) for i in range(4)]
     assert scalars["train/optimizer_steps"] == [(i, 0.0) for i in range(4)]
     assert "train/trained_samples" not in scalars
@@ -572,4 +551,21 @@ def test_writers_opened_in_the_same_second_keep_their_own_event_files(tmp_path):
     second.add_scalar("x", 2.0, 1)
     second.close()
     assert len(glob.glob(f"{tmp_path}/events.out.tfevents.*")) == 2
-    assert read_scalars_purged(tmp_path)["x"] == [(0, 1.0), (1, 2.0)]
+    assert read_scalars(tmp_path)["x"] == [(0, 1.0), (1, 2.0)]
+
+
+def test_event_files_are_read_in_name_order_whatever_order_they_were_listed_in(tmp_path):
+    """A resumed run's file comes after the run's in name (and time) order; created here the other way
+    round, so a reader in the file system's listing order (on tmpfs: newest first) reads [1, 0]."""
+    from tensorboardX import SummaryWriter
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    for step, second in ((1, 1_700_000_001), (0, 1_700_000_000)):  # the later-named file created first
+        writer = SummaryWriter(str(tmp_path / str(step)))
+        writer.add_scalar("train/optimizer_steps", float(step), step)
+        writer.close()
+        (written,) = (tmp_path / str(step)).glob("events.out.tfevents.*")
+        written.rename(run_dir / f"events.out.tfevents.{second}.host")
+    assert [path.name[-15:-5] for path in event_files(run_dir)] == ["1700000000", "1700000001"]
+    assert read_scalars(run_dir)["train/optimizer_steps"] == [(0, 0.0), (1, 1.0)]

@@ -14,7 +14,8 @@ import pytest
 from safetensors.torch import load_file
 
 import train_math
-from test_trainer import read_scalars, run_train_math
+from event_files import read_scalars
+from test_trainer import run_train_math
 from train import builders
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -17,7 +17,7 @@ from envs.multi_agent import MultiAgentMathVectorEnv
 from envs.prompts import format_prompt
 from envs.vector import MathVectorEnv
 from envs.workflows import ACCEPT, chain
-from test_checkpoint import read_scalars_purged
+from event_files import read_scalars
 from test_front_door import small
 from test_multi_agent_training import ScriptedWords
 from test_trainer import run_train_math
@@ -168,7 +168,7 @@ def test_train_math_trains_a_workflow_with_a_critic(untrained_policy_dir, tmp_pa
     """48 env steps of 8 envs: 2 iterations of the chain's 3 turns, 3 of the debate's 2 rounds."""
     run = run_train_math(small(untrained_policy_dir, tmp_path, "--env_id", env_id, "--algorithm_name", algorithm,
                                "--critic", critic, "--num_env_steps", "48", "--eval_interval", "0"))
-    scalars = read_scalars_purged(run)
+    scalars = read_scalars(run)
     assert [step for step, _ in scalars["loss/value_loss"]] == list(range(iterations))
     assert all(torch.isfinite(torch.tensor(value)) for _, value in scalars["loss/value_loss"])
 

@@ -18,7 +18,7 @@ from algorithms.grpo import GRPO, group_advantages
 from algorithms.registry import algorithm_spec
 from envs.multi_agent import MultiAgentMathVectorEnv
 from envs.workflows import ACCEPT, REJECT, chain
-from test_checkpoint import read_scalars_purged
+from event_files import read_scalars
 from test_front_door import small
 from test_generation import generate_with, role_adapter_policy
 from test_trainer import run_train_math
@@ -188,7 +188,7 @@ def test_prefix_rl_as_two_agents_trains_the_writer_while_a_frozen_model_solves(p
 def test_train_math_runs_prefix_rl_with_the_target_as_a_frozen_role(untrained_policy_dir, tmp_path):
     run = run_train_math(small(untrained_policy_dir, tmp_path, "--env_id", "Arith-Prefix-v0", "--num_env_steps", "16",
                                "--eval_interval", "1", "--role_model", f"solver={untrained_policy_dir}"))
-    scalars = read_scalars_purged(run)
+    scalars = read_scalars(run)
     assert [step for step, _ in scalars["train/solver/reward"]] == [0]  # logged, never trained on
     assert [step for step, _ in scalars["eval/accuracy"]] == [0, 1]
 
@@ -262,7 +262,7 @@ def test_train_math_trains_the_chain_and_logs_each_role(untrained_policy_dir, tm
     run = run_train_math(small(untrained_policy_dir, tmp_path, "--env_id", "Arith-Chain-v0", "--num_env_steps", "48",
                                "--eval_interval", "1", "--reward_assignment", "individual",
                                "--kl_coef", "0.05"))  # the KL term keeps the untrained roles' rows in the update
-    scalars = read_scalars_purged(run)
+    scalars = read_scalars(run)
     for tag in ("train/solver/reward", "train/verifier/reward", "train/refiner/reward", "train/verifier/verdict",
                 "train/verifier/verdict_correct", "train/solver/answer_correct", "train/refiner/answer_correct"):
         assert [step for step, _ in scalars[tag]] == [0, 1], (tag, scalars.get(tag))
@@ -285,7 +285,7 @@ def test_train_math_logs_each_answering_roles_process_reward(untrained_policy_di
     run = run_train_math(small(untrained_policy_dir, tmp_path, "--env_id", "Arith-Chain-v0", "--num_env_steps", "48",
                                "--eval_interval", "0", "--reward_assignment", "individual",
                                "--reward", "outcome:1.0,steps:1.0"))
-    scalars = read_scalars_purged(run)
+    scalars = read_scalars(run)
     for tag in ("train/reward/steps", "train/solver/reward/steps", "train/refiner/reward/steps"):
         assert [step for step, _ in scalars[tag]] == [0, 1], (tag, scalars.get(tag))
         assert all(0 <= value <= 1 for _, value in scalars[tag]), (tag, scalars[tag])
@@ -310,7 +310,7 @@ def test_a_workflow_a_user_registers_trains_by_its_id(untrained_policy_dir, tmp_
     monkeypatch.syspath_prepend(str(tmp_path))
     run = run_train_math(small(untrained_policy_dir, tmp_path / "runs", "--env_id", "my_workflows:Arith-TwoDrafts-v0",
                                "--num_env_steps", "32", "--eval_interval", "0"))
-    scalars = read_scalars_purged(run)
+    scalars = read_scalars(run)
     assert {"train/drafter/reward", "train/editor/reward"} <= scalars.keys()
     assert [step for step, _ in scalars["train/env_steps"]] == [0, 1]  # 8 envs x 2 turns per iteration
     del sys.modules["my_workflows"]
@@ -329,7 +329,7 @@ def test_prefix_rl_writer_learns_to_help_the_frozen_target(tiny_models, tmp_path
                           "--n_rollout_threads", "64", "--group_size", "8", "--temperature", "1.0",
                           "--lr_schedule", "constant", "--eval_interval", "25",
                           "--eval_limit", "300", "--save_interval", "0", "--num_env_steps", str(64 * 2 * 150)])
-    accuracy = [value for _, value in sorted(read_scalars_purged(run)["eval/accuracy"])]
+    accuracy = [value for _, value in sorted(read_scalars(run)["eval/accuracy"])]
     start, late = accuracy[0], float(np.mean(accuracy[-3:]))
     print(f"team accuracy with the writer's prefix: {start:.3f} untrained -> {late:.3f} (mean of the last 3 evals)")
     assert late > start + 0.04, (start, accuracy)

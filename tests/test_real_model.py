@@ -28,7 +28,7 @@ from models.generation import HFGenerator
 from models.hf_generation import eos_token_ids
 from models.policy import LanguagePolicy
 from models.prompting import build_template
-from test_trainer import read_scalars
+from event_files import read_scalars
 
 pytestmark = pytest.mark.real_model
 ROOT = Path(__file__).resolve().parents[1]

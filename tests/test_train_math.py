@@ -17,7 +17,8 @@ from absl import flags
 
 from envs.datasets import MATH500
 from envs.rewards import StepContext
-from test_trainer import read_scalars, run_train_math
+from event_files import read_scalars
+from test_trainer import run_train_math
 from train import flags as train_flags
 from train.config import config_from_flags
 
@@ -347,7 +348,7 @@ def test_chat_prompts_reach_the_train_and_eval_envs_and_the_target(untrained_pol
                        budget=BudgetConfig(num_iterations=1, eval_interval=0))
     runner = build_runner(config, tmp_path / "run", writer=None)
     tokenizer = runner.policy.tokenizer
-    for env in (runner.collector.env.unwrapped, runner.eval_env.unwrapped):
+    for env in (runner.collector.env.unwrapped, runner.eval_envs[None].unwrapped):
         prompts, _ = env.reset(seed=0)
         problem = env.episodes[0].problem.problem
         by_hand = tokenizer.apply_chat_template([{"role": "system", "content": "Be brief."},

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import glob
 import math
-import struct
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +18,7 @@ from algorithms.registry import ALGORITHMS
 from algorithms.buffer import RolloutBuffer
 from models.policy import LanguagePolicy
 from models.tiny.build import build_tiny_models
+from event_files import read_scalars
 from train.reporting import bar_summary
 
 
@@ -112,24 +112,6 @@ def test_rloo_filters_groups_outside_the_accuracy_bounds():
 # ---------------------------------------------------------------------------------------------
 # Slow: each algorithm raises the mean training reward on Arith
 # ---------------------------------------------------------------------------------------------
-
-def read_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
-    """Scalars of the run's event files (not the hparams subfolder), read with tensorboardX's
-    protobufs from the TFRecord framing (length, crc, data, crc)."""
-    from tensorboardX.proto import event_pb2
-
-    scalars: dict[str, list[tuple[int, float]]] = {}
-    for path in glob.glob(f"{run_dir}/events.out.tfevents.*"):
-        data, offset = open(path, "rb").read(), 0
-        while offset < len(data):
-            (length,) = struct.unpack("<Q", data[offset:offset + 8])
-            event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
-            offset += 12 + length + 4
-            for value in event.summary.value:
-                if value.HasField("simple_value"):
-                    scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
-    return scalars
-
 
 def run_train_math(argv: list[str]):
     """Runs train_math.main in-process with ``argv`` flags; returns the run directory."""

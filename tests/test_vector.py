@@ -101,13 +101,15 @@ def test_infos_are_full_arrays_of_the_action_just_taken():
     answer = f"The answer is \\boxed{{{BY_ID[info['problem_id'][1]].answer}}}."
     _, rewards, terminated, _, info = env.step(["x" * 50, answer, "ab"])
     facts = info.pop(FACTS)
-    assert sorted(info) == ["action_clipped", "correct", "group_id", "problem_id", "reward/length", "step"]
+    assert sorted(info) == ["action_clipped", "correct", "final_answer", "group_id", "problem_id", "reward/length",
+                            "step"]
     assert all(isinstance(v, np.ndarray) and v.shape == (3,) for v in info.values())
     assert info["problem_id"].dtype == object and info["group_id"].dtype == info["step"].dtype == np.int64
     expected = [0.40, len(answer) / 100, 0.02]  # the 50 x's are clipped to 40
     np.testing.assert_allclose(rewards, expected)
     np.testing.assert_allclose(info["reward/length"], expected)
     np.testing.assert_array_equal(info["correct"], [np.nan, 1.0, np.nan])
+    assert info["final_answer"].tolist() == [None, BY_ID[info["problem_id"][1]].answer, None]  # the ended one's
     assert info["action_clipped"].tolist() == [True, False, False] and terminated.tolist() == [False, True, False]
     # the trainer's view of the same step: one agent slot
     np.testing.assert_array_equal(facts.rewards, np.array(expected)[:, None])

@@ -28,6 +28,7 @@ from train.collector import Collector, Sampling, Voices
 from train.config import (EnvConfig, GenerationConfig, LearningConfig, ModelConfig, RewardConfig, RunConfig,
                           ServicesConfig)
 from train.distributed import Ranks
+from train.evaluation import EvalSampling
 from models.generation import Generator, make_generator
 from models.loading import check_model_dir, resolve_device
 from models.policy import LanguagePolicy, LoraSettings
@@ -70,7 +71,7 @@ def check_inputs(config: RunConfig) -> None:
     check_services(config.services)
     env = config.env
     for flag, path, subjects in (("--dataset_path", env.dataset_path, env.dataset_name),
-                                 ("--eval_dataset_path", env.eval_dataset_path, None)):
+                                 *(("--eval_dataset_path", eval_set.path, None) for eval_set in env.eval_sets)):
         if path is not None and not path.startswith("hf://"):  # hub datasets load once, later
             try:
                 load_problems(path, subjects=[subjects] if subjects is not None else None)
@@ -172,27 +173,30 @@ def prm_marker(rewards: RewardConfig) -> dict[str, str]:
     return {"step_tag" if rewards.prm_type == "shepherd" else "separator": rewards.prm_step_tag}
 
 
-def problem_source(env: EnvConfig, split: str) -> dict:
-    """Where the train (split "train") or held-out ("test") env's problems come from."""
+def problem_source(env: EnvConfig, split: str, eval_path: str | None = None) -> dict:
+    """Where the train (split "train") or a held-out ("test") env's problems come from; ``eval_path``: a
+    held-out set's own file (None: the env's test split, or --dataset_path)."""
     if env.dataset_path is not None:
-        source = {"dataset_path": (env.eval_dataset_path or env.dataset_path) if split == "test" else env.dataset_path}
+        source = {"dataset_path": (eval_path or env.dataset_path) if split == "test" else env.dataset_path}
         return source if env.dataset_name is None else {**source, "subjects": [env.dataset_name]}
-    if env.eval_dataset_path is not None and split == "test":
-        return {"dataset_path": env.eval_dataset_path, "arith": None}
+    if eval_path is not None and split == "test":
+        return {"dataset_path": eval_path, "arith": None}
     return {"split": split}
 
 
-def env_kwargs(env: EnvConfig, split: str, reward_model: RewardModel, tokenizer, template: str) -> dict:
-    """Task kwargs of the train (split "train") or held-out ("test") vector env; ``tokenizer`` is the
-    policy's (it decodes token actions, and its EOS text ends a step-level episode), ``template`` its
-    prompt template (``models.prompting.build_template``), for every role of a workflow. A multi-agent env
-    takes whole messages and credits its 'outcome' source by ``env.reward_assignment``. The user's
-    ``env.env_kwargs`` come first: what the trainer sets (the problem source of a separate held-out set, a
-    solution-level action's one step) wins."""
+def env_kwargs(env: EnvConfig, split: str, reward_model: RewardModel, tokenizer, template: str,
+               eval_path: str | None = None) -> dict:
+    """Task kwargs of the train (split "train") or a held-out ("test", from ``eval_path``: see
+    ``problem_source``) vector env; ``tokenizer`` is the policy's (it decodes token actions, and its EOS text
+    ends a step-level episode), ``template`` its prompt template (``models.prompting.build_template``), for
+    every role of a workflow. A multi-agent env takes whole messages and credits its 'outcome' source by
+    ``env.reward_assignment``. The user's ``env.env_kwargs`` come first: what the trainer sets (the problem
+    source of a held-out set, a solution-level action's one step) wins."""
+    source = problem_source(env, split, eval_path)
     if env.workflow is not None:
         return {**env.env_kwargs, "reward_assignment": env.reward_assignment, "reward_model": reward_model,
-                "template": template, **problem_source(env, split)}
-    kwargs = {**env.env_kwargs, "reward_model": reward_model, "template": template, **problem_source(env, split)}
+                "template": template, **source}
+    kwargs = {**env.env_kwargs, "reward_model": reward_model, "template": template, **source}
     if env.handoff_steps is not None:
         kwargs["handoff_steps"] = env.handoff_steps
     if env.action_level == "solution":
@@ -204,9 +208,9 @@ def env_kwargs(env: EnvConfig, split: str, reward_model: RewardModel, tokenizer,
     return kwargs
 
 
-def build_envs(env: EnvConfig, reward_model: RewardModel, tokenizer, template: str,
-               ranks: Ranks = Ranks()) -> tuple[gymnasium.vector.VectorEnv, gymnasium.vector.VectorEnv]:
-    """(train env, held-out eval env). Episodic algorithms run one episode per env per iteration (no
+def build_envs(env: EnvConfig, reward_model: RewardModel, tokenizer, template: str, ranks: Ranks = Ranks()
+               ) -> tuple[gymnasium.vector.VectorEnv, dict[str | None, gymnasium.vector.VectorEnv]]:
+    """(train env, {held-out set's name: its eval env}, in ``env.eval_sets``' order). Episodic algorithms run one episode per env per iteration (no
     autoreset); continuing ones reset an ended episode in the same step. Under torchrun the train env
     holds this rank's whole groups (``distributed.shard``), drawing the problems one process would."""
     autoreset = AutoresetMode.DISABLED if env.whole_episodes else AutoresetMode.SAME_STEP
@@ -216,10 +220,13 @@ def build_envs(env: EnvConfig, reward_model: RewardModel, tokenizer, template: s
     train_env = gymnasium.make_vec(env.env_id, num_envs=count, vectorization_mode="vector_entry_point",
                                    group_size=env.group_size, autoreset_mode=autoreset, **split,
                                    **env_kwargs(env, "train", reward_model, tokenizer, template))
-    eval_env = gymnasium.make_vec(env.env_id, num_envs=env.eval_batch_size, vectorization_mode="vector_entry_point",
-                                  group_size=1, autoreset_mode=AutoresetMode.DISABLED,
-                                  **env_kwargs(env, "test", reward_model, tokenizer, template))
-    return train_env, eval_env
+    eval_envs = {eval_set.name: gymnasium.make_vec(env.env_id, num_envs=env.eval_batch_size,
+                                                   vectorization_mode="vector_entry_point", group_size=1,
+                                                   autoreset_mode=AutoresetMode.DISABLED,
+                                                   **env_kwargs(env, "test", reward_model, tokenizer, template,
+                                                                eval_set.path))
+                 for eval_set in env.eval_sets}
+    return train_env, eval_envs
 
 
 def build_algorithm(learning: LearningConfig, ranks: Ranks = Ranks()) -> Algorithm:
@@ -295,7 +302,8 @@ def runner_config(config: RunConfig) -> RunnerConfig:
         log_interval=logs.log_interval, save_interval=logs.save_interval, keep_checkpoints=logs.keep_checkpoints,
         save_best=logs.save_best, max_nonfinite_steps=learning.max_nonfinite_steps, seed=config.seed,
         async_rollouts=config.generation.async_rollouts, max_policy_lag=config.generation.max_policy_lag,
-        eval_verdict="target" if config.env.handoff_steps is not None else "correct")  # Prefix-RL: the target's
+        eval_verdict="target" if config.env.handoff_steps is not None else "correct",  # Prefix-RL: the target's
+        eval_sampling=EvalSampling(budget.eval_samples, budget.eval_temperature, budget.eval_top_p, config.seed))
 
 
 def build_voices(config: RunConfig, env, policy: LanguagePolicy, sampling: Sampling) -> Voices:
@@ -348,8 +356,8 @@ def build_runner(config: RunConfig, run_dir: Path, writer, saved: checkpoint.Che
     # first: under FSDP2 the ranks but 0 hold no weights until sharded, and the parameters become new objects
     trainable = build_trainable(policy, ranks, config.model.data_parallel)
     template = build_template(env.prompt_template, policy.tokenizer, env.system_prompt, env.answer_instruction)
-    train_env, eval_env = build_envs(env, build_reward_model(config, str(policy.device), template), policy.tokenizer,
-                                     template, ranks)
+    train_env, eval_envs = build_envs(env, build_reward_model(config, str(policy.device), template), policy.tokenizer,
+                                      template, ranks)
     sync_dir = Path(config.services.vllm_sync_dir or run_dir / "sync")
     if ranks.distributed:  # each rank writes (and its servers load) its own copy: no two writers on one path
         sync_dir = sync_dir / f"rank_{ranks.rank}"
@@ -367,7 +375,7 @@ def build_runner(config: RunConfig, run_dir: Path, writer, saved: checkpoint.Che
     collector = Collector(train_env, algorithm_spec(learning.algorithm), env.episode_length, sampling, seed=config.seed,
                           env_offset=distributed.shard(env.num_envs, env.group_size, ranks)[0],
                           voices=build_voices(config, train_env, policy, sampling), critic=learning.critic_view)
-    runner = Runner(runner_settings, collector, eval_env, policy, generator, algorithm, optimizer, scheduler, writer,
+    runner = Runner(runner_settings, collector, eval_envs, policy, generator, algorithm, optimizer, scheduler, writer,
                     run_dir, implicit_prm=implicit_prm, rollout_policy=rollout_policy,
                     rollout_generator=rollout_generator, run_flags=config.flags, ranks=ranks, trainable=trainable)
     if saved is not None:

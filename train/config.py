@@ -23,7 +23,7 @@ from envs.workflows import Workflow, resolve_workflow
 from models.hub import resolve_model
 from models.remote import ClientSettings
 from reward_models.mixture import parse_reward_spec
-from train.flags.checks import check_algorithm_specific, default_group_size, reward_sources
+from train.flags.checks import check_algorithm_specific, default_group_size, eval_sets, reward_sources
 from train.flags.rewards import DEFAULT_PRM_REWARD, PRM_TYPES, REWARD_SOURCES
 
 
@@ -47,6 +47,15 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class EvalSet:
+    """A held-out set: its name (None: the one unnamed set, logged under ``eval/``; else under ``eval/<name>/``)
+    and where its problems come from (None: the env's own held-out split, or --dataset_path)."""
+
+    name: str | None = None
+    path: str | None = None
+
+
+@dataclass(frozen=True)
 class EnvConfig:
     """The train and held-out envs: a registered id, where problems come from, what one action is."""
 
@@ -54,7 +63,7 @@ class EnvConfig:
     workflow: Workflow | None = None  # a multi-agent env's roles
     dataset_path: str | None = None
     dataset_name: str | None = None
-    eval_dataset_path: str | None = None
+    eval_sets: tuple[EvalSet, ...] = (EvalSet(),)  # the first one's greedy accuracy picks the best checkpoint
     action_level: str = "solution"  # solution, step or token
     handoff_steps: int | None = None  # Prefix-RL: policy actions before the target takes over
     episode_length: int = 1
@@ -133,6 +142,9 @@ class BudgetConfig:
     num_env_steps: int | None = None  # the budget the iterations came from (messages only)
     eval_interval: int = 100
     eval_limit: int = 1000
+    eval_samples: int = 0  # sampled solutions per held-out problem (pass@k, maj@k, mean@k); 0: greedy only
+    eval_temperature: float = 1.0
+    eval_top_p: float = 1.0
 
 
 SERVICE_CLIENT = ClientSettings(read_timeout=300.0, backoff=1.0, max_backoff=30.0)
@@ -198,7 +210,7 @@ def config_from_flags(f: flags.FlagValues) -> RunConfig:
                      learning=learning_config(f, workflow), generation=generation,
                      budget=BudgetConfig(num_iterations=-(-f.num_env_steps // (env.episode_length * env.num_envs)),
                                          num_env_steps=f.num_env_steps, eval_interval=f.eval_interval,
-                                         eval_limit=f.eval_limit),
+                                         eval_limit=f.eval_limit, **eval_sampling(f)),
                      services=services_config(f), logging=logging_config(f), seed=f.seed, flags=flag_dict(f))
 
 
@@ -323,7 +335,8 @@ def model_config(f: flags.FlagValues, workflow: Workflow | None) -> ModelConfig:
 def env_config(f: flags.FlagValues, env_id: str, workflow: Workflow | None) -> EnvConfig:
     oversample = f.oversample_factor if f.algorithm_name == "RLOO" else 1
     return EnvConfig(env_id=env_id, workflow=workflow, dataset_path=f.dataset_path, dataset_name=f.dataset_name,
-                     eval_dataset_path=f.eval_dataset_path, action_level=f.action_level, handoff_steps=f.handoff_steps,
+                     eval_sets=tuple(EvalSet(name, path) for name, path in eval_sets(f.eval_dataset_path)),
+                     action_level=f.action_level, handoff_steps=f.handoff_steps,
                      episode_length=episode_length(f, env_id, workflow), num_envs=f.n_rollout_threads * oversample,
                      group_size=f.group_size or default_group_size(f.algorithm_name),
                      whole_episodes=ALGORITHMS[f.algorithm_name].episodic or workflow is not None,
@@ -340,6 +353,15 @@ def user_env_kwargs(f: flags.FlagValues, env_id: str) -> dict:
         return envs.override_kwargs(env_id, json.loads(f.env_kwargs))
     except (ValueError, TypeError) as error:  # json.JSONDecodeError is a ValueError
         raise flags.ValidationError(f"--env_kwargs={f.env_kwargs!r}: {error}") from None
+
+
+def eval_sampling(f: flags.FlagValues) -> dict:
+    """--eval_samples and how they are drawn; --eval_temperature and --eval_top_p need --eval_samples."""
+    for name in ("eval_temperature", "eval_top_p"):
+        if f[name].present and not f.eval_samples:
+            raise flags.ValidationError(f"--{name} sets how --eval_samples are drawn; add --eval_samples K (> 0) or "
+                                        "drop it (evaluation is otherwise greedy)")
+    return {"eval_samples": f.eval_samples, "eval_temperature": f.eval_temperature, "eval_top_p": f.eval_top_p}
 
 
 def episode_length(f: flags.FlagValues, env_id: str, workflow: Workflow | None) -> int:

@@ -1,92 +1,200 @@
-"""Held-out evaluation: greedy solutions to a fixed list of problems, graded by the env.
+"""Held-out evaluation: greedy solutions to a fixed list of problems, graded by the env, and (with
+``EvalSampling.samples`` = n > 0) n sampled ones per problem, reported as papers do: pass@k, maj@k and
+mean@n (``train.eval_metrics``). Several held-out sets are evaluated one after the other, each logged
+under its own name (``evaluate_sets``).
 
 The eval env is a vector env over held-out problems with one env per problem of a batch (group size
 1, no autoreset); each batch is reset to the next ``num_envs`` problem ids and stepped until every
 episode ended, generating only for the episodes still going (in a multi-agent env: for the agents
 that act; the solution length counts every agent's tokens, the verdict is the team's final answer, and
 each role's verified outputs are averaged as ``eval/<role>/<metric>``: its answers' accuracy, a judge's
-acceptance rate and verdict accuracy). Under data parallelism each rank solves every world_size-th
-problem and the sums are added over ranks.
+acceptance rate and verdict accuracy). The n samples of a problem are n rows of the same batches (one
+generate call per env step for all of them), each drawn from a seed of (``EvalSampling.seed``, the
+problem's index in the held-out list, the sample's index), so they are the same at every evaluation
+(checkpoints are compared on common random numbers) and however problems are batched or split over
+ranks. Under data parallelism each rank solves every world_size-th problem and the sums are added over
+ranks.
+
+Besides accuracy, ``readable`` is the share of greedy solutions whose final answer the grader could
+extract and ``accuracy_readable`` the accuracy among those: format failures apart from wrong answers.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 
 from envs.contract import FACTS
 from envs.multi_agent import ROLE_METRICS
+from models.generation import Generator, mix_seed
 from train import distributed
 from train.collector import Sampling, Voices, acting_pairs, pair_actions, pair_prompts
 from train.distributed import Ranks
-from models.generation import Generator
+from train.eval_metrics import sampled_sums
+
+
+@dataclass(frozen=True)
+class EvalSampling:
+    """``samples`` sampled solutions per held-out problem besides the greedy one (0: none), drawn at
+    ``temperature`` and ``top_p`` from seeds of ``seed`` (see the module docstring)."""
+
+    samples: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@dataclass
+class Solved:
+    """Per row of a list of episodes: the verdict, the solution's length in tokens, the final answer the env
+    judged (None where it read none); and every PRM score of the steps taken (NaN where none)."""
+
+    verdicts: list[float] = dataclasses.field(default_factory=list)
+    lengths: list[float] = dataclasses.field(default_factory=list)
+    answers: list[str | None] = dataclasses.field(default_factory=list)
+    prm_scores: list[float] = dataclasses.field(default_factory=list)
+
+    def extend(self, other: Solved) -> None:
+        for name in ("verdicts", "lengths", "answers", "prm_scores"):
+            getattr(self, name).extend(getattr(other, name))
+
+
+def evaluate_sets(envs: dict[str | None, Any], generator: Generator, sampling: Sampling, limit: int,
+                  ranks: Ranks = Ranks(), voices: Voices = Voices(), verdict: str = "correct",
+                  sampled: EvalSampling = EvalSampling()) -> dict[str, float]:
+    """``evaluate`` on each held-out set of ``envs`` {name: its eval env}: the unnamed one (None) under
+    ``eval/``, a named one under ``eval/<name>/``. ``eval/accuracy`` is the first set's greedy accuracy
+    either way (the headline, which the best checkpoint follows); ``time/eval`` the time all took."""
+    result, seconds = {}, 0.0
+    for name, env in envs.items():
+        one = evaluate(env, generator, sampling, limit, ranks, voices, verdict, sampled,
+                       prefix="eval/" if name is None else f"eval/{name}/")
+        seconds += one.pop("time/eval")
+        result.update(one)
+    first = next(iter(envs))
+    headline = {} if first is None else {"eval/accuracy": result[f"eval/{first}/accuracy"]}
+    return {**headline, **result, "time/eval": seconds}
 
 
 @torch.no_grad()
 def evaluate(env, generator: Generator, sampling: Sampling, limit: int, ranks: Ranks = Ranks(),
-             voices: Voices = Voices(), verdict: str = "correct") -> dict[str, float]:
-    """Greedy accuracy, mean solution length in tokens and, when the env pays a PRM reward, the mean
-    PRM score, over the first ``limit`` of ``env.problems`` (this rank's share of them, then summed).
+             voices: Voices = Voices(), verdict: str = "correct", sampled: EvalSampling = EvalSampling(),
+             prefix: str = "eval/") -> dict[str, float]:
+    """Greedy accuracy, ``readable`` and ``accuracy_readable`` (verdict "correct"), mean solution length in
+    tokens and, when the env pays a PRM reward, the mean PRM score, over the first ``limit`` of
+    ``env.problems`` (this rank's share of them, then summed); with ``sampled.samples`` also pass@k, maj@k
+    (verdict "correct") and mean@n of the samples. Keys start with ``prefix``, but ``time/eval``.
     ``voices``: who speaks for each agent of a multi-agent env (the policy's role adapters, frozen roles'
     own models). ``verdict``: what an ended episode's verdict is: "correct" (the verified answer) or a
     reward source's name ("target": the frozen target's, finishing the policy's prefix)."""
     started = time.perf_counter()
-    problem_ids = [p.id for p in env.problems][:limit][ranks.rank::ranks.world_size]
+    indices = list(range(min(limit, len(env.problems))))[ranks.rank::ranks.world_size]
+    problem_ids = [env.problems[i].id for i in indices]
     roles = env.agents.roles
-    correct, lengths, prm_scores = [], [], []
     role_sums = np.zeros((2, len(roles), len(ROLE_METRICS)))  # (sum, count) of each role's metrics
-    for start in range(0, len(problem_ids), env.num_envs):
-        batch_correct, batch_lengths, batch_prm = solve_batch(env, generator, sampling,
-                                                              problem_ids[start:start + env.num_envs],
-                                                              voices, role_sums, verdict)
-        correct += batch_correct
-        lengths += batch_lengths
-        prm_scores += batch_prm
-    prm_scores = np.asarray(prm_scores, dtype=np.float64)
+    greedy = solve(env, generator, sampling, problem_ids, voices, verdict, role_sums)
+    result = greedy_metrics(greedy, role_sums, roles, verdict == "correct")
+    if sampled.samples:
+        result.update(sampled_metrics(env, generator, sampling, indices, voices, verdict, sampled))
+    return {**{prefix + key: float(value) for key, value in result.items()}, "time/eval": time.perf_counter() - started}
+
+
+def greedy_metrics(greedy: Solved, role_sums: np.ndarray, roles: Sequence[str], answers: bool) -> dict[str, float]:
+    """The greedy solutions' means over every rank (``evaluate``); ``answers``: whether the verdicts judged the
+    answers read (``readable``, ``accuracy_readable``)."""
+    prm_scores = np.asarray(greedy.prm_scores, dtype=np.float64)
     scored = prm_scores[~np.isnan(prm_scores)]
-    sums = distributed.all_reduce_sum([sum(correct), sum(lengths), len(correct), scored.sum(), len(scored),
-                                       *role_sums.flatten().tolist()])
-    result = {"eval/accuracy": sums[0] / sums[2], "eval/mean_length": sums[1] / sums[2],
-              "time/eval": time.perf_counter() - started}
+    readable = np.array([answer is not None for answer in greedy.answers], dtype=bool)
+    verdicts = np.asarray(greedy.verdicts, dtype=np.float64)
+    sums = distributed.all_reduce_sum([verdicts.sum(), sum(greedy.lengths), len(verdicts), scored.sum(), len(scored),
+                                       readable.sum(), verdicts[readable].sum(), *role_sums.flatten().tolist()])
+    result = {"accuracy": sums[0] / sums[2], "mean_length": sums[1] / sums[2]}
     if sums[4]:
-        result["eval/prm_score"] = sums[3] / sums[4]
-    role_sums = np.asarray(sums[5:]).reshape(role_sums.shape)
+        result["prm_score"] = sums[3] / sums[4]
+    if answers:
+        result["readable"] = sums[5] / sums[2]
+        if sums[5]:
+            result["accuracy_readable"] = sums[6] / sums[5]
+    role_sums = np.asarray(sums[7:]).reshape(role_sums.shape)
     for a, role in enumerate(roles):
         for m, metric in enumerate(ROLE_METRICS):
             if role_sums[1, a, m]:
-                result[f"eval/{role}/{metric}"] = role_sums[0, a, m] / role_sums[1, a, m]
-    return {key: float(value) for key, value in result.items()}
+                result[f"{role}/{metric}"] = role_sums[0, a, m] / role_sums[1, a, m]
+    return result
+
+
+def sampled_metrics(env, generator: Generator, sampling: Sampling, indices: Sequence[int], voices: Voices,
+                    verdict: str, sampled: EvalSampling) -> dict[str, float]:
+    """pass@k, maj@k (verdict "correct": the answers are what was judged) and mean@n of ``sampled.samples``
+    solutions to each problem ``indices`` (positions in ``env.problems``), means over every rank."""
+    n = sampled.samples
+    rows = [env.problems[i].id for i in indices for _ in range(n)]
+    seeds = [mix_seed(sampled.seed, i, j) for i in indices for j in range(n)]
+    drawn = dataclasses.replace(sampling, temperature=sampled.temperature, top_p=sampled.top_p)
+    solved = solve(env, generator, drawn, rows, voices, verdict, seeds=seeds)
+    correct = np.asarray(solved.verdicts, dtype=np.float64).reshape(len(indices), n)
+    answers = [solved.answers[p * n:(p + 1) * n] for p in range(len(indices))] if verdict == "correct" else None
+    sums = sampled_sums(correct, answers)
+    totals = distributed.all_reduce_sum([*sums.values(), len(indices)])
+    return {key: total / totals[-1] for key, total in zip(sums, totals)}
+
+
+def solve(env, generator: Generator, sampling: Sampling, problem_ids: Sequence[str], voices: Voices,
+          verdict: str = "correct", role_sums: np.ndarray | None = None, seeds: Sequence[int] | None = None) -> Solved:
+    """``solve_batch`` over ``problem_ids`` (one row each, a problem may repeat), ``env.num_envs`` at a time."""
+    solved = Solved()
+    for start in range(0, len(problem_ids), env.num_envs):
+        end = start + env.num_envs
+        solved.extend(solve_batch(env, generator, sampling, problem_ids[start:end], voices, role_sums, verdict,
+                                  None if seeds is None else seeds[start:end]))
+    return solved
 
 
 def solve_batch(env, generator: Generator, sampling: Sampling, problem_ids: Sequence[str], voices: Voices,
-                role_sums: np.ndarray, verdict: str = "correct") -> tuple[list[float], list[float], list[float]]:
-    """(verdicts (``verdict`` as in ``evaluate``), solution lengths in tokens) of the problems ``problem_ids`` (at most
-    ``env.num_envs``), and the PRM scores of every step taken; adds each role's verified outputs into
-    ``role_sums`` [2 (sum, count), A, len(ROLE_METRICS)] (multi-agent envs)."""
+                role_sums: np.ndarray | None = None, verdict: str = "correct",
+                seeds: Sequence[int] | None = None) -> Solved:
+    """The episodes of the problems ``problem_ids`` (at most ``env.num_envs``): greedy, or sampled with row b's
+    action at env step t by agent a drawn from ``mix_seed(seeds[b], t, a)``. Verdicts as ``verdict`` says
+    (see ``evaluate``); adds each role's verified outputs into ``role_sums`` [2 (sum, count), A,
+    len(ROLE_METRICS)] (multi-agent envs), when given."""
     count = len(problem_ids)
     padded = list(problem_ids) + [problem_ids[0]] * (env.num_envs - count)  # the env has a fixed size; extras ignored
     obs, info = env.reset(options={"problem_ids": padded})
     done = np.zeros(env.num_envs, dtype=bool)
     done[count:] = True
     tokens, verdicts, prm_scores = np.zeros(env.num_envs), np.zeros(env.num_envs), []
+    answers = np.full(env.num_envs, None, dtype=object)
+    step = 0
     while not done.all():
         envs, agents = acting_pairs(info[FACTS], done)
-        out = voices.generate(sampling, generator, pair_prompts(env.agents, obs, envs, agents), agents, greedy=True)
+        step_seeds = None if seeds is None else [mix_seed(seeds[i], step, int(a)) for i, a in zip(envs, agents)]
+        out = voices.generate(sampling, generator, pair_prompts(env.agents, obs, envs, agents), agents, step_seeds,
+                              greedy=seeds is None)
         obs, _, terminated, truncated, info = env.step(pair_actions(env, sampling, out, envs, agents))
         facts = info[FACTS]
         np.add.at(tokens, envs, [len(ids) for ids in out.token_ids])
         ended = (terminated | truncated) & ~done
         verdicts[ended] = np.nan_to_num(facts.correct if verdict == "correct" else facts.sources[verdict][:, 0])[ended]
+        answers[ended] = facts.answers[ended]
         if "prm" in facts.sources:  # [N, A]; NaN where an action was not scored
             prm_scores += facts.sources["prm"][envs, agents].tolist()
-        for m, metric in enumerate(ROLE_METRICS):
-            if metric in facts.outputs:
-                # [N, A], NaN where the slot said none; not the envs whose episode had ended, or that only pad the batch
-                values = facts.outputs[metric][~done]
-                role_sums[0, :, m] += np.nansum(values, axis=0)
-                role_sums[1, :, m] += (~np.isnan(values)).sum(0)
+        if role_sums is not None:
+            add_role_outputs(role_sums, facts, done)
         done |= terminated | truncated
-    return verdicts[:count].tolist(), tokens[:count].tolist(), prm_scores
+        step += 1
+    return Solved(verdicts[:count].tolist(), tokens[:count].tolist(), answers[:count].tolist(), prm_scores)
+
+
+def add_role_outputs(role_sums: np.ndarray, facts, done: np.ndarray) -> None:
+    """Adds each role's verified outputs of this step (``facts.outputs``) into ``role_sums``, but those of the
+    envs ``done`` [N] (their episode had ended, or they only pad the batch)."""
+    for m, metric in enumerate(ROLE_METRICS):
+        if metric in facts.outputs:
+            values = facts.outputs[metric][~done]  # [N, A], NaN where the slot said none
+            role_sums[0, :, m] += np.nansum(values, axis=0)
+            role_sums[1, :, m] += (~np.isnan(values)).sum(0)

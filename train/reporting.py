@@ -15,6 +15,10 @@ from train.distributed import Ranks
 
 log = logging.getLogger(__name__)
 
+EXTRA_EVAL_METRICS = (("readable", "readable"), ("prm_score", "PRM score"))
+"""Evaluation metrics an evaluation's log line adds where present: (key after the set's prefix, label); the
+sampled ones (pass_at_k, maj_at_k, mean_at_n) follow."""
+
 
 class Reporter:
     """Rank 0's writer (a tensorboardX SummaryWriter; None on the other ranks) and what it is shown.
@@ -47,14 +51,22 @@ class Reporter:
                 self.writer.add_scalar(key, value, iteration)
         self.writer.add_scalar("train/env_steps", env_steps, iteration)
 
-    def log_evaluation(self, iteration: int, result: dict[str, float], env_steps: int, num_problems: int) -> None:
-        """An evaluation's scalars, its log line and the last rollout's sampled solutions."""
+    def log_evaluation(self, iteration: int, result: dict[str, float], env_steps: int,
+                       num_problems: dict[str | None, int]) -> None:
+        """An evaluation's scalars, a log line per held-out set (``num_problems``: {set name, None for the
+        unnamed one: its problems evaluated}) and the last rollout's sampled solutions."""
         self.log_scalars(iteration, result)
         if not self.ranks.is_main:
             return
-        log.info("eval iteration %d (%d env steps): greedy accuracy %.3f on %d problems, mean length %.1f tokens%s",
-                 iteration, env_steps, result["eval/accuracy"], num_problems, result["eval/mean_length"],
-                 f", PRM score {result['eval/prm_score']:.3f}" if "eval/prm_score" in result else "")
+        for name, count in num_problems.items():
+            prefix = "eval/" if name is None else f"eval/{name}/"
+            extras = [(label, result[prefix + key]) for key, label in EXTRA_EVAL_METRICS if prefix + key in result]
+            extras += [(key[len(prefix):], value) for key, value in result.items()
+                       if key.startswith(prefix) and "_at_" in key and "/" not in key[len(prefix):]]
+            extras = "".join(f", {label} {value:.3f}" for label, value in extras)
+            log.info("eval iteration %d (%d env steps)%s: greedy accuracy %.3f on %d problems, mean length %.1f "
+                     "tokens%s", iteration, env_steps, "" if name is None else f" {name}", result[prefix + "accuracy"],
+                     count, result[prefix + "mean_length"], extras)
         if self.last_buffer is not None:
             self.writer.add_text("samples", self.samples_markdown(self.last_buffer), iteration)
 

@@ -43,6 +43,7 @@ from train import checkpoint, distributed, evaluation
 from train.checkpointing import Checkpointer, Progress, Snapshot
 from train.collector import Collector
 from train.distributed import Ranks
+from train.evaluation import EvalSampling
 from train.learner import Learner, NonFiniteError
 from train.reporting import Reporter, bar_summary
 from train.rollouts import Rollouts
@@ -75,14 +76,17 @@ class RunnerConfig:
     # an ended held-out episode's verdict: "correct", or "target" (a reward source) where a frozen target finishes
     # the policy's prefix (Prefix-RL by --handoff_steps), so that evaluation measures what the reward pays
     eval_verdict: str = "correct"
+    eval_sampling: EvalSampling = EvalSampling()  # sampled solutions per held-out problem (pass@k, maj@k, mean@n)
 
 
 class Runner:
-    """Drives training; see the module docstring. ``eval_env`` is a vector env over held-out
-    problems (group size 1); ``rollout_policy``/``rollout_generator`` are the copy used by
+    """Drives training; see the module docstring. ``eval_envs``: {held-out set's name (None: the one unnamed
+    set): a vector env over its problems (group size 1)}, the first one's greedy accuracy picking the best
+    checkpoint; ``rollout_policy``/``rollout_generator`` are the copy used by
     asynchronous collection (required when ``config.async_rollouts``)."""
 
-    def __init__(self, config: RunnerConfig, collector: Collector, eval_env, policy: LanguagePolicy,
+    def __init__(self, config: RunnerConfig, collector: Collector, eval_envs: dict[str | None, Any],
+                 policy: LanguagePolicy,
                  generator: Generator, algorithm: Algorithm, optimizer: torch.optim.Optimizer, scheduler, writer,
                  run_dir: Path, implicit_prm=None, rollout_policy: LanguagePolicy | None = None,
                  rollout_generator: Generator | None = None, run_flags: dict[str, Any] | None = None,
@@ -91,7 +95,7 @@ class Runner:
             raise ValueError("async_rollouts needs rollout_policy and rollout_generator (a copy of the policy)")
         if algorithm.needs_process_rewards and implicit_prm is None:
             raise ValueError(f"{algorithm.name} needs an implicit PRM for its process rewards")
-        self.config, self.collector, self.eval_env, self.ranks = config, collector, eval_env, ranks
+        self.config, self.collector, self.eval_envs, self.ranks = config, collector, eval_envs, ranks
         self.policy, self.generator, self.algorithm = policy, generator, algorithm
         self.run_flags = run_flags or {}  # saved with every checkpoint
         shuffle = torch.Generator().manual_seed(config.seed)
@@ -244,8 +248,9 @@ class Runner:
         to ``<run>/best`` when it beats every earlier one."""
         self.rollouts.wait()  # the env reward models must not run in two threads at once
         with self.policy.gathered():
-            result = evaluation.evaluate(self.eval_env, self.generator, self.collector.sampling, self.config.eval_limit,
-                                         self.ranks, self.collector.voices, self.config.eval_verdict)
+            result = evaluation.evaluate_sets(self.eval_envs, self.generator, self.collector.sampling,
+                                              self.config.eval_limit, self.ranks, self.collector.voices,
+                                              self.config.eval_verdict, self.config.eval_sampling)
         env_steps = self.rollouts.env_steps()
         best_before = max((h["eval/accuracy"] for h in self.history), default=-math.inf)
         # seconds: the training time the policy evaluated here took, every evaluation so far excluded
@@ -254,7 +259,7 @@ class Runner:
         self.history.append({"iteration": iteration, "env_steps": env_steps, "seconds": seconds, **result})
         if self.config.save_best and result["eval/accuracy"] > best_before:  # the same on every rank
             self.save_best(iteration, result["eval/accuracy"])
-        num_problems = min(self.config.eval_limit, len(self.eval_env.problems))
+        num_problems = {name: min(self.config.eval_limit, len(env.problems)) for name, env in self.eval_envs.items()}
         self.reporter.log_evaluation(iteration, result, env_steps, num_problems)
         return result
 

@@ -38,24 +38,27 @@ def _register_path(name: str, kind: str) -> None:
     """--name must be an existing ``kind`` when given: "data" (a file or directory, or hf://NAME with the
     datasets package installed), "model" (a directory, or a hub id resolved later), "dir", or "checkpoint"
     (a checkpoint directory, or 'auto')."""
-    def check(value: str | None) -> bool:
-        if value is None or (kind == "checkpoint" and value == "auto"):
-            return True
-        if kind == "data" and value.startswith("hf://"):
-            return _check_hub_dataset(value)
-        path = Path(value).expanduser()
-        if kind == "model" and not path.exists() and looks_like_hub_id(value):
-            return True
-        if not path.exists():
-            raise flags.ValidationError(f"{value!r} does not exist; pass an existing path or leave --{name} out")
-        if kind in ("dir", "model") and not path.is_dir():
-            raise flags.ValidationError(f"{value!r} is not a directory; pass a Hugging Face model directory")
-        if kind == "checkpoint" and not (path / "manifest.json").is_file():
-            raise flags.ValidationError(f"{value!r} has no manifest.json: pass 'auto' or a complete checkpoint "
-                                        "directory written by this trainer (<logdir>/<experiment>/<run>/checkpoints/"
-                                        "iter_N)")
+    flags.register_validator(name, lambda value: _check_path(name, kind, value))
+
+
+def _check_path(name: str, kind: str, value: str | None) -> bool:
+    """True if ``value`` of --name is an existing ``kind`` (see ``_register_path``) or None; else raises."""
+    if value is None or (kind == "checkpoint" and value == "auto"):
         return True
-    flags.register_validator(name, check)
+    if kind == "data" and value.startswith("hf://"):
+        return _check_hub_dataset(value)
+    path = Path(value).expanduser()
+    if kind == "model" and not path.exists() and looks_like_hub_id(value):
+        return True
+    if not path.exists():
+        raise flags.ValidationError(f"{value!r} does not exist; pass an existing path or leave --{name} out")
+    if kind in ("dir", "model") and not path.is_dir():
+        raise flags.ValidationError(f"{value!r} is not a directory; pass a Hugging Face model directory")
+    if kind == "checkpoint" and not (path / "manifest.json").is_file():
+        raise flags.ValidationError(f"{value!r} has no manifest.json: pass 'auto' or a complete checkpoint "
+                                    "directory written by this trainer (<logdir>/<experiment>/<run>/checkpoints/"
+                                    "iter_N)")
+    return True
 
 
 def looks_like_hub_id(value: str) -> bool:
@@ -71,10 +74,33 @@ def _check_hub_dataset(value: str) -> bool:
     return True
 
 
-for _name, _kind in (("dataset_path", "data"), ("eval_dataset_path", "data"), ("model_name_or_path", "model"),
+for _name, _kind in (("dataset_path", "data"), ("model_name_or_path", "model"),
                      ("prm_model_name_or_path", "model"), ("prm_checkpoint_path", "dir"),
                      ("target_model_name_or_path", "model"), ("resume", "checkpoint")):
     _register_path(_name, _kind)
+
+
+def eval_sets(value: str | None) -> list[tuple[str | None, str | None]]:
+    """--eval_dataset_path as [(name, path)]: None -> one unnamed set, the env's own held-out split (None,
+    None); a value without '=' -> one unnamed set at that path; else comma-separated NAME=PATH entries, an
+    empty PATH naming the env's own held-out split. Names are letters, digits, '.', '-', '_', each once."""
+    if value is None or "=" not in value:
+        return [(None, value)]
+    sets = []
+    for entry in value.split(","):
+        name, _, path = entry.strip().partition("=")
+        if re.fullmatch(r"[\w.\-]+", name) is None or "=" in path:
+            raise flags.ValidationError(f"--eval_dataset_path entry {entry!r} must be NAME=PATH (NAME of letters, "
+                                        "digits, '.', '-', '_'; an empty PATH: the env's own held-out split), e.g. "
+                                        "math500=envs/data/math500.jsonl,arith=")
+        if name in [known for known, _ in sets]:
+            raise flags.ValidationError(f"--eval_dataset_path names the set {name!r} twice; give each set its own name")
+        sets.append((name, path or None))
+    return sets
+
+
+flags.register_validator("eval_dataset_path",
+                         lambda value: all(_check_path("eval_dataset_path", "data", path) for _, path in eval_sets(value)))
 
 
 def _positive(name: str, allow_zero: bool = False) -> None:
@@ -82,12 +108,13 @@ def _positive(name: str, allow_zero: bool = False) -> None:
                              f"must be {'>= 0' if allow_zero else '> 0'}")
 
 
-for _name in ("lr", "critic_lr", "clip_param", "temperature"):
+for _name in ("lr", "critic_lr", "clip_param", "temperature", "eval_temperature"):
     _positive(_name)
 for _name in ("max_grad_norm", "entropy_coef", "target_kl", "value_coef", "value_clip_param", "huber_delta",
               "kl_coef", "implicit_prm_beta", "implicit_prm_lr", "process_coef"):
     _positive(_name, allow_zero=True)
-flags.register_validator("top_p", lambda v: 0 < v <= 1, "must be in (0, 1]")
+for _name in ("top_p", "eval_top_p"):
+    flags.register_validator(_name, lambda v: 0 < v <= 1, "must be in (0, 1]")
 flags.register_validator("gamma", lambda v: 0 <= v <= 1, "must be in [0, 1]")
 for _name in ("gae_lambda", "value_lambda"):
     flags.register_validator(_name, lambda v: 0 <= v <= 1, "must be in [0, 1]")

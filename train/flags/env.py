@@ -11,7 +11,10 @@ flags.DEFINE_string("dataset_path", None, "Problems to train on: a JSONL/JSON fi
                     "alone, the env is MATH-v0.")
 flags.DEFINE_string("dataset_name", None, "OpenR's subject filter for a MATH dataset (e.g. 'prealgebra'); "
                     "default: all subjects.")
-flags.DEFINE_string("eval_dataset_path", None, "Held-out problems for evaluation. Default: the env's test split "
+flags.DEFINE_string("eval_dataset_path", None, "Held-out problems for evaluation: a path as --dataset_path takes, "
+                    "logged under eval/; or comma-separated NAME=PATH sets, each evaluated and logged under "
+                    "eval/NAME/ (an empty PATH: the default set), e.g. math500=envs/data/math500.jsonl,arith= ; "
+                    "eval/accuracy and the best checkpoint then follow the first set. Default: the env's test split "
                     "(Arith-v0), or --dataset_path itself (e.g. MATH-500).")
 flags.DEFINE_string("env_id", None, "A registered gymnasium id with a vector entry point (MathVectorEnv or "
                     "compatible), or 'module:EnvId' to import a registration module first (on PYTHONPATH). "

@@ -337,6 +337,7 @@ def chat_policy(policy_dir: Path, out: Path) -> Path:
 
 
 def test_chat_prompts_reach_the_train_and_eval_envs_and_the_target(untrained_policy_dir, tmp_path):
+    from envs.prompts import ANSWER_INSTRUCTION
     from train.builders import build_runner
     from train.config import BudgetConfig, EnvConfig, ModelConfig, RewardConfig, RunConfig
 
@@ -352,7 +353,7 @@ def test_chat_prompts_reach_the_train_and_eval_envs_and_the_target(untrained_pol
         prompts, _ = env.reset(seed=0)
         problem = env.episodes[0].problem.problem
         by_hand = tokenizer.apply_chat_template([{"role": "system", "content": "Be brief."},
-                                                 {"role": "user", "content": problem}],
+                                                 {"role": "user", "content": f"{problem} {ANSWER_INSTRUCTION}"}],
                                                 tokenize=False, add_generation_prompt=True)
         assert prompts[0] == by_hand
         target = env.task.reward_model.models["target"]

@@ -93,6 +93,9 @@ for _name in ("gae_lambda", "value_lambda"):
     flags.register_validator(_name, lambda v: 0 <= v <= 1, "must be in [0, 1]")
 flags.register_validator("device", lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", v) is not None,
                          "must be auto, cpu, cuda or cuda:N")
+flags.register_validator("dtype", lambda v: v != "float16", "float16 training needs a loss scaler "
+                         "(torch.amp.GradScaler) the trainer does not have, so small gradients would underflow to 0; "
+                         "use --dtype bfloat16 (or float32)")
 flags.register_validator("experiment_name", lambda v: v is None or re.fullmatch(r"[\w.\-]+", v) is not None,
                          "must be letters, digits, '.', '-' or '_' (it names a directory)")
 

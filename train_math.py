@@ -152,7 +152,7 @@ def main(argv: list[str]) -> None:
     from models.remote import ServiceError  # stdlib only: cheap before the flags are checked
 
     try:
-        from train.config import config_from_flags
+        from train.resolve import config_from_flags
 
         config = config_from_flags(FLAGS)
         from train.checkpoint import CheckpointError  # torch and transformers: only once the flags resolve
@@ -192,7 +192,7 @@ def resumed(config: RunConfig) -> tuple[RunConfig, Checkpoint | None]:
     """The checkpoint ``config.logging.resume`` names (or None), and the config with every flag this command
     line left out inherited from it."""
     from train import checkpoint
-    from train.config import config_from_flags
+    from train.resolve import config_from_flags
 
     logs = config.logging
     resume_path = checkpoint.resolve_resume(logs.resume, Path(logs.logdir) / logs.experiment_name)

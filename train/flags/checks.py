@@ -2,7 +2,7 @@
 
 Each names the flag and the fix. Flags that only some algorithms read are refused for the others
 (``APPLIES_TO``) instead of silently ignored; checks that need resolved values (the env's workflow,
-asynchronous rollouts) run in ``train.config.config_from_flags``.
+asynchronous rollouts) run in ``train.resolve.config_from_flags``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 from absl import flags
 
 from algorithms.registry import ALGORITHMS
-from train.flags.rewards import DEFAULT_PRM_REWARD, PRM_TYPES, REWARD_SOURCES
+from train.config import DEFAULT_PRM_REWARD, PRM_TYPES, REWARD_SOURCES
 
 FLAGS = flags.FLAGS
 

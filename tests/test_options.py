@@ -37,7 +37,7 @@ def test_flags_are_generated_from_the_fields_with_their_defaults_and_help():
     flag_values = parsed()
     assert sorted(flag_values.get_flags_for_module("toy_module"), key=lambda f: f.name) == [
         flag_values[name] for name in ("count", "label", "paint", "rate", "verbose")]
-    assert flag_values["paint"].help == "Which colour." and flag_values["paint"].default == "red"
+    assert flag_values["paint"].help == "<red|blue>: Which colour." and flag_values["paint"].default == "red"
     assert "derived" not in flag_values
     assert section_from_flags(Section, flag_values, label="3 red") == Section(label="3 red")
 

@@ -150,23 +150,50 @@ class BudgetConfig:
     eval_limit: int = 1000
 
 
-SERVICE_CLIENT = ClientSettings(read_timeout=300.0, backoff=1.0, max_backoff=30.0)
-"""How a run's clients wait by default: more patiently than a bare client, since a batch of long completions
-takes a while and a run would rather wait than lose an iteration."""
+MAX_SERVICE_BACKOFF = 30.0
+"""Most seconds between two retries of a request to a --*_url server."""
 
 
 @dataclass(frozen=True)
 class ServicesConfig:
-    """Models behind servers and how their clients wait and retry."""
+    """Models behind servers and how their clients wait and retry (more patiently than a bare client: a batch
+    of long completions takes a while, and a run would rather wait than lose an iteration)."""
 
-    client: ClientSettings = field(default_factory=lambda: SERVICE_CLIENT)
-    target_url: str | None = None
-    target_model_name: str | None = None
-    prm_url: str | None = None
-    prm_model_name: str | None = None
-    vllm_url: str | None = None
-    vllm_model_name: str | None = None
-    vllm_sync_dir: str | None = None  # None: <run dir>/sync
+    target_url: str | None = option(
+        None, "The 'target' reward's frozen solver behind OpenAI-compatible completions servers (`vllm serve`), "
+        "instead of --target_model_name_or_path: URL[,URL...]; each request goes to the URL with the fewest in "
+        "flight.")
+    target_model_name: str | None = option(None, "The target's served model name (default: the one model the "
+                                           "--target_url servers serve).")
+    prm_url: str | None = option(None, "PRM server(s) started with `python -m reward_models.serve`, instead of "
+                                 "--prm_model_name_or_path: URL[,URL...]. Enables the 'prm' reward source.")
+    prm_model_name: str | None = option(None, "The PRM's served model name (default: the one the server serves).")
+    vllm_url: str | None = option(
+        None, "--generation_backend=vllm_server: the vLLM server(s) serving --model_name_or_path, URL[,URL...] "
+        "(see the README: LoRA policies need --enable-lora, full fine-tuning VLLM_SERVER_DEV_MODE=1).")
+    vllm_model_name: str | None = option(None, "The policy's served model name on --vllm_url (default: the one "
+                                         "model the servers serve).")
+    vllm_sync_dir: str | None = option(None, "Where new policy weights are written for the --vllm_url servers to "
+                                       "load (a path they can read). Default: <run dir>/sync.")
+    connect_timeout: float = option(5.0, "Seconds to connect to a --*_url server before the attempt counts as "
+                                    "failed.", flag="service_connect_timeout")
+    read_timeout: float = option(300.0, "Seconds a --*_url server may stay silent on a request (a batch of long "
+                                 "completions takes a while) before the attempt counts as failed.",
+                                 flag="service_read_timeout")
+    retries: int = option(4, "Retries of a request after connection errors, timeouts and HTTP 502/503/504 (never "
+                          "after 4xx), with exponential backoff and jitter; then the iteration fails, its start "
+                          "saved.", flag="service_retries", lower_bound=0)
+    backoff: float = option(1.0, "Seconds before the first retry (doubling each time, at most 30).",
+                            flag="service_backoff")
+    max_in_flight: int = option(8, "Most requests in flight per --*_url server.", flag="service_max_in_flight",
+                                lower_bound=1)
+
+    @property
+    def client(self) -> ClientSettings:
+        """How each service client waits and retries."""
+        return ClientSettings(connect_timeout=self.connect_timeout, read_timeout=self.read_timeout,
+                              retries=self.retries, backoff=self.backoff, max_backoff=MAX_SERVICE_BACKOFF,
+                              max_in_flight=self.max_in_flight)
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,7 @@ import envs  # registers the built-in ids
 from algorithms.registry import ALGORITHMS, AlgorithmConfig
 from envs.workflows import Workflow, resolve_workflow
 from models.hub import resolve_model
-from models.remote import ClientSettings
-from train.config import (DEFAULT_PRM_REWARD, PRM_TYPES, SERVICE_CLIENT, BudgetConfig, EnvConfig, GenerationConfig,
+from train.config import (DEFAULT_PRM_REWARD, PRM_TYPES, BudgetConfig, EnvConfig, GenerationConfig,
                           LearningConfig, LoggingConfig, ModelConfig, RewardConfig, RunConfig, ServicesConfig)
 from train.flags.checks import check_algorithm_specific, default_group_size, reward_sources
 from train.options import section_from_flags
@@ -36,7 +35,7 @@ def config_from_flags(f: flags.FlagValues) -> RunConfig:
                      budget=BudgetConfig(num_iterations=-(-f.num_env_steps // (env.episode_length * env.num_envs)),
                                          num_env_steps=f.num_env_steps, eval_interval=f.eval_interval,
                                          eval_limit=f.eval_limit),
-                     services=services_config(f), logging=logging_config(f), seed=f.seed, flags=flag_dict(f))
+                     services=section_from_flags(ServicesConfig, f), logging=logging_config(f), seed=f.seed, flags=flag_dict(f))
 
 
 def env_id_given(f: flags.FlagValues) -> str:
@@ -228,15 +227,6 @@ def async_rollouts(f: flags.FlagValues) -> bool:
 
         return not torch.cuda.is_available()
     return f.device == "cpu"
-
-
-def services_config(f: flags.FlagValues) -> ServicesConfig:
-    client = ClientSettings(connect_timeout=f.service_connect_timeout, read_timeout=f.service_read_timeout,
-                            retries=f.service_retries, backoff=f.service_backoff, max_backoff=SERVICE_CLIENT.max_backoff,
-                            max_in_flight=f.service_max_in_flight)
-    return ServicesConfig(client=client, target_url=f.target_url, target_model_name=f.target_model_name,
-                          prm_url=f.prm_url, prm_model_name=f.prm_model_name, vllm_url=f.vllm_url,
-                          vllm_model_name=f.vllm_model_name, vllm_sync_dir=f.vllm_sync_dir)
 
 
 def logging_config(f: flags.FlagValues) -> LoggingConfig:

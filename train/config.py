@@ -17,12 +17,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from algorithms.registry import AlgorithmConfig
-from models.remote import ClientSettings
-from reward_models.mixture import parse_reward_spec
 from train.options import option
 
 if TYPE_CHECKING:
     from envs.workflows import Workflow
+    from models.remote import ClientSettings
 
 PRM_TYPES = {"shepherd": "shepherd", "classifier": "classifier", "ms": "shepherd", "qwen": "classifier"}
 """--prm_type's accepted names (OpenR's MS and Qwen included) -> the PRM kind."""
@@ -88,6 +87,8 @@ class RewardConfig:
     @property
     def weights(self) -> dict[str, float]:
         """{source: weight} of ``spec``."""
+        from reward_models.mixture import parse_reward_spec  # here: the flags are generated from this module
+
         return parse_reward_spec(self.spec, REWARD_SOURCES)
 
 
@@ -191,6 +192,8 @@ class ServicesConfig:
     @property
     def client(self) -> ClientSettings:
         """How each service client waits and retries."""
+        from models.remote import ClientSettings  # here: http.client is no cost of parsing the flags
+
         return ClientSettings(connect_timeout=self.connect_timeout, read_timeout=self.read_timeout,
                               retries=self.retries, backoff=self.backoff, max_backoff=MAX_SERVICE_BACKOFF,
                               max_in_flight=self.max_in_flight)

@@ -29,6 +29,29 @@ REWARD_SOURCES = ("outcome", "prm", "target", "steps")
 DEFAULT_PRM_REWARD = "outcome:1.0,prm:0.2"
 
 
+class ActionLevel(enum.StrEnum):
+    """What one env action is."""
+
+    SOLUTION = "solution"  # a whole solution: one generate call per episode
+    STEP = "step"  # one reasoning step: generation stops at the step delimiter
+    TOKEN = "token"  # one token (the env's token mode)
+
+
+class RewardAssignment(enum.StrEnum):
+    """How a multi-agent env credits each role."""
+
+    TEAM = "team"  # the verified final answer, to every role that acted
+    INDIVIDUAL = "individual"  # each role's own verifiable output
+    COUNTERFACTUAL = "counterfactual"  # the team outcome minus the outcome without the role's messages
+
+
+class LrSchedule(enum.StrEnum):
+    """The learning rate after warm-up."""
+
+    LINEAR = "linear"  # decays to 0 at the last iteration
+    CONSTANT = "constant"
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The policy's weights and how it runs. Model paths are local directories (hub ids already resolved)."""
@@ -57,14 +80,14 @@ class EnvConfig:
     dataset_path: str | None = None
     dataset_name: str | None = None
     eval_dataset_path: str | None = None
-    action_level: str = "solution"  # solution, step or token
+    action_level: ActionLevel = ActionLevel.SOLUTION
     handoff_steps: int | None = None  # Prefix-RL: policy actions before the target takes over
     episode_length: int = 1
     num_envs: int = 128  # envs stepped per iteration (RLOO: times its oversampling)
     group_size: int = 4
     whole_episodes: bool = True  # one episode per env per iteration (no autoreset)
     eval_batch_size: int = 500
-    reward_assignment: str = "team"  # multi-agent credit
+    reward_assignment: RewardAssignment = RewardAssignment.TEAM  # multi-agent credit
     prompt_template: str = "default"  # default, qwen_math or chat
     system_prompt: str | None = None
 
@@ -103,7 +126,7 @@ class LearningConfig:
     lr: float = 1e-4
     critic_lr: float = 1e-3
     warmup_iterations: int = 20
-    lr_schedule: str = "linear"  # or constant
+    lr_schedule: LrSchedule = LrSchedule.LINEAR
     num_mini_batch: int = 1
     ppo_epoch: int = 1
     gradient_cp_steps: int = 1

@@ -11,11 +11,12 @@ import gymnasium
 from absl import flags
 
 import envs  # registers the built-in ids
-from algorithms.registry import ALGORITHMS, AlgorithmConfig
+from algorithms.registry import ALGORITHMS, AlgorithmConfig, LossAgg, ScaleRewards
 from envs.workflows import Workflow, resolve_workflow
 from models.hub import resolve_model
-from train.config import (DEFAULT_PRM_REWARD, PRM_TYPES, BudgetConfig, EnvConfig, GenerationConfig,
-                          LearningConfig, LoggingConfig, ModelConfig, RewardConfig, RunConfig, ServicesConfig)
+from train.config import (DEFAULT_PRM_REWARD, PRM_TYPES, ActionLevel, BudgetConfig, EnvConfig, GenerationConfig,
+                          LearningConfig, LoggingConfig, LrSchedule, ModelConfig, RewardAssignment, RewardConfig,
+                          RunConfig, ServicesConfig)
 from train.flags.checks import check_algorithm_specific, default_group_size, reward_sources
 from train.options import section_from_flags
 
@@ -35,7 +36,8 @@ def config_from_flags(f: flags.FlagValues) -> RunConfig:
                      budget=BudgetConfig(num_iterations=-(-f.num_env_steps // (env.episode_length * env.num_envs)),
                                          num_env_steps=f.num_env_steps, eval_interval=f.eval_interval,
                                          eval_limit=f.eval_limit),
-                     services=section_from_flags(ServicesConfig, f), logging=logging_config(f), seed=f.seed, flags=flag_dict(f))
+                     services=section_from_flags(ServicesConfig, f), logging=logging_config(f), seed=f.seed,
+                     flags=flag_dict(f))
 
 
 def env_id_given(f: flags.FlagValues) -> str:
@@ -159,11 +161,12 @@ def model_config(f: flags.FlagValues, workflow: Workflow | None) -> ModelConfig:
 def env_config(f: flags.FlagValues, env_id: str, workflow: Workflow | None) -> EnvConfig:
     oversample = f.oversample_factor if f.algorithm_name == "RLOO" else 1
     return EnvConfig(env_id=env_id, workflow=workflow, dataset_path=f.dataset_path, dataset_name=f.dataset_name,
-                     eval_dataset_path=f.eval_dataset_path, action_level=f.action_level, handoff_steps=f.handoff_steps,
+                     eval_dataset_path=f.eval_dataset_path, action_level=ActionLevel(f.action_level),
+                     handoff_steps=f.handoff_steps,
                      episode_length=episode_length(f, env_id, workflow), num_envs=f.n_rollout_threads * oversample,
                      group_size=f.group_size or default_group_size(f.algorithm_name),
                      whole_episodes=ALGORITHMS[f.algorithm_name].episodic or workflow is not None,
-                     eval_batch_size=f.eval_batch_size, reward_assignment=f.reward_assignment,
+                     eval_batch_size=f.eval_batch_size, reward_assignment=RewardAssignment(f.reward_assignment),
                      prompt_template=f.prompt_template, system_prompt=f.system_prompt)
 
 
@@ -191,7 +194,8 @@ def learning_config(f: flags.FlagValues, workflow: Workflow | None) -> LearningC
     losses = AlgorithmConfig(
         clip_param=f.clip_param, value_clip_param=f.value_clip_param or None, huber_delta=f.huber_delta or None,
         value_coef=f.value_coef, entropy_coef=f.entropy_coef, gamma=f.gamma, gae_lambda=f.gae_lambda,
-        value_lambda=f.value_lambda, scale_rewards=f.scale_rewards, kl_coef=f.kl_coef, loss_agg=f.loss_agg,
+        value_lambda=f.value_lambda, scale_rewards=ScaleRewards(f.scale_rewards), kl_coef=f.kl_coef,
+        loss_agg=LossAgg(f.loss_agg),
         process_coef=f.process_coef, accuracy_lower_bound=f.accuracy_lower_bound,
         accuracy_upper_bound=f.accuracy_upper_bound, joint_groups=f.agent_groups == "joint")
     group_size = f.group_size or default_group_size(f.algorithm_name)
@@ -199,7 +203,7 @@ def learning_config(f: flags.FlagValues, workflow: Workflow | None) -> LearningC
         algorithm=f.algorithm_name, losses=losses,
         prompt_groups=f.n_rollout_threads // group_size if f.oversample_factor > 1 else None,
         critic_view="per_role" if f.critic == "per_role" else "centralized", lr=f.lr, critic_lr=f.critic_lr,
-        warmup_iterations=f.warmup_iterations, lr_schedule=f.lr_schedule, num_mini_batch=f.num_mini_batch,
+        warmup_iterations=f.warmup_iterations, lr_schedule=LrSchedule(f.lr_schedule), num_mini_batch=f.num_mini_batch,
         ppo_epoch=f.ppo_epoch, gradient_cp_steps=f.gradient_cp_steps, micro_batch_tokens=f.micro_batch_tokens,
         max_grad_norm=f.max_grad_norm,
         target_kl=f.target_kl, max_nonfinite_steps=f.max_nonfinite_steps, implicit_prm_beta=f.implicit_prm_beta,

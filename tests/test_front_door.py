@@ -97,6 +97,7 @@ def bad_inputs(tmp_path_factory, untrained_policy_dir) -> dict[str, list[str]]:
         "joint groups with TPPO": ["--env_id", "Arith-Chain-v0", "--algorithm_name", "TPPO", "--agent_groups", "joint"],
         "role flag on one agent": ["--reward_assignment", "individual"],
         "unimportable env module": ["--env_id", "no_such_workflows:X-v0"],
+        "float16 training": ["--dtype", "float16"],
     }
 
 
@@ -119,6 +120,7 @@ EXPECTED = {
     "joint groups with TPPO": ("--agent_groups applies to GRPO/RLOO", "--algorithm_name=TPPO"),
     "role flag on one agent": ("--reward_assignment", "--env_id=Arith-v0 has one agent"),
     "unimportable env module": ("'no_such_workflows'", "PYTHONPATH"),
+    "float16 training": ("--dtype=float16", "loss scaler", "--dtype bfloat16"),
 }
 
 

@@ -21,6 +21,7 @@ import shlex
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -34,6 +35,18 @@ if TYPE_CHECKING:
     from train.runner import Runner
 
 FLAGS = train_flags.FLAGS
+
+
+@dataclass
+class Started:
+    """A run ready to train: its runner, TensorBoard writer (None off rank 0), run directory, the checkpoint it
+    resumes (or None) and its resolved config."""
+
+    runner: Runner
+    writer: Any
+    run_dir: Path
+    saved: Checkpoint | None
+    config: RunConfig
 
 
 def prepare_run_dir(logs: LoggingConfig, saved, ranks) -> Path:
@@ -152,7 +165,7 @@ def main(argv: list[str]) -> None:
     from models.remote import ServiceError  # stdlib only: cheap before the flags are checked
 
     try:
-        from train.config import config_from_flags
+        from train.resolve import config_from_flags
 
         config = config_from_flags(FLAGS)
         from train.checkpoint import CheckpointError  # torch and transformers: only once the flags resolve
@@ -167,7 +180,7 @@ def main(argv: list[str]) -> None:
         fail(str(error))
     if started is None:
         return
-    runner, writer, run_dir, saved, config = started
+    runner = started.runner
     try:
         history = runner.run()
     except KeyboardInterrupt as interrupt:
@@ -178,21 +191,22 @@ def main(argv: list[str]) -> None:
         fail(f"{error}. {after_service_failure(runner)}")
     if not runner.ranks.is_main:
         return
-    (run_dir / "eval_history.json").write_text(json.dumps(history, indent=1))
+    (started.run_dir / "eval_history.json").write_text(json.dumps(history, indent=1))
     if runner.stop_signal is not None:
-        writer.close()
+        started.writer.close()
         print(f"stopped by {runner.stop_signal} after iteration {runner.iteration}: checkpoint "
               f"{runner.last_checkpoint}; resume with: {resume_command(runner.last_checkpoint)}", flush=True)
         return
-    finish(writer, run_dir, history, {**runner.run_flags, **resolved_settings(config, runner, saved)},
-           config.logging.save_best)
+    finish(started.writer, started.run_dir, history,
+           {**runner.run_flags, **resolved_settings(started.config, runner, started.saved)},
+           started.config.logging.save_best)
 
 
 def resumed(config: RunConfig) -> tuple[RunConfig, Checkpoint | None]:
     """The checkpoint ``config.logging.resume`` names (or None), and the config with every flag this command
     line left out inherited from it."""
     from train import checkpoint
-    from train.config import config_from_flags
+    from train.resolve import config_from_flags
 
     logs = config.logging
     resume_path = checkpoint.resolve_resume(logs.resume, Path(logs.logdir) / logs.experiment_name)
@@ -205,9 +219,9 @@ def resumed(config: RunConfig) -> tuple[RunConfig, Checkpoint | None]:
     return config_from_flags(FLAGS), saved
 
 
-def start(config: RunConfig) -> tuple[Runner, Any, Path, Checkpoint | None, RunConfig] | None:
-    """Resolves the resume, checks what can be checked before models load, and builds the run; returns
-    (runner, writer, run directory, checkpoint or None, the config), or None when the checkpoint is done."""
+def start(config: RunConfig) -> Started | None:
+    """Resolves the resume, checks what can be checked before models load, and builds the run; None when the
+    checkpoint it resumes has already trained the whole budget."""
     import numpy as np
     import torch
 
@@ -247,7 +261,7 @@ def start(config: RunConfig) -> tuple[Runner, Any, Path, Checkpoint | None, RunC
     logging.info("run directory %s; %s, %d iterations of %d envs x %d steps%s", run_dir, config.learning.algorithm,
                  runner.config.num_iterations, runner.collector.env.num_envs, runner.collector.episode_length,
                  f" on each of {ranks.world_size} ranks" if ranks.distributed else "")
-    return runner, writer, run_dir, saved, config
+    return Started(runner, writer, run_dir, saved, config)
 
 
 def remove_run_dir(run_dir: Path, distributed: bool) -> None:

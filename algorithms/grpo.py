@@ -8,8 +8,9 @@ from algorithms.base import (ActionScores, BaseAlgorithm, SumReducer, batch_mean
                              zero_advantage_rows)
 from algorithms.buffer import Batch, RolloutBuffer, Targets
 from algorithms.losses import group_index, group_means
+from algorithms.registry import ScaleRewards
 
-SCALE_REWARDS = ("group", "batch", "none")
+SCALE_REWARDS = tuple(mode.value for mode in ScaleRewards)
 
 
 def group_advantages(

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import torch
 
-LOSS_AGGREGATIONS = ("token_mean", "seq_mean")
+from algorithms.registry import LossAgg
+
+LOSS_AGGREGATIONS = tuple(mode.value for mode in LossAgg)
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:

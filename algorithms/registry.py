@@ -8,9 +8,25 @@ with a class following ``algorithms.base.Algorithm`` plus one entry in ``ALGORIT
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 CRITICS = (None, "action", "token")
+
+
+class ScaleRewards(enum.StrEnum):
+    """What centred group returns are divided by (GRPO)."""
+
+    GROUP = "group"  # the group's std
+    BATCH = "batch"  # the batch's std
+    NONE = "none"  # nothing (Dr.GRPO)
+
+
+class LossAgg(enum.StrEnum):
+    """How per-token losses become one number."""
+
+    TOKEN_MEAN = "token_mean"  # the mean over every action token of the minibatch
+    SEQ_MEAN = "seq_mean"  # each action's token mean, then the mean over actions
 
 
 @dataclass(frozen=True)
@@ -25,9 +41,9 @@ class AlgorithmConfig:
     gamma: float = 1.0
     gae_lambda: float = 0.95  # the policy's advantages
     value_lambda: float = 1.0  # the critic's targets (returns); 1.0 = Monte Carlo, free of the critic's own bias
-    scale_rewards: str = "group"
+    scale_rewards: ScaleRewards = ScaleRewards.GROUP
     kl_coef: float = 0.0
-    loss_agg: str = "token_mean"
+    loss_agg: LossAgg = LossAgg.TOKEN_MEAN
     process_coef: float = 0.2  # RLOO: weight of the implicit-PRM stream
     accuracy_lower_bound: float = 0.2  # RLOO: PRIME's prompt filter
     accuracy_upper_bound: float = 0.8

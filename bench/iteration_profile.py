@@ -46,7 +46,7 @@ class PhaseWriter:
 
 def build(run_dir: Path, extra: list[str]):
     from train import builders
-    from train.config import config_from_flags
+    from train.resolve import config_from_flags
     from train.flags import FLAGS
 
     FLAGS(["iteration_profile", "--noasync_rollouts", "--eval_interval", "0", "--save_interval", "0",

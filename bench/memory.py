@@ -101,7 +101,7 @@ def run_ours(args: argparse.Namespace, model_dir: Path, problems: Path, scratch:
     from tensorboardX import SummaryWriter
 
     from train import builders, host
-    from train.config import config_from_flags
+    from train.resolve import config_from_flags
     from train.flags import FLAGS
     from vs_trl import TextHashOutcome
 

@@ -121,7 +121,7 @@ class OursSide:
 
         from envs.datasets import MATH500
         from train import builders
-        from train.config import config_from_flags
+        from train.resolve import config_from_flags
         from train.flags import FLAGS
 
         problems = ["--env_id=Arith-v0"] if dataset == "arith" else ["--env_id=MATH-v0", f"--dataset_path={MATH500}"]

@@ -18,10 +18,6 @@ one token in their tokenizers (and in the tiny tokenizer)."""
 DEFAULT_TEMPLATE = "Problem: {problem}\nSolution:\n"
 """The prompt the policy sees; ``{problem}`` is replaced by the problem text."""
 
-ANSWER_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
-"""What a chat prompt's user turn ends with by default: the answer format, as verl's MATH and GSM8K recipes
-ask for it (an instruct model that is not told where to put its answer rarely boxes it)."""
-
 QWEN_MATH_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
 """The system prompt Qwen2.5-Math's model card evaluates with."""
 

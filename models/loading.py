@@ -49,8 +49,9 @@ class Precision:
 def resolve_precision(dtype: str, device: torch.device, low_precision_weights: bool = False) -> Precision:
     """fp32 master weights + autocast for bfloat16/float16 (the default); ``low_precision_weights``
     stores bfloat16 weights directly (no fp32 master copy; half the memory). float16 weights without
-    an fp32 master copy lose small updates to rounding, so they are refused; float16 autocast needs a
-    loss scaler in the trainer (torch.amp.GradScaler)."""
+    an fp32 master copy lose small updates to rounding, so they are refused; float16 autocast would need a
+    loss scaler (torch.amp.GradScaler) in training, which the trainer does not have: --dtype float16 is
+    refused there and serves scoring only."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not one of {sorted(DTYPES)}")
     compute = DTYPES[dtype]

@@ -26,7 +26,7 @@ def build_template(kind: str, tokenizer: PreTrainedTokenizerBase, system_prompt:
     (plain text; takes no system prompt), ``qwen_math`` (ChatML with ``system_prompt``, Qwen-Math's by
     default, which already asks for a boxed answer) or ``chat`` (``tokenizer``'s chat template; a system turn
     only when ``system_prompt`` is given; the user turn ends with ``answer_instruction`` when it is not empty,
-    e.g. ``envs.prompts.ANSWER_INSTRUCTION``)."""
+    e.g. a sentence asking for the answer in ``\\boxed{}``)."""
     if kind == "default":
         if system_prompt is not None:
             raise ValueError("--system_prompt needs a chat prompt template (--prompt_template chat or qwen_math); "

@@ -103,6 +103,7 @@ def bad_inputs(tmp_path_factory, untrained_policy_dir) -> dict[str, list[str]]:
         "arith too small for its split": ["--env_kwargs", '{"arith": {"digits": 1, "max_ops": 1}}'],
         "env kwargs not an object": ["--env_kwargs", '[1, 2]'],
         "answer instruction without chat": ["--answer_instruction", "Box it."],
+        "float16 training": ["--dtype", "float16"],
     }
 
 
@@ -130,6 +131,7 @@ EXPECTED = {
     "arith too small for its split": ("--env_kwargs", "fewer than 1000 distinct problems", "num_test"),
     "env kwargs not an object": ("--env_kwargs", "must be a JSON object"),
     "answer instruction without chat": ("--answer_instruction", "--prompt_template chat"),
+    "float16 training": ("--dtype=float16", "loss scaler", "--dtype bfloat16"),
 }
 
 

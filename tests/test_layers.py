@@ -39,7 +39,7 @@ def project_modules() -> dict[str, Path]:
 
 
 MODULES = project_modules()
-LIGHT_AT_IMPORT = ("algorithms.registry", "train_math",
+LIGHT_AT_IMPORT = ("algorithms.registry", "train.config", "train.options", "train_math",
                    *sorted(m for m in MODULES if m == "train.flags" or m.startswith("train.flags.")))
 
 

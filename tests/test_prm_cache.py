@@ -14,7 +14,7 @@ from envs.datasets import Arith
 from envs.prompts import split_steps
 from envs.rewards import StepContext
 from reward_models.prm import Past, PastCache, ProcessRewardModel
-from train.config import config_from_flags
+from train.resolve import config_from_flags
 
 PROBLEMS = Arith().problems(12, seed=5)
 SOLUTIONS = [(p.problem, split_steps(p.solution)) for p in PROBLEMS]

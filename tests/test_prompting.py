@@ -10,9 +10,10 @@ import pytest
 from envs.datasets import Arith
 from envs.rewards import StepContext
 from envs.multi_agent import MultiAgentMathVectorEnv
-from envs.prompts import ANSWER_INSTRUCTION, DEFAULT_TEMPLATE, TEMPLATES, format_prompt
+from envs.prompts import DEFAULT_TEMPLATE, TEMPLATES, format_prompt
 from envs.workflows import VERIFIER_INSTRUCTIONS, chain
 from models.prompting import build_template
+from train.config import ANSWER_INSTRUCTION
 from reward_models.target_solver import TargetSolver
 
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] }}"

@@ -79,7 +79,8 @@ def placeholders(untrained_policy_dir, tmp_path_factory) -> dict[str, str]:
     problems = tmp_path_factory.mktemp("readme") / "my_problems.jsonl"
     problems.write_text("".join(json.dumps({"problem": f"What is {k} squared?", "answer": str(k * k)}) + "\n"
                                 for k in (3, 4)))
-    return {"path/to/target": str(untrained_policy_dir), "my_problems.jsonl": str(problems)}
+    return {"path/to/target": str(untrained_policy_dir), "path/to/policy": str(untrained_policy_dir),
+            "my_problems.jsonl": str(problems)}
 
 
 def path_literals(code: str) -> set[str]:

@@ -13,7 +13,7 @@ import pytest
 import envs
 from envs.datasets import MATH500
 from reward_models.mixture import parse_reward_spec
-from train.flags.rewards import REWARD_SOURCES
+from train.config import REWARD_SOURCES
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -20,7 +20,7 @@ from envs.rewards import StepContext
 from event_files import read_scalars
 from test_trainer import run_train_math
 from train import flags as train_flags
-from train.config import config_from_flags
+from train.resolve import config_from_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 FLAGS = train_flags.FLAGS
@@ -220,26 +220,36 @@ def test_a_run_builds_from_a_run_config_without_absl(untrained_policy_dir, tmp_p
 
 def test_a_run_config_defaults_to_what_the_command_line_defaults_to():
     """A library user's ``RunConfig()`` and ``train_math.py`` with no flag run the same, but for what the flags
-    resolve from the env and the machine."""
+    resolve from the env and the machine: every option's flag is generated with the field's default, and the
+    resolved config differs from ``RunConfig()`` only in the options whose default is None (resolved) and the
+    values worked out from the env."""
     import dataclasses
 
-    from train.config import RunConfig, config_from_flags
+    from train.config import RunConfig
+    from train.options import flag_name, options
+    from train.resolve import config_from_flags
 
-    resolved_from_the_env = {("rewards", "spec"), ("learning", "prompt_groups"), ("budget", "num_env_steps"),
-                             ("generation", "async_rollouts")}  # its default reward, groups, budget; the device
+    default = RunConfig()
+    sections = [part.name for part in dataclasses.fields(RunConfig)
+                if dataclasses.is_dataclass(getattr(default, part.name))]
+    for section in sections:
+        for field in options(type(getattr(default, section))):
+            assert FLAGS[flag_name(field)].default == field.default, (section, field.name)
+    resolved = {(section, field.name) for section in sections for field in options(type(getattr(default, section)))
+                if field.default is None}
+    assert ("generation", "async_rollouts") in resolved and ("logging", "experiment_name") in resolved
+    resolved_from_the_env = {("rewards", "spec"), ("learning", "prompt_groups"), ("budget", "num_env_steps")}
     FLAGS.unparse_flags()
     FLAGS(["train_math"])
     try:
         from_flags = config_from_flags(FLAGS)
     finally:
         FLAGS.unparse_flags()
-    default = RunConfig()
-    differ = [(part.name, value.name, getattr(getattr(from_flags, part.name), value.name),
-               getattr(getattr(default, part.name), value.name))
-              for part in dataclasses.fields(RunConfig) if dataclasses.is_dataclass(getattr(default, part.name))
-              for value in dataclasses.fields(getattr(default, part.name))
-              if (part.name, value.name) not in resolved_from_the_env
-              and getattr(getattr(from_flags, part.name), value.name) != getattr(getattr(default, part.name), value.name)]
+    differ = [(section, value.name, getattr(getattr(from_flags, section), value.name),
+               getattr(getattr(default, section), value.name))
+              for section in sections for value in dataclasses.fields(getattr(default, section))
+              if (section, value.name) not in resolved | resolved_from_the_env
+              and getattr(getattr(from_flags, section), value.name) != getattr(getattr(default, section), value.name)]
     assert differ == []
 
 
@@ -337,9 +347,8 @@ def chat_policy(policy_dir: Path, out: Path) -> Path:
 
 
 def test_chat_prompts_reach_the_train_and_eval_envs_and_the_target(untrained_policy_dir, tmp_path):
-    from envs.prompts import ANSWER_INSTRUCTION
     from train.builders import build_runner
-    from train.config import BudgetConfig, EnvConfig, ModelConfig, RewardConfig, RunConfig
+    from train.config import ANSWER_INSTRUCTION, BudgetConfig, EnvConfig, ModelConfig, RewardConfig, RunConfig
 
     model = str(chat_policy(untrained_policy_dir, tmp_path / "chat_policy"))
     config = RunConfig(model=ModelConfig(name_or_path=model, device="cpu"),

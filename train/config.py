@@ -1,30 +1,55 @@
-"""A run's configuration: one typed dataclass per part, resolved once from the flags.
+"""A run's configuration: one typed, frozen dataclass per part, and the single source of each option.
 
-``config_from_flags`` fills in every value that depends on other flags (the env id and its workflow,
-the reward, episode length, group size, asynchronous rollouts, the experiment name, hub ids as local
-snapshots) and runs the checks that need those values. The builders (train/builders.py) each take their
-part, so a library user builds a run without absl: ``build_runner(RunConfig(...), run_dir, writer)``.
+A user option is a field declared with ``train.options.option`` (its default and help written once);
+its absl flag is generated from it (train/flags/), so ``RunConfig()`` and ``train_math.py`` without
+flags start from the same values. A default of None means "resolved from other flags": the help says
+to what, and ``train.resolve.config_from_flags`` resolves it, in one place. The builders
+(train/builders.py) each take their part, so a library user builds a run without absl:
+``build_runner(RunConfig(...), run_dir, writer)``.
+
+Light on purpose: the flags are generated from these classes before torch (or the env) is imported.
 """
 
 from __future__ import annotations
 
-import importlib
-import json
+import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import gymnasium
-from absl import flags
-
-import envs  # registers the built-in ids
 from algorithms.registry import AlgorithmConfig
-from algorithms.registry import ALGORITHMS
-from envs.prompts import ANSWER_INSTRUCTION
-from envs.workflows import Workflow, resolve_workflow
-from models.hub import resolve_model
-from models.remote import ClientSettings
-from reward_models.mixture import parse_reward_spec
-from train.flags.checks import check_algorithm_specific, default_group_size, eval_sets, reward_sources
-from train.flags.rewards import DEFAULT_PRM_REWARD, PRM_TYPES, REWARD_SOURCES
+from train.options import option
+
+if TYPE_CHECKING:
+    from envs.workflows import Workflow
+    from models.remote import ClientSettings
+
+PRM_TYPES = {"shepherd": "shepherd", "classifier": "classifier", "ms": "shepherd", "qwen": "classifier"}
+"""--prm_type's accepted names (OpenR's MS and Qwen included) -> the PRM kind."""
+REWARD_SOURCES = ("outcome", "prm", "target", "steps")
+DEFAULT_PRM_REWARD = "outcome:1.0,prm:0.2"
+
+
+class ActionLevel(enum.StrEnum):
+    """What one env action is."""
+
+    SOLUTION = "solution"  # a whole solution: one generate call per episode
+    STEP = "step"  # one reasoning step: generation stops at the step delimiter
+    TOKEN = "token"  # one token (the env's token mode)
+
+
+class RewardAssignment(enum.StrEnum):
+    """How a multi-agent env credits each role."""
+
+    TEAM = "team"  # the verified final answer, to every role that acted
+    INDIVIDUAL = "individual"  # each role's own verifiable output
+    COUNTERFACTUAL = "counterfactual"  # the team outcome minus the outcome without the role's messages
+
+
+class LrSchedule(enum.StrEnum):
+    """The learning rate after warm-up."""
+
+    LINEAR = "linear"  # decays to 0 at the last iteration
+    CONSTANT = "constant"
 
 
 @dataclass(frozen=True)
@@ -46,6 +71,11 @@ class ModelConfig:
     dist_timeout: float = 600.0  # under torchrun: seconds a collective may wait
 
 
+ANSWER_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
+"""What a chat prompt's user turn ends with by default: the answer format, as verl's MATH and GSM8K recipes
+ask for it (an instruct model that is not told where to put its answer rarely boxes it)."""
+
+
 @dataclass(frozen=True)
 class EvalSet:
     """A held-out set: its name (None: the one unnamed set, logged under ``eval/``; else under ``eval/<name>/``)
@@ -64,14 +94,14 @@ class EnvConfig:
     dataset_path: str | None = None
     dataset_name: str | None = None
     eval_sets: tuple[EvalSet, ...] = (EvalSet(),)  # the first one's greedy accuracy picks the best checkpoint
-    action_level: str = "solution"  # solution, step or token
+    action_level: ActionLevel = ActionLevel.SOLUTION
     handoff_steps: int | None = None  # Prefix-RL: policy actions before the target takes over
     episode_length: int = 1
     num_envs: int = 128  # envs stepped per iteration (RLOO: times its oversampling)
     group_size: int = 4
     whole_episodes: bool = True  # one episode per env per iteration (no autoreset)
     eval_batch_size: int = 500
-    reward_assignment: str = "team"  # multi-agent credit
+    reward_assignment: RewardAssignment = RewardAssignment.TEAM  # multi-agent credit
     prompt_template: str = "default"  # default, qwen_math or chat
     system_prompt: str | None = None
     answer_instruction: str = ANSWER_INSTRUCTION  # ends a chat prompt's user turn
@@ -96,6 +126,8 @@ class RewardConfig:
     @property
     def weights(self) -> dict[str, float]:
         """{source: weight} of ``spec``."""
+        from reward_models.mixture import parse_reward_spec  # here: the flags are generated from this module
+
         return parse_reward_spec(self.spec, REWARD_SOURCES)
 
 
@@ -110,7 +142,7 @@ class LearningConfig:
     lr: float = 1e-4
     critic_lr: float = 1e-3
     warmup_iterations: int = 20
-    lr_schedule: str = "linear"  # or constant
+    lr_schedule: LrSchedule = LrSchedule.LINEAR
     num_mini_batch: int = 1
     ppo_epoch: int = 1
     gradient_cp_steps: int = 1
@@ -122,16 +154,30 @@ class LearningConfig:
     implicit_prm_lr: float = 1e-3
 
 
+class Backend(enum.StrEnum):
+    """Where rollouts are generated."""
+
+    HF = "hf"  # Hugging Face transformers, in this process
+    VLLM = "vllm"  # a vLLM engine, in this process
+    VLLM_SERVER = "vllm_server"  # vLLM servers at --vllm_url
+
+
 @dataclass(frozen=True)
 class GenerationConfig:
     """How rollouts are generated."""
 
-    backend: str = "hf"  # hf, vllm or vllm_server
-    max_new_tokens: int = 64
-    temperature: float = 0.5
-    top_p: float = 1.0
-    async_rollouts: bool = False
-    max_policy_lag: int = 1
+    backend: Backend = option(Backend.HF, "Generation backend: HF transformers in this process, a vLLM engine in "
+                              "this process, or vLLM servers at --vllm_url.", flag="generation_backend")
+    max_new_tokens: int = option(64, "Most tokens per action (per step, or per solution).", lower_bound=1)
+    temperature: float = option(0.5, "Sampling temperature for rollouts (> 0; evaluation is greedy). Large models "
+                                "are commonly sampled at 1.0.")
+    top_p: float = option(1.0, "Nucleus sampling for rollouts (1: off).")
+    async_rollouts: bool | None = option(
+        None, "Generate the next batch with a copy of the policy in a second thread while the current one trains "
+        "(on a CPU: a second core), at most --max_policy_lag updates behind; ratios are taken against the "
+        "behaviour log-probs recorded at generation. Default: on with --generation_backend=hf for APPO, and for "
+        "every algorithm on a CPU.")  # None (RunConfig()): off
+    max_policy_lag: int = option(1, "With --async_rollouts: most policy updates a batch may lag.", lower_bound=1)
 
 
 @dataclass(frozen=True)
@@ -147,36 +193,74 @@ class BudgetConfig:
     eval_top_p: float = 1.0
 
 
-SERVICE_CLIENT = ClientSettings(read_timeout=300.0, backoff=1.0, max_backoff=30.0)
-"""How a run's clients wait by default: more patiently than a bare client, since a batch of long completions
-takes a while and a run would rather wait than lose an iteration."""
+MAX_SERVICE_BACKOFF = 30.0
+"""Most seconds between two retries of a request to a --*_url server."""
 
 
 @dataclass(frozen=True)
 class ServicesConfig:
-    """Models behind servers and how their clients wait and retry."""
+    """Models behind servers and how their clients wait and retry (more patiently than a bare client: a batch
+    of long completions takes a while, and a run would rather wait than lose an iteration)."""
 
-    client: ClientSettings = field(default_factory=lambda: SERVICE_CLIENT)
-    target_url: str | None = None
-    target_model_name: str | None = None
-    prm_url: str | None = None
-    prm_model_name: str | None = None
-    vllm_url: str | None = None
-    vllm_model_name: str | None = None
-    vllm_sync_dir: str | None = None  # None: <run dir>/sync
+    target_url: str | None = option(
+        None, "The 'target' reward's frozen solver behind OpenAI-compatible completions servers (`vllm serve`), "
+        "instead of --target_model_name_or_path: URL[,URL...]; each request goes to the URL with the fewest in "
+        "flight.")
+    target_model_name: str | None = option(None, "The target's served model name (default: the one model the "
+                                           "--target_url servers serve).")
+    prm_url: str | None = option(None, "PRM server(s) started with `python -m reward_models.serve`, instead of "
+                                 "--prm_model_name_or_path: URL[,URL...]. Enables the 'prm' reward source.")
+    prm_model_name: str | None = option(None, "The PRM's served model name (default: the one the server serves).")
+    vllm_url: str | None = option(
+        None, "--generation_backend=vllm_server: the vLLM server(s) serving --model_name_or_path, URL[,URL...] "
+        "(see the README: LoRA policies need --enable-lora, full fine-tuning VLLM_SERVER_DEV_MODE=1).")
+    vllm_model_name: str | None = option(None, "The policy's served model name on --vllm_url (default: the one "
+                                         "model the servers serve).")
+    vllm_sync_dir: str | None = option(None, "Where new policy weights are written for the --vllm_url servers to "
+                                       "load (a path they can read). Default: <run dir>/sync.")
+    connect_timeout: float = option(5.0, "Seconds to connect to a --*_url server before the attempt counts as "
+                                    "failed.", flag="service_connect_timeout")
+    read_timeout: float = option(300.0, "Seconds a --*_url server may stay silent on a request (a batch of long "
+                                 "completions takes a while) before the attempt counts as failed.",
+                                 flag="service_read_timeout")
+    retries: int = option(4, "Retries of a request after connection errors, timeouts and HTTP 502/503/504 (never "
+                          "after 4xx), with exponential backoff and jitter; then the iteration fails, its start "
+                          "saved.", flag="service_retries", lower_bound=0)
+    backoff: float = option(1.0, "Seconds before the first retry (doubling each time, at most 30).",
+                            flag="service_backoff")
+    max_in_flight: int = option(8, "Most requests in flight per --*_url server.", flag="service_max_in_flight",
+                                lower_bound=1)
+
+    @property
+    def client(self) -> ClientSettings:
+        """How each service client waits and retries."""
+        from models.remote import ClientSettings  # here: http.client is no cost of parsing the flags
+
+        return ClientSettings(connect_timeout=self.connect_timeout, read_timeout=self.read_timeout,
+                              retries=self.retries, backoff=self.backoff, max_backoff=MAX_SERVICE_BACKOFF,
+                              max_in_flight=self.max_in_flight)
 
 
 @dataclass(frozen=True)
 class LoggingConfig:
     """Where the run writes, how often, and what it resumes."""
 
-    logdir: str = "runs"
-    experiment_name: str = "GRPO_Arith-v0"
-    resume: str | None = None
-    log_interval: int = 1
-    save_interval: int = 100
-    keep_checkpoints: int = 0
-    save_best: bool = True
+    logdir: str = option("runs", "TensorBoard and checkpoint root: <logdir>/<experiment>/<run>.")
+    experiment_name: str | None = option(None, "Name of the run's directory under --logdir. Default: "
+                                         "<algorithm>_<env>.")
+    log_interval: int = option(1, "Write training scalars every this many iterations.", lower_bound=1)
+    save_interval: int = option(100, "Save a checkpoint every this many iterations (and at the end); 0: only at the "
+                                "end.", lower_bound=0)
+    resume: str | None = option(
+        None, "Continue a run from a checkpoint: 'auto' = the newest complete checkpoint under "
+        "<logdir>/<experiment> (a fresh start if there is none), or a checkpoint directory "
+        "<run>/checkpoints/iter_N. Restores weights, optimizer, scheduler, RNGs, the env's problem order and the "
+        "counters; TensorBoard continues in the same run directory.")
+    keep_checkpoints: int = option(0, "Keep only the newest this many checkpoints (older complete ones are deleted "
+                                   "after each save); 0: keep all.", lower_bound=0)
+    save_best: bool = option(True, "After an evaluation whose held-out accuracy beats every earlier one, write the "
+                             "policy to <run>/best (Hugging Face format; loadable by from_pretrained and "
+                             "--model_name_or_path).")
 
 
 @dataclass(frozen=True)
@@ -194,256 +278,3 @@ class RunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     seed: int = 0
     flags: dict = field(default_factory=dict)
-
-
-def config_from_flags(f: flags.FlagValues) -> RunConfig:
-    """Every flag resolved once into a RunConfig. Raises flags.Error or ValueError naming the flag and the fix."""
-    from train.flags import flag_dict
-
-    check_algorithm_specific(f)
-    env_id = registered_env_id(f)
-    workflow = workflow_of(env_id)
-    check_multi_agent(f, workflow)
-    env = env_config(f, env_id, workflow)
-    generation = generation_config(f)
-    return RunConfig(model=model_config(f, workflow), env=env, rewards=reward_config(f),
-                     learning=learning_config(f, workflow), generation=generation,
-                     budget=BudgetConfig(num_iterations=-(-f.num_env_steps // (env.episode_length * env.num_envs)),
-                                         num_env_steps=f.num_env_steps, eval_interval=f.eval_interval,
-                                         eval_limit=f.eval_limit, **eval_sampling(f)),
-                     services=services_config(f), logging=logging_config(f), seed=f.seed, flags=flag_dict(f))
-
-
-def env_id_given(f: flags.FlagValues) -> str:
-    """--env_id, or its default: MATH-v0 with --dataset_path, else Arith-v0."""
-    if f.env_id is not None:
-        return f.env_id
-    return "MATH-v0" if f.dataset_path is not None else "Arith-v0"
-
-
-def registered_env_id(f: flags.FlagValues) -> str:
-    """The gymnasium id of --env_id, after importing ``module`` of ``module:EnvId``; it must be registered
-    with a vector entry point taking ``group_size`` (MathVectorEnv or compatible)."""
-    env_id = env_id_given(f)
-    module, _, name = env_id.rpartition(":")
-    if module:
-        try:
-            importlib.import_module(module)
-        except ImportError as error:
-            raise flags.ValidationError(f"--env_id={env_id}: cannot import registration module {module!r} ({error}); "
-                                        "it must be importable: add the directory holding it to PYTHONPATH (e.g. "
-                                        "PYTHONPATH=.)") from None
-    if name not in gymnasium.registry:
-        known = ", ".join(sorted(k for k in gymnasium.registry if k.startswith(("MATH", "Arith"))))
-        raise flags.ValidationError(f"--env_id={env_id}: {name!r} is not a registered gymnasium id (built in: {known}); "
-                                    "use 'module:EnvId' to import the module that registers it")
-    if gymnasium.spec(name).vector_entry_point is None:
-        raise flags.ValidationError(f"--env_id={env_id} has no vector_entry_point; the trainer needs a batched env "
-                                    "like envs.vector:MathVectorEnv (register one with vector_entry_point=...)")
-    return name
-
-
-def workflow_of(env_id: str) -> Workflow | None:
-    """The Workflow of a multi-agent env (registered with ``workflow=``), else None."""
-    workflow = gymnasium.spec(env_id).kwargs.get("workflow")
-    return None if workflow is None else resolve_workflow(workflow)
-
-
-def reward_spec(f: flags.FlagValues) -> str:
-    """--reward, or its default: the outcome with a PRM's score when a PRM is given, else the env id's own
-    declared default (``envs.default_reward``: Arith-v0's adds its exact step reward)."""
-    if f.reward is not None:
-        return f.reward
-    if f.prm_model_name_or_path is not None or f.prm_url is not None:
-        return DEFAULT_PRM_REWARD
-    return envs.default_reward(registered_env_id(f))
-
-
-def check_multi_agent(f: flags.FlagValues, workflow: Workflow | None) -> None:
-    """What a multi-agent env (every action a whole message, credit by --reward_assignment, the other --reward
-    sources on answering roles' messages) rules out, and the role flags a single-agent env cannot use."""
-    env_id = env_id_given(f)
-    if workflow is None:
-        for name in ("reward_assignment", "role_model", "share_policy", "agent_groups"):
-            if f[name].present:
-                raise flags.ValidationError(f"--{name} concerns the roles of a multi-agent env; --env_id={env_id} "
-                                            "has one agent (use e.g. --env_id Arith-Chain-v0, or drop it)")
-        if f.critic in ("centralized", "per_role"):
-            raise flags.ValidationError(f"--critic={f.critic} concerns the roles of a multi-agent env; "
-                                        f"--env_id={env_id} has one agent (use --critic on, or e.g. --env_id "
-                                        "Arith-Chain-v0)")
-        return
-    if not f.share_policy and f.lora_rank == 0:
-        raise flags.ValidationError("--noshare_policy gives each role a LoRA adapter on the shared base: add "
-                                    "--lora_rank > 0 (now 0)")
-    frozen = [role.name for role in workflow.roles if not role.trainable]
-    for role in role_models(f):
-        if role not in frozen:
-            raise flags.ValidationError(f"--role_model {role}=...: the frozen roles of --env_id={env_id} are "
-                                        f"{frozen or 'none'}; a trained role speaks with the policy")
-    if f.action_level != "solution":
-        raise flags.ValidationError(f"--action_level={f.action_level}: in the multi-agent --env_id={env_id} every "
-                                    "action is one role's whole message; use --action_level solution")
-    if f["handoff_steps"].present:
-        raise flags.ValidationError(f"--handoff_steps with the multi-agent --env_id={env_id}: Prefix-RL is "
-                                    "Arith-Prefix-v0 there (its solver role finishes the writer's prefix)")
-    check_workflow_reward(reward_spec(f), env_id, workflow)
-
-
-def check_workflow_reward(spec: str, env_id: str, workflow: Workflow) -> None:
-    """A workflow's --reward must hold 'outcome' (the --reward_assignment credit) and no second target."""
-    sources = reward_sources(spec)
-    if "outcome" not in sources:
-        raise flags.ValidationError(f"--reward={spec!r} with the multi-agent --env_id={env_id}: its 'outcome' source "
-                                    "is the --reward_assignment credit, which every role needs; add it, e.g. "
-                                    "--reward outcome:1.0,prm:0.2")
-    if "target" in sources and any(role.continues for role in workflow.roles):
-        continuing = next(role.name for role in workflow.roles if role.continues)
-        raise flags.ValidationError(f"--reward uses 'target' with --env_id={env_id}, whose {continuing} role already "
-                                    "is the frozen target finishing the prefix; drop 'target' from --reward and give "
-                                    f"the target as --role_model {continuing}=DIR")
-
-
-def role_models(f: flags.FlagValues) -> dict[str, str]:
-    """--role_model entries as {role: model directory or hub id}."""
-    models = {}
-    for entry in f.role_model:
-        role, sep, directory = entry.partition("=")
-        if not sep or not role or not directory:
-            raise flags.ValidationError(f"--role_model={entry!r} must be ROLE=DIR (e.g. solver=/models/target)")
-        models[role] = directory
-    return models
-
-
-def local_model(f: flags.FlagValues, value: str | None, flag: str) -> str | None:
-    """A model flag's local directory: the directory itself, or a hub id's snapshot at --revision."""
-    return None if value is None else str(resolve_model(value, f.revision, flag))
-
-
-def model_config(f: flags.FlagValues, workflow: Workflow | None) -> ModelConfig:
-    trained = [] if f.share_policy or workflow is None else [role.name for role in workflow.roles if role.trainable]
-    per_role_critic = workflow is not None and f.critic == "per_role"
-    frozen = {role: local_model(f, name, f"--role_model {role}") for role, name in role_models(f).items()}
-    return ModelConfig(name_or_path=local_model(f, f.model_name_or_path, "--model_name_or_path"), revision=f.revision,
-                       device=f.device, dtype=f.dtype, lora_rank=f.lora_rank,
-                       gradient_checkpointing=f.gradient_checkpointing, role_adapters=tuple(trained),
-                       role_models=frozen, value_heads=len(workflow.roles) if per_role_critic else 1,
-                       torch_threads=f.torch_threads, return_freed_memory=f.return_freed_memory,
-                       data_parallel=f.data_parallel, dist_timeout=f.dist_timeout)
-
-
-def env_config(f: flags.FlagValues, env_id: str, workflow: Workflow | None) -> EnvConfig:
-    oversample = f.oversample_factor if f.algorithm_name == "RLOO" else 1
-    return EnvConfig(env_id=env_id, workflow=workflow, dataset_path=f.dataset_path, dataset_name=f.dataset_name,
-                     eval_sets=tuple(EvalSet(name, path) for name, path in eval_sets(f.eval_dataset_path)),
-                     action_level=f.action_level, handoff_steps=f.handoff_steps,
-                     episode_length=episode_length(f, env_id, workflow), num_envs=f.n_rollout_threads * oversample,
-                     group_size=f.group_size or default_group_size(f.algorithm_name),
-                     whole_episodes=ALGORITHMS[f.algorithm_name].episodic or workflow is not None,
-                     eval_batch_size=f.eval_batch_size, reward_assignment=f.reward_assignment,
-                     prompt_template=f.prompt_template, system_prompt=f.system_prompt,
-                     answer_instruction=f.answer_instruction, env_kwargs=user_env_kwargs(f, env_id))
-
-
-def user_env_kwargs(f: flags.FlagValues, env_id: str) -> dict:
-    """--env_kwargs parsed and checked against ``env_id`` (``envs.override_kwargs``), before torch loads."""
-    if f.env_kwargs is None:
-        return {}
-    try:
-        return envs.override_kwargs(env_id, json.loads(f.env_kwargs))
-    except (ValueError, TypeError) as error:  # json.JSONDecodeError is a ValueError
-        raise flags.ValidationError(f"--env_kwargs={f.env_kwargs!r}: {error}") from None
-
-
-def eval_sampling(f: flags.FlagValues) -> dict:
-    """--eval_samples and how they are drawn; --eval_temperature and --eval_top_p need --eval_samples."""
-    for name in ("eval_temperature", "eval_top_p"):
-        if f[name].present and not f.eval_samples:
-            raise flags.ValidationError(f"--{name} sets how --eval_samples are drawn; add --eval_samples K (> 0) or "
-                                        "drop it (evaluation is otherwise greedy)")
-    return {"eval_samples": f.eval_samples, "eval_temperature": f.eval_temperature, "eval_top_p": f.eval_top_p}
-
-
-def episode_length(f: flags.FlagValues, env_id: str, workflow: Workflow | None) -> int:
-    """--episode_length, or its default: a workflow's most turns (or its env's max_steps); else 1 with
-    --action_level solution and 8 otherwise."""
-    if f.episode_length is not None:
-        return f.episode_length
-    if workflow is not None:
-        return workflow.max_turns or gymnasium.spec(env_id).kwargs.get("max_steps", 8)
-    return 1 if f.action_level == "solution" else 8
-
-
-def reward_config(f: flags.FlagValues) -> RewardConfig:
-    return RewardConfig(spec=reward_spec(f), prm_model=local_model(f, f.prm_model_name_or_path,
-                                                                   "--prm_model_name_or_path"),
-                        prm_checkpoint_path=f.prm_checkpoint_path, prm_type=PRM_TYPES[f.prm_type.lower()],
-                        prm_step_tag=f.prm_step_tag, prm_kv_cache_mb=f.prm_kv_cache_mb,
-                        target_model=local_model(f, f.target_model_name_or_path, "--target_model_name_or_path"),
-                        target_num_samples=f.target_num_samples,
-                        target_temperature=f.target_temperature, target_max_new_tokens=f.target_max_new_tokens)
-
-
-def learning_config(f: flags.FlagValues, workflow: Workflow | None) -> LearningConfig:
-    losses = AlgorithmConfig(
-        clip_param=f.clip_param, value_clip_param=f.value_clip_param or None, huber_delta=f.huber_delta or None,
-        value_coef=f.value_coef, entropy_coef=f.entropy_coef, gamma=f.gamma, gae_lambda=f.gae_lambda,
-        value_lambda=f.value_lambda, scale_rewards=f.scale_rewards, kl_coef=f.kl_coef, loss_agg=f.loss_agg,
-        process_coef=f.process_coef, accuracy_lower_bound=f.accuracy_lower_bound,
-        accuracy_upper_bound=f.accuracy_upper_bound, joint_groups=f.agent_groups == "joint")
-    group_size = f.group_size or default_group_size(f.algorithm_name)
-    return LearningConfig(
-        algorithm=f.algorithm_name, losses=losses,
-        prompt_groups=f.n_rollout_threads // group_size if f.oversample_factor > 1 else None,
-        critic_view="per_role" if f.critic == "per_role" else "centralized", lr=f.lr, critic_lr=f.critic_lr,
-        warmup_iterations=f.warmup_iterations, lr_schedule=f.lr_schedule, num_mini_batch=f.num_mini_batch,
-        ppo_epoch=f.ppo_epoch, gradient_cp_steps=f.gradient_cp_steps, micro_batch_tokens=f.micro_batch_tokens,
-        max_grad_norm=f.max_grad_norm,
-        target_kl=f.target_kl, max_nonfinite_steps=f.max_nonfinite_steps, implicit_prm_beta=f.implicit_prm_beta,
-        implicit_prm_lr=f.implicit_prm_lr)
-
-
-def generation_config(f: flags.FlagValues) -> GenerationConfig:
-    asynchronous = async_rollouts(f)
-    if f["max_policy_lag"].present and not asynchronous:
-        raise flags.ValidationError("--max_policy_lag bounds asynchronous rollouts; add --async_rollouts or drop it")
-    return GenerationConfig(backend=f.generation_backend, max_new_tokens=f.max_new_tokens, temperature=f.temperature,
-                            top_p=f.top_p, async_rollouts=asynchronous, max_policy_lag=f.max_policy_lag)
-
-
-def async_rollouts(f: flags.FlagValues) -> bool:
-    """--async_rollouts, or its default: on with the HF backend for APPO, and for every algorithm on a CPU
-    (where the second thread has a core of its own; on one GPU the copy's memory would buy little overlap)."""
-    if f.async_rollouts is not None:
-        return f.async_rollouts
-    if f.generation_backend != "hf":
-        return False
-    if f.algorithm_name == "APPO":
-        return True
-    if f.device == "auto":
-        import torch  # here: parsing flags stays light until a run is configured
-
-        return not torch.cuda.is_available()
-    return f.device == "cpu"
-
-
-def services_config(f: flags.FlagValues) -> ServicesConfig:
-    client = ClientSettings(connect_timeout=f.service_connect_timeout, read_timeout=f.service_read_timeout,
-                            retries=f.service_retries, backoff=f.service_backoff, max_backoff=SERVICE_CLIENT.max_backoff,
-                            max_in_flight=f.service_max_in_flight)
-    return ServicesConfig(client=client, target_url=f.target_url, target_model_name=f.target_model_name,
-                          prm_url=f.prm_url, prm_model_name=f.prm_model_name, vllm_url=f.vllm_url,
-                          vllm_model_name=f.vllm_model_name, vllm_sync_dir=f.vllm_sync_dir)
-
-
-def logging_config(f: flags.FlagValues) -> LoggingConfig:
-    return LoggingConfig(logdir=f.logdir, experiment_name=experiment_name(f), resume=f.resume,
-                         log_interval=f.log_interval, save_interval=f.save_interval,
-                         keep_checkpoints=f.keep_checkpoints, save_best=f.save_best)
-
-
-def experiment_name(f: flags.FlagValues) -> str:
-    """--experiment_name, or <algorithm>_<env>."""
-    if f.experiment_name is not None:
-        return f.experiment_name
-    return f"{f.algorithm_name}_{env_id_given(f).rpartition(':')[2]}"

@@ -16,7 +16,8 @@ Surviving faults:
   propagates (``saved_at_failure``). Under torchrun the other ranks cannot join a save: nothing is
   written, and the last checkpoint stays the one to resume.
 
-Data parallelism (``train.distributed``): ``trainable`` is the policy wrapped in DDP; statistics,
+Data parallelism (``train.distributed``): ``trainable`` is the module the optimizer steps (the policy
+wrapped in DDP, or under FSDP2 the sharded policy itself); statistics,
 evaluation results and the stop signal are reduced over ranks; rank 0 alone logs and writes checkpoints,
 which hold every rank's collector state and RNGs.
 """

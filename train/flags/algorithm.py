@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from absl import flags
 
-from algorithms.registry import ALGORITHMS
+from algorithms.registry import ALGORITHMS, LossAgg, ScaleRewards
+from train.config import LrSchedule
 
 flags.DEFINE_enum("algorithm_name", "GRPO", tuple(ALGORITHMS), "RL algorithm.")
 flags.DEFINE_integer("num_mini_batch", 1, "Minibatches (optimizer steps) per epoch over each rollout.", lower_bound=1)
@@ -17,7 +18,8 @@ flags.DEFINE_float("lr", 1e-4, "Policy learning rate (AdamW).")
 flags.DEFINE_float("critic_lr", 1e-3, "Critic learning rate (value head and critic adapter).")
 flags.DEFINE_integer("warmup_iterations", 20, "Linear lr warm-up length in iterations (Adam's first steps move "
                      "every weight by about lr; warm-up keeps them small).", lower_bound=0)
-flags.DEFINE_enum("lr_schedule", "linear", ("constant", "linear"), "After warm-up: linear decay to 0 at the last "
+flags.DEFINE_enum("lr_schedule", LrSchedule.LINEAR, [mode.value for mode in LrSchedule],
+                  "After warm-up: linear decay to 0 at the last "
                   "iteration, or constant. A run resumed with another --num_env_steps goes on at the new budget's "
                   "lr for the step it has reached.")
 flags.DEFINE_float("max_grad_norm", 1.0, "Gradient norm clip (0: off).")
@@ -40,7 +42,8 @@ flags.DEFINE_float("gae_lambda", 0.95, "GAE lambda of the policy's advantages.")
 flags.DEFINE_float("value_lambda", 1.0, "GAE lambda of the critic's targets (Decoupled GAE, as VAPO): 1.0 fits V "
                    "to the returns the rewards give; below 1 a token j steps before the reward sees it with weight "
                    "lambda^j and V is fitted mostly to its own later values.")
-flags.DEFINE_enum("scale_rewards", "group", ("group", "batch", "none"), "Divide centred returns by the "
+flags.DEFINE_enum("scale_rewards", ScaleRewards.GROUP, [mode.value for mode in ScaleRewards],
+                  "Divide centred returns by the "
                   "group's std, the batch's, or nothing (Dr.GRPO).")
 flags.DEFINE_float("kl_coef", 0.0, "k3 KL-to-reference coefficient (0: no reference pass).")
-flags.DEFINE_enum("loss_agg", "token_mean", ("token_mean", "seq_mean"), "Per-token loss aggregation.")
+flags.DEFINE_enum("loss_agg", LossAgg.TOKEN_MEAN, [mode.value for mode in LossAgg], "Per-token loss aggregation.")

@@ -2,7 +2,7 @@
 
 Each names the flag and the fix. Flags that only some algorithms read are refused for the others
 (``APPLIES_TO``) instead of silently ignored; checks that need resolved values (the env's workflow,
-asynchronous rollouts) run in ``train.config.config_from_flags``.
+asynchronous rollouts) run in ``train.resolve.config_from_flags``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 from absl import flags
 
 from algorithms.registry import ALGORITHMS
-from train.flags.rewards import DEFAULT_PRM_REWARD, PRM_TYPES, REWARD_SOURCES
+from train.config import DEFAULT_PRM_REWARD, PRM_TYPES, REWARD_SOURCES
 
 FLAGS = flags.FLAGS
 
@@ -120,6 +120,9 @@ for _name in ("gae_lambda", "value_lambda"):
     flags.register_validator(_name, lambda v: 0 <= v <= 1, "must be in [0, 1]")
 flags.register_validator("device", lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", v) is not None,
                          "must be auto, cpu, cuda or cuda:N")
+flags.register_validator("dtype", lambda v: v != "float16", "float16 training needs a loss scaler "
+                         "(torch.amp.GradScaler) the trainer does not have, so small gradients would underflow to 0; "
+                         "use --dtype bfloat16 (or float32)")
 flags.register_validator("experiment_name", lambda v: v is None or re.fullmatch(r"[\w.\-]+", v) is not None,
                          "must be letters, digits, '.', '-' or '_' (it names a directory)")
 

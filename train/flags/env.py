@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from absl import flags
 
-from envs.prompts import ANSWER_INSTRUCTION
+from train.config import ANSWER_INSTRUCTION, ActionLevel
 
 flags.DEFINE_string("dataset_path", None, "Problems to train on: a JSONL/JSON file (MATH-500 or OpenR schema), a "
                     "directory holding {split}.jsonl, or hf://NAME[:split] (needs the datasets package). Given "
@@ -19,7 +19,8 @@ flags.DEFINE_string("eval_dataset_path", None, "Held-out problems for evaluation
 flags.DEFINE_string("env_id", None, "A registered gymnasium id with a vector entry point (MathVectorEnv or "
                     "compatible), or 'module:EnvId' to import a registration module first (on PYTHONPATH). "
                     "Default: MATH-v0 with --dataset_path, else Arith-v0.")
-flags.DEFINE_enum("action_level", "solution", ("solution", "step", "token"), "What one env action is: a whole "
+flags.DEFINE_enum("action_level", ActionLevel.SOLUTION, [mode.value for mode in ActionLevel],
+                  "What one env action is: a whole "
                   "solution (one generate call per episode), one reasoning step (generation stops at the step "
                   "delimiter) or one token (the env's token mode; --episode_length then counts tokens).")
 flags.DEFINE_enum("prompt_template", "default", ("default", "qwen_math", "chat"), "How a problem becomes a prompt: "

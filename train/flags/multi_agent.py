@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from absl import flags
 
+from train.config import RewardAssignment
+
 flags.DEFINE_multi_string("role_model", [], "ROLE=DIR (repeatable; DIR a directory or a hub id): a frozen role of a "
                           "multi-agent workflow (one its Workflow marks trainable=False, e.g. Arith-Prefix-v0's "
                           "solver: Prefix-RL's frozen target) speaks with the model in DIR instead of the policy. "
@@ -11,7 +13,8 @@ flags.DEFINE_multi_string("role_model", [], "ROLE=DIR (repeatable; DIR a directo
 flags.DEFINE_enum("agent_groups", "role", ("role", "joint"), "Multi-agent envs, GRPO/RLOO: the group baseline "
                   "compares one role's samples of one problem (role, normalised per role), or every role's samples "
                   "of the problem together (joint, MAGRPO's team baseline).")
-flags.DEFINE_enum("reward_assignment", "team", ("team", "individual", "counterfactual"), "Multi-agent envs: how "
+flags.DEFINE_enum("reward_assignment", RewardAssignment.TEAM, [mode.value for mode in RewardAssignment],
+                  "Multi-agent envs: how "
                   "each role is credited. team: the verified final answer, to every role that acted; individual: "
                   "each role's own verifiable output (its answer; a verifier's verdict against the truth); "
                   "counterfactual: the team outcome minus the outcome with the role's messages replaced by its "

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from absl import flags
 
-PRM_TYPES = {"shepherd": "shepherd", "classifier": "classifier", "ms": "shepherd", "qwen": "classifier"}
-REWARD_SOURCES = ("outcome", "prm", "target", "steps")
-DEFAULT_PRM_REWARD = "outcome:1.0,prm:0.2"
+from train.config import DEFAULT_PRM_REWARD, PRM_TYPES, REWARD_SOURCES
 
 flags.DEFINE_string("reward", None, "Weighted reward sources, e.g. 'outcome:1.0,prm:0.2' (sources: "
                     f"{', '.join(REWARD_SOURCES)}). Default: {DEFAULT_PRM_REWARD!r} with a PRM, else the env id's "

@@ -1,0 +1,73 @@
+"""Options: a config field that carries its own default and help, and the absl flags generated from them.
+
+A section of ``train.config.RunConfig`` declares each user option once::
+
+    temperature: float = option(0.5, "Sampling temperature for rollouts.")
+    backend: Backend = option(Backend.HF, "Generation backend.", flag="generation_backend")
+
+``define_flags(GenerationConfig, __name__)`` (in the section's module under train/flags/) defines
+``--temperature`` and ``--generation_backend`` from those fields, so ``RunConfig()`` and
+``train_math.py`` without flags start from the same values by construction. ``flag=`` keeps OpenR's
+flag name where the field's name is clearer; an Enum type gives the flag its choices. A default of
+None means "resolved from other flags" (the help says to what); ``train.resolve`` resolves it.
+
+Light on purpose (absl, dataclasses, enum): flags are defined and checked before torch is imported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+from absl import flags
+
+DEFINE = {"bool": flags.DEFINE_boolean, "int": flags.DEFINE_integer, "float": flags.DEFINE_float,
+          "str": flags.DEFINE_string}
+"""absl's definer for each annotated field type (``X | None`` reads as X)."""
+
+
+def option(default: Any, help: str, *, flag: str | None = None, lower_bound: float | None = None,
+           upper_bound: float | None = None) -> Any:
+    """A dataclass field that is also a command-line flag: ``default`` and ``help`` written once;
+    ``flag``: the flag's name when it differs from the field's (OpenR compatibility); bounds checked at
+    parse time. A field whose type is an Enum takes its members' values as the flag's choices."""
+    metadata = {"help": help, "flag": flag, "lower_bound": lower_bound, "upper_bound": upper_bound}
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def options(section: type) -> list[dataclasses.Field]:
+    """The fields of ``section`` (a dataclass) declared with ``option``, in declaration order."""
+    return [field for field in dataclasses.fields(section) if "help" in field.metadata]
+
+
+def flag_name(field: dataclasses.Field) -> str:
+    return field.metadata["flag"] or field.name
+
+
+def define_flags(section: type, module_name: str, flag_values: flags.FlagValues = flags.FLAGS) -> None:
+    """Defines one absl flag per ``option`` field of ``section`` in ``flag_values``, registered as
+    ``module_name``'s (so --helpfull lists them under that module's section)."""
+    for field in options(section):
+        name, help_, default = flag_name(field), field.metadata["help"], field.default
+        if isinstance(default, enum.Enum):
+            flags.DEFINE_enum(name, default.value, [member.value for member in type(default)], help_,
+                              module_name=module_name, flag_values=flag_values)
+            continue
+        kind = field.type.split("|")[0].strip()
+        if kind not in DEFINE:
+            raise TypeError(f"{section.__name__}.{field.name}: an option is a bool, int, float, str or Enum "
+                            f"(got {field.type!r})")
+        bounds = {key: field.metadata[key] for key in ("lower_bound", "upper_bound")
+                  if field.metadata[key] is not None}
+        DEFINE[kind](name, default, help_, module_name=module_name, flag_values=flag_values, **bounds)
+
+
+def section_from_flags(section: type, flag_values: flags.FlagValues, **resolved: Any) -> Any:
+    """``section`` with each ``option`` field taken from its flag (an Enum field as its member), and the
+    fields in ``resolved`` (values worked out from other flags, or not user options) as given."""
+    values = {}
+    for field in options(section):
+        value = flag_values[flag_name(field)].value
+        values[field.name] = type(field.default)(value) if isinstance(field.default, enum.Enum) else value
+    return section(**{**values, **resolved})

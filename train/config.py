@@ -56,7 +56,7 @@ class LrSchedule(enum.StrEnum):
 class ModelConfig:
     """The policy's weights and how it runs. Model paths are local directories (hub ids already resolved)."""
 
-    name_or_path: str | None = None  # None: the built-in tiny policy (the tiny team model on a workflow)
+    name_or_path: str | None = None  # None: the shipped tiny policy (the tiny team model on a workflow)
     revision: str | None = None  # the hub revision the model paths were resolved at
     device: str = "auto"
     dtype: str = "float32"

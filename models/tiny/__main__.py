@@ -1,4 +1,6 @@
-"""``python -m models.tiny --out DIR``: build (or find) the tiny models and print their metrics."""
+"""``python -m models.tiny --out DIR``: build (or find) the tiny models and print their metrics.
+
+``--out models/tiny/shipped`` (after removing that directory) remakes the build the package ships."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from models.tiny.config import TinyConfig
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m models.tiny",
                                      description="Build the tiny tokenizer, policy, PRM, target and team models.")
-    parser.add_argument("--out", type=Path, default=None, help="output directory (default: the user cache)")
+    parser.add_argument("--out", type=Path, default=None, help="output directory (default: the user cache, $MATHRL_CACHE/tiny/<config hash>)")
     parser.add_argument("--seed", type=int, default=TinyConfig.seed)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=None,

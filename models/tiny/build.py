@@ -48,14 +48,15 @@ class TinyModels:
     metrics: dict
 
 
-def _team_dir(root: Path, config: TinyConfig) -> Path:
+def team_dir(root: Path, config: TinyConfig) -> Path:
+    """Where the team stage of ``config`` lives in the build ``root``."""
     return root / f"team-{team_hash(config)}"
 
 
-def _paths(root: Path, config: TinyConfig) -> TinyModels:
-    """A finished build's paths; ``metrics["team"]`` comes from the team stage's own metrics.json, when the team
-    stage has been built."""
-    team = _team_dir(root, config)
+def read_build(root: Path, config: TinyConfig) -> TinyModels:
+    """The finished build in ``root``: its paths and metrics; ``metrics["team"]`` comes from the team stage's
+    own metrics.json, when the team stage has been built."""
+    team = team_dir(root, config)
     metrics = json.loads((root / "metrics.json").read_text())
     if (team / "metrics.json").is_file():
         metrics["team"] = json.loads((team / "metrics.json").read_text())
@@ -182,10 +183,10 @@ def build_tiny_models(out_dir: str | os.PathLike | None = None, config: TinyConf
     with _torch_threads(threads or _usable_cores()):
         if not (root / "metrics.json").is_file():
             _build_into(root, lambda staging: _build(staging, config, device))
-        team_dir = _team_dir(root, config)
-        if team and not (team_dir / "metrics.json").is_file():
-            _build_into(team_dir, lambda staging: _build_team(root, staging, config, device))
-    return _paths(root, config)
+        team_root = team_dir(root, config)
+        if team and not (team_root / "metrics.json").is_file():
+            _build_into(team_root, lambda staging: _build_team(root, staging, config, device))
+    return read_build(root, config)
 
 
 def _build_into(final: Path, build: Callable[[Path], None]) -> None:

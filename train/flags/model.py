@@ -6,7 +6,7 @@ from absl import flags
 
 flags.DEFINE_string("model_name_or_path", None, "Policy model: a Hugging Face model directory or a hub id (e.g. "
                     "Qwen/Qwen2.5-Math-1.5B, resolved through the Hugging Face cache; HF_HUB_OFFLINE=1 is honoured). "
-                    "Default: the built-in tiny Arith policy (models.tiny, built and cached on first use; on a "
+                    "Default: the tiny Arith policy shipped in the package (models/tiny/shipped; on a "
                     "multi-agent env the tiny team model, which knows the workflows' roles).")
 flags.DEFINE_string("revision", None, "Hub revision (branch, tag or commit) of every model flag given as a hub id. "
                     "Default: the hub's default branch.")

@@ -291,7 +291,8 @@ def runner_config(config: RunConfig) -> RunnerConfig:
         max_grad_norm=learning.max_grad_norm,
         target_kl=learning.target_kl, eval_interval=budget.eval_interval, eval_limit=budget.eval_limit,
         log_interval=logs.log_interval, save_interval=logs.save_interval, keep_checkpoints=logs.keep_checkpoints,
-        save_best=logs.save_best, max_nonfinite_steps=learning.max_nonfinite_steps, seed=config.seed,
+        save_best=logs.save_best, save_dtype=logs.save_dtype, max_nonfinite_steps=learning.max_nonfinite_steps,
+        seed=config.seed,
         async_rollouts=config.generation.async_rollouts, max_policy_lag=config.generation.max_policy_lag,
         eval_verdict="target" if config.env.handoff_steps is not None else "correct")  # Prefix-RL: the target's
 

@@ -159,8 +159,9 @@ class LoggingConfig:
     resume: str | None = None
     log_interval: int = 1
     save_interval: int = 100
-    keep_checkpoints: int = 0
+    keep_checkpoints: int = 2
     save_best: bool = True
+    save_dtype: str = "float32"  # exported policies' weights (<run>/best); --save_dtype auto resolves to --dtype
 
 
 @dataclass(frozen=True)
@@ -402,7 +403,8 @@ def services_config(f: flags.FlagValues) -> ServicesConfig:
 def logging_config(f: flags.FlagValues) -> LoggingConfig:
     return LoggingConfig(logdir=f.logdir, experiment_name=experiment_name(f), resume=f.resume,
                          log_interval=f.log_interval, save_interval=f.save_interval,
-                         keep_checkpoints=f.keep_checkpoints, save_best=f.save_best)
+                         keep_checkpoints=f.keep_checkpoints, save_best=f.save_best,
+                         save_dtype=f.dtype if f.save_dtype == "auto" else f.save_dtype)
 
 
 def experiment_name(f: flags.FlagValues) -> str:

@@ -14,8 +14,12 @@ flags.DEFINE_string("resume", None, "Continue a run from a checkpoint: 'auto' = 
                     "under <logdir>/<experiment> (a fresh start if there is none), or a checkpoint directory "
                     "<run>/checkpoints/iter_N. Restores weights, optimizer, scheduler, RNGs, the env's problem "
                     "order and the counters; TensorBoard continues in the same run directory.")
-flags.DEFINE_integer("keep_checkpoints", 0, "Keep only the newest this many checkpoints (older complete ones are "
-                     "deleted after each save); 0: keep all.", lower_bound=0)
+flags.DEFINE_integer("keep_checkpoints", 2, "Keep only the newest this many checkpoints (older complete ones are "
+                     "deleted after each save; <run>/best is kept apart); 0: keep all. Hugging Face's "
+                     "save_total_limit, verl's max_actor_ckpt_to_keep.", lower_bound=0)
+flags.DEFINE_enum("save_dtype", "auto", ("auto", "float32", "bfloat16", "float16"), "Dtype of the weights of "
+                  "exported policies (<run>/best): auto = the training dtype (--dtype). Checkpoints keep the "
+                  "weights as the optimizer steps them, so that a resume continues exactly.")
 flags.DEFINE_boolean("save_best", True, "After an evaluation whose held-out accuracy beats every earlier one, "
                      "write the policy to <run>/best (Hugging Face format; loadable by from_pretrained and "
                      "--model_name_or_path).")

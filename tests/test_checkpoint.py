@@ -685,3 +685,22 @@ def test_checkpoints_hold_the_weights_once_and_best_is_exported_in_the_training_
         assert {weights.get_slice(name).get_dtype() for name in weights.keys()} == {"BF16"}
     assert json.loads((best / "config.json").read_text())["dtype"] == "bfloat16"
     assert AutoModelForCausalLM.from_pretrained(best, dtype="auto").dtype == torch.bfloat16
+
+
+def test_lora_checkpoints_hold_no_frozen_weight_and_older_full_checkpoints_resume(untrained_policy_dir, tmp_path,
+                                                                                   monkeypatch, length_reward):
+    """A LoRA checkpoint's train_state/ holds adapters (and a value head) only, not the frozen base's tied
+    output embedding. A full fine-tuning checkpoint whose train_state/ holds the weights too (as written
+    before they were held once) resumes to the weights and optimizer state of a run never stopped."""
+    lora = Path(run_train_math(flags_for(untrained_policy_dir, tmp_path / "lora", "APPO", 1, "--lora_rank", "4")))
+    metadata = torch.distributed.checkpoint.FileSystemReader(lora / "checkpoints" / "iter_1" / "train_state")
+    stored = [key for key in metadata.read_metadata().state_dict_metadata if key.startswith("model.")]
+    assert stored and all("lora_" in key or "value_head" in key for key in stored), stored
+    straight = Path(run_train_math(flags_for(untrained_policy_dir, tmp_path / "straight", "GRPO", 4)))
+    with monkeypatch.context() as patch:
+        patch.setattr(checkpoint, "in_policy_dir", lambda policy, trained: set())
+        older = Path(run_stopped_by_sigterm(patch, 1, flags_for(untrained_policy_dir, tmp_path / "older", "GRPO", 4)))
+    metadata = torch.distributed.checkpoint.FileSystemReader(older / "checkpoints" / "iter_2" / "train_state")
+    assert any(key.startswith("model.model.") for key in metadata.read_metadata().state_dict_metadata)
+    run_train_math(flags_for(untrained_policy_dir, tmp_path / "older", "GRPO", 4, "--resume", "auto"))
+    assert_same_training_state(straight / "checkpoints" / "iter_4", older / "checkpoints" / "iter_4")

@@ -289,19 +289,27 @@ def save_train_state(directory: Path, policy: LanguagePolicy, optimizer: torch.o
     (``in_policy_dir``) as DCP, keyed by parameter name (every rank writes its shard of a sharded policy; a
     whole one is written once)."""
     model_state, optimizer_state = get_state_dict(policy, optimizer, options=TRAIN_STATE_OPTIONS)
-    referenced = in_policy_dir(policy, model_state)
-    model_state = {name: tensor for name, tensor in model_state.items() if name not in referenced}
+    trained = trained_names(policy)
+    referenced = in_policy_dir(policy, trained)
+    model_state = {name: tensor for name, tensor in model_state.items() if name in trained - referenced}
     with one_process_quietly():
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=directory,
                  no_dist=not dist.is_initialized())
 
 
-def in_policy_dir(policy: LanguagePolicy, model_state: dict[str, Any]) -> set[str]:
+def trained_names(policy: LanguagePolicy) -> set[str]:
+    """Names of the parameters the optimizer steps (a tied weight under each of its names). The state dict
+    DCP gives without frozen parameters still holds a frozen tied weight (a LoRA base's output embedding),
+    which this leaves out."""
+    return {name for name, param in policy.named_parameters(remove_duplicate=False) if param.requires_grad}
+
+
+def in_policy_dir(policy: LanguagePolicy, trained: set[str]) -> set[str]:
     """The trainable parameters ``policy/`` holds bit for bit, which ``train_state/`` therefore leaves out:
     under full fine-tuning every weight of the causal LM (``policy/`` writes them at the precision the
     optimizer steps them). LoRA adapters and value heads stay in ``train_state/`` (they are small, and
     ``policy/`` holds the adapters merged)."""
-    return set() if policy.lora is not None else {name for name in model_state if name.startswith("model.")}
+    return set() if policy.lora is not None else {name for name in trained if name.startswith("model.")}
 
 
 @contextlib.contextmanager
@@ -451,17 +459,22 @@ def load_train_state(saved: Checkpoint, policy: LanguagePolicy, optimizer: torch
     directory = saved.path / TRAIN_STATE_DIR
     metadata = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
     stored = {key.removeprefix("model."): tuple(meta.size) for key, meta in metadata.items() if key.startswith("model.")}
-    built = {key: tuple(tensor.shape) for key, tensor in model_state.items()}  # a DTensor's shape is the whole one
-    referenced = in_policy_dir(policy, model_state)
+    trained = trained_names(policy)
+    # a DTensor's shape is the whole one
+    built = {key: tuple(tensor.shape) for key, tensor in model_state.items() if key in trained}
+    referenced = in_policy_dir(policy, trained)
     needed = {key: shape for key, shape in built.items() if key not in referenced}
-    if not needed.items() <= stored.items() <= built.items():  # older checkpoints stored the referenced ones too
-        differ = sorted(key for key in stored.keys() | needed.keys() if stored.get(key) != built.get(key))
+    # older checkpoints stored the referenced weights too, and a LoRA base's tied output embedding
+    if not needed.items() <= stored.items() or not stored.keys() <= model_state.keys():
+        differ = sorted({key for key, shape in needed.items() if stored.get(key) != shape}
+                        | (stored.keys() - model_state.keys()))
         raise CheckpointError(f"{saved.path} holds other trainable parameters than this run builds ({len(differ)} "
                               f"differ in name or shape, e.g. {differ[:2]}): the LoRA rank or targets (--lora_rank) "
                               "or the critic (--algorithm_name, --critic) changed; resume with the flags it was "
                               "trained with")
     load_policy_weights(saved.policy_dir, policy, referenced - stored.keys())
-    train_state = {"model": {key: model_state[key] for key in stored}, "optimizer": optimizer_state}
+    train_state = {"model": {key: model_state[key] for key in stored.keys() & built.keys()},
+                   "optimizer": optimizer_state}
     with one_process_quietly():
         dcp.load(train_state, checkpoint_id=directory, no_dist=not dist.is_initialized())
     set_state_dict(policy, optimizer, model_state_dict=train_state["model"], optim_state_dict=train_state["optimizer"],

@@ -48,20 +48,19 @@ def prepare_run_dir(logs: LoggingConfig, saved, ranks) -> Path:
     else:
         name = distributed.all_gather_objects(time.strftime("run_%Y%m%d_%H%M%S"))[0]
         run_dir = Path(logs.logdir) / logs.experiment_name / name
-    problem = None
+    problem: Exception | None = None
     if ranks.is_main:
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
             run_lock.acquire(run_dir)
         except OSError as error:
-            problem = ("ValueError", f"--logdir={logs.logdir}: cannot write to {run_dir} ({error.strerror}); "
-                       "pass a writable --logdir")
+            problem = ValueError(f"--logdir={logs.logdir}: cannot write to {run_dir} ({error.strerror}); "
+                                 "pass a writable --logdir")
         except run_lock.RunLockedError as error:
-            problem = ("RunLockedError", str(error))
+            problem = error
     problem = distributed.all_gather_objects(problem)[0]  # every rank stops when rank 0 cannot have the run
     if problem is not None:
-        kind, message = problem
-        raise (run_lock.RunLockedError if kind == "RunLockedError" else ValueError)(message)
+        raise problem
     return run_dir
 
 

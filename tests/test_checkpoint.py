@@ -38,6 +38,7 @@ from test_trainer import run_train_math
 from train import builders, checkpoint, evaluation
 from train.learner import Learner
 from train.reporting import write_out
+from train.rollouts import Rollouts
 from train.runner import NonFiniteError, Runner
 
 PROBLEMS = Arith().problems(30, seed=2)
@@ -640,6 +641,37 @@ def test_async_rollouts_count_only_the_batches_trained_on(untrained_policy_dir, 
     assert scalars["train/env_steps"] == [(i, 4.0 * (i + 1)) for i in range(4)]
     assert scalars["train/optimizer_steps"] == [(i, 0.0) for i in range(4)]
     assert "train/trained_samples" not in scalars
+
+
+def test_the_async_rollout_copy_holds_bfloat16_weights_in_a_bfloat16_run(untrained_policy_dir, tmp_path,
+                                                                         monkeypatch, length_reward):
+    """--dtype bfloat16 with asynchronous rollouts: the trainer keeps fp32 master weights, the rollout copy
+    bfloat16 ones (half the memory), each refresh its rounding of the trainer's; the run trains on the
+    copy's samples (the update steps) and its behaviour log-probs are the copy's."""
+    seen = {}
+    update = Learner.update
+
+    def recorded(self, buffer, progress):
+        runner_copy = seen["rollouts"].rollout_policy
+        seen["copy"] = {p.dtype for p in runner_copy.causal_lm.parameters()}
+        seen["trainer"] = {p.dtype for p in self.policy.causal_lm.parameters()}
+        trained, copied = self.policy.causal_lm.state_dict(), runner_copy.causal_lm.state_dict()
+        seen["rounded"] = all(torch.equal(trained[name].to(torch.bfloat16), copied[name]) for name in trained)
+        return update(self, buffer, progress)
+
+    rollouts_init = Rollouts.__init__
+
+    def remember(self, *args, **kwargs):
+        rollouts_init(self, *args, **kwargs)
+        seen["rollouts"] = self
+
+    monkeypatch.setattr(Learner, "update", recorded)
+    monkeypatch.setattr(Rollouts, "__init__", remember)
+    run_dir = run_train_math(flags_for(untrained_policy_dir, tmp_path, "GRPO", 2, "--async_rollouts", "--dtype",
+                                       "bfloat16", "--eval_interval", "0", "--max_policy_lag", "1"))
+    assert seen["copy"] == {torch.bfloat16} and seen["trainer"] == {torch.float32}
+    assert seen["rounded"]  # the second batch's copy was refreshed from the weights the first update left
+    assert read_scalars_purged(run_dir)["train/optimizer_steps"][-1][1] >= 1
 
 
 def test_writers_opened_in_the_same_second_keep_their_own_event_files(tmp_path):

@@ -274,8 +274,11 @@ def build_generators(config: RunConfig, policy: LanguagePolicy, directory: str, 
     if not generation.async_rollouts:
         return generator, None, None
     with_critic = algorithm_spec(config.learning.algorithm).critic is not None
+    # The copy only samples: under bfloat16 it holds bfloat16 weights, no fp32 master copy (half the memory);
+    # its behaviour log-probs are recorded at generation, so the update's ratios correct for it as for vLLM's.
     rollout_policy = LanguagePolicy(directory, lora=lora_settings(model), with_critic=with_critic,
                                     device=policy.device, dtype=model.dtype,
+                                    low_precision_weights=model.dtype == "bfloat16",
                                     gradient_checkpointing=model.gradient_checkpointing,
                                     role_adapters=policy.role_adapters,
                                     value_heads=max(policy.num_value_heads, 1)).eval()

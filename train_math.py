@@ -9,8 +9,9 @@
 Flags are parsed and validated (train/flags/) before anything heavy is imported or loaded, resolved
 once into a RunConfig (train/config.py), and the run is composed from it by train/builders.py.
 TensorBoard logs and checkpoints go to <logdir>/<experiment>/<run>; ``--resume auto`` continues the
-newest complete checkpoint in the same run directory (train/checkpoint.py). SIGINT/SIGTERM save a
-checkpoint after the current iteration and exit 0 with the command that resumes.
+newest complete checkpoint in the same run directory (train/checkpoint.py). SIGINT, SIGTERM and
+SIGUSR1 save a checkpoint after the current iteration and exit 75 (``STOPPED_TO_RESUME``) with the command
+that resumes.
 """
 
 from __future__ import annotations
@@ -51,24 +52,28 @@ class Started:
 
 def prepare_run_dir(logs: LoggingConfig, saved, ranks) -> Path:
     """The run directory: the resumed checkpoint's, else a new <logdir>/<experiment>/run_<time> (rank 0's
-    time under torchrun). Created (and checked writable) before any model loads."""
-    from train import distributed
+    time under torchrun). Created and locked (``train.run_lock``: one writer per run; rank 0 holds it)
+    before anything is written there and before any model loads."""
+    from train import distributed, run_lock
 
     if saved is not None and saved.run_dir is not None:
         run_dir = saved.run_dir
     else:
         name = distributed.all_gather_objects(time.strftime("run_%Y%m%d_%H%M%S"))[0]
         run_dir = Path(logs.logdir) / logs.experiment_name / name
-    if not ranks.is_main:
-        return run_dir
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / ".write_test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as error:
-        raise ValueError(f"--logdir={logs.logdir}: cannot write to {run_dir} ({error.strerror}); "
-                         "pass a writable --logdir") from error
+    problem: Exception | None = None
+    if ranks.is_main:
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            run_lock.acquire(run_dir)
+        except OSError as error:
+            problem = ValueError(f"--logdir={logs.logdir}: cannot write to {run_dir} ({error.strerror}); "
+                                 "pass a writable --logdir")
+        except run_lock.RunLockedError as error:
+            problem = error
+    problem = distributed.all_gather_objects(problem)[0]  # every rank stops when rank 0 cannot have the run
+    if problem is not None:
+        raise problem
     return run_dir
 
 
@@ -159,7 +164,25 @@ def after_service_failure(runner: Runner) -> str:
             "Once the server is back, launch the same command with --resume auto")
 
 
+STOPPED_TO_RESUME = 75
+"""Exit status of a run that a signal stopped after saving its checkpoint: sysexits.h's EX_TEMPFAIL ("a
+temporary failure: try again"), so that a scheduler tells it from a finished run (0) and from a failure
+(1), and requeues it (docs/distributed.md: a SLURM script; Kubernetes: a podFailurePolicy rule on it)."""
+
+
 def main(argv: list[str]) -> None:
+    from train import run_lock  # stdlib only
+
+    try:
+        code = train(argv)
+    finally:
+        run_lock.release_all()  # in-process callers (tests) may start the next run in this directory
+    if code:
+        sys.exit(code)
+
+
+def train(argv: list[str]) -> int:
+    """Starts or resumes the run and trains it; returns the exit status (0, or STOPPED_TO_RESUME)."""
     if len(argv) > 1:
         fail(f"unexpected positional arguments {argv[1:]}; every setting is a --flag")
     from models.remote import ServiceError  # stdlib only: cheap before the flags are checked
@@ -169,37 +192,42 @@ def main(argv: list[str]) -> None:
 
         config = config_from_flags(FLAGS)
         from train.checkpoint import CheckpointError  # torch and transformers: only once the flags resolve
+        from train.run_lock import RunLockedError
 
         try:
             started = start(config)
-        except CheckpointError as error:
+        except (CheckpointError, RunLockedError) as error:
             fail(str(error))
     except KeyboardInterrupt:
         fail("interrupted during start-up; nothing was trained", code=130)
     except (flags.Error, ValueError, OSError, ServiceError) as error:
         fail(str(error))
     if started is None:
-        return
+        return 0
     runner = started.runner
     try:
         history = runner.run()
     except KeyboardInterrupt as interrupt:
         fail(f"{interrupt or 'interrupted'}; the last checkpoint is {runner.last_checkpoint or 'none'}", code=130)
+    except CheckpointError as error:  # a full disk: what, where and what to do, on one line
+        fail(str(error))
     except Exception as error:
         if not caused_by(error, ServiceError):
             raise
         fail(f"{error}. {after_service_failure(runner)}")
-    if not runner.ranks.is_main:
-        return
-    (started.run_dir / "eval_history.json").write_text(json.dumps(history, indent=1))
     if runner.stop_signal is not None:
-        started.writer.close()
-        print(f"stopped by {runner.stop_signal} after iteration {runner.iteration}: checkpoint "
-              f"{runner.last_checkpoint}; resume with: {resume_command(runner.last_checkpoint)}", flush=True)
-        return
-    finish(started.writer, started.run_dir, history,
-           {**runner.run_flags, **resolved_settings(started.config, runner, started.saved)},
-           started.config.logging.save_best)
+        if runner.ranks.is_main:
+            (started.run_dir / "eval_history.json").write_text(json.dumps(history, indent=1))
+            started.writer.close()
+            print(f"stopped by {runner.stop_signal} after iteration {runner.iteration}: checkpoint "
+                  f"{runner.last_checkpoint}; resume with: {resume_command(runner.last_checkpoint)}", flush=True)
+        return STOPPED_TO_RESUME
+    if runner.ranks.is_main:
+        (started.run_dir / "eval_history.json").write_text(json.dumps(history, indent=1))
+        finish(started.writer, started.run_dir, history,
+               {**runner.run_flags, **resolved_settings(started.config, runner, started.saved)},
+               started.config.logging.save_best)
+    return 0
 
 
 def resumed(config: RunConfig) -> tuple[RunConfig, Checkpoint | None]:

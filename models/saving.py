@@ -29,6 +29,21 @@ def hf_param_name(name: str) -> str:
 
 
 
+def cast_floating(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Floating tensors cast to ``dtype``; tensors that share storage (tied weights) stay one tensor, which
+    save_pretrained then writes once."""
+    cast: dict[tuple[int, torch.Size], torch.Tensor] = {}
+    out = {}
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and tensor.dtype != dtype:
+            key = (tensor.data_ptr(), tensor.shape)
+            if key not in cast:
+                cast[key] = tensor.to(dtype)
+            tensor = cast[key]
+        out[name] = tensor
+    return out
+
+
 class PolicyWeights:
     """The weight export of ``LanguagePolicy`` (its base class): reads the policy's modules (``causal_lm``,
     ``model``, ``value_head``), its settings (``lora``, ``with_critic``, ``role_adapters``...) and ``sharded``."""
@@ -79,14 +94,15 @@ class PolicyWeights:
                     tensor = tensor + lora_layer.get_delta_weight(ACTOR_ADAPTER).to(tensor.dtype)
             yield hf_param_name(name), tensor.detach()
 
-    def save(self, out_dir: str | Path,
-             tensors: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None) -> Path:
+    def save(self, out_dir: str | Path, tensors: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None,
+             dtype: torch.dtype | None = None) -> Path:
         """Saves a directory that plain ``AutoModelForCausalLM.from_pretrained`` and vLLM load (merged
         actor weights + tokenizer at top level) and that ``LanguagePolicy.load`` restores exactly
         (LoRA adapters in ``adapters/``, value head in ``critic/``, settings in ``mathrl_policy.json``).
-        ``tensors``: ``full_tensors()`` when the caller gathered them (sharded: every rank gathers, one writes)."""
+        ``tensors``: ``full_tensors()`` when the caller gathered them (sharded: every rank gathers, one writes);
+        ``dtype``: the HF weights' (None: as the policy holds them; LoRA adapters and value head stay as held)."""
         actor, head = tensors if tensors is not None else self.full_tensors()
-        out = self.save_inference_weights(out_dir, actor)
+        out = self.save_inference_weights(out_dir, actor, dtype)
         self.tokenizer.save_pretrained(out)
         if self.lora is not None:
             self.model.save_pretrained(out / ADAPTER_DIR)
@@ -99,12 +115,21 @@ class PolicyWeights:
         (out / POLICY_META).write_text(json.dumps(meta, indent=2))
         return out
 
-    def save_inference_weights(self, out_dir: str | Path, tensors: dict[str, torch.Tensor] | None = None) -> Path:
+    def save_inference_weights(self, out_dir: str | Path, tensors: dict[str, torch.Tensor] | None = None,
+                               dtype: torch.dtype | None = None) -> Path:
         """The actor's weights as plain HF safetensors (LoRA merged, tied weights once) and its config
-        (``tensors``: the causal LM's ``full_tensors``, when the caller has them)."""
+        (``tensors``: the causal LM's ``full_tensors``, when the caller has them; ``dtype``: the weights'
+        floating dtype, None: as held)."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        self.causal_lm.save_pretrained(out, state_dict=dict(self.named_weights_for_inference(tensors)))
+        weights = dict(self.named_weights_for_inference(tensors))
+        if dtype is not None:
+            weights = cast_floating(weights, dtype)
+        self.causal_lm.save_pretrained(out, state_dict=weights)
+        if dtype is not None:  # save_pretrained records the model's dtype, not the file's
+            config = json.loads((out / "config.json").read_text())
+            config["dtype"] = str(dtype).removeprefix("torch.")
+            (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         return out
 
     def save_actor_adapter(self, out_dir: str | Path) -> Path:

@@ -9,8 +9,11 @@ import errno
 import glob
 import json
 import logging
+import math
 import os
+import re
 import signal
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -36,6 +39,7 @@ from test_trainer import run_train_math
 from train import builders, checkpoint, evaluation
 from train.learner import Learner
 from train.reporting import write_out
+from train.rollouts import Rollouts
 from train.runner import NonFiniteError, Runner
 
 PROBLEMS = Arith().problems(30, seed=2)
@@ -161,16 +165,19 @@ def test_incomplete_directories_are_skipped_and_reported(tmp_path, caplog):
     assert not list(checkpoints.glob(".tmp-*")), "the next save removes what killed saves left"
 
 
-def test_failed_write_raises_naming_the_path_and_keeps_the_previous(tmp_path):
+@pytest.mark.parametrize("code, message", [(errno.ENOSPC, "No space left on device"), (errno.EIO, "Input/output error")])
+def test_failed_write_raises_naming_the_path_and_keeps_the_previous(tmp_path, code, message):
     checkpoints = tmp_path / "checkpoints"
     previous = checkpoint.atomic_write(checkpoints / "iter_1", 1, write_files)
 
-    def disk_full(directory: Path) -> None:
+    def failing(directory: Path) -> None:
         write_files(directory)
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory / "more.bin"))
+        raise OSError(code, os.strerror(code), str(directory / "more.bin"))
 
-    with pytest.raises(checkpoint.CheckpointError, match=r"could not write checkpoint .*iter_2: OSError: .*No space"):
-        checkpoint.atomic_write(checkpoints / "iter_2", 2, disk_full)
+    with pytest.raises(checkpoint.CheckpointError, match=rf"could not write checkpoint .*iter_2: OSError: .*{message}.* "
+                                                         rf"Nothing of it was kept; .* The last good checkpoint, "
+                                                         rf"{previous}, is intact"):
+        checkpoint.atomic_write(checkpoints / "iter_2", 2, failing)
     assert sorted(p.name for p in checkpoints.iterdir()) == ["iter_1"]
     assert checkpoint.invalid_reason(previous) is None
     not_a_dir = tmp_path / "file"
@@ -248,8 +255,9 @@ def length_reward(monkeypatch):
     monkeypatch.setattr(builders, "build_reward_model", lambda config, device, template: StepLengthReward())
 
 
-def sigterm_after_iteration(monkeypatch, last: int) -> None:
-    """Sends this process SIGTERM right after iteration ``last`` is logged."""
+def run_stopped_by_sigterm(monkeypatch, last: int, argv: list[str]) -> str:
+    """Runs train_math in this process and sends it SIGTERM right after iteration ``last`` is logged: it
+    must save and exit 75 (``train_math.STOPPED_TO_RESUME``). Returns the run directory."""
     log = Runner.log
 
     def log_then_signal(self, iteration, buffer, stats):
@@ -257,7 +265,12 @@ def sigterm_after_iteration(monkeypatch, last: int) -> None:
         if iteration == last:
             os.kill(os.getpid(), signal.SIGTERM)
 
-    monkeypatch.setattr(Runner, "log", log_then_signal)
+    with monkeypatch.context() as patch:
+        patch.setattr(Runner, "log", log_then_signal)
+        with pytest.raises(SystemExit) as stopped:
+            run_train_math(argv)
+    assert stopped.value.code == train_math.STOPPED_TO_RESUME == 75
+    return sorted(glob.glob(f"{argv[argv.index('--logdir') + 1]}/*/run_*"))[-1]
 
 
 @pytest.mark.parametrize("algorithm, extra", [
@@ -277,9 +290,8 @@ def test_k_then_resume_then_k_equals_2k_in_one_go(untrained_policy_dir, tmp_path
     weights, optimizer state, trainer state and TensorBoard scalars of a run never stopped."""
     k = 2
     straight = run_train_math(flags_for(untrained_policy_dir, tmp_path / "straight", algorithm, 2 * k, *extra))
-    with monkeypatch.context() as patch:
-        sigterm_after_iteration(patch, k - 1)
-        stopped = run_train_math(flags_for(untrained_policy_dir, tmp_path / "resumed", algorithm, 2 * k, *extra))
+    stopped = run_stopped_by_sigterm(monkeypatch, k - 1, flags_for(untrained_policy_dir, tmp_path / "resumed",
+                                                                  algorithm, 2 * k, *extra))
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line.startswith(f"stopped by SIGTERM after iteration {k}: checkpoint {stopped}/checkpoints/iter_{k}; "
                            "resume with: ") and line.endswith(f"--resume={stopped}/checkpoints/iter_{k}")
@@ -318,9 +330,7 @@ def test_training_seconds_continue_across_a_resume(untrained_policy_dir, tmp_pat
 
     monkeypatch.setattr(Learner, "update", slow_update)
     monkeypatch.setattr(evaluation, "solve_batch", slow_solve_batch)
-    with monkeypatch.context() as patch:
-        sigterm_after_iteration(patch, 1)
-        run_dir = Path(run_train_math(flags_for(untrained_policy_dir, tmp_path, "GRPO", 4)))
+    run_dir = Path(run_stopped_by_sigterm(monkeypatch, 1, flags_for(untrained_policy_dir, tmp_path, "GRPO", 4)))
     stopped = json.loads((run_dir / "checkpoints" / "iter_2" / "trainer_state.json").read_text())
     trained = stopped["seconds"] - stopped["eval_seconds"]
     assert trained >= 2 * delay
@@ -349,7 +359,8 @@ def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(untrained_policy_d
         return (value * float("nan"), stats) if calls[-1] == 1 or calls[-1] >= 3 else (value, stats)
 
     monkeypatch.setattr(APPO, "loss", sometimes_nan)
-    argv = flags_for(untrained_policy_dir, tmp_path, "APPO", 10, "--save_interval", "1", "--max_nonfinite_steps", "2")
+    argv = flags_for(untrained_policy_dir, tmp_path, "APPO", 10, "--save_interval", "1", "--max_nonfinite_steps", "2",
+                     "--keep_checkpoints", "0")
     with pytest.raises(NonFiniteError, match=r"iteration 4: 2 optimizer steps in a row had a non-finite loss "
                                              r"\(--max_nonfinite_steps=2\); stopped without saving\. Last good "
                                              r"checkpoint: .*checkpoints/iter_4\."):
@@ -398,7 +409,11 @@ def test_reward_model_error_names_model_and_batch_and_saves_first(untrained_poli
     assert checkpoint.find_latest(run_dir).name == "iter_4"
 
 
-def test_disk_full_on_save_names_the_checkpoint_and_keeps_the_previous(untrained_policy_dir, tmp_path, monkeypatch):
+def test_a_write_failing_with_enospc_keeps_nothing_of_it_and_says_so(untrained_policy_dir, tmp_path, monkeypatch,
+                                                                      capsys):
+    """The disk fills up in the middle of the third save (torch.save raising ENOSPC): the run stops with one
+    line naming the checkpoint, the error, the free space and the last good checkpoint; nothing of iter_3
+    is left, and iter_2 is what --resume auto takes."""
     save = torch.save
 
     def full_on_third_save(obj, path, *args, **kwargs):
@@ -408,14 +423,80 @@ def test_disk_full_on_save_names_the_checkpoint_and_keeps_the_previous(untrained
 
     monkeypatch.setattr(torch, "save", full_on_third_save)
     argv = flags_for(untrained_policy_dir, tmp_path, "GRPO", 4, "--eval_interval", "0", "--save_interval", "1")
-    with pytest.raises(checkpoint.CheckpointError, match=r"could not write checkpoint .*/checkpoints/iter_3: OSError: "
-                                                         r"\[Errno 28\] No space left on device.* Earlier checkpoints "
-                                                         r"in .*/checkpoints are intact"):
+    with pytest.raises(SystemExit) as stopped:
         run_train_math(argv)
+    assert stopped.value.code == 1
     (run_dir,) = glob.glob(f"{tmp_path}/GRPO_Arith-v0/run_*")
     checkpoints = Path(run_dir) / "checkpoints"
+    (line,) = capsys.readouterr().err.strip().splitlines()[-1:]
+    assert re.fullmatch(rf"train_math.py: error: could not write checkpoint {checkpoints}/iter_3: OSError: "
+                        rf"\[Errno 28\] No space left on device: '\S+optimizers.pt'. Nothing of it was kept; "
+                        rf"{checkpoints} has [\d.]+ \w+ free \(the save needed about [\d.]+ MiB\); the run's 2 "
+                        rf"checkpoint\(s\) there take [\d.]+ MiB. The last good checkpoint, {checkpoints}/iter_2, is "
+                        rf"intact. If the disk is full, "
+                        rf"free space or write fewer or smaller checkpoints: --keep_checkpoints .*", line), line
     assert sorted(p.name for p in checkpoints.iterdir()) == ["iter_1", "iter_2"]
     assert checkpoint.find_latest(run_dir).name == "iter_2"
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 50 MiB tmpfs mounted at tmp_path/disk (root only: skipped elsewhere). A checkpoint of the tiny
+    policy takes 13.1 MiB, and a save asks for 29.2 MiB free (its 12.6 MiB of tensors and the margin):
+    the third finds 23.9 MiB."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=50m", "tmpfs", str(disk)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "--lazy", str(disk)], check=True)  # the failed run left its event file open
+
+
+def test_a_full_small_disk_stops_before_the_save_naming_what_and_where(untrained_policy_dir, small_disk, capsys):
+    """On a real 50 MiB file system, with every checkpoint kept, the third save finds too little space
+    before writing anything: one line names the directory, the size needed, the space free, the last good
+    checkpoint and the flags that shrink checkpoints; the two written are intact and nothing else is left."""
+    argv = flags_for(untrained_policy_dir, small_disk, "GRPO", 4, "--eval_interval", "0", "--save_interval", "1",
+                     "--keep_checkpoints", "0")
+    with pytest.raises(SystemExit) as stopped:
+        run_train_math(argv)
+    assert stopped.value.code == 1
+    (run_dir,) = glob.glob(f"{small_disk}/GRPO_Arith-v0/run_*")
+    checkpoints = Path(run_dir) / "checkpoints"
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.fullmatch(rf"train_math.py: error: not enough space to save {checkpoints}/iter_3: it needs about "
+                        rf"[\d.]+ MiB, {checkpoints} has [\d.]+ MiB free. The last good checkpoint, "
+                        rf"{checkpoints}/iter_2, is intact. Free space, or write fewer or smaller checkpoints: "
+                        r"--keep_checkpoints .* --save_interval .* --lora_rank .* or --logdir on a larger disk.",
+                        line), line
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["iter_1", "iter_2"]
+    assert all(checkpoint.invalid_reason(checkpoints / name) is None for name in ("iter_1", "iter_2"))
+
+
+def test_a_save_that_fills_a_real_disk_midway_leaves_no_checkpoint_of_it(untrained_policy_dir, small_disk,
+                                                                        monkeypatch, capsys):
+    """With the space check blinded (it sees no tensors to write), the fourth save really runs out of space
+    on the 50 MiB file system in the middle of its files: the line says so, no iter_4 nor temporary
+    directory is left, and iter_3 stays the one to resume."""
+    monkeypatch.setattr(checkpoint, "export_bytes", lambda tensors, dtype=None: 0)
+    monkeypatch.setattr(checkpoint, "tensor_bytes", lambda *values: 0)
+    argv = flags_for(untrained_policy_dir, small_disk, "GRPO", 4, "--eval_interval", "0", "--save_interval", "1",
+                     "--keep_checkpoints", "0")
+    with pytest.raises(SystemExit) as stopped:
+        run_train_math(argv)
+    assert stopped.value.code == 1
+    (run_dir,) = glob.glob(f"{small_disk}/GRPO_Arith-v0/run_*")
+    checkpoints = Path(run_dir) / "checkpoints"
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith(f"train_math.py: error: could not write checkpoint {checkpoints}/iter_4: "), line
+    assert f"Nothing of it was kept; {checkpoints} has " in line
+    assert f"The last good checkpoint, {checkpoints}/iter_3, is intact." in line
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["iter_1", "iter_2", "iter_3"]
+    assert checkpoint.find_latest(run_dir).name == "iter_3"
 
 
 def test_unwritable_logdir_fails_before_any_model_loads(untrained_policy_dir, tmp_path, monkeypatch, capsys):
@@ -541,6 +622,37 @@ def test_async_rollouts_count_only_the_batches_trained_on(untrained_policy_dir, 
     assert "train/trained_samples" not in scalars
 
 
+def test_the_async_rollout_copy_holds_bfloat16_weights_in_a_bfloat16_run(untrained_policy_dir, tmp_path,
+                                                                         monkeypatch, length_reward):
+    """--dtype bfloat16 with asynchronous rollouts: the trainer keeps fp32 master weights, the rollout copy
+    bfloat16 ones (half the memory), each refresh its rounding of the trainer's; the run trains on the
+    copy's samples (the update steps) and its behaviour log-probs are the copy's."""
+    seen = {}
+    update = Learner.update
+
+    def recorded(self, buffer, progress):
+        runner_copy = seen["rollouts"].rollout_policy
+        seen["copy"] = {p.dtype for p in runner_copy.causal_lm.parameters()}
+        seen["trainer"] = {p.dtype for p in self.policy.causal_lm.parameters()}
+        trained, copied = self.policy.causal_lm.state_dict(), runner_copy.causal_lm.state_dict()
+        seen["rounded"] = all(torch.equal(trained[name].to(torch.bfloat16), copied[name]) for name in trained)
+        return update(self, buffer, progress)
+
+    rollouts_init = Rollouts.__init__
+
+    def remember(self, *args, **kwargs):
+        rollouts_init(self, *args, **kwargs)
+        seen["rollouts"] = self
+
+    monkeypatch.setattr(Learner, "update", recorded)
+    monkeypatch.setattr(Rollouts, "__init__", remember)
+    run_dir = run_train_math(flags_for(untrained_policy_dir, tmp_path, "GRPO", 2, "--async_rollouts", "--dtype",
+                                       "bfloat16", "--eval_interval", "0", "--max_policy_lag", "1"))
+    assert seen["copy"] == {torch.bfloat16} and seen["trainer"] == {torch.float32}
+    assert seen["rounded"]  # the second batch's copy was refreshed from the weights the first update left
+    assert read_scalars(run_dir)["train/optimizer_steps"][-1][1] >= 1
+
+
 def test_writers_opened_in_the_same_second_keep_their_own_event_files(tmp_path):
     """A resume right after a stop opens a second writer in the run directory, often within the same
     second: tensorboardX alone would name both files alike and the second would overwrite the first."""
@@ -569,3 +681,54 @@ def test_event_files_are_read_in_name_order_whatever_order_they_were_listed_in(t
         written.rename(run_dir / f"events.out.tfevents.{second}.host")
     assert [path.name[-15:-5] for path in event_files(run_dir)] == ["1700000000", "1700000001"]
     assert read_scalars(run_dir)["train/optimizer_steps"] == [(0, 0.0), (1, 1.0)]
+
+
+def test_checkpoints_hold_the_weights_once_and_best_is_exported_in_the_training_dtype(untrained_policy_dir, tmp_path,
+                                                                                      length_reward):
+    """Full fine-tuning in bfloat16 (fp32 master weights), a checkpoint after each of 3 iterations: the
+    default --keep_checkpoints keeps the newest 2; each holds the weights once, in policy/ at the precision
+    the optimizer steps them (fp32), its train_state/ only AdamW's two moments of each (twice the weights'
+    bytes) and no weight; <run>/best holds bfloat16 weights that transformers loads as such."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    run_dir = Path(run_train_math(flags_for(untrained_policy_dir, tmp_path, "GRPO", 3, "--dtype", "bfloat16",
+                                            "--save_interval", "1", "--kl_coef", "0.05")))
+    checkpoints = run_dir / "checkpoints"
+    assert [p.name for p in checkpoint.checkpoint_dirs(checkpoints)] == ["iter_2", "iter_3"]
+    last = checkpoints / "iter_3"
+    with safe_open(last / "policy" / "model.safetensors", "pt") as weights:
+        dtypes = {weights.get_slice(name).get_dtype() for name in weights.keys()}
+        weight_bytes = sum(math.prod(weights.get_slice(name).get_shape()) * 4 for name in weights.keys())
+    assert dtypes == {"F32"}
+    metadata = torch.distributed.checkpoint.FileSystemReader(last / "train_state").read_metadata()
+    assert not [key for key in metadata.state_dict_metadata if key.startswith("model.")]
+    moments = sum(meta.size.numel() * 4 for key, meta in metadata.state_dict_metadata.items()
+                  if key.endswith(("exp_avg", "exp_avg_sq")))
+    assert moments == 2 * weight_bytes
+    state_bytes = sum(p.stat().st_size for p in (last / "train_state").rglob("*") if p.is_file())
+    assert moments <= state_bytes < moments * 1.05
+    best = run_dir / "best"
+    with safe_open(best / "model.safetensors", "pt") as weights:
+        assert {weights.get_slice(name).get_dtype() for name in weights.keys()} == {"BF16"}
+    assert json.loads((best / "config.json").read_text())["dtype"] == "bfloat16"
+    assert AutoModelForCausalLM.from_pretrained(best, dtype="auto").dtype == torch.bfloat16
+
+
+def test_lora_checkpoints_hold_no_frozen_weight_and_older_full_checkpoints_resume(untrained_policy_dir, tmp_path,
+                                                                                   monkeypatch, length_reward):
+    """A LoRA checkpoint's train_state/ holds adapters (and a value head) only, not the frozen base's tied
+    output embedding. A full fine-tuning checkpoint whose train_state/ holds the weights too (as written
+    before they were held once) resumes to the weights and optimizer state of a run never stopped."""
+    lora = Path(run_train_math(flags_for(untrained_policy_dir, tmp_path / "lora", "APPO", 1, "--lora_rank", "4")))
+    metadata = torch.distributed.checkpoint.FileSystemReader(lora / "checkpoints" / "iter_1" / "train_state")
+    stored = [key for key in metadata.read_metadata().state_dict_metadata if key.startswith("model.")]
+    assert stored and all("lora_" in key or "value_head" in key for key in stored), stored
+    straight = Path(run_train_math(flags_for(untrained_policy_dir, tmp_path / "straight", "GRPO", 4)))
+    with monkeypatch.context() as patch:
+        patch.setattr(checkpoint, "in_policy_dir", lambda policy, trained: set())
+        older = Path(run_stopped_by_sigterm(patch, 1, flags_for(untrained_policy_dir, tmp_path / "older", "GRPO", 4)))
+    metadata = torch.distributed.checkpoint.FileSystemReader(older / "checkpoints" / "iter_2" / "train_state")
+    assert any(key.startswith("model.model.") for key in metadata.read_metadata().state_dict_metadata)
+    run_train_math(flags_for(untrained_policy_dir, tmp_path / "older", "GRPO", 4, "--resume", "auto"))
+    assert_same_training_state(straight / "checkpoints" / "iter_4", older / "checkpoints" / "iter_4")

@@ -1,10 +1,12 @@
-"""Faults from outside the trainer: SIGTERM on a running train_math.py (saves, exits 0, prints the
-command that resumes), generations the env must survive, and (slow) SIGKILL at random moments,
+"""Faults from outside the trainer: SIGTERM or SIGUSR1 on a running train_math.py (saves, exits 75,
+prints the command that resumes), a second writer on the same run (refused by the run's lock),
+generations the env must survive, and (slow) SIGKILL at random moments,
 including in the middle of checkpoint writes, each followed by ``--resume auto``: it always resumes
 from the last complete checkpoint, and the run it finishes equals a run never killed."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -56,23 +58,129 @@ def wait_for(condition, process: subprocess.Popen, timeout: float):
     return None
 
 
-def test_sigterm_saves_exits_0_and_prints_the_command_that_resumes(untrained_policy_dir, tmp_path):
-    log = tmp_path / "train.log"
+def launch(command: list[str], log: Path, **kwargs) -> subprocess.Popen:
     with open(log, "w") as stderr:
-        process = subprocess.Popen(train_command(untrained_policy_dir, tmp_path, 10_000, "--save_interval", "0"),
-                                   stdout=subprocess.PIPE, stderr=stderr, text=True, env=child_env(), cwd=ROOT)
-        assert wait_for(lambda: re.search(r"APPO: +\d+%.*\| [1-9]\d*/", log.read_text()), process, 120), log.read_text()
-        process.send_signal(signal.SIGTERM)
-        out, _ = process.communicate(timeout=120)
-    assert process.returncode == 0, log.read_text()[-3000:]
-    match = re.fullmatch(r"stopped by SIGTERM after iteration (\d+): checkpoint (\S+); resume with: (.+)", out.strip())
+        return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=ROOT, **kwargs)
+
+
+def wait_until_training(process: subprocess.Popen, log: Path) -> None:
+    """Waits until the progress bar shows a finished iteration."""
+    assert wait_for(lambda: re.search(r"APPO: +\d+%.*\| [1-9]\d*/", log.read_text()), process, 120), log.read_text()
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_stop_signal_saves_exits_75_and_prints_the_command_that_resumes(untrained_policy_dir, tmp_path, stop):
+    """SIGTERM (a scheduler's stop) or SIGUSR1 (SLURM's --signal warning): the iteration finishes, the
+    checkpoint is written, the exit status is 75 (train_math.STOPPED_TO_RESUME) and the printed command
+    resumes it and finishes."""
+    command = train_command(untrained_policy_dir, tmp_path, 10_000, "--save_interval", "0")
+    process = launch(command, tmp_path / "train.log", env=child_env())
+    wait_until_training(process, tmp_path / "train.log")
+    process.send_signal(stop)
+    out, _ = process.communicate(timeout=120)
+    assert process.returncode == 75, (tmp_path / "train.log").read_text()[-3000:]
+    match = re.fullmatch(rf"stopped by {stop.name} after iteration (\d+): checkpoint (\S+); resume with: (.+)",
+                         out.strip())
     assert match, out
     iteration, path = int(match[1]), Path(match[2])
     assert iteration >= 1 and path.name == f"iter_{iteration}" and checkpoint.invalid_reason(path) is None
-    # The command is this one with --resume added (resuming itself: test_checkpoint's exactness test
-    # in-process, the slow SIGKILL test below from the command line).
-    command = train_command(untrained_policy_dir, tmp_path, 10_000, "--save_interval", "0")
-    assert shlex.split(match[3]) == [*command, f"--resume={path}"]
+    assert shlex.split(match[3]) == [*command, f"--resume={path}"]  # this command with --resume added
+    budget = ["--num_env_steps", str(16 * (iteration + 1))]  # one more iteration
+    resumed = subprocess.run([*shlex.split(match[3]), *budget], capture_output=True, text=True, env=child_env(),
+                             cwd=ROOT, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from {path} (iteration {iteration})" in resumed.stderr
+    assert checkpoint.find_latest(path.parents[1]).name == f"iter_{iteration + 1}"
+
+
+def sbatch_script() -> str:
+    """docs/distributed.md's SLURM script (the lines its block writes to train.sbatch)."""
+    page = (ROOT / "docs" / "distributed.md").read_text()
+    return re.search(r"^cat > train.sbatch <<'SCRIPT'\n(.*?)^SCRIPT$", page, flags=re.M | re.S)[1]
+
+
+def test_the_sbatch_requeue_script_saves_requeues_and_resumes(untrained_policy_dir, tmp_path):
+    """docs/distributed.md's script, run by bash as SLURM runs a batch script, with a stand-in scontrol
+    that records its arguments: SIGUSR1 to the script (what --signal=B:USR1@... sends) reaches the
+    trainer, which saves and exits 75; the script requeues the job and exits 75. The requeued script
+    (the same command) resumes from that checkpoint and finishes (exit 0) without requeueing."""
+    script, bin_dir = tmp_path / "train.sbatch", tmp_path / "bin"
+    script.write_text(sbatch_script())
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol.calls"}\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    env = {**child_env(), "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "recipe"}
+    flags = train_command(untrained_policy_dir, tmp_path, 10_000, "--save_interval", "0")[2:]
+    job = launch(["bash", str(script), *flags], tmp_path / "job.log", env=env)
+    wait_until_training(job, tmp_path / "job.log")
+    job.send_signal(signal.SIGUSR1)
+    out, _ = job.communicate(timeout=120)
+    assert job.returncode == 75, (tmp_path / "job.log").read_text()[-3000:]
+    assert (tmp_path / "scontrol.calls").read_text() == "requeue 4242\n"
+    match = re.search(r"stopped by SIGUSR1 after iteration (\d+): checkpoint (\S+);", out)
+    assert match, out
+    iteration = int(match[1])
+    assert Path(match[2]).parts[-4] == "recipe"  # the experiment is the job's name
+    requeued = subprocess.run(["bash", str(script), *flags, "--num_env_steps", str(16 * (iteration + 1))],
+                              capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert requeued.returncode == 0, requeued.stderr[-3000:]
+    assert f"resuming from {match[2]} (iteration {iteration})" in requeued.stderr
+    assert (tmp_path / "scontrol.calls").read_text() == "requeue 4242\n"
+
+
+HOLD_LOCK = ("import sys, time; from train import run_lock; run_lock.acquire(sys.argv[1]); print('held', flush=True); "
+             "time.sleep(600)")
+
+
+def test_a_second_writer_stops_naming_the_holder_and_a_killed_holders_lock_is_taken(tmp_path):
+    """A process holds a run directory's lock; another asking for it gets an error naming the holder's pid
+    and host; once the holder is SIGKILLed the kernel has released the lock, and the next one takes it."""
+    import socket
+
+    from train import run_lock
+
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                              cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        who = f"pid {holder.pid} on host {socket.gethostname()} (since "
+        assert run_lock.holder(tmp_path).startswith(who)
+        with pytest.raises(run_lock.RunLockedError, match=re.escape(f"{tmp_path.resolve()} is in use by {who}")):
+            run_lock.acquire(tmp_path)
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    assert run_lock.holder(tmp_path) is None
+    run_lock.acquire(tmp_path)
+    try:
+        assert run_lock.holder(tmp_path) == "this process"
+        assert json.loads((tmp_path / run_lock.LOCK_FILE).read_text())["pid"] == os.getpid()
+    finally:
+        run_lock.release(tmp_path)
+
+
+def test_resume_auto_of_a_run_still_training_stops_before_touching_it(untrained_policy_dir, tmp_path):
+    """What a scheduler's requeue does while the old process lingers: ``--resume auto`` on the same
+    experiment. It stops with one line naming the holder, and the run directory is as it was (no second
+    event file, no checkpoint renamed); the first run goes on and saves when stopped."""
+    command = train_command(untrained_policy_dir, tmp_path, 10_000, "--save_interval", "1", "--resume", "auto")
+    first = launch(command, tmp_path / "first.log", env=child_env())
+    try:
+        wait_until_training(first, tmp_path / "first.log")
+        (run_dir,) = tmp_path.glob("APPO_Arith-v0/run_*")
+        second = subprocess.run(command, capture_output=True, text=True, env=child_env(), cwd=ROOT, timeout=300)
+        assert second.returncode == 1
+        (line,) = [line for line in second.stderr.splitlines() if "error" in line]
+        assert line == (f"train_math.py: error: {run_dir} is in use by pid {first.pid} on host "
+                        f"{__import__('socket').gethostname()} (since " + line.split("(since ")[1])
+        assert "one process writes a run at a time" in line
+        assert len(list(run_dir.glob("events.out.tfevents.*"))) == 1
+        assert not list(run_dir.glob("checkpoints/abandoned-*"))
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.communicate(timeout=120)
+    assert first.returncode == 75, (tmp_path / "first.log").read_text()[-3000:]
 
 
 def test_env_survives_empty_non_utf8_and_huge_generations(tiny_tokenizer):

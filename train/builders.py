@@ -284,8 +284,11 @@ def build_generators(config: RunConfig, policy: LanguagePolicy, directory: str, 
     if not generation.async_rollouts:
         return generator, None, None
     with_critic = algorithm_spec(config.learning.algorithm).critic is not None
+    # The copy only samples: under bfloat16 it holds bfloat16 weights, no fp32 master copy (half the memory);
+    # its behaviour log-probs are recorded at generation, so the update's ratios correct for it as for vLLM's.
     rollout_policy = LanguagePolicy(directory, lora=lora_settings(model), with_critic=with_critic,
                                     device=policy.device, dtype=model.dtype,
+                                    low_precision_weights=model.dtype == "bfloat16",
                                     gradient_checkpointing=model.gradient_checkpointing,
                                     role_adapters=policy.role_adapters,
                                     value_heads=max(policy.num_value_heads, 1)).eval()
@@ -301,7 +304,9 @@ def runner_config(config: RunConfig) -> RunnerConfig:
         max_grad_norm=learning.max_grad_norm,
         target_kl=learning.target_kl, eval_interval=budget.eval_interval, eval_limit=budget.eval_limit,
         log_interval=logs.log_interval, save_interval=logs.save_interval, keep_checkpoints=logs.keep_checkpoints,
-        save_best=logs.save_best, max_nonfinite_steps=learning.max_nonfinite_steps, seed=config.seed,
+        save_best=logs.save_best, save_dtype=logs.save_dtype or config.model.dtype,  # None: the training dtype
+        max_nonfinite_steps=learning.max_nonfinite_steps,
+        seed=config.seed,
         async_rollouts=config.generation.async_rollouts, max_policy_lag=config.generation.max_policy_lag,
         eval_verdict="target" if config.env.handoff_steps is not None else "correct",  # Prefix-RL: the target's
         eval_sampling=EvalSampling(budget.eval_samples, budget.eval_temperature, budget.eval_top_p, config.seed))

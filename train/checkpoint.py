@@ -4,10 +4,12 @@
 
     policy/                    LanguagePolicy.save: HF weights and tokenizer (plain transformers and vLLM
                                load them), LoRA adapters (adapters/), value head (critic/)
-    train_state/               torch.distributed.checkpoint (DCP): the trainable parameters as trained
-                               (LoRA: the adapters and value head; full fine-tuning: every weight) and the
-                               policy optimizer's state, each rank writing its own shard (FSDP2), keyed by
-                               parameter name so any number of ranks, sharded or not, loads it back
+    train_state/               torch.distributed.checkpoint (DCP): the policy optimizer's state and the
+                               trainable parameters policy/ does not hold as trained (LoRA: the adapters
+                               and value head; full fine-tuning: the value head alone, the weights are
+                               policy/'s, written at the precision the optimizer steps them), each rank
+                               writing its own shard (FSDP2), keyed by parameter name so any number of
+                               ranks, sharded or not, loads it back
     implicit_prm.safetensors   PRIME's implicit PRM weights, when one is trained
     optimizers.pt              the scheduler's state dict and the implicit PRM optimizer's ("scheduler",
                                "implicit_prm")
@@ -17,8 +19,9 @@
     flags.json                 every flag of the run
     manifest.json              written last: format version, iteration, the size of every file above
 
-Resuming builds the policy as a fresh run does (the frozen base re-read from the model directory bit for
-bit) and loads ``train_state/`` into it.
+The weights are there once. Resuming builds the policy as a fresh run does (the frozen base re-read from
+the model directory bit for bit), then loads the trained weights of ``policy/`` and ``train_state/``
+into it.
 
 Writing is atomic: the files go to a hidden sibling ``.tmp-iter_N-*``, are fsynced, the manifest is
 written last, and one ``os.replace`` renames the directory into place. Killed at any moment, a save
@@ -47,10 +50,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_model, save_model
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from safetensors.torch import load_file, load_model, save_model
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
+                                                     set_state_dict)
 
-from train import distributed
+from train import distributed, run_lock
 from train.distributed import Ranks
 from models.policy import LanguagePolicy
 
@@ -125,6 +129,10 @@ def save(checkpoints_dir: str | Path, iteration: int, *, policy: LanguagePolicy,
     full, unwritable directory); earlier checkpoints are never touched by a failed save.
     """
     tensors = policy.full_tensors()  # every rank: a sharded policy gathers its weights
+    in_train_state = [p for p in policy.parameters() if p.requires_grad] if policy.lora is not None else []
+    sharded_bytes = distributed.all_reduce_sum([tensor_bytes(list(optimizer.state.values()), in_train_state)])[0]
+    needed = export_bytes(tensors) + int(sharded_bytes) + tensor_bytes(
+        optimizers, list(implicit_prm.parameters()) if implicit_prm is not None else [])
 
     def fill(directory: Path) -> None:
         policy.save(directory / POLICY_DIR, tensors)
@@ -137,22 +145,31 @@ def save(checkpoints_dir: str | Path, iteration: int, *, policy: LanguagePolicy,
 
     return atomic_write(Path(checkpoints_dir) / f"{PREFIX}{iteration}", iteration, fill,
                         shared_fill=lambda directory: save_train_state(directory / TRAIN_STATE_DIR, policy, optimizer),
-                        ranks=ranks)
+                        ranks=ranks, needed_bytes=needed)
 
 
 def atomic_write(final: Path, iteration: int, fill: Callable[[Path], None], *,
-                 shared_fill: Callable[[Path], None] | None = None, ranks: Ranks = Ranks()) -> Path:
+                 shared_fill: Callable[[Path], None] | None = None, ranks: Ranks = Ranks(),
+                 needed_bytes: int = 0) -> Path:
     """Runs ``shared_fill(temp_dir)`` on every rank (their collective writes) and ``fill(temp_dir)`` on
-    rank 0, fsyncs, writes the manifest last and renames ``temp_dir`` to ``final`` (rank 0)."""
+    rank 0, fsyncs, writes the manifest last and renames ``temp_dir`` to ``final`` (rank 0). Rank 0 first
+    checks that the disk has ``needed_bytes`` (the tensors to write) and a margin free; if not, every rank
+    raises ``CheckpointError`` and nothing is written."""
     parent = final.parent
     try:
-        temp = None
+        temp, too_little = None, None
         if ranks.is_main:
             parent.mkdir(parents=True, exist_ok=True)
             remove_scratch(parent)
-            temp = parent / f"{SCRATCH}{final.name}-{os.getpid()}"
-            temp.mkdir()  # not tempfile.mkdtemp: its mode 0700 would stay on the renamed checkpoint
-        temp = Path(distributed.all_gather_objects(temp)[0])
+            too_little = space_shortfall(parent, needed_bytes)
+            if too_little is None:
+                temp = parent / f"{SCRATCH}{final.name}-{os.getpid()}"
+                temp.mkdir()  # not tempfile.mkdtemp: its mode 0700 would stay on the renamed checkpoint
+        temp, too_little = distributed.all_gather_objects((temp, too_little))[0]
+        if too_little is not None:
+            raise CheckpointError(f"not enough space to save {final}: {too_little}. {intact(final)} Free space, "
+                                  f"or {SHRINK}")
+        temp = Path(temp)
         try:
             if shared_fill is not None:
                 shared_fill(temp)
@@ -173,20 +190,126 @@ def atomic_write(final: Path, iteration: int, fill: Callable[[Path], None], *,
             if ranks.is_main:  # the error being raised is what matters; a leftover temp dir is removed later
                 shutil.rmtree(temp, ignore_errors=True)
             raise
+    except CheckpointError:
+        raise
     except Exception as error:
-        raise CheckpointError(f"could not write checkpoint {final}: {type(error).__name__}: {error}. Earlier "
-                              f"checkpoints in {parent} are intact. If the disk is full or the directory not "
-                              "writable, free space or pass a writable --logdir, then resume with --resume auto") from error
+        raise CheckpointError(f"could not write checkpoint {final}: {type(error).__name__}: {error}. Nothing of it "
+                              f"was kept; {disk_report(parent, needed_bytes)}. {intact(final)} If the disk is full, "
+                              f"free space or {SHRINK} If the directory is not writable, pass a writable "
+                              "--logdir. Then resume with --resume auto") from error
     return final
 
 
+SPACE_MARGIN = (1.05, 16 * 2**20)
+"""A checkpoint's expected size: its tensors' bytes times 1.05 plus 16 MiB (tokenizer, config, RNG and
+trainer state, file-system overhead)."""
+
+SHRINK = ("write fewer or smaller checkpoints: --keep_checkpoints (how many are kept), --save_interval (how "
+          "often one is written), --lora_rank (LoRA: adapters and their optimizer state instead of every "
+          "weight's), --save_dtype (<run>/best's weights), or --logdir on a larger disk.")
+
+
+def space_shortfall(directory: Path, needed_bytes: int) -> str | None:
+    """What is missing when ``directory``'s file system has less than ``needed_bytes`` (with
+    ``SPACE_MARGIN``) free, else None."""
+    scale, extra = SPACE_MARGIN
+    expected = int(needed_bytes * scale) + extra if needed_bytes else 0
+    free = free_bytes(directory)
+    if free >= expected:
+        return None
+    return f"it needs about {human_bytes(expected)}, {directory} has {human_bytes(free)} free"
+
+
+def disk_report(directory: Path, needed_bytes: int) -> str:
+    """``directory``'s free space against what the save needed, and what this run's checkpoints take."""
+    free = free_bytes(directory)
+    report = f"{directory} has {human_bytes(free)} free (the save needed about {human_bytes(needed_bytes)}"
+    report += ": too little)" if free < needed_bytes else ")"
+    complete = [path for path in checkpoint_dirs(directory) if invalid_reason(path) is None]
+    if complete:
+        taken = sum(file.stat().st_size for path in complete for file in path.rglob("*") if file.is_file())
+        report += f"; the run's {len(complete)} checkpoint(s) there take {human_bytes(taken)}"
+    return report
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes of the file system holding ``path`` (its nearest existing ancestor when it is absent)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def intact(final: Path) -> str:
+    """Names the checkpoint a resume would take, which a failed save of ``final`` left as it was."""
+    if not final.name.startswith(PREFIX):
+        return f"The previous {final.name} is intact." if final.exists() else ""
+    last = next((path for path in reversed(checkpoint_dirs(final.parent)) if invalid_reason(path) is None), None)
+    return f"The last good checkpoint, {last}, is intact." if last else "No checkpoint of this run was written yet."
+
+
+def human_bytes(count: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if count < 1024 or unit == "GiB":
+            return f"{count:.1f} {unit}" if unit != "B" else f"{int(count)} B"
+        count /= 1024
+    raise AssertionError("unreachable")
+
+
+def export_bytes(tensors: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]],
+                 dtype: torch.dtype | None = None) -> int:
+    """Bytes of a policy export (``full_tensors``; floating tensors in ``dtype``, None: as held), tied
+    tensors once."""
+    seen, total = set(), 0
+    for tensor in [*tensors[0].values(), *tensors[1].values()]:
+        if (tensor.data_ptr(), tensor.shape) in seen:
+            continue
+        seen.add((tensor.data_ptr(), tensor.shape))
+        size = dtype.itemsize if dtype is not None and tensor.is_floating_point() else tensor.element_size()
+        total += tensor.numel() * size
+    return total
+
+
+def tensor_bytes(*values: Any) -> int:
+    """Bytes of the tensors in ``values`` and the dicts, lists and tuples among them (of a sharded tensor,
+    this rank's shard)."""
+    total = 0
+    for value in values:
+        if torch.is_tensor(value):
+            local = value.to_local() if hasattr(value, "to_local") else value
+            total += local.numel() * local.element_size()
+        elif isinstance(value, dict):
+            total += tensor_bytes(*value.values())
+        elif isinstance(value, (list, tuple)):
+            total += tensor_bytes(*value)
+    return total
+
+
 def save_train_state(directory: Path, policy: LanguagePolicy, optimizer: torch.optim.Optimizer) -> None:
-    """The trainable parameters and the optimizer state as DCP, keyed by parameter name (every rank
-    writes its shard of a sharded policy; a whole one is written once)."""
+    """The optimizer state and the trainable parameters that ``policy/`` does not hold as trained
+    (``in_policy_dir``) as DCP, keyed by parameter name (every rank writes its shard of a sharded policy; a
+    whole one is written once)."""
     model_state, optimizer_state = get_state_dict(policy, optimizer, options=TRAIN_STATE_OPTIONS)
+    trained = trained_names(policy)
+    referenced = in_policy_dir(policy, trained)
+    model_state = {name: tensor for name, tensor in model_state.items() if name in trained - referenced}
     with one_process_quietly():
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=directory,
                  no_dist=not dist.is_initialized())
+
+
+def trained_names(policy: LanguagePolicy) -> set[str]:
+    """Names of the parameters the optimizer steps (a tied weight under each of its names). The state dict
+    DCP gives without frozen parameters still holds a frozen tied weight (a LoRA base's output embedding),
+    which this leaves out."""
+    return {name for name, param in policy.named_parameters(remove_duplicate=False) if param.requires_grad}
+
+
+def in_policy_dir(policy: LanguagePolicy, trained: set[str]) -> set[str]:
+    """The trainable parameters ``policy/`` holds bit for bit, which ``train_state/`` therefore leaves out:
+    under full fine-tuning every weight of the causal LM (``policy/`` writes them at the precision the
+    optimizer steps them). LoRA adapters and value heads stay in ``train_state/`` (they are small, and
+    ``policy/`` holds the adapters merged)."""
+    return set() if policy.lora is not None else {name for name in trained if name.startswith("model.")}
 
 
 @contextlib.contextmanager
@@ -300,6 +423,9 @@ def resolve_resume(resume: str | None, experiment_dir: str | Path) -> Path | Non
         return None
     if resume == "auto":
         for run_dir in sorted(Path(experiment_dir).glob("*"), reverse=True):  # run_<timestamp>: newest first
+            holder = run_lock.holder(run_dir)
+            if holder is not None:  # the newest run is still training: continuing it would make a second writer
+                raise run_lock.in_use(run_dir, holder)
             latest = find_latest(run_dir)
             if latest is not None:
                 return latest
@@ -325,25 +451,55 @@ def load(path: str | Path) -> Checkpoint:
 
 
 def load_train_state(saved: Checkpoint, policy: LanguagePolicy, optimizer: torch.optim.Optimizer) -> None:
-    """Loads ``train_state/`` into a policy built as a fresh run builds it (sharded or not, on any number
-    of ranks: DCP splits each tensor as this run holds it) and its optimizer. The trainable parameters
-    must be the ones this run builds (LoRA rank and targets, critic)."""
+    """Loads the trained weights (``train_state/`` and, for those it leaves out, ``policy/``) into a policy
+    built as a fresh run builds it (sharded or not, on any number of ranks: DCP splits each tensor as this
+    run holds it) and the optimizer state into its optimizer. The trainable parameters must be the ones
+    this run builds (LoRA rank and targets, critic)."""
     model_state, optimizer_state = get_state_dict(policy, optimizer, options=TRAIN_STATE_OPTIONS)
     directory = saved.path / TRAIN_STATE_DIR
     metadata = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
     stored = {key.removeprefix("model."): tuple(meta.size) for key, meta in metadata.items() if key.startswith("model.")}
-    built = {key: tuple(tensor.shape) for key, tensor in model_state.items()}  # a DTensor's shape is the whole one
-    if stored != built:
-        differ = sorted(key for key in stored.keys() | built.keys() if stored.get(key) != built.get(key))
+    trained = trained_names(policy)
+    # a DTensor's shape is the whole one
+    built = {key: tuple(tensor.shape) for key, tensor in model_state.items() if key in trained}
+    referenced = in_policy_dir(policy, trained)
+    needed = {key: shape for key, shape in built.items() if key not in referenced}
+    # older checkpoints stored the referenced weights too, and a LoRA base's tied output embedding
+    if not needed.items() <= stored.items() or not stored.keys() <= model_state.keys():
+        differ = sorted({key for key, shape in needed.items() if stored.get(key) != shape}
+                        | (stored.keys() - model_state.keys()))
         raise CheckpointError(f"{saved.path} holds other trainable parameters than this run builds ({len(differ)} "
                               f"differ in name or shape, e.g. {differ[:2]}): the LoRA rank or targets (--lora_rank) "
                               "or the critic (--algorithm_name, --critic) changed; resume with the flags it was "
                               "trained with")
-    train_state = {"model": model_state, "optimizer": optimizer_state}
+    load_policy_weights(saved.policy_dir, policy, referenced - stored.keys())
+    train_state = {"model": {key: model_state[key] for key in stored.keys() & built.keys()},
+                   "optimizer": optimizer_state}
     with one_process_quietly():
         dcp.load(train_state, checkpoint_id=directory, no_dist=not dist.is_initialized())
     set_state_dict(policy, optimizer, model_state_dict=train_state["model"], optim_state_dict=train_state["optimizer"],
                    options=TRAIN_STATE_OPTIONS)
+
+
+def load_policy_weights(policy_dir: Path, policy: LanguagePolicy, names: set[str]) -> None:
+    """Loads the parameters ``names`` (``in_policy_dir``'s) from the HF weights in ``policy_dir`` (a sharded
+    policy: rank 0 reads them and each rank receives its shards). A tied weight the file holds once
+    (the output embedding) is loaded with the one it is tied to."""
+    if not names:
+        return
+    whole: dict[str, torch.Tensor] = {}
+    if not policy.sharded or dist.get_rank() == 0:
+        for file in sorted(policy_dir.glob("*.safetensors")):  # model.safetensors, or an index's shards
+            whole.update({f"model.{name}": tensor for name, tensor in load_file(file).items()
+                          if f"model.{name}" in names})
+        parameters = dict(policy.named_parameters(remove_duplicate=False))
+        loaded = {id(parameters[name]) for name in whole if name in parameters}
+        absent = sorted(name for name in names - whole.keys() if id(parameters.get(name)) not in loaded)
+        if absent:
+            raise CheckpointError(f"{policy_dir} lacks {len(absent)} trained weights, e.g. {absent[:2]}: it is not "
+                                  "the policy/ this checkpoint was written with")
+    set_model_state_dict(policy, whole, options=StateDictOptions(full_state_dict=True, strict=False,
+                                                                 broadcast_from_rank0=policy.sharded))
 
 
 def retire_newer(saved: Checkpoint) -> list[Path]:

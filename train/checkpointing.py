@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from models.loading import DTYPES
 from models.policy import LanguagePolicy
 from train import checkpoint, distributed
 from train.distributed import Ranks
@@ -48,15 +49,17 @@ class Progress:
 
 class Checkpointer:
     """Writes and reads ``<run_dir>/checkpoints`` (keeping the newest ``keep_checkpoints``; 0: all) and
-    ``<run_dir>/best``. ``writer``: rank 0's TensorBoard writer (flushed before each checkpoint)."""
+    ``<run_dir>/best`` (weights in ``save_dtype``). ``writer``: rank 0's TensorBoard writer (flushed before
+    each checkpoint)."""
 
     def __init__(self, run_dir: Path, keep_checkpoints: int, policy: LanguagePolicy, optimizer: torch.optim.Optimizer,
                  scheduler, rollouts: Rollouts, shuffle: torch.Generator, ranks: Ranks, writer,
-                 run_flags: dict[str, Any], implicit_prm=None):
+                 run_flags: dict[str, Any], implicit_prm=None, save_dtype: str = "float32"):
         self.run_dir, self.keep_checkpoints = Path(run_dir), keep_checkpoints
         self.policy, self.optimizer, self.scheduler, self.implicit_prm = policy, optimizer, scheduler, implicit_prm
         self.rollouts, self.collector, self.shuffle = rollouts, rollouts.collector, shuffle
         self.ranks, self.writer, self.run_flags = ranks, writer, run_flags
+        self.save_dtype = DTYPES[save_dtype]
         self.last_checkpoint: Path | None = None
         self.last_saved: tuple[int, int] | None = None  # (iteration, evaluations) last_checkpoint holds
 
@@ -102,8 +105,9 @@ class Checkpointer:
         it) to ``<run>/best``, atomically replacing the previous best: RL's held-out accuracy swings, and
         the last iteration is rarely the best one. Every rank calls it (a sharded policy gathers its weights)."""
         tensors = self.policy.full_tensors()
-        path = checkpoint.atomic_write(self.run_dir / "best", iteration, lambda out: self.policy.save(out, tensors),
-                                       ranks=self.ranks)
+        path = checkpoint.atomic_write(self.run_dir / "best", iteration,
+                                       lambda out: self.policy.save(out, tensors, self.save_dtype), ranks=self.ranks,
+                                       needed_bytes=checkpoint.export_bytes(tensors, self.save_dtype))
         if self.ranks.is_main:
             log.info("new best held-out accuracy %.3f at iteration %d: policy saved to %s", accuracy, iteration, path)
         return path

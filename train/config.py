@@ -256,11 +256,15 @@ class LoggingConfig:
         "<logdir>/<experiment> (a fresh start if there is none), or a checkpoint directory "
         "<run>/checkpoints/iter_N. Restores weights, optimizer, scheduler, RNGs, the env's problem order and the "
         "counters; TensorBoard continues in the same run directory.")
-    keep_checkpoints: int = option(0, "Keep only the newest this many checkpoints (older complete ones are deleted "
-                                   "after each save); 0: keep all.", lower_bound=0)
+    keep_checkpoints: int = option(2, "Keep only the newest this many checkpoints (older complete ones are deleted "
+                                   "after each save; <run>/best is kept apart); 0: keep all. Hugging Face's "
+                                   "save_total_limit, verl's max_actor_ckpt_to_keep.", lower_bound=0)
     save_best: bool = option(True, "After an evaluation whose held-out accuracy beats every earlier one, write the "
                              "policy to <run>/best (Hugging Face format; loadable by from_pretrained and "
                              "--model_name_or_path).")
+    save_dtype: str | None = option(None, "Dtype of the weights of exported policies (<run>/best): float32, bfloat16 "
+                                    "or float16. Checkpoints keep the weights as the optimizer steps them, so that a "
+                                    "resume continues exactly. Default: the training dtype (--dtype).")
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,9 @@ Surviving faults:
 - Checkpoints every ``save_interval`` iterations and at the end hold the weights, optimizer and
   scheduler, RNG states, the collector's state and the counters; ``restore`` continues from one exactly
   (synchronous collection: the same parameters and logged values as a run never stopped).
-- SIGINT/SIGTERM: the current iteration finishes, a checkpoint is written, ``run`` returns with
-  ``stop_signal`` set. A second signal interrupts at once (KeyboardInterrupt).
+- SIGINT, SIGTERM and SIGUSR1 (what SLURM's ``--signal`` sends before a time limit): the current
+  iteration finishes, a checkpoint is written, ``run`` returns with ``stop_signal`` set. A second
+  signal interrupts at once (KeyboardInterrupt).
 - ``max_nonfinite_steps`` non-finite optimizer steps in a row raise ``NonFiniteError`` without saving,
   naming the last checkpoint (the last good state).
 - An exception before the update (a reward model raising in evaluation or collection, in this thread
@@ -53,6 +54,10 @@ log = logging.getLogger(__name__)
 
 __all__ = ["NonFiniteError", "Progress", "Runner", "RunnerConfig"]
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+"""Signals that stop the run after the current iteration, with a checkpoint: Ctrl-C, a scheduler's stop
+(SLURM at the time limit or on preemption, Kubernetes), SLURM's ``--signal=USR1@<seconds>`` warning."""
+
 
 @dataclass(frozen=True)
 class RunnerConfig:
@@ -67,8 +72,9 @@ class RunnerConfig:
     eval_limit: int = 1000
     log_interval: int = 1
     save_interval: int = 0  # 0: only at the end
-    keep_checkpoints: int = 0  # 0: keep all
+    keep_checkpoints: int = 2  # 0: keep all
     save_best: bool = True  # after an eval that beats every earlier one, write the policy to <run>/best
+    save_dtype: str = "float32"  # the weights' dtype in <run>/best
     max_nonfinite_steps: int = 3
     seed: int = 0
     async_rollouts: bool = False
@@ -107,7 +113,7 @@ class Runner:
                                scheduler, collector, shuffle, ranks, implicit_prm)
         self.reporter = Reporter(writer, ranks, policy.tokenizer, collector.roles, config.num_text_samples)
         self.checkpointer = Checkpointer(run_dir, config.keep_checkpoints, policy, optimizer, scheduler, self.rollouts,
-                                         shuffle, ranks, writer, self.run_flags, implicit_prm)
+                                         shuffle, ranks, writer, self.run_flags, implicit_prm, config.save_dtype)
         self.progress = Progress()
         self.clock = time.perf_counter()  # when progress.seconds was last brought up to date
         self.stop_signal: str | None = None  # name of the signal that asked the run to stop
@@ -131,7 +137,7 @@ class Runner:
 
     def run(self) -> list[dict[str, float]]:
         """Trains from ``iteration`` (0, or where ``restore`` left it) to ``num_iterations``;
-        returns the evaluation history. Stops early, after saving, on SIGINT/SIGTERM."""
+        returns the evaluation history. Stops early, after saving, on ``STOP_SIGNALS``."""
         config = self.config
         progress = self.reporter.progress_bar(self.iteration, config.num_iterations, self.algorithm.name)
         postfix: dict[str, str] = {}
@@ -214,7 +220,7 @@ class Runner:
 
     @contextlib.contextmanager
     def signals_stop_after_iteration(self) -> Iterator[None]:
-        """SIGINT/SIGTERM set ``stop_signal`` (the loop saves and returns after the current iteration);
+        """``STOP_SIGNALS`` set ``stop_signal`` (the loop saves and returns after the current iteration);
         a second one raises KeyboardInterrupt. Only the main thread can install handlers: elsewhere
         signals keep their default behaviour."""
         if threading.current_thread() is not threading.main_thread():
@@ -228,7 +234,7 @@ class Runner:
             log.warning("%s received: finishing iteration %d, then saving a checkpoint and exiting (send it again "
                         "to stop at once without saving)", self.stop_signal, self.progress.iteration)
 
-        previous = {signum: signal.signal(signum, request_stop) for signum in (signal.SIGINT, signal.SIGTERM)}
+        previous = {signum: signal.signal(signum, request_stop) for signum in STOP_SIGNALS}
         try:
             yield
         finally:

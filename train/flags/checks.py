@@ -115,6 +115,8 @@ for _name in ("max_grad_norm", "entropy_coef", "target_kl", "value_coef", "value
     _positive(_name, allow_zero=True)
 for _name in ("top_p", "eval_top_p"):
     flags.register_validator(_name, lambda v: 0 < v <= 1, "must be in (0, 1]")
+flags.register_validator("save_dtype", lambda v: v in (None, "float32", "bfloat16", "float16"),
+                         "must be float32, bfloat16 or float16 (or left out: the training dtype)")
 flags.register_validator("gamma", lambda v: 0 <= v <= 1, "must be in [0, 1]")
 for _name in ("gae_lambda", "value_lambda"):
     flags.register_validator(_name, lambda v: 0 <= v <= 1, "must be in [0, 1]")

@@ -456,18 +456,23 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "--lazy", str(disk)], check=True)  # the failed run left its event file open
 
 
-def test_a_full_small_disk_stops_before_the_save_naming_what_and_where(untrained_policy_dir, small_disk, capsys):
-    """On a real 50 MiB file system, with every checkpoint kept, the third save finds too little space
-    before writing anything: one line names the directory, the size needed, the space free, the last good
-    checkpoint and the flags that shrink checkpoints; the two written are intact and nothing else is left."""
-    argv = flags_for(untrained_policy_dir, small_disk, "GRPO", 4, "--eval_interval", "0", "--save_interval", "1",
+def run_on_the_small_disk(policy_dir, small_disk: Path, capsys) -> tuple[Path, str]:
+    """A 4-iteration run saving every iteration and keeping every checkpoint, which must stop with exit 1:
+    (its checkpoints directory, the last line it wrote to stderr)."""
+    argv = flags_for(policy_dir, small_disk, "GRPO", 4, "--eval_interval", "0", "--save_interval", "1",
                      "--keep_checkpoints", "0")
     with pytest.raises(SystemExit) as stopped:
         run_train_math(argv)
     assert stopped.value.code == 1
     (run_dir,) = glob.glob(f"{small_disk}/GRPO_Arith-v0/run_*")
-    checkpoints = Path(run_dir) / "checkpoints"
-    line = capsys.readouterr().err.strip().splitlines()[-1]
+    return Path(run_dir) / "checkpoints", capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_a_full_small_disk_stops_before_the_save_naming_what_and_where(untrained_policy_dir, small_disk, capsys):
+    """On a real 50 MiB file system, with every checkpoint kept, the third save finds too little space
+    before writing anything: one line names the directory, the size needed, the space free, the last good
+    checkpoint and the flags that shrink checkpoints; the two written are intact and nothing else is left."""
+    checkpoints, line = run_on_the_small_disk(untrained_policy_dir, small_disk, capsys)
     assert re.fullmatch(rf"train_math.py: error: not enough space to save {checkpoints}/iter_3: it needs about "
                         rf"[\d.]+ MiB, {checkpoints} has [\d.]+ MiB free. The last good checkpoint, "
                         rf"{checkpoints}/iter_2, is intact. Free space, or write fewer or smaller checkpoints: "
@@ -484,19 +489,12 @@ def test_a_save_that_fills_a_real_disk_midway_leaves_no_checkpoint_of_it(untrain
     directory is left, and iter_3 stays the one to resume."""
     monkeypatch.setattr(checkpoint, "export_bytes", lambda tensors, dtype=None: 0)
     monkeypatch.setattr(checkpoint, "tensor_bytes", lambda *values: 0)
-    argv = flags_for(untrained_policy_dir, small_disk, "GRPO", 4, "--eval_interval", "0", "--save_interval", "1",
-                     "--keep_checkpoints", "0")
-    with pytest.raises(SystemExit) as stopped:
-        run_train_math(argv)
-    assert stopped.value.code == 1
-    (run_dir,) = glob.glob(f"{small_disk}/GRPO_Arith-v0/run_*")
-    checkpoints = Path(run_dir) / "checkpoints"
-    line = capsys.readouterr().err.strip().splitlines()[-1]
+    checkpoints, line = run_on_the_small_disk(untrained_policy_dir, small_disk, capsys)
     assert line.startswith(f"train_math.py: error: could not write checkpoint {checkpoints}/iter_4: "), line
     assert f"Nothing of it was kept; {checkpoints} has " in line
     assert f"The last good checkpoint, {checkpoints}/iter_3, is intact." in line
     assert sorted(p.name for p in checkpoints.iterdir()) == ["iter_1", "iter_2", "iter_3"]
-    assert checkpoint.find_latest(run_dir).name == "iter_3"
+    assert checkpoint.find_latest(checkpoints.parent).name == "iter_3"
 
 
 def test_unwritable_logdir_fails_before_any_model_loads(untrained_policy_dir, tmp_path, monkeypatch, capsys):

@@ -27,9 +27,19 @@ def test_the_summary_line_states_points_standard_errors_and_minutes():
     assert "format +5.0, arithmetic +15.0 points" in line
 
 
-def test_each_task_preset_is_a_train_math_command():
-    flags = run_flags("lora", parse_args(["--model", "/m", "--iterations", "3"]))
-    assert flags[:2] == ["--model_name_or_path", "/m"] and "--lora_rank" in flags
-    assert flags[flags.index("--num_env_steps") + 1] == str(3 * 64)
-    math = run_flags("full", parse_args(["--task", "math"]))
-    assert math[1] == "Qwen/Qwen2.5-0.5B-Instruct" and "--lora_rank" not in math
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_the_arith_preset_is_a_train_math_command_that_resolves(mode, untrained_policy_dir, tmp_path):
+    """Parsed and resolved by train_math's own flags (a misspelt flag or a bad --env_kwargs fails here)."""
+    from test_train_math import parse
+
+    flags = run_flags(mode, parse_args(["--model", str(untrained_policy_dir), "--iterations", "3"]))
+    config = parse(*flags, "--logdir", str(tmp_path))
+    assert config.budget.num_iterations == 3 and config.env.num_envs == 64 and config.env.group_size == 8
+    assert config.env.env_kwargs["arith"]["digits"] == 1 and config.generation.temperature == 0.7
+    assert config.model.lora_rank == (16 if mode == "lora" else 0) and config.env.prompt_template == "chat"
+
+
+def test_the_math_preset_names_the_gpu_recipe():
+    flags = run_flags("full", parse_args(["--task", "math"]))
+    assert flags[1] == "Qwen/Qwen2.5-0.5B-Instruct" and "--lora_rank" not in flags
+    assert flags[flags.index("--num_env_steps") + 1] == str(200 * 512)

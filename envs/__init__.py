@@ -55,7 +55,8 @@ def default_reward(env_id: str) -> str:
 TRAINER_KWARGS = {"num_envs": "--n_rollout_threads", "group_size": "--group_size", "autoreset_mode": "the algorithm",
                   "group_offset": "torchrun", "total_groups": "torchrun", "reward_model": "--reward",
                   "template": "--prompt_template", "tokenizer": "the policy", "mode": "--action_level",
-                  "end_marker": "--action_level", "handoff_steps": "--handoff_steps", "split": "the train/held-out split",
+                  "end_marker": "--action_level", "handoff_steps": "--handoff_steps",
+                  "split": "the train/held-out split",
                   "problems": "--dataset_path", "dataset_path": "--dataset_path", "workflow": "--env_id",
                   "reward_assignment": "--reward_assignment"}
 """Env keywords the trainer sets itself: {keyword: the flag (or the part of the run) that decides it}."""

@@ -46,7 +46,8 @@ class MathVectorEnv(VectorEnv):
     - the episode whose observation is returned: ``problem_id`` (object), ``group_id``, ``step`` (int64);
     - from ``step`` only (``reset`` and ``set_state`` return the metadata alone), the results of the
       action just taken: ``correct`` (float64, 1.0 / 0.0 where an episode ended at this step, NaN
-      elsewhere), ``final_answer`` (object: the answer it judged, None where none), ``reward/<source>`` (float64, every component the reward model reported, NaN
+      elsewhere), ``final_answer`` (object: the answer it judged, None where none), ``reward/<source>``
+      (float64, every component the reward model reported, NaN
       where no step was scored) and, in step mode, ``action_clipped`` (bool);
     - SAME_STEP autoreset: gymnasium's ``final_obs`` / ``_final_obs`` and ``final_info`` /
       ``_final_info``, where ``final_info`` holds the ended episodes' metadata arrays (their

@@ -71,8 +71,8 @@ class LanguagePolicy(ShardedPolicy, PolicyWeights, nn.Module):
     weights (full fine-tuning) loaded lazily from ``reference_dir`` on the first ``ref_log_probs`` call.
 
     Precision: ``dtype`` is the compute dtype. float32: plain. bfloat16/float16: fp32 master weights
-    and autocast (float16 needs CUDA and a loss scaler, which the trainer lacks: train_math.py refuses it); ``low_precision_weights=True``
-    stores bfloat16 weights outright. A frozen LoRA base is stored in the compute dtype.
+    and autocast (float16 needs CUDA and a loss scaler, which the trainer lacks: train_math.py refuses
+    it); ``low_precision_weights=True`` stores bfloat16 weights outright. A frozen LoRA base is stored in the compute dtype.
 
     The policy starts in eval mode: call ``train()`` for updates (dropout and gradient checkpointing
     act only in training mode) and ``eval()`` when scoring must match the sampler exactly.

@@ -17,7 +17,8 @@ from models.tiny.config import TinyConfig
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m models.tiny",
                                      description="Build the tiny tokenizer, policy, PRM, target and team models.")
-    parser.add_argument("--out", type=Path, default=None, help="output directory (default: the user cache, $MATHRL_CACHE/tiny/<config hash>)")
+    parser.add_argument("--out", type=Path, default=None, help="output directory (default: the user cache, "
+                        "$MATHRL_CACHE/tiny/<config hash>)")
     parser.add_argument("--seed", type=int, default=TinyConfig.seed)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=None,

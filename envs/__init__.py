@@ -80,7 +80,7 @@ def override_kwargs(env_id: str, overrides: dict) -> dict:
         raise ValueError(f"{env_id} takes no keyword {unknown}; it takes {sorted(accepted - set(TRAINER_KWARGS))}")
     merged = {key: {**spec.kwargs[key], **value} if isinstance(value, dict) and isinstance(spec.kwargs.get(key), dict)
               else value for key, value in overrides.items()}
-    if accepted is not None:  # a built-in env: its problem source must build (Arith draws both splits at once)
+    if accepted is not None:  # a MathTask env: its problem source must build (Arith draws both splits at once)
         source = {key: value for key, value in {**spec.kwargs, **merged}.items()
                   if key in ("dataset_path", "subjects", "levels", "limit", "arith")}
         build_problems(split="train", **source)
@@ -88,12 +88,12 @@ def override_kwargs(env_id: str, overrides: dict) -> dict:
 
 
 def env_keywords(spec: gymnasium.envs.registration.EnvSpec) -> set[str] | None:
-    """The keywords a built-in vector env (and its ``MathTask``) takes; None for another env (not checked)."""
-    entry = spec.vector_entry_point
-    if entry not in ("envs.vector:MathVectorEnv", "envs.multi_agent:MultiAgentMathVectorEnv"):
+    """The keywords a vector env built on ``MathTask`` takes (its own and the task's); None for another env
+    (not checked)."""
+    vector_env = gymnasium.envs.registration.load_env_creator(spec.vector_entry_point)
+    if not (isinstance(vector_env, type) and issubclass(vector_env, (MathVectorEnv, MultiAgentMathVectorEnv))):
         return None
-    vector_env = MathVectorEnv if entry.endswith(":MathVectorEnv") else MultiAgentMathVectorEnv
-    names = (inspect.signature(vector_env).parameters.keys() | inspect.signature(MathTask).parameters.keys())
+    names = inspect.signature(vector_env).parameters.keys() | inspect.signature(MathTask).parameters.keys()
     return {name for name in names if name != "task_kwargs"}
 
 

@@ -45,8 +45,8 @@ from bench.learning_table import train_math_history
 
 ARITH = {"digits": 1, "min_ops": 1, "max_ops": 2, "operators": "+", "num_train": 500, "num_test": 500}
 """The arith task: sums of two or three one-digit numbers (1,100 distinct problems), 500 held out. The
-held-out set is drawn first and takes most of the 100 one-operation sums, so training is mostly on
-two-operation ones."""
+held-out set is drawn first and takes all 100 one-operation sums, so training sees two-operation sums
+only and a fifth of the held-out problems are of a form it never trains on."""
 
 
 @dataclass(frozen=True)

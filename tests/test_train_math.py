@@ -239,6 +239,25 @@ def test_a_run_config_defaults_to_what_the_command_line_defaults_to():
     assert resolved(from_code) == from_code  # idempotent: a resolved config resolves to itself
 
 
+def test_the_algorithms_defaults_are_the_options_defaults():
+    """``AlgorithmConfig()`` (the algorithms' own defaults, used in code) and the one the default options give
+    agree; RLOO's kept groups come from --n_rollout_threads / --group_size, and an option that is 0 for off
+    is None there."""
+    import dataclasses
+
+    from algorithms.registry import AlgorithmConfig
+    from train.builders import algorithm_config
+    from train.config import AgentGroups, LearningConfig, MultiAgentConfig, PrimeConfig, RunConfig
+    from train.resolve import resolved
+
+    assert algorithm_config(resolved(RunConfig())) == AlgorithmConfig(max_groups=128 // 4)
+    config = RunConfig(learning=LearningConfig(clip_param=0.1, value_clip_param=0.0, huber_delta=2.0),
+                       prime=PrimeConfig(process_coef=0.5, oversample_factor=1),
+                       multi_agent=MultiAgentConfig(agent_groups=AgentGroups.JOINT))
+    assert algorithm_config(config) == dataclasses.replace(
+        AlgorithmConfig(), clip_param=0.1, value_clip_param=None, huber_delta=2.0, process_coef=0.5, joint_groups=True)
+
+
 @pytest.mark.parametrize("lora_rank", [0, 8], ids=["full", "lora"])
 def test_gradient_checkpointing_holds_fewer_activations_in_the_update(untrained_policy_dir, tmp_path, lora_rank):
     """``--gradient_checkpointing`` acts in the runner's update (the layers checkpoint only in training mode),
@@ -340,7 +359,8 @@ def test_chat_prompts_reach_the_train_and_eval_envs_and_the_target(untrained_pol
     model = str(chat_policy(untrained_policy_dir, tmp_path / "chat_policy"))
     config = RunConfig(model=ModelConfig(name_or_path=model, device="cpu"),
                        env=EnvConfig(num_envs=4, group_size=4, prompt_template="chat", system_prompt="Be brief."),
-                       rewards=RewardConfig(spec="outcome:1.0,target:0.5"), prefix_rl=PrefixRLConfig(target_model=model),
+                       rewards=RewardConfig(spec="outcome:1.0,target:0.5"),
+                       prefix_rl=PrefixRLConfig(target_model=model),
                        budget=BudgetConfig(num_iterations=1, eval_interval=0, eval_batch_size=2))
     runner = build_runner(config, tmp_path / "run", writer=None)
     tokenizer = runner.policy.tokenizer

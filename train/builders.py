@@ -28,14 +28,13 @@ from train.collector import Collector, Sampling, Voices
 from train.config import (ActionLevel, AgentGroups, DataParallel, EnvConfig, GenerationConfig, LearningConfig,
                           ModelConfig, RewardConfig, RunConfig, ServicesConfig)
 from train.distributed import Ranks
-from train.evaluation import EvalSampling
 from models.generation import Generator, make_generator
 from models.loading import check_model_dir, resolve_device
 from models.policy import LanguagePolicy, LoraSettings
 from models.prompting import build_template
 from models.remote import ServiceClient, ServiceError
 from train.resolve import resolved
-from train.runner import Runner, RunnerConfig
+from train.runner import Runner
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +59,10 @@ def check_inputs(config: RunConfig) -> None:
     weights and a tokenizer, the servers answer, and the datasets read and select at least one problem.
     Raises ValueError naming the flag (and file and line) and the fix."""
     resolve_device(config.model.device)
+    role_models = config.multi_agent.models_by_role
     for flag, directory in (("--model_name_or_path", config.model.name_or_path),
                             ("--target_model_name_or_path", config.prefix_rl.target_model),
-                            *((f"--role_model {role}", path) for role, path in config.multi_agent.models_by_role.items())):
+                            *((f"--role_model {role}", path) for role, path in role_models.items())):
         if directory is not None:
             check_model_dir(directory, flag)
     if config.rewards.prm_model is not None:
@@ -236,18 +236,16 @@ def build_envs(config: RunConfig, reward_model: RewardModel, tokenizer, template
 
 
 def algorithm_config(config: RunConfig, ranks: Ranks = Ranks()) -> AlgorithmConfig:
-    """The algorithms' hyper-parameters from the algorithm, PRIME and multi-agent sections; under torchrun RLOO
-    keeps its share of the filtered groups on each rank."""
+    """The algorithms' hyper-parameters: each from the option of the same name in the algorithm or PRIME
+    section (0 turning the value clip and the Huber loss off), the joint group baseline from --agent_groups;
+    under torchrun RLOO keeps its share of the filtered groups on each rank."""
     learning, prime = config.learning, config.prime
-    return AlgorithmConfig(
-        clip_param=learning.clip_param, value_clip_param=learning.value_clip_param or None,
-        huber_delta=learning.huber_delta or None, value_coef=learning.value_coef, entropy_coef=learning.entropy_coef,
-        gamma=learning.gamma, gae_lambda=learning.gae_lambda, value_lambda=learning.value_lambda,
-        scale_rewards=learning.scale_rewards, kl_coef=learning.kl_coef, loss_agg=learning.loss_agg,
-        process_coef=prime.process_coef, accuracy_lower_bound=prime.accuracy_lower_bound,
-        accuracy_upper_bound=prime.accuracy_upper_bound,
-        max_groups=learning.prompt_groups // ranks.world_size if learning.prompt_groups is not None else None,
-        joint_groups=config.multi_agent.agent_groups == AgentGroups.JOINT)
+    named = {part.name: getattr(section, part.name) for part in dataclasses.fields(AlgorithmConfig)
+             for section in (learning, prime) if hasattr(section, part.name)}
+    return AlgorithmConfig(**{
+        **named, "value_clip_param": learning.value_clip_param or None, "huber_delta": learning.huber_delta or None,
+        "max_groups": learning.prompt_groups // ranks.world_size if learning.prompt_groups is not None else None,
+        "joint_groups": config.multi_agent.agent_groups == AgentGroups.JOINT})
 
 
 def build_algorithm(config: RunConfig, ranks: Ranks = Ranks()) -> Algorithm:
@@ -312,22 +310,6 @@ def build_generators(config: RunConfig, policy: LanguagePolicy, directory: str, 
                                     value_heads=max(policy.num_value_heads, 1)).eval()
     rollout_policy.load_state_dict(policy.whole_state_dict())  # sharded: every rank gathers
     return generator, rollout_policy, make_generator("hf", rollout_policy)
-
-
-def runner_config(config: RunConfig) -> RunnerConfig:
-    learning, budget, logs = config.learning, config.budget, config.logging
-    return RunnerConfig(
-        num_iterations=budget.num_iterations, num_mini_batch=learning.num_mini_batch, ppo_epoch=learning.ppo_epoch,
-        gradient_cp_steps=learning.gradient_cp_steps, micro_batch_tokens=learning.micro_batch_tokens,
-        max_grad_norm=learning.max_grad_norm,
-        target_kl=learning.target_kl, eval_interval=budget.eval_interval, eval_limit=budget.eval_limit,
-        log_interval=logs.log_interval, save_interval=logs.save_interval, keep_checkpoints=logs.keep_checkpoints,
-        save_best=logs.save_best, save_dtype=logs.save_dtype or config.model.dtype,  # None: the training dtype
-        max_nonfinite_steps=learning.max_nonfinite_steps,
-        seed=budget.seed,
-        async_rollouts=config.generation.async_rollouts, max_policy_lag=config.generation.max_policy_lag,
-        eval_verdict="target" if config.prefix_rl.handoff_steps is not None else "correct",  # Prefix-RL: the target's
-        eval_sampling=EvalSampling(budget.eval_samples, budget.eval_temperature, budget.eval_top_p, budget.seed))
 
 
 def build_voices(config: RunConfig, env, policy: LanguagePolicy, sampling: Sampling) -> Voices:
@@ -396,15 +378,15 @@ def build_runner(config: RunConfig, run_dir: Path, writer, saved: checkpoint.Che
         implicit_prm = ImplicitPRM(directory, beta=config.prime.implicit_prm_beta, lr=config.prime.implicit_prm_lr,
                                    device=str(policy.device), dtype=config.model.dtype,
                                    lora=lora_settings(config.model))
-    runner_settings = runner_config(config)
-    optimizer, scheduler = build_optimizer(learning, policy, runner_settings.num_iterations)
+    optimizer, scheduler = build_optimizer(learning, policy, config.budget.num_iterations)
     sampling = sampling_of(config.generation, env.action_level, policy.tokenizer.eos_token or "")
     collector = Collector(train_env, algorithm_spec(learning.algorithm), env.episode_length, sampling,
-                          seed=config.budget.seed, env_offset=distributed.shard(env.envs_stepped, env.group_size, ranks)[0],
+                          seed=config.budget.seed,
+                          env_offset=distributed.shard(env.envs_stepped, env.group_size, ranks)[0],
                           voices=build_voices(config, train_env, policy, sampling), critic=learning.critic_view)
-    runner = Runner(runner_settings, collector, eval_envs, policy, generator, algorithm, optimizer, scheduler, writer,
+    runner = Runner(config, collector, eval_envs, policy, generator, algorithm, optimizer, scheduler, writer,
                     run_dir, implicit_prm=implicit_prm, rollout_policy=rollout_policy,
-                    rollout_generator=rollout_generator, run_flags=config.flags, ranks=ranks, trainable=trainable)
+                    rollout_generator=rollout_generator, ranks=ranks, trainable=trainable)
     if saved is not None:
         runner.restore(saved)
     return runner

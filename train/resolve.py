@@ -83,7 +83,8 @@ def resolved(config: RunConfig) -> RunConfig:
             config, config.rewards.prm_model, "--prm_model_name_or_path")),
         learning=dataclasses.replace(learning, prompt_groups=prompt_groups),
         multi_agent=dataclasses.replace(config.multi_agent, role_models=tuple(
-            f"{role}={local_model(config, name, f'--role_model {role}')}" for role, name in role_models(config).items())),
+            f"{role}={local_model(config, name, f'--role_model {role}')}"
+            for role, name in role_models(config).items())),
         prefix_rl=dataclasses.replace(config.prefix_rl, target_model=local_model(
             config, config.prefix_rl.target_model, "--target_model_name_or_path")),
         budget=dataclasses.replace(budget, num_iterations=iterations),

@@ -255,7 +255,7 @@ def start(config: RunConfig) -> Started | None:
 
     from train import builders, checkpoint, distributed, host
 
-    ranks = distributed.init(config.model.device, config.model.dist_timeout)
+    ranks = distributed.init(config.model.device, config.distributed.dist_timeout)
     config, saved = resumed(config)
     if saved is not None and saved.iteration >= config.budget.num_iterations:
         print(f"{saved.path} has trained {saved.iteration} iterations and --num_env_steps="
@@ -271,8 +271,8 @@ def start(config: RunConfig) -> Started | None:
                 checkpoint.retire_newer(saved)
             log_changed_flags(saved.flags, config.flags)
         host.set_up(config.model)
-        torch.manual_seed(config.seed)
-        np.random.seed(config.seed)
+        torch.manual_seed(config.budget.seed)
+        np.random.seed(config.budget.seed)
         start_iteration = saved.iteration if saved is not None else 0
         # purge_step: TensorBoard drops points a killed run logged at or after the checkpoint's iteration.
         writer = (open_writer(run_dir, purge_step=start_iteration if saved is not None else None)
@@ -287,7 +287,7 @@ def start(config: RunConfig) -> Started | None:
         writer.add_text("flags", "\n".join(f"    --{k}={v}" for k, v in runner.run_flags.items()), start_iteration)
         writer.add_text("resolved", "\n".join(f"    {k}: {v}" for k, v in resolved.items()), start_iteration)
     logging.info("run directory %s; %s, %d iterations of %d envs x %d steps%s", run_dir, config.learning.algorithm,
-                 runner.config.num_iterations, runner.collector.env.num_envs, runner.collector.episode_length,
+                 runner.config.budget.num_iterations, runner.collector.env.num_envs, runner.collector.episode_length,
                  f" on each of {ranks.world_size} ranks" if ranks.distributed else "")
     return Started(runner, writer, run_dir, saved, config)
 
@@ -303,9 +303,10 @@ def remove_run_dir(run_dir: Path, distributed: bool) -> None:
 def resolved_settings(config: RunConfig, runner: Runner, saved: Checkpoint | None) -> dict:
     """The settings the flags left to be worked out (logged as TensorBoard text and hparams)."""
     return {"env_id": config.env.env_id, "reward": config.rewards.spec,
-            "episode_length": runner.collector.episode_length, "async_rollouts": runner.config.async_rollouts,
+            "episode_length": runner.collector.episode_length,
+            "async_rollouts": runner.config.generation.async_rollouts,
             "group_size": config.env.group_size, "model_dir": str(runner.policy.model_dir),
-            "num_iterations": runner.config.num_iterations, "device": str(runner.policy.device),
+            "num_iterations": runner.config.budget.num_iterations, "device": str(runner.policy.device),
             "resumed_from": str(saved.path) if saved is not None else None}
 
 

@@ -38,8 +38,8 @@ class NonFiniteError(RuntimeError):
 
 
 class Learner:
-    """Trains ``policy`` (through ``trainable``) with ``algorithm``; ``config``: the runner's settings
-    (``RunnerConfig``); ``shuffle``: the generator that orders minibatches (saved with checkpoints)."""
+    """Trains ``policy`` (through ``trainable``) with ``algorithm``; ``config``: the run's learning section
+    (``train.config.LearningConfig``); ``shuffle``: the generator that orders minibatches (saved with checkpoints)."""
 
     def __init__(self, config, policy: LanguagePolicy, trainable: torch.nn.Module, algorithm: Algorithm,
                  optimizer: torch.optim.Optimizer, scheduler, collector: Collector, shuffle: torch.Generator,

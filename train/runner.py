@@ -31,7 +31,6 @@ import math
 import signal
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -46,74 +45,59 @@ from train.checkpointing import Checkpointer, Progress, Snapshot
 from train.collector import Collector
 from train.distributed import Ranks
 from train.evaluation import EvalSampling
+from train.config import RunConfig
 from train.learner import Learner, NonFiniteError
 from train.reporting import Reporter, bar_summary
 from train.rollouts import Rollouts
 
 log = logging.getLogger(__name__)
 
-__all__ = ["NonFiniteError", "Progress", "Runner", "RunnerConfig"]
+__all__ = ["NonFiniteError", "Progress", "Runner"]
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 """Signals that stop the run after the current iteration, with a checkpoint: Ctrl-C, a scheduler's stop
 (SLURM at the time limit or on preemption, Kubernetes), SLURM's ``--signal=USR1@<seconds>`` warning."""
 
 
-@dataclass(frozen=True)
-class RunnerConfig:
-    num_iterations: int
-    num_mini_batch: int = 1
-    ppo_epoch: int = 1
-    gradient_cp_steps: int = 1
-    micro_batch_tokens: int = 0  # 0: no token limit on a micro-batch
-    max_grad_norm: float = 1.0  # 0: no clipping
-    target_kl: float = 0.0  # 0: off
-    eval_interval: int = 50  # 0: never
-    eval_limit: int = 1000
-    log_interval: int = 1
-    save_interval: int = 0  # 0: only at the end
-    keep_checkpoints: int = 2  # 0: keep all
-    save_best: bool = True  # after an eval that beats every earlier one, write the policy to <run>/best
-    save_dtype: str = "float32"  # the weights' dtype in <run>/best
-    max_nonfinite_steps: int = 3
-    seed: int = 0
-    async_rollouts: bool = False
-    max_policy_lag: int = 1
-    num_text_samples: int = 4
-    # an ended held-out episode's verdict: "correct", or "target" (a reward source) where a frozen target finishes
-    # the policy's prefix (Prefix-RL by --handoff_steps), so that evaluation measures what the reward pays
-    eval_verdict: str = "correct"
-    eval_sampling: EvalSampling = EvalSampling()  # sampled solutions per held-out problem (pass@k, maj@k, mean@n)
+NUM_TEXT_SAMPLES = 4
+"""Transcripts logged as TensorBoard text per logged iteration."""
 
 
 class Runner:
-    """Drives training; see the module docstring. ``eval_envs``: {held-out set's name (None: the one unnamed
+    """Drives training; see the module docstring. ``config``: the run's resolved configuration
+    (``train.resolve.resolved``), whose budget, learning, generation and logging sections it reads; ``eval_envs``: {held-out set's name (None: the one unnamed
     set): a vector env over its problems (group size 1)}, the first one's greedy accuracy picking the best
     checkpoint; ``rollout_policy``/``rollout_generator`` are the copy used by
-    asynchronous collection (required when ``config.async_rollouts``)."""
+    asynchronous collection (required with asynchronous rollouts)."""
 
-    def __init__(self, config: RunnerConfig, collector: Collector, eval_envs: dict[str | None, Any],
+    def __init__(self, config: RunConfig, collector: Collector, eval_envs: dict[str | None, Any],
                  policy: LanguagePolicy,
                  generator: Generator, algorithm: Algorithm, optimizer: torch.optim.Optimizer, scheduler, writer,
                  run_dir: Path, implicit_prm=None, rollout_policy: LanguagePolicy | None = None,
-                 rollout_generator: Generator | None = None, run_flags: dict[str, Any] | None = None,
-                 ranks: Ranks = Ranks(), trainable: torch.nn.Module | None = None):
-        if config.async_rollouts and (rollout_policy is None or rollout_generator is None):
+                 rollout_generator: Generator | None = None, ranks: Ranks = Ranks(),
+                 trainable: torch.nn.Module | None = None):
+        budget, generation, logs = config.budget, config.generation, config.logging
+        if generation.async_rollouts and (rollout_policy is None or rollout_generator is None):
             raise ValueError("async_rollouts needs rollout_policy and rollout_generator (a copy of the policy)")
         if algorithm.needs_process_rewards and implicit_prm is None:
             raise ValueError(f"{algorithm.name} needs an implicit PRM for its process rewards")
         self.config, self.collector, self.eval_envs, self.ranks = config, collector, eval_envs, ranks
         self.policy, self.generator, self.algorithm = policy, generator, algorithm
-        self.run_flags = run_flags or {}  # saved with every checkpoint
-        shuffle = torch.Generator().manual_seed(config.seed)
-        copy = (rollout_policy, rollout_generator) if config.async_rollouts else (None, None)
-        self.rollouts = Rollouts(collector, policy, generator, config.seed, config.num_iterations,
-                                 config.max_policy_lag, ranks, *copy)
-        self.learner = Learner(config, policy, trainable if trainable is not None else policy, algorithm, optimizer,
-                               scheduler, collector, shuffle, ranks, implicit_prm)
-        self.reporter = Reporter(writer, ranks, policy.tokenizer, collector.roles, config.num_text_samples)
-        self.checkpointer = Checkpointer(run_dir, config.keep_checkpoints, policy, optimizer, scheduler, self.rollouts,
-                                         shuffle, ranks, writer, self.run_flags, implicit_prm, config.save_dtype)
+        self.run_flags = config.flags  # saved with every checkpoint
+        # an ended held-out episode's verdict: "correct", or "target" (a reward source) where a frozen target finishes
+        # the policy's prefix (Prefix-RL by --handoff_steps), so that evaluation measures what the reward pays
+        self.eval_verdict = "target" if config.prefix_rl.handoff_steps is not None else "correct"
+        self.eval_sampling = EvalSampling(budget.eval_samples, budget.eval_temperature, budget.eval_top_p, budget.seed)
+        shuffle = torch.Generator().manual_seed(budget.seed)
+        copy = (rollout_policy, rollout_generator) if generation.async_rollouts else (None, None)
+        self.rollouts = Rollouts(collector, policy, generator, budget.seed, budget.num_iterations,
+                                 generation.max_policy_lag, ranks, *copy)
+        self.learner = Learner(config.learning, policy, trainable if trainable is not None else policy, algorithm,
+                               optimizer, scheduler, collector, shuffle, ranks, implicit_prm)
+        self.reporter = Reporter(writer, ranks, policy.tokenizer, collector.roles, NUM_TEXT_SAMPLES)
+        self.checkpointer = Checkpointer(run_dir, logs.keep_checkpoints, policy, optimizer, scheduler, self.rollouts,
+                                         shuffle, ranks, writer, self.run_flags, implicit_prm,
+                                         logs.save_dtype or config.model.dtype)  # None: the training dtype
         self.progress = Progress()
         self.clock = time.perf_counter()  # when progress.seconds was last brought up to date
         self.stop_signal: str | None = None  # name of the signal that asked the run to stop
@@ -138,8 +122,8 @@ class Runner:
     def run(self) -> list[dict[str, float]]:
         """Trains from ``iteration`` (0, or where ``restore`` left it) to ``num_iterations``;
         returns the evaluation history. Stops early, after saving, on ``STOP_SIGNALS``."""
-        config = self.config
-        progress = self.reporter.progress_bar(self.iteration, config.num_iterations, self.algorithm.name)
+        budget, logs = self.config.budget, self.config.logging
+        progress = self.reporter.progress_bar(self.iteration, budget.num_iterations, self.algorithm.name)
         postfix: dict[str, str] = {}
         self.clock = time.perf_counter()  # the time before this call (start-up, a restore) is not training
         try:
@@ -150,11 +134,11 @@ class Runner:
                     if self.stop_requested():
                         self.save()
                         return self.history
-                    last = self.iteration == config.num_iterations  # the final save below writes it
-                    if config.save_interval and self.iteration % config.save_interval == 0 and not last:
+                    last = self.iteration == budget.num_iterations  # the final save below writes it
+                    if logs.save_interval and self.iteration % logs.save_interval == 0 and not last:
                         self.save()
-                if config.eval_interval:
-                    self.evaluate(config.num_iterations)
+                if budget.eval_interval:
+                    self.evaluate(budget.num_iterations)
                 self.save()
         finally:
             progress.close()
@@ -199,7 +183,7 @@ class Runner:
                 log.error("iteration %d: the generator did not take the new weights; saved the updated state to %s",
                           iteration, self.saved_at_failure)
             raise
-        if iteration % self.config.log_interval == 0:
+        if iteration % self.config.logging.log_interval == 0:
             self.log(iteration, buffer, stats)
         postfix.update(bar_summary(stats, self.collector.roles))
 
@@ -208,7 +192,8 @@ class Runner:
         iteration's start first (one process)."""
         start = self.snapshot() if not self.ranks.distributed else None  # the other ranks could not join a save
         try:
-            if self.config.eval_interval and iteration % self.config.eval_interval == 0:
+            eval_interval = self.config.budget.eval_interval
+            if eval_interval and iteration % eval_interval == 0:
                 postfix["acc"] = f"{self.evaluate_once(iteration)['eval/accuracy']:.3f}"
             return self.rollouts.next(iteration, self.progress)
         except Exception:
@@ -256,17 +241,17 @@ class Runner:
         self.rollouts.wait()  # the env reward models must not run in two threads at once
         with self.policy.gathered():
             result = evaluation.evaluate_sets(self.eval_envs, self.generator, self.collector.sampling,
-                                              self.config.eval_limit, self.ranks, self.collector.voices,
-                                              self.config.eval_verdict, self.config.eval_sampling)
+                                              self.config.budget.eval_limit, self.ranks, self.collector.voices,
+                                              self.eval_verdict, self.eval_sampling)
         env_steps = self.rollouts.env_steps()
         best_before = max((h["eval/accuracy"] for h in self.history), default=-math.inf)
         # seconds: the training time the policy evaluated here took, every evaluation so far excluded
         self.progress.eval_seconds += result["time/eval"]
         seconds = self.elapsed() - self.progress.eval_seconds
         self.history.append({"iteration": iteration, "env_steps": env_steps, "seconds": seconds, **result})
-        if self.config.save_best and result["eval/accuracy"] > best_before:  # the same on every rank
+        if self.config.logging.save_best and result["eval/accuracy"] > best_before:  # the same on every rank
             self.save_best(iteration, result["eval/accuracy"])
-        num_problems = {name: min(self.config.eval_limit, len(env.problems)) for name, env in self.eval_envs.items()}
+        num_problems = {name: min(self.config.budget.eval_limit, len(env.problems)) for name, env in self.eval_envs.items()}
         self.reporter.log_evaluation(iteration, result, env_steps, num_problems)
         return result
 

@@ -12,13 +12,14 @@ import gymnasium
 from absl import flags
 
 import envs  # registers the built-in ids
-from algorithms.registry import ALGORITHMS, AlgorithmConfig, LossAgg, ScaleRewards
+from algorithms.registry import (ALGORITHMS, AlgorithmConfig, ImportanceSamplingLevel, KLEstimator, LossAgg,
+                                ScaleRewards)
 from envs.workflows import Workflow, resolve_workflow
 from models.hub import resolve_model
 from train.config import (DEFAULT_PRM_REWARD, PRM_TYPES, ActionLevel, BudgetConfig, EnvConfig, EvalSet,
                           GenerationConfig, LearningConfig, LoggingConfig, LrSchedule, ModelConfig, RewardAssignment,
                           RewardConfig, RunConfig, ServicesConfig)
-from train.flags.checks import check_algorithm_specific, default_group_size, eval_sets, reward_sources
+from train.flags.checks import check_algorithm_specific, default_group_size, eval_sets, kl_in_reward, reward_sources
 from train.options import section_from_flags
 
 
@@ -217,7 +218,10 @@ def learning_config(f: flags.FlagValues, workflow: Workflow | None) -> LearningC
         clip_param=f.clip_param, value_clip_param=f.value_clip_param or None, huber_delta=f.huber_delta or None,
         value_coef=f.value_coef, entropy_coef=f.entropy_coef, gamma=f.gamma, gae_lambda=f.gae_lambda,
         value_lambda=f.value_lambda, scale_rewards=ScaleRewards(f.scale_rewards), kl_coef=f.kl_coef,
-        loss_agg=LossAgg(f.loss_agg),
+        kl_loss_type=KLEstimator(f.kl_loss_type), use_kl_in_reward=kl_in_reward(f.use_kl_in_reward, f.algorithm_name),
+        kl_penalty=KLEstimator(f.kl_penalty), clip_ratio_low=f.clip_ratio_low, clip_ratio_high=f.clip_ratio_high,
+        clip_ratio_c=f.clip_ratio_c, importance_sampling_level=ImportanceSamplingLevel(f.importance_sampling_level),
+        loss_agg_mode=LossAgg(f.loss_agg_mode), loss_scale_factor=loss_scale_factor(f),
         process_coef=f.process_coef, accuracy_lower_bound=f.accuracy_lower_bound,
         accuracy_upper_bound=f.accuracy_upper_bound, joint_groups=f.agent_groups == "joint")
     group_size = f.group_size or default_group_size(f.algorithm_name)
@@ -230,6 +234,13 @@ def learning_config(f: flags.FlagValues, workflow: Workflow | None) -> LearningC
         max_grad_norm=f.max_grad_norm,
         target_kl=f.target_kl, max_nonfinite_steps=f.max_nonfinite_steps, implicit_prm_beta=f.implicit_prm_beta,
         implicit_prm_lr=f.implicit_prm_lr)
+
+
+def loss_scale_factor(f: flags.FlagValues) -> int | None:
+    """--loss_scale_factor, or its default with seq-mean-token-sum-norm: --max_new_tokens, the longest action."""
+    if f.loss_agg_mode != LossAgg.SEQ_MEAN_TOKEN_SUM_NORM:
+        return None
+    return f.max_new_tokens if f.loss_scale_factor is None else f.loss_scale_factor
 
 
 def generation_config(f: flags.FlagValues) -> GenerationConfig:

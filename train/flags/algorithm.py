@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from absl import flags
 
-from algorithms.registry import ALGORITHMS, LossAgg, ScaleRewards
+from algorithms.registry import ALGORITHMS, ImportanceSamplingLevel, KLEstimator, LossAgg, ScaleRewards
 from train.config import LrSchedule
 
-flags.DEFINE_enum("algorithm_name", "GRPO", tuple(ALGORITHMS), "RL algorithm.")
+flags.DEFINE_enum("algorithm_name", "GRPO", tuple(ALGORITHMS), "RL algorithm (any case: reinforce_pp is REINFORCE_PP): "
+                  "REINFORCE_PP and REINFORCE_PP_BASELINE are REINFORCE++ and REINFORCE++-baseline (Hu 2025).",
+                  case_sensitive=False)
 flags.DEFINE_integer("num_mini_batch", 1, "Minibatches (optimizer steps) per epoch over each rollout.", lower_bound=1)
 flags.DEFINE_integer("ppo_epoch", 1, "Epochs over each rollout.", lower_bound=1)
 flags.DEFINE_integer("gradient_cp_steps", 1, "Gradient accumulation: micro-batches per minibatch.", lower_bound=1)
@@ -23,7 +25,20 @@ flags.DEFINE_enum("lr_schedule", LrSchedule.LINEAR, [mode.value for mode in LrSc
                   "iteration, or constant. A run resumed with another --num_env_steps goes on at the new budget's "
                   "lr for the step it has reached.")
 flags.DEFINE_float("max_grad_norm", 1.0, "Gradient norm clip (0: off).")
-flags.DEFINE_float("clip_param", 0.2, "PPO ratio clip epsilon.")
+flags.DEFINE_float("clip_param", 0.2, "PPO ratio clip epsilon: the ratio is kept within [1 - eps, 1 + eps] "
+                   "(--clip_ratio_low / --clip_ratio_high set either side apart).")
+flags.DEFINE_float("clip_ratio_low", None, "Lower clip epsilon: the ratio's floor is 1 - this where the advantage is "
+                   "negative (verl's clip_ratio_low, TRL's epsilon). Default: --clip_param.")
+flags.DEFINE_float("clip_ratio_high", None, "Upper clip epsilon: the ratio's ceiling is 1 + this where the advantage "
+                   "is positive; above --clip_ratio_low it is DAPO's clip-higher (e.g. 0.28 over 0.2), room for "
+                   "unlikely tokens to grow (verl's clip_ratio_high, TRL's epsilon_high). Default: --clip_param.")
+flags.DEFINE_float("clip_ratio_c", None, "Dual-clip (Ye et al. 2020): where the advantage is negative the loss is "
+                   "at most c |A|, so a ratio far above 1 cannot push the update without bound; > 1, verl uses 3.0 "
+                   "(its clip_ratio_c). Default: off.")
+flags.DEFINE_enum("importance_sampling_level", ImportanceSamplingLevel.TOKEN,
+                  [level.value for level in ImportanceSamplingLevel], "The clipped ratio per token, or per action: "
+                  "exp of the mean of its tokens' log-ratios, clipped as a whole (GSPO, Zheng et al. 2025, which "
+                  "clips at about 3e-4 and 4e-4; TRL's importance_sampling_level, verl's policy_loss gspo).")
 flags.DEFINE_float("entropy_coef", 0.0, "Entropy bonus coefficient.")
 flags.DEFINE_float("target_kl", 0.0, "Stop the update early once a minibatch's approx KL to the behaviour policy "
                    "exceeds this (0: off).")
@@ -45,5 +60,18 @@ flags.DEFINE_float("value_lambda", 1.0, "GAE lambda of the critic's targets (Dec
 flags.DEFINE_enum("scale_rewards", ScaleRewards.GROUP, [mode.value for mode in ScaleRewards],
                   "Divide centred returns by the "
                   "group's std, the batch's, or nothing (Dr.GRPO).")
-flags.DEFINE_float("kl_coef", 0.0, "k3 KL-to-reference coefficient (0: no reference pass).")
-flags.DEFINE_enum("loss_agg", LossAgg.TOKEN_MEAN, [mode.value for mode in LossAgg], "Per-token loss aggregation.")
+flags.DEFINE_float("kl_coef", 0.0, "KL-to-reference coefficient beta, in the loss or, with --use_kl_in_reward, in "
+                   "the reward (0: no KL and no reference pass).")
+flags.DEFINE_enum("kl_loss_type", KLEstimator.K3, [kind.value for kind in KLEstimator], "Estimator of the loss's KL "
+                  "term (Schulman's k1, k2, k3; low_var_kl: k3 bounded to [-10, 10] as verl's; verl's kl_loss_type).")
+flags.DEFINE_boolean("use_kl_in_reward", None, "The KL to the reference as a penalty beta * KL_t on every token's "
+                     "reward instead of a loss term (verl's use_kl_in_reward); algorithms with one advantage per "
+                     "action sum it into the action's reward. Default: on for REINFORCE_PP(_BASELINE), else off.")
+flags.DEFINE_enum("kl_penalty", KLEstimator.K1, [kind.value for kind in KLEstimator], "Estimator of the reward's "
+                  "KL penalty, from the behaviour log-probs (verl's kl_penalty; k1 is verl's 'kl').")
+flags.DEFINE_enum("loss_agg_mode", LossAgg.TOKEN_MEAN, [mode.value for mode in LossAgg], "How per-token losses "
+                  "become one (verl's names): token-mean (every token weighs the same, DAPO), seq-mean-token-mean "
+                  "(every action weighs the same, GRPO), seq-mean-token-sum, seq-mean-token-sum-norm (each action's "
+                  "token sum over a fixed length, --loss_scale_factor: Dr. GRPO).")
+flags.DEFINE_integer("loss_scale_factor", None, "The fixed length seq-mean-token-sum-norm divides each action's token "
+                     "sum by (verl's loss_scale_factor). Default: --max_new_tokens.", lower_bound=1)

@@ -18,7 +18,9 @@ from algorithms.buffer import Batch, RolloutBuffer
 from algorithms.losses import aggregate, clipped_surrogate, importance_log_ratio, kl_estimate
 from algorithms.registry import AlgorithmConfig
 from algorithms.reinforce_pp import reinforce_pp_returns
+from event_files import read_scalars
 from test_train_math import parse
+from test_trainer import run_train_math
 
 
 def fixed_batch(per_token_advantages: bool) -> tuple[Batch, SimpleNamespace]:
@@ -42,7 +44,8 @@ def fixed_batch(per_token_advantages: bool) -> tuple[Batch, SimpleNamespace]:
                   ref_logprobs=ref, advantages=advantages, returns=draw(torch.randn, size, width),
                   num_samples=size, num_tokens=int(lengths.sum()), minibatch_samples=2 * size,
                   minibatch_tokens=2 * int(lengths.sum()))
-    scores = SimpleNamespace(logprobs=new, entropy=draw(torch.rand, size, width), values=(values + 0.1).requires_grad_())
+    scores = SimpleNamespace(logprobs=new, entropy=draw(torch.rand, size, width),
+                             values=(values + 0.1).requires_grad_())
     return batch, scores
 
 
@@ -261,10 +264,26 @@ def test_the_recipes_resolve():
                     "--max_new_tokens", "48").learning.losses
     assert (dr_grpo.scale_rewards, dr_grpo.loss_agg_mode, dr_grpo.loss_scale_factor) == (
         "none", "seq-mean-token-sum-norm", 48)
-    dapo = parse("--clip_ratio_low", "0.2", "--clip_ratio_high", "0.28", "--loss_agg_mode", "token-mean").learning.losses
+    dapo = parse("--clip_ratio_low", "0.2", "--clip_ratio_high", "0.28", "--loss_agg_mode",
+                 "token-mean").learning.losses
     assert (dapo.clip_low, dapo.clip_high, dapo.clip_ratio_c) == (0.2, 0.28, None)
     gspo = parse("--algorithm_name", "RLOO", "--importance_sampling_level", "sequence", "--clip_param", "0.0004")
     assert gspo.learning.losses.importance_sampling_level == "sequence" and gspo.learning.losses.clip_low == 0.0004
     reinforce = parse("--algorithm_name", "reinforce_pp", "--group_size", "1", "--kl_coef", "0.01")
     assert reinforce.learning.algorithm == "REINFORCE_PP" and reinforce.learning.losses.use_kl_in_reward
     assert not parse("--kl_coef", "0.01").learning.losses.use_kl_in_reward
+
+
+def test_what_each_option_changes_reaches_tensorboard(untrained_policy_dir, tmp_path):
+    """REINFORCE++-baseline with its KL in the reward, clip-higher, dual-clip and GSPO's ratio: one iteration logs
+    the clip fractions apart, the dual clip's and the reward's KL estimate."""
+    run_dir = run_train_math(["--algorithm_name", "REINFORCE_PP_BASELINE", "--kl_coef", "0.05",
+                              "--clip_ratio_high", "0.28", "--clip_ratio_c", "3", "--importance_sampling_level",
+                              "sequence", "--model_name_or_path", str(untrained_policy_dir), "--num_env_steps", "8",
+                              "--n_rollout_threads", "8", "--group_size", "4", "--max_new_tokens", "6",
+                              "--eval_interval", "0", "--save_interval", "0", "--nosave_best", "--logdir", str(tmp_path)])
+    scalars = read_scalars(run_dir)
+    for key in ("loss/clip_fraction_low", "loss/clip_fraction_high", "loss/dual_clip_fraction",
+                "train/kl_reward_mean"):
+        assert len(scalars[key]) == 1, key
+    assert "loss/kl_ref" not in scalars  # the KL is in the reward, not in the loss

@@ -30,8 +30,8 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, scale_factor: i
     seq-mean-token-mean: mean_i (sum_t l_it / |y_i|): every action weighs the same (GRPO, Shao et al. 2024).
     seq-mean-token-sum: mean_i sum_t l_it.
     seq-mean-token-sum-norm: mean_i sum_t l_it / M with M fixed for the run, the longest possible action: no
-        length-dependent weighting at all (Dr. GRPO, Liu et al. 2025, as TRL's ``loss_type="dr_grpo"``; verl
-        divides the sum over actions, not their mean, which is this times the actions per minibatch).
+        length-dependent weighting at all (Dr. GRPO, Liu et al. 2025; TRL's ``loss_type="dr_grpo"``, verl's mode
+        with ``loss_scale_factor``).
     """
     mode = LossAgg(mode)
     if mode is LossAgg.TOKEN_MEAN:

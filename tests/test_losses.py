@@ -245,7 +245,7 @@ def test_reinforce_pp_normalises_returns_over_the_batch(name):
     (["--clip_ratio_low", "1.0"], "--clip_ratio_low=1.0 must be in"),
     (["--algorithm_name", "APPO", "--importance_sampling_level", "sequence"], "applies to GRPO/RLOO"),
     (["--algorithm_name", "REINFORCE_PP", "--critic", "on"], "critic-free"),
-    (["--algorithm_name", "reinforce_pp_baseline", "--value_coef", "0.5"], "applies to APPO/TPPO"),
+    (["--algorithm_name", "REINFORCE_PP_BASELINE", "--value_coef", "0.5"], "applies to APPO/TPPO"),
     (["--algorithm_name", "REINFORCE_PP_BASELINE", "--group_size", "1"], "group_size=1 must be >= 2"),
     (["--kl_penalty", "k3", "--kl_coef", "0.1"], "--kl_penalty is the estimator of the KL in the reward"),
     (["--use_kl_in_reward", "--kl_coef", "0.1", "--kl_loss_type", "k2"], "--kl_loss_type is the estimator of the KL"),
@@ -259,19 +259,23 @@ def test_combinations_that_mean_nothing_are_refused(argv, message):
 
 
 def test_the_recipes_resolve():
-    """Dr. GRPO, DAPO's loss, GSPO and REINFORCE++ as flags; the fixed length defaults to --max_new_tokens."""
-    dr_grpo = parse("--scale_rewards", "none", "--loss_agg_mode", "seq-mean-token-sum-norm",
-                    "--max_new_tokens", "48").learning.losses
+    """Dr. GRPO, DAPO's loss, GSPO and REINFORCE++ as flags reach the algorithm's settings; the fixed length defaults
+    to --max_new_tokens, the KL in the reward to on for REINFORCE++ only."""
+    from train.builders import algorithm_config
+
+    def losses(*argv: str) -> AlgorithmConfig:
+        return algorithm_config(parse(*argv))
+
+    dr_grpo = losses("--scale_rewards", "none", "--loss_agg_mode", "seq-mean-token-sum-norm", "--max_new_tokens", "48")
     assert (dr_grpo.scale_rewards, dr_grpo.loss_agg_mode, dr_grpo.loss_scale_factor) == (
         "none", "seq-mean-token-sum-norm", 48)
-    dapo = parse("--clip_ratio_low", "0.2", "--clip_ratio_high", "0.28", "--loss_agg_mode",
-                 "token-mean").learning.losses
-    assert (dapo.clip_low, dapo.clip_high, dapo.clip_ratio_c) == (0.2, 0.28, None)
-    gspo = parse("--algorithm_name", "RLOO", "--importance_sampling_level", "sequence", "--clip_param", "0.0004")
-    assert gspo.learning.losses.importance_sampling_level == "sequence" and gspo.learning.losses.clip_low == 0.0004
-    reinforce = parse("--algorithm_name", "reinforce_pp", "--group_size", "1", "--kl_coef", "0.01")
-    assert reinforce.learning.algorithm == "REINFORCE_PP" and reinforce.learning.losses.use_kl_in_reward
-    assert not parse("--kl_coef", "0.01").learning.losses.use_kl_in_reward
+    assert losses("--loss_agg_mode", "seq_mean").loss_agg_mode == "seq-mean-token-mean"  # the earlier spelling
+    dapo = losses("--clip_ratio_low", "0.2", "--clip_ratio_high", "0.28", "--loss_agg_mode", "token-mean")
+    assert (dapo.clip_low, dapo.clip_high, dapo.clip_ratio_c, dapo.loss_scale_factor) == (0.2, 0.28, None, None)
+    gspo = losses("--algorithm_name", "RLOO", "--importance_sampling_level", "sequence", "--clip_param", "0.0004")
+    assert gspo.importance_sampling_level == "sequence" and gspo.clip_low == gspo.clip_high == 0.0004
+    assert losses("--algorithm_name", "REINFORCE_PP", "--group_size", "1", "--kl_coef", "0.01").use_kl_in_reward
+    assert not losses("--kl_coef", "0.01").use_kl_in_reward
 
 
 def test_what_each_option_changes_reaches_tensorboard(untrained_policy_dir, tmp_path):

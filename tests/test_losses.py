@@ -285,7 +285,8 @@ def test_what_each_option_changes_reaches_tensorboard(untrained_policy_dir, tmp_
                               "--clip_ratio_high", "0.28", "--clip_ratio_c", "3", "--importance_sampling_level",
                               "sequence", "--model_name_or_path", str(untrained_policy_dir), "--num_env_steps", "8",
                               "--n_rollout_threads", "8", "--group_size", "4", "--max_new_tokens", "6",
-                              "--eval_interval", "0", "--save_interval", "0", "--nosave_best", "--logdir", str(tmp_path)])
+                              "--eval_interval", "0", "--save_interval", "0", "--nosave_best",
+                              "--logdir", str(tmp_path)])
     scalars = read_scalars(run_dir)
     for key in ("loss/clip_fraction_low", "loss/clip_fraction_high", "loss/dual_clip_fraction",
                 "train/kl_reward_mean"):

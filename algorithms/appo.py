@@ -6,7 +6,8 @@ import functools
 
 import torch
 
-from algorithms.base import ActionScores, BaseAlgorithm, SumReducer, batch_mean_std, decoupled_gae, detached
+from algorithms.base import (ActionScores, BaseAlgorithm, SumReducer, batch_mean_std, clip_stats, decoupled_gae,
+                             detached)
 from algorithms.buffer import Batch, RolloutBuffer, Targets
 from algorithms.losses import clipped_surrogate, kl_k3, masked_mean, value_loss
 
@@ -67,12 +68,14 @@ class APPO(BaseAlgorithm):
         config, mask = self.config, batch.token_mask.to(scores.logprobs.dtype)
         log_prob = scores.logprobs.sum(-1)  # [B] joint log-prob of the action
         old_log_prob = batch.old_logprobs.sum(-1)
-        surrogate, clipped = clipped_surrogate(log_prob, old_log_prob, batch.advantages, config.clip_param)
+        surrogate = clipped_surrogate(log_prob - old_log_prob, batch.advantages, config.clip_low, config.clip_high,
+                                      config.clip_ratio_c)
         critic_loss = self.value_loss_rows(scores, batch)
         entropy = masked_mean(scores.entropy, mask, dim=-1)  # [B] mean token entropy of each action
-        per_sample = surrogate + config.value_coef * critic_loss - config.entropy_coef * entropy
-        stats = {"policy_loss": surrogate.mean(), "value_loss": critic_loss.mean(), "entropy": entropy.mean(),
-                 "clip_fraction": clipped.mean(), "approx_kl": kl_k3(old_log_prob, log_prob).mean()}
+        per_sample = surrogate.loss + config.value_coef * critic_loss - config.entropy_coef * entropy
+        stats = {"policy_loss": surrogate.loss.mean(), "value_loss": critic_loss.mean(), "entropy": entropy.mean(),
+                 **clip_stats(surrogate, torch.ones_like(surrogate.loss), config),
+                 "approx_kl": kl_k3(old_log_prob, log_prob).mean()}
         weight = batch.weight("sample")
         return per_sample.mean() * weight, detached(stats)
 

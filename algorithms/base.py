@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from algorithms.buffer import Batch, RolloutBuffer, Targets
-from algorithms.losses import aggregate, clipped_surrogate, kl_k3, masked_mean
-from algorithms.registry import AlgorithmConfig, algorithm_spec
+from algorithms.losses import Surrogate, aggregate, clipped_surrogate, importance_log_ratio, kl_estimate, kl_k3, masked_mean
+from algorithms.registry import AlgorithmConfig, LossAgg, algorithm_spec
 
 
 class ActionScores(Protocol):
@@ -114,10 +114,20 @@ class BaseAlgorithm:
 
     @property
     def needs_reference(self) -> bool:
-        return self.config.kl_coef > 0
+        return self.config.kl_coef > 0  # in the loss or in the reward
 
     def value_loss_rows(self, scores: ActionScores, batch: Batch) -> torch.Tensor | None:
         return None
+
+
+def reward_kl(buffer: RolloutBuffer, config: AlgorithmConfig) -> torch.Tensor | None:
+    """[T, N, A, L] the per-token KL estimate that, times ``kl_coef``, each action token pays as a reward
+    penalty (r_t <- r_t - beta KL_t, as in InstructGPT and REINFORCE++; verl's ``use_kl_in_reward``): the
+    ``kl_penalty`` estimate of KL(pi_old || ref) from the behaviour log-probs, 0 on padding. None when the KL
+    is not in the reward."""
+    if not (config.use_kl_in_reward and config.kl_coef > 0):
+        return None
+    return kl_estimate(buffer.behaviour_logprobs, buffer.ref_logprobs, config.kl_penalty) * buffer.token_mask()
 
 
 def make_algorithm(name: str, config: AlgorithmConfig) -> Algorithm:
@@ -128,22 +138,43 @@ def make_algorithm(name: str, config: AlgorithmConfig) -> Algorithm:
 
 def token_policy_loss(scores: ActionScores, batch: Batch, advantages: torch.Tensor, config: AlgorithmConfig,
                       ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-token clipped surrogate (+ k3 KL to the reference, - entropy bonus), aggregated by
-    ``config.loss_agg``; shared by GRPO, TPPO and RLOO. ``advantages``: [B, L] or [B, 1]."""
+    """Per-token clipped surrogate (+ ``kl_coef`` * the ``kl_loss_type`` KL to the reference unless the KL is
+    in the reward, - entropy bonus), aggregated by ``config.loss_agg_mode``; shared by the critic-free
+    algorithms and TPPO. ``advantages``: [B, L] or [B, 1]. The ratio is per token or per sequence
+    (``importance_sampling_level``, GSPO)."""
     mask = batch.token_mask.to(scores.logprobs.dtype)
-    surrogate, clipped = clipped_surrogate(scores.logprobs, batch.old_logprobs, advantages, config.clip_param)
-    per_token = surrogate
-    stats = {"clip_fraction": masked_mean(clipped, mask), "approx_kl": masked_mean(kl_k3(batch.old_logprobs, scores.logprobs), mask)}
-    if config.kl_coef > 0:
-        kl = kl_k3(scores.logprobs, batch.ref_logprobs)
+    log_ratio = importance_log_ratio(scores.logprobs, batch.old_logprobs, mask, config.importance_sampling_level)
+    surrogate = clipped_surrogate(log_ratio, advantages, config.clip_low, config.clip_high, config.clip_ratio_c)
+    per_token = surrogate.loss
+    stats = {**clip_stats(surrogate, mask, config),
+             "approx_kl": masked_mean(kl_k3(batch.old_logprobs, scores.logprobs), mask)}
+    if config.kl_in_loss:
+        kl = kl_estimate(scores.logprobs, batch.ref_logprobs, config.kl_loss_type)
         per_token = per_token + config.kl_coef * kl
         stats["kl_ref"] = masked_mean(kl, mask)
     if scores.entropy is not None:
         stats["entropy"] = masked_mean(scores.entropy, mask)
         per_token = per_token - config.entropy_coef * scores.entropy
-    stats["policy_loss"] = aggregate(surrogate, mask, config.loss_agg)
-    weight = batch.weight(config.loss_agg)
-    return aggregate(per_token, mask, config.loss_agg) * weight, detached(stats)
+    stats["policy_loss"] = aggregate(surrogate.loss, mask, config.loss_agg_mode, config.loss_scale_factor)
+    return minibatch_share(per_token, mask, batch, config), detached(stats)
+
+
+def minibatch_share(per_token: torch.Tensor, mask: torch.Tensor, batch: Batch, config: AlgorithmConfig) -> torch.Tensor:
+    """The micro-batch's share of its minibatch's ``loss_agg_mode`` aggregate of ``per_token`` [B, L]: summed over
+    the micro-batches it gives the minibatch's aggregate (tokens or actions weigh the same across micro-batches)."""
+    weight = batch.weight("token_mean" if LossAgg(config.loss_agg_mode).per_token else "sample")
+    return aggregate(per_token, mask, config.loss_agg_mode, config.loss_scale_factor) * weight
+
+
+def clip_stats(surrogate: Surrogate, mask: torch.Tensor, config: AlgorithmConfig) -> dict[str, torch.Tensor]:
+    """Shares of tokens (or of actions, with ``mask`` all ones) whose loss a clip held: either bound, the lower
+    and the upper one apart (clip-higher moves the upper), and the dual clip when it is on."""
+    stats = {"clip_fraction": masked_mean(surrogate.clipped_low + surrogate.clipped_high, mask),
+             "clip_fraction_low": masked_mean(surrogate.clipped_low, mask),
+             "clip_fraction_high": masked_mean(surrogate.clipped_high, mask)}
+    if config.clip_ratio_c is not None:
+        stats["dual_clip_fraction"] = masked_mean(surrogate.dual_clipped, mask)
+    return stats
 
 
 def detached(stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -153,6 +184,6 @@ def detached(stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def zero_advantage_rows(advantages: torch.Tensor, config: AlgorithmConfig) -> torch.Tensor:
     """[B] rows with all-zero advantages, whose loss is exactly zero when no KL or entropy term
     applies (e.g. groups that were all right or all wrong): skipping them saves their forward pass."""
-    if config.kl_coef > 0 or config.entropy_coef > 0:
+    if config.kl_in_loss or config.entropy_coef > 0:
         return torch.zeros(advantages.shape[0], dtype=torch.bool, device=advantages.device)
     return (advantages == 0).reshape(advantages.shape[0], -1).all(-1)

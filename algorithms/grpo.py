@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from algorithms.base import (ActionScores, BaseAlgorithm, SumReducer, batch_mean_std, token_policy_loss,
-                             zero_advantage_rows)
+from algorithms.base import (ActionScores, BaseAlgorithm, SumReducer, batch_mean_std, reward_kl,
+                             token_policy_loss, zero_advantage_rows)
 from algorithms.buffer import Batch, RolloutBuffer, Targets
 from algorithms.losses import group_index, group_means
 from algorithms.registry import ScaleRewards
@@ -45,7 +45,8 @@ def group_advantages(
 class GRPO(BaseAlgorithm):
     """Critic-free PPO over whole episodes: each episode's summed reward, z-scored within its
     prompt group (``scale_rewards``), is the advantage of every token of every step it took; the
-    loss is the per-token clipped surrogate plus ``kl_coef`` * k3 KL to the reference policy."""
+    loss is the per-token clipped surrogate plus ``kl_coef`` * the KL to the reference policy, or that KL
+    as a token penalty summed into the episode's reward (``use_kl_in_reward``)."""
 
     name = "GRPO"
 
@@ -54,13 +55,18 @@ class GRPO(BaseAlgorithm):
         (prompt group, agent), or per prompt group over every agent (``joint_groups``), over the agents
         that acted in their episode."""
         returns = buffer.episode_returns()  # [N, A]
+        kl = reward_kl(buffer, self.config)
+        if kl is not None:
+            returns = returns - self.config.kl_coef * kl.sum((0, 3))
         acted = buffer.acted()  # [N, A]
         advantages = torch.zeros_like(returns)
         group_ids = buffer.episode_group_ids(per_agent=not self.config.joint_groups)
         advantages[acted] = group_advantages(returns[acted], group_ids[acted],
                                              self.config.scale_rewards, reduce_sum=self.reduce_sum)
-        return Targets(advantages[None] * buffer.live,
-                       stats={"episode_returns": returns[acted], "advantages": advantages[acted]})
+        stats = {"episode_returns": returns[acted], "advantages": advantages[acted]}
+        if kl is not None:
+            stats["kl_reward"] = kl[buffer.token_mask()]
+        return Targets(advantages[None] * buffer.live, stats=stats)
 
     def loss(self, scores: ActionScores, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return token_policy_loss(scores, batch, batch.advantages[:, None], self.config)

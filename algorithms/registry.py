@@ -23,10 +23,38 @@ class ScaleRewards(enum.StrEnum):
 
 
 class LossAgg(enum.StrEnum):
-    """How per-token losses become one number."""
+    """How per-token losses become one number (verl's ``loss_agg_mode`` names)."""
 
-    TOKEN_MEAN = "token_mean"  # the mean over every action token of the minibatch
-    SEQ_MEAN = "seq_mean"  # each action's token mean, then the mean over actions
+    TOKEN_MEAN = "token-mean"  # the mean over every action token of the minibatch (DAPO)
+    SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"  # each action's token mean, then the mean over actions (GRPO)
+    SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"  # each action's token sum, then the mean over actions
+    SEQ_MEAN_TOKEN_SUM_NORM = "seq-mean-token-sum-norm"  # as above over a fixed length (Dr. GRPO)
+
+    @classmethod
+    def _missing_(cls, value: object) -> LossAgg | None:
+        """The spellings of earlier releases: token_mean, seq_mean."""
+        return {"token_mean": cls.TOKEN_MEAN, "seq_mean": cls.SEQ_MEAN_TOKEN_MEAN}.get(value)
+
+    @property
+    def per_token(self) -> bool:
+        """Whether every token of a minibatch weighs the same (else every action does)."""
+        return self is LossAgg.TOKEN_MEAN
+
+
+class KLEstimator(enum.StrEnum):
+    """Schulman's estimators of KL(pi || ref) from one sample of pi (verl's ``kl_loss_type`` names)."""
+
+    K1 = "k1"  # log pi - log ref: unbiased, high variance, can be negative
+    K2 = "k2"  # (log pi - log ref)^2 / 2: biased, low variance, >= 0
+    K3 = "k3"  # ref/pi - 1 - log(ref/pi): unbiased, low variance, >= 0
+    LOW_VAR_KL = "low_var_kl"  # k3 with log(ref/pi) clamped to [-20, 20] and the result to [-10, 10] (verl)
+
+
+class ImportanceSamplingLevel(enum.StrEnum):
+    """What the clipped importance ratio is taken over (TRL's ``importance_sampling_level``)."""
+
+    TOKEN = "token"  # pi(y_t) / pi_old(y_t) per token (PPO, GRPO)
+    SEQUENCE = "sequence"  # the length-normalised sequence ratio, one per action (GSPO)
 
 
 @dataclass(frozen=True)
@@ -43,12 +71,33 @@ class AlgorithmConfig:
     value_lambda: float = 1.0  # the critic's targets (returns); 1.0 = Monte Carlo, free of the critic's own bias
     scale_rewards: ScaleRewards = ScaleRewards.GROUP
     kl_coef: float = 0.0
-    loss_agg: LossAgg = LossAgg.TOKEN_MEAN
+    kl_loss_type: KLEstimator = KLEstimator.K3  # the KL term of the loss
+    use_kl_in_reward: bool = False  # the KL as a token penalty in the reward instead of a loss term
+    kl_penalty: KLEstimator = KLEstimator.K1  # the reward penalty's estimator, on the behaviour log-probs
+    clip_ratio_low: float | None = None  # None: clip_param
+    clip_ratio_high: float | None = None  # None: clip_param (DAPO's clip-higher: above clip_ratio_low)
+    clip_ratio_c: float | None = None  # dual-clip bound (> 1) on the ratio where the advantage is negative; None: off
+    importance_sampling_level: ImportanceSamplingLevel = ImportanceSamplingLevel.TOKEN
+    loss_agg_mode: LossAgg = LossAgg.TOKEN_MEAN
+    loss_scale_factor: int | None = None  # seq-mean-token-sum-norm's divisor (the longest action, max_new_tokens)
     process_coef: float = 0.2  # RLOO: weight of the implicit-PRM stream
     accuracy_lower_bound: float = 0.2  # RLOO: PRIME's prompt filter
     accuracy_upper_bound: float = 0.8
     max_groups: int | None = None  # RLOO: groups kept after filtering an oversampled batch
     joint_groups: bool = False  # multi-agent GRPO/RLOO: one baseline over all agents of a prompt group (MAGRPO)
+
+    @property
+    def clip_low(self) -> float:
+        return self.clip_param if self.clip_ratio_low is None else self.clip_ratio_low
+
+    @property
+    def clip_high(self) -> float:
+        return self.clip_param if self.clip_ratio_high is None else self.clip_ratio_high
+
+    @property
+    def kl_in_loss(self) -> bool:
+        """Whether the loss has a KL-to-reference term (else the KL, if any, is a reward penalty)."""
+        return self.kl_coef > 0 and not self.use_kl_in_reward
 
 
 @dataclass(frozen=True)
@@ -56,18 +105,23 @@ class AlgorithmSpec:
     """``target``: "module:Class" (imported on first use).
     ``episodic``: collect exactly one episode per env per iteration (advantages compare whole episodes
     within a prompt group) instead of ``episode_length`` steps of episodes that span iterations.
-    ``critic``: None, "action" (V(s) per step) or "token" (V per action token)."""
+    ``critic``: None, "action" (V(s) per step) or "token" (V per action token).
+    ``grouped``: advantages compare the samples of one prompt (a group needs two or more)."""
 
     target: str
     episodic: bool
     critic: str | None
+    grouped: bool = False
 
 
 ALGORITHMS = {
     "APPO": AlgorithmSpec("algorithms.appo:APPO", episodic=False, critic="action"),
-    "GRPO": AlgorithmSpec("algorithms.grpo:GRPO", episodic=True, critic=None),
+    "GRPO": AlgorithmSpec("algorithms.grpo:GRPO", episodic=True, critic=None, grouped=True),
     "TPPO": AlgorithmSpec("algorithms.tppo:TPPO", episodic=False, critic="token"),
-    "RLOO": AlgorithmSpec("algorithms.rloo:RLOO", episodic=True, critic=None),
+    "RLOO": AlgorithmSpec("algorithms.rloo:RLOO", episodic=True, critic=None, grouped=True),
+    "REINFORCE_PP": AlgorithmSpec("algorithms.reinforce_pp:ReinforcePP", episodic=True, critic=None),
+    "REINFORCE_PP_BASELINE": AlgorithmSpec("algorithms.reinforce_pp:ReinforcePPBaseline", episodic=True, critic=None,
+                                           grouped=True),
 }
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from algorithms.base import ActionScores, BaseAlgorithm, token_policy_loss, zero_advantage_rows
+from algorithms.base import ActionScores, BaseAlgorithm, reward_kl, token_policy_loss, zero_advantage_rows
 from algorithms.buffer import Batch, RolloutBuffer, Targets
 from algorithms.losses import discounted_reverse_cumsum, group_index, group_means
 
@@ -62,7 +62,8 @@ class RLOO(BaseAlgorithm):
     """RLOO with PRIME: outcome and implicit-PRM token rewards get separate leave-one-out
     baselines within each prompt group (``rloo_returns``); groups whose accuracy lies outside
     [accuracy_lower_bound, accuracy_upper_bound] are dropped first (PRIME's online filter), keeping
-    at most ``max_groups``. The loss is the per-token clipped surrogate on those returns."""
+    at most ``max_groups``. The loss is the per-token clipped surrogate on those returns; a KL in the
+    reward (``use_kl_in_reward``) is summed into the outcome stream."""
 
     name = "RLOO"
 
@@ -75,6 +76,9 @@ class RLOO(BaseAlgorithm):
         """advantages [T, N, A, L]; ``keep`` drops the filtered-out groups."""
         config = self.config
         outcome = buffer.episode_returns().flatten()  # [E] episodes, E = N * A
+        kl = reward_kl(buffer, config)
+        if kl is not None:  # the KL penalty summed into the outcome stream
+            outcome = outcome - config.kl_coef * kl.sum((0, 3)).flatten()
         group_ids = buffer.episode_group_ids(per_agent=not config.joint_groups).flatten()
         correct = buffer.episode_correct().flatten()
         acted = buffer.acted().flatten()
@@ -94,8 +98,11 @@ class RLOO(BaseAlgorithm):
                                             process_coef=config.process_coef, gamma=config.gamma)
         advantages = buffer.from_episodes(advantages, order)
         kept_tokens = buffer.token_mask() & kept_slots[..., None]
-        return Targets(advantages, keep=kept_slots, stats={
-            "episode_returns": outcome, "kept_fraction": keep.float().mean()[None], "advantages": advantages[kept_tokens]})
+        stats = {"episode_returns": outcome, "kept_fraction": keep.float().mean()[None],
+                 "advantages": advantages[kept_tokens]}
+        if kl is not None:
+            stats["kl_reward"] = kl[buffer.token_mask()]
+        return Targets(advantages, keep=kept_slots, stats=stats)
 
     def loss(self, scores: ActionScores, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return token_policy_loss(scores, batch, batch.advantages, self.config)

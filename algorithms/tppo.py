@@ -12,7 +12,7 @@ import functools
 import torch
 
 from algorithms.appo import normalized
-from algorithms.base import ActionScores, BaseAlgorithm, decoupled_gae, token_policy_loss
+from algorithms.base import ActionScores, BaseAlgorithm, decoupled_gae, minibatch_share, token_policy_loss
 from algorithms.buffer import Batch, RolloutBuffer, Targets
 from algorithms.losses import aggregate, discount_matrix, discounted_reverse_cumsum, masked_mean, value_loss
 
@@ -90,9 +90,8 @@ class TPPO(BaseAlgorithm):
         config, mask = self.config, batch.token_mask.to(scores.logprobs.dtype)
         policy_loss, stats = token_policy_loss(scores, batch, batch.advantages, config)
         critic_loss = self.token_value_loss(scores, batch)
-        stats["value_loss"] = aggregate(critic_loss, mask, config.loss_agg).detach()
-        weight = batch.weight(config.loss_agg)
-        return policy_loss + config.value_coef * aggregate(critic_loss, mask, config.loss_agg) * weight, stats
+        stats["value_loss"] = aggregate(critic_loss, mask, config.loss_agg_mode, config.loss_scale_factor).detach()
+        return policy_loss + config.value_coef * minibatch_share(critic_loss, mask, batch, config), stats
 
     def token_value_loss(self, scores: ActionScores, batch: Batch) -> torch.Tensor:
         """[B, L] the (clipped) value loss of each token's value."""

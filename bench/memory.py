@@ -110,7 +110,7 @@ def run_ours(args: argparse.Namespace, model_dir: Path, problems: Path, scratch:
            f"--group_size={args.samples}", f"--num_env_steps={args.prompts * args.samples * 1000}",
            f"--max_new_tokens={args.response_tokens}", "--temperature=1.0", f"--lr={LR}", "--warmup_iterations=0",
            "--lr_schedule=constant", "--max_grad_norm=1.0", "--clip_param=0.2", "--kl_coef=0",
-           "--loss_agg=token_mean", "--scale_rewards=group", "--eval_interval=0", "--save_interval=0", "--nosave_best",
+           "--loss_agg_mode=token-mean", "--scale_rewards=group", "--eval_interval=0", "--save_interval=0", "--nosave_best",
            "--seed=0", "--noasync_rollouts", f"--device={args.device}", "--dtype=bfloat16",
            f"--lora_rank={LORA_RANK if args.mode == 'lora' else 0}",
            f"--{'' if args.gc == 'on' else 'no'}gradient_checkpointing", f"--logdir={scratch}",

@@ -129,7 +129,7 @@ class OursSide:
                f"--n_rollout_threads={COMPLETIONS_PER_STEP}", f"--group_size={GROUP_SIZE}",
                f"--num_env_steps={COMPLETIONS_PER_STEP * 1_000_000}", f"--max_new_tokens={MAX_NEW_TOKENS}",
                f"--temperature={TEMPERATURE}", f"--lr={LR}", "--warmup_iterations=0", "--lr_schedule=constant",
-               f"--max_grad_norm={MAX_GRAD_NORM}", f"--clip_param={CLIP}", "--kl_coef=0", "--loss_agg=token_mean",
+               f"--max_grad_norm={MAX_GRAD_NORM}", f"--clip_param={CLIP}", "--kl_coef=0", "--loss_agg_mode=token-mean",
                "--scale_rewards=group", "--eval_interval=0", f"--eval_batch_size={PROMPTS_PER_STEP}",
                "--save_interval=0", "--nosave_best", f"--seed={SEED}", "--noasync_rollouts", "--device=cpu",
                "--dtype=float32", f"--generation_backend={backend}", f"--logdir={run_dir}"])

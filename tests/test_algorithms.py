@@ -79,11 +79,12 @@ def test_clipped_surrogate_by_hand():
     old = torch.zeros(4)
     new = torch.log(torch.tensor([1.5, 1.5, 0.5, 1.1]))
     adv = torch.tensor([1.0, -1.0, -2.0, 3.0])
-    loss, clipped = clipped_surrogate(new, old, adv, clip_param=0.2)
+    out = clipped_surrogate(new - old, adv, 0.2)
     # ratio 1.5, A>0: min(1.5, 1.2) -> 1.2 (clipped); A<0: min(-1.5, -1.2) -> -1.5 (unclipped)
     # ratio 0.5, A=-2: min(-1.0, -1.6) -> -1.6 (clipped); ratio 1.1 in range
-    torch.testing.assert_close(loss, torch.tensor([-1.2, 1.5, 1.6, -3.3]))
-    torch.testing.assert_close(clipped, torch.tensor([1.0, 0.0, 1.0, 0.0]))
+    torch.testing.assert_close(out.loss, torch.tensor([-1.2, 1.5, 1.6, -3.3]))
+    torch.testing.assert_close(out.clipped_high, torch.tensor([1.0, 0.0, 0.0, 0.0]))
+    torch.testing.assert_close(out.clipped_low, torch.tensor([0.0, 0.0, 1.0, 0.0]))
 
 
 def test_value_loss_and_huber_use_absolute_error():
@@ -97,11 +98,11 @@ def test_value_loss_and_huber_use_absolute_error():
 def test_aggregation_modes():
     loss = torch.tensor([[1.0, 3.0, 0.0], [2.0, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
-    assert aggregate(loss, mask, "token_mean").item() == pytest.approx(2.0)
-    assert aggregate(loss, mask, "seq_mean").item() == pytest.approx(2.0)  # (2 + 2) / 2
+    assert aggregate(loss, mask, "token-mean").item() == pytest.approx(2.0)
+    assert aggregate(loss, mask, "seq-mean-token-mean").item() == pytest.approx(2.0)  # (2 + 2) / 2
     loss[0, 1] = 6.0
-    assert aggregate(loss, mask, "token_mean").item() == pytest.approx(3.0)
-    assert aggregate(loss, mask, "seq_mean").item() == pytest.approx(2.75)
+    assert aggregate(loss, mask, "token-mean").item() == pytest.approx(3.0)
+    assert aggregate(loss, mask, "seq-mean-token-mean").item() == pytest.approx(2.75)
 
 
 def test_discounted_reverse_cumsum_matches_loop():

@@ -89,11 +89,13 @@ def accumulated_gradient(buffer, targets, algorithm, num_mini_batch, micro_batch
     return grads
 
 
-@pytest.mark.parametrize("name, loss_agg", [("GRPO", "token_mean"), ("GRPO", "seq_mean"), ("APPO", "token_mean")])
+@pytest.mark.parametrize("name, loss_agg_mode", [("GRPO", "token-mean"), ("GRPO", "seq-mean-token-mean"),
+                                                 ("GRPO", "seq-mean-token-sum-norm"), ("APPO", "token-mean")])
 @pytest.mark.parametrize("micro_batches", [2, 3, 5])
-def test_gradient_accumulation_equals_full_batch_gradient(name, loss_agg, micro_batches):
+def test_gradient_accumulation_equals_full_batch_gradient(name, loss_agg_mode, micro_batches):
     buffer, targets = filled_buffer()  # 13 live slots: no split below divides them evenly
-    algorithm = make_algorithm(name, AlgorithmConfig(loss_agg=loss_agg, value_clip_param=None, entropy_coef=0.1))
+    algorithm = make_algorithm(name, AlgorithmConfig(loss_agg_mode=loss_agg_mode, loss_scale_factor=8,
+                                                       value_clip_param=None, entropy_coef=0.1))
     (full,) = accumulated_gradient(buffer, targets, algorithm, 1, 1)
     (accumulated,) = accumulated_gradient(buffer, targets, algorithm, 1, micro_batches)
     torch.testing.assert_close(accumulated, full, atol=1e-6, rtol=1e-5)

@@ -174,7 +174,9 @@ def test_flag_help_quotes_no_measurement():
 @pytest.mark.parametrize("name, extra", [
     ("GRPO", []), ("APPO", []), ("TPPO", []), ("RLOO", ["--num_env_steps", "64"]),  # RLOO: 4x oversampled envs
     ("RLOO", ["--num_env_steps", "64", "--process_coef", "0"]),  # the outcome stream alone: no implicit PRM
-    ("GRPO", ["--kl_coef", "0.05", "--loss_agg", "seq_mean", "--scale_rewards", "none", "--lora_rank", "4"]),
+    ("GRPO", ["--kl_coef", "0.05", "--loss_agg_mode", "seq-mean-token-mean", "--scale_rewards", "none",
+              "--lora_rank", "4"]),
+    ("REINFORCE_PP", ["--group_size", "1", "--action_level", "step", "--episode_length", "2", "--num_env_steps", "32"]),
     ("TPPO", ["--action_level", "step", "--episode_length", "2", "--gradient_cp_steps", "3", "--num_mini_batch", "2",
               "--num_env_steps", "32"]),
 ])

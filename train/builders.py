@@ -244,6 +244,7 @@ def algorithm_config(config: RunConfig, ranks: Ranks = Ranks()) -> AlgorithmConf
              for section in (learning, prime) if hasattr(section, part.name)}
     return AlgorithmConfig(**{
         **named, "value_clip_param": learning.value_clip_param or None, "huber_delta": learning.huber_delta or None,
+        "use_kl_in_reward": bool(learning.use_kl_in_reward),
         "max_groups": learning.prompt_groups // ranks.world_size if learning.prompt_groups is not None else None,
         "joint_groups": config.multi_agent.agent_groups == AgentGroups.JOINT})
 

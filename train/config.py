@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from algorithms.registry import ALGORITHMS, LossAgg, ScaleRewards
+from algorithms.registry import ALGORITHMS, ImportanceSamplingLevel, KLEstimator, LossAgg, ScaleRewards
 from train.options import option
 
 if TYPE_CHECKING:
@@ -272,7 +272,8 @@ class RewardConfig:
 class LearningConfig:
     """The algorithm, the optimisation, and the losses' coefficients."""
 
-    algorithm: AlgorithmName = option(AlgorithmName.GRPO, "RL algorithm.", flag="algorithm_name")
+    algorithm: AlgorithmName = option(AlgorithmName.GRPO, "RL algorithm; REINFORCE_PP and REINFORCE_PP_BASELINE are "
+                                      "REINFORCE++ and REINFORCE++-baseline (Hu 2025).", flag="algorithm_name")
     num_mini_batch: int = option(1, "Minibatches (optimizer steps) per epoch over each rollout.", lower_bound=1)
     ppo_epoch: int = option(1, "Epochs over each rollout.", lower_bound=1)
     gradient_cp_steps: int = option(1, "Gradient accumulation: micro-batches per minibatch.", lower_bound=1)
@@ -288,7 +289,22 @@ class LearningConfig:
         LrSchedule.LINEAR, "After warm-up: linear decay to 0 at the last iteration, or constant. A run resumed with "
         "another --num_env_steps goes on at the new budget's lr for the step it has reached.")
     max_grad_norm: float = option(1.0, "Gradient norm clip (0: off).")
-    clip_param: float = option(0.2, "PPO ratio clip epsilon.")
+    clip_param: float = option(0.2, "PPO ratio clip epsilon: the ratio is kept within [1 - eps, 1 + eps] "
+                               "(--clip_ratio_low / --clip_ratio_high set either side apart).")
+    clip_ratio_low: float | None = option(
+        None, "Lower clip epsilon: the ratio's floor is 1 - this where the advantage is negative (verl's "
+        "clip_ratio_low, TRL's epsilon). Default: --clip_param.")
+    clip_ratio_high: float | None = option(
+        None, "Upper clip epsilon: the ratio's ceiling is 1 + this where the advantage is positive; above "
+        "--clip_ratio_low it is DAPO's clip-higher (e.g. 0.28 over 0.2), room for unlikely tokens to grow (verl's "
+        "clip_ratio_high, TRL's epsilon_high). Default: --clip_param.")
+    clip_ratio_c: float | None = option(
+        None, "Dual-clip (Ye et al. 2020): where the advantage is negative the loss is at most c |A|, so a ratio "
+        "far above 1 cannot push the update without bound; > 1, verl uses 3.0 (its clip_ratio_c). Default: off.")
+    importance_sampling_level: ImportanceSamplingLevel = option(
+        ImportanceSamplingLevel.TOKEN, "The clipped ratio per token, or per action: exp of the mean of its tokens' "
+        "log-ratios, clipped as a whole (GSPO, Zheng et al. 2025, which clips at about 3e-4 and 4e-4; TRL's "
+        "importance_sampling_level, verl's policy_loss gspo).")
     entropy_coef: float = option(0.0, "Entropy bonus coefficient.")
     target_kl: float = option(0.0, "Stop the update early once a minibatch's approx KL to the behaviour policy "
                               "exceeds this (0: off).")
@@ -310,8 +326,26 @@ class LearningConfig:
         "own later values.")
     scale_rewards: ScaleRewards = option(ScaleRewards.GROUP, "Divide centred returns by the group's std, the batch's, "
                                          "or nothing (Dr.GRPO).")
-    kl_coef: float = option(0.0, "k3 KL-to-reference coefficient (0: no reference pass).")
-    loss_agg: LossAgg = option(LossAgg.TOKEN_MEAN, "Per-token loss aggregation.")
+    kl_coef: float = option(0.0, "KL-to-reference coefficient beta, in the loss or, with --use_kl_in_reward, in the "
+                            "reward (0: no KL and no reference pass).")
+    kl_loss_type: KLEstimator = option(
+        KLEstimator.K3, "Estimator of the loss's KL term (Schulman's k1, k2, k3; low_var_kl: k3 bounded to [-10, 10] "
+        "as verl's; verl's kl_loss_type).")
+    use_kl_in_reward: bool | None = option(
+        None, "The KL to the reference as a penalty beta * KL_t on every token's reward instead of a loss term "
+        "(verl's use_kl_in_reward); algorithms with one advantage per action sum it into the action's reward. "
+        "Default: on for REINFORCE_PP(_BASELINE), else off.")
+    kl_penalty: KLEstimator = option(KLEstimator.K1, "Estimator of the reward's KL penalty, from the behaviour "
+                                     "log-probs (verl's kl_penalty; k1 is verl's 'kl').")
+    loss_agg_mode: LossAgg = option(
+        LossAgg.TOKEN_MEAN, "How per-token losses become one (verl's names): token-mean (every token weighs the "
+        "same, DAPO), seq-mean-token-mean (every action weighs the same, GRPO), seq-mean-token-sum, "
+        "seq-mean-token-sum-norm (each action's token sum over a fixed length, --loss_scale_factor: Dr. GRPO). "
+        "token_mean and seq_mean: the first two.", aliases={"token_mean": LossAgg.TOKEN_MEAN,
+                                                            "seq_mean": LossAgg.SEQ_MEAN_TOKEN_MEAN})
+    loss_scale_factor: int | None = option(
+        None, "The fixed length seq-mean-token-sum-norm divides each action's token sum by (verl's "
+        "loss_scale_factor). Default with that mode: --max_new_tokens.", lower_bound=1)
     prompt_groups: int | None = None  # resolved: RLOO oversampling: groups kept per iteration over every rank
 
     @property

@@ -14,11 +14,11 @@ import gymnasium
 from absl import flags
 
 import envs  # registers the built-in ids
-from algorithms.registry import ALGORITHMS
+from algorithms.registry import ALGORITHMS, LossAgg
 from envs.workflows import Workflow, resolve_workflow
 from models.hub import resolve_model
 from train.config import DEFAULT_PRM_REWARD, ActionLevel, Critic, EnvConfig, ModelConfig, RunConfig
-from train.flags.checks import check_algorithm_specific, default_group_size, reward_sources
+from train.flags.checks import check_algorithm_specific, default_group_size, kl_in_reward, reward_sources
 from train.options import section_from_flags
 
 MULTI_AGENT_FLAGS = ("reward_assignment", "role_model", "share_policy", "agent_groups")
@@ -81,7 +81,7 @@ def resolved(config: RunConfig) -> RunConfig:
         generation=dataclasses.replace(generation, async_rollouts=async_rollouts(config)),
         rewards=dataclasses.replace(config.rewards, spec=spec, prm_model=local_model(
             config, config.rewards.prm_model, "--prm_model_name_or_path")),
-        learning=dataclasses.replace(learning, prompt_groups=prompt_groups),
+        learning=dataclasses.replace(learning, prompt_groups=prompt_groups, **resolved_losses(config)),
         multi_agent=dataclasses.replace(config.multi_agent, role_models=tuple(
             f"{role}={local_model(config, name, f'--role_model {role}')}"
             for role, name in role_models(config).items())),
@@ -89,6 +89,17 @@ def resolved(config: RunConfig) -> RunConfig:
             config, config.prefix_rl.target_model, "--target_model_name_or_path")),
         budget=dataclasses.replace(budget, num_iterations=iterations),
         logging=dataclasses.replace(config.logging, experiment_name=experiment_name(config, env_id)))
+
+
+def resolved_losses(config: RunConfig) -> dict:
+    """The loss options left None: the KL in the reward (on for REINFORCE++), and seq-mean-token-sum-norm's fixed
+    length (--max_new_tokens, the longest action)."""
+    learning = config.learning
+    scale_factor = learning.loss_scale_factor
+    if learning.loss_agg_mode == LossAgg.SEQ_MEAN_TOKEN_SUM_NORM and scale_factor is None:
+        scale_factor = config.generation.max_new_tokens
+    return {"use_kl_in_reward": kl_in_reward(learning.use_kl_in_reward, learning.algorithm),
+            "loss_scale_factor": scale_factor}
 
 
 def registered_env_id(given: str | None, dataset_path: str | None) -> str:

@@ -19,12 +19,17 @@ from train.config import DEFAULT_PRM_REWARD, PRM_TYPE_ALIASES, REWARD_SOURCES, P
 FLAGS = flags.FLAGS
 
 WITH_CRITIC = tuple(name for name, spec in ALGORITHMS.items() if spec.critic is not None)
+CRITIC_FREE = tuple(name for name, spec in ALGORITHMS.items() if spec.critic is None)
+GROUPED = tuple(name for name, spec in ALGORITHMS.items() if spec.grouped)
+TOKEN_LOSS = tuple(name for name in ALGORITHMS if name != "APPO")  # APPO's loss is one ratio per action
 APPLIES_TO = {
     **dict.fromkeys(("accuracy_lower_bound", "accuracy_upper_bound", "oversample_factor", "implicit_prm_beta",
                      "implicit_prm_lr", "process_coef"), ("RLOO",)),
     "scale_rewards": ("GRPO",),
-    "agent_groups": ("GRPO", "RLOO"),
-    "kl_coef": ("GRPO", "TPPO", "RLOO"),
+    "agent_groups": GROUPED,
+    "importance_sampling_level": CRITIC_FREE,
+    **dict.fromkeys(("kl_coef", "kl_loss_type", "use_kl_in_reward", "kl_penalty", "loss_agg_mode",
+                     "loss_scale_factor"), TOKEN_LOSS),
     **dict.fromkeys(("value_coef", "value_clip_param", "huber_delta", "gae_lambda", "value_lambda", "critic_lr"),
                     WITH_CRITIC),
 }
@@ -123,7 +128,7 @@ def _check_groups(f: dict) -> bool:
     group_size = f["group_size"] or default_group_size(algorithm)
     if threads % group_size:
         raise flags.ValidationError(f"--n_rollout_threads={threads} must be a multiple of --group_size={group_size}")
-    if ALGORITHMS[algorithm].episodic and group_size < 2:
+    if ALGORITHMS[algorithm].grouped and group_size < 2:
         raise flags.ValidationError(f"--algorithm_name={algorithm} compares samples within a prompt group: "
                                     f"--group_size={group_size} must be >= 2")
     return True
@@ -291,6 +296,49 @@ def check_algorithm_specific(flag_values: flags.FlagValues = FLAGS) -> None:
 
 def has_critic(algorithm: str) -> bool:
     return ALGORITHMS[algorithm].critic is not None
+
+
+def kl_in_reward(use_kl_in_reward: bool | None, algorithm: str) -> bool:
+    """--use_kl_in_reward, or its default: on for REINFORCE++ (its KL is a token reward), else off."""
+    return algorithm.startswith("REINFORCE_PP") if use_kl_in_reward is None else use_kl_in_reward
+
+
+@flags.multi_flags_validator(["clip_ratio_low", "clip_ratio_high", "clip_ratio_c"])
+def _check_clip_ratios(f: dict) -> bool:
+    if f["clip_ratio_low"] is not None and not 0 <= f["clip_ratio_low"] < 1:
+        raise flags.ValidationError(f"--clip_ratio_low={f['clip_ratio_low']} must be in [0, 1): the ratio's floor is "
+                                    "1 - clip_ratio_low")
+    if f["clip_ratio_high"] is not None and f["clip_ratio_high"] < 0:
+        raise flags.ValidationError(f"--clip_ratio_high={f['clip_ratio_high']} must be >= 0")
+    if f["clip_ratio_c"] is not None and f["clip_ratio_c"] <= 1:
+        raise flags.ValidationError(f"--clip_ratio_c={f['clip_ratio_c']} must be > 1: it bounds the loss of a negative "
+                                    "advantage at c |A|, above the clipped ratio's (verl uses 3.0); leave it out for off")
+    return True
+
+
+@flags.multi_flags_validator(["kl_coef", "kl_loss_type", "use_kl_in_reward", "kl_penalty", "algorithm_name"])
+def _check_kl(f: dict) -> bool:
+    in_reward = kl_in_reward(f["use_kl_in_reward"], f["algorithm_name"])
+    given = [name for name in ("kl_loss_type", "use_kl_in_reward", "kl_penalty") if FLAGS[name].present]
+    if given and f["kl_coef"] == 0:
+        raise flags.ValidationError(f"--{given[0]} sets the KL to the reference, but --kl_coef is 0 (no KL); add "
+                                    "--kl_coef > 0 or drop it")
+    if FLAGS["kl_penalty"].present and not in_reward:
+        raise flags.ValidationError("--kl_penalty is the estimator of the KL in the reward; add --use_kl_in_reward, "
+                                    "or set the loss's estimator with --kl_loss_type")
+    if FLAGS["kl_loss_type"].present and in_reward:
+        raise flags.ValidationError("--kl_loss_type is the estimator of the KL in the loss, and the KL is in the reward "
+                                    f"(--use_kl_in_reward, default with {f['algorithm_name']}); use --kl_penalty, or "
+                                    "--nouse_kl_in_reward")
+    return True
+
+
+@flags.multi_flags_validator(["loss_scale_factor", "loss_agg_mode"])
+def _check_loss_scale_factor(f: dict) -> bool:
+    if f["loss_scale_factor"] is not None and f["loss_agg_mode"] != "seq-mean-token-sum-norm":
+        raise flags.ValidationError(f"--loss_scale_factor divides seq-mean-token-sum-norm's token sums; with "
+                                    f"--loss_agg_mode={f['loss_agg_mode']} drop it (or use that mode, Dr. GRPO)")
+    return True
 
 
 def default_group_size(algorithm: str) -> int:

@@ -17,7 +17,7 @@ from envs.workflows import Workflow, resolve_workflow
 from models.hub import resolve_model
 from train.config import (DEFAULT_PRM_REWARD, PRM_TYPES, ActionLevel, BudgetConfig, EnvConfig, EvalSet,
                           GenerationConfig, LearningConfig, LoggingConfig, LrSchedule, ModelConfig, RewardAssignment,
-                          RewardConfig, RunConfig, ServicesConfig)
+                          RewardConfig, RolloutConfig, RunConfig, ServicesConfig)
 from train.flags.checks import check_algorithm_specific, default_group_size, eval_sets, reward_sources
 from train.options import section_from_flags
 
@@ -34,6 +34,7 @@ def config_from_flags(f: flags.FlagValues) -> RunConfig:
     generation = generation_config(f)
     return RunConfig(model=model_config(f, workflow), env=env, rewards=reward_config(f),
                      learning=learning_config(f, workflow), generation=generation,
+                     rollout=section_from_flags(RolloutConfig, f),
                      budget=BudgetConfig(num_iterations=-(-f.num_env_steps // (env.episode_length * env.num_envs)),
                                          num_env_steps=f.num_env_steps, eval_interval=f.eval_interval,
                                          eval_limit=f.eval_limit, **eval_sampling(f)),

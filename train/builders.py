@@ -21,12 +21,12 @@ from algorithms.base import Algorithm, make_algorithm
 from algorithms.registry import algorithm_spec
 from envs.datasets import load_problems
 from envs.prompts import STEP_DELIMITER
-from envs.rewards import OutcomeReward, RewardMixture, RewardModel
+from envs.rewards import OutcomeReward, OverlongPenalty, RewardMixture, RewardModel
 from reward_models.implicit_prm import ImplicitPRM
 from train import checkpoint, distributed
 from train.collector import Collector, Sampling, Voices
-from train.config import (EnvConfig, GenerationConfig, LearningConfig, ModelConfig, RewardConfig, RunConfig,
-                          ServicesConfig)
+from train.config import (EnvConfig, GenerationConfig, LearningConfig, ModelConfig, RewardConfig, RolloutConfig,
+                          RunConfig, ServicesConfig)
 from train.distributed import Ranks
 from train.evaluation import EvalSampling
 from models.generation import Generator, make_generator
@@ -309,7 +309,8 @@ def runner_config(config: RunConfig) -> RunnerConfig:
         seed=config.seed,
         async_rollouts=config.generation.async_rollouts, max_policy_lag=config.generation.max_policy_lag,
         eval_verdict="target" if config.env.handoff_steps is not None else "correct",  # Prefix-RL: the target's
-        eval_sampling=EvalSampling(budget.eval_samples, budget.eval_temperature, budget.eval_top_p, config.seed))
+        eval_sampling=EvalSampling(budget.eval_samples, budget.eval_temperature, budget.eval_top_p, config.seed),
+        rollout=config.rollout)
 
 
 def build_voices(config: RunConfig, env, policy: LanguagePolicy, sampling: Sampling) -> Voices:
@@ -350,6 +351,13 @@ def sampling_of(generation: GenerationConfig, action_level: str, eos_text: str) 
                     token_actions=action_level == "token", stop=(STEP_DELIMITER,) if action_level == "step" else None)
 
 
+def overlong_penalty(rollout: RolloutConfig, sampling: Sampling) -> OverlongPenalty | None:
+    """DAPO's overlong penalty over the buffer before the action's token limit (None unless --overlong_buffer)."""
+    if not rollout.overlong_buffer:
+        return None
+    return OverlongPenalty(sampling.max_new_tokens, rollout.overlong_buffer_len, rollout.overlong_penalty_factor)
+
+
 def build_runner(config: RunConfig, run_dir: Path, writer, saved: checkpoint.Checkpoint | None = None,
                  generator_factory: GeneratorFactory | None = None, ranks: Ranks = Ranks()) -> Runner:
     """Every piece of a run from its config, composed into a Runner (restored from ``saved`` if given).
@@ -380,7 +388,8 @@ def build_runner(config: RunConfig, run_dir: Path, writer, saved: checkpoint.Che
     sampling = sampling_of(config.generation, env.action_level, policy.tokenizer.eos_token or "")
     collector = Collector(train_env, algorithm_spec(learning.algorithm), env.episode_length, sampling, seed=config.seed,
                           env_offset=distributed.shard(env.num_envs, env.group_size, ranks)[0],
-                          voices=build_voices(config, train_env, policy, sampling), critic=learning.critic_view)
+                          voices=build_voices(config, train_env, policy, sampling), critic=learning.critic_view,
+                          overlong=overlong_penalty(config.rollout, sampling))
     runner = Runner(runner_settings, collector, eval_envs, policy, generator, algorithm, optimizer, scheduler, writer,
                     run_dir, implicit_prm=implicit_prm, rollout_policy=rollout_policy,
                     rollout_generator=rollout_generator, run_flags=config.flags, ranks=ranks, trainable=trainable)

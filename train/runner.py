@@ -44,6 +44,7 @@ from models.policy import LanguagePolicy
 from train import checkpoint, distributed, evaluation
 from train.checkpointing import Checkpointer, Progress, Snapshot
 from train.collector import Collector
+from train.config import RolloutConfig
 from train.distributed import Ranks
 from train.evaluation import EvalSampling
 from train.learner import Learner, NonFiniteError
@@ -84,6 +85,7 @@ class RunnerConfig:
     # the policy's prefix (Prefix-RL by --handoff_steps), so that evaluation measures what the reward pays
     eval_verdict: str = "correct"
     eval_sampling: EvalSampling = EvalSampling()  # sampled solutions per held-out problem (pass@k, maj@k, mean@n)
+    rollout: RolloutConfig = RolloutConfig()  # dynamic sampling, cut-off answers, rollout correction
 
 
 class Runner:
@@ -108,7 +110,9 @@ class Runner:
         shuffle = torch.Generator().manual_seed(config.seed)
         copy = (rollout_policy, rollout_generator) if config.async_rollouts else (None, None)
         self.rollouts = Rollouts(collector, policy, generator, config.seed, config.num_iterations,
-                                 config.max_policy_lag, ranks, *copy)
+                                 config.max_policy_lag, ranks, *copy,
+                                 max_num_gen_batches=config.rollout.max_num_gen_batches
+                                 if config.rollout.filter_groups else None)
         self.learner = Learner(config, policy, trainable if trainable is not None else policy, algorithm, optimizer,
                                scheduler, collector, shuffle, ranks, implicit_prm)
         self.reporter = Reporter(writer, ranks, policy.tokenizer, collector.roles, config.num_text_samples)

@@ -18,6 +18,7 @@ import torch
 from algorithms.buffer import Batch, RolloutBuffer, Targets
 from algorithms.losses import aggregate, clipped_surrogate, kl_k3, masked_mean
 from algorithms.registry import AlgorithmConfig, algorithm_spec
+from algorithms.rollout_correction import rollout_weighted
 
 
 class ActionScores(Protocol):
@@ -132,8 +133,7 @@ def token_policy_loss(scores: ActionScores, batch: Batch, advantages: torch.Tens
     ``config.loss_agg``; shared by GRPO, TPPO and RLOO. ``advantages``: [B, L] or [B, 1]."""
     mask = batch.token_mask.to(scores.logprobs.dtype)
     surrogate, clipped = clipped_surrogate(scores.logprobs, batch.old_logprobs, advantages, config.clip_param)
-    if batch.rollout_weights is not None:  # rollout correction: truncated IS weights of the policy gradient
-        surrogate = surrogate * batch.rollout_weights
+    surrogate = rollout_weighted(surrogate, batch)
     per_token = surrogate
     stats = {"clip_fraction": masked_mean(clipped, mask), "approx_kl": masked_mean(kl_k3(batch.old_logprobs, scores.logprobs), mask)}
     if config.kl_coef > 0:

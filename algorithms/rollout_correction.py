@@ -21,6 +21,7 @@ import math
 
 import torch
 
+from algorithms.buffer import Batch
 from algorithms.losses import kl_k3, masked_sum
 
 LEVELS = ("token", "sequence", "geometric")
@@ -48,6 +49,12 @@ def truncated_weights(log_rho: torch.Tensor, cap: float) -> torch.Tensor:
 def within_band(log_rho: torch.Tensor, lower: float, upper: float) -> torch.Tensor:
     """[B] True where the action's rho ([B, 1]) lies in [lower, upper]."""
     return ((log_rho >= math.log(lower)) & (log_rho <= math.log(upper))).squeeze(-1)
+
+
+def rollout_weighted(policy_loss: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """The per-token policy-gradient loss [B, L] times the batch's rollout-correction weights ([B, L] or [B, 1];
+    as verl applies them, after clipping), or unchanged without."""
+    return policy_loss if batch.rollout_weights is None else policy_loss * batch.rollout_weights
 
 
 def gap_sums(trainer: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -100,8 +100,8 @@ def test_refill_stops_after_the_most_rounds_with_the_groups_it_holds():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--algorithm_name", "APPO", "--filter_groups"], "applies to GRPO/RLOO"),
-    (["--algorithm_name", "TPPO", "--filter_groups", "--max_num_gen_batches", "3"], "applies to GRPO/RLOO"),
+    (["--algorithm_name", "APPO", "--filter_groups"], "APPO collects no groups"),
+    (["--algorithm_name", "TPPO", "--filter_groups", "--max_num_gen_batches", "3"], "TPPO collects no groups"),
     (["--max_num_gen_batches", "3"], "add --filter_groups"),
     (["--algorithm_name", "RLOO", "--filter_groups"], "pass --oversample_factor 1"),
     (["--filter_groups", "--max_num_gen_batches", "0"], "max_num_gen_batches"),

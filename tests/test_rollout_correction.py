@@ -117,6 +117,7 @@ def test_every_option_off_leaves_the_batch_as_collected():
     (["--rollout_is_level", "sequence"], "add --rollout_is"),
     (["--rollout_is", "--rollout_is_threshold_lower", "0.5"], "band.s lower end of --rollout_is_mode mask"),
     (["--rollout_is", "--rollout_is_mode", "mask"], "use --rollout_is_level sequence or geometric"),
+    (["--rollout_is", "--algorithm_name", "APPO"], "use --rollout_is_mode mask"),
     (["--rollout_is", "--rollout_is_mode", "mask", "--rollout_is_level", "sequence",
       "--rollout_is_threshold_lower", "1.5"], r"must be in \(0, 1\]"),
 ])

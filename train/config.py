@@ -204,7 +204,7 @@ class RolloutConfig:
     filter_groups: bool = option(
         False, "Dynamic sampling (DAPO; verl's algorithm.filter_groups.enable): keep drawing prompt groups until the "
         "batch holds --n_rollout_threads/--group_size groups whose episode returns are not all equal (on each rank "
-        "its share), at most --max_num_gen_batches rounds; groups of equal returns leave the batch.")
+        "its share), at most --max_num_gen_batches rounds; groups of equal returns leave the batch. GRPO and RLOO.")
     max_num_gen_batches: int = option(
         10, "With --filter_groups: most rounds of generation per iteration (verl's "
         "algorithm.filter_groups.max_num_gen_batches); after the last one the batch trains on the groups it holds.",

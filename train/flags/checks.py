@@ -19,9 +19,7 @@ from train.config import DEFAULT_PRM_REWARD, PRM_TYPES, REWARD_SOURCES
 FLAGS = flags.FLAGS
 
 WITH_CRITIC = tuple(name for name, spec in ALGORITHMS.items() if spec.critic is not None)
-EPISODIC = tuple(name for name, spec in ALGORITHMS.items() if spec.episodic)
 APPLIES_TO = {
-    **dict.fromkeys(("filter_groups", "max_num_gen_batches"), EPISODIC),
     **dict.fromkeys(("accuracy_lower_bound", "accuracy_upper_bound", "oversample_factor", "implicit_prm_beta",
                      "implicit_prm_lr", "process_coef"), ("RLOO",)),
     "scale_rewards": ("GRPO",),
@@ -337,6 +335,9 @@ def _check_filter_groups(f: dict) -> bool:
     if _given("max_num_gen_batches") and not f["filter_groups"]:
         raise flags.ValidationError("--max_num_gen_batches bounds the rounds of --filter_groups; add --filter_groups "
                                     "or drop it")
+    if f["filter_groups"] and not ALGORITHMS[f["algorithm_name"]].episodic:
+        raise flags.ValidationError(f"--filter_groups keeps prompt groups of varied returns; --algorithm_name="
+                                    f"{f['algorithm_name']} collects no groups: use GRPO or RLOO")
     if f["filter_groups"] and f["algorithm_name"] == "RLOO" and f["oversample_factor"] > 1:
         raise flags.ValidationError(f"--filter_groups refills the batch with groups that have signal; RLOO's "
                                     f"--oversample_factor={f['oversample_factor']} selects them a second way: pass "
@@ -362,7 +363,7 @@ def _check_cut_off_answers(f: dict) -> bool:
 
 
 @flags.multi_flags_validator(["rollout_is", "rollout_is_threshold", "rollout_is_threshold_lower", "rollout_is_level",
-                              "rollout_is_mode"])
+                              "rollout_is_mode", "algorithm_name"])
 def _check_rollout_is(f: dict) -> bool:
     for name in ("rollout_is_threshold", "rollout_is_threshold_lower", "rollout_is_level", "rollout_is_mode"):
         if _given(name) and not f["rollout_is"]:
@@ -376,6 +377,9 @@ def _check_rollout_is(f: dict) -> bool:
                                     "add it or drop the flag")
     if lower is not None and not 0 < lower <= 1:
         raise flags.ValidationError(f"--rollout_is_threshold_lower={lower} must be in (0, 1] (the band holds ratio 1)")
+    if f["rollout_is"] and f["rollout_is_mode"] == "truncate" and f["algorithm_name"] == "APPO":
+        raise flags.ValidationError("--rollout_is_mode truncate weights each token's policy gradient; APPO's loss "
+                                    "takes one ratio per action: use --rollout_is_mode mask (or GRPO/RLOO/TPPO)")
     if f["rollout_is_mode"] == "mask" and f["rollout_is_level"] == "token":
         raise flags.ValidationError("--rollout_is_mode mask drops whole actions: use --rollout_is_level sequence or "
                                     "geometric (token-level ratios: --rollout_is_mode truncate)")

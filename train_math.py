@@ -255,7 +255,7 @@ def start(config: RunConfig) -> Started | None:
 
     from train import builders, checkpoint, distributed, host
 
-    ranks = distributed.init(config.model.device, config.model.dist_timeout)
+    ranks = distributed.init(config.model.device, config.distributed.dist_timeout)
     config, saved = resumed(config)
     if saved is not None and saved.iteration >= config.budget.num_iterations:
         print(f"{saved.path} has trained {saved.iteration} iterations and --num_env_steps="
@@ -271,8 +271,8 @@ def start(config: RunConfig) -> Started | None:
                 checkpoint.retire_newer(saved)
             log_changed_flags(saved.flags, config.flags)
         host.set_up(config.model)
-        torch.manual_seed(config.seed)
-        np.random.seed(config.seed)
+        torch.manual_seed(config.budget.seed)
+        np.random.seed(config.budget.seed)
         start_iteration = saved.iteration if saved is not None else 0
         # purge_step: TensorBoard drops points a killed run logged at or after the checkpoint's iteration.
         writer = (open_writer(run_dir, purge_step=start_iteration if saved is not None else None)

@@ -53,7 +53,7 @@ def build(run_dir: Path, extra: list[str]):
            "--num_env_steps", str(10**9), *extra])
     config = config_from_flags(FLAGS)
     torch.set_num_threads(config.model.torch_threads)
-    torch.manual_seed(config.seed)
+    torch.manual_seed(config.budget.seed)
     writer = PhaseWriter()
     return builders.build_runner(config, run_dir, writer), writer
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 
 import pytest
 from absl import flags
 
-from train.options import define_flags, option, section_from_flags
+from train.config import RunConfig
+from train.options import define_flags, flag_name, option, options, section_from_flags
 
 
 class Colour(enum.StrEnum):
@@ -20,9 +22,10 @@ class Colour(enum.StrEnum):
 class Section:
     count: int = option(3, "How many.", lower_bound=1)
     rate: float = option(0.5, "How fast.")
-    colour: Colour = option(Colour.RED, "Which colour.", flag="paint")
+    colour: Colour = option(Colour.RED, "Which colour.", flag="paint", aliases={"crimson": "red"})
     label: str | None = option(None, "A label. Default: resolved from --count.")
     verbose: bool = option(True, "Say more.")
+    names: tuple[str, ...] = option((), "A name (repeatable).", flag="name")
     derived: int = field(default=0)  # not an option: no flag
 
 
@@ -36,16 +39,22 @@ def parsed(*argv: str) -> flags.FlagValues:
 def test_flags_are_generated_from_the_fields_with_their_defaults_and_help():
     flag_values = parsed()
     assert sorted(flag_values.get_flags_for_module("toy_module"), key=lambda f: f.name) == [
-        flag_values[name] for name in ("count", "label", "paint", "rate", "verbose")]
-    assert flag_values["paint"].help == "<red|blue>: Which colour." and flag_values["paint"].default == "red"
+        flag_values[name] for name in ("count", "label", "name", "paint", "rate", "verbose")]
+    assert flag_values["paint"].help == "<blue|crimson|red>: Which colour." and flag_values["paint"].default == "red"
     assert "derived" not in flag_values
     assert section_from_flags(Section, flag_values, label="3 red") == Section(label="3 red")
 
 
 def test_a_section_takes_the_parsed_values_enums_as_members():
-    section = section_from_flags(Section, parsed("--count=7", "--paint=blue", "--noverbose", "--rate=0.25"))
-    assert section == Section(count=7, rate=0.25, colour=Colour.BLUE, verbose=False)
+    section = section_from_flags(Section, parsed("--count=7", "--paint=blue", "--noverbose", "--rate=0.25",
+                                                 "--name=a", "--name=b"))
+    assert section == Section(count=7, rate=0.25, colour=Colour.BLUE, verbose=False, names=("a", "b"))
     assert section.colour is Colour.BLUE
+
+
+def test_an_alias_of_an_enum_choice_reads_as_its_member_in_any_case():
+    assert section_from_flags(Section, parsed("--paint=Crimson")).colour is Colour.RED
+    assert section_from_flags(Section, parsed("--paint=BLUE")).colour is Colour.BLUE
 
 
 @pytest.mark.parametrize("argv", [["--count=0"], ["--paint=green"], ["--rate=fast"]])
@@ -59,5 +68,30 @@ def test_an_option_of_an_unsupported_type_is_refused_at_definition():
     class Bad:
         pairs: dict = option(None, "Not a flag type.")
 
-    with pytest.raises(TypeError, match=r"Bad.pairs: an option is a bool, int, float, str or Enum"):
+    with pytest.raises(TypeError, match=r"Bad.pairs: an option is a bool, int, float, str, tuple\[str, ...\] or Enum"):
         define_flags(Bad, "bad_module", flags.FlagValues())
+
+
+RUN_SECTIONS = {part.name: type(getattr(RunConfig(), part.name)) for part in dataclasses.fields(RunConfig)
+                if dataclasses.is_dataclass(getattr(RunConfig(), part.name))}
+
+
+@pytest.mark.parametrize("name", RUN_SECTIONS)
+def test_every_section_built_from_its_flags_defaults_is_its_own_default(name):
+    """A flag's default is its field's: parsing no flag gives each RunConfig section its dataclass defaults."""
+    section = RUN_SECTIONS[name]
+    flag_values = flags.FlagValues()
+    define_flags(section, name, flag_values)
+    flag_values(["prog"])
+    assert options(section) and section_from_flags(section, flag_values) == section()
+
+
+def test_every_train_math_flag_is_one_option_of_one_section():
+    """No flag is defined outside the options (so none has a second default), and each --helpfull section
+    is one RunConfig section."""
+    from train.flags import FLAGS, SECTIONS
+
+    by_module = {module.__name__: {flag.name for flag in FLAGS.get_flags_for_module(module.__name__)}
+                 for module in SECTIONS.values()}
+    by_section = {name: {flag_name(field) for field in options(section)} for name, section in RUN_SECTIONS.items()}
+    assert sorted(map(sorted, by_module.values())) == sorted(map(sorted, by_section.values()))

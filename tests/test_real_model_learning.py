@@ -35,7 +35,7 @@ def test_the_arith_preset_is_a_train_math_command_that_resolves(mode, untrained_
     flags = run_flags(mode, parse_args(["--model", str(untrained_policy_dir), "--iterations", "3"]))
     config = parse(*flags, "--logdir", str(tmp_path))
     assert config.budget.num_iterations == 3 and config.env.num_envs == 64 and config.env.group_size == 8
-    assert config.env.env_kwargs["arith"]["digits"] == 1 and config.generation.temperature == 0.7
+    assert config.env.user_kwargs["arith"]["digits"] == 1 and config.generation.temperature == 0.7
     assert config.model.lora_rank == (16 if mode == "lora" else 0) and config.env.prompt_template == "chat"
 
 

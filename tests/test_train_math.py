@@ -205,9 +205,8 @@ def test_a_run_builds_from_a_run_config_without_absl(untrained_policy_dir, tmp_p
 
     FLAGS.unparse_flags()
     config = RunConfig(model=ModelConfig(name_or_path=str(untrained_policy_dir), device="cpu"),
-                       env=EnvConfig(num_envs=8, group_size=4, eval_batch_size=4),
-                       generation=GenerationConfig(max_new_tokens=6),
-                       budget=BudgetConfig(num_iterations=2, eval_interval=2, eval_limit=4),
+                       env=EnvConfig(num_envs=8, group_size=4), generation=GenerationConfig(max_new_tokens=6),
+                       budget=BudgetConfig(num_iterations=2, eval_interval=2, eval_limit=4, eval_batch_size=4),
                        logging=LoggingConfig(save_interval=0, save_best=False))
     writer = SummaryWriter(str(tmp_path))
     history = build_runner(config, tmp_path, writer).run()
@@ -219,38 +218,25 @@ def test_a_run_builds_from_a_run_config_without_absl(untrained_policy_dir, tmp_p
 
 
 def test_a_run_config_defaults_to_what_the_command_line_defaults_to():
-    """A library user's ``RunConfig()`` and ``train_math.py`` with no flag run the same, but for what the flags
-    resolve from the env and the machine: every option's flag is generated with the field's default, and the
-    resolved config differs from ``RunConfig()`` only in the options whose default is None (resolved) and the
-    values worked out from the env."""
+    """A library user's ``RunConfig()`` and ``train_math.py`` with no flag are the same run by construction:
+    every flag is generated from its field (tests/test_options.py), and both resolve the options left None
+    and the derived values through ``train.resolve.resolved``."""
     import dataclasses
 
     from train.config import RunConfig
-    from train.options import flag_name, options
-    from train.resolve import config_from_flags
+    from train.resolve import config_from_flags, resolved
 
-    default = RunConfig()
-    sections = [part.name for part in dataclasses.fields(RunConfig)
-                if dataclasses.is_dataclass(getattr(default, part.name))]
-    for section in sections:
-        for field in options(type(getattr(default, section))):
-            assert FLAGS[flag_name(field)].default == field.default, (section, field.name)
-    resolved = {(section, field.name) for section in sections for field in options(type(getattr(default, section)))
-                if field.default is None}
-    assert ("generation", "async_rollouts") in resolved and ("logging", "experiment_name") in resolved
-    resolved_from_the_env = {("rewards", "spec"), ("learning", "prompt_groups"), ("budget", "num_env_steps")}
     FLAGS.unparse_flags()
     FLAGS(["train_math"])
     try:
         from_flags = config_from_flags(FLAGS)
     finally:
         FLAGS.unparse_flags()
-    differ = [(section, value.name, getattr(getattr(from_flags, section), value.name),
-               getattr(getattr(default, section), value.name))
-              for section in sections for value in dataclasses.fields(getattr(default, section))
-              if (section, value.name) not in resolved | resolved_from_the_env
-              and getattr(getattr(from_flags, section), value.name) != getattr(getattr(default, section), value.name)]
-    assert differ == []
+    from_code = resolved(RunConfig())
+    assert dataclasses.replace(from_flags, flags={}) == from_code
+    assert (from_code.env.env_id, from_code.env.group_size, from_code.env.envs_stepped) == ("Arith-v0", 4, 128)
+    assert from_code.rewards.spec == "outcome:1.0,steps:1.0" and from_code.budget.num_iterations == 640
+    assert resolved(from_code) == from_code  # idempotent: a resolved config resolves to itself
 
 
 @pytest.mark.parametrize("lora_rank", [0, 8], ids=["full", "lora"])
@@ -348,14 +334,14 @@ def chat_policy(policy_dir: Path, out: Path) -> Path:
 
 def test_chat_prompts_reach_the_train_and_eval_envs_and_the_target(untrained_policy_dir, tmp_path):
     from train.builders import build_runner
-    from train.config import ANSWER_INSTRUCTION, BudgetConfig, EnvConfig, ModelConfig, RewardConfig, RunConfig
+    from train.config import (ANSWER_INSTRUCTION, BudgetConfig, EnvConfig, ModelConfig, PrefixRLConfig, RewardConfig,
+                              RunConfig)
 
     model = str(chat_policy(untrained_policy_dir, tmp_path / "chat_policy"))
     config = RunConfig(model=ModelConfig(name_or_path=model, device="cpu"),
-                       env=EnvConfig(num_envs=4, group_size=4, eval_batch_size=2, prompt_template="chat",
-                                     system_prompt="Be brief."),
-                       rewards=RewardConfig(spec="outcome:1.0,target:0.5", target_model=model),
-                       budget=BudgetConfig(num_iterations=1, eval_interval=0))
+                       env=EnvConfig(num_envs=4, group_size=4, prompt_template="chat", system_prompt="Be brief."),
+                       rewards=RewardConfig(spec="outcome:1.0,target:0.5"), prefix_rl=PrefixRLConfig(target_model=model),
+                       budget=BudgetConfig(num_iterations=1, eval_interval=0, eval_batch_size=2))
     runner = build_runner(config, tmp_path / "run", writer=None)
     tokenizer = runner.policy.tokenizer
     for env in (runner.collector.env.unwrapped, runner.eval_envs[None].unwrapped):
@@ -431,17 +417,18 @@ def test_no_gradient_is_held_after_an_update(untrained_policy_dir, tmp_path, mon
     model's worth of memory through the next iteration's generation and evaluation."""
     from tensorboardX import SummaryWriter
 
-    from algorithms.registry import AlgorithmConfig
     from test_env import StepLengthReward
     from train import builders
     from train.builders import build_runner
-    from train.config import BudgetConfig, EnvConfig, GenerationConfig, LearningConfig, LoggingConfig, ModelConfig, RunConfig
+    from train.config import (BudgetConfig, EnvConfig, GenerationConfig, LearningConfig, LoggingConfig, ModelConfig,
+                              PrimeConfig, RunConfig)
 
     monkeypatch.setattr(builders, "build_reward_model", lambda config, device, template: StepLengthReward())
     torch.manual_seed(0)  # the untrained policy never verifies: every group kept, rewards from the step lengths
     config = RunConfig(model=ModelConfig(name_or_path=str(untrained_policy_dir), device="cpu"),
                        env=EnvConfig(num_envs=8), generation=GenerationConfig(max_new_tokens=24),
-                       learning=LearningConfig(algorithm="RLOO", losses=AlgorithmConfig(accuracy_lower_bound=0.0)),
+                       learning=LearningConfig(algorithm="RLOO"),
+                       prime=PrimeConfig(accuracy_lower_bound=0.0, oversample_factor=1),
                        budget=BudgetConfig(num_iterations=1, eval_interval=0),
                        logging=LoggingConfig(save_interval=0, save_best=False))
     runner = build_runner(config, tmp_path, SummaryWriter(str(tmp_path)))

@@ -18,15 +18,15 @@ from gymnasium.vector import AutoresetMode
 
 import envs  # noqa: F401  (registers the built-in ids)
 from algorithms.base import Algorithm, make_algorithm
-from algorithms.registry import algorithm_spec
+from algorithms.registry import AlgorithmConfig, algorithm_spec
 from envs.datasets import load_problems
 from envs.prompts import STEP_DELIMITER
 from envs.rewards import OutcomeReward, OverlongPenalty, RewardMixture, RewardModel
 from reward_models.implicit_prm import ImplicitPRM
 from train import checkpoint, distributed
 from train.collector import Collector, Sampling, Voices
-from train.config import (EnvConfig, GenerationConfig, LearningConfig, ModelConfig, RewardConfig, RolloutConfig,
-                          RunConfig, ServicesConfig)
+from train.config import (ActionLevel, AgentGroups, DataParallel, EnvConfig, GenerationConfig, LearningConfig,
+                          ModelConfig, RewardConfig, RolloutConfig, RunConfig, ServicesConfig)
 from train.distributed import Ranks
 from train.evaluation import EvalSampling
 from models.generation import Generator, make_generator
@@ -34,6 +34,7 @@ from models.loading import check_model_dir, resolve_device
 from models.policy import LanguagePolicy, LoraSettings
 from models.prompting import build_template
 from models.remote import ServiceClient, ServiceError
+from train.resolve import resolved
 from train.runner import Runner, RunnerConfig
 
 log = logging.getLogger(__name__)
@@ -60,8 +61,8 @@ def check_inputs(config: RunConfig) -> None:
     Raises ValueError naming the flag (and file and line) and the fix."""
     resolve_device(config.model.device)
     for flag, directory in (("--model_name_or_path", config.model.name_or_path),
-                            ("--target_model_name_or_path", config.rewards.target_model),
-                            *((f"--role_model {role}", path) for role, path in config.model.role_models.items())):
+                            ("--target_model_name_or_path", config.prefix_rl.target_model),
+                            *((f"--role_model {role}", path) for role, path in config.multi_agent.models_by_role.items())):
         if directory is not None:
             check_model_dir(directory, flag)
     if config.rewards.prm_model is not None:
@@ -95,12 +96,14 @@ def lora_settings(model: ModelConfig) -> LoraSettings | None:
     return LoraSettings(rank=model.lora_rank, alpha=2.0 * model.lora_rank) if model.lora_rank else None
 
 
-def shards_weights(data_parallel: str, lora_rank: int, ranks: Ranks) -> bool:
+def shards_weights(data_parallel: DataParallel, lora_rank: int, ranks: Ranks) -> bool:
     """Whether the policy is sharded with FSDP2 (``data_parallel`` fsdp, or auto with full fine-tuning)."""
-    return ranks.distributed and (data_parallel == "fsdp" or (data_parallel == "auto" and not lora_rank))
+    return ranks.distributed and (data_parallel == DataParallel.FSDP
+                                  or (data_parallel == DataParallel.AUTO and not lora_rank))
 
 
-def build_policy(model: ModelConfig, directory: str, algorithm: str, ranks: Ranks = Ranks()) -> LanguagePolicy:
+def build_policy(model: ModelConfig, directory: str, algorithm: str, ranks: Ranks = Ranks(),
+                 data_parallel: DataParallel = DataParallel.AUTO) -> LanguagePolicy:
     """The trained policy (with a critic for APPO/TPPO) at its starting weights (a resumed run loads its
     checkpoint's into it: ``Runner.restore``); in eval mode (no dropout: recomputed log-probs must match
     the sampler's). Sharded with FSDP2, only rank 0 reads the weights (the others receive their shards)."""
@@ -109,7 +112,7 @@ def build_policy(model: ModelConfig, directory: str, algorithm: str, ranks: Rank
                           device=str(resolve_device(model.device)), dtype=model.dtype,
                           gradient_checkpointing=model.gradient_checkpointing, role_adapters=model.role_adapters,
                           value_heads=model.value_heads,
-                          weights_from_rank0=shards_weights(model.data_parallel, model.lora_rank, ranks)).eval()
+                          weights_from_rank0=shards_weights(data_parallel, model.lora_rank, ranks)).eval()
 
 
 def build_reward_model(config: RunConfig, device: str, policy_template: str) -> RewardModel:
@@ -152,7 +155,7 @@ def build_target_solver(config: RunConfig, device: str, policy_template: str) ->
     prompt in the configured template kind (a local target's own chat template under ``chat``)."""
     from reward_models.target_solver import TargetSolver
 
-    rewards, services, env = config.rewards, config.services, config.env
+    target, services, env = config.prefix_rl, config.services, config.env
     if services.target_url is not None:
         from models.vllm_server import ServerGenerator
 
@@ -160,11 +163,11 @@ def build_target_solver(config: RunConfig, device: str, policy_template: str) ->
                                     model_flag="--target_model_name")
         template = policy_template  # a served target's tokenizer is not here: it reads the policy's prompt
     else:
-        target = LanguagePolicy(rewards.target_model, device=device, dtype=config.model.dtype).eval()
-        generator = make_generator("hf", target)
-        template = build_template(env.prompt_template, target.tokenizer, env.system_prompt, env.answer_instruction)
-    return TargetSolver(generator, num_samples=rewards.target_num_samples, max_new_tokens=rewards.target_max_new_tokens,
-                        temperature=rewards.target_temperature, seed=config.seed, template=template)
+        solver = LanguagePolicy(target.target_model, device=device, dtype=config.model.dtype).eval()
+        generator = make_generator("hf", solver)
+        template = build_template(env.prompt_template, solver.tokenizer, env.system_prompt, env.answer_instruction)
+    return TargetSolver(generator, num_samples=target.target_num_samples, max_new_tokens=target.target_max_new_tokens,
+                        temperature=target.target_temperature, seed=config.budget.seed, template=template)
 
 
 def prm_marker(rewards: RewardConfig) -> dict[str, str]:
@@ -185,56 +188,71 @@ def problem_source(env: EnvConfig, split: str, eval_path: str | None = None) -> 
     return {"split": split}
 
 
-def env_kwargs(env: EnvConfig, split: str, reward_model: RewardModel, tokenizer, template: str,
+def env_kwargs(config: RunConfig, split: str, reward_model: RewardModel, tokenizer, template: str,
                eval_path: str | None = None) -> dict:
     """Task kwargs of the train (split "train") or a held-out ("test", from ``eval_path``: see
     ``problem_source``) vector env; ``tokenizer`` is the policy's (it decodes token actions, and its EOS text
     ends a step-level episode), ``template`` its prompt template (``models.prompting.build_template``), for
     every role of a workflow. A multi-agent env takes whole messages and credits its 'outcome' source by
-    ``env.reward_assignment``. The user's ``env.env_kwargs`` come first: what the trainer sets (the problem
-    source of a held-out set, a solution-level action's one step) wins."""
+    ``reward_assignment``. The user's ``env_kwargs`` come first: what the trainer sets (the problem source of
+    a held-out set, a solution-level action's one step) wins."""
+    env, handoff_steps = config.env, config.prefix_rl.handoff_steps
     source = problem_source(env, split, eval_path)
     if env.workflow is not None:
-        return {**env.env_kwargs, "reward_assignment": env.reward_assignment, "reward_model": reward_model,
-                "template": template, **source}
-    kwargs = {**env.env_kwargs, "reward_model": reward_model, "template": template, **source}
-    if env.handoff_steps is not None:
-        kwargs["handoff_steps"] = env.handoff_steps
-    if env.action_level == "solution":
+        return {**env.user_kwargs, "reward_assignment": config.multi_agent.reward_assignment,
+                "reward_model": reward_model, "template": template, **source}
+    kwargs = {**env.user_kwargs, "reward_model": reward_model, "template": template, **source}
+    if handoff_steps is not None:
+        kwargs["handoff_steps"] = handoff_steps
+    if env.action_level == ActionLevel.SOLUTION:
         kwargs["max_steps"] = 1  # the action is the whole solution
-    elif env.action_level == "step":
+    elif env.action_level == ActionLevel.STEP:
         kwargs["end_marker"] = tokenizer.eos_token or ""  # a step that ended on EOS ends the episode
     else:
         kwargs.update(mode="token", tokenizer=tokenizer)
     return kwargs
 
 
-def build_envs(env: EnvConfig, reward_model: RewardModel, tokenizer, template: str, ranks: Ranks = Ranks()
+def build_envs(config: RunConfig, reward_model: RewardModel, tokenizer, template: str, ranks: Ranks = Ranks()
                ) -> tuple[gymnasium.vector.VectorEnv, dict[str | None, gymnasium.vector.VectorEnv]]:
     """(train env, {held-out set's name: its eval env}, in ``env.eval_sets``' order). Episodic algorithms run one episode per env per iteration (no
     autoreset); continuing ones reset an ended episode in the same step. Under torchrun the train env
     holds this rank's whole groups (``distributed.shard``), drawing the problems one process would."""
+    env = config.env
     autoreset = AutoresetMode.DISABLED if env.whole_episodes else AutoresetMode.SAME_STEP
-    first, count = distributed.shard(env.num_envs, env.group_size, ranks)
-    split = ({"group_offset": first // env.group_size, "total_groups": env.num_envs // env.group_size}
+    first, count = distributed.shard(env.envs_stepped, env.group_size, ranks)
+    split = ({"group_offset": first // env.group_size, "total_groups": env.envs_stepped // env.group_size}
              if ranks.distributed else {})
     train_env = gymnasium.make_vec(env.env_id, num_envs=count, vectorization_mode="vector_entry_point",
                                    group_size=env.group_size, autoreset_mode=autoreset, **split,
-                                   **env_kwargs(env, "train", reward_model, tokenizer, template))
-    eval_envs = {eval_set.name: gymnasium.make_vec(env.env_id, num_envs=env.eval_batch_size,
+                                   **env_kwargs(config, "train", reward_model, tokenizer, template))
+    eval_envs = {eval_set.name: gymnasium.make_vec(env.env_id, num_envs=config.budget.eval_batch_size,
                                                    vectorization_mode="vector_entry_point", group_size=1,
                                                    autoreset_mode=AutoresetMode.DISABLED,
-                                                   **env_kwargs(env, "test", reward_model, tokenizer, template,
+                                                   **env_kwargs(config, "test", reward_model, tokenizer, template,
                                                                 eval_set.path))
                  for eval_set in env.eval_sets}
     return train_env, eval_envs
 
 
-def build_algorithm(learning: LearningConfig, ranks: Ranks = Ranks()) -> Algorithm:
-    """The algorithm; under torchrun RLOO keeps its share of the filtered groups on each rank, and batch
-    statistics are taken over every rank's part."""
-    max_groups = learning.prompt_groups // ranks.world_size if learning.prompt_groups is not None else None
-    algorithm = make_algorithm(learning.algorithm, dataclasses.replace(learning.losses, max_groups=max_groups))
+def algorithm_config(config: RunConfig, ranks: Ranks = Ranks()) -> AlgorithmConfig:
+    """The algorithms' hyper-parameters from the algorithm, PRIME and multi-agent sections; under torchrun RLOO
+    keeps its share of the filtered groups on each rank."""
+    learning, prime = config.learning, config.prime
+    return AlgorithmConfig(
+        clip_param=learning.clip_param, value_clip_param=learning.value_clip_param or None,
+        huber_delta=learning.huber_delta or None, value_coef=learning.value_coef, entropy_coef=learning.entropy_coef,
+        gamma=learning.gamma, gae_lambda=learning.gae_lambda, value_lambda=learning.value_lambda,
+        scale_rewards=learning.scale_rewards, kl_coef=learning.kl_coef, loss_agg=learning.loss_agg,
+        process_coef=prime.process_coef, accuracy_lower_bound=prime.accuracy_lower_bound,
+        accuracy_upper_bound=prime.accuracy_upper_bound,
+        max_groups=learning.prompt_groups // ranks.world_size if learning.prompt_groups is not None else None,
+        joint_groups=config.multi_agent.agent_groups == AgentGroups.JOINT)
+
+
+def build_algorithm(config: RunConfig, ranks: Ranks = Ranks()) -> Algorithm:
+    """The algorithm; under torchrun batch statistics are taken over every rank's part."""
+    algorithm = make_algorithm(config.learning.algorithm, algorithm_config(config, ranks))
     if ranks.distributed:
         algorithm.reduce_sum = distributed.all_reduce_tensor
     return algorithm
@@ -306,20 +324,20 @@ def runner_config(config: RunConfig) -> RunnerConfig:
         log_interval=logs.log_interval, save_interval=logs.save_interval, keep_checkpoints=logs.keep_checkpoints,
         save_best=logs.save_best, save_dtype=logs.save_dtype or config.model.dtype,  # None: the training dtype
         max_nonfinite_steps=learning.max_nonfinite_steps,
-        seed=config.seed,
+        seed=budget.seed,
         async_rollouts=config.generation.async_rollouts, max_policy_lag=config.generation.max_policy_lag,
-        eval_verdict="target" if config.env.handoff_steps is not None else "correct",  # Prefix-RL: the target's
-        eval_sampling=EvalSampling(budget.eval_samples, budget.eval_temperature, budget.eval_top_p, config.seed),
+        eval_verdict="target" if config.prefix_rl.handoff_steps is not None else "correct",  # Prefix-RL: the target's
+        eval_sampling=EvalSampling(budget.eval_samples, budget.eval_temperature, budget.eval_top_p, budget.seed),
         rollout=config.rollout)
 
 
 def build_voices(config: RunConfig, env, policy: LanguagePolicy, sampling: Sampling) -> Voices:
     """Who speaks for each agent slot: its role adapter (per-role adapters), a frozen role's own model (an HF
     generator sampled as the target is: the target's max new tokens and temperature), else the policy."""
-    models, slots = config.model.role_models, dict(enumerate(env.agents.roles))
+    models, slots = config.multi_agent.models_by_role, dict(enumerate(env.agents.roles))
     own = [slot for slot, role in slots.items() if role in models]
-    target_sampling = dataclasses.replace(sampling, max_new_tokens=config.rewards.target_max_new_tokens,
-                                          temperature=config.rewards.target_temperature)
+    target_sampling = dataclasses.replace(sampling, max_new_tokens=config.prefix_rl.target_max_new_tokens,
+                                          temperature=config.prefix_rl.target_temperature)
     return Voices(
         adapters={slot: role for slot, role in slots.items() if role in policy.role_adapters},
         generators={slot: make_generator("hf", LanguagePolicy(models[slots[slot]], device=str(policy.device),
@@ -327,7 +345,7 @@ def build_voices(config: RunConfig, env, policy: LanguagePolicy, sampling: Sampl
         samplings={slot: target_sampling for slot in own})
 
 
-def build_trainable(policy: LanguagePolicy, ranks: Ranks, data_parallel: str) -> torch.nn.Module:
+def build_trainable(policy: LanguagePolicy, ranks: Ranks, data_parallel: DataParallel) -> torch.nn.Module:
     """The module the update calls: the policy, or under torchrun the policy sharded with FSDP2
     (``data_parallel`` fsdp, or auto with full fine-tuning) or wrapped in DDP (ddp, or auto with LoRA;
     parameters a step leaves unused, such as an idle critic, are allowed). Gradients are averaged over ranks."""
@@ -344,11 +362,12 @@ def build_trainable(policy: LanguagePolicy, ranks: Ranks, data_parallel: str) ->
     return DistributedDataParallel(policy, device_ids=device_ids, find_unused_parameters=True)
 
 
-def sampling_of(generation: GenerationConfig, action_level: str, eos_text: str) -> Sampling:
+def sampling_of(generation: GenerationConfig, action_level: ActionLevel, eos_text: str) -> Sampling:
     """How rollouts sample: one token per action in token mode; a step stops at the step delimiter."""
-    return Sampling(max_new_tokens=1 if action_level == "token" else generation.max_new_tokens,
+    token_actions = action_level == ActionLevel.TOKEN
+    return Sampling(max_new_tokens=1 if token_actions else generation.max_new_tokens,
                     temperature=generation.temperature, top_p=generation.top_p, eos_text=eos_text,
-                    token_actions=action_level == "token", stop=(STEP_DELIMITER,) if action_level == "step" else None)
+                    token_actions=token_actions, stop=(STEP_DELIMITER,) if action_level == ActionLevel.STEP else None)
 
 
 def overlong_penalty(rollout: RolloutConfig, sampling: Sampling) -> OverlongPenalty | None:
@@ -363,31 +382,33 @@ def build_runner(config: RunConfig, run_dir: Path, writer, saved: checkpoint.Che
     """Every piece of a run from its config, composed into a Runner (restored from ``saved`` if given).
     ``writer`` is a tensorboardX SummaryWriter on ``run_dir`` (None on ranks other than 0);
     ``generator_factory`` builds the generation backend when the caller needs engine settings the config
-    does not cover; ``ranks``: this process's place in a torchrun job."""
-    env, learning = config.env, config.learning
+    does not cover; ``ranks``: this process's place in a torchrun job. ``config`` is resolved first
+    (``train.resolve.resolved``): options left None take the values the command line would give them."""
+    config = resolved(config)
+    env, learning, data_parallel = config.env, config.learning, config.distributed.data_parallel
     directory = model_dir(config.model, env.workflow is not None)
-    policy = build_policy(config.model, directory, learning.algorithm, ranks)
+    policy = build_policy(config.model, directory, learning.algorithm, ranks, data_parallel)
     # first: under FSDP2 the ranks but 0 hold no weights until sharded, and the parameters become new objects
-    trainable = build_trainable(policy, ranks, config.model.data_parallel)
+    trainable = build_trainable(policy, ranks, data_parallel)
     template = build_template(env.prompt_template, policy.tokenizer, env.system_prompt, env.answer_instruction)
-    train_env, eval_envs = build_envs(env, build_reward_model(config, str(policy.device), template), policy.tokenizer,
+    train_env, eval_envs = build_envs(config, build_reward_model(config, str(policy.device), template), policy.tokenizer,
                                       template, ranks)
     sync_dir = Path(config.services.vllm_sync_dir or run_dir / "sync")
     if ranks.distributed:  # each rank writes (and its servers load) its own copy: no two writers on one path
         sync_dir = sync_dir / f"rank_{ranks.rank}"
     generator, rollout_policy, rollout_generator = build_generators(config, policy, directory, sync_dir,
                                                                     generator_factory)
-    algorithm = build_algorithm(learning, ranks)
+    algorithm = build_algorithm(config, ranks)
     implicit_prm = None
     if algorithm.needs_process_rewards:
-        implicit_prm = ImplicitPRM(directory, beta=learning.implicit_prm_beta, lr=learning.implicit_prm_lr,
+        implicit_prm = ImplicitPRM(directory, beta=config.prime.implicit_prm_beta, lr=config.prime.implicit_prm_lr,
                                    device=str(policy.device), dtype=config.model.dtype,
                                    lora=lora_settings(config.model))
     runner_settings = runner_config(config)
     optimizer, scheduler = build_optimizer(learning, policy, runner_settings.num_iterations)
     sampling = sampling_of(config.generation, env.action_level, policy.tokenizer.eos_token or "")
-    collector = Collector(train_env, algorithm_spec(learning.algorithm), env.episode_length, sampling, seed=config.seed,
-                          env_offset=distributed.shard(env.num_envs, env.group_size, ranks)[0],
+    collector = Collector(train_env, algorithm_spec(learning.algorithm), env.episode_length, sampling,
+                          seed=config.budget.seed, env_offset=distributed.shard(env.envs_stepped, env.group_size, ranks)[0],
                           voices=build_voices(config, train_env, policy, sampling), critic=learning.critic_view,
                           overlong=overlong_penalty(config.rollout, sampling))
     runner = Runner(runner_settings, collector, eval_envs, policy, generator, algorithm, optimizer, scheduler, writer,

@@ -1,9 +1,11 @@
 """A run's configuration: one typed, frozen dataclass per part, and the single source of each option.
 
 A user option is a field declared with ``train.options.option`` (its default and help written once);
-its absl flag is generated from it (train/flags/), so ``RunConfig()`` and ``train_math.py`` without
-flags start from the same values. A default of None means "resolved from other flags": the help says
-to what, and ``train.resolve.config_from_flags`` resolves it, in one place. The builders
+its absl flag is generated from it (train/flags/, one module per section, in --helpfull's order), so
+``RunConfig()`` and ``train_math.py`` without flags start from the same values. A default of None means
+"resolved from other options": the help says to what, and ``train.resolve.resolved`` works it out, in
+one place, for a config from flags and one built in code alike. Fields declared without ``option`` are
+resolved values (the env's workflow, envs per iteration, ...), not options. The builders
 (train/builders.py) each take their part, so a library user builds a run without absl:
 ``build_runner(RunConfig(...), run_dir, writer)``.
 
@@ -13,20 +15,35 @@ Light on purpose: the flags are generated from these classes before torch (or th
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from algorithms.registry import AlgorithmConfig
+from algorithms.registry import ALGORITHMS, LossAgg, ScaleRewards
 from train.options import option
 
 if TYPE_CHECKING:
     from envs.workflows import Workflow
     from models.remote import ClientSettings
 
-PRM_TYPES = {"shepherd": "shepherd", "classifier": "classifier", "ms": "shepherd", "qwen": "classifier"}
-"""--prm_type's accepted names (OpenR's MS and Qwen included) -> the PRM kind."""
 REWARD_SOURCES = ("outcome", "prm", "target", "steps")
 DEFAULT_PRM_REWARD = "outcome:1.0,prm:0.2"
+
+
+class DType(enum.StrEnum):
+    """The policy's compute dtype."""
+
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
+
+class DataParallel(enum.StrEnum):
+    """How the policy is split over the ranks under torchrun."""
+
+    AUTO = "auto"  # fsdp for full fine-tuning, ddp for LoRA
+    DDP = "ddp"  # every rank holds the whole model, gradients all-reduced
+    FSDP = "fsdp"  # FSDP2 shards weights, gradients and optimizer state
 
 
 class ActionLevel(enum.StrEnum):
@@ -37,12 +54,38 @@ class ActionLevel(enum.StrEnum):
     TOKEN = "token"  # one token (the env's token mode)
 
 
+class PromptTemplate(enum.StrEnum):
+    """How a problem becomes a prompt (``models.prompting.build_template``)."""
+
+    DEFAULT = "default"  # 'Problem: ...\nSolution:\n'
+    QWEN_MATH = "qwen_math"  # Qwen2.5-Math's ChatML prompt
+    CHAT = "chat"  # the tokenizer's own chat template
+
+
+class PrmType(enum.StrEnum):
+    """The kind of a process reward model."""
+
+    SHEPHERD = "shepherd"  # Math-Shepherd step tags
+    CLASSIFIER = "classifier"  # Qwen2.5-Math-PRM style
+
+
+PRM_TYPE_ALIASES = {"ms": "shepherd", "qwen": "classifier"}
+"""OpenR's names of the PRM kinds, which --prm_type accepts too."""
+
+
 class RewardAssignment(enum.StrEnum):
     """How a multi-agent env credits each role."""
 
     TEAM = "team"  # the verified final answer, to every role that acted
     INDIVIDUAL = "individual"  # each role's own verifiable output
     COUNTERFACTUAL = "counterfactual"  # the team outcome minus the outcome without the role's messages
+
+
+class AgentGroups(enum.StrEnum):
+    """What a multi-agent GRPO/RLOO group baseline compares."""
+
+    ROLE = "role"  # one role's samples of one problem
+    JOINT = "joint"  # every role's samples of the problem together (MAGRPO's team baseline)
 
 
 class LrSchedule(enum.StrEnum):
@@ -52,23 +95,45 @@ class LrSchedule(enum.StrEnum):
     CONSTANT = "constant"
 
 
+class Critic(enum.StrEnum):
+    """Whether a critic is trained and, on a multi-agent env, what it reads."""
+
+    AUTO = "auto"  # APPO/TPPO yes, GRPO/RLOO no
+    ON = "on"
+    OFF = "off"
+    CENTRALIZED = "centralized"  # the joint transcript and the acting role's name, one value head (MAPPO)
+    PER_ROLE = "per_role"  # each role's own prompt, a value head per role
+
+
+AlgorithmName = enum.StrEnum("AlgorithmName", {name: name for name in ALGORITHMS})
+"""The registered algorithms (``algorithms.registry.ALGORITHMS``)."""
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """The policy's weights and how it runs. Model paths are local directories (hub ids already resolved)."""
+    """The policy's weights and how it runs. Model paths are local directories once resolved (hub ids become
+    their snapshots)."""
 
-    name_or_path: str | None = None  # None: the shipped tiny policy (the tiny team model on a workflow)
-    revision: str | None = None  # the hub revision the model paths were resolved at
-    device: str = "auto"
-    dtype: str = "float32"
-    lora_rank: int = 0
-    gradient_checkpointing: bool = False
-    role_adapters: tuple[str, ...] = ()  # trained roles with a LoRA adapter of their own
-    role_models: dict[str, str] = field(default_factory=dict)  # frozen role -> its model directory
-    value_heads: int = 1  # one per role with a per-role critic
-    torch_threads: int = 1
-    return_freed_memory: bool = True  # on a CPU device: freed tensors leave the resident set
-    data_parallel: str = "auto"  # under torchrun: ddp, fsdp or auto
-    dist_timeout: float = 600.0  # under torchrun: seconds a collective may wait
+    name_or_path: str | None = option(
+        None, "Policy model: a Hugging Face model directory or a hub id (e.g. Qwen/Qwen2.5-Math-1.5B, resolved "
+        "through the Hugging Face cache; HF_HUB_OFFLINE=1 is honoured). Default: the tiny Arith policy shipped in "
+        "the package (models/tiny/shipped; on a multi-agent env the tiny team model, which knows the workflows' "
+        "roles).", flag="model_name_or_path")
+    revision: str | None = option(None, "Hub revision (branch, tag or commit) of every model flag given as a hub "
+                                  "id. Default: the hub's default branch.")
+    device: str = option("auto", "auto, cpu, cuda or cuda:N.")
+    dtype: DType = option(DType.FLOAT32, "Compute dtype: matmuls run in it under autocast; trained weights stay fp32 "
+                          "(master weights) and a LoRA's frozen base is stored in it.")
+    lora_rank: int = option(0, "LoRA rank; 0 trains all weights.", lower_bound=0)
+    gradient_checkpointing: bool = option(False, "Recompute activations in the backward pass.")
+    return_freed_memory: bool = option(
+        True, "On a CPU device, freed tensors of 1 MiB or more go back to the OS at once, so the resident set "
+        "follows the live tensors, for more system time per allocation; --noreturn_freed_memory keeps glibc's "
+        "default, which holds on to freed memory.")
+    torch_threads: int = option(1, "torch intra-op CPU threads. 1 by default: on a machine whose cores other "
+                                "processes share, more threads oversubscribe OpenMP.", lower_bound=1)
+    role_adapters: tuple[str, ...] = ()  # resolved: trained roles with a LoRA adapter of their own
+    value_heads: int = 1  # resolved: one per role with a per-role critic
 
 
 ANSWER_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
@@ -85,47 +150,119 @@ class EvalSet:
     path: str | None = None
 
 
+def parse_eval_sets(value: str | None) -> tuple[EvalSet, ...]:
+    """--eval_dataset_path as EvalSets: None -> one unnamed set, the env's own held-out split; a value without
+    '=' -> one unnamed set at that path; else comma-separated NAME=PATH entries, an empty PATH naming the env's
+    own held-out split. Names are letters, digits, '.', '-', '_', each once. Raises ValueError."""
+    if value is None or "=" not in value:
+        return (EvalSet(None, value),)
+    sets = []
+    for entry in value.split(","):
+        name, _, path = entry.strip().partition("=")
+        if re.fullmatch(r"[\w.\-]+", name) is None or "=" in path:
+            raise ValueError(f"--eval_dataset_path entry {entry!r} must be NAME=PATH (NAME of letters, digits, '.', "
+                             "'-', '_'; an empty PATH: the env's own held-out split), e.g. "
+                             "math500=envs/data/math500.jsonl,arith=")
+        if name in [known.name for known in sets]:
+            raise ValueError(f"--eval_dataset_path names the set {name!r} twice; give each set its own name")
+        sets.append(EvalSet(name, path or None))
+    return tuple(sets)
+
+
 @dataclass(frozen=True)
 class EnvConfig:
-    """The train and held-out envs: a registered id, where problems come from, what one action is."""
+    """The problems and the train and held-out envs: a registered id, where problems come from, what one action
+    is, the prompt."""
 
-    env_id: str = "Arith-v0"  # registered gymnasium id (its module imported)
-    workflow: Workflow | None = None  # a multi-agent env's roles
-    dataset_path: str | None = None
-    dataset_name: str | None = None
-    eval_sets: tuple[EvalSet, ...] = (EvalSet(),)  # the first one's greedy accuracy picks the best checkpoint
-    action_level: ActionLevel = ActionLevel.SOLUTION
-    handoff_steps: int | None = None  # Prefix-RL: policy actions before the target takes over
-    episode_length: int = 1
-    num_envs: int = 128  # envs stepped per iteration (RLOO: times its oversampling)
-    group_size: int = 4
-    whole_episodes: bool = True  # one episode per env per iteration (no autoreset)
-    eval_batch_size: int = 500
-    reward_assignment: RewardAssignment = RewardAssignment.TEAM  # multi-agent credit
-    prompt_template: str = "default"  # default, qwen_math or chat
-    system_prompt: str | None = None
-    answer_instruction: str = ANSWER_INSTRUCTION  # ends a chat prompt's user turn
-    env_kwargs: dict = field(default_factory=dict)  # the user's keywords for the env id (envs.override_kwargs)
+    dataset_path: str | None = option(
+        None, "Problems to train on: a JSONL/JSON file (MATH-500 or OpenR schema), a directory holding "
+        "{split}.jsonl, or hf://NAME[:split] (needs the datasets package). Given alone, the env is MATH-v0.")
+    dataset_name: str | None = option(None, "OpenR's subject filter for a MATH dataset (e.g. 'prealgebra'); default: "
+                                      "all subjects.")
+    eval_dataset_path: str | None = option(
+        None, "Held-out problems for evaluation: a path as --dataset_path takes, logged under eval/; or "
+        "comma-separated NAME=PATH sets, each evaluated and logged under eval/NAME/ (an empty PATH: the default "
+        "set), e.g. math500=envs/data/math500.jsonl,arith= ; eval/accuracy and the best checkpoint then follow the "
+        "first set. Default: the env's test split (Arith-v0), or --dataset_path itself (e.g. MATH-500).")
+    env_id: str | None = option(
+        None, "A registered gymnasium id with a vector entry point (MathVectorEnv or compatible), or "
+        "'module:EnvId' to import a registration module first (on PYTHONPATH). Default: MATH-v0 with "
+        "--dataset_path, else Arith-v0.")
+    action_level: ActionLevel = option(
+        ActionLevel.SOLUTION, "What one env action is: a whole solution (one generate call per episode), one "
+        "reasoning step (generation stops at the step delimiter) or one token (the env's token mode; "
+        "--episode_length then counts tokens).")
+    prompt_template: PromptTemplate = option(
+        PromptTemplate.DEFAULT, "How a problem becomes a prompt: default ('Problem: ...\\nSolution:\\n'), qwen_math "
+        "(Qwen2.5-Math's ChatML prompt), or chat (the tokenizer's own chat template, generation prompt added; for "
+        "instruct models).")
+    env_kwargs: str | None = option(
+        None, "JSON object of keywords for the env id (gymnasium.make's kwargs), e.g. '{\"arith\": {\"digits\": 1, "
+        "\"max_ops\": 2, \"num_train\": 3000}}' for Arith-v0's knobs or '{\"levels\": [1, 2]}' for MATH-v0; a dict "
+        "value updates the registered dict key by key. Applies to the train and held-out envs.")
+    answer_instruction: str = option(
+        ANSWER_INSTRUCTION, "Sentence appended to the user turn of --prompt_template chat, telling an instruct model "
+        "where to put its answer (verl's math recipes append the same); '' for none. Every role of a workflow "
+        "reads it.")
+    system_prompt: str | None = option(None, "System message of --prompt_template chat (and qwen_math). Default: the "
+                                       "template's own.")
+    episode_length: int | None = option(
+        None, "Env steps per env per iteration (episodic algorithms: the longest episode; longer ones are cut). "
+        "Default: 1 with --action_level solution, else 8; in a multi-agent env one step per turn, the workflow's "
+        "most turns (or the env's max_steps).", lower_bound=1)
+    num_envs: int = option(128, "Parallel envs (= samples per iteration); groups of --group_size consecutive envs "
+                           "share a problem.", flag="n_rollout_threads", lower_bound=1)
+    group_size: int | None = option(None, "Samples per problem (consecutive envs sharing one). Default: 4 for "
+                                    "GRPO/RLOO (they compare samples within a group), 1 for APPO/TPPO.", lower_bound=1)
+    workflow: Workflow | None = None  # resolved: a multi-agent env's roles
+    envs_stepped: int | None = None  # resolved: envs stepped per iteration (num_envs, times RLOO's oversampling)
+    whole_episodes: bool | None = None  # resolved: one episode per env per iteration (no autoreset)
+
+    @property
+    def eval_sets(self) -> tuple[EvalSet, ...]:
+        """The held-out sets of ``eval_dataset_path``; the first one's greedy accuracy picks the best checkpoint."""
+        return parse_eval_sets(self.eval_dataset_path)
+
+    @property
+    def user_kwargs(self) -> dict:
+        """``env_kwargs`` parsed and checked against the env id (``envs.override_kwargs``); {} when not given."""
+        import json
+
+        import envs  # here: the flags are generated from this module before the env is imported
+
+        if self.env_kwargs is None:
+            return {}
+        return envs.override_kwargs(self.env_id or "Arith-v0", json.loads(self.env_kwargs))
 
 
 @dataclass(frozen=True)
 class RewardConfig:
-    """The weighted reward sources and the models behind them."""
+    """The weighted reward sources and the process reward model."""
 
-    spec: str = "outcome"  # e.g. "outcome:1.0,prm:0.2"
-    prm_model: str | None = None
-    prm_checkpoint_path: str | None = None
-    prm_type: str = "shepherd"  # shepherd or classifier
-    prm_step_tag: str | None = None
-    prm_kv_cache_mb: float | None = None
-    target_model: str | None = None
-    target_num_samples: int = 1
-    target_temperature: float = 0.0
-    target_max_new_tokens: int = 256
+    spec: str | None = option(
+        None, "Weighted reward sources, e.g. 'outcome:1.0,prm:0.2' (sources: "
+        f"{', '.join(REWARD_SOURCES)}). Default: {DEFAULT_PRM_REWARD!r} with a PRM, else the env id's declared "
+        "default (Arith-v0: 'outcome:1.0,steps:1.0'; MATH and the workflows: 'outcome'). On a multi-agent env "
+        "'outcome' is the --reward_assignment credit and the other sources score each answering role's message as "
+        "one solution, paid to that role.", flag="reward")
+    prm_model: str | None = option(
+        None, "Process reward model: a directory or a hub id (see --model_name_or_path); enables the 'prm' reward "
+        f"source (default --reward becomes {DEFAULT_PRM_REWARD!r}).", flag="prm_model_name_or_path")
+    prm_checkpoint_path: str | None = option(None, "Optional LoRA adapter directory applied on top of the PRM.")
+    prm_type: PrmType = option(PrmType.SHEPHERD, "PRM kind: shepherd (Math-Shepherd step tags; OpenR's 'MS') or "
+                               "classifier (Qwen2.5-Math-PRM style; OpenR's 'Qwen').", aliases=PRM_TYPE_ALIASES)
+    prm_step_tag: str | None = option(
+        None, "The PRM's step marker: for shepherd PRMs the tag after each step whose '+' probability is the score "
+        "(default 'ки', Math-Shepherd's); for classifier PRMs the separator after each step (default '<extra_0>', "
+        "Qwen2.5-Math-PRM's). It must be one token of the PRM's tokenizer.")
+    prm_kv_cache_mb: float | None = option(
+        None, "MiB of PRM key/values kept between env steps, so each step runs only the new step's tokens (same "
+        "scores); size it for every env's trajectory or it thrashes. 0 recomputes every text in full. Default: "
+        "1024 for shepherd PRMs; classifier PRMs always recompute (only 0 is allowed).", lower_bound=0)
 
     @property
     def weights(self) -> dict[str, float]:
-        """{source: weight} of ``spec``."""
+        """{source: weight} of ``spec`` (resolved: see ``train.resolve``)."""
         from reward_models.mixture import parse_reward_spec  # here: the flags are generated from this module
 
         return parse_reward_spec(self.spec, REWARD_SOURCES)
@@ -133,25 +270,159 @@ class RewardConfig:
 
 @dataclass(frozen=True)
 class LearningConfig:
-    """The algorithm, its losses' coefficients, and the optimisation."""
+    """The algorithm, the optimisation, and the losses' coefficients."""
 
-    algorithm: str = "GRPO"
-    losses: AlgorithmConfig = field(default_factory=AlgorithmConfig)  # max_groups: see prompt_groups
-    prompt_groups: int | None = None  # RLOO oversampling: groups kept per iteration over every rank
-    critic_view: str = "centralized"  # a multi-agent critic reads the joint transcript, or per_role prompts
-    lr: float = 1e-4
-    critic_lr: float = 1e-3
-    warmup_iterations: int = 20
-    lr_schedule: LrSchedule = LrSchedule.LINEAR
-    num_mini_batch: int = 1
-    ppo_epoch: int = 1
-    gradient_cp_steps: int = 1
-    micro_batch_tokens: int = 0
-    max_grad_norm: float = 1.0
-    target_kl: float = 0.0
-    max_nonfinite_steps: int = 3
-    implicit_prm_beta: float = 0.05
-    implicit_prm_lr: float = 1e-3
+    algorithm: AlgorithmName = option(AlgorithmName.GRPO, "RL algorithm.", flag="algorithm_name")
+    num_mini_batch: int = option(1, "Minibatches (optimizer steps) per epoch over each rollout.", lower_bound=1)
+    ppo_epoch: int = option(1, "Epochs over each rollout.", lower_bound=1)
+    gradient_cp_steps: int = option(1, "Gradient accumulation: micro-batches per minibatch.", lower_bound=1)
+    micro_batch_tokens: int = option(
+        0, "Most tokens one micro-batch forwards (a shared prompt once, then each action): micro-batches are cut "
+        "further until each fits, rows of one prompt kept together, the gradient unchanged. It bounds the update's "
+        "activation memory; 0: no limit.", lower_bound=0)
+    lr: float = option(1e-4, "Policy learning rate (AdamW).")
+    critic_lr: float = option(1e-3, "Critic learning rate (value head and critic adapter).")
+    warmup_iterations: int = option(20, "Linear lr warm-up length in iterations (Adam's first steps move every weight "
+                                    "by about lr; warm-up keeps them small).", lower_bound=0)
+    lr_schedule: LrSchedule = option(
+        LrSchedule.LINEAR, "After warm-up: linear decay to 0 at the last iteration, or constant. A run resumed with "
+        "another --num_env_steps goes on at the new budget's lr for the step it has reached.")
+    max_grad_norm: float = option(1.0, "Gradient norm clip (0: off).")
+    clip_param: float = option(0.2, "PPO ratio clip epsilon.")
+    entropy_coef: float = option(0.0, "Entropy bonus coefficient.")
+    target_kl: float = option(0.0, "Stop the update early once a minibatch's approx KL to the behaviour policy "
+                              "exceeds this (0: off).")
+    max_nonfinite_steps: int = option(
+        3, "A non-finite loss or gradient skips that optimizer step; this many in a row stop the run with an error "
+        "(the last checkpoint is kept as the last good one).", lower_bound=1)
+    critic: Critic = option(
+        Critic.AUTO, "Train a critic: auto = APPO/TPPO yes, GRPO/RLOO no. On a multi-agent env (APPO/TPPO) it says "
+        "what the critic reads: centralized (= auto, on): the joint transcript (every message so far) and the "
+        "acting role's name, one value head (MAPPO); per_role: each role's own prompt, a value head per role.")
+    value_coef: float = option(0.5, "Value loss coefficient.")
+    value_clip_param: float = option(0.2, "Value clip around the collection-time values (0: off).")
+    huber_delta: float = option(0.0, "Huber delta of the value loss (0: squared error).")
+    gamma: float = option(1.0, "Discount across env steps.")
+    gae_lambda: float = option(0.95, "GAE lambda of the policy's advantages.")
+    value_lambda: float = option(
+        1.0, "GAE lambda of the critic's targets (Decoupled GAE, as VAPO): 1.0 fits V to the returns the rewards "
+        "give; below 1 a token j steps before the reward sees it with weight lambda^j and V is fitted mostly to its "
+        "own later values.")
+    scale_rewards: ScaleRewards = option(ScaleRewards.GROUP, "Divide centred returns by the group's std, the batch's, "
+                                         "or nothing (Dr.GRPO).")
+    kl_coef: float = option(0.0, "k3 KL-to-reference coefficient (0: no reference pass).")
+    loss_agg: LossAgg = option(LossAgg.TOKEN_MEAN, "Per-token loss aggregation.")
+    prompt_groups: int | None = None  # resolved: RLOO oversampling: groups kept per iteration over every rank
+
+    @property
+    def critic_view(self) -> str:
+        """What a multi-agent critic reads: the joint transcript (centralized), or each role's prompt (per_role)."""
+        return Critic.PER_ROLE if self.critic == Critic.PER_ROLE else Critic.CENTRALIZED
+
+
+@dataclass(frozen=True)
+class PrimeConfig:
+    """PRIME: RLOO with an implicit process reward model and accuracy-filtered prompt groups."""
+
+    accuracy_lower_bound: float = option(0.2, "PRIME: keep prompts whose group accuracy is >= this.")
+    accuracy_upper_bound: float = option(0.8, "PRIME: keep prompts whose group accuracy is <= this.")
+    oversample_factor: int = option(4, "PRIME: sample this many times the prompts, keep --n_rollout_threads / "
+                                    "--group_size of those passing the accuracy filter.", lower_bound=1)
+    implicit_prm_beta: float = option(0.05, "PRIME: implicit PRM beta.")
+    implicit_prm_lr: float = option(1e-3, "PRIME: implicit PRM learning rate (PRIME's paper used 1e-6 on 7B models).")
+    process_coef: float = option(0.2, "PRIME: weight of the implicit-PRM reward stream (0: RLOO on the outcome stream "
+                                 "alone, and no implicit PRM is built or trained).")
+
+
+@dataclass(frozen=True)
+class MultiAgentConfig:
+    """Multi-agent workflows (Arith-Chain-v0, ...): roles' models, credit and group baselines."""
+
+    role_models: tuple[str, ...] = option(
+        (), "ROLE=DIR (repeatable; DIR a directory or a hub id): a frozen role of a multi-agent workflow (one its "
+        "Workflow marks trainable=False, e.g. Arith-Prefix-v0's solver: Prefix-RL's frozen target) speaks with the "
+        "model in DIR instead of the policy. Frozen roles are never trained on; without a model of their own they "
+        "speak with the policy.", flag="role_model")
+    agent_groups: AgentGroups = option(
+        AgentGroups.ROLE, "Multi-agent envs, GRPO/RLOO: the group baseline compares one role's samples of one "
+        "problem (role, normalised per role), or every role's samples of the problem together (joint, MAGRPO's team "
+        "baseline).")
+    reward_assignment: RewardAssignment = option(
+        RewardAssignment.TEAM, "Multi-agent envs: how each role is credited. team: the verified final answer, to "
+        "every role that acted; individual: each role's own verifiable output (its answer; a verifier's verdict "
+        "against the truth); counterfactual: the team outcome minus the outcome with the role's messages replaced "
+        "by its default (e.g. the verifier always accepting).")
+    share_policy: bool = option(
+        True, "Multi-agent envs: every role acts with the one policy, told apart by its prompt; --noshare_policy "
+        "gives each trained role a LoRA adapter of its own on the shared base (needs --lora_rank > 0; generated by "
+        "--generation_backend hf or vllm, every role in one call), all trained in the same optimizer step.")
+
+    @property
+    def models_by_role(self) -> dict[str, str]:
+        """``role_models`` as {role: model directory or hub id}. Raises ValueError on an entry not ROLE=DIR."""
+        models = {}
+        for entry in self.role_models:
+            role, sep, directory = entry.partition("=")
+            if not sep or not role or not directory:
+                raise ValueError(f"--role_model={entry!r} must be ROLE=DIR (e.g. solver=/models/target)")
+            models[role] = directory
+        return models
+
+
+@dataclass(frozen=True)
+class PrefixRLConfig:
+    """Prefix-RL: the policy writes a prefix and a frozen target solver finishes it."""
+
+    handoff_steps: int | None = option(
+        None, "Prefix-RL: an episode ends after this many policy actions and the frozen target "
+        "(--target_model_name_or_path, reward 'target') solves on from the prefix. With --action_level solution "
+        "and --max_new_tokens K the prefix is one action of at most K tokens.", lower_bound=1)
+    target_model: str | None = option(None, "Frozen target solver for the 'target' reward source (Prefix-RL): a "
+                                      "directory or a hub id (see --model_name_or_path).",
+                                      flag="target_model_name_or_path")
+    target_num_samples: int = option(1, "Completions the target samples from each prefix; the 'target' reward is the "
+                                     "fraction that verify.", lower_bound=1)
+    target_temperature: float = option(0.0, "Sampling temperature of the target, and of a frozen --role_model role "
+                                       "(0: greedy; use > 0 with --target_num_samples > 1).", lower_bound=0.0)
+    target_max_new_tokens: int = option(256, "Most tokens the target writes after the prefix, and a frozen "
+                                        "--role_model role's messages.", lower_bound=1)
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    """Data-parallel training under torchrun."""
+
+    dist_timeout: float = option(
+        600.0, "Under torchrun: seconds any collective (gradient all-reduce, statistics) may wait for the other "
+        "ranks before this rank fails with an error, so a rank that hangs or dies ends the job instead of stalling "
+        "it.", lower_bound=1.0)
+    data_parallel: DataParallel = option(
+        DataParallel.AUTO, "Under torchrun: how the policy is split over the ranks. ddp: every rank holds the whole "
+        "model and optimizer state, gradients all-reduced; fsdp: FSDP2 shards weights, gradients and optimizer "
+        "state over the ranks (full fine-tuning only); auto: fsdp for full fine-tuning, ddp for LoRA.")
+
+
+@dataclass(frozen=True)
+class BudgetConfig:
+    """How long the run trains, how it is evaluated, and its seed."""
+
+    num_env_steps: int = option(
+        81_920, "Env steps to take in all, oversampled and background batches included; iterations = "
+        "ceil(num_env_steps / (episode_length * envs per iteration)), where envs per iteration = n_rollout_threads "
+        "(x oversample_factor for RLOO).", lower_bound=1)
+    eval_interval: int = option(100, "Evaluate every this many iterations (and at the start and end); 0: never.",
+                                lower_bound=0)
+    eval_limit: int = option(1000, "Most held-out problems per evaluation.", lower_bound=1)
+    eval_batch_size: int = option(500, "Solutions generated per evaluation batch (greedy ones, then --eval_samples "
+                                  "per problem).", lower_bound=1)
+    eval_samples: int = option(
+        0, "Sampled solutions per held-out problem at each evaluation, besides the greedy one: logs pass@k (the "
+        "unbiased estimator) as pass_at_k and maj@k (majority answer) as maj_at_k for k = 1, 2, 4, ... and this "
+        "number, and mean_at_<this number> (0: greedy only).", lower_bound=0)
+    eval_temperature: float = option(1.0, "Sampling temperature of --eval_samples (> 0).")
+    eval_top_p: float = option(1.0, "Nucleus sampling of --eval_samples (1: off).")
+    seed: int = option(0, "Seed of torch, numpy, the problem sampler and generation.")
+    num_iterations: int | None = None  # resolved from num_env_steps (given in code: it wins)
 
 
 class Backend(enum.StrEnum):
@@ -244,19 +515,6 @@ class RolloutConfig:
         return (self.rollout_is_threshold_lower or 1.0 / upper), upper
 
 
-@dataclass(frozen=True)
-class BudgetConfig:
-    """How long the run trains and how it is evaluated."""
-
-    num_iterations: int = 640
-    num_env_steps: int | None = None  # the budget the iterations came from (messages only)
-    eval_interval: int = 100
-    eval_limit: int = 1000
-    eval_samples: int = 0  # sampled solutions per held-out problem (pass@k, maj@k, mean@k); 0: greedy only
-    eval_temperature: float = 1.0
-    eval_top_p: float = 1.0
-
-
 MAX_SERVICE_BACKOFF = 30.0
 """Most seconds between two retries of a request to a --*_url server."""
 
@@ -333,17 +591,20 @@ class LoggingConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
-    """Every part of a run. ``flags``: the command line's flag values, saved with each checkpoint so a
-    resume can inherit them (empty for a run built without flags)."""
+    """Every part of a run, one section per --helpfull section. ``flags``: the command line's flag values, saved
+    with each checkpoint so a resume can inherit them (empty for a run built without flags)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
-    rewards: RewardConfig = field(default_factory=RewardConfig)
-    learning: LearningConfig = field(default_factory=LearningConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    budget: BudgetConfig = field(default_factory=BudgetConfig)
+    rewards: RewardConfig = field(default_factory=RewardConfig)
+    learning: LearningConfig = field(default_factory=LearningConfig)
+    prime: PrimeConfig = field(default_factory=PrimeConfig)
+    multi_agent: MultiAgentConfig = field(default_factory=MultiAgentConfig)
+    prefix_rl: PrefixRLConfig = field(default_factory=PrefixRLConfig)
     services: ServicesConfig = field(default_factory=ServicesConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
-    seed: int = 0
     flags: dict = field(default_factory=dict)

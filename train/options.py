@@ -8,8 +8,9 @@ A section of ``train.config.RunConfig`` declares each user option once::
 ``define_flags(GenerationConfig, __name__)`` (in the section's module under train/flags/) defines
 ``--temperature`` and ``--generation_backend`` from those fields, so ``RunConfig()`` and
 ``train_math.py`` without flags start from the same values by construction. ``flag=`` keeps OpenR's
-flag name where the field's name is clearer; an Enum type gives the flag its choices. A default of
-None means "resolved from other flags" (the help says to what); ``train.resolve`` resolves it.
+flag name where the field's name is clearer; an Enum type gives the flag its choices (``aliases``: other
+names it accepts, case-insensitive); a ``tuple[str, ...]`` field is a repeatable flag. A default of None
+means "resolved from other options" (the help says to what); ``train.resolve`` resolves it.
 
 Light on purpose (absl, dataclasses, enum): flags are defined and checked before torch is imported.
 """
@@ -23,16 +24,18 @@ from typing import Any
 from absl import flags
 
 DEFINE = {"bool": flags.DEFINE_boolean, "int": flags.DEFINE_integer, "float": flags.DEFINE_float,
-          "str": flags.DEFINE_string}
+          "str": flags.DEFINE_string, "tuple[str, ...]": flags.DEFINE_multi_string}
 """absl's definer for each annotated field type (``X | None`` reads as X)."""
 
 
 def option(default: Any, help: str, *, flag: str | None = None, lower_bound: float | None = None,
-           upper_bound: float | None = None) -> Any:
+           upper_bound: float | None = None, aliases: dict[str, str] | None = None) -> Any:
     """A dataclass field that is also a command-line flag: ``default`` and ``help`` written once;
     ``flag``: the flag's name when it differs from the field's (OpenR compatibility); bounds checked at
-    parse time. A field whose type is an Enum takes its members' values as the flag's choices."""
-    metadata = {"help": help, "flag": flag, "lower_bound": lower_bound, "upper_bound": upper_bound}
+    parse time. A field whose type is an Enum takes its members' values as the flag's choices, and
+    ``aliases`` ({other name: member value}) as further ones, matched case-insensitively."""
+    metadata = {"help": help, "flag": flag, "lower_bound": lower_bound, "upper_bound": upper_bound,
+                "aliases": aliases or {}}
     return dataclasses.field(default=default, metadata=metadata)
 
 
@@ -51,15 +54,18 @@ def define_flags(section: type, module_name: str, flag_values: flags.FlagValues 
     for field in options(section):
         name, help_, default = flag_name(field), field.metadata["help"], field.default
         if isinstance(default, enum.Enum):
-            flags.DEFINE_enum(name, default.value, [member.value for member in type(default)], help_,
-                              module_name=module_name, flag_values=flag_values)
+            aliases = field.metadata["aliases"]
+            choices = [member.value for member in type(default)]
+            flags.DEFINE_enum(name, default.value, sorted([*choices, *aliases]) if aliases else choices, help_,
+                              case_sensitive=not aliases, module_name=module_name, flag_values=flag_values)
             continue
-        kind = field.type.split("|")[0].strip()
+        kind = field.type.split(" | ")[0].strip()
         if kind not in DEFINE:
-            raise TypeError(f"{section.__name__}.{field.name}: an option is a bool, int, float, str or Enum "
-                            f"(got {field.type!r})")
+            raise TypeError(f"{section.__name__}.{field.name}: an option is a bool, int, float, str, "
+                            f"tuple[str, ...] or Enum (got {field.type!r})")
         bounds = {key: field.metadata[key] for key in ("lower_bound", "upper_bound")
                   if field.metadata[key] is not None}
+        default = list(default) if isinstance(default, tuple) else default
         DEFINE[kind](name, default, help_, module_name=module_name, flag_values=flag_values, **bounds)
 
 
@@ -69,5 +75,9 @@ def section_from_flags(section: type, flag_values: flags.FlagValues, **resolved:
     values = {}
     for field in options(section):
         value = flag_values[flag_name(field)].value
-        values[field.name] = type(field.default)(value) if isinstance(field.default, enum.Enum) else value
+        if isinstance(field.default, enum.Enum):
+            value = type(field.default)(field.metadata["aliases"].get(value.lower(), value))
+        elif isinstance(field.default, tuple):
+            value = tuple(value)
+        values[field.name] = value
     return section(**{**values, **resolved})

@@ -1,25 +1,35 @@
-"""Flags resolved into a ``train.config.RunConfig``: the one place where values that depend on other flags
-are worked out (the env id and its workflow, the reward, episode length, group size, asynchronous rollouts,
-the experiment name, hub ids as local snapshots) and the checks that need them run.
+"""A RunConfig resolved: the one place where the options left to other options (default None: the env id and
+its workflow, the reward, episode length, group size, asynchronous rollouts, the experiment name, hub ids as
+local snapshots) and the values derived from options (envs stepped per iteration, iterations, RLOO's kept
+groups) are worked out, and the checks that need them run. ``config_from_flags`` builds the sections from
+the parsed flags and resolves them; ``resolved`` does the same for a config built in code.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
-import json
 
 import gymnasium
 from absl import flags
 
 import envs  # registers the built-in ids
-from algorithms.registry import ALGORITHMS, AlgorithmConfig, LossAgg, ScaleRewards
+from algorithms.registry import ALGORITHMS
 from envs.workflows import Workflow, resolve_workflow
 from models.hub import resolve_model
-from train.config import (DEFAULT_PRM_REWARD, PRM_TYPES, ActionLevel, BudgetConfig, EnvConfig, EvalSet,
-                          GenerationConfig, LearningConfig, LoggingConfig, LrSchedule, ModelConfig, RewardAssignment,
-                          RewardConfig, RolloutConfig, RunConfig, ServicesConfig)
-from train.flags.checks import check_algorithm_specific, default_group_size, eval_sets, reward_sources
+from train.config import DEFAULT_PRM_REWARD, ActionLevel, Critic, EnvConfig, ModelConfig, RunConfig
+from train.flags.checks import check_algorithm_specific, default_group_size, reward_sources
 from train.options import section_from_flags
+
+MULTI_AGENT_FLAGS = ("reward_assignment", "role_model", "share_policy", "agent_groups")
+"""Flags that concern the roles of a multi-agent env (refused with a single-agent one)."""
+
+
+def sections() -> dict[str, type]:
+    """{RunConfig field: its section's dataclass}, in --helpfull's order."""
+    default = RunConfig()
+    return {part.name: type(getattr(default, part.name)) for part in dataclasses.fields(RunConfig)
+            if dataclasses.is_dataclass(getattr(default, part.name))}
 
 
 def config_from_flags(f: flags.FlagValues) -> RunConfig:
@@ -27,32 +37,64 @@ def config_from_flags(f: flags.FlagValues) -> RunConfig:
     from train.flags import flag_dict
 
     check_algorithm_specific(f)
-    env_id = registered_env_id(f)
-    workflow = workflow_of(env_id)
-    check_multi_agent(f, workflow)
-    env = env_config(f, env_id, workflow)
-    generation = generation_config(f)
-    return RunConfig(model=model_config(f, workflow), env=env, rewards=reward_config(f),
-                     learning=learning_config(f, workflow), generation=generation,
-                     rollout=section_from_flags(RolloutConfig, f),
-                     budget=BudgetConfig(num_iterations=-(-f.num_env_steps // (env.episode_length * env.num_envs)),
-                                         num_env_steps=f.num_env_steps, eval_interval=f.eval_interval,
-                                         eval_limit=f.eval_limit, **eval_sampling(f)),
-                     services=section_from_flags(ServicesConfig, f), logging=logging_config(f), seed=f.seed,
-                     flags=flag_dict(f))
+    given = RunConfig(**{name: section_from_flags(section, f) for name, section in sections().items()},
+                      flags=flag_dict(f))
+    check_given_flags(f, given)
+    config = resolved(given)
+    if f["max_policy_lag"].present and not config.generation.async_rollouts:
+        raise flags.ValidationError("--max_policy_lag bounds asynchronous rollouts; add --async_rollouts or drop it")
+    return config
 
 
-def env_id_given(f: flags.FlagValues) -> str:
-    """--env_id, or its default: MATH-v0 with --dataset_path, else Arith-v0."""
-    if f.env_id is not None:
-        return f.env_id
-    return "MATH-v0" if f.dataset_path is not None else "Arith-v0"
+def check_given_flags(f: flags.FlagValues, config: RunConfig) -> None:
+    """The flags that must not be given (rather than not differ from their default) in this run: role flags
+    with a single-agent env, --handoff_steps with a workflow, eval sampling without --eval_samples."""
+    env_id = registered_env_id(config.env.env_id, config.env.dataset_path)
+    multi_agent = workflow_of(env_id) is not None
+    for name in () if multi_agent else MULTI_AGENT_FLAGS:
+        if f[name].present:
+            raise flags.ValidationError(f"--{name} concerns the roles of a multi-agent env; --env_id={env_id} "
+                                        "has one agent (use e.g. --env_id Arith-Chain-v0, or drop it)")
+    if multi_agent and f["handoff_steps"].present:
+        raise flags.ValidationError(f"--handoff_steps with the multi-agent --env_id={env_id}: Prefix-RL is "
+                                    "Arith-Prefix-v0 there (its solver role finishes the writer's prefix)")
+    for name in ("eval_temperature", "eval_top_p"):
+        if f[name].present and not f.eval_samples:
+            raise flags.ValidationError(f"--{name} sets how --eval_samples are drawn; add --eval_samples K (> 0) or "
+                                        "drop it (evaluation is otherwise greedy)")
 
 
-def registered_env_id(f: flags.FlagValues) -> str:
-    """The gymnasium id of --env_id, after importing ``module`` of ``module:EnvId``; it must be registered
-    with a vector entry point taking ``group_size`` (MathVectorEnv or compatible)."""
-    env_id = env_id_given(f)
+def resolved(config: RunConfig) -> RunConfig:
+    """``config`` with every option left None worked out and every derived value set (idempotent). Raises
+    flags.ValidationError or ValueError naming the flag and the fix."""
+    env_id = registered_env_id(config.env.env_id, config.env.dataset_path)
+    workflow = config.env.workflow or workflow_of(env_id)
+    spec = reward_spec(config, env_id)
+    check_multi_agent(config, env_id, workflow, spec)
+    env = resolved_env(config, env_id, workflow)
+    learning, budget, generation = config.learning, config.budget, config.generation
+    oversampled = config.prime.oversample_factor > 1
+    prompt_groups = env.num_envs // env.group_size if oversampled else None
+    iterations = budget.num_iterations or -(-budget.num_env_steps // (env.episode_length * env.envs_stepped))
+    return dataclasses.replace(
+        config, model=resolved_model(config, workflow), env=env,
+        generation=dataclasses.replace(generation, async_rollouts=async_rollouts(config)),
+        rewards=dataclasses.replace(config.rewards, spec=spec, prm_model=local_model(
+            config, config.rewards.prm_model, "--prm_model_name_or_path")),
+        learning=dataclasses.replace(learning, prompt_groups=prompt_groups),
+        multi_agent=dataclasses.replace(config.multi_agent, role_models=tuple(
+            f"{role}={local_model(config, name, f'--role_model {role}')}" for role, name in role_models(config).items())),
+        prefix_rl=dataclasses.replace(config.prefix_rl, target_model=local_model(
+            config, config.prefix_rl.target_model, "--target_model_name_or_path")),
+        budget=dataclasses.replace(budget, num_iterations=iterations),
+        logging=dataclasses.replace(config.logging, experiment_name=experiment_name(config, env_id)))
+
+
+def registered_env_id(given: str | None, dataset_path: str | None) -> str:
+    """The gymnasium id of --env_id (default: MATH-v0 with --dataset_path, else Arith-v0), after importing
+    ``module`` of ``module:EnvId``; it must be registered with a vector entry point taking ``group_size``
+    (MathVectorEnv or compatible)."""
+    env_id = given if given is not None else ("MATH-v0" if dataset_path is not None else "Arith-v0")
     module, _, name = env_id.rpartition(":")
     if module:
         try:
@@ -77,45 +119,38 @@ def workflow_of(env_id: str) -> Workflow | None:
     return None if workflow is None else resolve_workflow(workflow)
 
 
-def reward_spec(f: flags.FlagValues) -> str:
+def reward_spec(config: RunConfig, env_id: str) -> str:
     """--reward, or its default: the outcome with a PRM's score when a PRM is given, else the env id's own
     declared default (``envs.default_reward``: Arith-v0's adds its exact step reward)."""
-    if f.reward is not None:
-        return f.reward
-    if f.prm_model_name_or_path is not None or f.prm_url is not None:
+    if config.rewards.spec is not None:
+        return config.rewards.spec
+    if config.rewards.prm_model is not None or config.services.prm_url is not None:
         return DEFAULT_PRM_REWARD
-    return envs.default_reward(registered_env_id(f))
+    return envs.default_reward(env_id)
 
 
-def check_multi_agent(f: flags.FlagValues, workflow: Workflow | None) -> None:
+def check_multi_agent(config: RunConfig, env_id: str, workflow: Workflow | None, spec: str) -> None:
     """What a multi-agent env (every action a whole message, credit by --reward_assignment, the other --reward
-    sources on answering roles' messages) rules out, and the role flags a single-agent env cannot use."""
-    env_id = env_id_given(f)
+    sources on answering roles' messages) rules out, and the critics a single-agent env cannot use."""
+    critic = config.learning.critic
     if workflow is None:
-        for name in ("reward_assignment", "role_model", "share_policy", "agent_groups"):
-            if f[name].present:
-                raise flags.ValidationError(f"--{name} concerns the roles of a multi-agent env; --env_id={env_id} "
-                                            "has one agent (use e.g. --env_id Arith-Chain-v0, or drop it)")
-        if f.critic in ("centralized", "per_role"):
-            raise flags.ValidationError(f"--critic={f.critic} concerns the roles of a multi-agent env; "
+        if critic in (Critic.CENTRALIZED, Critic.PER_ROLE):
+            raise flags.ValidationError(f"--critic={critic} concerns the roles of a multi-agent env; "
                                         f"--env_id={env_id} has one agent (use --critic on, or e.g. --env_id "
                                         "Arith-Chain-v0)")
         return
-    if not f.share_policy and f.lora_rank == 0:
+    if not config.multi_agent.share_policy and config.model.lora_rank == 0:
         raise flags.ValidationError("--noshare_policy gives each role a LoRA adapter on the shared base: add "
                                     "--lora_rank > 0 (now 0)")
     frozen = [role.name for role in workflow.roles if not role.trainable]
-    for role in role_models(f):
+    for role in role_models(config):
         if role not in frozen:
             raise flags.ValidationError(f"--role_model {role}=...: the frozen roles of --env_id={env_id} are "
                                         f"{frozen or 'none'}; a trained role speaks with the policy")
-    if f.action_level != "solution":
-        raise flags.ValidationError(f"--action_level={f.action_level}: in the multi-agent --env_id={env_id} every "
-                                    "action is one role's whole message; use --action_level solution")
-    if f["handoff_steps"].present:
-        raise flags.ValidationError(f"--handoff_steps with the multi-agent --env_id={env_id}: Prefix-RL is "
-                                    "Arith-Prefix-v0 there (its solver role finishes the writer's prefix)")
-    check_workflow_reward(reward_spec(f), env_id, workflow)
+    if config.env.action_level != ActionLevel.SOLUTION:
+        raise flags.ValidationError(f"--action_level={config.env.action_level}: in the multi-agent --env_id={env_id} "
+                                    "every action is one role's whole message; use --action_level solution")
+    check_workflow_reward(spec, env_id, workflow)
 
 
 def check_workflow_reward(spec: str, env_id: str, workflow: Workflow) -> None:
@@ -132,136 +167,78 @@ def check_workflow_reward(spec: str, env_id: str, workflow: Workflow) -> None:
                                     f"the target as --role_model {continuing}=DIR")
 
 
-def role_models(f: flags.FlagValues) -> dict[str, str]:
+def role_models(config: RunConfig) -> dict[str, str]:
     """--role_model entries as {role: model directory or hub id}."""
-    models = {}
-    for entry in f.role_model:
-        role, sep, directory = entry.partition("=")
-        if not sep or not role or not directory:
-            raise flags.ValidationError(f"--role_model={entry!r} must be ROLE=DIR (e.g. solver=/models/target)")
-        models[role] = directory
-    return models
-
-
-def local_model(f: flags.FlagValues, value: str | None, flag: str) -> str | None:
-    """A model flag's local directory: the directory itself, or a hub id's snapshot at --revision."""
-    return None if value is None else str(resolve_model(value, f.revision, flag))
-
-
-def model_config(f: flags.FlagValues, workflow: Workflow | None) -> ModelConfig:
-    trained = [] if f.share_policy or workflow is None else [role.name for role in workflow.roles if role.trainable]
-    per_role_critic = workflow is not None and f.critic == "per_role"
-    frozen = {role: local_model(f, name, f"--role_model {role}") for role, name in role_models(f).items()}
-    return ModelConfig(name_or_path=local_model(f, f.model_name_or_path, "--model_name_or_path"), revision=f.revision,
-                       device=f.device, dtype=f.dtype, lora_rank=f.lora_rank,
-                       gradient_checkpointing=f.gradient_checkpointing, role_adapters=tuple(trained),
-                       role_models=frozen, value_heads=len(workflow.roles) if per_role_critic else 1,
-                       torch_threads=f.torch_threads, return_freed_memory=f.return_freed_memory,
-                       data_parallel=f.data_parallel, dist_timeout=f.dist_timeout)
-
-
-def env_config(f: flags.FlagValues, env_id: str, workflow: Workflow | None) -> EnvConfig:
-    oversample = f.oversample_factor if f.algorithm_name == "RLOO" else 1
-    return EnvConfig(env_id=env_id, workflow=workflow, dataset_path=f.dataset_path, dataset_name=f.dataset_name,
-                     eval_sets=tuple(EvalSet(name, path) for name, path in eval_sets(f.eval_dataset_path)),
-                     action_level=ActionLevel(f.action_level),
-                     handoff_steps=f.handoff_steps,
-                     episode_length=episode_length(f, env_id, workflow), num_envs=f.n_rollout_threads * oversample,
-                     group_size=f.group_size or default_group_size(f.algorithm_name),
-                     whole_episodes=ALGORITHMS[f.algorithm_name].episodic or workflow is not None,
-                     eval_batch_size=f.eval_batch_size, reward_assignment=RewardAssignment(f.reward_assignment),
-                     prompt_template=f.prompt_template, system_prompt=f.system_prompt,
-                     answer_instruction=f.answer_instruction, env_kwargs=user_env_kwargs(f, env_id))
-
-
-def user_env_kwargs(f: flags.FlagValues, env_id: str) -> dict:
-    """--env_kwargs parsed and checked against ``env_id`` (``envs.override_kwargs``), before torch loads."""
-    if f.env_kwargs is None:
-        return {}
     try:
-        return envs.override_kwargs(env_id, json.loads(f.env_kwargs))
+        return config.multi_agent.models_by_role
+    except ValueError as error:
+        raise flags.ValidationError(str(error)) from None
+
+
+def local_model(config: RunConfig, value: str | None, flag: str) -> str | None:
+    """A model flag's local directory: the directory itself, or a hub id's snapshot at --revision."""
+    return None if value is None else str(resolve_model(value, config.model.revision, flag))
+
+
+def resolved_model(config: RunConfig, workflow: Workflow | None) -> ModelConfig:
+    """The policy's local directory, its roles' adapters and its value heads."""
+    model, shared = config.model, config.multi_agent.share_policy
+    trained = () if shared or workflow is None else tuple(role.name for role in workflow.roles if role.trainable)
+    per_role_critic = workflow is not None and config.learning.critic == Critic.PER_ROLE
+    return dataclasses.replace(model, name_or_path=local_model(config, model.name_or_path, "--model_name_or_path"),
+                               role_adapters=trained, value_heads=len(workflow.roles) if per_role_critic else 1)
+
+
+def resolved_env(config: RunConfig, env_id: str, workflow: Workflow | None) -> EnvConfig:
+    """The env section with its id registered, its workflow, episode length, group size, envs stepped per
+    iteration (RLOO: times its oversampling) and whether iterations collect whole episodes."""
+    env, algorithm = config.env, config.learning.algorithm
+    resolved_env = dataclasses.replace(
+        env, env_id=env_id, workflow=workflow, episode_length=episode_length(config, env_id, workflow),
+        group_size=env.group_size or default_group_size(algorithm),
+        envs_stepped=env.num_envs * (config.prime.oversample_factor if algorithm == "RLOO" else 1),
+        whole_episodes=ALGORITHMS[algorithm].episodic or workflow is not None)
+    check_env_kwargs(resolved_env)
+    return resolved_env
+
+
+def check_env_kwargs(env: EnvConfig) -> None:
+    """--env_kwargs parsed and checked against the env id (``envs.override_kwargs``), before torch loads."""
+    try:
+        env.user_kwargs  # noqa: B018  (the property parses and checks)
     except (ValueError, TypeError) as error:  # json.JSONDecodeError is a ValueError
-        raise flags.ValidationError(f"--env_kwargs={f.env_kwargs!r}: {error}") from None
+        raise flags.ValidationError(f"--env_kwargs={env.env_kwargs!r}: {error}") from None
 
 
-def eval_sampling(f: flags.FlagValues) -> dict:
-    """--eval_samples and how they are drawn; --eval_temperature and --eval_top_p need --eval_samples."""
-    for name in ("eval_temperature", "eval_top_p"):
-        if f[name].present and not f.eval_samples:
-            raise flags.ValidationError(f"--{name} sets how --eval_samples are drawn; add --eval_samples K (> 0) or "
-                                        "drop it (evaluation is otherwise greedy)")
-    return {"eval_samples": f.eval_samples, "eval_temperature": f.eval_temperature, "eval_top_p": f.eval_top_p}
-
-
-def episode_length(f: flags.FlagValues, env_id: str, workflow: Workflow | None) -> int:
+def episode_length(config: RunConfig, env_id: str, workflow: Workflow | None) -> int:
     """--episode_length, or its default: a workflow's most turns (or its env's max_steps); else 1 with
     --action_level solution and 8 otherwise."""
-    if f.episode_length is not None:
-        return f.episode_length
+    if config.env.episode_length is not None:
+        return config.env.episode_length
     if workflow is not None:
         return workflow.max_turns or gymnasium.spec(env_id).kwargs.get("max_steps", 8)
-    return 1 if f.action_level == "solution" else 8
+    return 1 if config.env.action_level == ActionLevel.SOLUTION else 8
 
 
-def reward_config(f: flags.FlagValues) -> RewardConfig:
-    return RewardConfig(spec=reward_spec(f), prm_model=local_model(f, f.prm_model_name_or_path,
-                                                                   "--prm_model_name_or_path"),
-                        prm_checkpoint_path=f.prm_checkpoint_path, prm_type=PRM_TYPES[f.prm_type.lower()],
-                        prm_step_tag=f.prm_step_tag, prm_kv_cache_mb=f.prm_kv_cache_mb,
-                        target_model=local_model(f, f.target_model_name_or_path, "--target_model_name_or_path"),
-                        target_num_samples=f.target_num_samples,
-                        target_temperature=f.target_temperature, target_max_new_tokens=f.target_max_new_tokens)
-
-
-def learning_config(f: flags.FlagValues, workflow: Workflow | None) -> LearningConfig:
-    losses = AlgorithmConfig(
-        clip_param=f.clip_param, value_clip_param=f.value_clip_param or None, huber_delta=f.huber_delta or None,
-        value_coef=f.value_coef, entropy_coef=f.entropy_coef, gamma=f.gamma, gae_lambda=f.gae_lambda,
-        value_lambda=f.value_lambda, scale_rewards=ScaleRewards(f.scale_rewards), kl_coef=f.kl_coef,
-        loss_agg=LossAgg(f.loss_agg),
-        process_coef=f.process_coef, accuracy_lower_bound=f.accuracy_lower_bound,
-        accuracy_upper_bound=f.accuracy_upper_bound, joint_groups=f.agent_groups == "joint")
-    group_size = f.group_size or default_group_size(f.algorithm_name)
-    return LearningConfig(
-        algorithm=f.algorithm_name, losses=losses,
-        prompt_groups=f.n_rollout_threads // group_size if f.oversample_factor > 1 else None,
-        critic_view="per_role" if f.critic == "per_role" else "centralized", lr=f.lr, critic_lr=f.critic_lr,
-        warmup_iterations=f.warmup_iterations, lr_schedule=LrSchedule(f.lr_schedule), num_mini_batch=f.num_mini_batch,
-        ppo_epoch=f.ppo_epoch, gradient_cp_steps=f.gradient_cp_steps, micro_batch_tokens=f.micro_batch_tokens,
-        max_grad_norm=f.max_grad_norm,
-        target_kl=f.target_kl, max_nonfinite_steps=f.max_nonfinite_steps, implicit_prm_beta=f.implicit_prm_beta,
-        implicit_prm_lr=f.implicit_prm_lr)
-
-
-def generation_config(f: flags.FlagValues) -> GenerationConfig:
-    asynchronous = async_rollouts(f)
-    if f["max_policy_lag"].present and not asynchronous:
-        raise flags.ValidationError("--max_policy_lag bounds asynchronous rollouts; add --async_rollouts or drop it")
-    return section_from_flags(GenerationConfig, f, async_rollouts=asynchronous)
-
-
-def async_rollouts(f: flags.FlagValues) -> bool:
+def async_rollouts(config: RunConfig) -> bool:
     """--async_rollouts, or its default: on with the HF backend for APPO, and for every algorithm on a CPU
     (where the second thread has a core of its own; on one GPU the copy's memory would buy little overlap)."""
-    if f.async_rollouts is not None:
-        return f.async_rollouts
-    if f.generation_backend != "hf":
+    generation, device = config.generation, config.model.device
+    if generation.async_rollouts is not None:
+        return generation.async_rollouts
+    if generation.backend != "hf":
         return False
-    if f.algorithm_name == "APPO":
+    if config.learning.algorithm == "APPO":
         return True
-    if f.device == "auto":
+    if device == "auto":
         import torch  # here: parsing flags stays light until a run is configured
 
         return not torch.cuda.is_available()
-    return f.device == "cpu"
+    return device == "cpu"
 
 
-def logging_config(f: flags.FlagValues) -> LoggingConfig:
-    return section_from_flags(LoggingConfig, f, experiment_name=experiment_name(f))
-
-
-def experiment_name(f: flags.FlagValues) -> str:
+def experiment_name(config: RunConfig, env_id: str) -> str:
     """--experiment_name, or <algorithm>_<env>."""
-    if f.experiment_name is not None:
-        return f.experiment_name
-    return f"{f.algorithm_name}_{env_id_given(f).rpartition(':')[2]}"
+    if config.logging.experiment_name is not None:
+        return config.logging.experiment_name
+    return f"{config.learning.algorithm}_{env_id}"

@@ -1,14 +1,12 @@
 """Every command-line flag of train_math.py, defined once per section, validated at parse time.
 
 Each section module (model, env, generation, rollouts, rewards, algorithm, PRIME, multi-agent, Prefix-RL,
-services, distributed, budget, logs) defines its flags. Where a section of ``train.config.RunConfig``
-declares its fields with ``train.options.option`` (generation, rollouts, services, logs), the module generates
-the flags from it (``define_flags``), so a field's default and help are written once; the other
-modules still define theirs with absl directly. ``checks`` holds the validators absl runs before any
-model is loaded or heavy module imported, so a wrong path, a bad value or a contradictory combination
-fails at once naming the flag and the fix. After parsing, only a resume changes flags: ``inherit``
-gives every flag the command line left out its value in the checkpoint; then the values that depend
-on others are resolved once into a RunConfig (``train.resolve.config_from_flags``).
+services, distributed, budget, logs) generates its flags from one section of ``train.config.RunConfig``
+(``train.options.define_flags``), so a field's default and help are written once. ``checks`` holds the
+validators absl runs before any model is loaded or heavy module imported, so a wrong path, a bad value
+or a contradictory combination fails at once naming the flag and the fix. After parsing, only a resume
+changes flags: ``inherit`` gives every flag the command line left out its value in the checkpoint; then
+the values that depend on others are resolved into a RunConfig (``train.resolve.config_from_flags``).
 
 OpenR's flags keep their names and meanings (``--dataset_path``, ``--model_name_or_path``,
 ``--prm_model_name_or_path``, ``--algorithm_name``, ``--num_mini_batch``, ``--ppo_epoch``, ...), so

@@ -1,49 +1,9 @@
-"""Flags of the learning algorithm: which one, the optimiser, and the losses' coefficients."""
+"""Flags of the learning algorithm: which one, the optimiser, and the losses' coefficients:
+``LearningConfig``'s options."""
 
 from __future__ import annotations
 
-from absl import flags
+from train.config import LearningConfig
+from train.options import define_flags
 
-from algorithms.registry import ALGORITHMS, LossAgg, ScaleRewards
-from train.config import LrSchedule
-
-flags.DEFINE_enum("algorithm_name", "GRPO", tuple(ALGORITHMS), "RL algorithm.")
-flags.DEFINE_integer("num_mini_batch", 1, "Minibatches (optimizer steps) per epoch over each rollout.", lower_bound=1)
-flags.DEFINE_integer("ppo_epoch", 1, "Epochs over each rollout.", lower_bound=1)
-flags.DEFINE_integer("gradient_cp_steps", 1, "Gradient accumulation: micro-batches per minibatch.", lower_bound=1)
-flags.DEFINE_integer("micro_batch_tokens", 0, "Most tokens one micro-batch forwards (a shared prompt once, then each "
-                     "action): micro-batches are cut further until each fits, rows of one prompt kept together, the "
-                     "gradient unchanged. It bounds the update's activation memory; 0: no limit.", lower_bound=0)
-flags.DEFINE_float("lr", 1e-4, "Policy learning rate (AdamW).")
-flags.DEFINE_float("critic_lr", 1e-3, "Critic learning rate (value head and critic adapter).")
-flags.DEFINE_integer("warmup_iterations", 20, "Linear lr warm-up length in iterations (Adam's first steps move "
-                     "every weight by about lr; warm-up keeps them small).", lower_bound=0)
-flags.DEFINE_enum("lr_schedule", LrSchedule.LINEAR, [mode.value for mode in LrSchedule],
-                  "After warm-up: linear decay to 0 at the last "
-                  "iteration, or constant. A run resumed with another --num_env_steps goes on at the new budget's "
-                  "lr for the step it has reached.")
-flags.DEFINE_float("max_grad_norm", 1.0, "Gradient norm clip (0: off).")
-flags.DEFINE_float("clip_param", 0.2, "PPO ratio clip epsilon.")
-flags.DEFINE_float("entropy_coef", 0.0, "Entropy bonus coefficient.")
-flags.DEFINE_float("target_kl", 0.0, "Stop the update early once a minibatch's approx KL to the behaviour policy "
-                   "exceeds this (0: off).")
-flags.DEFINE_integer("max_nonfinite_steps", 3, "A non-finite loss or gradient skips that optimizer step; this many "
-                     "in a row stop the run with an error (the last checkpoint is kept as the last good one).",
-                     lower_bound=1)
-flags.DEFINE_enum("critic", "auto", ("auto", "on", "off", "centralized", "per_role"), "Train a critic: auto = "
-                  "APPO/TPPO yes, GRPO/RLOO no. On a multi-agent env (APPO/TPPO) it says what the critic reads: "
-                  "centralized (= auto, on): the joint transcript (every message so far) and the acting role's name, "
-                  "one value head (MAPPO); per_role: each role's own prompt, a value head per role.")
-flags.DEFINE_float("value_coef", 0.5, "Value loss coefficient.")
-flags.DEFINE_float("value_clip_param", 0.2, "Value clip around the collection-time values (0: off).")
-flags.DEFINE_float("huber_delta", 0.0, "Huber delta of the value loss (0: squared error).")
-flags.DEFINE_float("gamma", 1.0, "Discount across env steps.")
-flags.DEFINE_float("gae_lambda", 0.95, "GAE lambda of the policy's advantages.")
-flags.DEFINE_float("value_lambda", 1.0, "GAE lambda of the critic's targets (Decoupled GAE, as VAPO): 1.0 fits V "
-                   "to the returns the rewards give; below 1 a token j steps before the reward sees it with weight "
-                   "lambda^j and V is fitted mostly to its own later values.")
-flags.DEFINE_enum("scale_rewards", ScaleRewards.GROUP, [mode.value for mode in ScaleRewards],
-                  "Divide centred returns by the "
-                  "group's std, the batch's, or nothing (Dr.GRPO).")
-flags.DEFINE_float("kl_coef", 0.0, "k3 KL-to-reference coefficient (0: no reference pass).")
-flags.DEFINE_enum("loss_agg", LossAgg.TOKEN_MEAN, [mode.value for mode in LossAgg], "Per-token loss aggregation.")
+define_flags(LearningConfig, __name__)

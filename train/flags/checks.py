@@ -14,7 +14,7 @@ from pathlib import Path
 from absl import flags
 
 from algorithms.registry import ALGORITHMS
-from train.config import DEFAULT_PRM_REWARD, PRM_TYPES, REWARD_SOURCES
+from train.config import DEFAULT_PRM_REWARD, PRM_TYPE_ALIASES, REWARD_SOURCES, PrmType, parse_eval_sets
 
 FLAGS = flags.FLAGS
 
@@ -80,27 +80,15 @@ for _name, _kind in (("dataset_path", "data"), ("model_name_or_path", "model"),
     _register_path(_name, _kind)
 
 
-def eval_sets(value: str | None) -> list[tuple[str | None, str | None]]:
-    """--eval_dataset_path as [(name, path)]: None -> one unnamed set, the env's own held-out split (None,
-    None); a value without '=' -> one unnamed set at that path; else comma-separated NAME=PATH entries, an
-    empty PATH naming the env's own held-out split. Names are letters, digits, '.', '-', '_', each once."""
-    if value is None or "=" not in value:
-        return [(None, value)]
-    sets = []
-    for entry in value.split(","):
-        name, _, path = entry.strip().partition("=")
-        if re.fullmatch(r"[\w.\-]+", name) is None or "=" in path:
-            raise flags.ValidationError(f"--eval_dataset_path entry {entry!r} must be NAME=PATH (NAME of letters, "
-                                        "digits, '.', '-', '_'; an empty PATH: the env's own held-out split), e.g. "
-                                        "math500=envs/data/math500.jsonl,arith=")
-        if name in [known for known, _ in sets]:
-            raise flags.ValidationError(f"--eval_dataset_path names the set {name!r} twice; give each set its own name")
-        sets.append((name, path or None))
-    return sets
+def _check_eval_sets(value: str | None) -> bool:
+    try:
+        sets = parse_eval_sets(value)
+    except ValueError as error:
+        raise flags.ValidationError(str(error)) from None
+    return all(_check_path("eval_dataset_path", "data", eval_set.path) for eval_set in sets)
 
 
-flags.register_validator("eval_dataset_path",
-                         lambda value: all(_check_path("eval_dataset_path", "data", path) for _, path in eval_sets(value)))
+flags.register_validator("eval_dataset_path", _check_eval_sets)
 
 
 def _positive(name: str, allow_zero: bool = False) -> None:
@@ -261,7 +249,8 @@ def _check_handoff(f: dict) -> bool:
 
 @flags.multi_flags_validator(["prm_kv_cache_mb", "prm_type"])
 def _check_prm_kv_cache(f: dict) -> bool:
-    if f["prm_kv_cache_mb"] and PRM_TYPES[f["prm_type"].lower()] != "shepherd":
+    prm_type = f["prm_type"].lower()
+    if f["prm_kv_cache_mb"] and PRM_TYPE_ALIASES.get(prm_type, prm_type) != PrmType.SHEPHERD:
         raise flags.ValidationError(f"--prm_kv_cache_mb={f['prm_kv_cache_mb']} needs --prm_type=shepherd; "
                                     f"--prm_type={f['prm_type']} always recomputes (drop the flag or pass 0)")
     return True
@@ -306,8 +295,6 @@ def has_critic(algorithm: str) -> bool:
 
 def default_group_size(algorithm: str) -> int:
     return 4 if ALGORITHMS[algorithm].episodic else 1
-
-
 
 
 @flags.multi_flags_validator(["prompt_template", "answer_instruction"])

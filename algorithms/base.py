@@ -16,8 +16,10 @@ import numpy as np
 import torch
 
 from algorithms.buffer import Batch, RolloutBuffer, Targets
-from algorithms.losses import Surrogate, aggregate, clipped_surrogate, importance_log_ratio, kl_estimate, kl_k3, masked_mean
+from algorithms.losses import (Surrogate, aggregate, clipped_surrogate, importance_log_ratio, kl_estimate, kl_k3,
+                               masked_mean)
 from algorithms.registry import AlgorithmConfig, LossAgg, algorithm_spec
+from algorithms.rollout_correction import rollout_weighted
 
 
 class ActionScores(Protocol):
@@ -145,7 +147,7 @@ def token_policy_loss(scores: ActionScores, batch: Batch, advantages: torch.Tens
     mask = batch.token_mask.to(scores.logprobs.dtype)
     log_ratio = importance_log_ratio(scores.logprobs, batch.old_logprobs, mask, config.importance_sampling_level)
     surrogate = clipped_surrogate(log_ratio, advantages, config.clip_low, config.clip_high, config.clip_ratio_c)
-    per_token = surrogate.loss
+    per_token = rollout_weighted(surrogate.loss, batch)
     stats = {**clip_stats(surrogate, mask, config),
              "approx_kl": masked_mean(kl_k3(batch.old_logprobs, scores.logprobs), mask)}
     if config.kl_in_loss:

@@ -49,7 +49,7 @@ class Batch:
     action_ids: torch.Tensor  # [B, L]
     action_lengths: torch.Tensor  # [B]
     token_mask: torch.Tensor  # [B, L] bool, from lengths
-    old_logprobs: torch.Tensor  # [B, L] behaviour log-probs recorded at generation
+    old_logprobs: torch.Tensor  # [B, L] the ratio's denominator: the sampler's log-probs, or the trainer's (rollout_is)
     old_values: torch.Tensor | None  # [B] or [B, L] critic values at collection
     ref_logprobs: torch.Tensor | None  # [B, L]
     advantages: torch.Tensor | None  # [B] or [B, L]; None outside training (e.g. reference passes)
@@ -58,6 +58,7 @@ class Batch:
     num_tokens: int
     minibatch_samples: int
     minibatch_tokens: int
+    rollout_weights: torch.Tensor | None = None  # [B, L] or [B, 1] rollout-correction weights of the policy gradient
 
     def weight(self, unit: str) -> float:
         if unit == "token_mean":
@@ -74,7 +75,8 @@ class RolloutBuffer:
     the env paid for them, once per env step). Collection also
     writes ``next_values`` [T, N, A], the value to bootstrap from after each action (0 where the
     episode terminated), and before the update ``ref_logprobs`` / ``token_rewards`` where the
-    algorithm reads them.
+    algorithm reads them, and with rollout correction ``trainer_logprobs`` (the trainer's scores of the
+    actions before the update, which the ratio is then taken against) and ``rollout_weights``.
     """
 
     def __init__(self, num_steps: int, num_envs: int, num_agents: int, max_action_tokens: int,
@@ -93,6 +95,9 @@ class RolloutBuffer:
         self.rewards = torch.zeros(self.shape, **slots)
         self.token_rewards: torch.Tensor | None = None  # [T, N, A, L] per-token rewards (implicit PRM)
         self.ref_logprobs: torch.Tensor | None = None  # [T, N, A, L]
+        self.trainer_logprobs: torch.Tensor | None = None  # [T, N, A, L] the trainer's, before the update
+        self.rollout_weights: torch.Tensor | None = None  # [T, N, A, L] or [T, N, A, 1] rollout correction
+        self.cut = torch.zeros(self.shape, dtype=torch.bool, **slots)  # the action stopped at max_action_tokens
         self.terminated = torch.zeros(self.shape, dtype=torch.bool, **slots)
         self.truncated = torch.zeros(self.shape, dtype=torch.bool, **slots)
         self.live = torch.zeros(self.shape, dtype=torch.bool, **slots)
@@ -115,14 +120,15 @@ class RolloutBuffer:
     def add(self, *, step: int, envs: Sequence[int], agents: Sequence[int], prompt_ids: Sequence[list[int]],
             action_ids: Sequence[list[int]], logprobs: Sequence[list[float]], group_ids: torch.Tensor,
             texts: Sequence[str], values: torch.Tensor | None = None,
-            token_values: torch.Tensor | None = None, critic_prompt_ids: Sequence[list[int]] | None = None) -> None:
+            token_values: torch.Tensor | None = None, critic_prompt_ids: Sequence[list[int]] | None = None,
+            cut: Sequence[bool] | None = None) -> None:
         """Records the actions taken at ``step`` by the B (env, agent) pairs ``envs[b], agents[b]``; what the
         env paid for them comes after, through ``settle``.
 
         action_ids / logprobs: B lists (the generated tokens and their behaviour log-probs, up to
         L each). group_ids, values: [B]. token_values: [B, L'] with L' <= L. critic_prompt_ids: B lists,
         what the critic read instead of the prompt (a multi-agent env's joint transcript), to read again at
-        the update.
+        the update. cut: [B] the actions the generator stopped at its token limit (None: none).
         """
         envs_t = torch.as_tensor(list(envs), dtype=torch.long, device=self.device)
         agents_t = torch.as_tensor(list(agents), dtype=torch.long, device=self.device)
@@ -137,6 +143,8 @@ class RolloutBuffer:
         self.action_lengths[at] = torch.tensor(lengths, dtype=torch.long, device=self.device)
         self.group_ids[at] = group_ids.to(self.device)
         self.live[at] = True
+        if cut is not None:
+            self.cut[at] = torch.as_tensor(list(cut), dtype=torch.bool, device=self.device)
         if values is not None:
             self.values[at] = values.to(self.device, torch.float32)
         if token_values is not None:
@@ -170,6 +178,11 @@ class RolloutBuffer:
         self.truncated[at] |= torch.as_tensor(truncated[env_index], device=self.device)
         verdicts = torch.as_tensor(correct[env_index], device=self.device, dtype=torch.float32)
         self.correct[at] = torch.where(torch.isnan(verdicts), self.correct[at], verdicts)
+
+    def add_rewards(self, step: int, envs: torch.Tensor, agents: torch.Tensor, rewards: torch.Tensor) -> None:
+        """Adds ``rewards`` [B] to the actions taken at ``step`` by ``envs[b], agents[b]`` (a shaping the trainer
+        pays on top of the env's reward, e.g. an overlong penalty)."""
+        self.rewards[step, envs.to(self.device), agents.to(self.device)] += rewards.to(self.device, torch.float32)
 
     def token_mask(self) -> torch.Tensor:
         """[T, N, A, L] True on each live action's real tokens (from lengths)."""
@@ -258,6 +271,48 @@ class RolloutBuffer:
         num_steps, num_envs, num_agents = self.shape
         flat = torch.zeros_like(y).scatter_(1, order, y)
         return flat.reshape(num_envs, num_agents, num_steps, -1).permute(2, 0, 1, 3).contiguous()
+
+    def prompt_groups(self) -> torch.Tensor:
+        """[N] the prompt group of each env's episode (episodic collection; -1 for an env that never acted)."""
+        return torch.where(self.live, self.group_ids, -1).amax(0).amax(-1)
+
+    def varied_groups(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(group ids [G] of this buffer's prompt groups, ascending; [G] True where the episode returns of some
+        agent differ within the group): DAPO's dynamic sampling keeps only these, a group of equal returns
+        having zero advantage under any group baseline. Episodic collection."""
+        returns, acted = self.episode_returns(), self.acted()  # [N, A]
+        ids, groups = torch.unique(self.prompt_groups(), return_inverse=True)
+        shape = (len(ids), returns.shape[1])
+        index = groups[:, None].expand_as(returns)
+        highest = returns.new_full(shape, -torch.inf).scatter_reduce(
+            0, index, torch.where(acted, returns, -torch.inf), "amax")
+        lowest = returns.new_full(shape, torch.inf).scatter_reduce(
+            0, index, torch.where(acted, returns, torch.inf), "amin")
+        return ids, (highest > lowest).any(-1)
+
+    @staticmethod
+    def concat_envs(parts: Sequence[tuple[RolloutBuffer, torch.Tensor]]) -> RolloutBuffer:
+        """One buffer of the envs ``index`` [n_k] of each part's buffer, part after part along N. The parts share
+        steps, agents and action length; every per-slot tensor and list they hold is carried."""
+        first = parts[0][0]
+        num_steps, _, num_agents = first.shape
+        out = RolloutBuffer(num_steps, sum(len(index) for _, index in parts), num_agents, first.max_action_tokens,
+                            first.device)
+        for name, value in vars(first).items():
+            if isinstance(value, torch.Tensor) and value.shape[:3] == first.shape:
+                setattr(out, name, torch.cat([getattr(b, name)[:, index.to(b.device)] for b, index in parts], 1))
+            elif isinstance(value, list) and len(value) == first.num_slots:  # flat slot order: step, env, agent
+                per_part = [b.slot_values(name, index) for b, index in parts]
+                setattr(out, name, [item for t in range(num_steps) for part in per_part for item in part[t]])
+        out.steps_filled = max(b.steps_filled for b, _ in parts)
+        return out
+
+    def slot_values(self, name: str, index: torch.Tensor) -> list[list]:
+        """[T] lists of the per-slot list ``name``'s items of the envs ``index``, env-major within a step."""
+        _, num_envs, num_agents = self.shape
+        values = getattr(self, name)
+        return [[values[t * num_envs * num_agents + n * num_agents + a] for n in index.tolist()
+                 for a in range(num_agents)] for t in range(self.shape[0])]
 
     def _episode_major(self, x: torch.Tensor) -> torch.Tensor:
         num_steps, num_envs, num_agents = self.shape
@@ -356,7 +411,7 @@ class RolloutBuffer:
             action_ids=tokens(self.action_ids),
             action_lengths=lengths,
             token_mask=token_mask,
-            old_logprobs=tokens(self.behaviour_logprobs),
+            old_logprobs=tokens(self.behaviour_logprobs if self.trainer_logprobs is None else self.trainer_logprobs),
             old_values=old_values,
             ref_logprobs=tokens(self.ref_logprobs),
             advantages=per_slot(targets.advantages) if targets is not None else None,
@@ -365,6 +420,7 @@ class RolloutBuffer:
             num_tokens=int(lengths.sum()),
             minibatch_samples=minibatch_samples,
             minibatch_tokens=max(minibatch_tokens, 1),
+            rollout_weights=tokens(self.rollout_weights),
         )
 
     def rows(self, slots: torch.Tensor | None = None) -> Batch:

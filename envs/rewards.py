@@ -193,3 +193,30 @@ def verify(contexts: Sequence[StepContext], answers: Sequence[str | None] | None
     correct[finished] = grade_batch([answers[i] for i in finished], [contexts[i].problem.answer for i in finished],
                                     timeout=timeout)
     return correct
+
+
+@dataclass(frozen=True)
+class OverlongPenalty:
+    """DAPO's soft overlong punishment (Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System
+    at Scale", eq. 13), as verl's ``overlong_buffer`` pays it on top of the reward, per action of ``|y|`` tokens
+    with a limit of L_max = ``max_length`` tokens and a buffer of L_cache = ``buffer_length``:
+
+        R_length(y) = 0                                              |y| <= L_max - L_cache
+                    = penalty_factor * ((L_max - L_cache) - |y|) / L_cache    L_max - L_cache < |y| <= L_max
+
+    so the penalty grows linearly over the buffer to -penalty_factor at the limit (the generator never
+    exceeds it). Paid by the trainer on token counts, not by the env: gymnasium users get the env's reward."""
+
+    max_length: int
+    buffer_length: int
+    penalty_factor: float = 1.0
+
+    def __post_init__(self):
+        if not 0 < self.buffer_length <= self.max_length:
+            raise ValueError(f"overlong buffer_length={self.buffer_length} must be in (0, max_length="
+                             f"{self.max_length}]")
+
+    def __call__(self, lengths: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Penalties [B] (<= 0) of actions of ``lengths`` [B] tokens."""
+        excess = np.asarray(lengths, dtype=np.float64) - (self.max_length - self.buffer_length)
+        return np.minimum(-excess / self.buffer_length * self.penalty_factor, 0.0)

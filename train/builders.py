@@ -21,12 +21,12 @@ from algorithms.base import Algorithm, make_algorithm
 from algorithms.registry import AlgorithmConfig, algorithm_spec
 from envs.datasets import load_problems
 from envs.prompts import STEP_DELIMITER
-from envs.rewards import OutcomeReward, RewardMixture, RewardModel
+from envs.rewards import OutcomeReward, OverlongPenalty, RewardMixture, RewardModel
 from reward_models.implicit_prm import ImplicitPRM
 from train import checkpoint, distributed
 from train.collector import Collector, Sampling, Voices
 from train.config import (ActionLevel, AgentGroups, DataParallel, EnvConfig, GenerationConfig, LearningConfig,
-                          ModelConfig, RewardConfig, RunConfig, ServicesConfig)
+                          ModelConfig, RewardConfig, RolloutConfig, RunConfig, ServicesConfig)
 from train.distributed import Ranks
 from models.generation import Generator, make_generator
 from models.loading import check_model_dir, resolve_device
@@ -352,6 +352,13 @@ def sampling_of(generation: GenerationConfig, action_level: ActionLevel, eos_tex
                     token_actions=token_actions, stop=(STEP_DELIMITER,) if action_level == ActionLevel.STEP else None)
 
 
+def overlong_penalty(rollout: RolloutConfig, sampling: Sampling) -> OverlongPenalty | None:
+    """DAPO's overlong penalty over the buffer before the action's token limit (None unless --overlong_buffer)."""
+    if not rollout.overlong_buffer:
+        return None
+    return OverlongPenalty(sampling.max_new_tokens, rollout.overlong_buffer_len, rollout.overlong_penalty_factor)
+
+
 def build_runner(config: RunConfig, run_dir: Path, writer, saved: checkpoint.Checkpoint | None = None,
                  generator_factory: GeneratorFactory | None = None, ranks: Ranks = Ranks()) -> Runner:
     """Every piece of a run from its config, composed into a Runner (restored from ``saved`` if given).
@@ -384,7 +391,8 @@ def build_runner(config: RunConfig, run_dir: Path, writer, saved: checkpoint.Che
     collector = Collector(train_env, algorithm_spec(learning.algorithm), env.episode_length, sampling,
                           seed=config.budget.seed,
                           env_offset=distributed.shard(env.envs_stepped, env.group_size, ranks)[0],
-                          voices=build_voices(config, train_env, policy, sampling), critic=learning.critic_view)
+                          voices=build_voices(config, train_env, policy, sampling), critic=learning.critic_view,
+                          overlong=overlong_penalty(config.rollout, sampling))
     runner = Runner(config, collector, eval_envs, policy, generator, algorithm, optimizer, scheduler, writer,
                     run_dir, implicit_prm=implicit_prm, rollout_policy=rollout_policy,
                     rollout_generator=rollout_generator, ranks=ranks, trainable=trainable)

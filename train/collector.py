@@ -39,6 +39,7 @@ import torch
 from algorithms.buffer import RolloutBuffer
 from algorithms.registry import AlgorithmSpec
 from envs.contract import FACTS, Agents, StepFacts
+from envs.rewards import OverlongPenalty
 from models.generation import GenerationOutput, Generator, Seed, mix_seed
 from models.policy import LanguagePolicy
 
@@ -162,6 +163,14 @@ class Tally:
         self.sums[key] += float(values.sum())
         self.counts[key] += values.size
 
+    def merge(self, other: Tally, seconds_prefix: str = "") -> None:
+        """Adds ``other``'s sums and counts, and its seconds under ``seconds_prefix`` + each phase's name."""
+        for key, total in other.sums.items():
+            self.sums[key] += total
+            self.counts[key] += other.counts[key]
+        for phase, seconds in other.seconds.items():
+            self.seconds[seconds_prefix + phase] += seconds
+
     def mean(self, key: str) -> float:
         """NaN when nothing was added under ``key``."""
         return self.sums[key] / self.counts[key] if self.counts.get(key) else float("nan")
@@ -172,7 +181,8 @@ class Collector:
     env's running episode return and the env steps taken (all saved with checkpoints)."""
 
     def __init__(self, env, spec: AlgorithmSpec, episode_length: int, sampling: Sampling, seed: int,
-                 env_offset: int = 0, voices: Voices = Voices(), critic: str = "centralized"):
+                 env_offset: int = 0, voices: Voices = Voices(), critic: str = "centralized",
+                 overlong: OverlongPenalty | None = None):
         if critic not in CRITICS:
             raise ValueError(f"critic={critic!r} must be one of {CRITICS}")
         self.env, self.spec, self.episode_length, self.sampling = env, spec, episode_length, sampling
@@ -186,6 +196,7 @@ class Collector:
         # [A] the agents whose actions are trained on: a workflow's frozen roles act but are not trained
         self.trained_agents = np.array(agents.trainable)
         self.voices = voices
+        self.overlong = overlong  # DAPO's length penalty, added to each trained action's reward (None: none)
         self.obs, info = env.reset(seed=seed)
         self.facts: StepFacts = info[FACTS]
         self.env_steps = 0
@@ -214,6 +225,7 @@ class Collector:
             buffer.next_values = self.next_values(policy, buffer)
         tally.add("train/step_reward", buffer.rewards[buffer.live].double().cpu().numpy())
         tally.add("train/action_tokens", buffer.action_lengths[buffer.live].double().cpu().numpy())
+        tally.add("rollout/truncated_share", buffer.cut[buffer.live].double().cpu().numpy())
         return buffer, tally
 
     def step(self, step: int, envs: np.ndarray, agents: np.ndarray, policy: LanguagePolicy, generator: Generator,
@@ -237,19 +249,31 @@ class Collector:
         buffer.add(step=step, envs=envs_t, agents=agents_t, prompt_ids=[out.prompt_token_ids[k] for k in pick],
                    action_ids=[out.token_ids[k] for k in pick], logprobs=[out.logprobs[k] for k in pick],
                    group_ids=torch.as_tensor(self.facts.group_ids[envs_t]), texts=[out.texts[k] for k in pick],
-                   values=values, token_values=token_values, critic_prompt_ids=critic_prompts)
+                   values=values, token_values=token_values, critic_prompt_ids=critic_prompts,
+                   cut=[out.finish_reasons[k] == "length" for k in pick])
         started = time.perf_counter()
         self.obs, _, terminated, truncated, info = self.env.step(pair_actions(self.env, self.sampling, out, envs,
                                                                               agents))
         tally.seconds["reward"] += time.perf_counter() - started
         self.facts = facts = info[FACTS]
         buffer.settle(step, facts.rewards, terminated, truncated, facts.correct)
+        self.pay_overlong(buffer, step, envs_t, agents_t, [len(out.token_ids[k]) for k in pick], tally)
         ended = terminated | truncated
         self.tally_reward_sources(tally, envs, agents)
         self.tally_ended_episodes(tally, ended)
         self.tally_role_metrics(tally)
         self.env_steps += len(np.unique(envs))
         return terminated, truncated
+
+    def pay_overlong(self, buffer: RolloutBuffer, step: int, envs: np.ndarray, agents: np.ndarray,
+                     lengths: list[int], tally: Tally) -> None:
+        """Adds the overlong penalty of the actions of ``lengths`` [B] tokens just taken by ``envs[b], agents[b]``
+        to their rewards (logged as the reward source ``overlong``)."""
+        if self.overlong is None or not lengths:
+            return
+        penalty = self.overlong(lengths)
+        buffer.add_rewards(step, torch.as_tensor(envs), torch.as_tensor(agents), torch.as_tensor(penalty))
+        tally.add("train/reward/overlong", penalty)
 
     def tally_ended_episodes(self, tally: Tally, ended: np.ndarray) -> None:
         """Returns (summed over agents, and per role in a multi-agent env) and verdicts of the episodes

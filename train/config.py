@@ -485,6 +485,70 @@ class GenerationConfig:
     max_policy_lag: int = option(1, "With --async_rollouts: most policy updates a batch may lag.", lower_bound=1)
 
 
+class RolloutIsLevel(enum.StrEnum):
+    """Where the trainer/sampler probability ratio of rollout correction is taken."""
+
+    TOKEN = "token"  # each token's ratio
+    SEQUENCE = "sequence"  # the product over the action's tokens
+    GEOMETRIC = "geometric"  # the geometric mean over the action's tokens
+
+
+class RolloutIsMode(enum.StrEnum):
+    """What rollout correction does with the ratio."""
+
+    TRUNCATE = "truncate"  # weight the policy-gradient term by min(ratio, threshold) (TIS)
+    MASK = "mask"  # drop the action from the loss where the ratio leaves [threshold_lower, threshold]
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """What happens to the rollouts between generation and the loss: DAPO's dynamic sampling and overlong
+    penalty, masking cut-off completions, and rollout correction (importance weights between the sampler's
+    log-probs and the trainer's). Every option is off by default."""
+
+    filter_groups: bool = option(
+        False, "Dynamic sampling (DAPO; verl's algorithm.filter_groups.enable): keep drawing prompt groups until the "
+        "batch holds --n_rollout_threads/--group_size groups whose episode returns are not all equal (on each rank "
+        "its share), at most --max_num_gen_batches rounds; groups of equal returns leave the batch. GRPO and RLOO.")
+    max_num_gen_batches: int = option(
+        10, "With --filter_groups: most rounds of generation per iteration (verl's "
+        "algorithm.filter_groups.max_num_gen_batches); after the last one the batch trains on the groups it holds.",
+        lower_bound=1)
+    mask_truncated_completions: bool = option(
+        False, "Drop actions cut at --max_new_tokens from the loss (TRL's mask_truncated_completions); they still "
+        "count in their group's baseline.")
+    overlong_buffer: bool = option(
+        False, "DAPO's soft overlong punishment (verl's reward_model.overlong_buffer.enable): an action longer than "
+        "--max_new_tokens - --overlong_buffer_len tokens is paid a penalty growing linearly to "
+        "-(--overlong_penalty_factor) at --max_new_tokens.")
+    overlong_buffer_len: int = option(16, "With --overlong_buffer: tokens before --max_new_tokens over which the "
+                                      "penalty grows (verl's overlong_buffer.len).", lower_bound=1)
+    overlong_penalty_factor: float = option(1.0, "With --overlong_buffer: the penalty at --max_new_tokens (verl's "
+                                            "overlong_buffer.penalty_factor).", lower_bound=0.0)
+    rollout_is: bool = option(
+        False, "Rollout correction (verl's algorithm.rollout_is): the trainer scores the batch before the update "
+        "(its ratios are then taken against these log-probs) and weights (--rollout_is_mode truncate, TIS) or masks "
+        "(mask) each action by its trainer/sampler probability ratio. The gap between the sampler's and the "
+        "trainer's log-probs is logged under rollout/ in every run.")
+    rollout_is_threshold: float = option(2.0, "With --rollout_is: the cap of the truncated weight (truncate), the "
+                                         "upper end of the band (mask); verl's rollout_is_threshold.")
+    rollout_is_threshold_lower: float | None = option(
+        None, "With --rollout_is_mode mask: the lower end of the band (verl's rollout_is_threshold_lower). Default: "
+        "1 / --rollout_is_threshold.")
+    rollout_is_level: RolloutIsLevel = option(RolloutIsLevel.TOKEN, "With --rollout_is: the ratio per token, per "
+                                              "action (product over its tokens) or their geometric mean (verl's "
+                                              "rollout_is_level).")
+    rollout_is_mode: RolloutIsMode = option(RolloutIsMode.TRUNCATE, "With --rollout_is: weight by the ratio capped "
+                                            "at --rollout_is_threshold, or mask actions whose ratio leaves the band "
+                                            "(verl's rollout_is_mode).")
+
+    @property
+    def rollout_is_band(self) -> tuple[float, float]:
+        """(lower, upper) ends of the ratio band that --rollout_is_mode mask keeps."""
+        upper = self.rollout_is_threshold
+        return (self.rollout_is_threshold_lower or 1.0 / upper), upper
+
+
 MAX_SERVICE_BACKOFF = 30.0
 """Most seconds between two retries of a request to a --*_url server."""
 
@@ -567,6 +631,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     rewards: RewardConfig = field(default_factory=RewardConfig)
     learning: LearningConfig = field(default_factory=LearningConfig)
     prime: PrimeConfig = field(default_factory=PrimeConfig)

@@ -28,6 +28,8 @@ from models.forward import module_mode
 from models.policy import LanguagePolicy
 from train import distributed
 from train.collector import Collector
+from train.config import LearningConfig, RolloutConfig
+from train.correction import GapMeter, corrected_targets, score_trainer_logprobs
 from train.distributed import Ranks
 
 log = logging.getLogger(__name__)
@@ -39,12 +41,15 @@ class NonFiniteError(RuntimeError):
 
 class Learner:
     """Trains ``policy`` (through ``trainable``) with ``algorithm``; ``config``: the run's learning section
-    (``train.config.LearningConfig``); ``shuffle``: the generator that orders minibatches (saved with checkpoints)."""
+    (``train.config.LearningConfig``); ``rollout``: its rollout section (``train.config.RolloutConfig``: the
+    correction of samples from another engine); ``shuffle``: the generator that orders minibatches (saved with
+    checkpoints)."""
 
-    def __init__(self, config, policy: LanguagePolicy, trainable: torch.nn.Module, algorithm: Algorithm,
-                 optimizer: torch.optim.Optimizer, scheduler, collector: Collector, shuffle: torch.Generator,
-                 ranks: Ranks, implicit_prm=None):
-        self.config, self.policy, self.trainable, self.algorithm = config, policy, trainable, algorithm
+    def __init__(self, config: LearningConfig, rollout: RolloutConfig, policy: LanguagePolicy,
+                 trainable: torch.nn.Module, algorithm: Algorithm, optimizer: torch.optim.Optimizer, scheduler,
+                 collector: Collector, shuffle: torch.Generator, ranks: Ranks, implicit_prm=None):
+        self.config, self.rollout, self.policy, self.trainable = config, rollout, policy, trainable
+        self.algorithm = algorithm
         self.spec = algorithm_spec(algorithm.name)
         self.optimizer, self.scheduler, self.collector, self.shuffle = optimizer, scheduler, collector, shuffle
         self.temperature = collector.sampling.temperature
@@ -55,9 +60,12 @@ class Learner:
         runner's counters (its non-finite step counts are kept here)."""
         config, algorithm = self.config, self.algorithm
         started = time.perf_counter()
+        rollout_is = self.rollout.rollout_is
         with self.policy.gathered():
             heldout = self.score_rollout(buffer)
-        targets = algorithm.advantages(buffer)
+            gap = (score_trainer_logprobs(self.policy, buffer, self.temperature, self.row_adapters) if rollout_is
+                   else GapMeter())  # else measured on the first minibatch's forward passes
+        targets, rollout_stats = corrected_targets(buffer, algorithm.advantages(buffer), self.rollout)
         sums, weights = defaultdict(float), defaultdict(float)
         grad_norms, steps, stopped_early = [], 0, False
         with module_mode(self.policy, training=True):  # checkpointing acts; eval mode again for sampling
@@ -66,7 +74,9 @@ class Learner:
                                                     self.shuffle, skip=algorithm.skippable_rows,
                                                     reduce_totals=self.reduce_totals,
                                                     max_tokens=config.micro_batch_tokens):
-                    minibatch_kl, stepped = self.minibatch_step(minibatch, progress, sums, weights, grad_norms)
+                    measured = None if rollout_is or steps or stopped_early else gap  # the policy before any step
+                    minibatch_kl, stepped = self.minibatch_step(minibatch, progress, sums, weights, grad_norms,
+                                                                measured)
                     steps += stepped
                     stopped_early = kl_early_stop(minibatch_kl, config.target_kl)
                     if stopped_early:
@@ -77,7 +87,8 @@ class Learner:
             self.scheduler.step()
         if self.ranks.distributed:
             sums, weights = distributed.sum_by_key(sums, weights)
-        stats: dict[str, Any] = {f"loss/{key}": sums[key] / weights[key] for key in sums} | heldout
+        stats: dict[str, Any] = ({f"loss/{key}": sums[key] / weights[key] for key in sums} | heldout | rollout_stats
+                                 | gap.stats())
         trained = buffer.trained(targets)
         if self.implicit_prm is not None:
             stats["loss/implicit_prm"] = self.update_implicit_prm(buffer, trained)
@@ -131,9 +142,11 @@ class Learner:
         return {"implicit_prm/heldout_auc": roc_auc(totals, labels) if both_classes else math.nan,
                 "implicit_prm/heldout_accuracy": float(((totals > 0).float() == labels).float().mean())}
 
-    def minibatch_step(self, minibatch, progress, sums: dict, weights: dict, grad_norms: list) -> tuple[float, bool]:
+    def minibatch_step(self, minibatch, progress, sums: dict, weights: dict, grad_norms: list,
+                       gap: GapMeter | None = None) -> tuple[float, bool]:
         """Accumulates the micro-batches' gradients, clips, steps; returns (the minibatch's approx KL,
-        whether the optimizer stepped: not when the loss or the gradient norm is non-finite).
+        whether the optimizer stepped: not when the loss or the gradient norm is non-finite). ``gap``: where
+        the forward passes' distance to the sampler's log-probs is added (None: not measured).
 
         Several ranks: DDP and FSDP2 average the gradients over ranks, so each loss (normalised by the
         global totals) is scaled by the world size. Every rank runs as many forward and backward passes as
@@ -154,7 +167,7 @@ class Learner:
                     self.idle_backward()
                     continue
                 batch = minibatch[k]
-                micro_stats, finite = self.micro_batch_backward(batch, sums, weights)
+                micro_stats, finite = self.micro_batch_backward(batch, sums, weights, gap)
                 finite_loss &= finite
             kl_sum += float(micro_stats["approx_kl"]) * batch.num_samples
             kl_weight += batch.num_samples
@@ -173,7 +186,8 @@ class Learner:
             self.skip_nonfinite_step("loss" if not finite_loss else f"gradient norm ({grad_norm})", progress)
         return kl, stepped
 
-    def micro_batch_backward(self, batch, sums: dict, weights: dict) -> tuple[dict[str, torch.Tensor], bool]:
+    def micro_batch_backward(self, batch, sums: dict, weights: dict,
+                             gap: GapMeter | None = None) -> tuple[dict[str, torch.Tensor], bool]:
         """One micro-batch's forward and backward, its statistics added into ``sums``/``weights``; returns
         (its statistics, whether its loss was finite)."""
         scores = self.trainable(batch.prompts, (batch.action_ids, batch.action_lengths), self.temperature,
@@ -181,6 +195,8 @@ class Learner:
                                 adapters=self.row_adapters(batch), critic_prompts=batch.critic_prompts,
                                 value_heads=self.row_value_heads(batch))
         loss, micro_stats = self.algorithm.loss(scores, batch)
+        if gap is not None:
+            gap.add(scores.logprobs, batch.old_logprobs, batch.token_mask)
         finite = bool(torch.isfinite(loss))
         (loss * self.ranks.world_size).backward()
         for key, value in micro_stats.items():

@@ -7,29 +7,67 @@ weights (the trainer's fp32 master weights rounded at each refresh): its log-pro
 distribution it sampled from, which the ratio corrects for as for any other sampler (vLLM's). What the
 trainer has been handed is "settled": a checkpoint or a logged count of env steps never includes the batch
 still in flight, so a resume collects that batch again from the env state it started from.
+
+Dynamic sampling (DAPO, Yu et al. 2025, section 3.2; verl's ``filter_groups``): a batch is collected in rounds
+of fresh prompt groups, each rank keeping its groups whose episode returns are not all equal (a group of equal
+returns has zero advantage), until it holds as many groups as one round draws, or ``max_num_gen_batches``
+rounds were drawn; then it trains on the groups it holds (a round's whole batch if it kept none). Each rank
+fills its own share (no collective: ranks stay free to draw different numbers of rounds, in the background
+thread too). The rounds after the first are their own cost, logged as ``time/refill``.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import copy
-from typing import Any
+from typing import Any, Callable
+
+import torch
 
 from algorithms.buffer import RolloutBuffer
-from models.generation import Generator
+from models.generation import Generator, mix_seed
 from models.policy import LanguagePolicy
 from train import distributed
 from train.collector import Collector, Tally
 from train.distributed import Ranks
 
 
+def refilled(collect: Callable[[int], tuple[RolloutBuffer, Tally]], seed: int, groups_wanted: int,
+             max_rounds: int) -> tuple[RolloutBuffer, Tally]:
+    """Dynamic sampling: rounds ``collect(round_seed)`` (the first at ``seed``) until their groups of varied
+    returns number ``groups_wanted``, at most ``max_rounds``; returns the batch of those groups (the first ones
+    kept, in round order) and the rounds' statistics: every episode drawn, ``rollout/gen_rounds``,
+    ``rollout/filtered_share`` (drawn groups of equal returns) and ``rollout/filled_share`` (the batch's groups
+    over ``groups_wanted``); the seconds of the rounds after the first under ``refill_<phase>``."""
+    parts, tally, kept, drawn, filtered = [], Tally(), 0, 0, 0
+    for round_ in range(max_rounds):
+        buffer, round_tally = collect(seed if round_ == 0 else mix_seed(seed, round_))
+        tally.merge(round_tally, seconds_prefix="refill_" if round_ else "")
+        ids, varied = buffer.varied_groups()
+        drawn, filtered = drawn + len(ids), filtered + int((~varied).sum())
+        taken = ids[varied][: groups_wanted - kept]
+        kept += len(taken)
+        parts.append((buffer, torch.isin(buffer.prompt_groups(), taken).nonzero().squeeze(1)))
+        if kept >= groups_wanted:
+            break
+    tally.add("rollout/gen_rounds", [round_ + 1])
+    tally.add("rollout/filtered_share", [1.0] * filtered + [0.0] * (drawn - filtered))
+    tally.add("rollout/filled_share", [1.0] * kept + [0.0] * (groups_wanted - kept))
+    if kept == 0:  # nothing to learn from: the last round as it came (zero advantages, no step)
+        return buffer, tally
+    return RolloutBuffer.concat_envs([(part, index) for part, index in parts if len(index)]), tally
+
+
 class Rollouts:
-    """``rollout_policy``/``rollout_generator``: the copy asynchronous collection uses (None: synchronous)."""
+    """``rollout_policy``/``rollout_generator``: the copy asynchronous collection uses (None: synchronous).
+    ``max_num_gen_batches``: dynamic sampling's most rounds per batch (None: one collection, unfiltered)."""
 
     def __init__(self, collector: Collector, policy: LanguagePolicy, generator: Generator, seed: int,
                  num_iterations: int, max_policy_lag: int, ranks: Ranks,
-                 rollout_policy: LanguagePolicy | None = None, rollout_generator: Generator | None = None):
+                 rollout_policy: LanguagePolicy | None = None, rollout_generator: Generator | None = None,
+                 max_num_gen_batches: int | None = None):
         self.collector, self.policy, self.generator = collector, policy, generator
+        self.max_num_gen_batches = max_num_gen_batches
         self.seed, self.num_iterations, self.max_policy_lag, self.ranks = seed, num_iterations, max_policy_lag, ranks
         self.rollout_policy, self.rollout_generator = rollout_policy, rollout_generator
         asynchronous = rollout_policy is not None
@@ -41,6 +79,14 @@ class Rollouts:
     def iteration_seed(self, iteration: int) -> int:
         return self.seed * 1_000_003 + iteration * 1_009
 
+    def collect(self, policy: LanguagePolicy, generator: Generator, seed: int) -> tuple[RolloutBuffer, Tally]:
+        """One batch: a collection, or with dynamic sampling the rounds that fill it (``refilled``)."""
+        if self.max_num_gen_batches is None:
+            return self.collector.collect(policy, generator, seed)
+        env = self.collector.env
+        return refilled(lambda round_seed: self.collector.collect(policy, generator, round_seed), seed,
+                        env.num_envs // env.group_size, self.max_num_gen_batches)
+
     def next(self, iteration: int, progress) -> tuple[RolloutBuffer, dict[str, float]]:
         """This iteration's batch and its statistics: collected now, or (async) the one collected in the
         background, after starting the next one with a policy copy at most ``max_policy_lag`` versions old.
@@ -48,12 +94,12 @@ class Rollouts:
         seed = self.iteration_seed(iteration)
         if self.pool is None:
             with self.policy.gathered():
-                buffer, tally = self.collector.collect(self.policy, self.generator, seed)
+                buffer, tally = self.collect(self.policy, self.generator, seed)
             return buffer, self.statistics(tally)
         if self.pending is not None:
             (buffer, tally), version = self.pending.result(), self.pending_version
         else:
-            buffer, tally = self.collector.collect(self.rollout_policy, self.rollout_generator, seed)
+            buffer, tally = self.collect(self.rollout_policy, self.rollout_generator, seed)
             version = progress.rollout_version
         stats = {**self.statistics(tally), "train/policy_lag": float(progress.version - version)}
         # The next batch is trained on after this iteration's update, at version + 1.
@@ -64,8 +110,7 @@ class Rollouts:
         self.pending, self.pending_start = None, None
         if iteration + 1 < self.num_iterations:  # no batch beyond the budget: every env step taken is trained on
             self.pending_start = copy.deepcopy(self.collector.get_state())  # the thread changes its lists
-            self.pending = self.pool.submit(self.collector.collect, self.rollout_policy, self.rollout_generator,
-                                            seed + 1)
+            self.pending = self.pool.submit(self.collect, self.rollout_policy, self.rollout_generator, seed + 1)
         return buffer, stats
 
     def refresh(self) -> None:
@@ -100,10 +145,14 @@ class Rollouts:
         step_reward = tally.mean("train/step_reward")
         # train/reward/<source> (the reward model's parts), train/<role>/<metric> and train/<role>/reward/<source>
         # (multi-agent envs)
-        means = {key: tally.mean(key) for key in tally.sums if key.startswith("train/") and key.count("/") >= 2}
+        means = {key: tally.mean(key) for key in tally.sums
+                 if (key.startswith("train/") and key.count("/") >= 2) or key.startswith("rollout/")}
+        generate_seconds = tally.seconds["generate"] + tally.seconds.get("refill_generate", 0.0)
+        refill = {"time/refill": tally.seconds["refill_generate"] + tally.seconds["refill_reward"]
+                  } if "refill_generate" in tally.seconds else {}
         return {
-            "time/generate": tally.seconds["generate"], "time/reward": tally.seconds["reward"],
-            "perf/tokens_per_second": tally.sums["tokens"] / max(tally.seconds["generate"], 1e-9),
+            "time/generate": tally.seconds["generate"], "time/reward": tally.seconds["reward"], **refill,
+            "perf/tokens_per_second": tally.sums["tokens"] / max(generate_seconds, 1e-9),
             "train/step_reward": step_reward,
             # mean return of the episodes that ended in this rollout (every episode, when episodic)
             "train/reward": tally.mean("train/reward") if tally.counts["train/reward"] else step_reward,

@@ -91,9 +91,11 @@ class Runner:
         shuffle = torch.Generator().manual_seed(budget.seed)
         copy = (rollout_policy, rollout_generator) if generation.async_rollouts else (None, None)
         self.rollouts = Rollouts(collector, policy, generator, budget.seed, budget.num_iterations,
-                                 generation.max_policy_lag, ranks, *copy)
-        self.learner = Learner(config.learning, policy, trainable if trainable is not None else policy, algorithm,
-                               optimizer, scheduler, collector, shuffle, ranks, implicit_prm)
+                                 generation.max_policy_lag, ranks, *copy,
+                                 max_num_gen_batches=config.rollout.max_num_gen_batches
+                                 if config.rollout.filter_groups else None)
+        self.learner = Learner(config.learning, config.rollout, policy, trainable if trainable is not None else policy,
+                               algorithm, optimizer, scheduler, collector, shuffle, ranks, implicit_prm)
         self.reporter = Reporter(writer, ranks, policy.tokenizer, collector.roles, NUM_TEXT_SAMPLES)
         self.checkpointer = Checkpointer(run_dir, logs.keep_checkpoints, policy, optimizer, scheduler, self.rollouts,
                                          shuffle, ranks, writer, self.run_flags, implicit_prm,

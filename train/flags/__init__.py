@@ -1,6 +1,6 @@
 """Every command-line flag of train_math.py, defined once per section, validated at parse time.
 
-Each section module (model, env, generation, rewards, algorithm, PRIME, multi-agent, Prefix-RL,
+Each section module (model, env, generation, rollouts, rewards, algorithm, PRIME, multi-agent, Prefix-RL,
 services, distributed, budget, logs) generates its flags from one section of ``train.config.RunConfig``
 (``train.options.define_flags``), so a field's default and help are written once. ``checks`` holds the
 validators absl runs before any model is loaded or heavy module imported, so a wrong path, a bad value
@@ -20,12 +20,13 @@ import textwrap
 from absl import flags
 
 from train.flags import (algorithm, budget, distributed, env, generation, logs, model, multi_agent, prefix_rl, prime,
-                         rewards, services)
+                         rewards, rollout, services)
 from train.flags import checks  # noqa: F401  (after the sections: it registers validators on their flags)
 
 FLAGS = flags.FLAGS
 
-SECTIONS = {"model": model, "data and env": env, "generation": generation, "rewards": rewards,
+SECTIONS = {"model": model, "data and env": env, "generation": generation,
+            "rollouts (dynamic sampling, cut-off answers, rollout correction)": rollout, "rewards": rewards,
             "algorithm": algorithm, "PRIME (RLOO)": prime, "multi-agent": multi_agent, "Prefix-RL": prefix_rl,
             "services": services, "distributed": distributed, "budget": budget, "logging and checkpoints": logs}
 """--helpfull's sections, in reading order: {title: module defining its flags}."""

@@ -359,3 +359,63 @@ def _check_system_prompt(f: dict) -> bool:
         raise flags.ValidationError("--system_prompt needs a chat prompt template: add --prompt_template chat (the "
                                     "tokenizer's own) or qwen_math; the default plain template has no system turn")
     return True
+
+
+def _given(name: str) -> bool:
+    return FLAGS[name].present
+
+
+@flags.multi_flags_validator(["filter_groups", "max_num_gen_batches", "oversample_factor", "algorithm_name"])
+def _check_filter_groups(f: dict) -> bool:
+    if _given("max_num_gen_batches") and not f["filter_groups"]:
+        raise flags.ValidationError("--max_num_gen_batches bounds the rounds of --filter_groups; add --filter_groups "
+                                    "or drop it")
+    if f["filter_groups"] and not ALGORITHMS[f["algorithm_name"]].episodic:
+        raise flags.ValidationError(f"--filter_groups keeps prompt groups of varied returns; --algorithm_name="
+                                    f"{f['algorithm_name']} collects no groups: use GRPO or RLOO")
+    if f["filter_groups"] and f["algorithm_name"] == "RLOO" and f["oversample_factor"] > 1:
+        raise flags.ValidationError(f"--filter_groups refills the batch with groups that have signal; RLOO's "
+                                    f"--oversample_factor={f['oversample_factor']} selects them a second way: pass "
+                                    "--oversample_factor 1")
+    return True
+
+
+@flags.multi_flags_validator(["overlong_buffer", "overlong_buffer_len", "overlong_penalty_factor",
+                              "mask_truncated_completions", "max_new_tokens", "action_level"])
+def _check_cut_off_answers(f: dict) -> bool:
+    for name in ("overlong_buffer_len", "overlong_penalty_factor"):
+        if _given(name) and not f["overlong_buffer"]:
+            raise flags.ValidationError(f"--{name} shapes the penalty of --overlong_buffer; add --overlong_buffer or "
+                                        "drop it")
+    for name in ("overlong_buffer", "mask_truncated_completions"):
+        if f[name] and f["action_level"] == "token":
+            raise flags.ValidationError(f"--{name} concerns actions cut at --max_new_tokens; with --action_level token "
+                                        "every action is one token: use --action_level solution or step")
+    if f["overlong_buffer"] and f["overlong_buffer_len"] > f["max_new_tokens"]:
+        raise flags.ValidationError(f"--overlong_buffer_len={f['overlong_buffer_len']} is longer than "
+                                    f"--max_new_tokens={f['max_new_tokens']}; the buffer lies before the limit")
+    return True
+
+
+@flags.multi_flags_validator(["rollout_is", "rollout_is_threshold", "rollout_is_threshold_lower", "rollout_is_level",
+                              "rollout_is_mode", "algorithm_name"])
+def _check_rollout_is(f: dict) -> bool:
+    for name in ("rollout_is_threshold", "rollout_is_threshold_lower", "rollout_is_level", "rollout_is_mode"):
+        if _given(name) and not f["rollout_is"]:
+            raise flags.ValidationError(f"--{name} sets how --rollout_is corrects; add --rollout_is or drop it")
+    upper, lower = f["rollout_is_threshold"], f["rollout_is_threshold_lower"]
+    if upper < 1:
+        raise flags.ValidationError(f"--rollout_is_threshold={upper} < 1 would cut the weight of an on-policy token "
+                                    "(ratio 1); use a value >= 1 (TIS: 2)")
+    if lower is not None and f["rollout_is_mode"] != "mask":
+        raise flags.ValidationError("--rollout_is_threshold_lower is the band's lower end of --rollout_is_mode mask; "
+                                    "add it or drop the flag")
+    if lower is not None and not 0 < lower <= 1:
+        raise flags.ValidationError(f"--rollout_is_threshold_lower={lower} must be in (0, 1] (the band holds ratio 1)")
+    if f["rollout_is"] and f["rollout_is_mode"] == "truncate" and f["algorithm_name"] == "APPO":
+        raise flags.ValidationError("--rollout_is_mode truncate weights each token's policy gradient; APPO's loss "
+                                    "takes one ratio per action: use --rollout_is_mode mask (or GRPO/RLOO/TPPO)")
+    if f["rollout_is_mode"] == "mask" and f["rollout_is_level"] == "token":
+        raise flags.ValidationError("--rollout_is_mode mask drops whole actions: use --rollout_is_level sequence or "
+                                    "geometric (token-level ratios: --rollout_is_mode truncate)")
+    return True

@@ -40,7 +40,7 @@ from typing import Protocol, Sequence
 
 WORKER_SCRIPT = Path(__file__).with_name("sandbox_worker.py")
 START_TIMEOUT_S = 120.0  # a worker's start-up: Python and the sympy import (seconds on a busy machine)
-REPLY_GRACE_S = 10.0  # beyond the call's own timeout, before a silent worker is declared dead
+REPLY_GRACE_S = 60.0  # beyond the call's own timeout, before a silent worker is declared dead (busy machines)
 
 
 @dataclass(frozen=True)
@@ -127,8 +127,9 @@ class _Worker:
             self.close()
             return None
         reply = self._reply(timeout_s + REPLY_GRACE_S)
-        if reply is None:
+        if reply is None or "stdout" not in reply:  # silent, dead, or failing in its own code
             self.close()
+            return None
         return reply
 
     def _reply(self, timeout_s: float) -> dict | None:
@@ -186,7 +187,13 @@ class PythonSandbox:
         self.idle: queue.Queue[_Worker] = queue.Queue()
         self.closed = False
         with ThreadPoolExecutor(workers) as pool:
-            started = list(pool.map(lambda _: self._start_worker(), range(workers)))
+            starts = [pool.submit(self._start_worker) for _ in range(workers)]
+        failed = [start.exception() for start in starts if start.exception() is not None]
+        started = [start.result() for start in starts if start.exception() is None]
+        if failed:
+            for worker in started:
+                worker.close()
+            raise failed[0]
         for worker in started:
             self.idle.put(worker)
         self.isolation = started[0].ready["isolation"]

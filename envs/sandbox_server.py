@@ -132,12 +132,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     host, port = args.pop("host"), args.pop("port")
     with PythonSandbox(**args) as sandbox:
         server = SandboxServer((host, port), sandbox)
-        print(f"sandbox serving run_code on {server.url}\n{sandbox.describe_isolation()}", flush=True)
 
         def stop(signum: int, frame: Any) -> None:  # shutdown() waits for serve_forever: call it from another thread
             threading.Thread(target=server.shutdown).start()
 
         signal.signal(signal.SIGTERM, stop)
         signal.signal(signal.SIGINT, stop)
+        print(f"sandbox serving run_code on {server.url}\n{sandbox.describe_isolation()}", flush=True)
         server.serve_forever()
         server.server_close()

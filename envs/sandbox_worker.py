@@ -203,6 +203,8 @@ class Worker:
         if pid == 0:
             try:
                 run_child(code, directory, out_w, err_w, self)
+            except BaseException:  # noqa: BLE001 - confining the child failed: say why on its stderr
+                traceback.print_exc()
             finally:
                 os._exit(70)
         os.close(out_w)
@@ -261,7 +263,9 @@ class Worker:
         return stdout, stderr, None
 
     def kill_rest(self, pid: int) -> None:
-        """Kill and reap every process the call left (the child itself is reaped already)."""
+        """Kill and reap every process the call left (the child itself is reaped already). Without a PID
+        namespace only its process group is killed, and only the dead are reaped: a process that left
+        the group would block a waiting reaper."""
         while True:
             try:
                 if self.pid_namespace:
@@ -271,7 +275,8 @@ class Worker:
             except ProcessLookupError:
                 pass
             try:
-                os.waitpid(-1, 0)
+                if os.waitpid(-1, 0 if self.pid_namespace else os.WNOHANG)[0] == 0:
+                    return
             except ChildProcessError:
                 return
 

@@ -21,7 +21,8 @@ CASES = {
 
 
 def calls_per_second(sandbox: PythonSandbox, code: str, calls: int) -> float:
-    """Calls per second of ``calls`` copies of ``code`` through ``run_many`` (after one warm-up batch)."""
+    """Calls per second of ``calls`` copies of ``code`` through ``run_many`` (after one warm-up batch);
+    raises when a call fails (a loaded machine: raise ``--timeout_s``)."""
     sandbox.run_many([code] * 2 * sandbox.workers)
     start = time.perf_counter()
     results = sandbox.run_many([code] * calls)
@@ -37,8 +38,9 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=400, help="calls of the trivial print")
     parser.add_argument("--sympy_calls", type=int, default=100, help="calls of the sympy case")
     parser.add_argument("--workers", type=int, default=None, help="warm workers (default: usable cores, <= 8)")
+    parser.add_argument("--timeout_s", type=float, default=30.0, help="wall clock per call")
     args = parser.parse_args()
-    with PythonSandbox(workers=args.workers) as sandbox:
+    with PythonSandbox(workers=args.workers, timeout_s=args.timeout_s) as sandbox:
         print(sandbox.describe_isolation())
         for name, calls in (("print", args.calls), ("sympy", args.sympy_calls)):
             rate = calls_per_second(sandbox, CASES[name], calls)

@@ -230,6 +230,11 @@ class ServicesConfig:
                             flag="service_backoff")
     max_in_flight: int = option(8, "Most requests in flight per --*_url server.", flag="service_max_in_flight",
                                 lower_bound=1)
+    api_key: str | None = option(
+        None, "Key sent to every --*_url server as 'Authorization: Bearer KEY' (what `vllm serve --api-key` and "
+        "`python -m reward_models.serve --api_key` expect). Default: $MATHRL_SERVICE_API_KEY (preferred: a flag "
+        "shows in the process list). Never logged or saved: a resume takes it from this flag or the variable "
+        "again.", flag="service_api_key", secret=True)
 
     @property
     def client(self) -> ClientSettings:
@@ -238,7 +243,7 @@ class ServicesConfig:
 
         return ClientSettings(connect_timeout=self.connect_timeout, read_timeout=self.read_timeout,
                               retries=self.retries, backoff=self.backoff, max_backoff=MAX_SERVICE_BACKOFF,
-                              max_in_flight=self.max_in_flight)
+                              max_in_flight=self.max_in_flight, api_key=self.api_key)
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ def config_from_flags(f: flags.FlagValues) -> RunConfig:
                      budget=BudgetConfig(num_iterations=-(-f.num_env_steps // (env.episode_length * env.num_envs)),
                                          num_env_steps=f.num_env_steps, eval_interval=f.eval_interval,
                                          eval_limit=f.eval_limit, **eval_sampling(f)),
-                     services=section_from_flags(ServicesConfig, f), logging=logging_config(f), seed=f.seed,
+                     services=services_config(f), logging=logging_config(f), seed=f.seed,
                      flags=flag_dict(f))
 
 
@@ -253,6 +253,13 @@ def async_rollouts(f: flags.FlagValues) -> bool:
 
         return not torch.cuda.is_available()
     return f.device == "cpu"
+
+
+def services_config(f: flags.FlagValues) -> ServicesConfig:
+    """The services' options, the key from --service_api_key or $MATHRL_SERVICE_API_KEY."""
+    from models.remote import api_key_from  # stdlib only
+
+    return section_from_flags(ServicesConfig, f, api_key=api_key_from(f.service_api_key))
 
 
 def logging_config(f: flags.FlagValues) -> LoggingConfig:

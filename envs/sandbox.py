@@ -1,0 +1,234 @@
+"""The Python tool's sandbox: runs code a model wrote, each call in its own isolated process.
+
+    with PythonSandbox(timeout_s=5.0) as sandbox:
+        print(sandbox.describe_isolation())          # which isolation layers are in force
+        result = sandbox.run("import sympy; print(sympy.factor('x**2-1'))")
+        result.output, result.ok, result.error       # '(x - 1)*(x + 1)\\n', True, None
+
+Why a pool of warm workers: starting Python and importing sympy takes most of a second, a tool call
+should take milliseconds. Each worker (``envs/sandbox_worker.py``, started as a script so that it
+imports only the standard library and what it preloads) imports sympy once, then forks one fresh
+process per call. The forked process sets its limits (CPU seconds, address space, file size, process
+count, no core dumps), cleans its environment, enters a fresh temporary directory, locks itself in
+with the kernel's isolation layers (network namespace, PID namespace, an unprivileged user id,
+Landlock) where the machine has them, and runs the code. The worker enforces the wall-clock timeout,
+kills everything the call started, reads at most a bounded part of its output and deletes its
+directory. ``describe_isolation()`` says which layers are in force and what they do not cover.
+
+``run_many`` spreads calls over the workers (one call at a time per worker). ``RemoteSandbox``
+(``models.remote_sandbox``) gives the same ``run``/``run_many`` for a Sandbox Fusion-style service;
+``python -m envs.sandbox serve`` serves this sandbox that way (``envs.sandbox_server``).
+
+Model output is untrusted: this module never runs it in the calling process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import select
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Protocol, Sequence
+
+WORKER_SCRIPT = Path(__file__).with_name("sandbox_worker.py")
+START_TIMEOUT_S = 60.0  # a worker's start-up: Python plus the sympy import, on a loaded machine
+REPLY_GRACE_S = 10.0  # beyond the call's own timeout, before a silent worker is declared dead
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """What one call gave back.
+
+    Attributes:
+        output: the call's stdout and, on failure, the error's last line (e.g. ``ZeroDivisionError:
+            division by zero`` or ``timeout after 5.0 s``), cut to ``max_output_chars``.
+        ok: the code ran to its end (exit status 0) within every limit.
+        error: None when ``ok``; otherwise a one-line reason: ``timeout after 5.0 s``, ``memory limit
+            (512 MB)``, ``cpu limit (5 s)``, ``file size limit (16 MB)``, ``killed by signal 11
+            (SIGSEGV)``, or the exception's last line.
+    """
+
+    output: str
+    ok: bool
+    error: str | None = None
+
+
+class Sandbox(Protocol):
+    """What the env needs of a sandbox (``PythonSandbox``, ``models.remote_sandbox.RemoteSandbox``)."""
+
+    def run(self, code: str) -> ToolResult: ...
+
+    def run_many(self, codes: Sequence[str]) -> list[ToolResult]: ...
+
+    def describe_isolation(self) -> str: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The limits of one call (see ``PythonSandbox``); sent to every worker as JSON."""
+
+    timeout_s: float = 5.0
+    cpu_seconds: int = 5
+    memory_mb: int = 512
+    max_output_chars: int = 1024
+    max_file_mb: int = 16
+    max_processes: int = 32
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if value <= 0:
+                raise ValueError(f"{name}={value} must be > 0")
+
+
+class _Worker:
+    """One warm worker process: a request line in (JSON), a reply line out (JSON)."""
+
+    def __init__(self, limits: Limits, base_dir: Path, preload: Sequence[str]):
+        self.base_dir = base_dir
+        config = json.dumps({"limits": asdict(limits), "base_dir": str(base_dir), "preload": list(preload)})
+        self.process = subprocess.Popen([sys.executable, "-I", str(WORKER_SCRIPT), config], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, env=_worker_environment(), start_new_session=True)
+        self.ready = self._reply(START_TIMEOUT_S)
+        if self.ready is None or "isolation" not in self.ready:
+            self.close()
+            raise RuntimeError(f"the sandbox worker ({WORKER_SCRIPT}) did not start: {self.ready}; run "
+                               f"`{sys.executable} {WORKER_SCRIPT} '{config}'` to see its error")
+
+    def call(self, code: str, timeout_s: float) -> dict | None:
+        """The worker's reply to one call, or None when it died or fell silent (then it is closed)."""
+        try:
+            self.process.stdin.write(json.dumps({"code": code}).encode() + b"\n")
+            self.process.stdin.flush()
+        except OSError:
+            self.close()
+            return None
+        reply = self._reply(timeout_s + REPLY_GRACE_S)
+        if reply is None:
+            self.close()
+        return reply
+
+    def _reply(self, timeout_s: float) -> dict | None:
+        """One JSON line from the worker within ``timeout_s``; None on EOF, silence or garbage."""
+        stdout = self.process.stdout
+        ready, _, _ = select.select([stdout], [], [], timeout_s)
+        line = stdout.readline() if ready else b""
+        try:
+            return json.loads(line) if line else None
+        except ValueError:
+            return None
+
+    def close(self) -> None:
+        """Stop the worker (its PID namespace, and every call process in it, goes with it)."""
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        for stream in (self.process.stdin, self.process.stdout):
+            stream.close()
+        shutil.rmtree(self.base_dir, ignore_errors=True)
+
+
+def _worker_environment() -> dict[str, str]:
+    """The worker's environment: a minimal PATH and one thread per math library, nothing inherited
+    (no keys, no tokens, no HOME)."""
+    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1",
+            "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+class PythonSandbox:
+    """Runs Python code in isolated, limited processes forked from warm workers.
+
+    Args:
+        timeout_s: wall-clock seconds per call; then every process of the call is killed.
+        cpu_seconds: CPU seconds per process of a call (RLIMIT_CPU).
+        memory_mb: address space per process of a call, in MB (RLIMIT_AS).
+        max_output_chars: the output is cut to this many characters (and read no further than a few
+            times that many bytes).
+        max_file_mb: the largest file a call may write, in MB (RLIMIT_FSIZE).
+        max_processes: processes (and threads) a call may have at once (RLIMIT_NPROC, under a user
+            id of its own where the machine allows one).
+        workers: warm worker processes, i.e. calls run at once (default: the usable cores, at most 8).
+        preload: modules each worker imports once so that calls importing them are fast.
+    """
+
+    def __init__(self, *, timeout_s: float = 5.0, cpu_seconds: int = 5, memory_mb: int = 512,
+                 max_output_chars: int = 1024, max_file_mb: int = 16, max_processes: int = 32,
+                 workers: int | None = None, preload: Sequence[str] = ("sympy",)):
+        self.limits = Limits(timeout_s, cpu_seconds, memory_mb, max_output_chars, max_file_mb, max_processes)
+        workers = min(8, len(os.sched_getaffinity(0))) if workers is None else workers
+        if workers < 1:
+            raise ValueError(f"workers={workers} must be >= 1")
+        self.preload = tuple(preload)
+        self.lock = threading.Lock()
+        self.idle: queue.Queue[_Worker] = queue.Queue()
+        self.closed = False
+        with ThreadPoolExecutor(workers) as pool:
+            started = list(pool.map(lambda _: self._start_worker(), range(workers)))
+        for worker in started:
+            self.idle.put(worker)
+        self.isolation = started[0].ready["isolation"]
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="sandbox")
+
+    def _start_worker(self) -> _Worker:
+        base_dir = Path(tempfile.mkdtemp(prefix="mathrl-sandbox-"))
+        base_dir.chmod(0o711)  # a call may enter its own directory below it, under its own user id
+        return _Worker(self.limits, base_dir, self.preload)
+
+    def describe_isolation(self) -> str:
+        """Which isolation layers are in force on this machine and what they do not cover (one line each)."""
+        return "\n".join(self.isolation)
+
+    def run(self, code: str) -> ToolResult:
+        """Run one piece of code in a fresh sandboxed process; never raises for what the code does."""
+        if self.closed:
+            raise RuntimeError("this PythonSandbox is closed: make a new one")
+        worker = self.idle.get()
+        try:
+            reply = worker.call(code, self.limits.timeout_s)
+            if reply is None:
+                worker = self._start_worker()
+                return ToolResult(output="sandbox worker died", ok=False, error="sandbox worker died")
+            return ToolResult(**reply)
+        finally:
+            self.idle.put(worker)
+
+    def run_many(self, codes: Sequence[str]) -> list[ToolResult]:
+        """Run each piece of code as ``run`` does, as many at once as there are workers; results in order."""
+        return list(self.pool.map(self.run, codes))
+
+    def close(self) -> None:
+        """Stop every worker and delete their directories (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        self.pool.shutdown(wait=True)
+        while not self.idle.empty():
+            self.idle.get().close()
+
+    def __enter__(self) -> PythonSandbox:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m envs.sandbox serve ...`` (see ``envs.sandbox_server``)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] != "serve":
+        raise SystemExit("usage: python -m envs.sandbox serve [--host H] [--port P] [limits...]")
+    from envs.sandbox_server import main as serve_main
+    serve_main(argv[1:])
+
+
+if __name__ == "__main__":
+    main()

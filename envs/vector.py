@@ -143,7 +143,8 @@ class MathVectorEnv(VectorEnv):
         return self._observations(), facts.rewards[:, 0], terminated, truncated, info
 
     def _act(self, actions: Sequence[Any], acting: np.ndarray) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
-        """Applies the actions of the ``acting`` envs and scores them in one reward-model call. Returns the
+        """Applies the actions of the ``acting`` envs, runs their tool calls in one batch and scores them in one
+        reward-model call. Returns the
         ``StepFacts`` fields of the results (rewards, returns, sources [N, 1], correct [N], clipped [N, 1], answers [N]; 0 /
         NaN / False for the envs that did not act) and terminated, truncated [N]."""
         terminated, truncated, clipped = (np.zeros(self.num_envs, dtype=bool) for _ in range(3))
@@ -153,6 +154,7 @@ class MathVectorEnv(VectorEnv):
             terminated[i], truncated[i] = transition.terminated, transition.truncated
             clipped[i] = transition.action_clipped
             transitions.append(transition)
+        self.task.run_tools([self.episodes[i] for i in acting], transitions)
         scores = self.task.score([self.episodes[i] for i in acting], transitions)
         rewards = np.zeros(self.num_envs, dtype=np.float64)
         rewards[acting] = scores.rewards
@@ -175,6 +177,10 @@ class MathVectorEnv(VectorEnv):
         for i in np.flatnonzero(ended):
             self.episodes[i] = self._start_episode(i)
         return final
+
+    def close_extras(self, **kwargs: Any) -> None:
+        """Stops the task's tool sandbox (``gymnasium.vector.VectorEnv.close`` calls this once)."""
+        self.task.close()
 
     def get_state(self) -> dict[str, Any]:
         """JSON-serialisable state of everything ``step`` and ``reset`` will read: the problem

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import gymnasium
 import torch
@@ -32,7 +32,7 @@ from train.evaluation import EvalSampling
 from models.generation import Generator, make_generator
 from models.loading import check_model_dir, resolve_device
 from models.policy import LanguagePolicy, LoraSettings
-from models.prompting import build_template
+from models.prompting import build_template, tool_turn_template
 from models.remote import ServiceClient, ServiceError
 from train.runner import Runner, RunnerConfig
 
@@ -197,7 +197,8 @@ def env_kwargs(env: EnvConfig, split: str, reward_model: RewardModel, tokenizer,
     if env.workflow is not None:
         return {**env.env_kwargs, "reward_assignment": env.reward_assignment, "reward_model": reward_model,
                 "template": template, **source}
-    kwargs = {**env.env_kwargs, "reward_model": reward_model, "template": template, **source}
+    kwargs = {**env.env_kwargs, "reward_model": reward_model, "template": template, **source,
+              **tool_kwargs(env, tokenizer)}
     if env.handoff_steps is not None:
         kwargs["handoff_steps"] = env.handoff_steps
     if env.action_level == "solution":
@@ -209,24 +210,43 @@ def env_kwargs(env: EnvConfig, split: str, reward_model: RewardModel, tokenizer,
     return kwargs
 
 
-def build_envs(env: EnvConfig, reward_model: RewardModel, tokenizer, template: str, ranks: Ranks = Ranks()
+def tool_kwargs(env: EnvConfig, tokenizer) -> dict:
+    """The tool's env keywords: ``tools`` wherever the run or the env id decides it (None turns an id's tool
+    off), and with a tool its limits given as flags and the tool turn of the policy's prompt template."""
+    if env.tools is None:
+        return {"tools": None} if gymnasium.spec(env.env_id).kwargs.get("tools") is not None else {}
+    limits = {"max_tool_calls": env.max_tool_calls, "max_tool_output_chars": env.max_tool_output_chars,
+              "tool_timeout_s": env.tool_timeout}
+    return {"tools": env.tools, "tool_turn": tool_turn_template(env.prompt_template, tokenizer),
+            **{key: value for key, value in limits.items() if value is not None}}
+
+
+def build_envs(env: EnvConfig, reward_model: RewardModel, tokenizer, template: str, ranks: Ranks = Ranks(),
+               services: ServicesConfig = ServicesConfig(),
                ) -> tuple[gymnasium.vector.VectorEnv, dict[str | None, gymnasium.vector.VectorEnv]]:
-    """(train env, {held-out set's name: its eval env}, in ``env.eval_sets``' order). Episodic algorithms run one episode per env per iteration (no
-    autoreset); continuing ones reset an ended episode in the same step. Under torchrun the train env
-    holds this rank's whole groups (``distributed.shard``), drawing the problems one process would."""
+    """(train env, {held-out set's name: its eval env}, in ``env.eval_sets``' order). Episodic algorithms run one
+    episode per env per iteration (no autoreset); continuing ones reset an ended episode in the same step. Under
+    torchrun the train env holds this rank's whole groups (``distributed.shard``), drawing the problems one process
+    would. With a tool each env has a sandbox of its own: local processes, or ``services.tool_url``'s service."""
     autoreset = AutoresetMode.DISABLED if env.whole_episodes else AutoresetMode.SAME_STEP
     first, count = distributed.shard(env.num_envs, env.group_size, ranks)
     split = ({"group_offset": first // env.group_size, "total_groups": env.num_envs // env.group_size}
              if ranks.distributed else {})
-    train_env = gymnasium.make_vec(env.env_id, num_envs=count, vectorization_mode="vector_entry_point",
-                                   group_size=env.group_size, autoreset_mode=autoreset, **split,
-                                   **env_kwargs(env, "train", reward_model, tokenizer, template))
-    eval_envs = {eval_set.name: gymnasium.make_vec(env.env_id, num_envs=env.eval_batch_size,
-                                                   vectorization_mode="vector_entry_point", group_size=1,
-                                                   autoreset_mode=AutoresetMode.DISABLED,
-                                                   **env_kwargs(env, "test", reward_model, tokenizer, template,
-                                                                eval_set.path))
+
+    def make(split_name: str, eval_path: str | None = None, **vector: Any) -> gymnasium.vector.VectorEnv:
+        kwargs = env_kwargs(env, split_name, reward_model, tokenizer, template, eval_path)
+        if env.tools is not None and services.tool_url is not None:
+            from models.remote_sandbox import RemoteSandbox  # the HTTP client: only with --tool_url
+
+            kwargs["sandbox"] = RemoteSandbox(services.tool_url, settings=services.client)
+        return gymnasium.make_vec(env.env_id, vectorization_mode="vector_entry_point", **vector, **kwargs)
+
+    train_env = make("train", num_envs=count, group_size=env.group_size, autoreset_mode=autoreset, **split)
+    eval_envs = {eval_set.name: make("test", eval_set.path, num_envs=env.eval_batch_size, group_size=1,
+                                     autoreset_mode=AutoresetMode.DISABLED)
                  for eval_set in env.eval_sets}
+    if env.tools is not None:
+        log.info("the %s tool runs in: %s", env.tools, train_env.unwrapped.task.sandbox.describe_isolation())
     return train_env, eval_envs
 
 
@@ -363,7 +383,7 @@ def build_runner(config: RunConfig, run_dir: Path, writer, saved: checkpoint.Che
     trainable = build_trainable(policy, ranks, config.model.data_parallel)
     template = build_template(env.prompt_template, policy.tokenizer, env.system_prompt, env.answer_instruction)
     train_env, eval_envs = build_envs(env, build_reward_model(config, str(policy.device), template), policy.tokenizer,
-                                      template, ranks)
+                                      template, ranks, config.services)
     sync_dir = Path(config.services.vllm_sync_dir or run_dir / "sync")
     if ranks.distributed:  # each rank writes (and its servers load) its own copy: no two writers on one path
         sync_dir = sync_dir / f"rank_{ranks.rank}"

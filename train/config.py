@@ -106,6 +106,16 @@ class EnvConfig:
     system_prompt: str | None = None
     answer_instruction: str = ANSWER_INSTRUCTION  # ends a chat prompt's user turn
     env_kwargs: dict = field(default_factory=dict)  # the user's keywords for the env id (envs.override_kwargs)
+    tools: str | None = option(
+        None, "Tool the policy may call (--action_level step): 'python' runs a step that ends in a fenced ```python "
+        "block in a sandbox and shows its output as the next turn (never trained on, never scored as a step); "
+        "'none' turns off an env id's tool. Default: the env id's own (MATH-Tool-v0, Arith-Tool-v0: python).")
+    max_tool_calls: int | None = option(None, "Tool calls per episode; a call beyond them ends the episode "
+                                        "(truncated). Default: the env's (4).", lower_bound=1)
+    max_tool_output_chars: int | None = option(None, "A tool call's output is cut to this many characters. Default: "
+                                               "the env's (1024).", flag="max_tool_response_length", lower_bound=1)
+    tool_timeout: float | None = option(None, "Wall-clock seconds one tool call may run. Default: the env's (5).",
+                                        lower_bound=0.001)
 
 
 @dataclass(frozen=True)
@@ -216,6 +226,8 @@ class ServicesConfig:
         "(see the README: LoRA policies need --enable-lora, full fine-tuning VLLM_SERVER_DEV_MODE=1).")
     vllm_model_name: str | None = option(None, "The policy's served model name on --vllm_url (default: the one "
                                          "model the servers serve).")
+    tool_url: str | None = option(None, "The python tool's calls go to this Sandbox Fusion-style run_code service "
+                                  "(`python -m envs.sandbox serve`), instead of sandbox processes on this machine.")
     vllm_sync_dir: str | None = option(None, "Where new policy weights are written for the --vllm_url servers to "
                                        "load (a path they can read). Default: <run dir>/sync.")
     connect_timeout: float = option(5.0, "Seconds to connect to a --*_url server before the attempt counts as "

@@ -170,7 +170,29 @@ def env_config(f: flags.FlagValues, env_id: str, workflow: Workflow | None) -> E
                      whole_episodes=ALGORITHMS[f.algorithm_name].episodic or workflow is not None,
                      eval_batch_size=f.eval_batch_size, reward_assignment=RewardAssignment(f.reward_assignment),
                      prompt_template=f.prompt_template, system_prompt=f.system_prompt,
-                     answer_instruction=f.answer_instruction, env_kwargs=user_env_kwargs(f, env_id))
+                     answer_instruction=f.answer_instruction, env_kwargs=user_env_kwargs(f, env_id),
+                     tools=tool_of(f, env_id, workflow), max_tool_calls=f.max_tool_calls,
+                     max_tool_output_chars=f.max_tool_response_length, tool_timeout=f.tool_timeout)
+
+
+def tool_of(f: flags.FlagValues, env_id: str, workflow: Workflow | None) -> str | None:
+    """The policy's tool: --tools ('none': off), else --env_kwargs' or the env id's own; it needs --action_level
+    step and a single-agent env. The tool's other flags, and --tool_url, need a tool."""
+    own = {**gymnasium.spec(env_id).kwargs, **(json.loads(f.env_kwargs) if f.env_kwargs else {})}.get("tools")
+    tool = own if f.tools is None else None if f.tools == "none" else f.tools
+    if tool is None:
+        for name in ("max_tool_calls", "max_tool_response_length", "tool_timeout", "tool_url"):
+            if f[name].value is not None:
+                raise flags.ValidationError(f"--{name} sets the policy's tool, and --env_id={env_id} runs none "
+                                            f"(--tools={f.tools}): add --tools python or drop --{name}")
+        return None
+    if workflow is not None:
+        raise flags.ValidationError(f"--tools={tool}: the multi-agent --env_id={env_id} does not run its roles' code; "
+                                    "use a single-agent id (MATH-Tool-v0, Arith-Tool-v0) or --tools none")
+    if f.action_level != "step":
+        raise flags.ValidationError(f"--env_id={env_id} runs a {tool} tool between reasoning steps: add "
+                                    f"--action_level step (not {f.action_level}), or --tools none")
+    return tool
 
 
 def user_env_kwargs(f: flags.FlagValues, env_id: str) -> dict:

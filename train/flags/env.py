@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from absl import flags
 
-from train.config import ANSWER_INSTRUCTION, ActionLevel
+from train.config import ANSWER_INSTRUCTION, ActionLevel, EnvConfig
+from train.options import define_flags
+
+define_flags(EnvConfig, __name__)  # the options EnvConfig declares itself (the tool's)
 
 flags.DEFINE_string("dataset_path", None, "Problems to train on: a JSONL/JSON file (MATH-500 or OpenR schema), a "
                     "directory holding {split}.jsonl, or hf://NAME[:split] (needs the datasets package). Given "

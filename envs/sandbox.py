@@ -101,7 +101,8 @@ class _Worker:
         self.ready = self._reply(START_TIMEOUT_S)
         if self.ready is None or "isolation" not in self.ready:
             self.close()
-            raise RuntimeError(f"the sandbox worker ({WORKER_SCRIPT}) did not start: {self.ready}; run "
+            reason = self.ready.get("error") if self.ready else "no answer"
+            raise RuntimeError(f"the sandbox worker ({WORKER_SCRIPT}) did not start: {reason}; run "
                                f"`{sys.executable} {WORKER_SCRIPT} '{config}'` to see its error")
 
     def call(self, code: str, timeout_s: float) -> dict | None:

@@ -1,0 +1,402 @@
+"""A warm worker of ``envs.sandbox.PythonSandbox``, run as a script (standard library only):
+
+    python -I envs/sandbox_worker.py CONFIG_JSON      # {"limits": {...}, "base_dir": DIR, "preload": [...]}
+
+It answers JSON lines on stdout to JSON lines on stdin: first ``{"isolation": [lines]}`` once ready,
+then one ``{"output", "ok", "error"}`` per ``{"code"}``. It exits when stdin closes.
+
+Start-up (once per worker), each step where the kernel allows it:
+
+- a network namespace of its own (no interface but a loopback that is down: no network at all), inside
+  a user namespace when not root;
+- as root, a private mount namespace in which a directory that only root may enter (e.g. ``/root``)
+  is covered by an empty tmpfs, with the Python installation under it bound back in place, so that
+  the calls can run under an unprivileged user id of their own and still import from it;
+- a PID namespace whose init is the worker itself: everything a call starts, even a process that left
+  its process group, is killed with one ``kill(-1, SIGKILL)`` after the call.
+
+Per call, the worker forks; the child sets its rlimits, cleans its environment, closes every
+inherited descriptor, enters a fresh directory (the only place it may write), restricts itself with
+Landlock (file system: read the Python installation and system libraries, write its directory; TCP
+bind and connect; signals and abstract sockets outside its domain), drops to its user id and runs the
+code. The worker reads a bounded head of stdout and tail of stderr until the child exits or the
+wall-clock timeout, then kills and reaps everything left and deletes the directory.
+"""
+
+import builtins
+import ctypes
+import io
+import json
+import os
+import resource
+import select
+import shutil
+import signal
+import stat
+import struct
+import sys
+import time
+import traceback
+
+libc = ctypes.CDLL(None, use_errno=True)
+CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x10000000, 0x20000000, 0x40000000
+MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE, MS_NOSUID, MS_NODEV = 0x1000, 0x2000, 0x4000, 0x40000, 0x2, 0x4
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38
+SYS_LANDLOCK = {"create_ruleset": 444, "add_rule": 445, "restrict_self": 446}  # the same on every architecture
+LANDLOCK_FS_FILE = 0b1100000000000111  # execute, write, read, truncate, ioctl: the rights a rule on a file may hold
+LANDLOCK_READ = 0b1101  # execute, read file, read directory
+CALL_UID_BASE = 0x5A000000  # + the worker's pid: a user id no account and no file on the machine has
+STDERR_TAIL_BYTES = 16384
+SYSTEM_READ_PATHS = ("/usr", "/lib", "/lib32", "/lib64", "/bin", "/etc/ld.so.cache", "/etc/localtime", "/dev/null",
+                     "/dev/zero", "/dev/urandom", "/sys/devices/system/cpu")
+
+
+def check(result: int, what: str) -> int:
+    """``result`` of a libc call, or OSError naming ``what`` and errno."""
+    if result < 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"{what}: {os.strerror(errno)}")
+    return result
+
+
+def read_paths() -> list[str]:
+    """Directories and files a call may read: the Python installation and the system libraries (real
+    paths, existing ones only, none inside another)."""
+    paths = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, *SYSTEM_READ_PATHS)}
+    paths = sorted(p for p in paths if os.path.exists(p))
+    return [p for p in paths if not any(p.startswith(q + "/") for q in paths if q != p)]
+
+
+def enter_namespaces(base_dir: str, paths: list[str]) -> tuple[list[str], bool, bool]:
+    """Network, mount and PID namespaces where possible. Returns (isolation notes, whether the next fork
+    starts a PID namespace, whether calls may run under an unprivileged user id)."""
+    notes, root = [], os.geteuid() == 0
+    if not root:
+        uid, gid = os.getuid(), os.getgid()
+        if libc.unshare(CLONE_NEWUSER) == 0:
+            for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+                with open(f"/proc/self/{name}", "w") as f:
+                    f.write(text)
+    if libc.unshare(CLONE_NEWNET) == 0:
+        notes.append("network namespace: no network interface at all (TCP, UDP, DNS, 127.0.0.1 unreachable)")
+    else:
+        notes.append(f"NO network namespace ({os.strerror(ctypes.get_errno())}): the network is reachable "
+                     "unless Landlock below denies TCP")
+    own_uid = root and expose_python(base_dir, paths)
+    if own_uid:
+        notes.append("own user id per worker (unprivileged, no capabilities): RLIMIT_NPROC holds, root-only "
+                     "files and other users' processes are out of reach")
+    elif root:
+        notes.append("runs as ROOT (no private mount namespace): RLIMIT_NPROC is not enforced, a fork bomb "
+                     "is only stopped by the wall-clock timeout")
+    pid_namespace = libc.unshare(CLONE_NEWPID) == 0
+    if pid_namespace:
+        notes.append("PID namespace: the call sees only its own processes; all of them are killed after the call")
+    else:
+        notes.append("NO PID namespace: processes that leave the call's process group may outlive the call")
+    return notes, pid_namespace, own_uid
+
+
+def expose_python(base_dir: str, paths: list[str]) -> bool:
+    """In a private mount namespace, cover each directory that blocks an unprivileged user from ``paths``
+    (e.g. ``/root``, mode 700, above a pyenv Python) with an empty tmpfs and bind those paths back in
+    place. Returns False (changing nothing) when the machine allows no mount namespace."""
+    if libc.unshare(CLONE_NEWNS) != 0 or libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
+        return False
+    blocked: dict[str, list[str]] = {}
+    for path in paths:
+        parts = path.split("/")
+        ancestors = ["/".join(parts[:i]) or "/" for i in range(2, len(parts))]
+        blocker = next((a for a in ancestors if not os.stat(a).st_mode & stat.S_IXOTH), None)
+        if blocker is not None:
+            blocked.setdefault(blocker, []).append(path)
+    for blocker, inside in blocked.items():
+        staged = [os.path.join(base_dir, f"stage-{i}") for i in range(len(inside))]
+        for source, stage in zip(inside, staged):
+            os.mkdir(stage)
+            check(libc.mount(source.encode(), stage.encode(), None, MS_BIND | MS_REC, None), f"bind {source}")
+        check(libc.mount(b"tmpfs", blocker.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, b"mode=755,size=1m"),
+              f"tmpfs on {blocker}")
+        for target, stage in zip(inside, staged):
+            os.makedirs(target, mode=0o755, exist_ok=True)
+            check(libc.mount(stage.encode(), target.encode(), None, MS_MOVE, None), f"move to {target}")
+            os.rmdir(stage)
+    return True
+
+
+def landlock_abi() -> int:
+    """The kernel's Landlock ABI version (0: none)."""
+    return max(0, libc.syscall(SYS_LANDLOCK["create_ruleset"], None, 0, 1))
+
+
+def landlock_restrict(abi: int, reads: list[str], writes: list[str]) -> None:
+    """Restrict this process and its children for good: read (and execute) ``reads``, write only below
+    ``writes``; from ABI 4 no TCP bind or connect; from ABI 6 no signal or abstract socket outside."""
+    fs = {1: 0x1FFF, 2: 0x3FFF, 3: 0x7FFF, 4: 0x7FFF}.get(abi, 0xFFFF)
+    attr = struct.pack("QQQ", fs, 0b11 if abi >= 4 else 0, 0b11 if abi >= 6 else 0)[:8 if abi < 4 else 16 if abi < 6 else 24]
+    ruleset = check(libc.syscall(SYS_LANDLOCK["create_ruleset"], attr, len(attr), 0), "landlock_create_ruleset")
+    try:
+        for paths, access in ((reads, LANDLOCK_READ), (writes, fs)):
+            for path in paths:
+                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+                allowed = access if stat.S_ISDIR(os.fstat(fd).st_mode) else access & LANDLOCK_FS_FILE
+                rule = struct.pack("=Qi", allowed & fs, fd)
+                check(libc.syscall(SYS_LANDLOCK["add_rule"], ruleset, 1, rule, 0), f"landlock rule on {path}")
+                os.close(fd)
+        check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+        check(libc.syscall(SYS_LANDLOCK["restrict_self"], ruleset, 0), "landlock_restrict_self")
+    finally:
+        os.close(ruleset)
+
+
+class Worker:
+    """The warm process: forks one child per call (``run_child``) and collects what it gives."""
+
+    def __init__(self, config: dict, notes: list[str], pid_namespace: bool, call_uid: int | None):
+        self.limits, self.base_dir = config["limits"], config["base_dir"]
+        self.pid_namespace, self.call_uid = pid_namespace, call_uid
+        self.reads, self.abi, self.calls = read_paths(), landlock_abi(), 0
+        self.notes = notes + [self.landlock_note(), self.limits_note()]
+        if not pid_namespace:
+            libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans of a call come back here to be reaped
+
+    def landlock_note(self) -> str:
+        if not self.abi:
+            return "NO Landlock: the call may read every file this user may read and write where it may write"
+        net = ", no TCP bind/connect" if self.abi >= 4 else " (TCP not covered: ABI < 4)"
+        scope = ", no signals or abstract unix sockets outside the call" if self.abi >= 6 else ""
+        return (f"Landlock ABI {self.abi}: reads only {', '.join(self.reads)}; writes only its own temporary "
+                f"directory{net}{scope}; not covered: named unix sockets the user id may open, /proc of its own "
+                "processes, CPU caches and other side channels")
+
+    def limits_note(self) -> str:
+        lim = self.limits
+        return (f"rlimits per process: {lim['cpu_seconds']} CPU s, {lim['memory_mb']} MB address space, "
+                f"{lim['max_file_mb']} MB per file, {lim['max_processes']} processes, no core dumps; wall clock "
+                f"{float(lim['timeout_s'])} s per call; environment emptied but for a minimal PATH; stdin closed; "
+                "not covered: total disk use across files, memory not in the address space (tmpfs, pipes)")
+
+    def serve(self) -> None:
+        """Answer each request line until stdin closes."""
+        out = sys.stdout.buffer
+        out.write(json.dumps({"isolation": self.notes}).encode() + b"\n")
+        out.flush()
+        for line in sys.stdin.buffer:
+            reply = self.call(json.loads(line)["code"])
+            out.write(json.dumps(reply).encode() + b"\n")
+            out.flush()
+
+    def call(self, code: str) -> dict:
+        """Run ``code`` in a fresh child; the reply as ``envs.sandbox.ToolResult`` fields."""
+        self.calls += 1
+        directory = os.path.join(self.base_dir, f"call-{self.calls}")
+        os.mkdir(directory, 0o700)
+        if self.call_uid is not None:
+            os.chown(directory, self.call_uid, self.call_uid)
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                run_child(code, directory, out_w, err_w, self)
+            finally:
+                os._exit(70)
+        os.close(out_w)
+        os.close(err_w)
+        try:
+            stdout, stderr, timed_out = self.collect(pid, out_r, err_r)
+            _, status, usage = os.wait4(pid, 0)
+            self.kill_rest(pid)
+            stdout, stderr = drain(out_r, stdout, self.head_bytes()), drain(err_r, stderr, -STDERR_TAIL_BYTES)
+        finally:
+            os.close(out_r)
+            os.close(err_r)
+            shutil.rmtree(directory, ignore_errors=True)
+        return self.reply(stdout, stderr, status, timed_out, usage.ru_utime + usage.ru_stime)
+
+    def head_bytes(self) -> int:
+        return 4 * self.limits["max_output_chars"] + 4  # enough bytes for max_output_chars UTF-8 characters
+
+    def collect(self, pid: int, out_r: int, err_r: int) -> tuple[bytes, bytes, bool]:
+        """Read stdout's head and stderr's tail until the child exits or the deadline passes (then kill it)."""
+        deadline = time.monotonic() + self.limits["timeout_s"]
+        pidfd = os.pidfd_open(pid)
+        poller = select.poll()
+        for fd in (out_r, err_r, pidfd):
+            poller.register(fd, select.POLLIN)
+        stdout, stderr, open_fds = b"", b"", {out_r, err_r}
+        try:
+            while open_fds:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    os.kill(pid, signal.SIGKILL)
+                    return stdout, stderr, True
+                ready = {fd for fd, _ in poller.poll(remaining * 1000)}
+                for fd in ready & open_fds:
+                    data = os.read(fd, 65536)
+                    if not data:
+                        open_fds.discard(fd)
+                        poller.unregister(fd)
+                    elif fd == out_r:
+                        stdout += data[:self.head_bytes() - len(stdout)]
+                    else:
+                        stderr = (stderr + data)[-STDERR_TAIL_BYTES:]
+                if pidfd in ready:
+                    break
+        finally:
+            os.close(pidfd)
+        return stdout, stderr, False
+
+    def kill_rest(self, pid: int) -> None:
+        """Kill and reap every process the call left (the child itself is reaped already)."""
+        while True:
+            try:
+                if self.pid_namespace:
+                    os.kill(-1, signal.SIGKILL)  # as init of the namespace: every process in it but this one
+                else:
+                    os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            try:
+                os.waitpid(-1, 0)
+            except ChildProcessError:
+                return
+
+    def reply(self, stdout: bytes, stderr: bytes, status: int, timed_out: bool, cpu_s: float) -> dict:
+        lim = self.limits
+        last_line = next((line for line in reversed(stderr.decode("utf-8", "replace").splitlines()) if line.strip()), "")
+        error = failure(status, timed_out, cpu_s, last_line, lim)
+        text = stdout.decode("utf-8", "replace")
+        if error is not None:
+            note = last_line if os.WIFEXITED(status) and last_line and not timed_out else error
+            note = note[:lim["max_output_chars"]]
+            text = text[:lim["max_output_chars"] - len(note) - 1]
+            text += ("" if not text or text.endswith("\n") else "\n") + note
+        return {"output": text[:lim["max_output_chars"]], "ok": error is None, "error": error}
+
+
+def failure(status: int, timed_out: bool, cpu_s: float, last_line: str, lim: dict) -> str | None:
+    """The one-line reason a call failed, or None when it ran to its end within its limits."""
+    if timed_out:
+        return f"timeout after {float(lim['timeout_s'])} s"
+    if os.WIFSIGNALED(status):
+        number = os.WTERMSIG(status)
+        if number == signal.SIGXCPU or (number == signal.SIGKILL and cpu_s >= lim["cpu_seconds"]):
+            return f"cpu limit ({lim['cpu_seconds']} s)"
+        return f"killed by signal {number} ({signal.Signals(number).name})"
+    code = os.WEXITSTATUS(status)
+    if code == 0:
+        return None
+    if "MemoryError" in last_line.split(":")[0]:
+        return f"memory limit ({lim['memory_mb']} MB)"
+    if "File too large" in last_line:
+        return f"file size limit ({lim['max_file_mb']} MB)"
+    return last_line[:200] or f"exit status {code}"
+
+
+def drain(fd: int, kept: bytes, limit: int) -> bytes:
+    """Read what is left in a pipe whose writers are all dead; keep the first ``limit`` bytes, or the
+    last ``-limit`` bytes when negative."""
+    os.set_blocking(fd, False)
+    while True:
+        try:
+            data = os.read(fd, 65536)
+        except BlockingIOError:
+            return kept
+        if not data:
+            return kept
+        kept = (kept + data)[limit:] if limit < 0 else (kept + data)[:limit]
+
+
+def run_child(code: str, directory: str, out_w: int, err_w: int, worker: Worker) -> None:
+    """In the forked child: confine this process, then run ``code``; exits, never returns normally."""
+    lim = worker.limits
+    os.setsid()
+    os.dup2(os.open("/dev/null", os.O_RDONLY), 0)
+    os.dup2(out_w, 1)
+    os.dup2(err_w, 2)
+    os.closerange(3, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+    os.chdir(directory)
+    os.environ.clear()
+    os.environ.update({"PATH": "/usr/bin:/bin", "HOME": directory, "TMPDIR": directory, "LANG": "C.UTF-8",
+                       "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+    for name, value in ((resource.RLIMIT_CORE, 0), (resource.RLIMIT_CPU, lim["cpu_seconds"]),
+                        (resource.RLIMIT_AS, lim["memory_mb"] * 2**20), (resource.RLIMIT_FSIZE, lim["max_file_mb"] * 2**20),
+                        (resource.RLIMIT_NPROC, lim["max_processes"]), (resource.RLIMIT_NOFILE, 256)):
+        hard = value + 1 if name == resource.RLIMIT_CPU else value  # SIGXCPU first, SIGKILL a second later
+        resource.setrlimit(name, (value, hard))
+    if worker.abi:
+        landlock_restrict(worker.abi, worker.reads, [directory, "/dev/null"])
+    if worker.call_uid is not None:
+        os.setgroups([])
+        os.setresgid(worker.call_uid, worker.call_uid, worker.call_uid)
+        os.setresuid(worker.call_uid, worker.call_uid, worker.call_uid)
+    check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+    sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8")
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8", errors="backslashreplace")
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace",
+                                  write_through=True)
+    sys.argv = ["<tool>"]
+    os._exit(execute(code))
+
+
+def execute(code: str) -> int:
+    """Run ``code`` as a ``__main__`` script; the exit status (1 after an exception, its traceback on stderr)."""
+    status = 0
+    try:
+        exec(compile(code, "<tool>", "exec"), {"__name__": "__main__", "__builtins__": builtins})
+    except SystemExit as stop:
+        status = stop.code if isinstance(stop.code, int) else (stop.code is not None)
+        if not isinstance(stop.code, (int, type(None))):
+            print(stop.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - the tool's own code failed: its traceback is the answer
+        traceback.print_exc()
+        status = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            status = status or 1
+    return status
+
+
+def check_memory(memory_mb: int, preload: list[str]) -> None:
+    """A call inherits the worker's address space: ``memory_mb`` must leave room above it."""
+    with open("/proc/self/status") as f:
+        size_mb = next(int(line.split()[1]) for line in f if line.startswith("VmSize:")) / 1024
+    if size_mb + 64 > memory_mb:
+        raise ValueError(f"memory_mb={memory_mb} leaves calls no room: the worker itself takes {size_mb:.0f} MB of "
+                         f"address space after importing {preload}; raise memory_mb above {size_mb + 64:.0f}")
+
+
+def main() -> None:
+    if sys.path and os.path.dirname(os.path.abspath(__file__)) == os.path.abspath(sys.path[0]):
+        sys.path.pop(0)  # the script's own folder (envs/) must not shadow modules for the calls
+    config = json.loads(sys.argv[1])
+    try:
+        start(config)
+    except Exception as error:  # noqa: BLE001 - reported to the parent, which raises it with the fix
+        print(json.dumps({"error": f"{type(error).__name__}: {error}"}), flush=True)
+        raise SystemExit(1) from error
+
+
+def start(config: dict) -> None:
+    """Enter the namespaces, fork the namespace's init (when there is one), preload, serve."""
+    paths = read_paths()
+    notes, pid_namespace, own_uid = enter_namespaces(config["base_dir"], paths)
+    call_uid = CALL_UID_BASE + os.getpid() if own_uid else None
+    if pid_namespace:
+        child = os.fork()  # the first process of the new PID namespace: its init
+        if child:
+            os.close(0)
+            os.close(1)
+            os._exit(os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) & 0xFF)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # killing the worker kills the namespace
+    for module in config["preload"]:
+        __import__(module)
+    check_memory(config["limits"]["memory_mb"], config["preload"])
+    Worker(config, notes, pid_namespace, call_uid).serve()
+
+
+if __name__ == "__main__":
+    main()

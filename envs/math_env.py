@@ -62,7 +62,7 @@ def trailing_code(text: str) -> str | None:
     opening, newline, code = text[start + len(CODE_FENCE):len(text) - len(CLOSING_FENCE)].partition("\n")
     if not newline or opening.strip() or CLOSING_FENCE in code:
         return None
-    return code
+    return code.removesuffix("\n")
 
 
 def cut_output(text: str, limit: int) -> str:
@@ -279,7 +279,8 @@ class MathTask:
         tool_turn: what follows a tool call's step, ``{output}`` standing for its output (default:
             ``plain_tool_turn(step_delimiter)``).
         sandbox: where tool calls run (e.g. ``models.remote_sandbox.RemoteSandbox``); default: a
-            ``PythonSandbox`` of this task. The task closes it (``close``).
+            ``PythonSandbox`` of this task with ``tool_workers`` warm workers (None: its default, one per
+            core). The task closes it (``close``).
     """
 
     def __init__(
@@ -309,6 +310,7 @@ class MathTask:
         tool_timeout_s: float = 5.0,
         tool_turn: str | None = None,
         sandbox: Sandbox | None = None,
+        tool_workers: int | None = None,
     ):
         check_task_arguments(mode, tokenizer, step_delimiter, tools, tool_turn, max_steps=max_steps,
                              max_step_chars=max_step_chars, max_solution_chars=max_solution_chars,
@@ -335,7 +337,8 @@ class MathTask:
         self.action_space, self.observation_space = self._spaces()
         self.sandbox = sandbox
         if tools is not None and sandbox is None:
-            self.sandbox = PythonSandbox(timeout_s=tool_timeout_s, max_output_chars=max_tool_output_chars)
+            self.sandbox = PythonSandbox(timeout_s=tool_timeout_s, max_output_chars=max_tool_output_chars,
+                                         workers=tool_workers)
 
     def close(self) -> None:
         """Stops the sandbox (its warm workers), if the task has one."""
@@ -422,7 +425,7 @@ class MathTask:
             return
         results = self.sandbox.run_many([code for _, code in calls])
         for (episode, _), result in zip(calls, results):
-            output = cut_output(result.output, self.max_tool_output_chars)
+            output = cut_output(result.output, self.max_tool_output_chars).rstrip("\n")  # the turn has its own
             episode.solution_text += self.tool_turn.replace(OUTPUT_SLOT, output)
             episode.tool_start = len(episode.solution_text)
             episode.tool_calls += 1

@@ -246,6 +246,8 @@ class Collector:
         buffer.settle(step, facts.rewards, terminated, truncated, facts.correct)
         ended = terminated | truncated
         self.tally_reward_sources(tally, envs, agents)
+        if "tool_called" in info:  # an env with a tool: the share of actions that called it
+            tally.add("train/tool_calls", info["tool_called"][envs])
         self.tally_ended_episodes(tally, ended)
         self.tally_role_metrics(tally)
         self.env_steps += len(np.unique(envs))

@@ -99,8 +99,9 @@ class Rollouts:
             tally = reduced_tally(tally)
         step_reward = tally.mean("train/step_reward")
         # train/reward/<source> (the reward model's parts), train/<role>/<metric> and train/<role>/reward/<source>
-        # (multi-agent envs)
-        means = {key: tally.mean(key) for key in tally.sums if key.startswith("train/") and key.count("/") >= 2}
+        # (multi-agent envs), and train/tool_calls (the share of actions that called an env's tool)
+        means = {key: tally.mean(key) for key in tally.sums
+                 if key.startswith("train/") and (key.count("/") >= 2 or key == "train/tool_calls")}
         return {
             "time/generate": tally.seconds["generate"], "time/reward": tally.seconds["reward"],
             "perf/tokens_per_second": tally.sums["tokens"] / max(tally.seconds["generate"], 1e-9),

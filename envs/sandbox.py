@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Protocol, Sequence
 
 WORKER_SCRIPT = Path(__file__).with_name("sandbox_worker.py")
-START_TIMEOUT_S = 60.0  # a worker's start-up: Python plus the sympy import, on a loaded machine
-REPLY_GRACE_S = 10.0  # beyond the call's own timeout, before a silent worker is declared dead
+START_TIMEOUT_S = 120.0  # a worker's start-up: Python and the sympy import (seconds on a busy machine)
+REPLY_GRACE_S = 60.0  # beyond the call's own timeout, before a silent worker is declared dead (busy machines)
 
 
 @dataclass(frozen=True)
@@ -52,13 +52,25 @@ class ToolResult:
             division by zero`` or ``timeout after 5.0 s``), cut to ``max_output_chars``.
         ok: the code ran to its end (exit status 0) within every limit.
         error: None when ``ok``; otherwise a one-line reason: ``timeout after 5.0 s``, ``memory limit
-            (512 MB)``, ``cpu limit (5 s)``, ``file size limit (16 MB)``, ``killed by signal 11
-            (SIGSEGV)``, or the exception's last line.
+            (512 MB)``, ``cpu limit (5 s)``, ``file size limit (16 MB)``, ``output limit (1.0 MB)``
+            (stdout and stderr together), ``killed by signal 11 (SIGSEGV)``, or the exception's last line.
     """
 
     output: str
     ok: bool
     error: str | None = None
+
+
+def tool_result(stdout: str, error: str | None, error_line: str, max_output_chars: int) -> ToolResult:
+    """The ``ToolResult`` of a call's stdout and, on failure, its reason (``error``) and the last line of
+    its own error (``error_line``, "" when it has none): the output is stdout and the error's last line
+    (or the reason), cut to ``max_output_chars`` so that the error's line always shows."""
+    if error is None:
+        return ToolResult(stdout[:max_output_chars], True, None)
+    note = (error_line or error)[:max_output_chars]
+    head = stdout[:max(0, max_output_chars - len(note) - 1)]
+    separator = "\n" if head and not head.endswith("\n") else ""
+    return ToolResult((head + separator + note)[:max_output_chars], False, error)
 
 
 class Sandbox(Protocol):
@@ -106,16 +118,18 @@ class _Worker:
                                f"`{sys.executable} {WORKER_SCRIPT} '{config}'` to see its error")
 
     def call(self, code: str, timeout_s: float) -> dict | None:
-        """The worker's reply to one call, or None when it died or fell silent (then it is closed)."""
+        """The worker's record of one call of at most ``timeout_s`` seconds, or None when it died or fell
+        silent (then it is closed)."""
         try:
-            self.process.stdin.write(json.dumps({"code": code}).encode() + b"\n")
+            self.process.stdin.write(json.dumps({"code": code, "timeout_s": timeout_s}).encode() + b"\n")
             self.process.stdin.flush()
         except OSError:
             self.close()
             return None
         reply = self._reply(timeout_s + REPLY_GRACE_S)
-        if reply is None:
+        if reply is None or "stdout" not in reply:  # silent, dead, or failing in its own code
             self.close()
+            return None
         return reply
 
     def _reply(self, timeout_s: float) -> dict | None:
@@ -168,12 +182,18 @@ class PythonSandbox:
         workers = min(8, len(os.sched_getaffinity(0))) if workers is None else workers
         if workers < 1:
             raise ValueError(f"workers={workers} must be >= 1")
-        self.preload = tuple(preload)
+        self.preload, self.workers = tuple(preload), workers
         self.lock = threading.Lock()
         self.idle: queue.Queue[_Worker] = queue.Queue()
         self.closed = False
         with ThreadPoolExecutor(workers) as pool:
-            started = list(pool.map(lambda _: self._start_worker(), range(workers)))
+            starts = [pool.submit(self._start_worker) for _ in range(workers)]
+        failed = [start.exception() for start in starts if start.exception() is not None]
+        started = [start.result() for start in starts if start.exception() is None]
+        if failed:
+            for worker in started:
+                worker.close()
+            raise failed[0]
         for worker in started:
             self.idle.put(worker)
         self.isolation = started[0].ready["isolation"]
@@ -190,15 +210,25 @@ class PythonSandbox:
 
     def run(self, code: str) -> ToolResult:
         """Run one piece of code in a fresh sandboxed process; never raises for what the code does."""
+        record = self.execute(code)
+        return tool_result(record["stdout"], record["error"], record["error_line"], self.limits.max_output_chars)
+
+    def execute(self, code: str, timeout_s: float | None = None) -> dict:
+        """The raw record of one call: ``stdout`` (its head, a few times ``max_output_chars`` bytes),
+        ``error`` (None or the one-line reason), ``error_line`` (the last line of the code's own error,
+        or ""), ``return_code`` (None when killed) and ``timed_out``. ``run`` is this, made a ToolResult.
+        ``timeout_s``: a shorter wall-clock limit for this call (never a longer one)."""
+        timeout_s = self.limits.timeout_s if timeout_s is None else min(timeout_s, self.limits.timeout_s)
         if self.closed:
             raise RuntimeError("this PythonSandbox is closed: make a new one")
         worker = self.idle.get()
         try:
-            reply = worker.call(code, self.limits.timeout_s)
-            if reply is None:
+            record = worker.call(code, timeout_s)
+            if record is None:
                 worker = self._start_worker()
-                return ToolResult(output="sandbox worker died", ok=False, error="sandbox worker died")
-            return ToolResult(**reply)
+                return {"stdout": "", "error": "sandbox worker died", "error_line": "", "return_code": None,
+                        "timed_out": False}
+            return record
         finally:
             self.idle.put(worker)
 

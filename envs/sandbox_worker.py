@@ -3,7 +3,8 @@
     python -I envs/sandbox_worker.py CONFIG_JSON      # {"limits": {...}, "base_dir": DIR, "preload": [...]}
 
 It answers JSON lines on stdout to JSON lines on stdin: first ``{"isolation": [lines]}`` once ready,
-then one ``{"output", "ok", "error"}`` per ``{"code"}``. It exits when stdin closes.
+then one record ``{"stdout", "error_line", "error", "return_code", "timed_out"}`` per
+``{"code"}``. It exits when stdin closes.
 
 Start-up (once per worker), each step where the kernel allows it:
 
@@ -47,6 +48,7 @@ LANDLOCK_FS_FILE = 0b1100000000000111  # execute, write, read, truncate, ioctl: 
 LANDLOCK_READ = 0b1101  # execute, read file, read directory
 CALL_UID_BASE = 0x5A000000  # + the worker's pid: a user id no account and no file on the machine has
 STDERR_TAIL_BYTES = 16384
+OUTPUT_LIMIT_BYTES = 2**20
 SYSTEM_READ_PATHS = ("/usr", "/lib", "/lib32", "/lib64", "/bin", "/etc/ld.so.cache", "/etc/localtime", "/dev/null",
                      "/dev/zero", "/dev/urandom", "/sys/devices/system/cpu")
 
@@ -182,12 +184,14 @@ class Worker:
         out.write(json.dumps({"isolation": self.notes}).encode() + b"\n")
         out.flush()
         for line in sys.stdin.buffer:
-            reply = self.call(json.loads(line)["code"])
+            request = json.loads(line)
+            timeout_s = min(float(request.get("timeout_s", self.limits["timeout_s"])), self.limits["timeout_s"])
+            reply = self.call(request["code"], timeout_s)
             out.write(json.dumps(reply).encode() + b"\n")
             out.flush()
 
-    def call(self, code: str) -> dict:
-        """Run ``code`` in a fresh child; the reply as ``envs.sandbox.ToolResult`` fields."""
+    def call(self, code: str, timeout_s: float) -> dict:
+        """Run ``code`` in a fresh child for at most ``timeout_s`` seconds; its record (``reply``)."""
         self.calls += 1
         directory = os.path.join(self.base_dir, f"call-{self.calls}")
         os.mkdir(directory, 0o700)
@@ -199,12 +203,14 @@ class Worker:
         if pid == 0:
             try:
                 run_child(code, directory, out_w, err_w, self)
+            except BaseException:  # noqa: BLE001 - confining the child failed: say why on its stderr
+                traceback.print_exc()
             finally:
                 os._exit(70)
         os.close(out_w)
         os.close(err_w)
         try:
-            stdout, stderr, timed_out = self.collect(pid, out_r, err_r)
+            stdout, stderr, stopped = self.collect(pid, out_r, err_r, timeout_s)
             _, status, usage = os.wait4(pid, 0)
             self.kill_rest(pid)
             stdout, stderr = drain(out_r, stdout, self.head_bytes()), drain(err_r, stderr, -STDERR_TAIL_BYTES)
@@ -212,28 +218,37 @@ class Worker:
             os.close(out_r)
             os.close(err_r)
             shutil.rmtree(directory, ignore_errors=True)
-        return self.reply(stdout, stderr, status, timed_out, usage.ru_utime + usage.ru_stime)
+        return self.reply(stdout, stderr, status, stopped, usage.ru_utime + usage.ru_stime)
 
     def head_bytes(self) -> int:
         return 4 * self.limits["max_output_chars"] + 4  # enough bytes for max_output_chars UTF-8 characters
 
-    def collect(self, pid: int, out_r: int, err_r: int) -> tuple[bytes, bytes, bool]:
-        """Read stdout's head and stderr's tail until the child exits or the deadline passes (then kill it)."""
-        deadline = time.monotonic() + self.limits["timeout_s"]
+    def output_limit(self) -> int:
+        """Bytes of stdout and stderr together after which a call is stopped: reading 100 MB only to keep
+        its first kilobyte would cost the worker seconds."""
+        return max(OUTPUT_LIMIT_BYTES, 4 * self.head_bytes())
+
+    def collect(self, pid: int, out_r: int, err_r: int, timeout_s: float) -> tuple[bytes, bytes, str | None]:
+        """Read stdout's head and stderr's tail until the child exits; kill it when the deadline passes or
+        its output passes ``output_limit`` bytes. Returns (stdout, stderr, why it was stopped or None)."""
+        deadline = time.monotonic() + timeout_s
         pidfd = os.pidfd_open(pid)
         poller = select.poll()
         for fd in (out_r, err_r, pidfd):
             poller.register(fd, select.POLLIN)
-        stdout, stderr, open_fds = b"", b"", {out_r, err_r}
+        stdout, stderr, open_fds, total = b"", b"", {out_r, err_r}, 0
         try:
             while open_fds:
                 remaining = deadline - time.monotonic()
-                if remaining <= 0:
+                stopped = (f"timeout after {float(timeout_s)} s" if remaining <= 0 else
+                           f"output limit ({self.output_limit() / 2**20:.1f} MB)" if total > self.output_limit() else None)
+                if stopped:
                     os.kill(pid, signal.SIGKILL)
-                    return stdout, stderr, True
+                    return stdout, stderr, stopped
                 ready = {fd for fd, _ in poller.poll(remaining * 1000)}
                 for fd in ready & open_fds:
                     data = os.read(fd, 65536)
+                    total += len(data)
                     if not data:
                         open_fds.discard(fd)
                         poller.unregister(fd)
@@ -245,10 +260,12 @@ class Worker:
                     break
         finally:
             os.close(pidfd)
-        return stdout, stderr, False
+        return stdout, stderr, None
 
     def kill_rest(self, pid: int) -> None:
-        """Kill and reap every process the call left (the child itself is reaped already)."""
+        """Kill and reap every process the call left (the child itself is reaped already). Without a PID
+        namespace only its process group is killed, and only the dead are reaped: a process that left
+        the group would block a waiting reaper."""
         while True:
             try:
                 if self.pid_namespace:
@@ -258,27 +275,24 @@ class Worker:
             except ProcessLookupError:
                 pass
             try:
-                os.waitpid(-1, 0)
+                if os.waitpid(-1, 0 if self.pid_namespace else os.WNOHANG)[0] == 0:
+                    return
             except ChildProcessError:
                 return
 
-    def reply(self, stdout: bytes, stderr: bytes, status: int, timed_out: bool, cpu_s: float) -> dict:
-        lim = self.limits
+    def reply(self, stdout: bytes, stderr: bytes, status: int, stopped: str | None, cpu_s: float) -> dict:
+        """The call's record: stdout's head (text), the error's last line when the code exited with an
+        error of its own (else ""), the one-line reason it failed (None when it did not), its exit status."""
         last_line = next((line for line in reversed(stderr.decode("utf-8", "replace").splitlines()) if line.strip()), "")
-        error = failure(status, timed_out, cpu_s, last_line, lim)
-        text = stdout.decode("utf-8", "replace")
-        if error is not None:
-            note = last_line if os.WIFEXITED(status) and last_line and not timed_out else error
-            note = note[:lim["max_output_chars"]]
-            text = text[:lim["max_output_chars"] - len(note) - 1]
-            text += ("" if not text or text.endswith("\n") else "\n") + note
-        return {"output": text[:lim["max_output_chars"]], "ok": error is None, "error": error}
+        error = stopped or failure(status, cpu_s, last_line, self.limits)
+        exited = os.WIFEXITED(status) and not stopped
+        return {"stdout": stdout.decode("utf-8", "replace"), "error_line": last_line if exited and error else "",
+                "error": error, "return_code": os.WEXITSTATUS(status) if exited else None,
+                "timed_out": bool(stopped) and stopped.startswith("timeout")}
 
 
-def failure(status: int, timed_out: bool, cpu_s: float, last_line: str, lim: dict) -> str | None:
-    """The one-line reason a call failed, or None when it ran to its end within its limits."""
-    if timed_out:
-        return f"timeout after {float(lim['timeout_s'])} s"
+def failure(status: int, cpu_s: float, last_line: str, lim: dict) -> str | None:
+    """The one-line reason a call that ended by itself failed, or None when it ran to its end within its limits."""
     if os.WIFSIGNALED(status):
         number = os.WTERMSIG(status)
         if number == signal.SIGXCPU or (number == signal.SIGKILL and cpu_s >= lim["cpu_seconds"]):
@@ -287,7 +301,7 @@ def failure(status: int, timed_out: bool, cpu_s: float, last_line: str, lim: dic
     code = os.WEXITSTATUS(status)
     if code == 0:
         return None
-    if "MemoryError" in last_line.split(":")[0]:
+    if "MemoryError" in last_line.split(":")[0] or "[Errno 12]" in last_line:  # ENOMEM: out of address space
         return f"memory limit ({lim['memory_mb']} MB)"
     if "File too large" in last_line:
         return f"file size limit ({lim['max_file_mb']} MB)"

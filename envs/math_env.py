@@ -44,6 +44,7 @@ TOOLS = ("python",)
 CODE_FENCE, CLOSING_FENCE = "```python", "```"
 OUTPUT_SLOT = "{output}"
 TOOL_OUTPUT_CUT = "\n... (output cut)"
+TOOL_TIMEOUT_S, MAX_TOOL_OUTPUT_CHARS = 5.0, 1024  # a tool call's defaults: wall-clock seconds, output length
 
 
 def plain_tool_turn(step_delimiter: str = STEP_DELIMITER) -> str:
@@ -306,8 +307,8 @@ class MathTask:
         shuffle: bool = True,
         tools: str | None = None,
         max_tool_calls: int = 4,
-        max_tool_output_chars: int = 1024,
-        tool_timeout_s: float = 5.0,
+        max_tool_output_chars: int = MAX_TOOL_OUTPUT_CHARS,
+        tool_timeout_s: float = TOOL_TIMEOUT_S,
         tool_turn: str | None = None,
         sandbox: Sandbox | None = None,
         tool_workers: int | None = None,

@@ -20,6 +20,7 @@ import envs  # noqa: F401  (registers the built-in ids)
 from algorithms.base import Algorithm, make_algorithm
 from algorithms.registry import algorithm_spec
 from envs.datasets import load_problems
+from envs.math_env import MAX_TOOL_OUTPUT_CHARS, TOOL_TIMEOUT_S
 from envs.prompts import STEP_DELIMITER
 from envs.rewards import OutcomeReward, RewardMixture, RewardModel
 from reward_models.implicit_prm import ImplicitPRM
@@ -238,7 +239,9 @@ def build_envs(env: EnvConfig, reward_model: RewardModel, tokenizer, template: s
         if env.tools is not None and services.tool_url is not None:
             from models.remote_sandbox import RemoteSandbox  # the HTTP client: only with --tool_url
 
-            kwargs["sandbox"] = RemoteSandbox(services.tool_url, settings=services.client)
+            kwargs["sandbox"] = RemoteSandbox(
+                services.tool_url, timeout_s=kwargs.get("tool_timeout_s", TOOL_TIMEOUT_S),
+                max_output_chars=kwargs.get("max_tool_output_chars", MAX_TOOL_OUTPUT_CHARS), settings=services.client)
         return gymnasium.make_vec(env.env_id, vectorization_mode="vector_entry_point", **vector, **kwargs)
 
     train_env = make("train", num_envs=count, group_size=env.group_size, autoreset_mode=autoreset, **split)

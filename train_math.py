@@ -215,6 +215,8 @@ def train(argv: list[str]) -> int:
         if not caused_by(error, ServiceError):
             raise
         fail(f"{error}. {after_service_failure(runner)}")
+    finally:
+        runner.close()
     if runner.stop_signal is not None:
         if runner.ranks.is_main:
             (started.run_dir / "eval_history.json").write_text(json.dumps(history, indent=1))

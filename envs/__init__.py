@@ -5,6 +5,8 @@
   step- or token-level (``mode=``).
 - ``Arith-v0``: procedural arithmetic (``arith=`` knobs of ``envs.datasets.Arith``), the task the
   built-in tiny models learn on a CPU; no data file needed.
+- ``MATH-Tool-v0``, ``Arith-Tool-v0``: the same tasks with a Python tool (``tools="python"``, step mode):
+  a step ending in a fenced python block runs in a sandbox and its output is the next observation's tail.
 - ``Arith-Chain-v0``, ``Arith-Debate-v0``, ``Arith-Prefix-v0`` and the same three ``MATH-*`` ids: the
   multi-agent workflows of ``envs.workflows`` (solver -> verifier -> refiner; a debate with a majority
   vote; Prefix-RL's writer and solver) over the same tasks (``envs.multi_agent``).
@@ -58,7 +60,7 @@ TRAINER_KWARGS = {"num_envs": "--n_rollout_threads", "group_size": "--group_size
                   "end_marker": "--action_level", "handoff_steps": "--handoff_steps",
                   "split": "the train/held-out split",
                   "problems": "--dataset_path", "dataset_path": "--dataset_path", "workflow": "--env_id",
-                  "reward_assignment": "--reward_assignment"}
+                  "reward_assignment": "--reward_assignment", "tool_turn": "--prompt_template", "sandbox": "--tool_url"}
 """Env keywords the trainer sets itself: {keyword: the flag (or the part of the run) that decides it}."""
 
 
@@ -101,6 +103,9 @@ _register("MATH-v0", reward="outcome", dataset_path=str(MATH500))
 # Arith's canonical solutions make the matched share of their steps an exact process reward; with the
 # outcome it trains the default run further than the outcome alone.
 _register("Arith-v0", reward="outcome:1.0,steps:1.0", arith=DEFAULT_ARITH, max_steps=8)
+_register("MATH-Tool-v0", reward="outcome", dataset_path=str(MATH500), tools="python")
+# A code step matches no canonical step: the tool ids train on the outcome alone.
+_register("Arith-Tool-v0", reward="outcome", arith=DEFAULT_ARITH, max_steps=8, tools="python")
 register_builtin()  # after Arith-v0: the Arith-* workflow ids take its keywords
 DEFAULT_REWARDS.update({spec.id: "outcome" for spec in gymnasium.registry.values()  # the --reward_assignment credit
                         if spec.entry_point == "envs.multi_agent:MultiAgentMathEnv"})

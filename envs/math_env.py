@@ -10,6 +10,15 @@ for each completed step (default: the verified outcome, 1 if correct, at the end
 ``terminated`` when a step holds a final answer (or the end-of-solution marker / EOS token),
 ``truncated`` at ``max_steps`` steps or ``max_solution_chars`` (step mode) / ``max_solution_tokens``
 (token mode).
+
+Tools (``tools="python"``, step mode): an action whose text since the last tool output ends in a fenced
+```` ```python ```` block is a tool call. The block runs in a sandbox (``envs.sandbox``; one per task,
+its calls of one batch run together) and its output, cut to ``max_tool_output_chars``, follows the step
+in the observation as a tool turn (``tool_turn``: a plain ```` ```output ```` block, or the chat
+template's tool role, ``models.prompting.tool_turn_template``). Tool output is observation only: it is
+never an action (so never trained on) and never a step (``episode.steps``, what the reward model
+scores, holds the policy's steps alone). The episode goes on until a step holds an answer, a tool call
+beyond ``max_tool_calls`` (truncated, not run) or the step and length limits.
 """
 
 from __future__ import annotations
@@ -28,8 +37,38 @@ from envs.datasets import Arith, Problem, load_problems
 from envs.grader import extract_answer
 from envs.prompts import DEFAULT_TEMPLATE, STEP_DELIMITER, format_prompt, resolve_template
 from envs.rewards import OutcomeReward, RewardModel, StepContext, final_answer, score_batch, verify
+from envs.sandbox import PythonSandbox, Sandbox
 
 MODES = ("step", "token")
+TOOLS = ("python",)
+CODE_FENCE, CLOSING_FENCE = "```python", "```"
+OUTPUT_SLOT = "{output}"
+TOOL_OUTPUT_CUT = "\n... (output cut)"
+TOOL_TIMEOUT_S, MAX_TOOL_OUTPUT_CHARS = 5.0, 1024  # a tool call's defaults: wall-clock seconds, output length
+
+
+def plain_tool_turn(step_delimiter: str = STEP_DELIMITER) -> str:
+    """The tool turn of a plain (non-chat) prompt: the output in a fenced ``output`` block, as Qwen2.5-Math's
+    tool-integrated reasoning writes it, between step delimiters; ``{output}`` stands for the output."""
+    return f"{step_delimiter}```output\n{OUTPUT_SLOT}\n```{step_delimiter}"
+
+
+def trailing_code(text: str) -> str | None:
+    """The code of the fenced python block ``text`` ends with (trailing whitespace aside), else None.
+    Linear in ``len(text)`` (model output: no backtracking parse)."""
+    text = text.rstrip()
+    start = text.rfind(CODE_FENCE)
+    if start < 0 or not text.endswith(CLOSING_FENCE) or len(text) - len(CLOSING_FENCE) < start + len(CODE_FENCE):
+        return None
+    opening, newline, code = text[start + len(CODE_FENCE):len(text) - len(CLOSING_FENCE)].partition("\n")
+    if not newline or opening.strip() or CLOSING_FENCE in code:
+        return None
+    return code.removesuffix("\n")
+
+
+def cut_output(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters, saying so."""
+    return text if len(text) <= limit else text[:max(limit - len(TOOL_OUTPUT_CUT), 0)] + TOOL_OUTPUT_CUT
 
 
 class UnicodeText(spaces.Text):
@@ -157,6 +196,8 @@ class Episode:
     solution_text: str = ""
     done: bool = False
     paid: float = 0.0  # the rewards of the episode so far
+    tool_calls: int = 0  # tool calls run
+    tool_start: int = 0  # where the text after the last tool output starts in solution_text
 
     def get_state(self) -> dict[str, Any]:
         """JSON-serialisable copy; the problem by id, the prompt left out (rebuilt from the problem)."""
@@ -167,13 +208,14 @@ class Episode:
 
 @dataclass
 class Transition:
-    """What one action did to an episode: the step it completed (if any), the end flags, and
-    whether the action text was clipped to ``max_step_chars`` (step mode)."""
+    """What one action did to an episode: the step it completed (if any), the end flags, whether the
+    action text was clipped to ``max_step_chars`` (step mode), and the code of the tool call it made."""
 
     completed_step: str | None
     terminated: bool
     truncated: bool
     action_clipped: bool = False
+    tool_code: str | None = None  # run by ``MathTask.run_tools``
 
 
 @dataclass
@@ -193,11 +235,18 @@ class StepScores:
     answers: np.ndarray
 
 
-def check_task_arguments(mode: str, tokenizer: Any, step_delimiter: str, **limits: int) -> None:
-    """Fails early, naming the argument, on a bad mode, a token mode without tokenizer, an empty
-    delimiter or a limit below 1."""
+def check_task_arguments(mode: str, tokenizer: Any, step_delimiter: str, tools: str | None, tool_turn: str | None,
+                         **limits: int) -> None:
+    """Fails early, naming the argument, on a bad mode, a token mode without tokenizer, an unknown tool or
+    one in token mode, a tool turn without ``{output}``, an empty delimiter or a limit below 1."""
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} must be one of {MODES}")
+    if tools is not None and tools not in TOOLS:
+        raise ValueError(f"tools={tools!r} must be one of {TOOLS} or None")
+    if tools is not None and mode != "step":
+        raise ValueError(f"tools={tools!r} runs code between steps: it needs mode='step', not {mode!r}")
+    if tool_turn is not None and tool_turn.count(OUTPUT_SLOT) != 1:
+        raise ValueError(f"tool_turn={tool_turn!r} must hold {OUTPUT_SLOT!r} once (where the tool's output goes)")
     if mode == "token" and tokenizer is None:
         raise ValueError("mode='token' needs tokenizer= (a Hugging Face tokenizer to decode the token actions)")
     if not step_delimiter:
@@ -224,6 +273,15 @@ class MathTask:
         handoff_steps: Prefix-RL: the episode terminates after this many steps, handing the
             solution to a target solver (``reward_models.target_solver``) that finishes it.
         shuffle: draw problems in a fresh random order each epoch (False: in dataset order).
+        tools: "python" (step mode): a step ending in a fenced python block is run (module docstring).
+        max_tool_calls: tool calls per episode; a call beyond them truncates the episode.
+        max_tool_output_chars: a tool output is cut to this many characters.
+        tool_timeout_s: wall-clock seconds one tool call may run.
+        tool_turn: what follows a tool call's step, ``{output}`` standing for its output (default:
+            ``plain_tool_turn(step_delimiter)``).
+        sandbox: where tool calls run (e.g. ``models.remote_sandbox.RemoteSandbox``); default: a
+            ``PythonSandbox`` of this task with ``tool_workers`` warm workers (None: its default, one per
+            core). The task closes it (``close``).
     """
 
     def __init__(
@@ -247,10 +305,19 @@ class MathTask:
         end_marker: str | None = None,
         handoff_steps: int | None = None,
         shuffle: bool = True,
+        tools: str | None = None,
+        max_tool_calls: int = 4,
+        max_tool_output_chars: int = MAX_TOOL_OUTPUT_CHARS,
+        tool_timeout_s: float = TOOL_TIMEOUT_S,
+        tool_turn: str | None = None,
+        sandbox: Sandbox | None = None,
+        tool_workers: int | None = None,
     ):
-        check_task_arguments(mode, tokenizer, step_delimiter, max_steps=max_steps, max_step_chars=max_step_chars,
-                             max_solution_chars=max_solution_chars, max_solution_tokens=max_solution_tokens,
-                             handoff_steps=1 if handoff_steps is None else handoff_steps)
+        check_task_arguments(mode, tokenizer, step_delimiter, tools, tool_turn, max_steps=max_steps,
+                             max_step_chars=max_step_chars, max_solution_chars=max_solution_chars,
+                             max_solution_tokens=max_solution_tokens, max_tool_output_chars=max_tool_output_chars,
+                             handoff_steps=1 if handoff_steps is None else handoff_steps,
+                             max_tool_calls=max_tool_calls)
         self.sampler = ProblemSampler(
             build_problems(problems, dataset_path, split, subjects, levels, limit, arith), shuffle=shuffle
         )
@@ -266,7 +333,18 @@ class MathTask:
         self.end_marker = end_marker
         self.handoff_steps = handoff_steps
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
+        self.tools, self.max_tool_calls, self.max_tool_output_chars = tools, max_tool_calls, max_tool_output_chars
+        self.tool_turn = tool_turn if tool_turn is not None else plain_tool_turn(step_delimiter)
         self.action_space, self.observation_space = self._spaces()
+        self.sandbox = sandbox
+        if tools is not None and sandbox is None:
+            self.sandbox = PythonSandbox(timeout_s=tool_timeout_s, max_output_chars=max_tool_output_chars,
+                                         workers=tool_workers)
+
+    def close(self) -> None:
+        """Stops the sandbox (its warm workers), if the task has one."""
+        if self.sandbox is not None:
+            self.sandbox.close()
 
     def _spaces(self) -> tuple[spaces.Space, UnicodeText]:
         """The action space and an observation space long enough for any prompt plus the longest
@@ -274,6 +352,8 @@ class MathTask:
         longest_prompt = max(len(self.prompt(p)) for p in self.sampler.problems)
         if self.mode == "step":
             longest_solution = self.max_solution_chars + self.max_step_chars + len(self.step_delimiter)
+            if self.tools is not None:
+                longest_solution += len(self.tool_turn) + self.max_tool_output_chars
             return UnicodeText(self.max_step_chars), UnicodeText(longest_prompt + longest_solution)
         vocabulary = len(self.tokenizer)
         longest_token = max(len(t) for t in self.tokenizer.convert_ids_to_tokens(range(vocabulary)) if t)
@@ -296,7 +376,10 @@ class MathTask:
         return episode.prompt + episode.solution_text
 
     def info(self, episode: Episode) -> dict[str, Any]:
-        return {"problem_id": episode.problem.id, "group_id": episode.group_id, "step": len(episode.steps)}
+        info = {"problem_id": episode.problem.id, "group_id": episode.group_id, "step": len(episode.steps)}
+        if self.tools is not None:
+            info["tool_calls"] = episode.tool_calls
+        return info
 
     @staticmethod
     def facts(episodes: Sequence[Episode], acting: np.ndarray, **results: Any) -> StepFacts:
@@ -321,12 +404,32 @@ class MathTask:
         clipped = len(action) > self.max_step_chars
         step = action[: self.max_step_chars].strip().removesuffix(self.step_delimiter.strip()).rstrip()
         episode.steps.append(step)
-        episode.solution_text += step + self.step_delimiter
+        episode.solution_text += step
         terminated = self._ends_solution(step) or self._hands_off(episode)
+        code = None if terminated or self.tools is None else trailing_code(episode.solution_text[episode.tool_start:])
+        if code is None:
+            episode.solution_text += self.step_delimiter
         truncated = not terminated and (
             len(episode.steps) >= self.max_steps or len(episode.solution_text) >= self.max_solution_chars
+            or (code is not None and episode.tool_calls >= self.max_tool_calls)
         )
-        return Transition(step, terminated, truncated, action_clipped=clipped)
+        if truncated and code is not None:  # not run: the step ends the solution as written
+            episode.solution_text += self.step_delimiter
+            code = None
+        return Transition(step, terminated, truncated, action_clipped=clipped, tool_code=code)
+
+    def run_tools(self, episodes: Sequence[Episode], transitions: Sequence[Transition]) -> None:
+        """Runs the tool calls of a batch of actions together (``Sandbox.run_many``) and puts each output in
+        its episode's observation as a tool turn."""
+        calls = [(episode, t.tool_code) for episode, t in zip(episodes, transitions) if t.tool_code is not None]
+        if not calls:
+            return
+        results = self.sandbox.run_many([code for _, code in calls])
+        for (episode, _), result in zip(calls, results):
+            output = cut_output(result.output, self.max_tool_output_chars).rstrip("\n")  # the turn has its own
+            episode.solution_text += self.tool_turn.replace(OUTPUT_SLOT, output)
+            episode.tool_start = len(episode.solution_text)
+            episode.tool_calls += 1
 
     def _apply_token(self, episode: Episode, action: Any) -> Transition:
         token_id = int(action)
@@ -427,6 +530,7 @@ class MathEnv(gymnasium.Env):
         if self.episode is None:
             raise RuntimeError("call reset() before step()")
         transition = self.task.apply(self.episode, action)
+        self.task.run_tools([self.episode], [transition])
         scores = self.task.score([self.episode], [transition])
         self.episode.paid += float(scores.rewards[0])
         info = self.task.info(self.episode)
@@ -447,3 +551,6 @@ class MathEnv(gymnasium.Env):
         if self.render_mode == "ansi" and self.episode is not None:
             return self.task.observation(self.episode)
         return None
+
+    def close(self) -> None:
+        self.task.close()

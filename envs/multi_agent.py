@@ -65,6 +65,8 @@ AUTORESET_MODES = (AutoresetMode.SAME_STEP, AutoresetMode.DISABLED)
 SINGLE_AGENT_KEYWORDS = {  # MathTask keywords that mean nothing for whole messages: why, and what instead
     "handoff_steps": "Prefix-RL is the workflow='prefix' here",
     "end_marker": "an action is a whole message, so a message ends where the generator stops",
+    "tools": "a role's code blocks are not run between messages; the single-agent MATH-Tool-v0 and Arith-Tool-v0 "
+             "run them",
 }
 
 

@@ -48,7 +48,8 @@ class MathVectorEnv(VectorEnv):
       action just taken: ``correct`` (float64, 1.0 / 0.0 where an episode ended at this step, NaN
       elsewhere), ``final_answer`` (object: the answer it judged, None where none), ``reward/<source>``
       (float64, every component the reward model reported, NaN
-      where no step was scored) and, in step mode, ``action_clipped`` (bool);
+      where no step was scored) and, in step mode, ``action_clipped`` (bool) and, with a tool,
+      ``tool_called`` (bool: the action was a tool call, run);
     - SAME_STEP autoreset: gymnasium's ``final_obs`` / ``_final_obs`` and ``final_info`` /
       ``_final_info``, where ``final_info`` holds the ended episodes' metadata arrays (their
       ``correct`` and ``reward/*`` are the top-level arrays already).
@@ -129,7 +130,7 @@ class MathVectorEnv(VectorEnv):
         if self.autoreset_mode == AutoresetMode.NEXT_STEP:  # this step resets, its action is ignored
             for i in np.flatnonzero(self.needs_reset):
                 self.episodes[i] = self._start_episode(i)
-        results, terminated, truncated = self._act(actions, acting)
+        results, terminated, truncated, called = self._act(actions, acting)
         ended = terminated | truncated
         final = {}
         if self.autoreset_mode == AutoresetMode.DISABLED:
@@ -140,19 +141,24 @@ class MathVectorEnv(VectorEnv):
             final = self._restart(ended)
         facts = self._facts(**results)
         info = {**self._info(facts, stepped=True), **final}
+        if self.task.tools is not None:
+            info["tool_called"] = called
         return self._observations(), facts.rewards[:, 0], terminated, truncated, info
 
-    def _act(self, actions: Sequence[Any], acting: np.ndarray) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
-        """Applies the actions of the ``acting`` envs and scores them in one reward-model call. Returns the
+    def _act(self, actions: Sequence[Any], acting: np.ndarray
+             ) -> tuple[dict[str, Any], np.ndarray, np.ndarray, np.ndarray]:
+        """Applies the actions of the ``acting`` envs, runs their tool calls in one batch and scores them in one
+        reward-model call. Returns the
         ``StepFacts`` fields of the results (rewards, returns, sources [N, 1], correct [N], clipped [N, 1], answers [N]; 0 /
-        NaN / False for the envs that did not act) and terminated, truncated [N]."""
-        terminated, truncated, clipped = (np.zeros(self.num_envs, dtype=bool) for _ in range(3))
+        NaN / False for the envs that did not act), terminated, truncated and tool-called [N]."""
+        terminated, truncated, clipped, called = (np.zeros(self.num_envs, dtype=bool) for _ in range(4))
         transitions = []
         for i in acting:
             transition = self.task.apply(self.episodes[i], actions[i])
             terminated[i], truncated[i] = transition.terminated, transition.truncated
-            clipped[i] = transition.action_clipped
+            clipped[i], called[i] = transition.action_clipped, transition.tool_code is not None
             transitions.append(transition)
+        self.task.run_tools([self.episodes[i] for i in acting], transitions)
         scores = self.task.score([self.episodes[i] for i in acting], transitions)
         rewards = np.zeros(self.num_envs, dtype=np.float64)
         rewards[acting] = scores.rewards
@@ -164,7 +170,7 @@ class MathVectorEnv(VectorEnv):
         answers[acting] = scores.answers
         results = {"rewards": rewards[:, None], "returns": returns, "sources": sources,
                    "correct": self._spread(scores.correct, acting), "clipped": clipped[:, None], "answers": answers}
-        return results, terminated, truncated
+        return results, terminated, truncated, called
 
     def _restart(self, ended: np.ndarray) -> dict[str, Any]:
         """SAME_STEP autoreset: starts the next episode of every ``ended`` env; returns gymnasium's
@@ -175,6 +181,10 @@ class MathVectorEnv(VectorEnv):
         for i in np.flatnonzero(ended):
             self.episodes[i] = self._start_episode(i)
         return final
+
+    def close_extras(self, **kwargs: Any) -> None:
+        """Stops the task's tool sandbox (``gymnasium.vector.VectorEnv.close`` calls this once)."""
+        self.task.close()
 
     def get_state(self) -> dict[str, Any]:
         """JSON-serialisable state of everything ``step`` and ``reset`` will read: the problem

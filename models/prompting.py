@@ -3,7 +3,8 @@
 ``build_template`` returns a template string holding ``{problem}`` (and ``{context}``), which the envs and
 the target solver fill in without a tokenizer: ``chat`` renders the tokenizer's chat template once around
 a placeholder user message, with the generation prompt, so an instruct model sees the conversation it
-was tuned on.
+was tuned on. ``tool_turn_template`` does the same for what follows a tool call (the env's ``tool_turn``):
+the chat template's tool role where it has one.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
 PROMPT_KINDS = ("default", "qwen_math", "chat")
 USER_SLOT = "MATHRL-USER-TURN-7f3a9c"
 """Stands in for the user's message while the chat template renders; replaced by the env's placeholders."""
+ASSISTANT_SLOT, TOOL_SLOT = "MATHRL-ASSISTANT-TURN-7f3a9c", "MATHRL-TOOL-TURN-7f3a9c"
 
 
 def build_template(kind: str, tokenizer: PreTrainedTokenizerBase, system_prompt: str | None = None,
@@ -69,3 +71,25 @@ def adds_bos(tokenizer: PreTrainedTokenizerBase) -> bool:
     ids = tokenizer("x")["input_ids"]
     plain = tokenizer("x", add_special_tokens=False)["input_ids"]
     return bool(ids) and ids[0] == tokenizer.bos_token_id and ids != plain
+
+
+def tool_turn_template(kind: str, tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """What follows a tool call's step in a ``kind`` prompt (``envs.math_env.MathTask``'s ``tool_turn``, holding
+    ``{output}``): under ``chat``, the tokenizer's chat template from the end of an assistant message through a
+    ``tool`` message and the next generation prompt, where the template renders a tool role; else None (the
+    env's plain ```` ```output ```` block, which Qwen2.5-Math's tool-integrated reasoning also writes)."""
+    if kind != "chat" or not getattr(tokenizer, "chat_template", None):
+        return None
+    messages = [{"role": "user", "content": USER_SLOT}, {"role": "assistant", "content": ASSISTANT_SLOT},
+                {"role": "tool", "content": TOOL_SLOT}]
+    from jinja2 import TemplateError  # transformers renders chat templates with jinja2
+
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except TemplateError:  # the template's raise_exception: it refuses a tool role, so it has none
+        return None
+    if text.count(ASSISTANT_SLOT) != 1 or text.count(TOOL_SLOT) != 1 or "{output}" in text:
+        return None
+    turn = text.split(ASSISTANT_SLOT, 1)[1]
+    return turn.replace(TOOL_SLOT, "{output}") if TOOL_SLOT in turn else None
+

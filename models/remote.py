@@ -14,7 +14,10 @@ The client therefore:
   exponential backoff and jitter; a 4xx or 500 is raised at once. Callers put a seed in every payload,
   so a retried request returns what the first attempt would have;
 - raises ``ServiceError`` naming the URL and the last failure when the attempts run out, and cancels
-  the rest of the batch: a caller gets every answer or an exception, never part of a batch.
+  the rest of the batch: a caller gets every answer or an exception, never part of a batch;
+- sends ``Authorization: Bearer <api_key>`` with every request when it has a key (what ``vllm serve
+  --api-key`` and ``reward_models.serve --api_key`` expect), and turns an HTTP 401 into a
+  ``ServiceError`` saying whether no key or a wrong one was sent. The key is never part of a message.
 """
 
 from __future__ import annotations
@@ -24,13 +27,23 @@ import json
 import random
 import threading
 import time
+import os
 import urllib.parse
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 RETRY_STATUSES = (502, 503, 504)
 MAX_RESPONSE_BYTES = 256 * 2**20  # a response larger than this is not one of ours
+API_KEY_ENV = "MATHRL_SERVICE_API_KEY"
+"""The environment variable holding the key of the services (as vLLM's VLLM_API_KEY): a key given there
+stays out of the command line, the process list and the run's saved flags."""
+
+
+def api_key_from(value: str | None) -> str | None:
+    """``value`` (a --service_api_key or --api_key flag), else $MATHRL_SERVICE_API_KEY, else None (no key);
+    an empty string counts as none."""
+    return value or os.environ.get(API_KEY_ENV) or None
 
 
 class ServiceError(RuntimeError):
@@ -43,8 +56,9 @@ class _Retryable(Exception):
 
 @dataclass(frozen=True)
 class ClientSettings:
-    """How patient a client is. ``retries``: attempts after the first; the k-th retry waits
-    ``backoff * 2**(k-1)`` seconds (capped at ``max_backoff``) times a jitter in [0.5, 1)."""
+    """How patient a client is, and the key it shows. ``retries``: attempts after the first; the k-th retry
+    waits ``backoff * 2**(k-1)`` seconds (capped at ``max_backoff``) times a jitter in [0.5, 1). ``api_key``:
+    sent as a bearer token (None: no Authorization header); left out of the repr."""
 
     connect_timeout: float = 5.0
     read_timeout: float = 120.0
@@ -52,6 +66,7 @@ class ClientSettings:
     backoff: float = 0.5
     max_backoff: float = 8.0
     max_in_flight: int = 8
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("connect_timeout", "read_timeout", "max_backoff"):
@@ -193,10 +208,13 @@ class ServiceClient:
         connection_type = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
         connection = connection_type(parts.hostname, parts.port, timeout=self.settings.connect_timeout)
         body = None if payload is None else json.dumps(payload).encode()
+        headers = {"Content-Type": "application/json"}
+        if self.settings.api_key is not None:
+            headers["Authorization"] = f"Bearer {self.settings.api_key}"
         try:
             connection.connect()
             connection.sock.settimeout(self.settings.read_timeout)
-            connection.request(method, parts.path + path, body=body, headers={"Content-Type": "application/json"})
+            connection.request(method, parts.path + path, body=body, headers=headers)
             response = connection.getresponse()
             data = response.read(MAX_RESPONSE_BYTES + 1)
         except (OSError, http.client.HTTPException) as error:  # refused, reset, timed out, cut short
@@ -205,6 +223,8 @@ class ServiceClient:
             connection.close()
         if response.status in RETRY_STATUSES:
             raise _Retryable(f"HTTP {response.status} {_excerpt(data)}")
+        if response.status == 401:
+            raise ServiceError(f"{method} {url}{path} answered HTTP 401: {_excerpt(data)}; {self._key_advice()}")
         if response.status != 200:
             raise ServiceError(f"{method} {url}{path} answered HTTP {response.status}: {_excerpt(data)}")
         if len(data) > MAX_RESPONSE_BYTES:
@@ -215,6 +235,13 @@ class ServiceClient:
             return json.loads(data)
         except ValueError as error:
             raise ServiceError(f"{method} {url}{path} answered with invalid JSON: {_excerpt(data)}") from error
+
+    def _key_advice(self) -> str:
+        """What to do about a 401, by whether a key was sent (never the key itself)."""
+        if self.settings.api_key is None:
+            return f"no API key was sent: give the server's key with --service_api_key or ${API_KEY_ENV}"
+        return (f"the API key sent (--service_api_key or ${API_KEY_ENV}) is not the server's: give the key it was "
+                "started with (--api_key, or vllm serve --api-key)")
 
 
 def _excerpt(data: bytes, limit: int = 300) -> str:

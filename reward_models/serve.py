@@ -1,7 +1,7 @@
 """An HTTP server for one process reward model that batches the requests of many clients into one
 model call.
 
-    python -m reward_models.serve --model DIR --port 8001 [--max_batch 64] [--max_wait_ms 5]
+    python -m reward_models.serve --model DIR --port 8001 [--max_batch 64] [--max_wait_ms 5] [--api_key KEY]
 
 Why: a PRM scores many solutions in one call for much less than one call each (on a GPU above all;
 on a CPU less, see bench/prm_server.py), but its callers (RL workers, evaluation scripts, search
@@ -27,6 +27,12 @@ input gets 4xx ``{"error": "..."}`` naming the field; a model error gets 500 wit
 request of its batch; more than ``max_queue`` solutions waiting gets 503 with ``Retry-After: 1``. The
 server keeps serving after each. SIGTERM or SIGINT shut it down cleanly (exit 0).
 
+Keys: with ``--api_key`` (default: $MATHRL_SERVICE_API_KEY) every request but ``GET /health`` (a load
+balancer's probe) must carry ``Authorization: Bearer <key>``, as ``vllm serve --api-key`` asks; one
+without it, or with another key, gets 401 saying which, and a line on stderr (never the key). Without a
+key the server listens on a loopback address only (127.0.0.1, ::1, localhost): anyone who can reach it
+could use its GPU.
+
 In-process (tests, benchmarks)::
 
     server = make_server(prm, "127.0.0.1", 0, "prm")
@@ -38,7 +44,9 @@ In-process (tests, benchmarks)::
 from __future__ import annotations
 
 import argparse
+import hmac
 import json
+import os
 import signal
 import sys
 import threading
@@ -51,6 +59,8 @@ from pathlib import Path
 from typing import Any, Protocol, Sequence
 
 MAX_BODY_BYTES = 64 * 2**20
+API_KEY_ENV = "MATHRL_SERVICE_API_KEY"  # models.remote's: the server stays free of the client's imports
+LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 SCORE_FIELDS = ("model", "problems", "steps", "finished")
 PRM_OPTIONS = ("prm_type", "step_tag", "good_token", "bad_token", "separator", "device", "dtype", "kv_cache_mb",
                "trust_remote_code", "check_labels")
@@ -229,8 +239,10 @@ class PRMServer(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 1024  # listen backlog: many clients connect at once (the default 5 drops SYNs)
 
-    def __init__(self, address: tuple[str, int], batcher: Batcher, name: str, max_request_items: int):
+    def __init__(self, address: tuple[str, int], batcher: Batcher, name: str, max_request_items: int,
+                 api_key: str | None = None):
         self.batcher, self.name, self.max_request_items = batcher, name, max_request_items
+        self.api_key = api_key
         super().__init__(address, Handler)
 
     @property
@@ -252,12 +264,16 @@ class Handler(BaseHTTPRequestHandler):
         path = self.path.split("?")[0]
         if path == "/health":
             self.reply(200, {"status": "ok", **self.server.batcher.stats()})
+        elif not self.authorized():
+            return
         elif path == "/v1/models":
             self.reply(200, {"object": "list", "data": [{"id": self.server.name, "object": "model"}]})
         else:
             self.reply_error(unknown_path("GET", path))
 
     def do_POST(self) -> None:  # noqa: N802
+        if not self.authorized():
+            return
         try:
             body = self.read_body()
             if self.path.split("?")[0] != "/v1/score":
@@ -273,6 +289,29 @@ class Handler(BaseHTTPRequestHandler):
             self.reply_error(error)
             return
         self.reply(200, {"model": self.server.name, "step_scores": scores})
+
+    def authorized(self) -> bool:
+        """Whether the request carries the server's key (always, on a server without one); if not, answers
+        401 saying whether the key was missing or wrong, logs that on stderr, and closes the connection
+        (after reading a body of an acceptable length: a client still sending would see a reset, not the 401)."""
+        expected = self.server.api_key
+        if expected is None:
+            return True
+        sent = self.headers.get("Authorization", "")
+        scheme, _, token = sent.partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), expected.encode()):
+            return True
+        problem = "a wrong API key" if scheme.lower() == "bearer" and token.strip() else "no API key"
+        print(f"refused {self.command} {self.path.split('?')[0]} from {self.client_address[0]}: {problem}",
+              file=sys.stderr, flush=True)
+        length = self.headers.get("Content-Length", "")
+        if length.isdigit() and int(length) <= MAX_BODY_BYTES:
+            self.rfile.read(int(length))
+        self.close_connection = True
+        self.reply(401, {"error": f"this server needs its API key and the request carried {problem}: send "
+                                  "'Authorization: Bearer <key>' (mathrl: --service_api_key or "
+                                  f"${API_KEY_ENV})"}, {"WWW-Authenticate": "Bearer"})
+        return False
 
     def read_body(self) -> bytes:
         length = self.headers.get("Content-Length")
@@ -319,16 +358,26 @@ def check_limits(max_batch: int, max_wait_ms: float, max_queue: int, max_request
                          "request would never fit in the queue")
 
 
+def check_exposure(host: str, api_key: str | None) -> None:
+    """A ``ValueError`` when a server without a key would listen beyond the loopback interface."""
+    if api_key is None and host not in LOOPBACK_HOSTS:
+        raise ValueError(f"--host={host} without a key would let anyone who can reach {host} use this server: give "
+                         f"--api_key (or ${API_KEY_ENV}), or listen on 127.0.0.1")
+
+
 def make_server(prm: StepScorer, host: str = "127.0.0.1", port: int = 0, name: str = "prm", max_batch: int = 64,
-                max_wait_ms: float = 5.0, max_queue: int = 1024, max_request_items: int = 1024) -> PRMServer:
+                max_wait_ms: float = 5.0, max_queue: int = 1024, max_request_items: int = 1024,
+                api_key: str | None = None) -> PRMServer:
     """A listening (not yet serving) server of ``prm`` under ``name`` on ``host:port`` (0: a free port,
     see ``server.url``); its batching worker is running. Call ``serve_forever()``, then ``shutdown()``
-    and ``server_close()``. Raises ``ValueError`` for a bad limit, ``OSError`` naming the address when
-    it cannot listen."""
+    and ``server_close()``. ``api_key``: the bearer token every request but /health must carry (None:
+    none, and only a loopback ``host``). Raises ``ValueError`` for a bad limit or an open host without a
+    key, ``OSError`` naming the address when it cannot listen."""
     check_limits(max_batch, max_wait_ms, max_queue, max_request_items)
+    check_exposure(host, api_key)
     batcher = Batcher(prm, max_batch, max_wait_ms, max_queue)
     try:
-        return PRMServer((host, port), batcher, name, max_request_items)
+        return PRMServer((host, port), batcher, name, max_request_items, api_key)
     except OSError as error:
         batcher.close()
         raise OSError(error.errno, f"cannot listen on {host}:{port}: {error.strerror}; pick another --port "
@@ -339,7 +388,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="the PRM's model directory")
     parser.add_argument("--port", type=int, required=True, help="0: a free port (printed)")
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--host", default="127.0.0.1", help="another address than 127.0.0.1 needs a key")
+    parser.add_argument("--api_key", default=None, help=f"the key every request but GET /health must carry as "
+                        f"'Authorization: Bearer KEY'. Default: ${API_KEY_ENV} (preferred: a flag shows in the "
+                        "process list)")
     parser.add_argument("--served_model_name", default=None, help="default: the model directory's name")
     parser.add_argument("--prm_type", choices=("shepherd", "classifier"), default=None)
     for option in ("step_tag", "good_token", "bad_token", "separator", "device", "dtype"):
@@ -356,8 +408,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max_request_items", type=int, default=1024, help="solutions per request at most")
     parser.epilog = "PRM options left out keep ProcessRewardModel's defaults."
     args = parser.parse_args(argv)
+    args.api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     try:
         check_limits(args.max_batch, args.max_wait_ms, args.max_queue, args.max_request_items)
+        check_exposure(args.host, args.api_key)
     except ValueError as error:
         parser.error(str(error))
     return args
@@ -372,7 +426,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         prm = ProcessRewardModel(args.model, **options)
         name = args.served_model_name or Path(args.model).resolve().name
         server = make_server(prm, args.host, args.port, name, args.max_batch, args.max_wait_ms, args.max_queue,
-                             args.max_request_items)
+                             args.max_request_items, args.api_key)
     except (OSError, ValueError) as error:  # ModelDirError is a ValueError
         raise SystemExit(f"error: {error}") from error
 
@@ -381,6 +435,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    access = "needs an API key on every request but GET /health" if args.api_key else "has no key: loopback only"
+    print(f"the PRM server {access}", file=sys.stderr, flush=True)
     print(f"serving PRM {name} on http://{args.host}:{server.server_address[1]}", flush=True)
     try:
         server.serve_forever()

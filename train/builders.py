@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import gymnasium
 import torch
@@ -20,6 +20,7 @@ import envs  # noqa: F401  (registers the built-in ids)
 from algorithms.base import Algorithm, make_algorithm
 from algorithms.registry import AlgorithmConfig, algorithm_spec
 from envs.datasets import load_problems
+from envs.math_env import MAX_TOOL_OUTPUT_CHARS, TOOL_TIMEOUT_S
 from envs.prompts import STEP_DELIMITER
 from envs.rewards import OutcomeReward, OverlongPenalty, RewardMixture, RewardModel
 from reward_models.implicit_prm import ImplicitPRM
@@ -31,7 +32,7 @@ from train.distributed import Ranks
 from models.generation import Generator, make_generator
 from models.loading import check_model_dir, resolve_device
 from models.policy import LanguagePolicy, LoraSettings
-from models.prompting import build_template
+from models.prompting import build_template, tool_turn_template
 from models.remote import ServiceClient, ServiceError
 from train.resolve import resolved
 from train.runner import Runner
@@ -201,7 +202,8 @@ def env_kwargs(config: RunConfig, split: str, reward_model: RewardModel, tokeniz
     if env.workflow is not None:
         return {**env.user_kwargs, "reward_assignment": config.multi_agent.reward_assignment,
                 "reward_model": reward_model, "template": template, **source}
-    kwargs = {**env.user_kwargs, "reward_model": reward_model, "template": template, **source}
+    kwargs = {**env.user_kwargs, "reward_model": reward_model, "template": template, **source,
+              **tool_kwargs(env, tokenizer)}
     if handoff_steps is not None:
         kwargs["handoff_steps"] = handoff_steps
     if env.action_level == ActionLevel.SOLUTION:
@@ -213,25 +215,46 @@ def env_kwargs(config: RunConfig, split: str, reward_model: RewardModel, tokeniz
     return kwargs
 
 
+def tool_kwargs(env: EnvConfig, tokenizer) -> dict:
+    """The tool's env keywords: ``tools`` wherever the run or the env decides it (None turns an id's tool off),
+    and with a tool its limits given as options and the tool turn of the policy's prompt template."""
+    if env.tools == "none":
+        own = {**gymnasium.spec(env.env_id).kwargs, **env.user_kwargs}.get("tools")
+        return {} if own is None else {"tools": None}
+    limits = {"max_tool_calls": env.max_tool_calls, "max_tool_output_chars": env.max_tool_output_chars,
+              "tool_timeout_s": env.tool_timeout}
+    return {"tools": env.tools, "tool_turn": tool_turn_template(env.prompt_template, tokenizer),
+            **{key: value for key, value in limits.items() if value is not None}}
+
+
 def build_envs(config: RunConfig, reward_model: RewardModel, tokenizer, template: str, ranks: Ranks = Ranks()
                ) -> tuple[gymnasium.vector.VectorEnv, dict[str | None, gymnasium.vector.VectorEnv]]:
-    """(train env, {held-out set's name: its eval env}, in ``env.eval_sets``' order). Episodic algorithms run one episode per env per iteration (no
-    autoreset); continuing ones reset an ended episode in the same step. Under torchrun the train env
-    holds this rank's whole groups (``distributed.shard``), drawing the problems one process would."""
-    env = config.env
+    """(train env, {held-out set's name: its eval env}, in ``env.eval_sets``' order). Episodic algorithms run one
+    episode per env per iteration (no autoreset); continuing ones reset an ended episode in the same step. Under
+    torchrun the train env holds this rank's whole groups (``distributed.shard``), drawing the problems one process
+    would. With a tool each env has a sandbox of its own: local processes, or --tool_url's service."""
+    env, services = config.env, config.services
     autoreset = AutoresetMode.DISABLED if env.whole_episodes else AutoresetMode.SAME_STEP
     first, count = distributed.shard(env.envs_stepped, env.group_size, ranks)
     split = ({"group_offset": first // env.group_size, "total_groups": env.envs_stepped // env.group_size}
              if ranks.distributed else {})
-    train_env = gymnasium.make_vec(env.env_id, num_envs=count, vectorization_mode="vector_entry_point",
-                                   group_size=env.group_size, autoreset_mode=autoreset, **split,
-                                   **env_kwargs(config, "train", reward_model, tokenizer, template))
-    eval_envs = {eval_set.name: gymnasium.make_vec(env.env_id, num_envs=config.budget.eval_batch_size,
-                                                   vectorization_mode="vector_entry_point", group_size=1,
-                                                   autoreset_mode=AutoresetMode.DISABLED,
-                                                   **env_kwargs(config, "test", reward_model, tokenizer, template,
-                                                                eval_set.path))
+
+    def make(split_name: str, eval_path: str | None = None, **vector: Any) -> gymnasium.vector.VectorEnv:
+        kwargs = env_kwargs(config, split_name, reward_model, tokenizer, template, eval_path)
+        if env.tools != "none" and services.tool_url is not None:
+            from models.remote_sandbox import RemoteSandbox  # the HTTP client: only with --tool_url
+
+            kwargs["sandbox"] = RemoteSandbox(
+                services.tool_url, timeout_s=kwargs.get("tool_timeout_s", TOOL_TIMEOUT_S),
+                max_output_chars=kwargs.get("max_tool_output_chars", MAX_TOOL_OUTPUT_CHARS), settings=services.client)
+        return gymnasium.make_vec(env.env_id, vectorization_mode="vector_entry_point", **vector, **kwargs)
+
+    train_env = make("train", num_envs=count, group_size=env.group_size, autoreset_mode=autoreset, **split)
+    eval_envs = {eval_set.name: make("test", eval_set.path, num_envs=config.budget.eval_batch_size, group_size=1,
+                                     autoreset_mode=AutoresetMode.DISABLED)
                  for eval_set in env.eval_sets}
+    if env.tools != "none":
+        log.info("the %s tool runs in: %s", env.tools, train_env.unwrapped.task.sandbox.describe_isolation())
     return train_env, eval_envs
 
 

@@ -260,6 +260,8 @@ class Collector:
         self.pay_overlong(buffer, step, envs_t, agents_t, [len(out.token_ids[k]) for k in pick], tally)
         ended = terminated | truncated
         self.tally_reward_sources(tally, envs, agents)
+        if "tool_called" in info:  # an env with a tool: the share of actions that called it
+            tally.add("train/tool_calls", info["tool_called"][envs])
         self.tally_ended_episodes(tally, ended)
         self.tally_role_metrics(tally)
         self.env_steps += len(np.unique(envs))

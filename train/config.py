@@ -214,6 +214,16 @@ class EnvConfig:
                            "share a problem.", flag="n_rollout_threads", lower_bound=1)
     group_size: int | None = option(None, "Samples per problem (consecutive envs sharing one). Default: 4 for "
                                     "GRPO/RLOO (they compare samples within a group), 1 for APPO/TPPO.", lower_bound=1)
+    tools: str | None = option(
+        None, "Tool the policy may call (--action_level step): 'python' runs a step that ends in a fenced ```python "
+        "block in a sandbox and shows its output as the next turn (never trained on, never scored as a step); "
+        "'none' turns off an env id's tool. Default: the env id's own, or none (MATH-Tool-v0, Arith-Tool-v0: python).")
+    max_tool_calls: int | None = option(None, "Tool calls per episode; a call beyond them ends the episode "
+                                        "(truncated). Default: the env's (4).", lower_bound=1)
+    max_tool_output_chars: int | None = option(None, "A tool call's output is cut to this many characters. Default: "
+                                               "the env's (1024).", flag="max_tool_response_length", lower_bound=1)
+    tool_timeout: float | None = option(None, "Wall-clock seconds one tool call may run. Default: the env's (5).",
+                                        lower_bound=0.001)
     workflow: Workflow | None = None  # resolved: a multi-agent env's roles
     envs_stepped: int | None = None  # resolved: envs stepped per iteration (num_envs, times RLOO's oversampling)
     whole_episodes: bool | None = None  # resolved: one episode per env per iteration (no autoreset)
@@ -572,6 +582,8 @@ class ServicesConfig:
         "(see the README: LoRA policies need --enable-lora, full fine-tuning VLLM_SERVER_DEV_MODE=1).")
     vllm_model_name: str | None = option(None, "The policy's served model name on --vllm_url (default: the one "
                                          "model the servers serve).")
+    tool_url: str | None = option(None, "The python tool's calls go to this Sandbox Fusion-style run_code service "
+                                  "(`python -m envs.sandbox serve`), instead of sandbox processes on this machine.")
     vllm_sync_dir: str | None = option(None, "Where new policy weights are written for the --vllm_url servers to "
                                        "load (a path they can read). Default: <run dir>/sync.")
     connect_timeout: float = option(5.0, "Seconds to connect to a --*_url server before the attempt counts as "
@@ -586,6 +598,11 @@ class ServicesConfig:
                             flag="service_backoff")
     max_in_flight: int = option(8, "Most requests in flight per --*_url server.", flag="service_max_in_flight",
                                 lower_bound=1)
+    api_key: str | None = option(
+        None, "Key sent to every --*_url server as 'Authorization: Bearer KEY' (what `vllm serve --api-key` and "
+        "`python -m reward_models.serve --api_key` expect). Default: $MATHRL_SERVICE_API_KEY (preferred: a flag "
+        "shows in the process list). Never logged or saved: a resume takes it from this flag or the variable "
+        "again.", flag="service_api_key", secret=True)
 
     @property
     def client(self) -> ClientSettings:
@@ -594,7 +611,7 @@ class ServicesConfig:
 
         return ClientSettings(connect_timeout=self.connect_timeout, read_timeout=self.read_timeout,
                               retries=self.retries, backoff=self.backoff, max_backoff=MAX_SERVICE_BACKOFF,
-                              max_in_flight=self.max_in_flight)
+                              max_in_flight=self.max_in_flight, api_key=self.api_key)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,8 @@ A section of ``train.config.RunConfig`` declares each user option once::
 flag name where the field's name is clearer; an Enum type gives the flag its choices (``aliases``: other
 names it accepts, case-insensitive); a ``tuple[str, ...]`` field is a repeatable flag. A default of None
 means "resolved from other options" (the help says to what); ``train.resolve`` resolves it.
+``secret=True`` (a key) keeps the value out of the field's repr, and its flag's value out of what a run
+logs and saves (``masked``).
 
 Light on purpose (absl, dataclasses, enum): flags are defined and checked before torch is imported.
 """
@@ -23,20 +25,31 @@ from typing import Any
 
 from absl import flags
 
+SECRET_MASK = "<hidden>"
+"""What a secret flag's value is logged and saved as (when it has one)."""
+SECRET_FLAGS: set[str] = set()
+"""The names of the flags of ``secret`` options defined so far."""
+
 DEFINE = {"bool": flags.DEFINE_boolean, "int": flags.DEFINE_integer, "float": flags.DEFINE_float,
           "str": flags.DEFINE_string, "tuple[str, ...]": flags.DEFINE_multi_string}
 """absl's definer for each annotated field type (``X | None`` reads as X)."""
 
 
 def option(default: Any, help: str, *, flag: str | None = None, lower_bound: float | None = None,
-           upper_bound: float | None = None, aliases: dict[str, str] | None = None) -> Any:
+           upper_bound: float | None = None, aliases: dict[str, str] | None = None, secret: bool = False) -> Any:
     """A dataclass field that is also a command-line flag: ``default`` and ``help`` written once;
     ``flag``: the flag's name when it differs from the field's (OpenR compatibility); bounds checked at
-    parse time. A field whose type is an Enum takes its members' values as the flag's choices, and
-    ``aliases`` ({other name: member value}) as further ones, matched case-insensitively."""
+    parse time; ``secret``: a key, never in a repr, a log or a checkpoint. A field whose type is an Enum
+    takes its members' values as the flag's choices, and ``aliases`` ({other name: member value}) as
+    further ones, matched case-insensitively."""
     metadata = {"help": help, "flag": flag, "lower_bound": lower_bound, "upper_bound": upper_bound,
-                "aliases": aliases or {}}
-    return dataclasses.field(default=default, metadata=metadata)
+                "aliases": aliases or {}, "secret": secret}
+    return dataclasses.field(default=default, metadata=metadata, repr=not secret)
+
+
+def masked(name: str, value: Any) -> Any:
+    """A flag's value as logs and checkpoints may hold it: ``SECRET_MASK`` for a secret flag with a value."""
+    return SECRET_MASK if name in SECRET_FLAGS and value else value
 
 
 def options(section: type) -> list[dataclasses.Field]:
@@ -53,6 +66,8 @@ def define_flags(section: type, module_name: str, flag_values: flags.FlagValues 
     ``module_name``'s (so --helpfull lists them under that module's section)."""
     for field in options(section):
         name, help_, default = flag_name(field), field.metadata["help"], field.default
+        if field.metadata["secret"]:
+            SECRET_FLAGS.add(name)
         if isinstance(default, enum.Enum):
             aliases = field.metadata["aliases"]
             choices = [member.value for member in type(default)]

@@ -17,7 +17,9 @@ import envs  # registers the built-in ids
 from algorithms.registry import ALGORITHMS, LossAgg
 from envs.workflows import Workflow, resolve_workflow
 from models.hub import resolve_model
-from train.config import DEFAULT_PRM_REWARD, ActionLevel, Critic, EnvConfig, ModelConfig, RunConfig
+from models.remote import api_key_from
+from train.config import (DEFAULT_PRM_REWARD, ActionLevel, Critic, EnvConfig, ModelConfig, RunConfig,
+                          ServicesConfig)
 from train.flags.checks import check_algorithm_specific, default_group_size, kl_in_reward, reward_sources
 from train.options import section_from_flags
 
@@ -88,6 +90,7 @@ def resolved(config: RunConfig) -> RunConfig:
         prefix_rl=dataclasses.replace(config.prefix_rl, target_model=local_model(
             config, config.prefix_rl.target_model, "--target_model_name_or_path")),
         budget=dataclasses.replace(budget, num_iterations=iterations),
+        services=dataclasses.replace(config.services, api_key=api_key_from(config.services.api_key)),
         logging=dataclasses.replace(config.logging, experiment_name=experiment_name(config, env_id)))
 
 
@@ -211,7 +214,30 @@ def resolved_env(config: RunConfig, env_id: str, workflow: Workflow | None) -> E
         envs_stepped=env.num_envs * (config.prime.oversample_factor if algorithm == "RLOO" else 1),
         whole_episodes=ALGORITHMS[algorithm].episodic or workflow is not None)
     check_env_kwargs(resolved_env)
-    return resolved_env
+    return dataclasses.replace(resolved_env, tools=resolved_tool(resolved_env, config.services))
+
+
+def resolved_tool(env: EnvConfig, services: ServicesConfig) -> str:
+    """--tools, or the env's own (its --env_kwargs' or its registered 'tools'; none without): 'python' or
+    'none'. A tool needs --action_level step and a single-agent env; the tool's other options, and
+    --tool_url, need a tool."""
+    own = {**gymnasium.spec(env.env_id).kwargs, **env.user_kwargs}.get("tools")
+    tool = env.tools or own or "none"
+    if tool == "none":
+        given = {"max_tool_calls": env.max_tool_calls, "max_tool_response_length": env.max_tool_output_chars,
+                 "tool_timeout": env.tool_timeout, "tool_url": services.tool_url}
+        for name, value in given.items():
+            if value is not None:
+                raise flags.ValidationError(f"--{name} sets the policy's tool, and --env_id={env.env_id} runs none "
+                                            f"(--tools={env.tools}): add --tools python or drop --{name}")
+        return tool
+    if env.workflow is not None:
+        raise flags.ValidationError(f"--tools={tool}: the multi-agent --env_id={env.env_id} does not run its roles' "
+                                    "code; use a single-agent id (MATH-Tool-v0, Arith-Tool-v0) or --tools none")
+    if env.action_level != ActionLevel.STEP:
+        raise flags.ValidationError(f"--env_id={env.env_id} runs a {tool} tool between reasoning steps: add "
+                                    f"--action_level step (not {env.action_level}), or --tools none")
+    return tool
 
 
 def check_env_kwargs(env: EnvConfig) -> None:

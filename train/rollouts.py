@@ -144,9 +144,10 @@ class Rollouts:
             tally = reduced_tally(tally)
         step_reward = tally.mean("train/step_reward")
         # train/reward/<source> (the reward model's parts), train/<role>/<metric> and train/<role>/reward/<source>
-        # (multi-agent envs)
+        # (multi-agent envs), and train/tool_calls (the share of actions that called an env's tool)
         means = {key: tally.mean(key) for key in tally.sums
-                 if (key.startswith("train/") and key.count("/") >= 2) or key.startswith("rollout/")}
+                 if (key.startswith("train/") and (key.count("/") >= 2 or key == "train/tool_calls"))
+                 or key.startswith("rollout/")}
         generate_seconds = tally.seconds["generate"] + tally.seconds.get("refill_generate", 0.0)
         refill = {"time/refill": tally.seconds["refill_generate"] + tally.seconds["refill_reward"]
                   } if "refill_generate" in tally.seconds else {}

@@ -149,6 +149,11 @@ class Runner:
                 self.reporter.writer.flush()
         return self.history
 
+    def close(self) -> None:
+        """Closes the train and held-out envs (their tool sandboxes' worker processes stop)."""
+        for env in (self.collector.env, *self.eval_envs.values()):
+            env.close()
+
     def elapsed(self) -> float:
         """Training wall seconds so far (``progress.seconds``, brought up to now)."""
         now = time.perf_counter()

@@ -22,6 +22,7 @@ from absl import flags
 from train.flags import (algorithm, budget, distributed, env, generation, logs, model, multi_agent, prefix_rl, prime,
                          rewards, rollout, services)
 from train.flags import checks  # noqa: F401  (after the sections: it registers validators on their flags)
+from train.options import SECRET_MASK, masked
 
 FLAGS = flags.FLAGS
 
@@ -74,19 +75,21 @@ def help_text(usage: str, full: bool) -> str:
 
 
 def flag_dict(flag_values: flags.FlagValues = FLAGS) -> dict:
-    """{name: value} of every flag the sections define (saved with checkpoints, logged as TensorBoard text)."""
+    """{name: value} of every flag the sections define (saved with checkpoints, logged as TensorBoard text),
+    a secret one (--service_api_key) as ``SECRET_MASK``."""
     found = [flag for module in SECTIONS.values() for flag in flag_values.get_flags_for_module(module.__name__)]
-    return {flag.name: flag.value for flag in sorted(found, key=lambda flag: flag.name)}
+    return {flag.name: masked(flag.name, flag.value) for flag in sorted(found, key=lambda flag: flag.name)}
 
 
 def inherit(saved: dict, flag_values: flags.FlagValues = FLAGS) -> list[str]:
     """Resuming: every flag not given on this command line takes its value in the checkpoint's ``saved``
     flags (a ``flag_dict``), so a resumed run trains as the run it continues unless told otherwise.
     A flag the checkpoint lacks (added since) keeps its default; one it has that no longer exists is
-    skipped. Returns the names whose value changed; the flags are validated again."""
+    skipped, and so is a secret one (saved masked: a resume takes the key from its flag or environment
+    variable again). Returns the names whose value changed; the flags are validated again."""
     inherited = []
     for name, value in saved.items():
-        if name == "resume" or name not in flag_values or flag_values[name].present:
+        if name == "resume" or name not in flag_values or flag_values[name].present or value == SECRET_MASK:
             continue
         if flag_values[name].value != value:
             flag_values[name].value = value

@@ -167,7 +167,9 @@ def _check_async_backend(f: dict) -> bool:
     return True
 
 
-for _name in ("target_url", "prm_url", "vllm_url"):
+flags.register_validator("tools", lambda v: v in (None, "python", "none"), "must be python or none (or left out: "
+                         "the env id's own)")
+for _name in ("target_url", "prm_url", "vllm_url", "tool_url"):
     flags.register_validator(_name, lambda v: v is None or _valid_urls(v),
                              "must be http(s)://HOST:PORT[,http(s)://HOST:PORT...], e.g. http://127.0.0.1:8000")
 

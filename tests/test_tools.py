@@ -6,6 +6,7 @@ gymnasium's check_env; and a short GRPO run of a tool-using tiny policy trains e
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import gymnasium
@@ -239,7 +240,7 @@ def test_a_grpo_run_with_the_tool_trains_end_to_end(untrained_policy_dir, tmp_pa
 
 
 def test_a_run_with_tool_calls_trains(untrained_policy_dir, tmp_path):
-    """A library user's run (RunConfig, no flags) on Arith-Tool-v0 whose actions call the tool (scripted):
+    """A library user's run (RunConfig, no flags) on MATH-Tool-v0 (one problem) whose actions call the tool (scripted):
     GRPO updates the policy on them."""
     from tensorboardX import SummaryWriter
 
@@ -247,12 +248,13 @@ def test_a_run_with_tool_calls_trains(untrained_policy_dir, tmp_path):
     from train.config import (ActionLevel, BudgetConfig, EnvConfig, GenerationConfig, LoggingConfig, ModelConfig,
                               RunConfig)
 
+    dataset = tmp_path / "problems.jsonl"
+    dataset.write_text(json.dumps({"problem": PROBLEM.problem, "answer": PROBLEM.answer}) + "\n")
     config = RunConfig(model=ModelConfig(name_or_path=str(untrained_policy_dir), device="cpu"),
-                       env=EnvConfig(env_id="Arith-Tool-v0", action_level=ActionLevel.STEP, episode_length=2,
-                                     num_envs=4, group_size=2, eval_batch_size=4, tools="python",
-                                     env_kwargs={"problems": [PROBLEM], "arith": None}),
+                       env=EnvConfig(env_id="MATH-Tool-v0", dataset_path=str(dataset), action_level=ActionLevel.STEP,
+                                     episode_length=2, num_envs=4, group_size=2, tools="python"),
                        generation=GenerationConfig(max_new_tokens=48, async_rollouts=False),
-                       budget=BudgetConfig(num_iterations=1, eval_interval=0),
+                       budget=BudgetConfig(num_iterations=1, eval_interval=0, eval_batch_size=4),
                        logging=LoggingConfig(save_interval=0, save_best=False))
     writer = SummaryWriter(str(tmp_path))
     runner = build_runner(config, tmp_path, writer, generator_factory=ScriptedGenerator)

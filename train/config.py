@@ -453,7 +453,7 @@ class BudgetConfig:
     num_env_steps: int = option(
         81_920, "Env steps to take in all, oversampled and background batches included; iterations = "
         "ceil(num_env_steps / (episode_length * envs per iteration)), where envs per iteration = n_rollout_threads "
-        "(x oversample_factor for RLOO).", lower_bound=1)
+        "(x oversample_factor for RLOO); --filter_groups' refill rounds come on top.", lower_bound=1)
     eval_interval: int = option(100, "Evaluate every this many iterations (and at the start and end); 0: never.",
                                 lower_bound=0)
     eval_limit: int = option(1000, "Most held-out problems per evaluation.", lower_bound=1)

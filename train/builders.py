@@ -396,8 +396,8 @@ def build_runner(config: RunConfig, run_dir: Path, writer, saved: checkpoint.Che
     # first: under FSDP2 the ranks but 0 hold no weights until sharded, and the parameters become new objects
     trainable = build_trainable(policy, ranks, data_parallel)
     template = build_template(env.prompt_template, policy.tokenizer, env.system_prompt, env.answer_instruction)
-    train_env, eval_envs = build_envs(config, build_reward_model(config, str(policy.device), template), policy.tokenizer,
-                                      template, ranks)
+    reward_model = build_reward_model(config, str(policy.device), template)
+    train_env, eval_envs = build_envs(config, reward_model, policy.tokenizer, template, ranks)
     sync_dir = Path(config.services.vllm_sync_dir or run_dir / "sync")
     if ranks.distributed:  # each rank writes (and its servers load) its own copy: no two writers on one path
         sync_dir = sync_dir / f"rank_{ranks.rank}"

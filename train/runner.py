@@ -65,10 +65,10 @@ NUM_TEXT_SAMPLES = 4
 
 class Runner:
     """Drives training; see the module docstring. ``config``: the run's resolved configuration
-    (``train.resolve.resolved``), whose budget, learning, generation and logging sections it reads; ``eval_envs``: {held-out set's name (None: the one unnamed
-    set): a vector env over its problems (group size 1)}, the first one's greedy accuracy picking the best
-    checkpoint; ``rollout_policy``/``rollout_generator`` are the copy used by
-    asynchronous collection (required with asynchronous rollouts)."""
+    (``train.resolve.resolved``), whose budget, learning, rollout, generation and logging sections it reads;
+    ``eval_envs``: {held-out set's name (None: the one unnamed set): a vector env over its problems (group
+    size 1)}, the first one's greedy accuracy picking the best checkpoint; ``rollout_policy``/
+    ``rollout_generator`` are the copy used by asynchronous collection (required with asynchronous rollouts)."""
 
     def __init__(self, config: RunConfig, collector: Collector, eval_envs: dict[str | None, Any],
                  policy: LanguagePolicy,
@@ -258,7 +258,8 @@ class Runner:
         self.history.append({"iteration": iteration, "env_steps": env_steps, "seconds": seconds, **result})
         if self.config.logging.save_best and result["eval/accuracy"] > best_before:  # the same on every rank
             self.save_best(iteration, result["eval/accuracy"])
-        num_problems = {name: min(self.config.budget.eval_limit, len(env.problems)) for name, env in self.eval_envs.items()}
+        limit = self.config.budget.eval_limit
+        num_problems = {name: min(limit, len(env.problems)) for name, env in self.eval_envs.items()}
         self.reporter.log_evaluation(iteration, result, env_steps, num_problems)
         return result
 

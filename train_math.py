@@ -6,8 +6,9 @@
     python -u train_math.py --dataset_path ./math_500.jsonl --model_name_or_path ./Qwen2.5-Math-1.5B \\
         --prm_model_name_or_path ./math-shepherd-mistral-7b-prm --algorithm_name APPO --num_mini_batch 4 --ppo_epoch 1
 
-Flags are parsed and validated (train/flags/) before anything heavy is imported or loaded, resolved
-once into a RunConfig (train/config.py), and the run is composed from it by train/builders.py.
+Flags are parsed and validated (train/flags/) before anything heavy is imported or loaded; a resume gives
+the flags this command line left out their checkpoint's values; then they are resolved once into a
+RunConfig (train/config.py), and the run is composed from it by train/builders.py.
 TensorBoard logs and checkpoints go to <logdir>/<experiment>/<run>; ``--resume auto`` continues the
 newest complete checkpoint in the same run directory (train/checkpoint.py). SIGINT, SIGTERM and
 SIGUSR1 save a checkpoint after the current iteration and exit 75 (``STOPPED_TO_RESUME``) with the command

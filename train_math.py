@@ -6,8 +6,9 @@
     python -u train_math.py --dataset_path ./math_500.jsonl --model_name_or_path ./Qwen2.5-Math-1.5B \\
         --prm_model_name_or_path ./math-shepherd-mistral-7b-prm --algorithm_name APPO --num_mini_batch 4 --ppo_epoch 1
 
-Flags are parsed and validated (train/flags/) before anything heavy is imported or loaded, resolved
-once into a RunConfig (train/config.py), and the run is composed from it by train/builders.py.
+Flags are parsed and validated (train/flags/) before anything heavy is imported or loaded; a resume gives
+the flags this command line left out their checkpoint's values; then they are resolved once into a
+RunConfig (train/config.py), and the run is composed from it by train/builders.py.
 TensorBoard logs and checkpoints go to <logdir>/<experiment>/<run>; ``--resume auto`` continues the
 newest complete checkpoint in the same run directory (train/checkpoint.py). SIGINT, SIGTERM and
 SIGUSR1 save a checkpoint after the current iteration and exit 75 (``STOPPED_TO_RESUME``) with the command
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 FLAGS = train_flags.FLAGS
 
 
-@dataclass
+@dataclass(frozen=True)
 class Started:
     """A run ready to train: its runner, TensorBoard writer (None off rank 0), run directory, the checkpoint it
     resumes (or None) and its resolved config."""
@@ -186,21 +187,22 @@ def train(argv: list[str]) -> int:
     if len(argv) > 1:
         fail(f"unexpected positional arguments {argv[1:]}; every setting is a --flag")
     from models.remote import ServiceError  # stdlib only: cheap before the flags are checked
+    from train.run_lock import RunLockedError
 
     try:
         from train.resolve import config_from_flags
 
+        saved = resumed()
         config = config_from_flags(FLAGS)
         from train.checkpoint import CheckpointError  # torch and transformers: only once the flags resolve
-        from train.run_lock import RunLockedError
 
         try:
-            started = start(config)
-        except (CheckpointError, RunLockedError) as error:
+            started = start(config, saved)
+        except CheckpointError as error:
             fail(str(error))
     except KeyboardInterrupt:
         fail("interrupted during start-up; nothing was trained", code=130)
-    except (flags.Error, ValueError, OSError, ServiceError) as error:
+    except (flags.Error, ValueError, OSError, ServiceError, RunLockedError) as error:
         fail(str(error))
     if started is None:
         return 0
@@ -232,33 +234,35 @@ def train(argv: list[str]) -> int:
     return 0
 
 
-def resumed(config: RunConfig) -> tuple[RunConfig, Checkpoint | None]:
-    """The checkpoint ``config.logging.resume`` names (or None), and the config with every flag this command
-    line left out inherited from it."""
-    from train import checkpoint
-    from train.resolve import config_from_flags
+def resumed() -> Checkpoint | None:
+    """The checkpoint --resume names (None without --resume, or when ``--resume auto`` finds none). Every flag
+    this command line left out takes its value there, so that the config, built after this, is the run's own."""
+    if FLAGS.resume is None:
+        return None
+    from train import checkpoint  # torch: only a resume loads it before the config is built
+    from train.resolve import experiment_dir
 
-    logs = config.logging
-    resume_path = checkpoint.resolve_resume(logs.resume, Path(logs.logdir) / logs.experiment_name)
-    if resume_path is None:
-        return config, None
-    saved = checkpoint.load(resume_path)
-    inherited = train_flags.inherit(saved.flags)
-    if inherited:
-        logging.info("resuming with the checkpoint's %s", ", ".join(f"--{n}={FLAGS[n].value}" for n in inherited))
-    return config_from_flags(FLAGS), saved
+    try:
+        resume_path = checkpoint.resolve_resume(FLAGS.resume, experiment_dir(FLAGS))
+        saved = None if resume_path is None else checkpoint.load(resume_path)
+    except checkpoint.CheckpointError as error:
+        fail(str(error))
+    if saved is not None:
+        inherited = train_flags.inherit(saved.flags)
+        if inherited:
+            logging.info("resuming with the checkpoint's %s", ", ".join(f"--{n}={FLAGS[n].value}" for n in inherited))
+    return saved
 
 
-def start(config: RunConfig) -> Started | None:
-    """Resolves the resume, checks what can be checked before models load, and builds the run; None when the
-    checkpoint it resumes has already trained the whole budget."""
+def start(config: RunConfig, saved: Checkpoint | None) -> Started | None:
+    """Checks what can be checked before models load and builds the run, resuming ``saved`` (or None); None
+    when that checkpoint has already trained the whole budget."""
     import numpy as np
     import torch
 
     from train import builders, checkpoint, distributed, host
 
     ranks = distributed.init(config.model.device, config.distributed.dist_timeout)
-    config, saved = resumed(config)
     if saved is not None and saved.iteration >= config.budget.num_iterations:
         print(f"{saved.path} has trained {saved.iteration} iterations and --num_env_steps="
               f"{config.budget.num_env_steps} asks for {config.budget.num_iterations}: nothing to do (raise "

@@ -84,9 +84,12 @@ def placeholders(untrained_policy_dir, tmp_path_factory) -> dict[str, str]:
 
 
 def path_literals(code: str) -> set[str]:
-    """String literals of ``code`` that name a file or directory: no spaces, and a '/' or a file suffix."""
-    strings = {node.value for node in ast.walk(ast.parse(code)) if isinstance(node, ast.Constant)
-               and isinstance(node.value, str)}
+    """String literals of ``code`` that name a file or directory: no spaces, and a '/' or a file suffix; a key
+    in a subscript (``history[-1]["eval/accuracy"]``) names a metric, not a path."""
+    tree = ast.parse(code)
+    keys = {id(node.slice) for node in ast.walk(tree) if isinstance(node, ast.Subscript)}
+    strings = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant)
+               and isinstance(node.value, str) and id(node) not in keys}
     return {s for s in strings if s and not re.search(r"\s", s) and ("/" in s or re.search(r"\.[a-z]{2,5}$", s))}
 
 

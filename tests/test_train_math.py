@@ -126,6 +126,23 @@ def test_openr_command_parses_unchanged(tmp_path):
     assert config.budget.num_iterations == 7 and config.logging.experiment_name == "ms_single"  # ceil(100 / 16)
 
 
+@pytest.mark.parametrize("argv, experiment", [((), "GRPO_Arith-v0"), (("--algorithm_name", "RLOO"), "RLOO_Arith-v0"),
+                                               (("--experiment_name", "mine"), "mine")])
+def test_resume_auto_looks_where_the_config_puts_the_run(tmp_path, argv, experiment):
+    """``--resume auto`` is resolved from the flags before the config is built: it looks in the experiment
+    directory the config then names, <logdir>/<experiment> (default <algorithm>_<env>)."""
+    from train.resolve import experiment_dir
+
+    given = ("--model_name_or_path", str(tmp_path), "--logdir", str(tmp_path / "runs"), *argv)
+    config = parse(*given)
+    FLAGS(["train_math", *given])
+    try:
+        assert experiment_dir(FLAGS) == tmp_path / "runs" / experiment
+    finally:
+        FLAGS.unparse_flags()
+    assert Path(config.logging.logdir) / config.logging.experiment_name == tmp_path / "runs" / experiment
+
+
 def test_flagfile_is_read(tmp_path):
     flagfile = tmp_path / "run.flags"
     flagfile.write_text("--algorithm_name=RLOO\n--group_size=4\n--n_rollout_threads=16\n")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+from pathlib import Path
 
 import gymnasium
 from absl import flags
@@ -34,13 +35,18 @@ def sections() -> dict[str, type]:
             if dataclasses.is_dataclass(getattr(default, part.name))}
 
 
-def config_from_flags(f: flags.FlagValues) -> RunConfig:
-    """Every flag resolved once into a RunConfig. Raises flags.Error or ValueError naming the flag and the fix."""
+def given_config(f: flags.FlagValues) -> RunConfig:
+    """The sections as the flags give them, nothing resolved yet."""
     from train.flags import flag_dict
 
+    return RunConfig(**{name: section_from_flags(section, f) for name, section in sections().items()},
+                     flags=flag_dict(f))
+
+
+def config_from_flags(f: flags.FlagValues) -> RunConfig:
+    """Every flag resolved once into a RunConfig. Raises flags.Error or ValueError naming the flag and the fix."""
     check_algorithm_specific(f)
-    given = RunConfig(**{name: section_from_flags(section, f) for name, section in sections().items()},
-                      flags=flag_dict(f))
+    given = given_config(f)
     check_given_flags(f, given)
     config = resolved(given)
     if f["max_policy_lag"].present and not config.generation.async_rollouts:
@@ -273,6 +279,14 @@ def async_rollouts(config: RunConfig) -> bool:
 
         return not torch.cuda.is_available()
     return device == "cpu"
+
+
+def experiment_dir(f: flags.FlagValues) -> Path:
+    """<logdir>/<experiment> as the flags name it: where ``--resume auto`` looks for the run to continue,
+    before that run's flags are inherited and the config is built."""
+    given = given_config(f)
+    env_id = registered_env_id(given.env.env_id, given.env.dataset_path)
+    return Path(given.logging.logdir) / experiment_name(given, env_id)
 
 
 def experiment_name(config: RunConfig, env_id: str) -> str:

@@ -31,11 +31,16 @@ DEFAULT_PRM_REWARD = "outcome:1.0,prm:0.2"
 
 
 class DType(enum.StrEnum):
-    """The policy's compute dtype."""
+    """The policy's compute dtype (float16: inference and exports only, ``FLOAT16_TRAINING``)."""
 
     FLOAT32 = "float32"
     BFLOAT16 = "bfloat16"
     FLOAT16 = "float16"
+
+
+FLOAT16_TRAINING = ("float16 training needs a loss scaler (torch.amp.GradScaler), which the trainer does not have, "
+                    "so small gradients would underflow to 0; use --dtype bfloat16 (or float32)")
+"""Why --dtype float16 (``ModelConfig.dtype``) is refused, and the fix; float16 remains a --save_dtype."""
 
 
 class DataParallel(enum.StrEnum):
@@ -52,6 +57,13 @@ class ActionLevel(enum.StrEnum):
     SOLUTION = "solution"  # a whole solution: one generate call per episode
     STEP = "step"  # one reasoning step: generation stops at the step delimiter
     TOKEN = "token"  # one token (the env's token mode)
+
+
+class Tool(enum.StrEnum):
+    """A tool the policy may call between reasoning steps (``envs.math_env.TOOLS``), or none."""
+
+    PYTHON = "python"  # a step ending in a fenced python block runs in a sandbox
+    NONE = "none"  # no tool, even where the env id has one
 
 
 class PromptTemplate(enum.StrEnum):
@@ -214,7 +226,7 @@ class EnvConfig:
                            "share a problem.", flag="n_rollout_threads", lower_bound=1)
     group_size: int | None = option(None, "Samples per problem (consecutive envs sharing one). Default: 4 for "
                                     "GRPO/RLOO (they compare samples within a group), 1 for APPO/TPPO.", lower_bound=1)
-    tools: str | None = option(
+    tools: Tool | None = option(
         None, "Tool the policy may call (--action_level step): 'python' runs a step that ends in a fenced ```python "
         "block in a sandbox and shows its output as the next turn (never trained on, never scored as a step); "
         "'none' turns off an env id's tool. Default: the env id's own, or none (MATH-Tool-v0, Arith-Tool-v0: python).")
@@ -635,7 +647,7 @@ class LoggingConfig:
     save_best: bool = option(True, "After an evaluation whose held-out accuracy beats every earlier one, write the "
                              "policy to <run>/best (Hugging Face format; loadable by from_pretrained and "
                              "--model_name_or_path).")
-    save_dtype: str | None = option(None, "Dtype of the weights of exported policies (<run>/best): float32, bfloat16 "
+    save_dtype: DType | None = option(None, "Dtype of the weights of exported policies (<run>/best): float32, bfloat16 "
                                     "or float16. Checkpoints keep the weights as the optimizer steps them, so that a "
                                     "resume continues exactly. Default: the training dtype (--dtype).")
 

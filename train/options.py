@@ -8,8 +8,9 @@ A section of ``train.config.RunConfig`` declares each user option once::
 ``define_flags(GenerationConfig, __name__)`` (in the section's module under train/flags/) defines
 ``--temperature`` and ``--generation_backend`` from those fields, so ``RunConfig()`` and
 ``train_math.py`` without flags start from the same values by construction. ``flag=`` keeps OpenR's
-flag name where the field's name is clearer; an Enum type gives the flag its choices (``aliases``: other
-names it accepts, case-insensitive); a ``tuple[str, ...]`` field is a repeatable flag. A default of None
+flag name where the field's name is clearer; an Enum type (``X`` or ``X | None``) gives the flag its choices
+(``aliases``: other names it accepts, case-insensitive), and ``with_members`` holds a config built in code
+to the same choices; a ``tuple[str, ...]`` field is a repeatable flag. A default of None
 means "resolved from other options" (the help says to what); ``train.resolve`` resolves it.
 ``secret=True`` (a key) keeps the value out of the field's repr, and its flag's value out of what a run
 logs and saves (``masked``).
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import sys
 from typing import Any
 
 from absl import flags
@@ -68,10 +70,12 @@ def define_flags(section: type, module_name: str, flag_values: flags.FlagValues 
         name, help_, default = flag_name(field), field.metadata["help"], field.default
         if field.metadata["secret"]:
             SECRET_FLAGS.add(name)
-        if isinstance(default, enum.Enum):
+        kind = enum_of(section, field)
+        if kind is not None:
             aliases = field.metadata["aliases"]
-            choices = [member.value for member in type(default)]
-            flags.DEFINE_enum(name, default.value, sorted([*choices, *aliases]) if aliases else choices, help_,
+            choices = [member.value for member in kind]
+            flags.DEFINE_enum(name, None if default is None else default.value,
+                              sorted([*choices, *aliases]) if aliases else choices, help_,
                               case_sensitive=not aliases, module_name=module_name, flag_values=flag_values)
             continue
         kind = field.type.split(" | ")[0].strip()
@@ -84,14 +88,46 @@ def define_flags(section: type, module_name: str, flag_values: flags.FlagValues 
         DEFINE[kind](name, default, help_, module_name=module_name, flag_values=flag_values, **bounds)
 
 
+def enum_of(section: type, field: dataclasses.Field) -> type[enum.Enum] | None:
+    """The Enum an option holds (its type ``X`` or ``X | None``, looked up in ``section``'s module), or None."""
+    if isinstance(field.default, enum.Enum):
+        return type(field.default)
+    kind = vars(sys.modules[section.__module__]).get(field.type.split(" | ")[0].strip())
+    return kind if isinstance(kind, type) and issubclass(kind, enum.Enum) else None
+
+
+def member(section: type, field: dataclasses.Field, value: Any) -> Any:
+    """``value`` of an Enum option as its member: a member, its value, or an alias (any case); None stays
+    None. Raises ValueError naming the option, the value and the choices."""
+    kind = enum_of(section, field)
+    if value is None or isinstance(value, kind):
+        return value
+    aliases = field.metadata["aliases"]
+    try:
+        return kind(aliases.get(str(value).lower(), value))
+    except ValueError:
+        choices = ", ".join([*(choice.value for choice in kind), *aliases])
+        raise ValueError(f"{section.__name__}.{field.name}={value!r} (--{flag_name(field)}) must be one of "
+                         f"{choices}") from None
+
+
+def with_members(config: Any) -> Any:
+    """``config`` (a section) with each Enum option as its member, so the modes are checked once, at the
+    edge, for a config built in code as for one from flags. Raises ValueError as ``member``."""
+    section = type(config)
+    values = {field.name: member(section, field, getattr(config, field.name)) for field in options(section)
+              if enum_of(section, field) is not None}
+    return dataclasses.replace(config, **values)
+
+
 def section_from_flags(section: type, flag_values: flags.FlagValues, **resolved: Any) -> Any:
     """``section`` with each ``option`` field taken from its flag (an Enum field as its member), and the
     fields in ``resolved`` (values worked out from other flags, or not user options) as given."""
     values = {}
     for field in options(section):
         value = flag_values[flag_name(field)].value
-        if isinstance(field.default, enum.Enum):
-            value = type(field.default)(field.metadata["aliases"].get(value.lower(), value))
+        if enum_of(section, field) is not None:
+            value = member(section, field, value)
         elif isinstance(field.default, tuple):
             value = tuple(value)
         values[field.name] = value

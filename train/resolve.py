@@ -19,10 +19,10 @@ from algorithms.registry import ALGORITHMS, LossAgg
 from envs.workflows import Workflow, resolve_workflow
 from models.hub import resolve_model
 from models.remote import api_key_from
-from train.config import (DEFAULT_PRM_REWARD, ActionLevel, Critic, EnvConfig, ModelConfig, RunConfig,
-                          ServicesConfig)
+from train.config import (DEFAULT_PRM_REWARD, FLOAT16_TRAINING, ActionLevel, Critic, DType, EnvConfig,
+                          ModelConfig, RunConfig, ServicesConfig, Tool)
 from train.flags.checks import check_algorithm_specific, default_group_size, kl_in_reward, reward_sources
-from train.options import section_from_flags
+from train.options import section_from_flags, with_members
 
 MULTI_AGENT_FLAGS = ("reward_assignment", "role_model", "share_policy", "agent_groups")
 """Flags that concern the roles of a multi-agent env (refused with a single-agent one)."""
@@ -75,6 +75,7 @@ def check_given_flags(f: flags.FlagValues, config: RunConfig) -> None:
 def resolved(config: RunConfig) -> RunConfig:
     """``config`` with every option left None worked out and every derived value set (idempotent). Raises
     flags.ValidationError or ValueError naming the flag and the fix."""
+    config = checked_modes(config)
     env_id = registered_env_id(config.env.env_id, config.env.dataset_path)
     workflow = config.env.workflow or workflow_of(env_id)
     spec = reward_spec(config, env_id)
@@ -98,6 +99,16 @@ def resolved(config: RunConfig) -> RunConfig:
         budget=dataclasses.replace(budget, num_iterations=iterations),
         services=dataclasses.replace(config.services, api_key=api_key_from(config.services.api_key)),
         logging=dataclasses.replace(config.logging, experiment_name=experiment_name(config, env_id)))
+
+
+def checked_modes(config: RunConfig) -> RunConfig:
+    """``config`` with every mode (an Enum option: --dtype, --loss_agg_mode, --critic, ...) as its Enum's
+    member, a string among its choices included, so the layers below compare members only; float16 training
+    refused (``FLOAT16_TRAINING``). Raises ValueError naming the option, the value and the choices."""
+    config = dataclasses.replace(config, **{name: with_members(getattr(config, name)) for name in sections()})
+    if config.model.dtype == DType.FLOAT16:
+        raise ValueError(f"ModelConfig.dtype='float16' (--dtype): {FLOAT16_TRAINING}")
+    return config
 
 
 def resolved_losses(config: RunConfig) -> dict:
@@ -223,13 +234,12 @@ def resolved_env(config: RunConfig, env_id: str, workflow: Workflow | None) -> E
     return dataclasses.replace(resolved_env, tools=resolved_tool(resolved_env, config.services))
 
 
-def resolved_tool(env: EnvConfig, services: ServicesConfig) -> str:
-    """--tools, or the env's own (its --env_kwargs' or its registered 'tools'; none without): 'python' or
-    'none'. A tool needs --action_level step and a single-agent env; the tool's other options, and
-    --tool_url, need a tool."""
+def resolved_tool(env: EnvConfig, services: ServicesConfig) -> Tool:
+    """--tools, or the env's own (its --env_kwargs' or its registered 'tools'; none without). A tool needs
+    --action_level step and a single-agent env; the tool's other options, and --tool_url, need a tool."""
     own = {**gymnasium.spec(env.env_id).kwargs, **env.user_kwargs}.get("tools")
-    tool = env.tools or own or "none"
-    if tool == "none":
+    tool = Tool(env.tools or own or Tool.NONE)
+    if tool == Tool.NONE:
         given = {"max_tool_calls": env.max_tool_calls, "max_tool_response_length": env.max_tool_output_chars,
                  "tool_timeout": env.tool_timeout, "tool_url": services.tool_url}
         for name, value in given.items():

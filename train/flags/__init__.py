@@ -4,9 +4,11 @@ Each section module (model, env, generation, rollouts, rewards, algorithm, PRIME
 services, distributed, budget, logs) generates its flags from one section of ``train.config.RunConfig``
 (``train.options.define_flags``), so a field's default and help are written once. ``checks`` holds the
 validators absl runs before any model is loaded or heavy module imported, so a wrong path, a bad value
-or a contradictory combination fails at once naming the flag and the fix. After parsing, only a resume
-changes flags: ``inherit`` gives every flag the command line left out its value in the checkpoint; then
-the values that depend on others are resolved into a RunConfig (``train.resolve.config_from_flags``).
+or a contradictory combination fails at once naming the flag and the fix. After parsing, train_math.py
+resolves --resume first (``--resume auto`` looks in the experiment directory the flags name,
+``train.resolve.experiment_dir``); ``inherit`` then gives every flag the command line left out its value
+in that checkpoint and validates the flags again; only then is the RunConfig built, once, with the
+values that depend on others resolved (``train.resolve.config_from_flags``). No flag changes after that.
 
 OpenR's flags keep their names and meanings (``--dataset_path``, ``--model_name_or_path``,
 ``--prm_model_name_or_path``, ``--algorithm_name``, ``--num_mini_batch``, ``--ppo_epoch``, ...), so

@@ -14,7 +14,8 @@ from pathlib import Path
 from absl import flags
 
 from algorithms.registry import ALGORITHMS
-from train.config import DEFAULT_PRM_REWARD, PRM_TYPE_ALIASES, REWARD_SOURCES, PrmType, parse_eval_sets
+from train.config import (DEFAULT_PRM_REWARD, FLOAT16_TRAINING, PRM_TYPE_ALIASES, REWARD_SOURCES, DType, PrmType,
+                          parse_eval_sets)
 
 FLAGS = flags.FLAGS
 
@@ -108,16 +109,12 @@ for _name in ("max_grad_norm", "entropy_coef", "target_kl", "value_coef", "value
     _positive(_name, allow_zero=True)
 for _name in ("top_p", "eval_top_p"):
     flags.register_validator(_name, lambda v: 0 < v <= 1, "must be in (0, 1]")
-flags.register_validator("save_dtype", lambda v: v in (None, "float32", "bfloat16", "float16"),
-                         "must be float32, bfloat16 or float16 (or left out: the training dtype)")
 flags.register_validator("gamma", lambda v: 0 <= v <= 1, "must be in [0, 1]")
 for _name in ("gae_lambda", "value_lambda"):
     flags.register_validator(_name, lambda v: 0 <= v <= 1, "must be in [0, 1]")
 flags.register_validator("device", lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", v) is not None,
                          "must be auto, cpu, cuda or cuda:N")
-flags.register_validator("dtype", lambda v: v != "float16", "float16 training needs a loss scaler "
-                         "(torch.amp.GradScaler) the trainer does not have, so small gradients would underflow to 0; "
-                         "use --dtype bfloat16 (or float32)")
+flags.register_validator("dtype", lambda v: v != DType.FLOAT16, FLOAT16_TRAINING)
 flags.register_validator("experiment_name", lambda v: v is None or re.fullmatch(r"[\w.\-]+", v) is not None,
                          "must be letters, digits, '.', '-' or '_' (it names a directory)")
 
@@ -167,8 +164,6 @@ def _check_async_backend(f: dict) -> bool:
     return True
 
 
-flags.register_validator("tools", lambda v: v in (None, "python", "none"), "must be python or none (or left out: "
-                         "the env id's own)")
 for _name in ("target_url", "prm_url", "vllm_url", "tool_url"):
     flags.register_validator(_name, lambda v: v is None or _valid_urls(v),
                              "must be http(s)://HOST:PORT[,http(s)://HOST:PORT...], e.g. http://127.0.0.1:8000")

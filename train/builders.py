@@ -27,7 +27,7 @@ from reward_models.implicit_prm import ImplicitPRM
 from train import checkpoint, distributed
 from train.collector import Collector, Sampling, Voices
 from train.config import (ActionLevel, AgentGroups, DataParallel, EnvConfig, GenerationConfig, LearningConfig,
-                          ModelConfig, RewardConfig, RolloutConfig, RunConfig, ServicesConfig)
+                          ModelConfig, RewardConfig, RolloutConfig, RunConfig, ServicesConfig, Tool)
 from train.distributed import Ranks
 from models.generation import Generator, make_generator
 from models.loading import check_model_dir, resolve_device
@@ -218,12 +218,12 @@ def env_kwargs(config: RunConfig, split: str, reward_model: RewardModel, tokeniz
 def tool_kwargs(env: EnvConfig, tokenizer) -> dict:
     """The tool's env keywords: ``tools`` wherever the run or the env decides it (None turns an id's tool off),
     and with a tool its limits given as options and the tool turn of the policy's prompt template."""
-    if env.tools == "none":
+    if env.tools == Tool.NONE:
         own = {**gymnasium.spec(env.env_id).kwargs, **env.user_kwargs}.get("tools")
         return {} if own is None else {"tools": None}
     limits = {"max_tool_calls": env.max_tool_calls, "max_tool_output_chars": env.max_tool_output_chars,
               "tool_timeout_s": env.tool_timeout}
-    return {"tools": env.tools, "tool_turn": tool_turn_template(env.prompt_template, tokenizer),
+    return {"tools": env.tools.value, "tool_turn": tool_turn_template(env.prompt_template, tokenizer),
             **{key: value for key, value in limits.items() if value is not None}}
 
 
@@ -241,7 +241,7 @@ def build_envs(config: RunConfig, reward_model: RewardModel, tokenizer, template
 
     def make(split_name: str, eval_path: str | None = None, **vector: Any) -> gymnasium.vector.VectorEnv:
         kwargs = env_kwargs(config, split_name, reward_model, tokenizer, template, eval_path)
-        if env.tools != "none" and services.tool_url is not None:
+        if env.tools != Tool.NONE and services.tool_url is not None:
             from models.remote_sandbox import RemoteSandbox  # the HTTP client: only with --tool_url
 
             kwargs["sandbox"] = RemoteSandbox(
@@ -253,7 +253,7 @@ def build_envs(config: RunConfig, reward_model: RewardModel, tokenizer, template
     eval_envs = {eval_set.name: make("test", eval_set.path, num_envs=config.budget.eval_batch_size, group_size=1,
                                      autoreset_mode=AutoresetMode.DISABLED)
                  for eval_set in env.eval_sets}
-    if env.tools != "none":
+    if env.tools != Tool.NONE:
         log.info("the %s tool runs in: %s", env.tools, train_env.unwrapped.task.sandbox.describe_isolation())
     return train_env, eval_envs
 

@@ -114,8 +114,8 @@ def resolve_autoreset_mode(autoreset_mode: AutoresetMode | str) -> AutoresetMode
 
 
 def saved_returns(state: dict[str, Any]) -> list[list[float]]:
-    """[N][A] the slots' returns so far in a ``get_state``; zeros in a state saved before they were kept (its
-    episodes are replaced before a trainer steps them: multi-agent rollouts are whole episodes)."""
+    """[N][A] the slots' returns so far in a ``get_state``; zeros in a state without them (its episodes are
+    replaced before a trainer steps them: multi-agent rollouts are whole episodes)."""
     return state.get("returns", [[0.0] * len(state["roles"])] * len(state["transcripts"]))
 
 

@@ -38,18 +38,18 @@ def main() -> None:
                              group_size=args.group_size)
     obs, info = env.reset(seed=args.seed)
     print(f"{env.num_envs} envs, groups of {args.group_size}; env 0's prompt:\n{obs[0]}")
-    finished, correct, paid = 0, 0, 0.0
+    finished, correct, total_reward = 0, 0, 0.0
     start = time.perf_counter()
     for _ in range(args.env_steps):
         obs, rewards, terminated, truncated, info = env.step(scripted_actions(env, info["step"]))
         graded = ~np.isnan(info["correct"])  # the envs whose episode ended at this step
         finished += int(graded.sum())
         correct += int(info["correct"][graded].sum())
-        paid += float(rewards.sum())
+        total_reward += float(rewards.sum())
     seconds = time.perf_counter() - start
     print(f"{args.env_steps} vector steps in {seconds:.2f}s ({args.env_steps * env.num_envs / seconds:.0f} env steps/s); "
           f"{finished} episodes, {correct} verified correct ({correct / max(finished, 1):.0%}; "
-          f"the scripted policy is right in half the envs), total reward {paid:.0f}")
+          f"the scripted policy is right in half the envs), total reward {total_reward:.0f}")
 
 
 if __name__ == "__main__":

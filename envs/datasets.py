@@ -9,7 +9,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Literal, Sequence, get_args
 
 import numpy as np
 
@@ -257,7 +257,11 @@ class Arith:
         return self.problems(num_train, seed=seed, exclude=(p.id for p in test)), test
 
 
-def solve_steps(operands: list[int], ops: list[str], error_step: int | None = None, kind: str = "result",
+SlipKind = Literal["result", "operand"]  # which number of a step a slip puts off (solve_steps)
+SLIP_KINDS: tuple[SlipKind, ...] = get_args(SlipKind)
+
+
+def solve_steps(operands: list[int], ops: list[str], error_step: int | None = None, kind: SlipKind = "result",
                 offset: int = 0) -> tuple[list[str], int]:
     """Reference steps for ``operands[0] ops[0] operands[1] ...``: one operation per step,
     higher precedence first, then left to right. Returns (steps, the boxed answer).
@@ -267,8 +271,8 @@ def solve_steps(operands: list[int], ops: list[str], error_step: int | None = No
     operand off by ``offset`` (the arithmetic is then right for the wrong number). An error at the
     last (answer) step boxes the final value plus ``offset``. Later steps carry the wrong value on.
     """
-    if kind not in ("result", "operand"):
-        raise ValueError(f"solve_steps kind={kind!r} must be 'result' or 'operand'")
+    if kind not in SLIP_KINDS:
+        raise ValueError(f"solve_steps kind={kind!r} must be one of {SLIP_KINDS}")
     values, ops = list(operands), list(ops)
     steps = []
     while ops:

@@ -322,7 +322,7 @@ def _numbers_match(x: Fraction, y: Fraction, x_percent: bool, y_percent: bool) -
 
 
 def _fast_verdict(pred: str, gold: str) -> bool | None:
-    """The verdict when string-level work settles it, else None (needs the symbolic tier)."""
+    """The verdict when string-level work decides it, else None (needs the symbolic tier)."""
     if len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
         return pred.strip() == gold.strip()
     (a, a_percent), (b, b_percent) = _normalize(pred), _normalize(gold)
@@ -410,12 +410,10 @@ def _parse(text: str):
     return _Parser(text).parse()
 
 
-class _Parser:
-    """Recursive descent over a normalised answer. Grammar, loosest first:
-    list: element (',' element)* | element: union (relation union)* | union: sum ('\\cup' sum)*
-    sum: term (('+'|'-'|'\\pm') term)* | term: unary (('*'|'/'|implicit) unary)*
-    unary: ('-'|'+'|'\\pm') unary | power | power: postfix ('^' unary)? | postfix: atom '!'*
-    LaTeX arguments without braces take one character (\\frac94 = 9/4, \\sqrt2)."""
+class _Scanner:
+    """The cursor over a normalised answer and the bounds on what is built from it: scanning (``_peek``,
+    ``_accept``, ``_expect``) and arithmetic on checked values that fails, naming the position, past
+    ``MAX_DEPTH``, ``MAX_NODES``, ``MAX_INT_BITS`` or ``MAX_EXPONENT``. ``_Parser`` adds the grammar."""
 
     def __init__(self, text: str):
         self.text = text
@@ -495,7 +493,14 @@ class _Parser:
                     self._fail(f"a power of about {bits} bits")
         return self._count(sympy.Pow(base, exponent))
 
-    # -- grammar
+
+class _Parser(_Scanner):
+    """Recursive descent over a normalised answer. Grammar, loosest first:
+    list: element (',' element)* | element: union (relation union)* | union: sum ('\\cup' sum)*
+    sum: term (('+'|'-'|'\\pm') term)* | term: unary (('*'|'/'|implicit) unary)*
+    unary: ('-'|'+'|'\\pm') unary | power | power: postfix ('^' unary)? | postfix: atom '!'*
+    LaTeX arguments without braces take one character (\\frac94 = 9/4, \\sqrt2)."""
+
     def parse(self):
         items = self._items(closers=())
         if self._peek():

@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import string
 from dataclasses import dataclass, field, fields
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence, get_args
 
 import gymnasium
 import numpy as np
@@ -39,8 +39,10 @@ from envs.prompts import DEFAULT_TEMPLATE, STEP_DELIMITER, format_prompt, resolv
 from envs.rewards import OutcomeReward, RewardModel, StepContext, final_answer, score_batch, verify
 from envs.sandbox import PythonSandbox, Sandbox
 
-MODES = ("step", "token")
-TOOLS = ("python",)
+ActionMode = Literal["step", "token"]  # an action is one step of text, or one token id
+Tool = Literal["python"]
+MODES: tuple[ActionMode, ...] = get_args(ActionMode)
+TOOLS: tuple[Tool, ...] = get_args(Tool)
 CODE_FENCE, CLOSING_FENCE = "```python", "```"
 OUTPUT_SLOT = "{output}"
 TOOL_OUTPUT_CUT = "\n... (output cut)"
@@ -183,8 +185,8 @@ class ProblemSampler:
 @dataclass
 class Episode:
     """The state of one episode. ``solution_ids``, ``step_start`` and ``completed_text`` are used
-    in token mode only; ``solution_text`` is what the observation shows after the prompt; ``paid`` is
-    its return so far."""
+    in token mode only; ``solution_text`` is what the observation shows after the prompt; ``return_so_far``
+    is the sum of its rewards so far."""
 
     problem: Problem
     group_id: int
@@ -195,7 +197,7 @@ class Episode:
     completed_text: str = ""  # token mode: decoded text of the completed steps
     solution_text: str = ""
     done: bool = False
-    paid: float = 0.0  # the rewards of the episode so far
+    return_so_far: float = 0.0
     tool_calls: int = 0  # tool calls run
     tool_start: int = 0  # where the text after the last tool output starts in solution_text
 
@@ -223,19 +225,20 @@ class StepScores:
     """What a batch of B actions earned, as arrays over the B episodes.
 
     rewards: [B] float64, 0.0 where the action completed no step.
-    components: {source name: [B] float64} as the reward model reported them, NaN where no step was scored.
+    sources: {source name: [B] float64} as the reward model reported them (``RewardOutput.components``), NaN
+        where no step was scored.
     correct: [B] float64 verdicts, 1.0 / 0.0 where the episode ended at this step, NaN elsewhere.
     answers: [B] object, the extracted final answer where the episode ended at this step, None elsewhere
         (and where the solution has none).
     """
 
     rewards: np.ndarray
-    components: dict[str, np.ndarray]
+    sources: dict[str, np.ndarray]
     correct: np.ndarray
     answers: np.ndarray
 
 
-def check_task_arguments(mode: str, tokenizer: Any, step_delimiter: str, tools: str | None, tool_turn: str | None,
+def check_task_arguments(mode: ActionMode, tokenizer: Any, step_delimiter: str, tools: Tool | None, tool_turn: str | None,
                          **limits: int) -> None:
     """Fails early, naming the argument, on a bad mode, a token mode without tokenizer, an unknown tool or
     one in token mode, a tool turn without ``{output}``, an empty delimiter or a limit below 1."""
@@ -293,7 +296,7 @@ class MathTask:
         levels: Sequence[int] | None = None,
         limit: int | None = None,
         arith: dict | None = None,
-        mode: str = "step",
+        mode: ActionMode = "step",
         tokenizer: Any = None,
         reward_model: RewardModel | None = None,
         template: str = DEFAULT_TEMPLATE,
@@ -305,7 +308,7 @@ class MathTask:
         end_marker: str | None = None,
         handoff_steps: int | None = None,
         shuffle: bool = True,
-        tools: str | None = None,
+        tools: Tool | None = None,
         max_tool_calls: int = 4,
         max_tool_output_chars: int = MAX_TOOL_OUTPUT_CHARS,
         tool_timeout_s: float = TOOL_TIMEOUT_S,
@@ -318,23 +321,26 @@ class MathTask:
                              max_solution_tokens=max_solution_tokens, max_tool_output_chars=max_tool_output_chars,
                              handoff_steps=1 if handoff_steps is None else handoff_steps,
                              max_tool_calls=max_tool_calls)
-        self.sampler = ProblemSampler(
-            build_problems(problems, dataset_path, split, subjects, levels, limit, arith), shuffle=shuffle
-        )
-        self.mode = mode
-        self.tokenizer = tokenizer
+        self.sampler = ProblemSampler(build_problems(problems, dataset_path, split, subjects, levels, limit, arith),
+                                      shuffle=shuffle)
+        self.mode, self.tokenizer = mode, tokenizer
         self.reward_model = reward_model if reward_model is not None else OutcomeReward()
         self.template = resolve_template(template)
         self.step_delimiter = step_delimiter
-        self.max_steps = max_steps
-        self.max_step_chars = max_step_chars
-        self.max_solution_chars = max_solution_chars
-        self.max_solution_tokens = max_solution_tokens
+        self.max_steps, self.max_step_chars = max_steps, max_step_chars
+        self.max_solution_chars, self.max_solution_tokens = max_solution_chars, max_solution_tokens
         self.end_marker = end_marker
         self.handoff_steps = handoff_steps
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
+        self._set_up_tools(tools, max_tool_calls, max_tool_output_chars, tool_timeout_s, tool_turn, sandbox,
+                           tool_workers)
+
+    def _set_up_tools(self, tools: Tool | None, max_tool_calls: int, max_tool_output_chars: int, tool_timeout_s: float,
+                      tool_turn: str | None, sandbox: Sandbox | None, tool_workers: int | None) -> None:
+        """The tool options (``__init__``'s), then the spaces (a tool output lengthens the observation) and the
+        sandbox: ``sandbox``, else a ``PythonSandbox`` when ``tools`` asks for one."""
         self.tools, self.max_tool_calls, self.max_tool_output_chars = tools, max_tool_calls, max_tool_output_chars
-        self.tool_turn = tool_turn if tool_turn is not None else plain_tool_turn(step_delimiter)
+        self.tool_turn = tool_turn if tool_turn is not None else plain_tool_turn(self.step_delimiter)
         self.action_space, self.observation_space = self._spaces()
         self.sandbox = sandbox
         if tools is not None and sandbox is None:
@@ -462,7 +468,7 @@ class MathTask:
     def score(self, episodes: Sequence[Episode], transitions: Sequence[Transition]) -> StepScores:
         """Scores every completed step of a batch of B episodes with ONE reward-model call (and
         grades the finished episodes once); see ``StepScores`` for the [B] arrays."""
-        scores = StepScores(rewards=np.zeros(len(episodes)), components={}, correct=np.full(len(episodes), np.nan),
+        scores = StepScores(rewards=np.zeros(len(episodes)), sources={}, correct=np.full(len(episodes), np.nan),
                             answers=np.full(len(episodes), None, dtype=object))
         scored = [i for i, t in enumerate(transitions) if t.completed_step is not None]
         if not scored:
@@ -487,8 +493,8 @@ class MathTask:
         # verdicts only where the episode ended: a model may grade unfinished steps too
         scores.correct[scored] = np.where(done, np.asarray(correct, dtype=np.float64), np.nan)
         for name, values in output.components.items():
-            scores.components[name] = np.full(len(episodes), np.nan)
-            scores.components[name][scored] = np.asarray(values, dtype=np.float64)
+            scores.sources[name] = np.full(len(episodes), np.nan)
+            scores.sources[name][scored] = np.asarray(values, dtype=np.float64)
         return scores
 
 
@@ -532,14 +538,14 @@ class MathEnv(gymnasium.Env):
         transition = self.task.apply(self.episode, action)
         self.task.run_tools([self.episode], [transition])
         scores = self.task.score([self.episode], [transition])
-        self.episode.paid += float(scores.rewards[0])
+        self.episode.return_so_far += float(scores.rewards[0])
         info = self.task.info(self.episode)
         info[FACTS] = self.task.facts([self.episode], [not self.episode.done], rewards=scores.rewards[:, None],
-                                      returns=np.array([[self.episode.paid]]), correct=scores.correct,
+                                      returns=np.array([[self.episode.return_so_far]]), correct=scores.correct,
                                       answers=scores.answers,
-                                      sources={name: values[:, None] for name, values in scores.components.items()},
+                                      sources={name: values[:, None] for name, values in scores.sources.items()},
                                       clipped=np.array([[transition.action_clipped]]))
-        info.update({f"reward/{name}": float(values[0]) for name, values in scores.components.items()})
+        info.update({f"reward/{name}": float(values[0]) for name, values in scores.sources.items()})
         if self.task.mode == "step":
             info["action_clipped"] = transition.action_clipped
         if self.episode.done:

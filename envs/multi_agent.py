@@ -34,15 +34,15 @@ unparseable), ``verdict_correct``, and split by the truth so that a mean is a ra
 where the judged one was wrong / right). SAME_STEP autoreset adds gymnasium's ``final_obs``,
 ``final_info`` and their masks.
 
-Problems and groups are MathVectorEnv's: a MathVectorEnv that never steps, the ``dealer``, draws them, and
-its state travels in ``get_state``. Autoreset: ``SAME_STEP`` (default) or ``DISABLED``; ``NEXT_STEP`` is
+Problems and groups are MathVectorEnv's: a MathVectorEnv that never steps, the ``problem_env``, draws them,
+and its state travels in ``get_state``. Autoreset: ``SAME_STEP`` (default) or ``DISABLED``; ``NEXT_STEP`` is
 refused (every slot of a resetting env would generate a message only to throw it away).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence, get_args
 
 import gymnasium
 import numpy as np
@@ -58,7 +58,8 @@ from envs.vector import MathVectorEnv
 from envs.workflows import (WORKFLOWS, Limits, Message, Progress, TurnContext, Workflow, resolve_workflow,
                             state_prompt)
 
-REWARD_ASSIGNMENTS = ("team", "individual", "counterfactual")
+RewardAssignment = Literal["team", "individual", "counterfactual"]  # module docstring
+REWARD_ASSIGNMENTS: tuple[RewardAssignment, ...] = get_args(RewardAssignment)
 ROLE_METRICS = ("answer_correct", "verdict", "verdict_correct", "verdict_precision", "verdict_recall",
                 "verdict_specificity", "fix_rate", "keep_rate")  # the [N, A] infos of each role's verified output
 AUTORESET_MODES = (AutoresetMode.SAME_STEP, AutoresetMode.DISABLED)
@@ -68,6 +69,9 @@ SINGLE_AGENT_KEYWORDS = {  # MathTask keywords that mean nothing for whole messa
     "tools": "a role's code blocks are not run between messages; the single-agent MATH-Tool-v0 and Arith-Tool-v0 "
              "run them",
 }
+
+MessageRef = tuple[int, int]  # (env index, index of the message in that env's transcript)
+Candidates = tuple[str | None, ...]  # the answers a final answer is chosen from (None: a message without one)
 
 
 def check_task_keywords(task_kwargs: dict[str, Any]) -> None:
@@ -80,9 +84,38 @@ def check_task_keywords(task_kwargs: dict[str, Any]) -> None:
             raise ValueError(f"{key}= is not supported by MultiAgentMathVectorEnv ({why}); leave it out")
 
 
+def check_actions(actions: Sequence[Sequence[Any]], num_envs: int, roles: tuple[str, ...],
+                  acting_slots: dict[int, Sequence[int]]) -> None:
+    """Fails before any message is taken, so that a bad action leaves every episode as it was: ``actions``
+    must be ``num_envs`` rows of one message per role, a str for each of ``acting_slots`` {env: slots}."""
+    if len(actions) != num_envs:
+        raise ValueError(f"got {len(actions)} actions for {num_envs} envs; give one sequence of "
+                         f"{len(roles)} messages per env")
+    for i, row in enumerate(actions):
+        if isinstance(row, (str, bytes)) or not hasattr(row, "__len__") or len(row) != len(roles):
+            raise ValueError(f"actions[{i}] must be a sequence of {len(roles)} messages, one per slot "
+                             f"{roles}; got {type(row).__name__}"
+                             + (f" of length {len(row)}" if hasattr(row, "__len__") else ""))
+    for i, slots in acting_slots.items():
+        for slot in slots:
+            if not isinstance(actions[i][slot], str):
+                raise TypeError(f"actions[{i}][{slot}] ({roles[slot]}'s message) must be a str, got "
+                                f"{type(actions[i][slot]).__name__}")
+
+
+def resolve_autoreset_mode(autoreset_mode: AutoresetMode | str) -> AutoresetMode:
+    """``autoreset_mode`` (an ``AUTORESET_MODES`` member or its value) as the member."""
+    supported = {mode: mode for mode in AUTORESET_MODES} | {mode.value: mode for mode in AUTORESET_MODES}
+    if autoreset_mode not in supported:
+        raise ValueError(f"autoreset_mode={autoreset_mode!r} is not supported; use AutoresetMode.SAME_STEP or "
+                         "AutoresetMode.DISABLED ('SameStep', 'Disabled'). NEXT_STEP would have every slot of a "
+                         "resetting env generate a message only to discard it")
+    return supported[autoreset_mode]
+
+
 def saved_returns(state: dict[str, Any]) -> list[list[float]]:
-    """[N][A] the slots' returns so far in a ``get_state``; zeros in a state saved before they were kept (its
-    episodes are replaced before a trainer steps them: multi-agent rollouts are whole episodes)."""
+    """[N][A] the slots' returns so far in a ``get_state``; zeros in a state without them (its episodes are
+    replaced before a trainer steps them: multi-agent rollouts are whole episodes)."""
     return state.get("returns", [[0.0] * len(state["roles"])] * len(state["transcripts"]))
 
 
@@ -97,6 +130,15 @@ class AnswerChecks:
         if pred is not None:
             self.asked[(pred, gold)] = None
 
+    def ask_candidates(self, candidates: Candidates, gold: str) -> None:
+        """Each candidate against ``gold``, and pairwise, each before the later ones (a vote groups the
+        equivalent ones)."""
+        for k, answer in enumerate(candidates):
+            self.ask(answer, gold)
+            for other in candidates[k + 1:]:
+                if other is not None:
+                    self.ask(answer, other)
+
     def grade(self, timeout: float) -> None:
         pairs = list(self.asked)
         if pairs:
@@ -108,16 +150,30 @@ class AnswerChecks:
         return pred is not None and self.verdicts[(pred, gold)]
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """An ended episode's final-answer candidates: ``actual``, those of its transcript; ``without`` {slot:
+    candidates}, for counterfactual credit, those of its replay with the slot's messages replaced by its role's
+    default (``Workflow.replay``), one per slot that acted (empty under the other credits)."""
+
+    actual: Candidates
+    without: dict[int, Candidates]
+
+    def all_candidates(self) -> list[Candidates]:
+        """The actual candidates, then each replay's: the order their comparisons are asked in."""
+        return [self.actual, *self.without.values()]
+
+
 @dataclass
 class Dialogue:
-    """One env's episode: its problem and group id (the dealer's draw), the messages so far, where it stands
-    and each slot's return so far, ``paid`` [A]."""
+    """One env's episode: its problem and group id (the ``problem_env``'s draw), the messages so far, where it
+    stands and each slot's return so far, ``returns`` [A]."""
 
     problem: Problem
     group_id: int
     transcript: list[Message]
     progress: Progress
-    paid: np.ndarray
+    returns: np.ndarray
 
     def acted(self) -> list[int]:
         """The slots that have said something in this episode."""
@@ -142,17 +198,12 @@ class MultiAgentMathVectorEnv(VectorEnv):
         group_offset: int = 0,
         total_groups: int | None = None,
         workflow: Workflow | str = "chain",
-        reward_assignment: str = "team",
+        reward_assignment: RewardAssignment = "team",
         grade_timeout: float = 1.0,
         reward_model: RewardModel | None = None,
         **task_kwargs: Any,
     ):
-        supported = {mode: mode for mode in AUTORESET_MODES} | {mode.value: mode for mode in AUTORESET_MODES}
-        if autoreset_mode not in supported:
-            raise ValueError(f"autoreset_mode={autoreset_mode!r} is not supported; use AutoresetMode.SAME_STEP or "
-                             "AutoresetMode.DISABLED ('SameStep', 'Disabled'). NEXT_STEP would have every slot of a "
-                             "resetting env generate a message only to discard it")
-        self.autoreset_mode = supported[autoreset_mode]
+        self.autoreset_mode = resolve_autoreset_mode(autoreset_mode)
         if reward_assignment not in REWARD_ASSIGNMENTS:
             raise ValueError(f"reward_assignment={reward_assignment!r} must be one of {REWARD_ASSIGNMENTS}")
         if not grade_timeout > 0:
@@ -164,9 +215,9 @@ class MultiAgentMathVectorEnv(VectorEnv):
         self.workflow = resolve_workflow(workflow)
         self.reward_assignment, self.grade_timeout = reward_assignment, grade_timeout
         self.reward = RewardMixture.of(reward_model if reward_model is not None else OutcomeReward())
-        self.dealer = MathVectorEnv(num_envs, group_size, AutoresetMode.DISABLED, group_offset, total_groups,
-                                    **task_kwargs)
-        self.task = self.dealer.task
+        self.problem_env = MathVectorEnv(num_envs, group_size, AutoresetMode.DISABLED, group_offset, total_groups,
+                                         **task_kwargs)
+        self.task = self.problem_env.task
         self.limits = Limits(max_turns=min(self.task.max_steps, self.workflow.max_turns or self.task.max_steps),
                              max_chars=self.task.max_solution_chars)
         self.metadata = {**self.metadata, "autoreset_mode": self.autoreset_mode}
@@ -182,8 +233,8 @@ class MultiAgentMathVectorEnv(VectorEnv):
 
     @property
     def problems(self) -> list[Problem]:
-        """The env's problems (the dealer's)."""
-        return self.dealer.problems
+        """The env's problems (the ``problem_env``'s)."""
+        return self.problem_env.problems
 
     def _longest_prompt(self) -> int:
         """A bound on a built-in prompt's length: the longest problem prompt, the longest instruction and
@@ -202,7 +253,7 @@ class MultiAgentMathVectorEnv(VectorEnv):
         super().reset(seed=seed)
         if seed is not None:
             self.action_space.seed(seed)
-        self.dealer.reset(seed=seed, options=options)
+        self.problem_env.reset(seed=seed, options=options)
         mask = np.asarray((options or {}).get("reset_mask", np.ones(self.num_envs, dtype=bool)), dtype=bool)
         if mask.all():
             self.dialogues = [None] * self.num_envs
@@ -215,7 +266,7 @@ class MultiAgentMathVectorEnv(VectorEnv):
         """Takes each acting slot's message; returns observations, rewards [N, A], terminated [N],
         truncated [N] and info. Envs whose episode ended (DISABLED autoreset) ignore their actions."""
         live = [i for i, dialogue in enumerate(self.dialogues) if not dialogue.progress.ended]
-        self._check_actions(actions, live)
+        check_actions(actions, self.num_envs, self.roles, {i: self.dialogues[i].progress.slots for i in live})
         clipped = np.zeros((self.num_envs, self.num_agents), dtype=bool)
         first_new = {}  # env -> index of its first message of this step
         for i in live:
@@ -224,8 +275,8 @@ class MultiAgentMathVectorEnv(VectorEnv):
         results = self._score(first_new)
         results["clipped"] = clipped
         for dialogue, rewards in zip(self.dialogues, results["rewards"]):
-            dialogue.paid += rewards
-        results["returns"] = np.array([dialogue.paid for dialogue in self.dialogues])  # before an autoreset
+            dialogue.returns += rewards
+        results["returns"] = np.array([dialogue.returns for dialogue in self.dialogues])  # before an autoreset
         terminated = np.array([i in first_new and d.progress.terminated for i, d in enumerate(self.dialogues)])
         truncated = np.array([i in first_new and d.progress.truncated for i, d in enumerate(self.dialogues)])
         ended = terminated | truncated
@@ -233,22 +284,6 @@ class MultiAgentMathVectorEnv(VectorEnv):
         facts = self._facts(**results)
         info = {**self._info(facts, stepped=True), **final}
         return self._observations(), facts.rewards, terminated, truncated, info
-
-    def _check_actions(self, actions: Sequence[Sequence[Any]], live: list[int]) -> None:
-        """Fails before any message is taken, so that a bad action leaves every episode as it was."""
-        if len(actions) != self.num_envs:
-            raise ValueError(f"got {len(actions)} actions for {self.num_envs} envs; give one sequence of "
-                             f"{self.num_agents} messages per env")
-        for i, row in enumerate(actions):
-            if isinstance(row, (str, bytes)) or not hasattr(row, "__len__") or len(row) != self.num_agents:
-                raise ValueError(f"actions[{i}] must be a sequence of {self.num_agents} messages, one per slot "
-                                 f"{self.roles}; got {type(row).__name__}"
-                                 + (f" of length {len(row)}" if hasattr(row, "__len__") else ""))
-        for i in live:
-            for slot in self.dialogues[i].progress.slots:
-                if not isinstance(actions[i][slot], str):
-                    raise TypeError(f"actions[{i}][{slot}] ({self.roles[slot]}'s message) must be a str, got "
-                                    f"{type(actions[i][slot]).__name__}")
 
     def _say(self, env_index: int, messages: Sequence[str]) -> np.ndarray:
         """Appends the acting slots' messages (clipped) to env ``env_index``'s transcript; returns which
@@ -267,75 +302,86 @@ class MultiAgentMathVectorEnv(VectorEnv):
         answer [N] of each episode that ended, all comparisons decided in one grading call; the rewards [N, A]
         are every reward source's, combined by the mixture."""
         checks = AnswerChecks()
-        spoken = [(i, index) for i, start in first_new.items()
-                  for index in range(start, len(self.dialogues[i].transcript))]
-        subjects = {}  # (env, message index) -> the answer its individual credit verifies
-        revisions = {}  # (env, answering message index) -> the judged answer it revises (Workflow.revised)
-        for i, index in spoken:
+        new_messages = [(i, index) for i, start in first_new.items()
+                        for index in range(start, len(self.dialogues[i].transcript))]
+        verified, revisions = self._ask_message_checks(new_messages, checks)
+        outcomes = {i: self._outcome(i) for i in first_new if self.dialogues[i].progress.ended}
+        self._ask_outcome_checks(outcomes, checks)
+        checks.grade(self.grade_timeout)
+        outputs = self._message_outputs(new_messages, verified, checks)
+        correct, final_answers = self._final_answers(outcomes, checks)
+        credit = self._credit(outputs, outcomes, correct, checks)
+        outputs.update(self._role_rates(new_messages, outputs, revisions, checks))
+        source_rewards, sources = self._solution_sources(new_messages)
+        if "outcome" in self.reward.weights:
+            source_rewards["outcome"] = credit
+            sources["outcome"] = np.where(self._credited(new_messages, outcomes), credit, np.nan)
+        return {"rewards": self.reward.combine(source_rewards), "sources": sources, "correct": correct,
+                "answers": final_answers, "outputs": outputs}
+
+    def _ask_message_checks(self, new_messages: list[MessageRef],
+                            checks: AnswerChecks) -> tuple[dict[MessageRef, str | None], dict[MessageRef, str | None]]:
+        """Asks ``checks`` about the answers the ``new_messages`` are verified by. Returns ``verified``
+        {message: answer}, the answer a message's individual credit verifies (an answering role's own, a
+        judge's the one it judges), and ``revisions`` {answering message: the judged answer it revises
+        (``Workflow.revised``)}."""
+        verified, revisions = {}, {}
+        for i, index in new_messages:
             dialogue = self.dialogues[i]
             role = self.workflow.roles[dialogue.transcript[index].slot]
-            source = index if role.answers else None
+            verified_index = index if role.answers else None
             if role.judges is not None:
-                source = self.workflow.judged(dialogue.transcript, index)
-            if source is not None:
-                subjects[(i, index)] = self.workflow.answer_of(dialogue.transcript, source)
-                checks.ask(subjects[(i, index)], dialogue.problem.answer)
-            judged = self.workflow.revised(dialogue.transcript, index) if role.answers else None
-            if judged is not None:
-                revisions[(i, index)] = self.workflow.answer_of(dialogue.transcript, judged)
+                verified_index = self.workflow.judged(dialogue.transcript, index)
+            if verified_index is not None:
+                verified[(i, index)] = self.workflow.answer_of(dialogue.transcript, verified_index)
+                checks.ask(verified[(i, index)], dialogue.problem.answer)
+            revised_index = self.workflow.revised(dialogue.transcript, index) if role.answers else None
+            if revised_index is not None:
+                revisions[(i, index)] = self.workflow.answer_of(dialogue.transcript, revised_index)
                 checks.ask(revisions[(i, index)], dialogue.problem.answer)
-        outcomes = {i: self._outcome_candidates(i) for i in first_new if self.dialogues[i].progress.ended}
-        for i, candidates_by_slot in outcomes.items():
-            for candidates in candidates_by_slot.values():
-                for k, answer in enumerate(candidates):
-                    checks.ask(answer, self.dialogues[i].problem.answer)
-                    for other in candidates[k + 1:]:
-                        if other is not None:
-                            checks.ask(answer, other)
-        checks.grade(self.grade_timeout)
-        credit, outputs = self._credit(spoken, subjects, outcomes, checks)
-        outputs.update(self._role_rates(spoken, outputs, revisions, checks))
-        paid, sources = self._process_rewards(spoken)
-        if "outcome" in self.reward.weights:
-            paid["outcome"] = credit
-            sources["outcome"] = np.where(self._credited(spoken, outcomes), credit, np.nan)
-        return {"rewards": self.reward.combine(paid), "sources": sources, "correct": outputs.pop("correct"),
-                "answers": outputs.pop("final_answer"), "outputs": outputs}
+        return verified, revisions
 
-    def _credited(self, spoken: list[tuple[int, int]], outcomes: dict[int, Any]) -> np.ndarray:
+    def _ask_outcome_checks(self, outcomes: dict[int, Outcome], checks: AnswerChecks) -> None:
+        """Asks ``checks`` about every candidate of the ended episodes' ``outcomes``: against the gold answer,
+        and pairwise (a vote groups equivalent candidates)."""
+        for i, outcome in outcomes.items():
+            for candidates in outcome.all_candidates():
+                checks.ask_candidates(candidates, self.dialogues[i].problem.answer)
+
+    def _credited(self, new_messages: list[MessageRef], outcomes: dict[int, Outcome]) -> np.ndarray:
         """[N, A] the slots the outcome credit concerns at this step: those that spoke, and every slot that
         acted in an episode that ended."""
         credited = np.zeros((self.num_envs, self.num_agents), dtype=bool)
-        for i, index in spoken:
+        for i, index in new_messages:
             credited[i, self.dialogues[i].transcript[index].slot] = True
         for i in outcomes:
             credited[i, self.dialogues[i].acted()] = True
         return credited
 
-    def _process_rewards(self, spoken: list[tuple[int, int]]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-        """Every reward source but "outcome" on the solution messages among ``spoken`` (answering roles'), each
-        scoring all of them in one call: its rewards {source: [N, A]} (0 where a slot said no solution) and
-        the components each reported {name: [N, A]}, NaN where a slot said no solution."""
+    def _solution_sources(self, new_messages: list[MessageRef]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """Every reward source but "outcome" on the solution messages among ``new_messages`` (answering roles'),
+        each scoring all of them in one call: its rewards {source: [N, A]} (0 where a slot said no solution)
+        and what each reported {name: [N, A]} (the ``StepFacts.sources``), NaN where a slot said no solution."""
         shape = (self.num_envs, self.num_agents)
         models = {name: model for name, model in self.reward.models.items() if name != "outcome"}
-        paid = {name: np.zeros(shape) for name in models}
-        solutions = [(i, index) for i, index in spoken
+        source_rewards = {name: np.zeros(shape) for name in models}
+        solutions = [(i, index) for i, index in new_messages
                      if self.workflow.roles[self.dialogues[i].transcript[index].slot].answers]
         if not solutions:
-            return paid, {}
+            return source_rewards, {}
         contexts = [self._solution_context(i, index) for i, index in solutions]
         envs = [i for i, _ in solutions]
         slots = [self.dialogues[i].transcript[index].slot for i, index in solutions]
-        components = {}
+        sources = {}
         for name, model in models.items():
             output = score_batch(model, contexts)
-            paid[name][envs, slots] = output.rewards
+            source_rewards[name][envs, slots] = output.rewards
             reported = dict(output.components)
             reported.setdefault(name, output.rewards)
             for key, values in reported.items():
-                components[key] = np.full(shape, np.nan)
-                components[key][envs, slots] = values
-        return paid, components
+                sources[key] = np.full(shape, np.nan)
+                sources[key][envs, slots] = values
+        return source_rewards, sources
 
     def _solution_context(self, env_index: int, index: int) -> StepContext:
         """Message ``index`` of env ``env_index`` as one finished solution, as the single-agent env gives a
@@ -344,60 +390,77 @@ class MultiAgentMathVectorEnv(VectorEnv):
         return StepContext(dialogue.problem, (), self.workflow.solution_of(dialogue.transcript, index), done=True,
                            group_id=dialogue.group_id)
 
-    def _outcome_candidates(self, env_index: int) -> dict[int | None, tuple[str | None, ...]]:
-        """The final-answer candidates of env ``env_index``'s ended episode (key None) and, for
-        counterfactual credit, of its replay without each slot that acted (key: that slot)."""
+    def _outcome(self, env_index: int) -> Outcome:
+        """The ``Outcome`` of env ``env_index``'s ended episode: its transcript's final-answer candidates and,
+        for counterfactual credit, those of its replay without each slot that acted."""
         dialogue = self.dialogues[env_index]
-        transcripts = {None: dialogue.transcript}
+        without = {}
         if self.reward_assignment == "counterfactual":
             for slot in dialogue.acted():
-                transcripts[slot] = self.workflow.replay(dialogue.problem.problem, self.task.template,
-                                                         dialogue.transcript, slot, self.limits)
-        return {key: self.workflow.candidates(transcript) for key, transcript in transcripts.items()}
+                replay = self.workflow.replay(dialogue.problem.problem, self.task.template, dialogue.transcript, slot,
+                                              self.limits)
+                without[slot] = self.workflow.candidates(replay)
+        return Outcome(self.workflow.candidates(dialogue.transcript), without)
 
-    def _credit(self, spoken: list[tuple[int, int]], subjects: dict[tuple[int, int], str | None],
-                outcomes: dict[int, dict[int | None, tuple[str | None, ...]]],
-                checks: AnswerChecks) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """Rewards [N, A] and the result arrays, from the graded ``checks``."""
+    def _solved(self, env_index: int, candidates: Candidates, checks: AnswerChecks) -> tuple[str | None, float]:
+        """The final answer chosen from ``candidates`` and its graded verdict (1.0 / 0.0) on env ``env_index``'s
+        problem."""
+        final = self.workflow.final_answer(candidates, checks.equivalent)
+        return final, float(checks.equivalent(final, self.dialogues[env_index].problem.answer))
+
+    def _final_answers(self, outcomes: dict[int, Outcome], checks: AnswerChecks) -> tuple[np.ndarray, np.ndarray]:
+        """``correct`` [N] float64 and ``final_answers`` [N] object of the ended episodes' transcripts, NaN and
+        None elsewhere."""
+        correct, final_answers = np.full(self.num_envs, np.nan), np.full(self.num_envs, None, dtype=object)
+        for i, outcome in outcomes.items():
+            final_answers[i], correct[i] = self._solved(i, outcome.actual, checks)
+        return correct, final_answers
+
+    def _message_outputs(self, new_messages: list[MessageRef], verified: dict[MessageRef, str | None],
+                         checks: AnswerChecks) -> dict[str, np.ndarray]:
+        """Each new message's verified output [N, A], NaN where a slot gave none: ``answer_correct`` (an
+        answering role's answer), ``verdict`` (a judge's, 1 accept) and ``verdict_correct`` (the verdict
+        agrees with the truth of the answer it judged)."""
         shape = (self.num_envs, self.num_agents)
         answer_correct, verdict, verdict_correct = (np.full(shape, np.nan) for _ in range(3))
-        for i, index in spoken:
+        for i, index in new_messages:
             message = self.dialogues[i].transcript[index]
             role = self.workflow.roles[message.slot]
             if role.judges is not None:
-                verdict[i, message.slot] = role.verdict(message.text, subjects.get((i, index))) is True
-            if (i, index) in subjects:
-                right = checks.equivalent(subjects[(i, index)], self.dialogues[i].problem.answer)
+                verdict[i, message.slot] = role.verdict(message.text, verified.get((i, index))) is True
+            if (i, index) in verified:
+                right = checks.equivalent(verified[(i, index)], self.dialogues[i].problem.answer)
                 if role.answers:
                     answer_correct[i, message.slot] = right
                 else:
                     verdict_correct[i, message.slot] = verdict[i, message.slot] == right
-        rewards = np.zeros(shape)
-        if self.reward_assignment == "individual":
-            rewards = np.nan_to_num(np.fmax(answer_correct, verdict_correct))
-        correct, final_answer = np.full(self.num_envs, np.nan), np.full(self.num_envs, None, dtype=object)
-        for i, candidates_by_slot in outcomes.items():
-            dialogue = self.dialogues[i]
-            finals = {key: self.workflow.final_answer(candidates, checks.equivalent)
-                      for key, candidates in candidates_by_slot.items()}
-            solved = {key: float(checks.equivalent(answer, dialogue.problem.answer)) for key, answer in finals.items()}
-            final_answer[i], correct[i] = finals[None], solved[None]
-            acted = dialogue.acted()
-            if self.reward_assignment == "counterfactual":
-                rewards[i, acted] = [solved[None] - solved[slot] for slot in acted]
-            elif self.reward_assignment == "team":
-                rewards[i, acted] = solved[None]
-            else:  # individual: a role with no output of its own to verify is verified through the team's answer
-                roles = self.workflow.roles
-                rewards[i, [s for s in acted if not roles[s].answers and roles[s].judges is None]] = solved[None]
-        return rewards, {"correct": correct, "final_answer": final_answer, "answer_correct": answer_correct,
-                         "verdict": verdict, "verdict_correct": verdict_correct}
+        return {"answer_correct": answer_correct, "verdict": verdict, "verdict_correct": verdict_correct}
 
-    def _role_rates(self, spoken: list[tuple[int, int]], results: dict[str, np.ndarray],
-                    revisions: dict[tuple[int, int], str | None], checks: AnswerChecks) -> dict[str, np.ndarray]:
-        """The verdicts and the revising answers of ``spoken`` split by the truth of what they judged or
+    def _credit(self, outputs: dict[str, np.ndarray], outcomes: dict[int, Outcome], correct: np.ndarray,
+                checks: AnswerChecks) -> np.ndarray:
+        """The "outcome" source's rewards [N, A] by ``reward_assignment``: ``individual`` pays each message's
+        verified output as it is said; at an episode's end every slot that acted is paid ``correct`` (team),
+        ``correct`` less its counterfactual's (counterfactual) or, under individual credit, ``correct`` when
+        its role has no output of its own to verify."""
+        rewards = np.zeros((self.num_envs, self.num_agents))
+        if self.reward_assignment == "individual":
+            rewards = np.nan_to_num(np.fmax(outputs["answer_correct"], outputs["verdict_correct"]))
+        roles = self.workflow.roles
+        for i, outcome in outcomes.items():
+            acted = self.dialogues[i].acted()
+            if self.reward_assignment == "counterfactual":
+                rewards[i, acted] = [correct[i] - self._solved(i, outcome.without[slot], checks)[1] for slot in acted]
+            elif self.reward_assignment == "team":
+                rewards[i, acted] = correct[i]
+            else:
+                rewards[i, [s for s in acted if not roles[s].answers and roles[s].judges is None]] = correct[i]
+        return rewards
+
+    def _role_rates(self, new_messages: list[MessageRef], outputs: dict[str, np.ndarray],
+                    revisions: dict[MessageRef, str | None], checks: AnswerChecks) -> dict[str, np.ndarray]:
+        """The verdicts and the revising answers of ``new_messages`` split by the truth of what they judged or
         revised, [N, A] each, NaN outside the condition (see the module docstring)."""
-        verdict, verdict_correct = results["verdict"], results["verdict_correct"]
+        verdict, verdict_correct = outputs["verdict"], outputs["verdict_correct"]
         nan = np.full_like(verdict, np.nan)
         judged_right = np.where(np.isnan(verdict_correct), nan, np.where(verdict_correct == 1, verdict, 1 - verdict))
         rates = {"verdict_precision": np.where(verdict == 1, judged_right, nan),
@@ -407,7 +470,7 @@ class MultiAgentMathVectorEnv(VectorEnv):
         for (i, index), revised_answer in revisions.items():
             slot = self.dialogues[i].transcript[index].slot
             key = "keep_rate" if checks.equivalent(revised_answer, self.dialogues[i].problem.answer) else "fix_rate"
-            rates[key][i, slot] = results["answer_correct"][i, slot]
+            rates[key][i, slot] = outputs["answer_correct"][i, slot]
         return rates
 
     def _restart(self, ended: np.ndarray) -> dict[str, Any]:
@@ -419,14 +482,14 @@ class MultiAgentMathVectorEnv(VectorEnv):
         final = {"final_obs": final_obs, "_final_obs": ended.copy(), "final_info": self._info(self._facts()),
                  "_final_info": ended.copy()}
         for i in np.flatnonzero(ended):
-            # the dealer's own per-env draw (what its autoreset runs): the members of a group that finish
+            # the problem_env's own per-env draw (what its autoreset runs): the members of a group that finish
             # at different times still get the group's same next problem
-            self.dealer.episodes[i] = self.dealer._start_episode(int(i))
+            self.problem_env.episodes[i] = self.problem_env._start_episode(int(i))
             self.dialogues[i] = self._new_dialogue(int(i))
         return final
 
     def _new_dialogue(self, env_index: int) -> Dialogue:
-        episode = self.dealer.episodes[env_index]
+        episode = self.problem_env.episodes[env_index]
         return Dialogue(episode.problem, episode.group_id, [], self.workflow.progress((), self.limits),
                         np.zeros(self.num_agents))
 
@@ -477,12 +540,12 @@ class MultiAgentMathVectorEnv(VectorEnv):
         return info
 
     def get_state(self) -> dict[str, Any]:
-        """JSON-serialisable: the workflow's name and roles, the dealer's state (problem sampler, each
+        """JSON-serialisable: the workflow's name and roles, the ``problem_env``'s state (problem sampler, each
         env's problem and group, group bookkeeping), every env's transcript as [turn, slot, text] and its
         slots' returns so far."""
-        return {"workflow": self.workflow.name, "roles": list(self.roles), "draws": self.dealer.get_state(),
+        return {"workflow": self.workflow.name, "roles": list(self.roles), "draws": self.problem_env.get_state(),
                 "transcripts": [[[m.turn, m.slot, m.text] for m in d.transcript] for d in self.dialogues],
-                "returns": [d.paid.tolist() for d in self.dialogues]}
+                "returns": [d.returns.tolist() for d in self.dialogues]}
 
     def set_state(self, state: dict[str, Any]) -> tuple[tuple[tuple[str, ...], ...], dict]:
         """Continues exactly where ``get_state`` was called (same workflow, problems, ``num_envs`` and
@@ -491,12 +554,12 @@ class MultiAgentMathVectorEnv(VectorEnv):
             raise ValueError(f"the saved env state is of workflow {state['workflow']!r} with roles {state['roles']}, "
                              f"this env runs {self.workflow.name!r} with {list(self.roles)}; restore it into an env of "
                              "the same workflow")
-        self.dealer.set_state(state["draws"])
+        self.problem_env.set_state(state["draws"])
         self.dialogues = []
-        for episode, transcript, paid in zip(self.dealer.episodes, state["transcripts"], saved_returns(state)):
+        for episode, transcript, returns in zip(self.problem_env.episodes, state["transcripts"], saved_returns(state)):
             messages = [Message(turn, slot, self.roles[slot], text) for turn, slot, text in transcript]
             self.dialogues.append(Dialogue(episode.problem, episode.group_id, messages,
-                                           self.workflow.progress(messages, self.limits), np.array(paid)))
+                                           self.workflow.progress(messages, self.limits), np.array(returns)))
         return self._observations(), self._info(self._facts())
 
     @staticmethod

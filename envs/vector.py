@@ -163,9 +163,9 @@ class MathVectorEnv(VectorEnv):
         rewards = np.zeros(self.num_envs, dtype=np.float64)
         rewards[acting] = scores.rewards
         for episode, reward in zip(self.episodes, rewards):
-            episode.paid += float(reward)
-        returns = np.array([[episode.paid] for episode in self.episodes])  # before an autoreset replaces them
-        sources = {name: self._spread(values, acting)[:, None] for name, values in scores.components.items()}
+            episode.return_so_far += float(reward)
+        returns = np.array([[episode.return_so_far] for episode in self.episodes])  # before an autoreset replaces them
+        sources = {name: self._spread(values, acting)[:, None] for name, values in scores.sources.items()}
         answers = np.full(self.num_envs, None, dtype=object)
         answers[acting] = scores.answers
         results = {"rewards": rewards[:, None], "returns": returns, "sources": sources,

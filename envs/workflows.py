@@ -58,13 +58,15 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Literal, Sequence, get_args
 
 from envs.grader import extract_answer, strings_equiv
 from envs.prompts import format_prompt
 
-ANSWER_RULES = ("last", "vote")
-VERDICT_KINDS = ("line", "solving")
+AnswerRule = Literal["last", "vote"]  # how a workflow's final answer is chosen (Workflow.candidates)
+VerdictKind = Literal["line", "solving"]  # how a judging role gives its verdict (module docstring)
+ANSWER_RULES: tuple[AnswerRule, ...] = get_args(AnswerRule)
+VERDICT_KINDS: tuple[VerdictKind, ...] = get_args(VerdictKind)
 ACCEPT = "Verdict: correct"
 REJECT = "Verdict: wrong"
 MAX_VERDICT_CHARS = 200  # the verdict line is short; reading a bounded tail keeps parsing O(1)
@@ -189,7 +191,7 @@ class Role:
     default: str | DefaultMessage = ""
     answers: bool = True
     judges: str | None = None
-    verdict_by: str = "line"
+    verdict_by: VerdictKind = "line"
     continues: bool = False
 
     def __post_init__(self) -> None:
@@ -241,7 +243,7 @@ class Workflow:
     name: str
     roles: tuple[Role, ...]
     schedule: Schedule
-    answer: str = "last"
+    answer: AnswerRule = "last"
     max_turns: int | None = None
 
     def __post_init__(self) -> None:
@@ -383,7 +385,7 @@ REFINER_INSTRUCTION = ("Refiner: the verifier did not accept the solver's soluti
 DEBATER_INSTRUCTION = "Debater {k}: above are the others' last solutions. Solve it, answer in \\boxed{{}}."
 
 
-def chain(verdict_by: str = "solving") -> Workflow:
+def chain(verdict_by: VerdictKind = "solving") -> Workflow:
     """Solver -> verifier -> refiner, the verifier's verdict given ``verdict_by`` (see the module docstring)."""
     if verdict_by not in VERDICT_KINDS:
         raise ValueError(f"chain verdict_by={verdict_by!r} must be one of {VERDICT_KINDS}")

@@ -110,7 +110,7 @@ def test_custom_reward_model_and_clipping():
 
 
 def test_task_scores_a_batch_as_arrays():
-    """One reward-model call for the completed steps; rewards 0.0 and components NaN where no step
+    """One reward-model call for the completed steps; rewards 0.0 and sources NaN where no step
     was completed, verdicts only where the episode ended."""
     reward = StepLengthReward()
     task = MathTask(problems=PROBLEMS, reward_model=reward)
@@ -122,7 +122,7 @@ def test_task_scores_a_batch_as_arrays():
     expected = [0.03, len(actions[1]) / 100, len(right) / 100]
     assert reward.batch_sizes == [3]
     np.testing.assert_allclose(scores.rewards, expected + [0.0])
-    np.testing.assert_allclose(scores.components["length"], expected + [np.nan])
+    np.testing.assert_allclose(scores.sources["length"], expected + [np.nan])
     np.testing.assert_array_equal(scores.correct, [np.nan, 0.0, 1.0, np.nan])
     assert [e.done for e in episodes] == [False, True, True, False]
 

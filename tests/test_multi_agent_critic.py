@@ -126,7 +126,7 @@ def test_a_centralized_critic_reads_the_joint_transcript_and_the_acting_role(cri
     env, buffer = chain_collect(critic_policy, "centralized")
     assert buffer.live[0, :, 0].all() and buffer.live[1, :, 1].all() and not buffer.live[2].any()  # all accepted
     tokenizer = critic_policy.tokenizer
-    for i, episode in enumerate(env.dealer.episodes):
+    for i, episode in enumerate(env.problem_env.episodes):
         verifier_state = tokenizer.decode(buffer.critic_prompt_ids[buffer.slot_index(1, torch.tensor(i), torch.tensor(1))])
         solution = "1 + 1 = 2\n\nThe answer is \\boxed{2}."
         assert verifier_state == f"[solver]\n{solution}\n\n[verifier]\n\n" + format_prompt(episode.problem.problem)

@@ -1,6 +1,6 @@
-"""Process rewards per role in the multi-agent env: each answering role's message is scored as one whole
-solution by the real reward models (the tiny PRM, Arith's exact ``steps`` reward), all of a step's
-solutions in one call, on top of the verified-outcome credit; verdicts get none."""
+"""Reward sources beside the outcome, per role, in the multi-agent env: each answering role's message is
+scored as one whole solution by the real reward models (the tiny PRM, Arith's exact ``steps`` reward), all
+of a step's solutions in one call, on top of the verified-outcome credit; verdicts get none."""
 
 import numpy as np
 import pytest
@@ -65,7 +65,7 @@ def test_the_solver_gets_the_weighted_prm_score_the_single_agent_env_gives_its_s
     np.testing.assert_allclose(rewards[:, 0], expected, rtol=1e-6)
     np.testing.assert_allclose(info["reward/prm"][:, 0], prm_scores, rtol=1e-6)
     assert np.isnan(info["reward/prm"][:, 1:]).all() and (rewards[:, 1:] == 0).all()
-    # verdicts get no process reward: the verifier's reward is its verdict against the truth alone
+    # verdicts get no solution-scoring reward: the verifier's reward is its verdict against the truth alone
     _, rewards, *_, info = env.step([["", ACCEPT, ""], ["", REJECT, ""], ["", REJECT, ""]])
     assert rewards.tolist() == [[0, 1, 0], [0, 0, 0], [0, 1, 0]] and "reward/prm" not in info
     # the refiner's solution is scored as the solver's was

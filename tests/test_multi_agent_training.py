@@ -61,7 +61,7 @@ def chain_rollout(policy: LanguagePolicy, reward_assignment: str) -> tuple[Rollo
     group_one_verdicts = iter([REJECT, REJECT, REJECT, ACCEPT])  # asked in env order
 
     def say(prompt: str) -> str:
-        first, second = env.dealer.episodes[0].problem, env.dealer.episodes[4].problem  # this rollout's
+        first, second = env.problem_env.episodes[0].problem, env.problem_env.episodes[4].problem  # this rollout's
         problem = first if first.problem in prompt else second
         if "Verifier:" in prompt:
             return ACCEPT if problem is first else next(group_one_verdicts)
@@ -170,7 +170,7 @@ def test_prefix_rl_as_two_agents_trains_the_writer_while_a_frozen_model_solves(p
                           voices=Voices(generators={1: target}, samplings={1: Sampling(max_new_tokens=3)}))
 
     def write(prompt: str) -> str:  # group 0's writer gives the answer away, group 1's a wrong one
-        first, second = env.dealer.episodes[0].problem, env.dealer.episodes[2].problem
+        first, second = env.problem_env.episodes[0].problem, env.problem_env.episodes[2].problem
         return f"The answer is \\boxed{{{first.answer if first.problem in prompt else second.answer + '9'}}}."
 
     buffer, tally = collector.collect(policy, ScriptedWords(policy.tokenizer, write), seed=3)

@@ -318,17 +318,17 @@ def test_training_seconds_continue_across_a_resume(untrained_policy_dir, tmp_pat
     time excluded), and a resumed run counts on from its checkpoint's instead of from 0: with every update
     slowed by 0.3 s, the evaluation after 2 iterations, a SIGTERM and a resume reports at least the
     stopped run's 0.6 s; with every evaluation batch slowed by 0.3 s too, none of that time counts."""
-    delay, update, solve_batch = 0.3, Learner.update, evaluation.solve_batch
+    delay, train, solve_batch = 0.3, Learner.train, evaluation.solve_batch
 
-    def slow_update(self, buffer, progress):
+    def slow_train(self, *args):
         time.sleep(delay)
-        return update(self, buffer, progress)
+        return train(self, *args)
 
     def slow_solve_batch(*args, **kwargs):
         time.sleep(delay)
         return solve_batch(*args, **kwargs)
 
-    monkeypatch.setattr(Learner, "update", slow_update)
+    monkeypatch.setattr(Learner, "train", slow_train)
     monkeypatch.setattr(evaluation, "solve_batch", slow_solve_batch)
     run_dir = Path(run_stopped_by_sigterm(monkeypatch, 1, flags_for(untrained_policy_dir, tmp_path, "GRPO", 4)))
     stopped = json.loads((run_dir / "checkpoints" / "iter_2" / "trainer_state.json").read_text())
@@ -626,15 +626,15 @@ def test_the_async_rollout_copy_holds_bfloat16_weights_in_a_bfloat16_run(untrain
     bfloat16 ones (half the memory), each refresh its rounding of the trainer's; the run trains on the
     copy's samples (the update steps) and its behaviour log-probs are the copy's."""
     seen = {}
-    update = Learner.update
+    train = Learner.train
 
-    def recorded(self, buffer, progress):
+    def recorded(self, *args):
         runner_copy = seen["rollouts"].rollout_policy
         seen["copy"] = {p.dtype for p in runner_copy.causal_lm.parameters()}
         seen["trainer"] = {p.dtype for p in self.policy.causal_lm.parameters()}
         trained, copied = self.policy.causal_lm.state_dict(), runner_copy.causal_lm.state_dict()
         seen["rounded"] = all(torch.equal(trained[name].to(torch.bfloat16), copied[name]) for name in trained)
-        return update(self, buffer, progress)
+        return train(self, *args)
 
     rollouts_init = Rollouts.__init__
 
@@ -642,7 +642,7 @@ def test_the_async_rollout_copy_holds_bfloat16_weights_in_a_bfloat16_run(untrain
         rollouts_init(self, *args, **kwargs)
         seen["rollouts"] = self
 
-    monkeypatch.setattr(Learner, "update", recorded)
+    monkeypatch.setattr(Learner, "train", recorded)
     monkeypatch.setattr(Rollouts, "__init__", remember)
     run_dir = run_train_math(flags_for(untrained_policy_dir, tmp_path, "GRPO", 2, "--async_rollouts", "--dtype",
                                        "bfloat16", "--eval_interval", "0", "--max_policy_lag", "1"))

@@ -57,11 +57,11 @@ def test_concat_envs_carries_every_slot_of_the_chosen_envs():
 
 
 def scripted_rounds(rounds: list[list[float]]):
-    """A collect(seed) that returns round k's buffer (groups of two envs, ids unique across rounds) and
-    records the seeds it was called with."""
+    """A ``Collector.collect(policy, generator, seed)`` that returns round k's buffer (groups of two envs, ids
+    unique across rounds) and records the seeds it was called with."""
     seeds = []
 
-    def collect(seed: int) -> tuple[RolloutBuffer, Tally]:
+    def collect(policy, generator, seed: int) -> tuple[RolloutBuffer, Tally]:
         k = len(seeds)
         seeds.append(seed)
         returns = rounds[k]
@@ -76,7 +76,7 @@ def scripted_rounds(rounds: list[list[float]]):
 def test_refill_draws_rounds_until_the_batch_holds_the_groups_wanted():
     # three groups per round; round 0 has one varied group (1), round 1 two (100, 102), round 2 is never drawn
     collect, seeds = scripted_rounds([[1, 1, 0, 1, 0, 0], [1, 0, 1, 1, 0, 1], [0, 1, 0, 1, 0, 1]])
-    buffer, tally = refilled(collect, seed=42, groups_wanted=3, max_rounds=5)
+    buffer, tally = refilled(collect, None, None, seed=42, groups_wanted=3, max_rounds=5)
     assert len(seeds) == 2 and seeds[0] == 42 and seeds[1] != 42
     assert buffer.group_ids[0, :, 0].tolist() == [1, 1, 100, 100, 102, 102]
     assert buffer.rewards[0, :, 0].tolist() == [0.0, 1.0, 1.0, 0.0, 0.0, 1.0]
@@ -89,12 +89,12 @@ def test_refill_draws_rounds_until_the_batch_holds_the_groups_wanted():
 
 def test_refill_stops_after_the_most_rounds_with_the_groups_it_holds():
     collect, seeds = scripted_rounds([[1, 1, 0, 1], [0, 0, 1, 1], [0, 0, 0, 0]])
-    buffer, tally = refilled(collect, seed=0, groups_wanted=2, max_rounds=2)
+    buffer, tally = refilled(collect, None, None, seed=0, groups_wanted=2, max_rounds=2)
     assert len(seeds) == 2 and buffer.shape == (1, 2, 1)
     assert tally.mean("rollout/filled_share") == 0.5
     # nothing varied in any round: the last round as it came, which trains on nothing
     collect, seeds = scripted_rounds([[1, 1, 0, 0], [0, 0, 1, 1]])
-    buffer, tally = refilled(collect, seed=0, groups_wanted=2, max_rounds=2)
+    buffer, tally = refilled(collect, None, None, seed=0, groups_wanted=2, max_rounds=2)
     assert buffer.shape == (1, 4, 1) and buffer.group_ids[0, :, 0].tolist() == [100, 100, 101, 101]
     assert tally.mean("rollout/filled_share") == 0.0 and tally.mean("rollout/filtered_share") == 1.0
 

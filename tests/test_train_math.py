@@ -296,17 +296,17 @@ def test_gradient_checkpointing_holds_fewer_activations_in_the_update(untrained_
                            budget=BudgetConfig(num_iterations=1, eval_interval=0),
                            logging=LoggingConfig(save_interval=0, save_best=False))
         runner = build_runner(config, tmp_path / str(checkpointing), SummaryWriter(str(tmp_path / str(checkpointing))))
-        saved, update = [0], runner.learner.update
+        saved, train = [0], runner.learner.train
 
         def count(tensor: torch.Tensor) -> torch.Tensor:
             saved[0] += tensor.numel() * tensor.element_size()
             return tensor
 
-        def counted_update(*args):
+        def counted_train(*args):
             with torch.autograd.graph.saved_tensors_hooks(count, lambda tensor: tensor):
-                return update(*args)
+                return train(*args)
 
-        runner.learner.update = counted_update
+        runner.learner.train = counted_train
         runner.train_iteration(0, {})
         assert not runner.policy.training
         return saved[0]

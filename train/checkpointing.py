@@ -31,11 +31,13 @@ Snapshot = tuple[dict[str, Any], dict[str, Any]]
 
 @dataclass
 class Progress:
-    """The runner's counters, saved with every checkpoint. ``iteration``: completed iterations (the next
-    one to run); ``version``: optimizer updates so far (the policy version); ``rollout_version``: the
-    version the asynchronous rollout copy holds; ``seconds``: wall seconds the run has spent in
-    ``Runner.run`` so far, over every resume (start-up and model loading excluded), of which
-    ``eval_seconds`` in evaluations; ``history``: the evaluation results so far."""
+    """The runner's counters, saved with every checkpoint; only the runner changes them, from what the
+    parts it calls return. ``iteration``: completed iterations (the next one to run); ``version``: updates
+    so far (the policy version); ``rollout_version``: the version the asynchronous rollout copy holds;
+    ``nonfinite_steps``: optimizer steps skipped for a non-finite loss or gradient norm, the latest
+    ``nonfinite_in_a_row`` of them in a row; ``seconds``: wall seconds the run has spent in ``Runner.run`` so
+    far, over every resume (start-up and model loading excluded), of which ``eval_seconds`` in evaluations;
+    ``history``: the evaluation results so far."""
 
     iteration: int = 0
     version: int = 0
@@ -53,11 +55,11 @@ class Checkpointer:
     each checkpoint)."""
 
     def __init__(self, run_dir: Path, keep_checkpoints: int, policy: LanguagePolicy, optimizer: torch.optim.Optimizer,
-                 scheduler, rollouts: Rollouts, shuffle: torch.Generator, ranks: Ranks, writer,
+                 scheduler, rollouts: Rollouts, minibatch_rng: torch.Generator, ranks: Ranks, writer,
                  run_flags: dict[str, Any], implicit_prm=None, save_dtype: str = "float32"):
         self.run_dir, self.keep_checkpoints = Path(run_dir), keep_checkpoints
         self.policy, self.optimizer, self.scheduler, self.implicit_prm = policy, optimizer, scheduler, implicit_prm
-        self.rollouts, self.collector, self.shuffle = rollouts, rollouts.collector, shuffle
+        self.rollouts, self.collector, self.minibatch_rng = rollouts, rollouts.collector, minibatch_rng
         self.ranks, self.writer, self.run_flags = ranks, writer, run_flags
         self.save_dtype = DTYPES[save_dtype]
         self.last_checkpoint: Path | None = None
@@ -65,10 +67,10 @@ class Checkpointer:
 
     def snapshot(self, progress: Progress) -> Snapshot:
         """The counters and the collector's settled state (env, episode returns, env steps); python, numpy
-        and torch RNGs and the minibatch shuffle. The JSON keeps one flat layout, so checkpoints of
-        earlier versions resume."""
+        and torch RNGs and ``minibatch_rng`` (saved as "shuffle"). The JSON keeps one flat layout, so
+        checkpoints of earlier versions resume."""
         return ({**asdict(progress), **self.rollouts.settled_state()},
-                {**checkpoint.rng_state(), "shuffle": self.shuffle.get_state()})
+                {**checkpoint.rng_state(), "shuffle": self.minibatch_rng.get_state()})
 
     def save(self, snapshot: Snapshot) -> Path:
         """Writes checkpoint ``iter_<iteration>`` of ``snapshot`` with the current weights and optimizers
@@ -128,7 +130,7 @@ class Checkpointer:
                             saved_ranks, self.ranks.world_size)
         self.collector.set_state(state)
         checkpoint.set_rng_state(rng)
-        self.shuffle.set_state(rng["shuffle"])
+        self.minibatch_rng.set_state(rng["shuffle"])
         # a checkpoint written before a counter existed leaves that counter at its default
         progress = Progress(**{f.name: state[f.name] for f in fields(Progress) if f.name in state})
         self.last_checkpoint, self.last_saved = saved.path, (progress.iteration, len(progress.history))

@@ -1,7 +1,8 @@
-"""The update of one batch: reference and implicit-PRM scores, the algorithm's advantages, then epochs of
-minibatches whose micro-batches accumulate gradients, clipped, stepped; a non-finite loss or gradient
-norm skips its step (``max_nonfinite_steps`` in a row raise ``NonFiniteError``). PRIME's implicit PRM
-then learns from the actions the policy trained on.
+"""The update of one batch, in the steps the runner calls in order: ``score`` (reference log-probs for the KL,
+implicit-PRM token rewards, the trainer's log-probs for the rollout correction), ``targets`` (the algorithm's
+advantages, rollout-corrected), ``train`` (epochs of minibatches whose micro-batches accumulate gradients,
+clipped, stepped; a non-finite loss or gradient norm skips its step and ``max_nonfinite_steps`` in a row raise
+``NonFiniteError``), then PRIME's ``update_implicit_prm`` on the actions the policy trained on.
 
 Data parallelism: ``trainable`` is the policy wrapped in DDP or FSDP2; each rank trains on its own rollout
 with losses normalised by the global minibatch totals, and statistics are added over ranks.
@@ -12,16 +13,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import time
 from collections import defaultdict
-from typing import Any
+from dataclasses import dataclass
+from typing import Iterator
 
 import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
 from algorithms.base import Algorithm, roc_auc
-from algorithms.buffer import RolloutBuffer
+from algorithms.buffer import Batch, RolloutBuffer, Targets
 from algorithms.registry import algorithm_spec
 from algorithms.statistics import kl_early_stop, role_sums, row_statistics
 from models.forward import module_mode
@@ -39,93 +40,115 @@ class NonFiniteError(RuntimeError):
     """Too many optimizer steps in a row had a non-finite loss or gradient norm."""
 
 
+@dataclass(frozen=True)
+class Scores:
+    """What scoring a batch measured besides what it wrote into the buffer: the implicit PRM's ``heldout``
+    statistics (``implicit_prm_heldout``; empty without one) and the sampler/trainer log-prob ``gap``, filled
+    here under ``rollout_is``, else by ``Learner.train`` on the forward passes before its first step."""
+
+    heldout: dict[str, float]
+    gap: GapMeter
+
+
+@dataclass(frozen=True)
+class Trained:
+    """What ``Learner.train`` did: ``optimizer_steps`` taken, ``nonfinite_steps`` skipped for a non-finite loss
+    or gradient norm, the ``nonfinite_in_a_row`` at its end (counting those before it), and the statistics
+    logged (losses, gradient norm, the log-prob gap, early stop, trained samples)."""
+
+    optimizer_steps: int
+    nonfinite_steps: int
+    nonfinite_in_a_row: int
+    stats: dict[str, float]
+
+
 class Learner:
     """Trains ``policy`` (through ``trainable``) with ``algorithm``; ``config``: the run's learning section
     (``train.config.LearningConfig``); ``rollout``: its rollout section (``train.config.RolloutConfig``: the
-    correction of samples from another engine); ``shuffle``: the generator that orders minibatches (saved with
-    checkpoints)."""
+    correction of samples from another engine); ``minibatch_rng``: the generator that orders minibatches (saved
+    with checkpoints)."""
 
     def __init__(self, config: LearningConfig, rollout: RolloutConfig, policy: LanguagePolicy,
-                 trainable: torch.nn.Module, algorithm: Algorithm, optimizer: torch.optim.Optimizer, scheduler,
-                 collector: Collector, shuffle: torch.Generator, ranks: Ranks, implicit_prm=None):
+                 trainable: torch.nn.Module, algorithm: Algorithm, optimizer: torch.optim.Optimizer,
+                 collector: Collector, minibatch_rng: torch.Generator, ranks: Ranks, implicit_prm=None):
         self.config, self.rollout, self.policy, self.trainable = config, rollout, policy, trainable
         self.algorithm = algorithm
         self.spec = algorithm_spec(algorithm.name)
-        self.optimizer, self.scheduler, self.collector, self.shuffle = optimizer, scheduler, collector, shuffle
+        self.optimizer, self.collector, self.minibatch_rng = optimizer, collector, minibatch_rng
         self.temperature = collector.sampling.temperature
         self.ranks, self.implicit_prm = ranks, implicit_prm
 
-    def update(self, buffer: RolloutBuffer, progress) -> dict[str, Any]:
-        """Advantages, then ``ppo_epoch`` epochs of minibatch steps; returns statistics. ``progress``: the
-        runner's counters (its non-finite step counts are kept here)."""
-        config, algorithm = self.config, self.algorithm
-        started = time.perf_counter()
-        rollout_is = self.rollout.rollout_is
-        with self.policy.gathered():
-            heldout = self.score_rollout(buffer)
-            gap = (score_trainer_logprobs(self.policy, buffer, self.temperature, self.row_adapters) if rollout_is
-                   else GapMeter())  # else measured on the first minibatch's forward passes
-        targets, rollout_stats = corrected_targets(buffer, algorithm.advantages(buffer), self.rollout)
+    def score(self, buffer: RolloutBuffer) -> Scores:
+        """Writes into ``buffer`` what the loss needs of other models: the reference log-probs of every live
+        action (KL), the implicit PRM's token rewards (PRIME) and, under ``rollout_is``, the trainer's
+        log-probs (``score_trainer_logprobs``)."""
+        heldout = {}
+        rows = buffer.rows() if self.algorithm.needs_reference or self.algorithm.needs_process_rewards else None
+        with self.policy.gathered(), torch.no_grad():
+            if self.algorithm.needs_reference:
+                ref = self.policy.ref_log_probs(rows.prompts, (rows.action_ids, rows.action_lengths), self.temperature)
+                buffer.ref_logprobs = buffer.scatter_tokens(rows.index, ref)
+            if self.algorithm.needs_process_rewards:
+                process = self.implicit_prm.token_rewards(rows.prompts, (rows.action_ids, rows.action_lengths))
+                buffer.token_rewards = buffer.scatter_tokens(rows.index, process)
+                heldout = self.implicit_prm_heldout(buffer, rows.index, process.sum(-1))
+            gap = (score_trainer_logprobs(self.policy, buffer, self.temperature, self.row_adapters)
+                   if self.rollout.rollout_is else GapMeter())
+        return Scores(heldout, gap)
+
+    def targets(self, buffer: RolloutBuffer) -> tuple[Targets, dict[str, float]]:
+        """The algorithm's advantages (and critic targets) for ``buffer``, rollout-corrected
+        (``corrected_targets``), and the correction's statistics."""
+        return corrected_targets(buffer, self.algorithm.advantages(buffer), self.rollout)
+
+    def train(self, buffer: RolloutBuffer, targets: Targets, gap: GapMeter, iteration: int, nonfinite_steps: int,
+              nonfinite_in_a_row: int) -> Trained:
+        """``ppo_epoch`` epochs of minibatch steps on ``targets``, stopped once a minibatch's approx KL passes
+        ``target_kl``. ``gap``: measured here on the forward passes before the first step unless the scoring
+        pass did (``rollout_is``). ``nonfinite_steps``/``nonfinite_in_a_row``: the run's skipped steps so far
+        (``skipped_nonfinite`` raises ``NonFiniteError`` at the ``max_nonfinite_steps``-th in a row)."""
         sums, weights = defaultdict(float), defaultdict(float)
-        grad_norms, steps, stopped_early = [], 0, False
+        grad_norms, steps, skipped, stopped_early = [], 0, 0, False
         with module_mode(self.policy, training=True):  # checkpointing acts; eval mode again for sampling
-            for _ in range(config.ppo_epoch):
-                for minibatch in buffer.minibatches(targets, config.num_mini_batch, config.gradient_cp_steps,
-                                                    self.shuffle, skip=algorithm.skippable_rows,
-                                                    reduce_totals=self.reduce_totals,
-                                                    max_tokens=config.micro_batch_tokens):
-                    measured = None if rollout_is or steps or stopped_early else gap  # the policy before any step
-                    minibatch_kl, stepped = self.minibatch_step(minibatch, progress, sums, weights, grad_norms,
-                                                                measured)
-                    steps += stepped
-                    stopped_early = kl_early_stop(minibatch_kl, config.target_kl)
-                    if stopped_early:
-                        break
+            for minibatch in self.minibatches(buffer, targets):
+                measured = None if self.rollout.rollout_is or steps else gap  # the policy before any step
+                kl, stepped, nonfinite = self.minibatch_step(minibatch, sums, weights, grad_norms, measured)
+                steps += stepped
+                if stepped:
+                    nonfinite_in_a_row = 0
+                elif nonfinite is not None:
+                    skipped, nonfinite_in_a_row = skipped + 1, nonfinite_in_a_row + 1
+                    self.skipped_nonfinite(nonfinite, iteration, nonfinite_steps + skipped, nonfinite_in_a_row)
+                stopped_early = kl_early_stop(kl, self.config.target_kl)
                 if stopped_early:
                     break
-        if steps:  # the schedule advances with iterations that updated the policy
-            self.scheduler.step()
         if self.ranks.distributed:
             sums, weights = distributed.sum_by_key(sums, weights)
-        stats: dict[str, Any] = ({f"loss/{key}": sums[key] / weights[key] for key in sums} | heldout | rollout_stats
-                                 | gap.stats())
-        trained = buffer.trained(targets)
-        if self.implicit_prm is not None:
-            stats["loss/implicit_prm"] = self.update_implicit_prm(buffer, trained)
-        stats.update({
+        stats = {f"loss/{key}": sums[key] / weights[key] for key in sums} | gap.stats() | {
             "grad/norm": float(np.mean(grad_norms)) if grad_norms else 0.0,
-            "train/optimizer_steps": float(steps), "train/early_stopped": float(stopped_early),
-            "train/nonfinite_steps": float(progress.nonfinite_steps),
-            "time/update": time.perf_counter() - started,
-            "histograms": targets.stats,
-        })
+            "train/optimizer_steps": float(steps), "train/early_stopped": float(stopped_early)}
         if steps:  # no step, no sample trained on
-            stats["train/trained_samples"] = float(distributed.all_reduce_sum([float(trained.sum())])[0])
-        for group in self.optimizer.param_groups:
-            stats[f"lr/{group.get('name', 'group')}"] = group["lr"]
-        return stats
+            trained = float(buffer.trained(targets).sum())
+            stats["train/trained_samples"] = float(distributed.all_reduce_sum([trained])[0])
+        return Trained(steps, skipped, nonfinite_in_a_row, stats)
+
+    def minibatches(self, buffer: RolloutBuffer, targets: Targets) -> Iterator[list[Batch]]:
+        """``ppo_epoch`` epochs of ``buffer``'s minibatches (``RolloutBuffer.minibatches``), each epoch ordered
+        by ``minibatch_rng`` when it begins."""
+        config = self.config
+        for _ in range(config.ppo_epoch):
+            yield from buffer.minibatches(targets, config.num_mini_batch, config.gradient_cp_steps, self.minibatch_rng,
+                                          skip=self.algorithm.skippable_rows, reduce_totals=self.reduce_totals,
+                                          max_tokens=config.micro_batch_tokens)
+
+    def learning_rates(self) -> dict[str, float]:
+        """``lr/<group>``: each parameter group's learning rate now."""
+        return {f"lr/{group.get('name', 'group')}": group["lr"] for group in self.optimizer.param_groups}
 
     @property
     def reduce_totals(self):
         """The minibatch totals over every rank (``RolloutBuffer.minibatches``), or None in one process."""
         return distributed.all_reduce_sum if self.ranks.distributed else None
-
-    def score_rollout(self, buffer: RolloutBuffer) -> dict[str, float]:
-        """Reference log-probs (KL) and implicit-PRM token rewards of every live action; returns the
-        implicit PRM's held-out statistics (``implicit_prm_heldout``)."""
-        if not (self.algorithm.needs_reference or self.algorithm.needs_process_rewards):
-            return {}
-        rows = buffer.rows()
-        actions = (rows.action_ids, rows.action_lengths)
-        with torch.no_grad():
-            if self.algorithm.needs_reference:
-                ref = self.policy.ref_log_probs(rows.prompts, actions, self.temperature)
-                buffer.ref_logprobs = buffer.scatter_tokens(rows.index, ref)
-            if self.algorithm.needs_process_rewards:
-                process = self.implicit_prm.token_rewards(rows.prompts, actions)
-                buffer.token_rewards = buffer.scatter_tokens(rows.index, process)
-                return self.implicit_prm_heldout(buffer, rows.index, process.sum(-1))
-        return {}
 
     def implicit_prm_heldout(self, buffer: RolloutBuffer, index: torch.Tensor,
                              totals: torch.Tensor) -> dict[str, float]:
@@ -142,11 +165,12 @@ class Learner:
         return {"implicit_prm/heldout_auc": roc_auc(totals, labels) if both_classes else math.nan,
                 "implicit_prm/heldout_accuracy": float(((totals > 0).float() == labels).float().mean())}
 
-    def minibatch_step(self, minibatch, progress, sums: dict, weights: dict, grad_norms: list,
-                       gap: GapMeter | None = None) -> tuple[float, bool]:
-        """Accumulates the micro-batches' gradients, clips, steps; returns (the minibatch's approx KL,
-        whether the optimizer stepped: not when the loss or the gradient norm is non-finite). ``gap``: where
-        the forward passes' distance to the sampler's log-probs is added (None: not measured).
+    def minibatch_step(self, minibatch: list[Batch], sums: dict, weights: dict, grad_norms: list,
+                       gap: GapMeter | None = None) -> tuple[float, bool, str | None]:
+        """Accumulates the micro-batches' gradients, clips, steps; returns (the minibatch's approx KL, whether
+        the optimizer stepped, what was non-finite when that skipped the step: "loss", "gradient norm (nan)",
+        else None). ``gap``: where the forward passes' distance to the sampler's log-probs is added (None: not
+        measured); ``grad_norms``: where a step's gradient norm is appended.
 
         Several ranks: DDP and FSDP2 average the gradients over ranks, so each loss (normalised by the
         global totals) is scaled by the world size. Every rank runs as many forward and backward passes as
@@ -159,7 +183,7 @@ class Learner:
         if self.ranks.distributed:
             passes = int(distributed.all_reduce_max([passes])[0])
             if passes == 0:
-                return 0.0, False  # every rank skipped every row: no gradient anywhere, no step (as in one process)
+                return 0.0, False, None  # every rank skipped every row: no gradient, no step (as in one process)
         kl_sum, kl_weight, finite_loss = 0.0, 0, True
         for k in range(passes):
             with self.gradient_sync(last=k == passes - 1):
@@ -178,13 +202,11 @@ class Learner:
         kl = kl_sum / max(kl_weight, 1)
         stepped = finite_loss and math.isfinite(grad_norm)
         if stepped:
-            progress.nonfinite_in_a_row = 0
             grad_norms.append(grad_norm)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if not stepped:
-            self.skip_nonfinite_step("loss" if not finite_loss else f"gradient norm ({grad_norm})", progress)
-        return kl, stepped
+        nonfinite = None if stepped else "loss" if not finite_loss else f"gradient norm ({grad_norm})"
+        return kl, stepped, nonfinite
 
     def micro_batch_backward(self, batch, sums: dict, weights: dict,
                              gap: GapMeter | None = None) -> tuple[dict[str, torch.Tensor], bool]:
@@ -255,22 +277,21 @@ class Learner:
             zero = zero + scores.values.sum() * 0.0
         zero.backward()
 
-    def skip_nonfinite_step(self, what: str, progress) -> None:
-        """Counts a step skipped for a non-finite ``what``; ``max_nonfinite_steps`` in a row stop the run (the
+    def skipped_nonfinite(self, what: str, iteration: int, nonfinite_steps: int, nonfinite_in_a_row: int) -> None:
+        """Logs an optimizer step skipped for a non-finite ``what`` (``nonfinite_steps`` in the run so far,
+        ``nonfinite_in_a_row`` of them the latest in a row); ``max_nonfinite_steps`` in a row stop the run (the
         runner names the last checkpoint, which stays the last good state: nothing is saved)."""
-        progress.nonfinite_steps += 1
-        progress.nonfinite_in_a_row += 1
         log.warning("iteration %d: non-finite %s; optimizer step skipped (%d in a row, %d in the run)",
-                    progress.iteration, what, progress.nonfinite_in_a_row, progress.nonfinite_steps)
-        if progress.nonfinite_in_a_row >= self.config.max_nonfinite_steps:
+                    iteration, what, nonfinite_in_a_row, nonfinite_steps)
+        if nonfinite_in_a_row >= self.config.max_nonfinite_steps:
             raise NonFiniteError(
-                f"iteration {progress.iteration}: {progress.nonfinite_in_a_row} optimizer steps in a row had a "
-                f"non-finite {what} (--max_nonfinite_steps={self.config.max_nonfinite_steps}); stopped without saving")
+                f"iteration {iteration}: {nonfinite_in_a_row} optimizer steps in a row had a non-finite {what} "
+                f"(--max_nonfinite_steps={self.config.max_nonfinite_steps}); stopped without saving")
 
-    def update_implicit_prm(self, buffer: RolloutBuffer, trained: torch.Tensor) -> float:
-        """PRIME: one step of the implicit PRM on the actions the policy trained on (``trained`` [T, N, A]),
-        labelled by whether their episode's answer verified."""
-        rows = buffer.rows(trained)
+    def update_implicit_prm(self, buffer: RolloutBuffer, targets: Targets) -> float:
+        """PRIME: one step of the implicit PRM on the actions the policy trained on (``buffer.trained(targets)``),
+        labelled by whether their episode's answer verified; returns its loss (NaN: no action on any rank)."""
+        rows = buffer.rows(buffer.trained(targets))
         total = int(distributed.all_reduce_sum([rows.num_samples])[0])  # over every rank
         if total == 0:
             return math.nan

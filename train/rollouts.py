@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+import functools
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -32,16 +34,17 @@ from train.collector import Collector, Tally
 from train.distributed import Ranks
 
 
-def refilled(collect: Callable[[int], tuple[RolloutBuffer, Tally]], seed: int, groups_wanted: int,
-             max_rounds: int) -> tuple[RolloutBuffer, Tally]:
-    """Dynamic sampling: rounds ``collect(round_seed)`` (the first at ``seed``) until their groups of varied
-    returns number ``groups_wanted``, at most ``max_rounds``; returns the batch of those groups (the first ones
-    kept, in round order) and the rounds' statistics: every episode drawn, ``rollout/gen_rounds``,
-    ``rollout/filtered_share`` (drawn groups of equal returns) and ``rollout/filled_share`` (the batch's groups
-    over ``groups_wanted``); the seconds of the rounds after the first under ``refill_<phase>``."""
+def refilled(collect: Callable[[LanguagePolicy, Generator, int], tuple[RolloutBuffer, Tally]], policy: LanguagePolicy,
+             generator: Generator, seed: int, groups_wanted: int, max_rounds: int) -> tuple[RolloutBuffer, Tally]:
+    """Dynamic sampling: rounds ``collect(policy, generator, round_seed)`` (``Collector.collect``; the first round
+    at ``seed``) until their groups of varied returns number ``groups_wanted``, at most ``max_rounds``; returns
+    the batch of those groups (the first ones kept, in round order) and the rounds' statistics: every episode
+    drawn, ``rollout/gen_rounds``, ``rollout/filtered_share`` (drawn groups of equal returns) and
+    ``rollout/filled_share`` (the batch's groups over ``groups_wanted``); the seconds of the rounds after the
+    first under ``refill_<phase>``."""
     parts, tally, kept, drawn, filtered = [], Tally(), 0, 0, 0
     for round_ in range(max_rounds):
-        buffer, round_tally = collect(seed if round_ == 0 else mix_seed(seed, round_))
+        buffer, round_tally = collect(policy, generator, seed if round_ == 0 else mix_seed(seed, round_))
         tally.merge(round_tally, seconds_prefix="refill_" if round_ else "")
         ids, varied = buffer.varied_groups()
         drawn, filtered = drawn + len(ids), filtered + int((~varied).sum())
@@ -58,6 +61,16 @@ def refilled(collect: Callable[[int], tuple[RolloutBuffer, Tally]], seed: int, g
     return RolloutBuffer.concat_envs([(part, index) for part, index in parts if len(index)]), tally
 
 
+@dataclass(frozen=True)
+class Collected:
+    """An iteration's batch (``buffer``), its logged ``stats``, and whether the asynchronous rollout copy was
+    ``refreshed`` to the policy's current version on the way (``Rollouts.next``)."""
+
+    buffer: RolloutBuffer
+    stats: dict[str, float]
+    refreshed: bool = False
+
+
 class Rollouts:
     """``rollout_policy``/``rollout_generator``: the copy asynchronous collection uses (None: synchronous).
     ``max_num_gen_batches``: dynamic sampling's most rounds per batch (None: one collection, unfiltered)."""
@@ -67,9 +80,12 @@ class Rollouts:
                  rollout_policy: LanguagePolicy | None = None, rollout_generator: Generator | None = None,
                  max_num_gen_batches: int | None = None):
         self.collector, self.policy, self.generator = collector, policy, generator
-        self.max_num_gen_batches = max_num_gen_batches
         self.seed, self.num_iterations, self.max_policy_lag, self.ranks = seed, num_iterations, max_policy_lag, ranks
         self.rollout_policy, self.rollout_generator = rollout_policy, rollout_generator
+        # collect(policy, generator, seed) -> one batch: a collection, or the rounds of them that fill it
+        env = collector.env
+        self.collect = collector.collect if max_num_gen_batches is None else functools.partial(
+            refilled, collector.collect, groups_wanted=env.num_envs // env.group_size, max_rounds=max_num_gen_batches)
         asynchronous = rollout_policy is not None
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1) if asynchronous else None
         self.pending: concurrent.futures.Future | None = None
@@ -79,39 +95,31 @@ class Rollouts:
     def iteration_seed(self, iteration: int) -> int:
         return self.seed * 1_000_003 + iteration * 1_009
 
-    def collect(self, policy: LanguagePolicy, generator: Generator, seed: int) -> tuple[RolloutBuffer, Tally]:
-        """One batch: a collection, or with dynamic sampling the rounds that fill it (``refilled``)."""
-        if self.max_num_gen_batches is None:
-            return self.collector.collect(policy, generator, seed)
-        env = self.collector.env
-        return refilled(lambda round_seed: self.collector.collect(policy, generator, round_seed), seed,
-                        env.num_envs // env.group_size, self.max_num_gen_batches)
-
-    def next(self, iteration: int, progress) -> tuple[RolloutBuffer, dict[str, float]]:
+    def next(self, iteration: int, version: int, rollout_version: int) -> Collected:
         """This iteration's batch and its statistics: collected now, or (async) the one collected in the
         background, after starting the next one with a policy copy at most ``max_policy_lag`` versions old.
-        ``progress``: the runner's counters (``version``, ``rollout_version``: updated here)."""
+        ``version``: the policy's (optimizer updates so far); ``rollout_version``: the rollout copy's."""
         seed = self.iteration_seed(iteration)
         if self.pool is None:
             with self.policy.gathered():
                 buffer, tally = self.collect(self.policy, self.generator, seed)
-            return buffer, self.statistics(tally)
+            return Collected(buffer, self.statistics(tally))
         if self.pending is not None:
-            (buffer, tally), version = self.pending.result(), self.pending_version
+            (buffer, tally), sampled_at = self.pending.result(), self.pending_version
         else:
             buffer, tally = self.collect(self.rollout_policy, self.rollout_generator, seed)
-            version = progress.rollout_version
-        stats = {**self.statistics(tally), "train/policy_lag": float(progress.version - version)}
+            sampled_at = rollout_version
+        stats = {**self.statistics(tally), "train/policy_lag": float(version - sampled_at)}
         # The next batch is trained on after this iteration's update, at version + 1.
-        if progress.version + 1 - progress.rollout_version > self.max_policy_lag:
+        refreshed = version + 1 - rollout_version > self.max_policy_lag
+        if refreshed:
             self.refresh()
-            progress.rollout_version = progress.version
-        self.pending_version = progress.rollout_version
+        self.pending_version = version if refreshed else rollout_version
         self.pending, self.pending_start = None, None
         if iteration + 1 < self.num_iterations:  # no batch beyond the budget: every env step taken is trained on
             self.pending_start = copy.deepcopy(self.collector.get_state())  # the thread changes its lists
             self.pending = self.pool.submit(self.collect, self.rollout_policy, self.rollout_generator, seed + 1)
-        return buffer, stats
+        return Collected(buffer, stats, refreshed)
 
     def refresh(self) -> None:
         """The background rollouts' copy takes the policy's current weights (every rank together)."""

@@ -1,7 +1,10 @@
-"""The one training loop every algorithm shares, a thin loop over named parts:
+"""The one training loop every algorithm shares. ``Runner.train_iteration`` calls the parts in the order the
+data flows, each call returning what it produced, and keeps the counters (``Progress``) itself:
 
-    eval (train.evaluation) -> rollout (train.rollouts) -> update (train.learner) -> generator.sync
-    -> report (train.reporting) -> checkpoint (train.checkpointing)
+    evaluate when due (train.evaluation) -> collect the batch (Rollouts.next) -> score it with the reference
+    and reward models (Learner.score) -> advantages (Learner.targets) -> minibatch steps (Learner.train)
+    -> scheduler step -> implicit-PRM update (Learner.update_implicit_prm) -> sync the generator
+    -> log (train.reporting); between iterations, checkpoints (train.checkpointing).
 
 Surviving faults:
 - Checkpoints every ``save_interval`` iterations and at the end hold the weights, optimizer and
@@ -14,8 +17,9 @@ Surviving faults:
   naming the last checkpoint (the last good state).
 - An exception before the update (a reward model raising in evaluation or collection, in this thread
   or in the rollout thread) writes a checkpoint of the state at the start of that iteration, then
-  propagates (``saved_at_failure``). Under torchrun the other ranks cannot join a save: nothing is
-  written, and the last checkpoint stays the one to resume.
+  propagates (``saved_at_failure``). A generator that fails to take the updated weights saves the
+  updated state the same way. Under torchrun the other ranks cannot join a save: nothing is written, and
+  the last checkpoint stays the one to resume.
 
 Data parallelism (``train.distributed``): ``trainable`` is the module the optimizer steps (the policy
 wrapped in DDP, or under FSDP2 the sharded policy itself); statistics,
@@ -88,17 +92,18 @@ class Runner:
         # the policy's prefix (Prefix-RL by --handoff_steps), so that evaluation measures what the reward pays
         self.eval_verdict = "target" if config.prefix_rl.handoff_steps is not None else "correct"
         self.eval_sampling = EvalSampling(budget.eval_samples, budget.eval_temperature, budget.eval_top_p, budget.seed)
-        shuffle = torch.Generator().manual_seed(budget.seed)
+        minibatch_rng = torch.Generator().manual_seed(budget.seed)
         copy = (rollout_policy, rollout_generator) if generation.async_rollouts else (None, None)
         self.rollouts = Rollouts(collector, policy, generator, budget.seed, budget.num_iterations,
                                  generation.max_policy_lag, ranks, *copy,
                                  max_num_gen_batches=config.rollout.max_num_gen_batches
                                  if config.rollout.filter_groups else None)
         self.learner = Learner(config.learning, config.rollout, policy, trainable if trainable is not None else policy,
-                               algorithm, optimizer, scheduler, collector, shuffle, ranks, implicit_prm)
+                               algorithm, optimizer, collector, minibatch_rng, ranks, implicit_prm)
+        self.scheduler = scheduler  # the lr schedule: steps with each iteration that updated the policy
         self.reporter = Reporter(writer, ranks, policy.tokenizer, collector.roles, NUM_TEXT_SAMPLES)
         self.checkpointer = Checkpointer(run_dir, logs.keep_checkpoints, policy, optimizer, scheduler, self.rollouts,
-                                         shuffle, ranks, writer, self.run_flags, implicit_prm,
+                                         minibatch_rng, ranks, writer, self.run_flags, implicit_prm,
                                          logs.save_dtype or config.model.dtype)  # None: the training dtype
         self.progress = Progress()
         self.clock = time.perf_counter()  # when progress.seconds was last brought up to date
@@ -125,14 +130,14 @@ class Runner:
         """Trains from ``iteration`` (0, or where ``restore`` left it) to ``num_iterations``;
         returns the evaluation history. Stops early, after saving, on ``STOP_SIGNALS``."""
         budget, logs = self.config.budget, self.config.logging
-        progress = self.reporter.progress_bar(self.iteration, budget.num_iterations, self.algorithm.name)
+        bar = self.reporter.progress_bar(self.iteration, budget.num_iterations, self.algorithm.name)
         postfix: dict[str, str] = {}
         self.clock = time.perf_counter()  # the time before this call (start-up, a restore) is not training
         try:
             with self.signals_stop_after_iteration():
-                for iteration in progress:
+                for iteration in bar:
                     self.train_iteration(iteration, postfix)
-                    progress.set_postfix(postfix, refresh=False)
+                    bar.set_postfix(postfix, refresh=False)
                     if self.stop_requested():
                         self.save()
                         return self.history
@@ -143,7 +148,7 @@ class Runner:
                     self.evaluate(budget.num_iterations)
                 self.save()
         finally:
-            progress.close()
+            bar.close()
             self.rollouts.close()
             if self.reporter.writer is not None:
                 self.reporter.writer.flush()
@@ -171,43 +176,67 @@ class Runner:
         return anywhere
 
     def train_iteration(self, iteration: int, postfix: dict[str, str]) -> None:
-        """(Eval,) collect, update, sync, log. An exception before the update, when weights and
-        optimizer are still those of the iteration's start, first saves that start state."""
-        buffer, stats = self.evaluate_and_collect(iteration, postfix)
+        """One iteration, in the order its data flows; each call returns what it produced, and the counters
+        (``progress``) are brought up to date here. An exception before the update (evaluation, collection)
+        first saves the iteration's start state; a failed sync saves the updated one (module docstring)."""
+        progress, learner = self.progress, self.learner
+        with self.start_saved_on_failure(iteration):
+            if self.config.budget.eval_interval and iteration % self.config.budget.eval_interval == 0:
+                postfix["acc"] = f"{self.evaluate_once(iteration)['eval/accuracy']:.3f}"
+            collected = self.rollouts.next(iteration, progress.version, progress.rollout_version)
+        if collected.refreshed:
+            progress.rollout_version = progress.version
+        buffer, started = collected.buffer, time.perf_counter()
+        scores = learner.score(buffer)  # reference log-probs, implicit-PRM token rewards, trainer log-probs
+        targets, correction = learner.targets(buffer)  # advantages (and critic targets), rollout-corrected
         try:
-            stats.update(self.learner.update(buffer, self.progress))
+            trained = learner.train(buffer, targets, scores.gap, iteration, progress.nonfinite_steps,
+                                    progress.nonfinite_in_a_row)
         except NonFiniteError as error:
             raise NonFiniteError(f"{error}. Last good checkpoint: {self.last_checkpoint or 'none written yet'}. Check "
                                  "the rewards and the learning rate (--lr, --max_grad_norm) before resuming from it"
                                  ) from None
-        self.progress.version += 1
-        self.progress.iteration = iteration + 1  # the update is in: a checkpoint from here on holds it
-        try:
-            stats["time/sync"] = self.generator.sync(self.policy)
-        except Exception:
-            if not self.ranks.distributed:
-                self.saved_at_failure = self.save()
-                log.error("iteration %d: the generator did not take the new weights; saved the updated state to %s",
-                          iteration, self.saved_at_failure)
-            raise
+        progress.nonfinite_steps += trained.nonfinite_steps
+        progress.nonfinite_in_a_row = trained.nonfinite_in_a_row
+        if trained.optimizer_steps:  # the schedule advances with iterations that updated the policy
+            self.scheduler.step()
+        stats = collected.stats | trained.stats | scores.heldout | correction
+        if learner.implicit_prm is not None:
+            stats["loss/implicit_prm"] = learner.update_implicit_prm(buffer, targets)
+        stats |= {"train/nonfinite_steps": float(progress.nonfinite_steps), "histograms": targets.stats,
+                  "time/update": time.perf_counter() - started, **learner.learning_rates()}
+        progress.version += 1
+        progress.iteration = iteration + 1  # the update is in: a checkpoint from here on holds it
+        stats["time/sync"] = self.sync_generator(iteration)
         if iteration % self.config.logging.log_interval == 0:
             self.log(iteration, buffer, stats)
         postfix.update(bar_summary(stats, self.collector.roles))
 
-    def evaluate_and_collect(self, iteration: int, postfix: dict[str, str]) -> tuple[RolloutBuffer, dict[str, float]]:
-        """The iteration's evaluation, when due, and its batch. A failure saves the state at the
-        iteration's start first (one process)."""
-        start = self.snapshot() if not self.ranks.distributed else None  # the other ranks could not join a save
+    @contextlib.contextmanager
+    def start_saved_on_failure(self, iteration: int) -> Iterator[None]:
+        """An exception in the block, which must precede the update (weights and optimizer still those of the
+        iteration's start), first saves the state at the block's start (one process: under torchrun the other
+        ranks could not join a save), then propagates (``saved_at_failure``)."""
+        start = self.snapshot() if not self.ranks.distributed else None
         try:
-            eval_interval = self.config.budget.eval_interval
-            if eval_interval and iteration % eval_interval == 0:
-                postfix["acc"] = f"{self.evaluate_once(iteration)['eval/accuracy']:.3f}"
-            return self.rollouts.next(iteration, self.progress)
+            yield
         except Exception:
             if start is not None:
                 self.saved_at_failure = self.checkpointer.save(start)
                 log.error("iteration %d failed before its update; saved the state at its start to %s", iteration,
                           self.saved_at_failure)
+            raise
+
+    def sync_generator(self, iteration: int) -> float:
+        """The generator takes the updated weights; returns its seconds. A failure saves the updated state
+        first (one process), then propagates."""
+        try:
+            return self.generator.sync(self.policy)
+        except Exception:
+            if not self.ranks.distributed:
+                self.saved_at_failure = self.save()
+                log.error("iteration %d: the generator did not take the new weights; saved the updated state to %s",
+                          iteration, self.saved_at_failure)
             raise
 
     @contextlib.contextmanager

@@ -343,23 +343,49 @@ class RolloutBuffer:
         """
         if num_mini_batch < 1 or micro_batches < 1:
             raise ValueError(f"num_mini_batch={num_mini_batch} and micro_batches={micro_batches} must be >= 1")
+        minibatches = self.minibatch_indices(targets, num_mini_batch, generator)
+        totals = self.minibatch_totals(minibatches, reduce_totals)
+        for minibatch, (samples, tokens) in zip(minibatches, totals):
+            if samples == 0:  # no process holds a row of it
+                continue
+            if skip is not None:
+                minibatch = self.unskipped(minibatch, skip, samples, tokens, targets)
+            chunks = self.micro_batch_indices(minibatch, micro_batches, max_tokens)
+            if chunks or reduce_totals is not None:  # all rows skipped (one process): no gradient, no step
+                yield [self.batch(chunk, samples, tokens, targets) for chunk in chunks]
+
+    def minibatch_indices(self, targets: Targets, num_mini_batch: int,
+                          generator: torch.Generator | None) -> tuple[torch.Tensor, ...]:
+        """``num_mini_batch`` tensors of flat slot indices (into T * N * A): the trained slots, shuffled by one
+        ``randperm`` of ``generator``, split into sizes that differ by at most one."""
         slots = self.trained(targets).flatten().nonzero().squeeze(1)
         order = slots[torch.randperm(len(slots), generator=generator, device="cpu").to(slots.device)]
+        return torch.tensor_split(order, num_mini_batch)
+
+    def minibatch_totals(self, minibatches: Sequence[torch.Tensor],
+                         reduce_totals: Callable[[np.ndarray], np.ndarray] | None) -> list[list[int]]:
+        """[M] (samples, action tokens) of each minibatch, summed over every process by ``reduce_totals``
+        (None: this process alone)."""
         lengths = self.action_lengths.flatten()
-        minibatches = torch.tensor_split(order, num_mini_batch)
         totals = np.array([(len(m), int(lengths[m].sum())) for m in minibatches], dtype=np.float64)
         if reduce_totals is not None:
             totals = reduce_totals(totals)
-        for minibatch, (samples, tokens) in zip(minibatches, totals.astype(np.int64).tolist()):
-            if samples == 0:
-                continue
-            if skip is not None and len(minibatch):
-                minibatch = minibatch[~skip(self.batch(minibatch, samples, tokens, targets)).to(minibatch.device)]
-            chunks = [chunk for chunk in torch.tensor_split(minibatch, micro_batches) if len(chunk)]
-            if max_tokens:
-                chunks = [part for chunk in chunks for part in self.within_tokens(chunk, max_tokens)]
-            if chunks or reduce_totals is not None:  # all rows skipped (one process): no gradient, no step
-                yield [self.batch(chunk, samples, tokens, targets) for chunk in chunks]
+        return totals.astype(np.int64).tolist()
+
+    def unskipped(self, minibatch: torch.Tensor, skip: Callable[[Batch], torch.Tensor], samples: int, tokens: int,
+                  targets: Targets) -> torch.Tensor:
+        """The slots of ``minibatch`` [B] whose rows ``skip`` does not drop (it reads them as a Batch)."""
+        if len(minibatch) == 0:
+            return minibatch
+        return minibatch[~skip(self.batch(minibatch, samples, tokens, targets)).to(minibatch.device)]
+
+    def micro_batch_indices(self, minibatch: torch.Tensor, micro_batches: int, max_tokens: int) -> list[torch.Tensor]:
+        """The slots ``minibatch`` [B] cut into up to ``micro_batches`` non-empty parts of sizes that differ by at
+        most one, each cut further to forward at most ``max_tokens`` tokens (``within_tokens``; 0: no limit)."""
+        chunks = [chunk for chunk in torch.tensor_split(minibatch, micro_batches) if len(chunk)]
+        if max_tokens:
+            chunks = [part for chunk in chunks for part in self.within_tokens(chunk, max_tokens)]
+        return chunks
 
     def within_tokens(self, index: torch.Tensor, max_tokens: int) -> list[torch.Tensor]:
         """The slots ``index`` [B] cut into micro-batches that forward at most ``max_tokens`` tokens each, as

@@ -40,7 +40,7 @@ from algorithms.buffer import RolloutBuffer, StepRecord
 from algorithms.registry import AlgorithmSpec, collects_whole_episodes
 from envs.contract import FACTS, Agents, StepFacts
 from envs.rewards import OverlongPenalty
-from models.generation import GenerationOutput, Generator, Seed, mix_seed
+from models.generation import GenerationOutput, Generator, mix_seed
 from models.policy import LanguagePolicy
 
 
@@ -58,14 +58,11 @@ class Sampling:
     eos_text: str = ""
     token_actions: bool = False
 
-    def generate(self, generator: Generator, prompts: Sequence[str], seed: Seed = None, greedy: bool = False,
-                 adapters: Sequence[str | None] | None = None) -> GenerationOutput:
-        """One sample per prompt; ``greedy`` for evaluation (temperature 0: top-p and the seed do not matter);
-        ``adapters`` [len(prompts)]: the policy's role adapter of each prompt (None: the default actor)."""
-        return generator.generate(list(prompts), n=1, max_new_tokens=self.max_new_tokens,
-                                  temperature=0.0 if greedy else self.temperature, top_p=self.top_p,
-                                  stop=list(self.stop) if self.stop is not None else None, seed=seed,
-                                  adapters=adapters)
+    def generate_kwargs(self, greedy: bool = False) -> dict[str, Any]:
+        """``Generator.generate``'s keywords for one sample per prompt; ``greedy`` for evaluation (temperature 0:
+        top-p and the seed do not matter)."""
+        return dict(n=1, max_new_tokens=self.max_new_tokens, temperature=0.0 if greedy else self.temperature,
+                    top_p=self.top_p, stop=list(self.stop) if self.stop is not None else None)
 
     def actions(self, out: GenerationOutput) -> list[str] | list[int]:
         """The env actions of ``out``'s samples: texts, or token ids in token mode."""
@@ -115,8 +112,8 @@ def pair_actions(env, sampling: Sampling, out: GenerationOutput, envs: np.ndarra
 
 
 @dataclass(frozen=True)
-class Voices:
-    """Who speaks for each agent slot of a multi-agent env: the policy through its generator (by default),
+class RoleModels:
+    """What generates for each agent slot of a multi-agent env: the policy through its generator (by default),
     under the slot's own LoRA adapter (``adapters``: one adapter per role), or a frozen role's model of its
     own (``generators``), sampled as ``samplings`` says for that slot (e.g. a target's longer budget)."""
 
@@ -124,27 +121,36 @@ class Voices:
     generators: dict[int, Generator] = field(default_factory=dict)
     samplings: dict[int, Sampling] = field(default_factory=dict)
 
-    def generate(self, sampling: Sampling, generator: Generator, prompts: list[str], agents: np.ndarray,
-                 seeds: list[int] | None = None, greedy: bool = False) -> GenerationOutput:
-        """One sample per prompt, whose agent is ``agents[b]``: the policy's prompts, each with its role's
-        adapter, in one call of ``generator``; each frozen role's model in a call of its own."""
+    def speaker_groups(self, sampling: Sampling, generator: Generator, agents: np.ndarray,
+                       greedy: bool = False) -> list[tuple[list[int], Generator, dict[str, Any]]]:
+        """The pairs [B] whose agent is ``agents[b]``, grouped by what generates for them, in order of first
+        appearance: (their positions, the generator, its ``generate`` keywords). The policy's pairs form one
+        group, each with its role's adapter; each frozen role's pairs a group of their own."""
         speakers = [a if a in self.generators else None for a in agents.tolist()]  # None: the policy
-        parts = []
+        groups = []
         for speaker in dict.fromkeys(speakers):
             index = [k for k, s in enumerate(speakers) if s == speaker]
-            seed = None if seeds is None else [seeds[k] for k in index]
             if speaker is None:
                 adapters = [self.adapters.get(int(agents[k])) for k in index]
-                out = sampling.generate(generator, [prompts[k] for k in index], seed=seed, greedy=greedy,
-                                        adapters=adapters if any(adapters) else None)
+                kwargs = {**sampling.generate_kwargs(greedy), "adapters": adapters if any(adapters) else None}
+                groups.append((index, generator, kwargs))
             else:
-                out = self.samplings.get(speaker, sampling).generate(self.generators[speaker],
-                                                                     [prompts[k] for k in index], seed=seed,
-                                                                     greedy=greedy)
-            parts.append((index, out))
-        if len(parts) == 1:
-            return parts[0][1]
-        return GenerationOutput.interleave(parts, len(prompts))
+                groups.append((index, self.generators[speaker],
+                               self.samplings.get(speaker, sampling).generate_kwargs(greedy)))
+        return groups
+
+
+def generate_for_pairs(role_models: RoleModels, sampling: Sampling, generator: Generator, prompts: list[str],
+                       agents: np.ndarray, seeds: list[int] | None = None, greedy: bool = False) -> GenerationOutput:
+    """One sample per prompt [B], whose agent is ``agents[b]``: one ``generate`` call per speaker group
+    (``RoleModels.speaker_groups``), the samples put back in prompt order; ``seeds`` [B] (None: unseeded)."""
+    parts = []
+    for index, speaker, kwargs in role_models.speaker_groups(sampling, generator, agents, greedy):
+        seed = None if seeds is None else [seeds[k] for k in index]
+        parts.append((index, speaker.generate([prompts[k] for k in index], seed=seed, **kwargs)))
+    if len(parts) == 1:
+        return parts[0][1]
+    return GenerationOutput.interleave(parts, len(prompts))
 
 
 CRITIC_INPUTS = ("centralized", "per_role")  # a multi-agent critic reads the joint transcript, or its own prompt
@@ -181,7 +187,7 @@ class Collector:
     env's running episode return and the env steps taken (all saved with checkpoints)."""
 
     def __init__(self, env, spec: AlgorithmSpec, episode_length: int, sampling: Sampling, seed: int,
-                 env_offset: int = 0, voices: Voices = Voices(), critic: str = "centralized",
+                 env_offset: int = 0, voices: RoleModels = RoleModels(), critic: str = "centralized",
                  overlong: OverlongPenalty | None = None):
         if critic not in CRITIC_INPUTS:
             raise ValueError(f"critic={critic!r} must be one of {CRITIC_INPUTS}")
@@ -235,8 +241,8 @@ class Collector:
         num_agents = self.num_agents
         started = time.perf_counter()
         seeds = [mix_seed(seed, step, (self.env_offset + i) * num_agents + a) for i, a in zip(envs, agents)]
-        out = self.voices.generate(self.sampling, generator, pair_prompts(self.env.agents, self.obs, envs, agents),
-                                   agents, seeds)
+        prompts = pair_prompts(self.env.agents, self.obs, envs, agents)
+        out = generate_for_pairs(self.voices, self.sampling, generator, prompts, agents, seeds)
         tally.seconds["generate"] += time.perf_counter() - started
         record = self.step_record(step, out, envs, agents, policy)
         buffer.add(record)

@@ -24,9 +24,9 @@ def episodic_buffer(returns: list[float], group_ids: list[int], group_offset: in
     buffer = RolloutBuffer(1, num_envs, 1, 2)
     buffer.add(StepRecord(step=0, envs=range(num_envs), agents=[0] * num_envs,
                           prompt_ids=[[n] for n in range(num_envs)],
-               action_ids=[[n, n] for n in range(num_envs)], rollout_logprobs=[[-0.5, -0.25]] * num_envs,
-               group_ids=torch.tensor(group_ids) + group_offset, texts=[f"t{n}" for n in range(num_envs)],
-               cut=[n % 2 == 1 for n in range(num_envs)]))
+                          action_ids=[[n, n] for n in range(num_envs)], rollout_logprobs=[[-0.5, -0.25]] * num_envs,
+                          group_ids=torch.tensor(group_ids) + group_offset, texts=[f"t{n}" for n in range(num_envs)],
+                          cut=[n % 2 == 1 for n in range(num_envs)]))
     buffer.settle(0, np.array(returns)[:, None], np.ones(num_envs, dtype=bool), np.zeros(num_envs, dtype=bool),
                   np.array(returns))
     return buffer

@@ -179,8 +179,9 @@ def one_step_buffer(rewards: list[float], lengths: list[int], logprobs: list[lis
     count, width = len(rewards), max(lengths)
     buffer = RolloutBuffer(1, count, 1, width)
     buffer.add(StepRecord(step=0, envs=list(range(count)), agents=[0] * count, prompt_ids=[[1]] * count,
-               action_ids=[[5] * n for n in lengths], rollout_logprobs=[row[:n] for row, n in zip(logprobs, lengths)],
-               group_ids=torch.tensor(group_ids), texts=["x"] * count))
+                          action_ids=[[5] * n for n in lengths],
+                          rollout_logprobs=[row[:n] for row, n in zip(logprobs, lengths)],
+                          group_ids=torch.tensor(group_ids), texts=["x"] * count))
     done = np.ones(count, dtype=bool)
     buffer.settle(0, np.array(rewards, dtype=np.float32)[:, None], done, ~done, np.array(rewards, dtype=np.float32))
     buffer.ref_logprobs = torch.tensor(ref, dtype=torch.float32)[None, :, None, :]

@@ -34,8 +34,8 @@ def interleaved_buffer(token_critic: bool = False) -> RolloutBuffer:
     for step, agent, value in ((0, 0, 0.2), (1, 1, 0.4), (2, 0, 0.5)):
         buffer.add(StepRecord(step=step, envs=[0], agents=[agent], prompt_ids=[[1]], action_ids=[[2]],
                               rollout_logprobs=[[0.0]],
-                   group_ids=torch.tensor([0]), texts=["x"], values=torch.tensor([value]),
-                   token_values=torch.tensor([[value]]) if token_critic else None))
+                              group_ids=torch.tensor([0]), texts=["x"], values=torch.tensor([value]),
+                              token_values=torch.tensor([[value]]) if token_critic else None))
         ended = np.array([step == 2])
         buffer.settle(step, np.full((1, 2), float(step == 2)), ended, np.array([False]),
                       np.array([1.0 if step == 2 else np.nan]))
@@ -68,8 +68,8 @@ def one_token_episode_buffer(token_critic: bool) -> RolloutBuffer:
     for step, value in enumerate((0.5, 0.9, 0.7)):
         buffer.add(StepRecord(step=step, envs=[0], agents=[0], prompt_ids=[[1]], action_ids=[[2]],
                               rollout_logprobs=[[0.0]],
-                   group_ids=torch.tensor([0]), texts=["x"], values=torch.tensor([value]),
-                   token_values=torch.tensor([[value]]) if token_critic else None))
+                              group_ids=torch.tensor([0]), texts=["x"], values=torch.tensor([value]),
+                              token_values=torch.tensor([[value]]) if token_critic else None))
         buffer.settle(step, np.array([[float(step == 2)]]), np.array([step == 2]), np.array([False]),
                       np.array([1.0 if step == 2 else np.nan]))
     buffer.next_values = buffer.next_action_values()

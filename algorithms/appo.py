@@ -8,7 +8,7 @@ import torch
 
 from algorithms.base import (ActionScores, BaseAlgorithm, SumReducer, batch_mean_std, clip_stats, decoupled_gae,
                              detached)
-from algorithms.buffer import Batch, RolloutBuffer, Targets
+from algorithms.buffer import Batch, RolloutBuffer, AdvantageEstimate
 from algorithms.losses import clipped_surrogate, kl_k3, masked_mean, value_loss
 
 
@@ -49,7 +49,7 @@ class APPO(BaseAlgorithm):
     name = "APPO"
     needs_reference = False
 
-    def advantages(self, buffer: RolloutBuffer) -> Targets:
+    def advantages(self, buffer: RolloutBuffer) -> AdvantageEstimate:
         """advantages (GAE at gae_lambda), returns (at value_lambda): [T, N, A]; advantages normalised over
         the live slots. GAE runs along each agent's own actions (``RolloutBuffer.turn_order``): in a
         multi-agent env other roles act in between, and what they achieve reaches it through its rewards
@@ -61,7 +61,7 @@ class APPO(BaseAlgorithm):
                                      self.config.gamma)
         advantages, returns = decoupled_gae(estimate, self.config)
         advantages, returns = buffer.from_turns(advantages, order), buffer.from_turns(returns, order)
-        return Targets(normalized(advantages, live, self.reduce_sum), returns, stats={
+        return AdvantageEstimate(normalized(advantages, live, self.reduce_sum), returns, stats={
             "advantages": advantages[live], "returns": returns[live], "values": buffer.values[live]})
 
     def loss(self, scores: ActionScores, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

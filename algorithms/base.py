@@ -1,7 +1,7 @@
 """The Algorithm protocol, its settings, and the policy-loss pieces GRPO, TPPO and RLOO share.
 
 An algorithm is pure tensor math: ``advantages`` reads a filled ``RolloutBuffer`` and returns its
-``Targets`` (advantages, returns, which slots to train on) without changing the buffer; ``loss``
+``AdvantageEstimate`` (advantages, returns, which slots to train on) without changing the buffer; ``loss``
 turns the policy's scores of one micro-batch into a scalar. What it reads from a policy is named by
 the ``ActionScores`` protocol; the trainer owns models, generation and optimisation. Algorithms are
 registered, with the traits the trainer needs, in ``algorithms.registry``.
@@ -15,7 +15,7 @@ from typing import Callable, Protocol
 import numpy as np
 import torch
 
-from algorithms.buffer import Batch, RolloutBuffer, Targets
+from algorithms.buffer import Batch, RolloutBuffer, AdvantageEstimate
 from algorithms.losses import (Surrogate, aggregate, clipped_surrogate, importance_log_ratio, kl_estimate, kl_k3,
                                masked_mean)
 from algorithms.registry import AlgorithmConfig, LossAgg, algorithm_spec
@@ -60,7 +60,7 @@ class Algorithm(Protocol):
     needs_reference: bool
     needs_process_rewards: bool
 
-    def advantages(self, buffer: RolloutBuffer) -> Targets:
+    def advantages(self, buffer: RolloutBuffer) -> AdvantageEstimate:
         """The buffer's training targets: advantages ([T, N, A] or [T, N, A, L]), returns (critics),
         the slots to train on, and tensors worth logging. Never changes the buffer."""
         ...
@@ -129,7 +129,7 @@ def reward_kl(buffer: RolloutBuffer, config: AlgorithmConfig) -> torch.Tensor | 
     is not in the reward."""
     if not (config.use_kl_in_reward and config.kl_coef > 0):
         return None
-    return kl_estimate(buffer.behaviour_logprobs, buffer.ref_logprobs, config.kl_penalty) * buffer.token_mask()
+    return kl_estimate(buffer.rollout_logprobs, buffer.ref_logprobs, config.kl_penalty) * buffer.token_mask()
 
 
 def make_algorithm(name: str, config: AlgorithmConfig) -> Algorithm:

@@ -4,7 +4,7 @@ agents) and per action token [T, N, A, L], and its minibatch / gradient-accumula
 Token masks always come from the true action lengths, never from comparing ids with the pad id.
 ``live`` marks the (t, n, a) slots that hold an action: in episodic collection an env whose episode
 ended stops acting. What an algorithm computes from the buffer (advantages, returns, and which live
-slots to train on: PRIME's filter drops whole groups) comes back as ``Targets`` and is handed to
+slots to train on: PRIME's filter drops whole groups) comes back as ``AdvantageEstimate`` and is handed to
 ``minibatches``; the buffer itself holds only what collection recorded.
 """
 
@@ -18,8 +18,8 @@ import torch
 
 
 @dataclass(frozen=True)
-class Targets:
-    """An algorithm's training targets for one buffer.
+class AdvantageEstimate:
+    """What an algorithm estimates from one buffer to train on: advantages, the critic's returns, which slots.
 
     advantages: [T, N, A] per action or [T, N, A, L] per token. returns: the critic's targets, same
     shape, or None without a critic. keep: [T, N, A] bool, the live slots to train on (None: every
@@ -30,6 +30,32 @@ class Targets:
     returns: torch.Tensor | None = None
     keep: torch.Tensor | None = None
     stats: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one env step adds to the buffer: the actions taken at ``step`` by the B trained (env, agent) pairs
+    ``envs[b], agents[b]``.
+
+    prompt_ids / action_ids / rollout_logprobs: B lists (the prompt, the generated tokens and the sampler's
+    log-probs of them, up to L each). group_ids: [B] prompt groups. texts: B decoded actions. values: [B] V(s_t)
+    (None without a critic). token_values: [B, L'] with L' <= L (a token critic). critic_prompt_ids: B lists,
+    what the critic read instead of the prompt (a multi-agent env's joint transcript), to read again at the
+    update. cut: [B] the actions the generator stopped at its token limit (None: none).
+    """
+
+    step: int
+    envs: Sequence[int]
+    agents: Sequence[int]
+    prompt_ids: Sequence[list[int]]
+    action_ids: Sequence[list[int]]
+    rollout_logprobs: Sequence[list[float]]
+    group_ids: torch.Tensor
+    texts: Sequence[str]
+    values: torch.Tensor | None = None
+    token_values: torch.Tensor | None = None
+    critic_prompt_ids: Sequence[list[int]] | None = None
+    cut: Sequence[bool] | None = None
 
 
 @dataclass
@@ -88,7 +114,7 @@ class RolloutBuffer:
         tokens = (*self.shape, max_action_tokens)
         self.action_ids = torch.zeros(tokens, dtype=torch.long, **slots)
         self.action_lengths = torch.zeros(self.shape, dtype=torch.long, **slots)
-        self.behaviour_logprobs = torch.zeros(tokens, **slots)
+        self.rollout_logprobs = torch.zeros(tokens, **slots)
         self.values = torch.zeros(self.shape, **slots)  # V(s_t), action-level critic
         self.token_values = torch.zeros(tokens, **slots) if token_values else None  # V_{t,j}, token critic
         self.next_values = torch.zeros(self.shape, **slots)
@@ -117,48 +143,39 @@ class RolloutBuffer:
         _, num_envs, num_agents = self.shape
         return step * num_envs * num_agents + envs * num_agents + agents
 
-    def add(self, *, step: int, envs: Sequence[int], agents: Sequence[int], prompt_ids: Sequence[list[int]],
-            action_ids: Sequence[list[int]], logprobs: Sequence[list[float]], group_ids: torch.Tensor,
-            texts: Sequence[str], values: torch.Tensor | None = None,
-            token_values: torch.Tensor | None = None, critic_prompt_ids: Sequence[list[int]] | None = None,
-            cut: Sequence[bool] | None = None) -> None:
-        """Records the actions taken at ``step`` by the B (env, agent) pairs ``envs[b], agents[b]``; what the
-        env paid for them comes after, through ``settle``.
-
-        action_ids / logprobs: B lists (the generated tokens and their behaviour log-probs, up to
-        L each). group_ids, values: [B]. token_values: [B, L'] with L' <= L. critic_prompt_ids: B lists,
-        what the critic read instead of the prompt (a multi-agent env's joint transcript), to read again at
-        the update. cut: [B] the actions the generator stopped at its token limit (None: none).
-        """
-        envs_t = torch.as_tensor(list(envs), dtype=torch.long, device=self.device)
-        agents_t = torch.as_tensor(list(agents), dtype=torch.long, device=self.device)
-        lengths = [len(ids) for ids in action_ids]
+    def add(self, record: StepRecord) -> None:
+        """Records the actions of ``record`` (one env step's trained (env, agent) pairs); what the env paid for
+        them comes after, through ``settle``."""
+        envs = torch.as_tensor(list(record.envs), dtype=torch.long, device=self.device)
+        agents = torch.as_tensor(list(record.agents), dtype=torch.long, device=self.device)
+        lengths = [len(ids) for ids in record.action_ids]
         if max(lengths, default=0) > self.max_action_tokens:
             raise ValueError(f"an action has {max(lengths)} tokens; the buffer holds at most {self.max_action_tokens}")
-        ids = _right_pad([list(a) for a in action_ids], self.max_action_tokens, 0, torch.long, self.device)
-        lps = _right_pad([list(lp) for lp in logprobs], self.max_action_tokens, 0.0, torch.float32, self.device)
-        at = (step, envs_t, agents_t)
-        self.action_ids[at] = ids
-        self.behaviour_logprobs[at] = lps
+        at = (record.step, envs, agents)
+        self.action_ids[at] = _right_pad([list(a) for a in record.action_ids], self.max_action_tokens, 0, torch.long,
+                                         self.device)
+        self.rollout_logprobs[at] = _right_pad([list(lp) for lp in record.rollout_logprobs], self.max_action_tokens,
+                                               0.0, torch.float32, self.device)
         self.action_lengths[at] = torch.tensor(lengths, dtype=torch.long, device=self.device)
-        self.group_ids[at] = group_ids.to(self.device)
+        self.group_ids[at] = record.group_ids.to(self.device)
         self.live[at] = True
-        if cut is not None:
-            self.cut[at] = torch.as_tensor(list(cut), dtype=torch.bool, device=self.device)
-        if values is not None:
-            self.values[at] = values.to(self.device, torch.float32)
-        if token_values is not None:
-            self.token_values[at] = torch.nn.functional.pad(token_values, (0, self.max_action_tokens - token_values.shape[-1])).to(self.device)
-        flats = self.slot_index(step, envs_t, agents_t).tolist()
-        for flat, prompt, text in zip(flats, prompt_ids, texts):
+        if record.cut is not None:
+            self.cut[at] = torch.as_tensor(list(record.cut), dtype=torch.bool, device=self.device)
+        if record.values is not None:
+            self.values[at] = record.values.to(self.device, torch.float32)
+        if record.token_values is not None:
+            padding = (0, self.max_action_tokens - record.token_values.shape[-1])
+            self.token_values[at] = torch.nn.functional.pad(record.token_values, padding).to(self.device)
+        flats = self.slot_index(record.step, envs, agents).tolist()
+        for flat, prompt, text in zip(flats, record.prompt_ids, record.texts):
             self.prompt_ids[flat] = list(prompt)
             self.texts[flat] = text
-        if critic_prompt_ids is not None:
+        if record.critic_prompt_ids is not None:
             if self.critic_prompt_ids is None:
                 self.critic_prompt_ids = [None] * self.num_slots
-            for flat, prompt in zip(flats, critic_prompt_ids):
+            for flat, prompt in zip(flats, record.critic_prompt_ids):
                 self.critic_prompt_ids[flat] = list(prompt)
-        self.steps_filled = max(self.steps_filled, step + 1)
+        self.steps_filled = max(self.steps_filled, record.step + 1)
 
     def settle(self, step: int, rewards: np.ndarray, terminated: np.ndarray, truncated: np.ndarray,
                correct: np.ndarray) -> None:
@@ -318,11 +335,11 @@ class RolloutBuffer:
         num_steps, num_envs, num_agents = self.shape
         return x.permute(1, 2, 0, 3).reshape(num_envs * num_agents, num_steps * x.shape[-1])
 
-    def trained(self, targets: Targets) -> torch.Tensor:
+    def trained(self, targets: AdvantageEstimate) -> torch.Tensor:
         """[T, N, A] the live slots ``targets`` trains on."""
         return self.live if targets.keep is None else self.live & targets.keep
 
-    def minibatches(self, targets: Targets, num_mini_batch: int, micro_batches: int,
+    def minibatches(self, targets: AdvantageEstimate, num_mini_batch: int, micro_batches: int,
                     generator: torch.Generator | None = None,
                     skip: Callable[[Batch], torch.Tensor] | None = None,
                     reduce_totals: Callable[[np.ndarray], np.ndarray] | None = None,
@@ -343,23 +360,49 @@ class RolloutBuffer:
         """
         if num_mini_batch < 1 or micro_batches < 1:
             raise ValueError(f"num_mini_batch={num_mini_batch} and micro_batches={micro_batches} must be >= 1")
+        minibatches = self.minibatch_indices(targets, num_mini_batch, generator)
+        totals = self.minibatch_totals(minibatches, reduce_totals)
+        for minibatch, (samples, tokens) in zip(minibatches, totals):
+            if samples == 0:  # no process holds a row of it
+                continue
+            if skip is not None:
+                minibatch = self.unskipped(minibatch, skip, samples, tokens, targets)
+            chunks = self.micro_batch_indices(minibatch, micro_batches, max_tokens)
+            if chunks or reduce_totals is not None:  # all rows skipped (one process): no gradient, no step
+                yield [self.batch(chunk, samples, tokens, targets) for chunk in chunks]
+
+    def minibatch_indices(self, targets: AdvantageEstimate, num_mini_batch: int,
+                          generator: torch.Generator | None) -> tuple[torch.Tensor, ...]:
+        """``num_mini_batch`` tensors of flat slot indices (into T * N * A): the trained slots, shuffled by one
+        ``randperm`` of ``generator``, split into sizes that differ by at most one."""
         slots = self.trained(targets).flatten().nonzero().squeeze(1)
         order = slots[torch.randperm(len(slots), generator=generator, device="cpu").to(slots.device)]
+        return torch.tensor_split(order, num_mini_batch)
+
+    def minibatch_totals(self, minibatches: Sequence[torch.Tensor],
+                         reduce_totals: Callable[[np.ndarray], np.ndarray] | None) -> list[list[int]]:
+        """[M] (samples, action tokens) of each minibatch, summed over every process by ``reduce_totals``
+        (None: this process alone)."""
         lengths = self.action_lengths.flatten()
-        minibatches = torch.tensor_split(order, num_mini_batch)
         totals = np.array([(len(m), int(lengths[m].sum())) for m in minibatches], dtype=np.float64)
         if reduce_totals is not None:
             totals = reduce_totals(totals)
-        for minibatch, (samples, tokens) in zip(minibatches, totals.astype(np.int64).tolist()):
-            if samples == 0:
-                continue
-            if skip is not None and len(minibatch):
-                minibatch = minibatch[~skip(self.batch(minibatch, samples, tokens, targets)).to(minibatch.device)]
-            chunks = [chunk for chunk in torch.tensor_split(minibatch, micro_batches) if len(chunk)]
-            if max_tokens:
-                chunks = [part for chunk in chunks for part in self.within_tokens(chunk, max_tokens)]
-            if chunks or reduce_totals is not None:  # all rows skipped (one process): no gradient, no step
-                yield [self.batch(chunk, samples, tokens, targets) for chunk in chunks]
+        return totals.astype(np.int64).tolist()
+
+    def unskipped(self, minibatch: torch.Tensor, skip: Callable[[Batch], torch.Tensor], samples: int, tokens: int,
+                  targets: AdvantageEstimate) -> torch.Tensor:
+        """The slots of ``minibatch`` [B] whose rows ``skip`` does not drop (it reads them as a Batch)."""
+        if len(minibatch) == 0:
+            return minibatch
+        return minibatch[~skip(self.batch(minibatch, samples, tokens, targets)).to(minibatch.device)]
+
+    def micro_batch_indices(self, minibatch: torch.Tensor, micro_batches: int, max_tokens: int) -> list[torch.Tensor]:
+        """The slots ``minibatch`` [B] cut into up to ``micro_batches`` non-empty parts of sizes that differ by at
+        most one, each cut further to forward at most ``max_tokens`` tokens (``within_tokens``; 0: no limit)."""
+        chunks = [chunk for chunk in torch.tensor_split(minibatch, micro_batches) if len(chunk)]
+        if max_tokens:
+            chunks = [part for chunk in chunks for part in self.within_tokens(chunk, max_tokens)]
+        return chunks
 
     def within_tokens(self, index: torch.Tensor, max_tokens: int) -> list[torch.Tensor]:
         """The slots ``index`` [B] cut into micro-batches that forward at most ``max_tokens`` tokens each, as
@@ -386,7 +429,7 @@ class RolloutBuffer:
         return [torch.tensor(part, dtype=index.dtype, device=index.device) for part in parts]
 
     def batch(self, index: torch.Tensor, minibatch_samples: int, minibatch_tokens: int,
-              targets: Targets | None = None) -> Batch:
+              targets: AdvantageEstimate | None = None) -> Batch:
         """The slots ``index`` [B] as a Batch, actions trimmed to their longest length; advantages and
         returns from ``targets`` (None without)."""
         lengths = self.action_lengths.flatten()[index]
@@ -411,7 +454,7 @@ class RolloutBuffer:
             action_ids=tokens(self.action_ids),
             action_lengths=lengths,
             token_mask=token_mask,
-            old_logprobs=tokens(self.behaviour_logprobs if self.trainer_logprobs is None else self.trainer_logprobs),
+            old_logprobs=tokens(self.rollout_logprobs if self.trainer_logprobs is None else self.trainer_logprobs),
             old_values=old_values,
             ref_logprobs=tokens(self.ref_logprobs),
             advantages=per_slot(targets.advantages) if targets is not None else None,

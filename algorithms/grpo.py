@@ -6,7 +6,7 @@ import torch
 
 from algorithms.base import (ActionScores, BaseAlgorithm, SumReducer, batch_mean_std, reward_kl,
                              token_policy_loss, zero_advantage_rows)
-from algorithms.buffer import Batch, RolloutBuffer, Targets
+from algorithms.buffer import Batch, RolloutBuffer, AdvantageEstimate
 from algorithms.losses import group_index, group_means
 from algorithms.registry import ScaleRewards
 
@@ -50,7 +50,7 @@ class GRPO(BaseAlgorithm):
 
     name = "GRPO"
 
-    def advantages(self, buffer: RolloutBuffer) -> Targets:
+    def advantages(self, buffer: RolloutBuffer) -> AdvantageEstimate:
         """advantages [T, N, A]: the episode's group advantage on each of its live steps; groups are per
         (prompt group, agent), or per prompt group over every agent (``joint_groups``), over the agents
         that acted in their episode."""
@@ -66,7 +66,7 @@ class GRPO(BaseAlgorithm):
         stats = {"episode_returns": returns[acted], "advantages": advantages[acted]}
         if kl is not None:
             stats["kl_reward"] = kl[buffer.token_mask()]
-        return Targets(advantages[None] * buffer.live, stats=stats)
+        return AdvantageEstimate(advantages[None] * buffer.live, stats=stats)
 
     def loss(self, scores: ActionScores, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return token_policy_loss(scores, batch, batch.advantages[:, None], self.config)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-CRITICS = (None, "action", "token")
+CRITIC_GRANULARITIES = (None, "action", "token")  # what a critic values: nothing, each action, each token
 
 
 class ScaleRewards(enum.StrEnum):
@@ -130,3 +130,9 @@ def algorithm_spec(name: str) -> AlgorithmSpec:
     if name not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {name!r}; registered: {', '.join(ALGORITHMS)}")
     return ALGORITHMS[name]
+
+
+def collects_whole_episodes(spec: AlgorithmSpec, multi_agent: bool) -> bool:
+    """Whether each iteration collects one whole episode per env (no autoreset): an episodic algorithm compares
+    whole episodes, and in a multi-agent env an agent's action bootstraps from its own next action in the episode."""
+    return spec.episodic or multi_agent

@@ -9,7 +9,7 @@ import torch
 
 from algorithms.appo import normalized
 from algorithms.base import ActionScores, BaseAlgorithm, reward_kl, token_policy_loss, zero_advantage_rows
-from algorithms.buffer import Batch, RolloutBuffer, Targets
+from algorithms.buffer import Batch, RolloutBuffer, AdvantageEstimate
 from algorithms.losses import discounted_reverse_cumsum, group_index, group_means
 
 
@@ -47,7 +47,7 @@ class ReinforcePP(BaseAlgorithm):
     name = "REINFORCE_PP"
     subtract_group_mean = False
 
-    def advantages(self, buffer: RolloutBuffer) -> Targets:
+    def advantages(self, buffer: RolloutBuffer) -> AdvantageEstimate:
         """advantages [T, N, A, L]."""
         config = self.config
         order, token_mask = buffer.episode_token_order()  # [E, T * L]
@@ -67,7 +67,7 @@ class ReinforcePP(BaseAlgorithm):
                  "advantages": advantages[buffer.token_mask()]}
         if kl is not None:
             stats["kl_reward"] = kl[buffer.token_mask()]
-        return Targets(advantages, stats=stats)
+        return AdvantageEstimate(advantages, stats=stats)
 
     def loss(self, scores: ActionScores, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return token_policy_loss(scores, batch, batch.advantages, self.config)

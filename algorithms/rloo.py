@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from algorithms.base import ActionScores, BaseAlgorithm, reward_kl, token_policy_loss, zero_advantage_rows
-from algorithms.buffer import Batch, RolloutBuffer, Targets
+from algorithms.buffer import Batch, RolloutBuffer, AdvantageEstimate
 from algorithms.losses import discounted_reverse_cumsum, group_index, group_means
 
 
@@ -72,7 +72,7 @@ class RLOO(BaseAlgorithm):
         """With process_coef 0 the implicit PRM's stream weighs nothing: no PRM is built, scored or trained."""
         return self.config.process_coef > 0
 
-    def advantages(self, buffer: RolloutBuffer) -> Targets:
+    def advantages(self, buffer: RolloutBuffer) -> AdvantageEstimate:
         """advantages [T, N, A, L]; ``keep`` drops the filtered-out groups."""
         config = self.config
         outcome = buffer.episode_returns().flatten()  # [E] episodes, E = N * A
@@ -102,7 +102,7 @@ class RLOO(BaseAlgorithm):
                  "advantages": advantages[kept_tokens]}
         if kl is not None:
             stats["kl_reward"] = kl[buffer.token_mask()]
-        return Targets(advantages, keep=kept_slots, stats=stats)
+        return AdvantageEstimate(advantages, keep=kept_slots, stats=stats)
 
     def loss(self, scores: ActionScores, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return token_policy_loss(scores, batch, batch.advantages, self.config)

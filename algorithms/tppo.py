@@ -13,7 +13,7 @@ import torch
 
 from algorithms.appo import normalized
 from algorithms.base import ActionScores, BaseAlgorithm, decoupled_gae, minibatch_share, token_policy_loss
-from algorithms.buffer import Batch, RolloutBuffer, Targets
+from algorithms.buffer import Batch, RolloutBuffer, AdvantageEstimate
 from algorithms.losses import aggregate, discount_matrix, discounted_reverse_cumsum, masked_mean, value_loss
 
 
@@ -65,7 +65,7 @@ class TPPO(BaseAlgorithm):
 
     name = "TPPO"
 
-    def advantages(self, buffer: RolloutBuffer) -> Targets:
+    def advantages(self, buffer: RolloutBuffer) -> AdvantageEstimate:
         """advantages (at gae_lambda), returns (at value_lambda): [T, N, A, L]; advantages normalised over
         live tokens. Steps run along each agent's own actions (``RolloutBuffer.turn_order``), as APPO's."""
         num_steps, num_envs, num_agents = buffer.shape
@@ -83,7 +83,7 @@ class TPPO(BaseAlgorithm):
         mask = buffer.token_mask()
         advantages = buffer.from_turns(advantages.reshape(mask.shape), order)
         returns = buffer.from_turns(returns.reshape(mask.shape), order)
-        return Targets(normalized(advantages, mask, self.reduce_sum), returns, stats={
+        return AdvantageEstimate(normalized(advantages, mask, self.reduce_sum), returns, stats={
             "advantages": advantages[mask], "returns": returns[mask], "values": buffer.token_values[mask]})
 
     def loss(self, scores: ActionScores, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -8,14 +8,14 @@ import torch
 
 from algorithms.base import make_algorithm
 from algorithms.registry import AlgorithmConfig
-from algorithms.buffer import RolloutBuffer, Targets
+from algorithms.buffer import AdvantageEstimate, RolloutBuffer, StepRecord
 from models.scoring import ActionScores
 
 VOCAB = 11
 
 
 def filled_buffer(num_steps: int = 2, num_envs: int = 7, max_tokens: int = 5,
-                  seed: int = 0) -> tuple[RolloutBuffer, Targets]:
+                  seed: int = 0) -> tuple[RolloutBuffer, AdvantageEstimate]:
     """Random actions of lengths 1..max_tokens (token id 0, the 'pad' id, appears as a real token);
     env 6 is not live at step 1 (its episode ended). Random advantages and returns."""
     g = torch.Generator().manual_seed(seed)
@@ -27,13 +27,14 @@ def filled_buffer(num_steps: int = 2, num_envs: int = 7, max_tokens: int = 5,
         logprobs = [(-torch.rand(n, generator=g)).tolist() for n in lengths]
         rewards = np.zeros((num_envs, 1))
         rewards[envs, 0] = torch.rand(len(envs), generator=g).numpy()
-        buffer.add(step=step, envs=envs, agents=[0] * len(envs), prompt_ids=[[1, 2, 3]] * len(envs),
-                   action_ids=actions, logprobs=logprobs, group_ids=torch.tensor([e // 2 for e in envs]),
-                   texts=["x"] * len(envs), values=torch.randn(len(envs), generator=g))
+        buffer.add(StepRecord(step=step, envs=envs, agents=[0] * len(envs), prompt_ids=[[1, 2, 3]] * len(envs),
+                              action_ids=actions, rollout_logprobs=logprobs,
+                              group_ids=torch.tensor([e // 2 for e in envs]),
+                              texts=["x"] * len(envs), values=torch.randn(len(envs), generator=g)))
         buffer.settle(step, rewards, np.zeros(num_envs, dtype=bool), np.zeros(num_envs, dtype=bool),
                       np.full(num_envs, np.nan))
     advantages = torch.randn(buffer.shape, generator=g) * buffer.live
-    return buffer, Targets(advantages, returns=torch.randn(buffer.shape, generator=g))
+    return buffer, AdvantageEstimate(advantages, returns=torch.randn(buffer.shape, generator=g))
 
 
 def test_settle_pays_each_agent_at_its_latest_action():
@@ -42,8 +43,8 @@ def test_settle_pays_each_agent_at_its_latest_action():
     buffer = RolloutBuffer(3, 2, 2, 1)
     nan = float("nan")
     for step, agent in ((0, 0), (1, 1), (2, 0)):
-        buffer.add(step=step, envs=[0, 1], agents=[agent, 0], prompt_ids=[[1]] * 2, action_ids=[[2]] * 2,
-                   logprobs=[[0.0]] * 2, group_ids=torch.tensor([0, 1]), texts=["x"] * 2)
+        buffer.add(StepRecord(step=step, envs=[0, 1], agents=[agent, 0], prompt_ids=[[1]] * 2, action_ids=[[2]] * 2,
+                              rollout_logprobs=[[0.0]] * 2, group_ids=torch.tensor([0, 1]), texts=["x"] * 2))
         rewards = np.array([[0.5, 0.0], [0.0, 0.0]]) if step == 0 else np.zeros((2, 2))
         if step == 2:
             rewards = np.array([[1.0, 1.0], [0.0, 7.0]])  # env 1's agent 1 has no action to take its 7
@@ -59,8 +60,9 @@ def test_settle_pays_each_agent_at_its_latest_action():
 
 def test_token_mask_comes_from_lengths_not_pad_ids():
     buffer = RolloutBuffer(1, 2, 1, 4)
-    buffer.add(step=0, envs=[0, 1], agents=[0, 0], prompt_ids=[[5], [6]], action_ids=[[0, 0, 7], [0]],
-               logprobs=[[-1.0] * 3, [-2.0]], group_ids=torch.zeros(2, dtype=torch.long), texts=["a", "b"])
+    buffer.add(StepRecord(step=0, envs=[0, 1], agents=[0, 0], prompt_ids=[[5], [6]], action_ids=[[0, 0, 7], [0]],
+                          rollout_logprobs=[[-1.0] * 3, [-2.0]],
+                          group_ids=torch.zeros(2, dtype=torch.long), texts=["a", "b"]))
     assert buffer.token_mask()[0, :, 0].tolist() == [[True, True, True, False], [True, False, False, False]]
     batch = buffer.rows()
     assert batch.action_ids.shape == (2, 3) and batch.token_mask.sum().item() == 4
@@ -117,9 +119,10 @@ def test_a_token_budget_cuts_micro_batches_by_forwarded_tokens_keeping_a_prompts
     prompts = {"a": [1, 2, 3, 4], "b": [5, 6, 7, 8, 9, 10], "c": [11, 12, 13]}
     rows = [("b", 5), ("a", 2), ("c", 1), ("b", 5), ("a", 3), ("c", 1)]
     buffer = RolloutBuffer(1, len(rows), 1, 5)
-    buffer.add(step=0, envs=list(range(len(rows))), agents=[0] * len(rows), prompt_ids=[prompts[g] for g, _ in rows],
-               action_ids=[[7] * n for _, n in rows], logprobs=[[-1.0] * n for _, n in rows],
-               group_ids=torch.tensor([ord(g) for g, _ in rows]), texts=["x"] * len(rows))
+    buffer.add(StepRecord(step=0, envs=list(range(len(rows))), agents=[0] * len(rows),
+                          prompt_ids=[prompts[g] for g, _ in rows],
+                          action_ids=[[7] * n for _, n in rows], rollout_logprobs=[[-1.0] * n for _, n in rows],
+                          group_ids=torch.tensor([ord(g) for g, _ in rows]), texts=["x"] * len(rows)))
 
     def cut(max_tokens: int) -> list[list[int]]:
         return [part.tolist() for part in buffer.within_tokens(torch.arange(len(rows)), max_tokens)]

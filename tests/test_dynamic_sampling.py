@@ -9,7 +9,7 @@ import torch
 from absl import flags
 
 from algorithms.base import make_algorithm
-from algorithms.buffer import RolloutBuffer
+from algorithms.buffer import RolloutBuffer, StepRecord
 from algorithms.registry import AlgorithmConfig
 from event_files import read_scalars
 from test_train_math import parse
@@ -22,10 +22,11 @@ def episodic_buffer(returns: list[float], group_ids: list[int], group_offset: in
     """One step of len(returns) envs, one agent; env n's action is the tokens [n, n] of prompt [n]."""
     num_envs = len(returns)
     buffer = RolloutBuffer(1, num_envs, 1, 2)
-    buffer.add(step=0, envs=range(num_envs), agents=[0] * num_envs, prompt_ids=[[n] for n in range(num_envs)],
-               action_ids=[[n, n] for n in range(num_envs)], logprobs=[[-0.5, -0.25]] * num_envs,
-               group_ids=torch.tensor(group_ids) + group_offset, texts=[f"t{n}" for n in range(num_envs)],
-               cut=[n % 2 == 1 for n in range(num_envs)])
+    buffer.add(StepRecord(step=0, envs=range(num_envs), agents=[0] * num_envs,
+                          prompt_ids=[[n] for n in range(num_envs)],
+                          action_ids=[[n, n] for n in range(num_envs)], rollout_logprobs=[[-0.5, -0.25]] * num_envs,
+                          group_ids=torch.tensor(group_ids) + group_offset, texts=[f"t{n}" for n in range(num_envs)],
+                          cut=[n % 2 == 1 for n in range(num_envs)]))
     buffer.settle(0, np.array(returns)[:, None], np.ones(num_envs, dtype=bool), np.zeros(num_envs, dtype=bool),
                   np.array(returns))
     return buffer
@@ -49,7 +50,7 @@ def test_concat_envs_carries_every_slot_of_the_chosen_envs():
     assert joined.cut[0, :, 0].tolist() == [False, True, False, True]
     assert joined.prompt_ids == [[0], [1], [0], [1]] and joined.texts == ["t0", "t1", "t0", "t1"]
     assert joined.live.all() and joined.steps_filled == 1
-    torch.testing.assert_close(joined.behaviour_logprobs[0, :, 0], torch.tensor([[-0.5, -0.25]] * 4))
+    torch.testing.assert_close(joined.rollout_logprobs[0, :, 0], torch.tensor([[-0.5, -0.25]] * 4))
     # GRPO on the joined batch: each group's own baseline, returns (1, 0) -> +-z
     targets = make_algorithm("GRPO", AlgorithmConfig()).advantages(joined)
     z = 0.5 / (np.sqrt(0.5) + 1e-4)

@@ -14,7 +14,7 @@ import torch
 from absl import flags
 
 from algorithms.base import make_algorithm
-from algorithms.buffer import Batch, RolloutBuffer
+from algorithms.buffer import Batch, RolloutBuffer, StepRecord
 from algorithms.losses import aggregate, clipped_surrogate, importance_log_ratio, kl_estimate
 from algorithms.registry import AlgorithmConfig
 from algorithms.reinforce_pp import reinforce_pp_returns
@@ -178,9 +178,10 @@ def one_step_buffer(rewards: list[float], lengths: list[int], logprobs: list[lis
     """One step of len(rewards) single-agent episodes, each ending at once with its reward."""
     count, width = len(rewards), max(lengths)
     buffer = RolloutBuffer(1, count, 1, width)
-    buffer.add(step=0, envs=list(range(count)), agents=[0] * count, prompt_ids=[[1]] * count,
-               action_ids=[[5] * n for n in lengths], logprobs=[row[:n] for row, n in zip(logprobs, lengths)],
-               group_ids=torch.tensor(group_ids), texts=["x"] * count)
+    buffer.add(StepRecord(step=0, envs=list(range(count)), agents=[0] * count, prompt_ids=[[1]] * count,
+                          action_ids=[[5] * n for n in lengths],
+                          rollout_logprobs=[row[:n] for row, n in zip(logprobs, lengths)],
+                          group_ids=torch.tensor(group_ids), texts=["x"] * count))
     done = np.ones(count, dtype=bool)
     buffer.settle(0, np.array(rewards, dtype=np.float32)[:, None], done, ~done, np.array(rewards, dtype=np.float32))
     buffer.ref_logprobs = torch.tensor(ref, dtype=torch.float32)[None, :, None, :]

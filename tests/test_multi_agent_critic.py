@@ -10,7 +10,7 @@ import torch
 
 from algorithms.appo import APPO
 from algorithms.registry import AlgorithmConfig
-from algorithms.buffer import RolloutBuffer
+from algorithms.buffer import RolloutBuffer, StepRecord
 from algorithms.registry import algorithm_spec
 from algorithms.tppo import TPPO
 from envs.multi_agent import MultiAgentMathVectorEnv
@@ -32,9 +32,10 @@ def interleaved_buffer(token_critic: bool = False) -> RolloutBuffer:
     at step 2 with reward 1 on agent 0's last action and 1 credited late to agent 1's only action."""
     buffer = RolloutBuffer(3, 1, 2, max_action_tokens=1, token_values=token_critic)
     for step, agent, value in ((0, 0, 0.2), (1, 1, 0.4), (2, 0, 0.5)):
-        buffer.add(step=step, envs=[0], agents=[agent], prompt_ids=[[1]], action_ids=[[2]], logprobs=[[0.0]],
-                   group_ids=torch.tensor([0]), texts=["x"], values=torch.tensor([value]),
-                   token_values=torch.tensor([[value]]) if token_critic else None)
+        buffer.add(StepRecord(step=step, envs=[0], agents=[agent], prompt_ids=[[1]], action_ids=[[2]],
+                              rollout_logprobs=[[0.0]],
+                              group_ids=torch.tensor([0]), texts=["x"], values=torch.tensor([value]),
+                              token_values=torch.tensor([[value]]) if token_critic else None))
         ended = np.array([step == 2])
         buffer.settle(step, np.full((1, 2), float(step == 2)), ended, np.array([False]),
                       np.array([1.0 if step == 2 else np.nan]))
@@ -65,9 +66,10 @@ def one_token_episode_buffer(token_critic: bool) -> RolloutBuffer:
     """One env, a 3-step episode of one-token actions with values 0.5, 0.9, 0.7 and rewards 0, 0, 1 (gamma 1)."""
     buffer = RolloutBuffer(3, 1, 1, max_action_tokens=1, token_values=token_critic)
     for step, value in enumerate((0.5, 0.9, 0.7)):
-        buffer.add(step=step, envs=[0], agents=[0], prompt_ids=[[1]], action_ids=[[2]], logprobs=[[0.0]],
-                   group_ids=torch.tensor([0]), texts=["x"], values=torch.tensor([value]),
-                   token_values=torch.tensor([[value]]) if token_critic else None)
+        buffer.add(StepRecord(step=step, envs=[0], agents=[0], prompt_ids=[[1]], action_ids=[[2]],
+                              rollout_logprobs=[[0.0]],
+                              group_ids=torch.tensor([0]), texts=["x"], values=torch.tensor([value]),
+                              token_values=torch.tensor([[value]]) if token_critic else None))
         buffer.settle(step, np.array([[float(step == 2)]]), np.array([step == 2]), np.array([False]),
                       np.array([1.0 if step == 2 else np.nan]))
     buffer.next_values = buffer.next_action_values()

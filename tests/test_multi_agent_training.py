@@ -23,7 +23,7 @@ from test_front_door import small
 from test_generation import generate_with, role_adapter_policy
 from test_trainer import run_train_math
 from train import evaluation
-from train.collector import Collector, Sampling, Tally, Voices
+from train.collector import Collector, RoleModels, Sampling, Tally, generate_for_pairs
 from models.generation import GenerationOutput, HFGenerator
 from models.policy import LanguagePolicy, LoraSettings
 
@@ -167,7 +167,7 @@ def test_prefix_rl_as_two_agents_trains_the_writer_while_a_frozen_model_solves(p
                                   max_steps=8, workflow="prefix", reward_assignment="individual")
     target = HFGenerator(LanguagePolicy(untrained_policy_dir, device="cpu"))
     collector = Collector(env, algorithm_spec("GRPO"), 2, Sampling(max_new_tokens=32), seed=0,
-                          voices=Voices(generators={1: target}, samplings={1: Sampling(max_new_tokens=3)}))
+                          voices=RoleModels(generators={1: target}, samplings={1: Sampling(max_new_tokens=3)}))
 
     def write(prompt: str) -> str:  # group 0's writer gives the answer away, group 1's a wrong one
         first, second = env.problem_env.episodes[0].problem, env.problem_env.episodes[2].problem
@@ -213,12 +213,12 @@ def test_the_policy_speaks_for_every_role_adapter_in_one_generate_call(untrained
     policy = role_adapter_policy(untrained_policy_dir)
     generator = CountingGenerator(HFGenerator(policy))
     frozen = CountingGenerator(HFGenerator(LanguagePolicy(untrained_policy_dir, device="cpu").eval()))
-    voices = Voices(adapters={0: "solver", 1: "verifier"}, generators={3: frozen},
+    role_models = RoleModels(adapters={0: "solver", 1: "verifier"}, generators={3: frozen},
                     samplings={3: Sampling(max_new_tokens=3)})
     prompts = [f"Problem: Compute {k} + {k}.\nSolution:\n" for k in range(7)]
     agents, seeds = np.array([0, 1, 3, 2, 1, 0, 3]), [100 + k for k in range(7)]
     sampling = Sampling(max_new_tokens=8)
-    out = voices.generate(sampling, generator, prompts, agents, seeds)
+    out = generate_for_pairs(role_models, sampling, generator, prompts, agents, seeds)
     assert generator.calls == [["solver", "verifier", None, "verifier", "solver"]]
     assert frozen.calls == [None]
     for agent, adapter in ((0, "solver"), (1, "verifier"), (2, None)):

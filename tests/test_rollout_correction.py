@@ -65,7 +65,7 @@ def corrected_buffer(trainer_shift: list[float], config: RolloutConfig):
     the sampler's plus ``trainer_shift[n]`` on each token of env n."""
     buffer = episodic_buffer([1.0, 0.0, 1.0, 1.0], [0, 0, 1, 1])
     shift = torch.tensor(trainer_shift)[None, :, None, None] * buffer.token_mask()
-    buffer.trainer_logprobs = buffer.behaviour_logprobs + shift
+    buffer.trainer_logprobs = buffer.rollout_logprobs + shift
     targets = make_algorithm("GRPO", AlgorithmConfig()).advantages(buffer)
     return buffer, targets, *corrected_targets(buffer, targets, config)
 
@@ -108,7 +108,7 @@ def test_every_option_off_leaves_the_batch_as_collected():
     assert buffer.trainer_logprobs is None and buffer.rollout_weights is None
     batch = buffer.batch(torch.arange(4), 4, 8, targets)
     assert batch.rollout_weights is None
-    torch.testing.assert_close(batch.old_logprobs, buffer.behaviour_logprobs[0, :, 0])
+    torch.testing.assert_close(batch.old_logprobs, buffer.rollout_logprobs[0, :, 0])
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -15,7 +15,7 @@ import torch
 from algorithms.base import make_algorithm
 from algorithms.registry import AlgorithmConfig
 from algorithms.registry import ALGORITHMS
-from algorithms.buffer import RolloutBuffer
+from algorithms.buffer import RolloutBuffer, StepRecord
 from models.policy import LanguagePolicy
 from models.tiny import shipped_models
 from event_files import read_scalars
@@ -38,9 +38,10 @@ def one_step_buffer(policy: LanguagePolicy, critic: str | None) -> RolloutBuffer
     scores.values.zero_()
     logprobs = [scores.logprobs[i, :len(a)].tolist() for i, a in enumerate(actions)]
     buffer = RolloutBuffer(1, 2, 1, 6, token_values=critic == "token")
-    buffer.add(step=0, envs=[0, 1], agents=[0, 0], prompt_ids=prompts, action_ids=actions, logprobs=logprobs,
-               group_ids=torch.zeros(2, dtype=torch.long), texts=["a", "b"], values=scores.values[:, 0],
-               token_values=scores.values if critic == "token" else None)
+    buffer.add(StepRecord(step=0, envs=[0, 1], agents=[0, 0], prompt_ids=prompts, action_ids=actions,
+                          rollout_logprobs=logprobs,
+                          group_ids=torch.zeros(2, dtype=torch.long), texts=["a", "b"], values=scores.values[:, 0],
+                          token_values=scores.values if critic == "token" else None))
     buffer.settle(0, np.array([[1.0], [0.0]]), np.ones(2, dtype=bool), np.zeros(2, dtype=bool), np.array([1.0, 0.0]))
     buffer.next_values = torch.zeros(buffer.shape)  # both episodes terminated
     return buffer
@@ -78,12 +79,12 @@ def test_grpo_gives_each_episode_its_group_advantage_on_every_step():
     nan = float("nan")
     # group 0 = envs 0, 1; group 1 = envs 2, 3. Env 0 takes two steps (0.5 each), the others one.
     step0 = dict(rewards=[0.5, 0.0, 1.0, 1.0], ends=[False, True, True, True], correct=[nan, 0.0, 1.0, 1.0])
-    buffer.add(step=0, envs=range(4), agents=[0] * 4, prompt_ids=[[1]] * 4, action_ids=[[2]] * 4,
-               logprobs=[[-1.0]] * 4, group_ids=torch.tensor([0, 0, 1, 1]), texts=["s"] * 4)
+    buffer.add(StepRecord(step=0, envs=range(4), agents=[0] * 4, prompt_ids=[[1]] * 4, action_ids=[[2]] * 4,
+                          rollout_logprobs=[[-1.0]] * 4, group_ids=torch.tensor([0, 0, 1, 1]), texts=["s"] * 4))
     buffer.settle(0, np.array(step0["rewards"])[:, None], np.array(step0["ends"]), np.zeros(4, dtype=bool),
                   np.array(step0["correct"]))
-    buffer.add(step=1, envs=[0], agents=[0], prompt_ids=[[1]], action_ids=[[2]], logprobs=[[-1.0]],
-               group_ids=torch.tensor([0]), texts=["s"])
+    buffer.add(StepRecord(step=1, envs=[0], agents=[0], prompt_ids=[[1]], action_ids=[[2]], rollout_logprobs=[[-1.0]],
+                          group_ids=torch.tensor([0]), texts=["s"]))
     buffer.settle(1, np.array([[0.5], [0.0], [0.0], [0.0]]), np.array([True, False, False, False]),
                   np.zeros(4, dtype=bool), np.array([1.0, nan, nan, nan]))
     grpo = make_algorithm("GRPO", AlgorithmConfig())
@@ -97,8 +98,9 @@ def test_grpo_gives_each_episode_its_group_advantage_on_every_step():
 def test_rloo_filters_groups_outside_the_accuracy_bounds():
     buffer = RolloutBuffer(1, 6, 1, 2)
     correct = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0])  # groups: all right, mixed, all wrong
-    buffer.add(step=0, envs=range(6), agents=[0] * 6, prompt_ids=[[1]] * 6, action_ids=[[2, 3]] * 6,
-               logprobs=[[-1.0, -1.0]] * 6, group_ids=torch.tensor([0, 0, 1, 1, 2, 2]), texts=["s"] * 6)
+    buffer.add(StepRecord(step=0, envs=range(6), agents=[0] * 6, prompt_ids=[[1]] * 6, action_ids=[[2, 3]] * 6,
+                          rollout_logprobs=[[-1.0, -1.0]] * 6,
+                          group_ids=torch.tensor([0, 0, 1, 1, 2, 2]), texts=["s"] * 6))
     buffer.settle(0, correct.numpy()[:, None], np.ones(6, dtype=bool), np.zeros(6, dtype=bool), correct.numpy())
     rloo = make_algorithm("RLOO", AlgorithmConfig())
     targets = rloo.advantages(buffer)

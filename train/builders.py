@@ -25,7 +25,7 @@ from envs.prompts import STEP_DELIMITER
 from envs.rewards import OutcomeReward, OverlongPenalty, RewardMixture, RewardModel
 from reward_models.implicit_prm import ImplicitPRM
 from train import checkpoint, distributed
-from train.collector import Collector, Sampling, Voices
+from train.collector import Collector, RoleModels, Sampling
 from train.config import (ActionLevel, AgentGroups, DataParallel, EnvConfig, GenerationConfig, LearningConfig,
                           ModelConfig, RewardConfig, RolloutConfig, RunConfig, ServicesConfig, Tool)
 from train.distributed import Ranks
@@ -336,14 +336,14 @@ def build_generators(config: RunConfig, policy: LanguagePolicy, directory: str, 
     return generator, rollout_policy, make_generator("hf", rollout_policy)
 
 
-def build_voices(config: RunConfig, env, policy: LanguagePolicy, sampling: Sampling) -> Voices:
-    """Who speaks for each agent slot: its role adapter (per-role adapters), a frozen role's own model (an HF
+def build_role_models(config: RunConfig, env, policy: LanguagePolicy, sampling: Sampling) -> RoleModels:
+    """What generates for each agent slot: its role adapter (per-role adapters), a frozen role's own model (an HF
     generator sampled as the target is: the target's max new tokens and temperature), else the policy."""
     models, slots = config.multi_agent.models_by_role, dict(enumerate(env.agents.roles))
     own = [slot for slot, role in slots.items() if role in models]
     target_sampling = dataclasses.replace(sampling, max_new_tokens=config.prefix_rl.target_max_new_tokens,
                                           temperature=config.prefix_rl.target_temperature)
-    return Voices(
+    return RoleModels(
         adapters={slot: role for slot, role in slots.items() if role in policy.role_adapters},
         generators={slot: make_generator("hf", LanguagePolicy(models[slots[slot]], device=str(policy.device),
                                                               dtype=config.model.dtype).eval()) for slot in own},
@@ -414,7 +414,7 @@ def build_runner(config: RunConfig, run_dir: Path, writer, saved: checkpoint.Che
     collector = Collector(train_env, algorithm_spec(learning.algorithm), env.episode_length, sampling,
                           seed=config.budget.seed,
                           env_offset=distributed.shard(env.envs_stepped, env.group_size, ranks)[0],
-                          voices=build_voices(config, train_env, policy, sampling), critic=learning.critic_view,
+                          voices=build_role_models(config, train_env, policy, sampling), critic=learning.critic_view,
                           overlong=overlong_penalty(config.rollout, sampling))
     runner = Runner(config, collector, eval_envs, policy, generator, algorithm, optimizer, scheduler, writer,
                     run_dir, implicit_prm=implicit_prm, rollout_policy=rollout_policy,

@@ -36,11 +36,11 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from algorithms.buffer import RolloutBuffer
-from algorithms.registry import AlgorithmSpec
+from algorithms.buffer import RolloutBuffer, StepRecord
+from algorithms.registry import AlgorithmSpec, collects_whole_episodes
 from envs.contract import FACTS, Agents, StepFacts
 from envs.rewards import OverlongPenalty
-from models.generation import GenerationOutput, Generator, Seed, mix_seed
+from models.generation import GenerationOutput, Generator, mix_seed
 from models.policy import LanguagePolicy
 
 
@@ -58,14 +58,11 @@ class Sampling:
     eos_text: str = ""
     token_actions: bool = False
 
-    def generate(self, generator: Generator, prompts: Sequence[str], seed: Seed = None, greedy: bool = False,
-                 adapters: Sequence[str | None] | None = None) -> GenerationOutput:
-        """One sample per prompt; ``greedy`` for evaluation (temperature 0: top-p and the seed do not matter);
-        ``adapters`` [len(prompts)]: the policy's role adapter of each prompt (None: the default actor)."""
-        return generator.generate(list(prompts), n=1, max_new_tokens=self.max_new_tokens,
-                                  temperature=0.0 if greedy else self.temperature, top_p=self.top_p,
-                                  stop=list(self.stop) if self.stop is not None else None, seed=seed,
-                                  adapters=adapters)
+    def generate_kwargs(self, greedy: bool = False) -> dict[str, Any]:
+        """``Generator.generate``'s keywords for one sample per prompt; ``greedy`` for evaluation (temperature 0:
+        top-p and the seed do not matter)."""
+        return dict(n=1, max_new_tokens=self.max_new_tokens, temperature=0.0 if greedy else self.temperature,
+                    top_p=self.top_p, stop=list(self.stop) if self.stop is not None else None)
 
     def actions(self, out: GenerationOutput) -> list[str] | list[int]:
         """The env actions of ``out``'s samples: texts, or token ids in token mode."""
@@ -115,8 +112,8 @@ def pair_actions(env, sampling: Sampling, out: GenerationOutput, envs: np.ndarra
 
 
 @dataclass(frozen=True)
-class Voices:
-    """Who speaks for each agent slot of a multi-agent env: the policy through its generator (by default),
+class RoleModels:
+    """What generates for each agent slot of a multi-agent env: the policy through its generator (by default),
     under the slot's own LoRA adapter (``adapters``: one adapter per role), or a frozen role's model of its
     own (``generators``), sampled as ``samplings`` says for that slot (e.g. a target's longer budget)."""
 
@@ -124,30 +121,39 @@ class Voices:
     generators: dict[int, Generator] = field(default_factory=dict)
     samplings: dict[int, Sampling] = field(default_factory=dict)
 
-    def generate(self, sampling: Sampling, generator: Generator, prompts: list[str], agents: np.ndarray,
-                 seeds: list[int] | None = None, greedy: bool = False) -> GenerationOutput:
-        """One sample per prompt, whose agent is ``agents[b]``: the policy's prompts, each with its role's
-        adapter, in one call of ``generator``; each frozen role's model in a call of its own."""
+    def speaker_groups(self, sampling: Sampling, generator: Generator, agents: np.ndarray,
+                       greedy: bool = False) -> list[tuple[list[int], Generator, dict[str, Any]]]:
+        """The pairs [B] whose agent is ``agents[b]``, grouped by what generates for them, in order of first
+        appearance: (their positions, the generator, its ``generate`` keywords). The policy's pairs form one
+        group, each with its role's adapter; each frozen role's pairs a group of their own."""
         speakers = [a if a in self.generators else None for a in agents.tolist()]  # None: the policy
-        parts = []
+        groups = []
         for speaker in dict.fromkeys(speakers):
             index = [k for k, s in enumerate(speakers) if s == speaker]
-            seed = None if seeds is None else [seeds[k] for k in index]
             if speaker is None:
                 adapters = [self.adapters.get(int(agents[k])) for k in index]
-                out = sampling.generate(generator, [prompts[k] for k in index], seed=seed, greedy=greedy,
-                                        adapters=adapters if any(adapters) else None)
+                kwargs = {**sampling.generate_kwargs(greedy), "adapters": adapters if any(adapters) else None}
+                groups.append((index, generator, kwargs))
             else:
-                out = self.samplings.get(speaker, sampling).generate(self.generators[speaker],
-                                                                     [prompts[k] for k in index], seed=seed,
-                                                                     greedy=greedy)
-            parts.append((index, out))
-        if len(parts) == 1:
-            return parts[0][1]
-        return GenerationOutput.interleave(parts, len(prompts))
+                groups.append((index, self.generators[speaker],
+                               self.samplings.get(speaker, sampling).generate_kwargs(greedy)))
+        return groups
 
 
-CRITICS = ("centralized", "per_role")
+def generate_for_pairs(role_models: RoleModels, sampling: Sampling, generator: Generator, prompts: list[str],
+                       agents: np.ndarray, seeds: list[int] | None = None, greedy: bool = False) -> GenerationOutput:
+    """One sample per prompt [B], whose agent is ``agents[b]``: one ``generate`` call per speaker group
+    (``RoleModels.speaker_groups``), the samples put back in prompt order; ``seeds`` [B] (None: unseeded)."""
+    parts = []
+    for index, speaker, kwargs in role_models.speaker_groups(sampling, generator, agents, greedy):
+        seed = None if seeds is None else [seeds[k] for k in index]
+        parts.append((index, speaker.generate([prompts[k] for k in index], seed=seed, **kwargs)))
+    if len(parts) == 1:
+        return parts[0][1]
+    return GenerationOutput.interleave(parts, len(prompts))
+
+
+CRITIC_INPUTS = ("centralized", "per_role")  # a multi-agent critic reads the joint transcript, or its own prompt
 
 
 @dataclass
@@ -181,16 +187,16 @@ class Collector:
     env's running episode return and the env steps taken (all saved with checkpoints)."""
 
     def __init__(self, env, spec: AlgorithmSpec, episode_length: int, sampling: Sampling, seed: int,
-                 env_offset: int = 0, voices: Voices = Voices(), critic: str = "centralized",
+                 env_offset: int = 0, voices: RoleModels = RoleModels(), critic: str = "centralized",
                  overlong: OverlongPenalty | None = None):
-        if critic not in CRITICS:
-            raise ValueError(f"critic={critic!r} must be one of {CRITICS}")
+        if critic not in CRITIC_INPUTS:
+            raise ValueError(f"critic={critic!r} must be one of {CRITIC_INPUTS}")
         self.env, self.spec, self.episode_length, self.sampling = env, spec, episode_length, sampling
         self.env_offset = env_offset
         agents: Agents = env.agents
         self.num_agents = agents.count
         self.roles = agents.roles or None  # the agent slots' role names (multi-agent envs)
-        self.episodic = spec.episodic or agents.multi
+        self.whole_episodes = collects_whole_episodes(spec, agents.multi)
         # what the critic reads in a multi-agent env (one agent: its prompt, one head)
         self.critic = critic if agents.multi and spec.critic is not None else None
         # [A] the agents whose actions are trained on: a workflow's frozen roles act but are not trained
@@ -207,7 +213,7 @@ class Collector:
         num_envs, spec = self.env.num_envs, self.spec
         buffer = RolloutBuffer(self.episode_length, num_envs, self.num_agents, self.sampling.max_new_tokens,
                                policy.device, token_values=spec.critic == "token")
-        if self.episodic:
+        if self.whole_episodes:
             self.obs, info = self.env.reset()
             self.facts = info[FACTS]
         done = np.zeros(num_envs, dtype=bool)
@@ -217,9 +223,9 @@ class Collector:
             if len(envs) == 0:
                 break
             terminated, truncated = self.step(step, envs, agents, policy, generator, buffer, tally, seed)
-            if self.episodic:
+            if self.whole_episodes:
                 done |= terminated | truncated
-        if self.episodic and spec.critic is not None:
+        if self.whole_episodes and spec.critic is not None:
             buffer.next_values = buffer.next_action_values()
         elif spec.critic is not None:
             buffer.next_values = self.next_values(policy, buffer)
@@ -235,46 +241,58 @@ class Collector:
         num_agents = self.num_agents
         started = time.perf_counter()
         seeds = [mix_seed(seed, step, (self.env_offset + i) * num_agents + a) for i, a in zip(envs, agents)]
-        out = self.voices.generate(self.sampling, generator, pair_prompts(self.env.agents, self.obs, envs, agents),
-                                   agents, seeds)
+        prompts = pair_prompts(self.env.agents, self.obs, envs, agents)
+        out = generate_for_pairs(self.voices, self.sampling, generator, prompts, agents, seeds)
         tally.seconds["generate"] += time.perf_counter() - started
-        tally.add("tokens", [len(ids) for ids in out.token_ids])
-        trained = np.flatnonzero(self.trained_agents[agents])  # the pairs to train on (all, with one agent)
-        pick = trained.tolist()
-        envs_t, agents_t = envs[trained], agents[trained]
-        critic_prompts = self.critic_prompts(policy, envs_t, agents_t)
-        values, token_values = self.critic_values(
-            policy, critic_prompts or [out.prompt_token_ids[k] for k in pick], [out.token_ids[k] for k in pick],
-            agents_t.tolist() if self.critic == "per_role" else None)
-        buffer.add(step=step, envs=envs_t, agents=agents_t, prompt_ids=[out.prompt_token_ids[k] for k in pick],
-                   action_ids=[out.token_ids[k] for k in pick], logprobs=[out.logprobs[k] for k in pick],
-                   group_ids=torch.as_tensor(self.facts.group_ids[envs_t]), texts=[out.texts[k] for k in pick],
-                   values=values, token_values=token_values, critic_prompt_ids=critic_prompts,
-                   cut=[out.finish_reasons[k] == "length" for k in pick])
+        record = self.step_record(step, out, envs, agents, policy)
+        buffer.add(record)
         started = time.perf_counter()
         self.obs, _, terminated, truncated, info = self.env.step(pair_actions(self.env, self.sampling, out, envs,
                                                                               agents))
         tally.seconds["reward"] += time.perf_counter() - started
         self.facts = facts = info[FACTS]
         buffer.settle(step, facts.rewards, terminated, truncated, facts.correct)
-        self.pay_overlong(buffer, step, envs_t, agents_t, [len(out.token_ids[k]) for k in pick], tally)
-        ended = terminated | truncated
+        self.pay_overlong(buffer, record, tally)
+        self.tally_step(tally, out, envs, agents, info, terminated | truncated)
+        self.env_steps += len(np.unique(envs))
+        return terminated, truncated
+
+    def step_record(self, step: int, out: GenerationOutput, envs: np.ndarray, agents: np.ndarray,
+                    policy: LanguagePolicy) -> StepRecord:
+        """What the buffer keeps of ``out``'s samples [B] of the pairs ``envs[b], agents[b]``: those of the
+        trained agents (all, with one agent), with the critic's values of them."""
+        trained = np.flatnonzero(self.trained_agents[agents]).tolist()
+        envs, agents = envs[trained], agents[trained]
+        prompt_ids = [out.prompt_token_ids[k] for k in trained]
+        action_ids = [out.token_ids[k] for k in trained]
+        critic_prompts = self.critic_prompts(policy, envs, agents)
+        values, token_values = self.critic_values(policy, critic_prompts or prompt_ids, action_ids,
+                                                  agents.tolist() if self.critic == "per_role" else None)
+        return StepRecord(step=step, envs=envs, agents=agents, prompt_ids=prompt_ids, action_ids=action_ids,
+                          rollout_logprobs=[out.logprobs[k] for k in trained],
+                          group_ids=torch.as_tensor(self.facts.group_ids[envs]),
+                          texts=[out.texts[k] for k in trained], values=values, token_values=token_values,
+                          critic_prompt_ids=critic_prompts, cut=[out.finish_reasons[k] == "length" for k in trained])
+
+    def tally_step(self, tally: Tally, out: GenerationOutput, envs: np.ndarray, agents: np.ndarray,
+                   info: dict[str, Any], ended: np.ndarray) -> None:
+        """The statistics of one env step: the tokens generated for the pairs ``envs[b], agents[b]``, their
+        reward sources, tool calls, the episodes that ended [N] and each role's verified outputs."""
+        tally.add("tokens", [len(ids) for ids in out.token_ids])
         self.tally_reward_sources(tally, envs, agents)
         if "tool_called" in info:  # an env with a tool: the share of actions that called it
             tally.add("train/tool_calls", info["tool_called"][envs])
         self.tally_ended_episodes(tally, ended)
         self.tally_role_metrics(tally)
-        self.env_steps += len(np.unique(envs))
-        return terminated, truncated
 
-    def pay_overlong(self, buffer: RolloutBuffer, step: int, envs: np.ndarray, agents: np.ndarray,
-                     lengths: list[int], tally: Tally) -> None:
-        """Adds the overlong penalty of the actions of ``lengths`` [B] tokens just taken by ``envs[b], agents[b]``
-        to their rewards (logged as the reward source ``overlong``)."""
-        if self.overlong is None or not lengths:
+    def pay_overlong(self, buffer: RolloutBuffer, record: StepRecord, tally: Tally) -> None:
+        """Adds the overlong penalty of ``record``'s actions to their rewards (logged as the reward source
+        ``overlong``)."""
+        if self.overlong is None or not record.action_ids:
             return
-        penalty = self.overlong(lengths)
-        buffer.add_rewards(step, torch.as_tensor(envs), torch.as_tensor(agents), torch.as_tensor(penalty))
+        penalty = self.overlong([len(ids) for ids in record.action_ids])
+        buffer.add_rewards(record.step, torch.as_tensor(record.envs), torch.as_tensor(record.agents),
+                           torch.as_tensor(penalty))
         tally.add("train/reward/overlong", penalty)
 
     def tally_ended_episodes(self, tally: Tally, ended: np.ndarray) -> None:

@@ -19,7 +19,7 @@ from collections import defaultdict
 
 import torch
 
-from algorithms.buffer import RolloutBuffer, Targets
+from algorithms.buffer import RolloutBuffer, AdvantageEstimate
 from algorithms.rollout_correction import gap_sums, log_ratio, truncated_weights, within_band
 from train import distributed
 from train.config import RolloutConfig
@@ -54,7 +54,8 @@ def rank_means(parts: dict[str, tuple[float, float]]) -> dict[str, float]:
     return {key: totals[2 * k] / totals[2 * k + 1] if totals[2 * k + 1] else math.nan for k, key in enumerate(parts)}
 
 
-def corrected_targets(buffer: RolloutBuffer, targets: Targets, rollout: RolloutConfig) -> tuple[Targets, dict]:
+def corrected_targets(buffer: RolloutBuffer, targets: AdvantageEstimate,
+                      rollout: RolloutConfig) -> tuple[AdvantageEstimate, dict]:
     """``targets`` without the actions the options drop (cut-off ones; those outside the rollout-IS band), the
     TIS weights written to ``buffer.rollout_weights``, and the statistics to log. Unchanged with every option
     off. ``buffer.trainer_logprobs`` must be set when ``rollout.rollout_is``."""
@@ -65,7 +66,7 @@ def corrected_targets(buffer: RolloutBuffer, targets: Targets, rollout: RolloutC
         drop |= buffer.cut
     if rollout.rollout_is:
         mask = buffer.token_mask().float()
-        log_rho = log_ratio(buffer.trainer_logprobs, buffer.behaviour_logprobs, mask, rollout.rollout_is_level)
+        log_rho = log_ratio(buffer.trainer_logprobs, buffer.rollout_logprobs, mask, rollout.rollout_is_level)
         counted = mask if rollout.rollout_is_level == "token" else live[..., None].float()
         if rollout.rollout_is_mode == "truncate":
             buffer.rollout_weights = truncated_weights(log_rho, rollout.rollout_is_threshold)
@@ -89,7 +90,7 @@ def score_trainer_logprobs(policy, buffer: RolloutBuffer, temperature: float, ad
     rows = buffer.rows()
     meter = GapMeter()
     if rows.num_samples == 0:
-        buffer.trainer_logprobs = torch.zeros_like(buffer.behaviour_logprobs)
+        buffer.trainer_logprobs = torch.zeros_like(buffer.rollout_logprobs)
         return meter
     scores = policy.evaluate(rows.prompts, (rows.action_ids, rows.action_lengths), temperature,
                              with_entropy=False, adapters=adapters(rows))

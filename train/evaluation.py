@@ -33,7 +33,7 @@ from envs.contract import FACTS
 from envs.multi_agent import ROLE_METRICS
 from models.generation import Generator, mix_seed
 from train import distributed
-from train.collector import Sampling, Voices, acting_pairs, pair_actions, pair_prompts
+from train.collector import RoleModels, Sampling, acting_pairs, generate_for_pairs, pair_actions, pair_prompts
 from train.distributed import Ranks
 from train.eval_metrics import sampled_sums
 
@@ -65,14 +65,14 @@ class Solved:
 
 
 def evaluate_sets(envs: dict[str | None, Any], generator: Generator, sampling: Sampling, limit: int,
-                  ranks: Ranks = Ranks(), voices: Voices = Voices(), verdict: str = "correct",
+                  ranks: Ranks = Ranks(), role_models: RoleModels = RoleModels(), verdict: str = "correct",
                   sampled: EvalSampling = EvalSampling()) -> dict[str, float]:
     """``evaluate`` on each held-out set of ``envs`` {name: its eval env}: the unnamed one (None) under
     ``eval/``, a named one under ``eval/<name>/``. ``eval/accuracy`` is the first set's greedy accuracy
     either way (the headline, which the best checkpoint follows); ``time/eval`` the time all took."""
     result, seconds = {}, 0.0
     for name, env in envs.items():
-        one = evaluate(env, generator, sampling, limit, ranks, voices, verdict, sampled,
+        one = evaluate(env, generator, sampling, limit, ranks, role_models, verdict, sampled,
                        prefix="eval/" if name is None else f"eval/{name}/")
         seconds += one.pop("time/eval")
         result.update(one)
@@ -83,13 +83,13 @@ def evaluate_sets(envs: dict[str | None, Any], generator: Generator, sampling: S
 
 @torch.no_grad()
 def evaluate(env, generator: Generator, sampling: Sampling, limit: int, ranks: Ranks = Ranks(),
-             voices: Voices = Voices(), verdict: str = "correct", sampled: EvalSampling = EvalSampling(),
+             role_models: RoleModels = RoleModels(), verdict: str = "correct", sampled: EvalSampling = EvalSampling(),
              prefix: str = "eval/") -> dict[str, float]:
     """Greedy accuracy, ``readable`` and ``accuracy_readable`` (verdict "correct"), mean solution length in
     tokens and, when the env pays a PRM reward, the mean PRM score, over the first ``limit`` of
     ``env.problems`` (this rank's share of them, then summed); with ``sampled.samples`` also pass@k, maj@k
     (verdict "correct") and mean@n of the samples. Keys start with ``prefix``, but ``time/eval``.
-    ``voices``: who speaks for each agent of a multi-agent env (the policy's role adapters, frozen roles'
+    ``role_models``: who speaks for each agent of a multi-agent env (the policy's role adapters, frozen roles'
     own models). ``verdict``: what an ended episode's verdict is: "correct" (the verified answer) or a
     reward source's name ("target": the frozen target's, finishing the policy's prefix)."""
     started = time.perf_counter()
@@ -97,10 +97,10 @@ def evaluate(env, generator: Generator, sampling: Sampling, limit: int, ranks: R
     problem_ids = [env.problems[i].id for i in indices]
     roles = env.agents.roles
     role_sums = np.zeros((2, len(roles), len(ROLE_METRICS)))  # (sum, count) of each role's metrics
-    greedy = solve(env, generator, sampling, problem_ids, voices, verdict, role_sums)
+    greedy = solve(env, generator, sampling, problem_ids, role_models, verdict, role_sums)
     result = greedy_metrics(greedy, role_sums, roles, verdict == "correct")
     if sampled.samples:
-        result.update(sampled_metrics(env, generator, sampling, indices, voices, verdict, sampled))
+        result.update(sampled_metrics(env, generator, sampling, indices, role_models, verdict, sampled))
     return {**{prefix + key: float(value) for key, value in result.items()}, "time/eval": time.perf_counter() - started}
 
 
@@ -128,7 +128,7 @@ def greedy_metrics(greedy: Solved, role_sums: np.ndarray, roles: Sequence[str], 
     return result
 
 
-def sampled_metrics(env, generator: Generator, sampling: Sampling, indices: Sequence[int], voices: Voices,
+def sampled_metrics(env, generator: Generator, sampling: Sampling, indices: Sequence[int], role_models: RoleModels,
                     verdict: str, sampled: EvalSampling) -> dict[str, float]:
     """pass@k, maj@k (verdict "correct": the answers are what was judged) and mean@n of ``sampled.samples``
     solutions to each problem ``indices`` (positions in ``env.problems``), means over every rank."""
@@ -136,7 +136,7 @@ def sampled_metrics(env, generator: Generator, sampling: Sampling, indices: Sequ
     rows = [env.problems[i].id for i in indices for _ in range(n)]
     seeds = [mix_seed(sampled.seed, i, j) for i in indices for j in range(n)]
     drawn = dataclasses.replace(sampling, temperature=sampled.temperature, top_p=sampled.top_p)
-    solved = solve(env, generator, drawn, rows, voices, verdict, seeds=seeds)
+    solved = solve(env, generator, drawn, rows, role_models, verdict, seeds=seeds)
     correct = np.asarray(solved.verdicts, dtype=np.float64).reshape(len(indices), n)
     answers = [solved.answers[p * n:(p + 1) * n] for p in range(len(indices))] if verdict == "correct" else None
     sums = sampled_sums(correct, answers)
@@ -144,18 +144,18 @@ def sampled_metrics(env, generator: Generator, sampling: Sampling, indices: Sequ
     return {key: total / totals[-1] for key, total in zip(sums, totals)}
 
 
-def solve(env, generator: Generator, sampling: Sampling, problem_ids: Sequence[str], voices: Voices,
+def solve(env, generator: Generator, sampling: Sampling, problem_ids: Sequence[str], role_models: RoleModels,
           verdict: str = "correct", role_sums: np.ndarray | None = None, seeds: Sequence[int] | None = None) -> Solved:
     """``solve_batch`` over ``problem_ids`` (one row each, a problem may repeat), ``env.num_envs`` at a time."""
     solved = Solved()
     for start in range(0, len(problem_ids), env.num_envs):
         end = start + env.num_envs
-        solved.extend(solve_batch(env, generator, sampling, problem_ids[start:end], voices, role_sums, verdict,
+        solved.extend(solve_batch(env, generator, sampling, problem_ids[start:end], role_models, role_sums, verdict,
                                   None if seeds is None else seeds[start:end]))
     return solved
 
 
-def solve_batch(env, generator: Generator, sampling: Sampling, problem_ids: Sequence[str], voices: Voices,
+def solve_batch(env, generator: Generator, sampling: Sampling, problem_ids: Sequence[str], role_models: RoleModels,
                 role_sums: np.ndarray | None = None, verdict: str = "correct",
                 seeds: Sequence[int] | None = None) -> Solved:
     """The episodes of the problems ``problem_ids`` (at most ``env.num_envs``): greedy, or sampled with row b's
@@ -173,8 +173,8 @@ def solve_batch(env, generator: Generator, sampling: Sampling, problem_ids: Sequ
     while not done.all():
         envs, agents = acting_pairs(info[FACTS], done)
         step_seeds = None if seeds is None else [mix_seed(seeds[i], step, int(a)) for i, a in zip(envs, agents)]
-        out = voices.generate(sampling, generator, pair_prompts(env.agents, obs, envs, agents), agents, step_seeds,
-                              greedy=seeds is None)
+        out = generate_for_pairs(role_models, sampling, generator, pair_prompts(env.agents, obs, envs, agents),
+                                 agents, step_seeds, greedy=seeds is None)
         obs, _, terminated, truncated, info = env.step(pair_actions(env, sampling, out, envs, agents))
         facts = info[FACTS]
         np.add.at(tokens, envs, [len(ids) for ids in out.token_ids])

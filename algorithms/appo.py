@@ -44,7 +44,7 @@ class APPO(BaseAlgorithm):
     """Action-level PPO with a critic: GAE over env steps, the clipped ratio on the joint log-prob
     of each action (sum over its tokens), a clipped value loss on V(s_t) and an entropy bonus.
     Asynchronous collection (``--async_rollouts``) lives in the runner: the ratio is always taken
-    against the behaviour log-probs recorded at generation time."""
+    against the rollout log-probs recorded at generation time."""
 
     name = "APPO"
     needs_reference = False

@@ -125,7 +125,7 @@ class BaseAlgorithm:
 def reward_kl(buffer: RolloutBuffer, config: AlgorithmConfig) -> torch.Tensor | None:
     """[T, N, A, L] the per-token KL estimate that, times ``kl_coef``, each action token pays as a reward
     penalty (r_t <- r_t - beta KL_t, as in InstructGPT and REINFORCE++; verl's ``use_kl_in_reward``): the
-    ``kl_penalty`` estimate of KL(pi_old || ref) from the behaviour log-probs, 0 on padding. None when the KL
+    ``kl_penalty`` estimate of KL(pi_old || ref) from the rollout log-probs, 0 on padding. None when the KL
     is not in the reward."""
     if not (config.use_kl_in_reward and config.kl_coef > 0):
         return None

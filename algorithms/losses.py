@@ -65,7 +65,7 @@ def group_means(values: torch.Tensor, groups: torch.Tensor, sizes: torch.Tensor)
 
 def importance_log_ratio(log_probs: torch.Tensor, old_log_probs: torch.Tensor, mask: torch.Tensor,
                          level: str = ImportanceSamplingLevel.TOKEN) -> torch.Tensor:
-    """log of the importance ratio against the behaviour log-probs, [B, L] (inputs [B, L]).
+    """log of the importance ratio against the rollout log-probs, [B, L] (inputs [B, L]).
 
     token: log pi(y_t) - log pi_old(y_t) (PPO).
     sequence: log s_i = (1/|y_i|) sum_t (log pi(y_t) - log pi_old(y_t)) on every token of action i, its gradient

@@ -73,7 +73,7 @@ class AlgorithmConfig:
     kl_coef: float = 0.0
     kl_loss_type: KLEstimator = KLEstimator.K3  # the KL term of the loss
     use_kl_in_reward: bool = False  # the KL as a token penalty in the reward instead of a loss term
-    kl_penalty: KLEstimator = KLEstimator.K1  # the reward penalty's estimator, on the behaviour log-probs
+    kl_penalty: KLEstimator = KLEstimator.K1  # the reward penalty's estimator, on the rollout log-probs
     clip_ratio_low: float | None = None  # None: clip_param
     clip_ratio_high: float | None = None  # None: clip_param (DAPO's clip-higher: above clip_ratio_low)
     clip_ratio_c: float | None = None  # dual-clip bound (> 1) on the ratio where the advantage is negative; None: off

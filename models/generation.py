@@ -7,7 +7,7 @@ Conventions every backend follows:
   ``decode(token_ids)`` cut right after the stop string (the env appends/strips the delimiter itself).
 - An EOS token ends a sample (``"eos"``); it is in ``token_ids`` (its log-prob is part of the action)
   but not in ``text`` (special tokens are skipped when decoding). ``"length"``: ``max_new_tokens`` reached.
-- Behaviour log-probs are those of the distribution actually sampled from: logits / temperature, then
+- Rollout log-probs are those of the distribution actually sampled from: logits / temperature, then
   top-k, then top-p filtering, renormalised. With top_k/top_p off they equal
   ``LanguagePolicy.evaluate(..., temperature)``. Temperature 0 is greedy decoding, scored under the
   unscaled (temperature 1) distribution.

@@ -29,7 +29,7 @@ class Sampler:
     top_p: float
 
     def __call__(self, logits: torch.Tensor, uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``([A] token ids, [A] behaviour log-probs)`` from ``[A, V]`` next-token logits and ``[A]``
+        """``([A] token ids, [A] rollout log-probs)`` from ``[A, V]`` next-token logits and ``[A]``
         uniforms (unused when greedy)."""
         logits = logits.float()
         if self.temperature == 0:

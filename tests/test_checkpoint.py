@@ -624,7 +624,7 @@ def test_the_async_rollout_copy_holds_bfloat16_weights_in_a_bfloat16_run(untrain
                                                                          monkeypatch, length_reward):
     """--dtype bfloat16 with asynchronous rollouts: the trainer keeps fp32 master weights, the rollout copy
     bfloat16 ones (half the memory), each refresh its rounding of the trainer's; the run trains on the
-    copy's samples (the update steps) and its behaviour log-probs are the copy's."""
+    copy's samples (the update steps) and its rollout log-probs are the copy's."""
     seen = {}
     train = Learner.train
 

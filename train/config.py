@@ -502,7 +502,7 @@ class GenerationConfig:
     async_rollouts: bool | None = option(
         None, "Generate the next batch with a copy of the policy in a second thread while the current one trains "
         "(on a CPU: a second core), at most --max_policy_lag updates behind; ratios are taken against the "
-        "behaviour log-probs recorded at generation. Default: on with --generation_backend=hf for APPO, and for "
+        "rollout log-probs recorded at generation. Default: on with --generation_backend=hf for APPO, and for "
         "every algorithm on a CPU.")  # None (RunConfig()): off
     max_policy_lag: int = option(1, "With --async_rollouts: most policy updates a batch may lag.", lower_bound=1)
 

@@ -22,7 +22,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from algorithms.base import Algorithm, roc_auc
-from algorithms.buffer import Batch, RolloutBuffer, Targets
+from algorithms.buffer import Batch, RolloutBuffer, AdvantageEstimate
 from algorithms.registry import algorithm_spec
 from algorithms.statistics import kl_early_stop, role_sums, row_statistics
 from models.forward import module_mode
@@ -96,12 +96,12 @@ class Learner:
                    if self.rollout.rollout_is else GapMeter())
         return Scores(heldout, gap)
 
-    def targets(self, buffer: RolloutBuffer) -> tuple[Targets, dict[str, float]]:
+    def targets(self, buffer: RolloutBuffer) -> tuple[AdvantageEstimate, dict[str, float]]:
         """The algorithm's advantages (and critic targets) for ``buffer``, rollout-corrected
         (``corrected_targets``), and the correction's statistics."""
         return corrected_targets(buffer, self.algorithm.advantages(buffer), self.rollout)
 
-    def train(self, buffer: RolloutBuffer, targets: Targets, gap: GapMeter, iteration: int, nonfinite_steps: int,
+    def train(self, buffer: RolloutBuffer, targets: AdvantageEstimate, gap: GapMeter, iteration: int, nonfinite_steps: int,
               nonfinite_in_a_row: int) -> Trained:
         """``ppo_epoch`` epochs of minibatch steps on ``targets``, stopped once a minibatch's approx KL passes
         ``target_kl``. ``gap``: measured here on the forward passes before the first step unless the scoring
@@ -132,7 +132,7 @@ class Learner:
             stats["train/trained_samples"] = float(distributed.all_reduce_sum([trained])[0])
         return Trained(steps, skipped, nonfinite_in_a_row, stats)
 
-    def minibatches(self, buffer: RolloutBuffer, targets: Targets) -> Iterator[list[Batch]]:
+    def minibatches(self, buffer: RolloutBuffer, targets: AdvantageEstimate) -> Iterator[list[Batch]]:
         """``ppo_epoch`` epochs of ``buffer``'s minibatches (``RolloutBuffer.minibatches``), each epoch ordered
         by ``minibatch_rng`` when it begins."""
         config = self.config
@@ -248,7 +248,7 @@ class Learner:
 
     def row_adapters(self, batch) -> list[str] | None:
         """The role adapter each row of ``batch`` acts with (one adapter per role), else None."""
-        adapters = self.collector.voices.adapters
+        adapters = self.collector.role_models.adapters
         if not adapters:
             return None
         return [adapters[agent] for agent in batch.agents.tolist()]
@@ -288,7 +288,7 @@ class Learner:
                 f"iteration {iteration}: {nonfinite_in_a_row} optimizer steps in a row had a non-finite {what} "
                 f"(--max_nonfinite_steps={self.config.max_nonfinite_steps}); stopped without saving")
 
-    def update_implicit_prm(self, buffer: RolloutBuffer, targets: Targets) -> float:
+    def update_implicit_prm(self, buffer: RolloutBuffer, targets: AdvantageEstimate) -> float:
         """PRIME: one step of the implicit PRM on the actions the policy trained on (``buffer.trained(targets)``),
         labelled by whether their episode's answer verified; returns its loss (NaN: no action on any rank)."""
         rows = buffer.rows(buffer.trained(targets))

@@ -15,7 +15,7 @@ import gymnasium
 from absl import flags
 
 import envs  # registers the built-in ids
-from algorithms.registry import ALGORITHMS, LossAgg
+from algorithms.registry import ALGORITHMS, LossAgg, collects_whole_episodes
 from envs.workflows import Workflow, resolve_workflow
 from models.hub import resolve_model
 from models.remote import api_key_from
@@ -229,7 +229,7 @@ def resolved_env(config: RunConfig, env_id: str, workflow: Workflow | None) -> E
         env, env_id=env_id, workflow=workflow, episode_length=episode_length(config, env_id, workflow),
         group_size=env.group_size or default_group_size(algorithm),
         envs_stepped=env.num_envs * (config.prime.oversample_factor if algorithm == "RLOO" else 1),
-        whole_episodes=ALGORITHMS[algorithm].episodic or workflow is not None)
+        whole_episodes=collects_whole_episodes(ALGORITHMS[algorithm], workflow is not None))
     check_env_kwargs(resolved_env)
     return dataclasses.replace(resolved_env, tools=resolved_tool(resolved_env, config.services))
 

@@ -2,7 +2,7 @@
 the policy while the previous batch trains (asynchronous), and the statistics logged about it.
 
 Asynchronous: the copy is refreshed so that no batch lags more than ``max_policy_lag`` policy versions;
-ratios use the behaviour log-probs recorded at generation time. Under bfloat16 the copy holds bfloat16
+ratios use the rollout log-probs recorded at generation time. Under bfloat16 the copy holds bfloat16
 weights (the trainer's fp32 master weights rounded at each refresh): its log-probs are those of the
 distribution it sampled from, which the ratio corrects for as for any other sampler (vLLM's). What the
 trainer has been handed is "settled": a checkpoint or a logged count of env steps never includes the batch

@@ -277,7 +277,7 @@ class Runner:
         self.rollouts.wait()  # the env reward models must not run in two threads at once
         with self.policy.gathered():
             result = evaluation.evaluate_sets(self.eval_envs, self.generator, self.collector.sampling,
-                                              self.config.budget.eval_limit, self.ranks, self.collector.voices,
+                                              self.config.budget.eval_limit, self.ranks, self.collector.role_models,
                                               self.eval_verdict, self.eval_sampling)
         env_steps = self.rollouts.env_steps()
         best_before = max((h["eval/accuracy"] for h in self.history), default=-math.inf)

@@ -15,6 +15,7 @@ Light on purpose: the flags are generated from these classes before torch (or th
 from __future__ import annotations
 
 import enum
+import functools
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -247,7 +248,12 @@ class EnvConfig:
 
     @property
     def user_kwargs(self) -> dict:
-        """``env_kwargs`` parsed and checked against the env id (``envs.override_kwargs``); {} when not given."""
+        """``env_kwargs`` parsed and checked against the env id (``envs.override_kwargs``); {} when not given.
+        A fresh dict each call, parsed once per config."""
+        return dict(self._parsed_env_kwargs)
+
+    @functools.cached_property
+    def _parsed_env_kwargs(self) -> dict:
         import json
 
         import envs  # here: the flags are generated from this module before the env is imported

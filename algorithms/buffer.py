@@ -97,7 +97,7 @@ class Batch:
 class RolloutBuffer:
     """Storage for T steps of N envs with A agents; actions up to L tokens.
 
-    Filled by ``add`` (one call per env step, for the (env, agent) pairs that acted) and ``settle`` (what
+    Filled by ``add`` (one call per env step, for the (env, agent) pairs that acted) and ``add_step_results`` (what
     the env paid for them, once per env step). Collection also
     writes ``next_values`` [T, N, A], the value to bootstrap from after each action (0 where the
     episode terminated), and before the update ``ref_logprobs`` / ``token_rewards`` where the
@@ -145,7 +145,7 @@ class RolloutBuffer:
 
     def add(self, record: StepRecord) -> None:
         """Records the actions of ``record`` (one env step's trained (env, agent) pairs); what the env paid for
-        them comes after, through ``settle``."""
+        them comes after, through ``add_step_results``."""
         envs = torch.as_tensor(list(record.envs), dtype=torch.long, device=self.device)
         agents = torch.as_tensor(list(record.agents), dtype=torch.long, device=self.device)
         lengths = [len(ids) for ids in record.action_ids]
@@ -177,8 +177,8 @@ class RolloutBuffer:
                 self.critic_prompt_ids[flat] = list(prompt)
         self.steps_filled = max(self.steps_filled, record.step + 1)
 
-    def settle(self, step: int, rewards: np.ndarray, terminated: np.ndarray, truncated: np.ndarray,
-               correct: np.ndarray) -> None:
+    def add_step_results(self, step: int, rewards: np.ndarray, terminated: np.ndarray, truncated: np.ndarray,
+                         correct: np.ndarray) -> None:
         """What the env paid at ``step``: each (env, agent)'s reward [N, A] is added to its latest action in
         this rollout (the one at ``step`` if it acted then; else its last, e.g. a team outcome paid when
         another agent ended the episode), and an episode's end, terminated / truncated [N], marks it, with the

@@ -31,13 +31,13 @@ def filled_buffer(num_steps: int = 2, num_envs: int = 7, max_tokens: int = 5,
                               action_ids=actions, rollout_logprobs=logprobs,
                               group_ids=torch.tensor([e // 2 for e in envs]),
                               texts=["x"] * len(envs), values=torch.randn(len(envs), generator=g)))
-        buffer.settle(step, rewards, np.zeros(num_envs, dtype=bool), np.zeros(num_envs, dtype=bool),
+        buffer.add_step_results(step, rewards, np.zeros(num_envs, dtype=bool), np.zeros(num_envs, dtype=bool),
                       np.full(num_envs, np.nan))
     advantages = torch.randn(buffer.shape, generator=g) * buffer.live
     return buffer, AdvantageEstimate(advantages, returns=torch.randn(buffer.shape, generator=g))
 
 
-def test_settle_pays_each_agent_at_its_latest_action():
+def test_step_results_pay_each_agent_at_its_latest_action():
     """Two envs, two agents: in env 0 agent 0 acts at steps 0 and 2, agent 1 at step 1; env 1's agent 1 never
     acts. The team outcome paid at step 2 lands on each agent's latest action, with the episode's end."""
     buffer = RolloutBuffer(3, 2, 2, 1)
@@ -49,7 +49,7 @@ def test_settle_pays_each_agent_at_its_latest_action():
         if step == 2:
             rewards = np.array([[1.0, 1.0], [0.0, 7.0]])  # env 1's agent 1 has no action to take its 7
         ended = np.array([step == 2, False])
-        buffer.settle(step, rewards, ended, np.zeros(2, dtype=bool), np.array([1.0 if step == 2 else nan, nan]))
+        buffer.add_step_results(step, rewards, ended, np.zeros(2, dtype=bool), np.array([1.0 if step == 2 else nan, nan]))
     assert buffer.rewards[:, 0].tolist() == [[0.5, 0.0], [0.0, 1.0], [1.0, 0.0]]
     assert buffer.rewards[:, 1].tolist() == [[0.0, 0.0]] * 3
     assert buffer.terminated[:, 0].tolist() == [[False, False], [False, True], [True, False]]

@@ -37,7 +37,7 @@ def interleaved_buffer(token_critic: bool = False) -> RolloutBuffer:
                               group_ids=torch.tensor([0]), texts=["x"], values=torch.tensor([value]),
                               token_values=torch.tensor([[value]]) if token_critic else None))
         ended = np.array([step == 2])
-        buffer.settle(step, np.full((1, 2), float(step == 2)), ended, np.array([False]),
+        buffer.add_step_results(step, np.full((1, 2), float(step == 2)), ended, np.array([False]),
                       np.array([1.0 if step == 2 else np.nan]))
     buffer.next_values = buffer.next_action_values()
     return buffer
@@ -70,7 +70,7 @@ def one_token_episode_buffer(token_critic: bool) -> RolloutBuffer:
                               rollout_logprobs=[[0.0]],
                               group_ids=torch.tensor([0]), texts=["x"], values=torch.tensor([value]),
                               token_values=torch.tensor([[value]]) if token_critic else None))
-        buffer.settle(step, np.array([[float(step == 2)]]), np.array([step == 2]), np.array([False]),
+        buffer.add_step_results(step, np.array([[float(step == 2)]]), np.array([step == 2]), np.array([False]),
                       np.array([1.0 if step == 2 else np.nan]))
     buffer.next_values = buffer.next_action_values()
     return buffer

@@ -42,7 +42,7 @@ def one_step_buffer(policy: LanguagePolicy, critic: str | None) -> RolloutBuffer
                           rollout_logprobs=logprobs,
                           group_ids=torch.zeros(2, dtype=torch.long), texts=["a", "b"], values=scores.values[:, 0],
                           token_values=scores.values if critic == "token" else None))
-    buffer.settle(0, np.array([[1.0], [0.0]]), np.ones(2, dtype=bool), np.zeros(2, dtype=bool), np.array([1.0, 0.0]))
+    buffer.add_step_results(0, np.array([[1.0], [0.0]]), np.ones(2, dtype=bool), np.zeros(2, dtype=bool), np.array([1.0, 0.0]))
     buffer.next_values = torch.zeros(buffer.shape)  # both episodes terminated
     return buffer
 
@@ -81,11 +81,11 @@ def test_grpo_gives_each_episode_its_group_advantage_on_every_step():
     step0 = dict(rewards=[0.5, 0.0, 1.0, 1.0], ends=[False, True, True, True], correct=[nan, 0.0, 1.0, 1.0])
     buffer.add(StepRecord(step=0, envs=range(4), agents=[0] * 4, prompt_ids=[[1]] * 4, action_ids=[[2]] * 4,
                           rollout_logprobs=[[-1.0]] * 4, group_ids=torch.tensor([0, 0, 1, 1]), texts=["s"] * 4))
-    buffer.settle(0, np.array(step0["rewards"])[:, None], np.array(step0["ends"]), np.zeros(4, dtype=bool),
+    buffer.add_step_results(0, np.array(step0["rewards"])[:, None], np.array(step0["ends"]), np.zeros(4, dtype=bool),
                   np.array(step0["correct"]))
     buffer.add(StepRecord(step=1, envs=[0], agents=[0], prompt_ids=[[1]], action_ids=[[2]], rollout_logprobs=[[-1.0]],
                           group_ids=torch.tensor([0]), texts=["s"]))
-    buffer.settle(1, np.array([[0.5], [0.0], [0.0], [0.0]]), np.array([True, False, False, False]),
+    buffer.add_step_results(1, np.array([[0.5], [0.0], [0.0], [0.0]]), np.array([True, False, False, False]),
                   np.zeros(4, dtype=bool), np.array([1.0, nan, nan, nan]))
     grpo = make_algorithm("GRPO", AlgorithmConfig())
     targets = grpo.advantages(buffer)
@@ -101,7 +101,7 @@ def test_rloo_filters_groups_outside_the_accuracy_bounds():
     buffer.add(StepRecord(step=0, envs=range(6), agents=[0] * 6, prompt_ids=[[1]] * 6, action_ids=[[2, 3]] * 6,
                           rollout_logprobs=[[-1.0, -1.0]] * 6,
                           group_ids=torch.tensor([0, 0, 1, 1, 2, 2]), texts=["s"] * 6))
-    buffer.settle(0, correct.numpy()[:, None], np.ones(6, dtype=bool), np.zeros(6, dtype=bool), correct.numpy())
+    buffer.add_step_results(0, correct.numpy()[:, None], np.ones(6, dtype=bool), np.zeros(6, dtype=bool), correct.numpy())
     rloo = make_algorithm("RLOO", AlgorithmConfig())
     targets = rloo.advantages(buffer)
     assert targets.keep[0, :, 0].tolist() == [False, False, True, True, False, False]

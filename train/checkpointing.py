@@ -3,7 +3,7 @@ a snapshot of everything but weights and optimizers, saving it with them, the be
 restoring all of it.
 
 A checkpoint ``iter_N`` holds the state after N iterations; under asynchronous rollouts it holds the env
-before the batch still in flight (``Rollouts.settled_state``), which a resume collects again. Several
+before the batch still in flight (``Rollouts.handed_over_state``), which a resume collects again. Several
 ranks: rank 0 writes one checkpoint holding every rank's envs and RNGs; each rank restores its share.
 """
 
@@ -66,10 +66,10 @@ class Checkpointer:
         self.last_saved: tuple[int, int] | None = None  # (iteration, evaluations) last_checkpoint holds
 
     def snapshot(self, progress: Progress) -> Snapshot:
-        """The counters and the collector's settled state (env, episode returns, env steps); python, numpy
+        """The counters and the collector's handed-over state (env, episode returns, env steps); python, numpy
         and torch RNGs and ``minibatch_rng`` (saved as "shuffle"). The JSON keeps one flat layout, so
         checkpoints of earlier versions resume."""
-        return ({**asdict(progress), **self.rollouts.settled_state()},
+        return ({**asdict(progress), **self.rollouts.handed_over_state()},
                 {**checkpoint.rng_state(), "shuffle": self.minibatch_rng.get_state()})
 
     def save(self, snapshot: Snapshot) -> Path:

@@ -15,7 +15,7 @@ step the (env, agent) pairs that act get one action each, all generated in one c
 reads the env only through ``envs.contract``: ``env.agents`` (A slots, their roles, which are trained;
 observations [N], or [N][A] with several agents) and each step's ``StepFacts`` (which slots act next,
 rewards [N, A] scored in the env, every source's share, verdicts). The rewards go to the buffer once,
-``RolloutBuffer.settle``: a reward that reaches an agent after its last action (a team outcome paid
+``RolloutBuffer.add_step_results``: a reward that reaches an agent after its last action (a team outcome paid
 when another agent ended the episode), and the end of the episode, land on that last action.
 
 Statistics leave as sums and counts (``Tally``): means are taken by the runner, where the tallies of
@@ -251,7 +251,7 @@ class Collector:
                                                                               agents))
         tally.seconds["reward"] += time.perf_counter() - started
         self.facts = facts = info[FACTS]
-        buffer.settle(step, facts.rewards, terminated, truncated, facts.correct)
+        buffer.add_step_results(step, facts.rewards, terminated, truncated, facts.correct)
         self.pay_overlong(buffer, record, tally)
         self.tally_step(tally, out, envs, agents, info, terminated | truncated)
         self.env_steps += len(np.unique(envs))

@@ -5,7 +5,7 @@ Asynchronous: the copy is refreshed so that no batch lags more than ``max_policy
 ratios use the rollout log-probs recorded at generation time. Under bfloat16 the copy holds bfloat16
 weights (the trainer's fp32 master weights rounded at each refresh): its log-probs are those of the
 distribution it sampled from, which the ratio corrects for as for any other sampler (vLLM's). What the
-trainer has been handed is "settled": a checkpoint or a logged count of env steps never includes the batch
+trainer has been handed is "handed over": a checkpoint or a logged count of env steps never includes the batch
 still in flight, so a resume collects that batch again from the env state it started from.
 
 Dynamic sampling (DAPO, Yu et al. 2025, section 3.2; verl's ``filter_groups``): a batch is collected in rounds
@@ -132,14 +132,14 @@ class Rollouts:
         if self.pending is not None:
             concurrent.futures.wait([self.pending])
 
-    def settled_state(self) -> dict[str, Any]:
+    def handed_over_state(self) -> dict[str, Any]:
         """The collector's state (``Collector.get_state``) after the batches handed to the trainer: before
         the batch in flight, if one is."""
         return self.pending_start if self.pending is not None else self.collector.get_state()
 
     def env_steps(self) -> int:
         """Env steps of the batches handed to the trainer, by every rank together."""
-        return int(distributed.all_reduce_sum([self.settled_state()["env_steps"]])[0])
+        return int(distributed.all_reduce_sum([self.handed_over_state()["env_steps"]])[0])
 
     def close(self) -> None:
         if self.pool is not None:

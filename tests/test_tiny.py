@@ -14,7 +14,7 @@ from envs.datasets import MATH500, Arith, solve_steps
 from envs.prompts import SHEPHERD_STEP_TAG, STEP_DELIMITER, format_prompt, join_steps, shepherd_text, split_steps
 from models.tiny import (SHIPPED_DIR, TinyConfig, arith_accuracy, build_tiny_models, build_tokenizer, cache_dir,
                         config_hash, heldout_problems, prm_metrics, save_untrained_policy, shipped_models)
-from models.tiny.config import team_hash
+from models.tiny.config import team_hash, tool_hash
 from models.tiny.data import arith_batches, corrupt_solution, parse_arith, sft_batch
 from models.tiny.evaluation import prefix_metrics, prm_last_step_auc
 from models.tiny.model import new_model
@@ -177,6 +177,8 @@ def test_config_hash_keys_the_cache(tmp_path, monkeypatch):
     assert config_hash(replace(TinyConfig(), team_steps=1)) == config_hash(TinyConfig())
     assert team_hash(replace(TinyConfig(), team_steps=1)) != team_hash(TinyConfig())
     assert team_hash(replace(TinyConfig(), lr=1e-3)) != team_hash(TinyConfig())
+    assert config_hash(replace(TinyConfig(), tool_steps=1)) == config_hash(TinyConfig())  # so is the tool stage
+    assert tool_hash(replace(TinyConfig(), tool_steps=1)) != tool_hash(TinyConfig()) != team_hash(TinyConfig())
     monkeypatch.setenv("MATHRL_CACHE", str(tmp_path))
     assert cache_dir(TinyConfig()) == tmp_path / "tiny" / config_hash(TinyConfig())
     keys = {}
@@ -311,9 +313,9 @@ def test_the_command_line_leaves_the_team_out_when_asked(tmp_path, capsys):
     base = {"config_hash": config_hash(TinyConfig()), "vocab_size": 513, "num_parameters": 1, "policy": {},
             "target": {}, "prm": {}, "build_seconds": 1.0}
     (tmp_path / "metrics.json").write_text(json.dumps(base))
-    main(["--out", str(tmp_path), "--no-team"])
+    main(["--out", str(tmp_path), "--no-team", "--no-tool"])
     printed = json.loads(capsys.readouterr().out)
-    assert printed["team"] is None and printed["build_seconds"] == 1.0
+    assert printed["team"] is None and printed["tool"] is None and printed["build_seconds"] == 1.0
     assert sorted(path.name for path in tmp_path.iterdir()) == ["metrics.json"]
 
 

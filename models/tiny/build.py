@@ -112,7 +112,7 @@ def _build_tool(root: Path, out_dir: Path, config: TinyConfig, device: str) -> N
     tokenizer = AutoTokenizer.from_pretrained(root / "policy")
     evaluation, select = _problem_draws(config)
     batches = arith_batches(config.arith(), config.batch_size, config.seed + 6, {p.id for p in evaluation + select})
-    model = train_tool(model, tokenizer, config, batches, config.seed + 7, device)
+    model = train_tool(model, tokenizer, config, batches, device)
     _save(model, tokenizer, out_dir)
     metrics = {"tool_hash": tool_hash(config), "config": tool_knobs(config),
                **tool_metrics(model, tokenizer, evaluation), "seconds": round(time.perf_counter() - started, 1)}

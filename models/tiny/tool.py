@@ -58,10 +58,9 @@ def tool_batch(tokenizer: PreTrainedTokenizerFast, problems: list[Problem]) -> t
 
 
 def train_tool(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, config: TinyConfig,
-               batches: Iterator[list[Problem]], seed: int, device: str) -> LlamaForCausalLM:
+               batches: Iterator[list[Problem]], device: str) -> LlamaForCausalLM:
     """``model`` (the policy checkpoint) fine-tuned on ``tool_steps`` ``tool_batch``es, every weight, lr ``tool_lr``
-    with a short warmup and a cosine decay."""
-    torch.manual_seed(seed)
+    with a short warmup and a cosine decay (no randomness but the batches')."""
     optimizer = adamw(model, config.tool_lr, config.weight_decay)
     model.train()
     for step in range(1, config.tool_steps + 1):
@@ -77,10 +76,10 @@ def tool_metrics(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, pr
     its output; ``no_output_accuracy``, the same after the call left unrun (the observation the env shows
     without the tool: the step and the step delimiter)."""
     prompts = [tool_prompts(p) for p in problems]
-    calls = greedy_completions(model, tokenizer, [first for first, _ in prompts], max_new_tokens=32)
-    answers = greedy_completions(model, tokenizer, [second for _, second in prompts], max_new_tokens=32)
+    calls = greedy_completions(model, tokenizer, [first for first, _ in prompts], max_new_tokens=48)
+    answers = greedy_completions(model, tokenizer, [second for _, second in prompts], max_new_tokens=48)
     unrun = greedy_completions(model, tokenizer, [join_steps([first + code_step(p)]) for (first, _), p
-                                                  in zip(prompts, problems)], max_new_tokens=32)
+                                                  in zip(prompts, problems)], max_new_tokens=48)
     return {"call_accuracy": float(np.mean([c.split("\n\n")[0] == code_step(p) for c, p in zip(calls, problems)])),
             "answer_accuracy": float(np.mean([first_boxed_integer(a) == p.answer for a, p in zip(answers, problems)])),
             "no_output_accuracy": float(np.mean([first_boxed_integer(a) == p.answer for a, p in zip(unrun, problems)]))}

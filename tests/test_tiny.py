@@ -10,7 +10,7 @@ import transformers
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from envs.datasets import MATH500, Arith, solve_steps
+from envs.datasets import MATH500, Arith, Problem, solve_steps
 from envs.prompts import SHEPHERD_STEP_TAG, STEP_DELIMITER, format_prompt, join_steps, shepherd_text, split_steps
 from models.tiny import (SHIPPED_DIR, TinyConfig, arith_accuracy, build_tiny_models, build_tokenizer, cache_dir,
                         config_hash, heldout_problems, prm_metrics, save_untrained_policy, shipped_models)
@@ -19,6 +19,7 @@ from models.tiny.data import arith_batches, corrupt_solution, parse_arith, sft_b
 from models.tiny.evaluation import prefix_metrics, prm_last_step_auc
 from models.tiny.model import new_model
 from models.tiny.roles import ROLES, role_example, team_batch, team_metrics
+from models.tiny.tool import tool_batch
 from models.tiny.tokenizer import LATEX_SNIPPETS, _tokenizer_json
 from models.tiny.training import adamw, sft_loss, train_step
 
@@ -333,6 +334,40 @@ def test_the_team_stage_repeats_whatever_ran_before_it(tmp_path):
         teams.append(load_file(build_tiny_models(root, config, threads=1).team / "model.safetensors"))
     assert teams[0].keys() == teams[1].keys()
     assert all(torch.equal(teams[0][name], teams[1][name]) for name in teams[0])
+
+
+def test_a_tool_trace_trains_the_call_and_the_answer_never_the_output(tiny_tokenizer):
+    """Two examples per problem, each prompt as the env shows it: the call after the problem, the boxed
+    output after the call and its tool turn; the tool output lies in the prompt, never in a trained token."""
+    problem = Problem(id="a0", problem="Compute 57 + 25 - 43.", answer="39")
+    ids, target_mask = tool_batch(tiny_tokenizer, [problem])
+    call = "```python\nprint(57 + 25 - 43)\n```"
+    prompts = [format_prompt(problem.problem), format_prompt(problem.problem) + call + "\n\n```output\n39\n```\n\n"]
+    replies = [call + "\n\n", "The answer is \\boxed{39}.\n\n"]
+    for row, (prompt, reply) in enumerate(zip(prompts, replies)):
+        trained = ids[row, 1:][target_mask[row]].tolist()
+        assert trained == tiny_tokenizer(reply)["input_ids"] + [tiny_tokenizer.eos_token_id]
+        assert ids[row, :len(tiny_tokenizer(prompt)["input_ids"])].tolist() == tiny_tokenizer(prompt)["input_ids"]
+        assert tiny_tokenizer.decode(ids[row, 1:][target_mask[row]], skip_special_tokens=True) == reply
+        assert tiny_tokenizer.decode(tiny_tokenizer(prompt + reply)["input_ids"]) == prompt + reply  # round trip
+
+
+def test_the_tool_stage_is_built_apart(tmp_path):
+    """On a finished base build, ``tool=True`` builds the tool model beside it, keyed by tool_hash, with its
+    metrics; the base files untouched, and found rather than rebuilt the second time."""
+    config = TinyConfig(num_eval=8, num_select=8, tool_steps=2, batch_size=8)
+    save_untrained_policy(tmp_path / "policy", hidden_size=32, num_hidden_layers=1, num_attention_heads=1,
+                          num_key_value_heads=1, intermediate_size=64)
+    (tmp_path / "metrics.json").write_text(json.dumps({"config_hash": config_hash(config)}))
+    stamps = {path: path.stat().st_mtime_ns for path in tmp_path.rglob("*") if path.is_file()}
+    built = build_tiny_models(tmp_path, config, threads=1, team=False, tool=True)
+    assert built.tool == tmp_path / f"tool-{tool_hash(config)}" and not list(tmp_path.glob("team-*"))
+    assert built.metrics["tool"]["config"] == {"tool_steps": 2, "tool_lr": config.tool_lr}
+    assert {"call_accuracy", "answer_accuracy", "no_output_accuracy"} <= built.metrics["tool"].keys()
+    assert {path: path.stat().st_mtime_ns for path in stamps} == stamps
+    tool, policy = load_file(built.tool / "model.safetensors"), load_file(tmp_path / "policy" / "model.safetensors")
+    assert any(not torch.equal(tool[name], policy[name]) for name in policy)
+    assert build_tiny_models(tmp_path, config, team=False, tool=True) == built
 
 
 def test_a_team_change_rebuilds_the_team_alone(tmp_path):

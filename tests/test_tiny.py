@@ -7,10 +7,12 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from gymnasium.vector import AutoresetMode
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from envs.datasets import MATH500, Arith, Problem, solve_steps
+from envs.vector import MathVectorEnv
 from envs.prompts import SHEPHERD_STEP_TAG, STEP_DELIMITER, format_prompt, join_steps, shepherd_text, split_steps
 from models.tiny import (SHIPPED_DIR, TinyConfig, arith_accuracy, build_tiny_models, build_tokenizer, cache_dir,
                         config_hash, heldout_problems, prm_metrics, save_untrained_policy, shipped_models)
@@ -19,7 +21,7 @@ from models.tiny.data import arith_batches, corrupt_solution, parse_arith, sft_b
 from models.tiny.evaluation import prefix_metrics, prm_last_step_auc
 from models.tiny.model import new_model
 from models.tiny.roles import ROLES, role_example, team_batch, team_metrics
-from models.tiny.tool import tool_batch
+from models.tiny.tool import code_step, tool_batch, tool_prompts
 from models.tiny.tokenizer import LATEX_SNIPPETS, _tokenizer_json
 from models.tiny.training import adamw, sft_loss, train_step
 
@@ -334,6 +336,21 @@ def test_the_team_stage_repeats_whatever_ran_before_it(tmp_path):
         teams.append(load_file(build_tiny_models(root, config, threads=1).team / "model.safetensors"))
     assert teams[0].keys() == teams[1].keys()
     assert all(torch.equal(teams[0][name], teams[1][name]) for name in teams[0])
+
+
+def test_a_tool_trace_is_what_the_env_shows_the_policy():
+    """The second prompt of a trace is the observation of an env with the tool after the call step (as the
+    generator returns it, stop string included); without the tool the call is left unrun, a plain step."""
+    problem = Problem(id="a0", problem="Compute 57 + 25 - 43.", answer="39")
+    first, second = tool_prompts(problem)
+    for tools, after_call in (("python", second), (None, join_steps([first + code_step(problem)]))):
+        env = MathVectorEnv(1, problems=[problem], tools=tools, tool_workers=1 if tools else None, max_steps=4,
+                            autoreset_mode=AutoresetMode.DISABLED)
+        try:
+            assert env.reset(seed=0)[0][0] == first
+            assert env.step([code_step(problem) + STEP_DELIMITER])[0][0] == after_call
+        finally:
+            env.close()
 
 
 def test_a_tool_trace_trains_the_call_and_the_answer_never_the_output(tiny_tokenizer):

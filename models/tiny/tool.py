@@ -22,7 +22,7 @@ import torch
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from envs.datasets import Problem
-from envs.math_env import plain_tool_turn
+from envs.math_env import OUTPUT_SLOT, plain_tool_turn
 from envs.prompts import format_prompt, join_steps
 from models.tiny.config import TinyConfig
 from models.tiny.data import parse_arith, reply_batch
@@ -44,7 +44,7 @@ def answer_step(value: str) -> str:
 def tool_prompts(problem: Problem) -> tuple[str, str]:
     """(the prompt, the observation after the call and its tool turn): the two prompts of a tool-using solution."""
     prompt = format_prompt(problem.problem)
-    return prompt, prompt + code_step(problem) + plain_tool_turn().format(output=problem.answer)
+    return prompt, prompt + code_step(problem) + plain_tool_turn().replace(OUTPUT_SLOT, problem.answer)
 
 
 def tool_batch(tokenizer: PreTrainedTokenizerFast, problems: list[Problem]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -372,14 +372,14 @@ def test_a_tool_trace_trains_the_call_and_the_answer_never_the_output(tiny_token
 def test_the_tool_stage_is_built_apart(tmp_path):
     """On a finished base build, ``tool=True`` builds the tool model beside it, keyed by tool_hash, with its
     metrics; the base files untouched, and found rather than rebuilt the second time."""
-    config = TinyConfig(num_eval=8, num_select=8, tool_steps=2, batch_size=8)
+    config = TinyConfig(num_eval=8, num_select=8, tool_steps=2, tool_batch_size=4)
     save_untrained_policy(tmp_path / "policy", hidden_size=32, num_hidden_layers=1, num_attention_heads=1,
                           num_key_value_heads=1, intermediate_size=64)
     (tmp_path / "metrics.json").write_text(json.dumps({"config_hash": config_hash(config)}))
     stamps = {path: path.stat().st_mtime_ns for path in tmp_path.rglob("*") if path.is_file()}
     built = build_tiny_models(tmp_path, config, threads=1, team=False, tool=True)
     assert built.tool == tmp_path / f"tool-{tool_hash(config)}" and not list(tmp_path.glob("team-*"))
-    assert built.metrics["tool"]["config"] == {"tool_steps": 2, "tool_lr": config.tool_lr}
+    assert built.metrics["tool"]["config"] == {"tool_steps": 2, "tool_lr": config.tool_lr, "tool_batch_size": 4}
     assert {"call_accuracy", "answer_accuracy", "no_output_accuracy"} <= built.metrics["tool"].keys()
     assert {path: path.stat().st_mtime_ns for path in stamps} == stamps
     tool, policy = load_file(built.tool / "model.safetensors"), load_file(tmp_path / "policy" / "model.safetensors")

@@ -27,7 +27,7 @@ TEAM_FIELDS = ("team_steps", "team_lr", "team_rank", "team_targets")
 """The knobs of the team stage alone: outside the base key."""
 TOOL_VERSION = 1
 """Part of the tool key: bump when a change in models.tiny.tool (or the env's tool turn) changes the tool model."""
-TOOL_FIELDS = ("tool_steps", "tool_lr")
+TOOL_FIELDS = ("tool_steps", "tool_lr", "tool_batch_size")
 """The knobs of the tool stage alone: outside the base key."""
 
 TEAM_TARGETS = ("policy", "reference")
@@ -80,6 +80,7 @@ class TinyConfig:
     # tool model (models.tiny.tool: the policy taught to call the Python tool; keyed by tool_hash)
     tool_steps: int = 150
     tool_lr: float = 1e-3
+    tool_batch_size: int = 16  # problems per step (two examples each): a format to learn, not arithmetic
 
     def __post_init__(self) -> None:
         if self.team_targets not in TEAM_TARGETS:

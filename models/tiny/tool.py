@@ -15,6 +15,7 @@ model's accuracy is the tool's; without it (the block is left unrun) the model m
 
 from __future__ import annotations
 
+import logging
 from typing import Iterator
 
 import numpy as np
@@ -28,6 +29,8 @@ from models.tiny.config import TinyConfig
 from models.tiny.data import parse_arith, reply_batch
 from models.tiny.evaluation import first_boxed_integer, greedy_completions
 from models.tiny.training import adamw, sft_loss, train_step, warmup_cosine
+
+log = logging.getLogger(__name__)
 
 
 def code_step(problem: Problem) -> str:
@@ -67,6 +70,8 @@ def train_tool(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, conf
         ids, target_mask = tool_batch(tokenizer, next(batches))
         loss, _ = sft_loss(model, ids.to(device), target_mask.to(device))
         train_step(model, optimizer, loss, warmup_cosine(config.tool_lr, step, config.tool_steps, config.warmup_steps))
+        if step % 25 == 0:
+            log.info("tool sft step %d loss %.4f", step, loss.item())
     return model.eval()
 
 

@@ -78,7 +78,7 @@ class TinyConfig:
     team_rank: int = 16  # LoRA rank of the team stage, merged into the weights after it; 0: every weight
     team_targets: str = "policy"  # what each role learns to write (TEAM_TARGETS)
     # tool model (models.tiny.tool: the policy taught to call the Python tool; keyed by tool_hash)
-    tool_steps: int = 150
+    tool_steps: int = 400
     tool_lr: float = 1e-3
     tool_batch_size: int = 16  # problems per step (two examples each): a format to learn, not arithmetic
 

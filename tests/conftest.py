@@ -1,5 +1,6 @@
 """Shared fixtures: the tiny tokenizer and an untrained tiny policy (seconds), and the trained tiny models
-(the build the package ships, models/tiny/shipped; only slow tests use it).
+(the build the package ships, models/tiny/shipped; only slow tests use it, but for the shipped tool model,
+which a default test of the tool reads from the package because a run with the tool needs a policy that calls it).
 
 Tests of mechanics pass model directories explicitly; only a test that needs a model that can do arithmetic
 (model quality, learning curves, PRM accuracy) reads the trained build, and it is marked slow. Outside slow

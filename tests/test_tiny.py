@@ -7,18 +7,21 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from gymnasium.vector import AutoresetMode
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from envs.datasets import MATH500, Arith, solve_steps
+from envs.datasets import MATH500, Arith, Problem, solve_steps
+from envs.vector import MathVectorEnv
 from envs.prompts import SHEPHERD_STEP_TAG, STEP_DELIMITER, format_prompt, join_steps, shepherd_text, split_steps
 from models.tiny import (SHIPPED_DIR, TinyConfig, arith_accuracy, build_tiny_models, build_tokenizer, cache_dir,
                         config_hash, heldout_problems, prm_metrics, save_untrained_policy, shipped_models)
-from models.tiny.config import team_hash
+from models.tiny.config import team_hash, tool_hash
 from models.tiny.data import arith_batches, corrupt_solution, parse_arith, sft_batch
 from models.tiny.evaluation import prefix_metrics, prm_last_step_auc
 from models.tiny.model import new_model
 from models.tiny.roles import ROLES, role_example, team_batch, team_metrics
+from models.tiny.tool import code_step, tool_batch, tool_prompts
 from models.tiny.tokenizer import LATEX_SNIPPETS, _tokenizer_json
 from models.tiny.training import adamw, sft_loss, train_step
 
@@ -177,6 +180,8 @@ def test_config_hash_keys_the_cache(tmp_path, monkeypatch):
     assert config_hash(replace(TinyConfig(), team_steps=1)) == config_hash(TinyConfig())
     assert team_hash(replace(TinyConfig(), team_steps=1)) != team_hash(TinyConfig())
     assert team_hash(replace(TinyConfig(), lr=1e-3)) != team_hash(TinyConfig())
+    assert config_hash(replace(TinyConfig(), tool_steps=1)) == config_hash(TinyConfig())  # so is the tool stage
+    assert tool_hash(replace(TinyConfig(), tool_steps=1)) != tool_hash(TinyConfig()) != team_hash(TinyConfig())
     monkeypatch.setenv("MATHRL_CACHE", str(tmp_path))
     assert cache_dir(TinyConfig()) == tmp_path / "tiny" / config_hash(TinyConfig())
     keys = {}
@@ -311,9 +316,9 @@ def test_the_command_line_leaves_the_team_out_when_asked(tmp_path, capsys):
     base = {"config_hash": config_hash(TinyConfig()), "vocab_size": 513, "num_parameters": 1, "policy": {},
             "target": {}, "prm": {}, "build_seconds": 1.0}
     (tmp_path / "metrics.json").write_text(json.dumps(base))
-    main(["--out", str(tmp_path), "--no-team"])
+    main(["--out", str(tmp_path), "--no-team", "--no-tool"])
     printed = json.loads(capsys.readouterr().out)
-    assert printed["team"] is None and printed["build_seconds"] == 1.0
+    assert printed["team"] is None and printed["tool"] is None and printed["build_seconds"] == 1.0
     assert sorted(path.name for path in tmp_path.iterdir()) == ["metrics.json"]
 
 
@@ -331,6 +336,55 @@ def test_the_team_stage_repeats_whatever_ran_before_it(tmp_path):
         teams.append(load_file(build_tiny_models(root, config, threads=1).team / "model.safetensors"))
     assert teams[0].keys() == teams[1].keys()
     assert all(torch.equal(teams[0][name], teams[1][name]) for name in teams[0])
+
+
+def test_a_tool_trace_is_what_the_env_shows_the_policy():
+    """The second prompt of a trace is the observation of an env with the tool after the call step (as the
+    generator returns it, stop string included); without the tool the call is left unrun, a plain step."""
+    problem = Problem(id="a0", problem="Compute 57 + 25 - 43.", answer="39")
+    first, second = tool_prompts(problem)
+    for tools, after_call in (("python", second), (None, join_steps([first + code_step(problem)]))):
+        env = MathVectorEnv(1, problems=[problem], tools=tools, tool_workers=1 if tools else None, max_steps=4,
+                            autoreset_mode=AutoresetMode.DISABLED)
+        try:
+            assert env.reset(seed=0)[0][0] == first
+            assert env.step([code_step(problem) + STEP_DELIMITER])[0][0] == after_call
+        finally:
+            env.close()
+
+
+def test_a_tool_trace_trains_the_call_and_the_answer_never_the_output(tiny_tokenizer):
+    """Two examples per problem, each prompt as the env shows it: the call after the problem, the boxed
+    output after the call and its tool turn; the tool output lies in the prompt, never in a trained token."""
+    problem = Problem(id="a0", problem="Compute 57 + 25 - 43.", answer="39")
+    ids, target_mask = tool_batch(tiny_tokenizer, [problem])
+    call = "```python\nprint(57 + 25 - 43)\n```"
+    prompts = [format_prompt(problem.problem), format_prompt(problem.problem) + call + "\n\n```output\n39\n```\n\n"]
+    replies = [call + "\n\n", "The answer is \\boxed{39}.\n\n"]
+    for row, (prompt, reply) in enumerate(zip(prompts, replies)):
+        trained = ids[row, 1:][target_mask[row]].tolist()
+        assert trained == tiny_tokenizer(reply)["input_ids"] + [tiny_tokenizer.eos_token_id]
+        assert ids[row, :len(tiny_tokenizer(prompt)["input_ids"])].tolist() == tiny_tokenizer(prompt)["input_ids"]
+        assert tiny_tokenizer.decode(ids[row, 1:][target_mask[row]], skip_special_tokens=True) == reply
+        assert tiny_tokenizer.decode(tiny_tokenizer(prompt + reply)["input_ids"]) == prompt + reply  # round trip
+
+
+def test_the_tool_stage_is_built_apart(tmp_path):
+    """On a finished base build, ``tool=True`` builds the tool model beside it, keyed by tool_hash, with its
+    metrics; the base files untouched, and found rather than rebuilt the second time."""
+    config = TinyConfig(num_eval=8, num_select=8, tool_steps=2, tool_batch_size=4)
+    save_untrained_policy(tmp_path / "policy", hidden_size=32, num_hidden_layers=1, num_attention_heads=1,
+                          num_key_value_heads=1, intermediate_size=64)
+    (tmp_path / "metrics.json").write_text(json.dumps({"config_hash": config_hash(config)}))
+    stamps = {path: path.stat().st_mtime_ns for path in tmp_path.rglob("*") if path.is_file()}
+    built = build_tiny_models(tmp_path, config, threads=1, team=False, tool=True)
+    assert built.tool == tmp_path / f"tool-{tool_hash(config)}" and not list(tmp_path.glob("team-*"))
+    assert built.metrics["tool"]["config"] == {"tool_steps": 2, "tool_lr": config.tool_lr, "tool_batch_size": 4}
+    assert {"call_accuracy", "answer_accuracy", "no_output_accuracy"} <= built.metrics["tool"].keys()
+    assert {path: path.stat().st_mtime_ns for path in stamps} == stamps
+    tool, policy = load_file(built.tool / "model.safetensors"), load_file(tmp_path / "policy" / "model.safetensors")
+    assert any(not torch.equal(tool[name], policy[name]) for name in policy)
+    assert build_tiny_models(tmp_path, config, team=False, tool=True) == built
 
 
 def test_a_team_change_rebuilds_the_team_alone(tmp_path):

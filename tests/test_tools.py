@@ -23,6 +23,7 @@ from envs.prompts import format_prompt
 from envs.rewards import OutcomeReward, RewardOutput, StepContext
 from envs.vector import MathVectorEnv
 from models.prompting import build_template, tool_turn_template
+from models.tiny import shipped_models
 
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] }}"
           "{{ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
@@ -155,9 +156,10 @@ TOOL_TURN_42 = "\n\n```output\n42\n```\n\n"
 
 
 class ScriptedGenerator:
-    """The policy's generator with its choices scripted, for the mechanics (the untrained tiny policy never
-    writes code, and teaching it takes minutes of CPU): a prompt without tool output gets ``CODE_STEP``, one
-    with output a boxed answer (42 and 0 in turn, so a group's rewards differ). Token ids and
+    """The policy's generator with its choices scripted, where the choice is the point: exact action texts to
+    follow token by token, and answers right and wrong in turn so that a group's rewards differ (the shipped
+    tool model copies the tool's output, so its groups mostly agree and GRPO's advantages vanish). A prompt
+    without tool output gets ``CODE_STEP``, one with output a boxed answer (42 and 0 in turn). Token ids and
     rollout log-probs are the policy's own (``LanguagePolicy.evaluate``), texts end in the stop string."""
 
     def __init__(self, policy):
@@ -221,27 +223,37 @@ def test_tool_output_tokens_are_observations_only(untrained_policy_dir):
     assert not any("```output" in step for c in reward.contexts for step in c.steps)
 
 
-def test_a_grpo_run_with_the_tool_trains_end_to_end(untrained_policy_dir, tmp_path):
-    """train_math.py on Arith-Tool-v0 (GRPO, HF backend, asynchronous rollouts as on a CPU by default): the
-    sandboxes start, the run trains, evaluates, saves and closes them."""
+@pytest.fixture(scope="module")
+def tool_model() -> Path:
+    """The shipped tool model (models/tiny/shipped, inside the package: no cache, no build): the tiny policy
+    taught to compute with the tool, so a run's own actions call it."""
+    return shipped_models(team=False, tool=True).tool
+
+
+def test_a_grpo_run_with_the_tool_trains_end_to_end(tool_model, tmp_path):
+    """train_math.py on Arith-Tool-v0 (GRPO, HF backend, asynchronous rollouts as on a CPU by default) with the
+    shipped tool model: its actions call the tool, the sandboxes start, the run trains, evaluates, saves and
+    closes them."""
     from event_files import read_scalars
     from test_trainer import run_train_math
 
     run_dir = run_train_math(["--env_id", "Arith-Tool-v0", "--action_level", "step", "--algorithm_name", "GRPO",
-                              "--model_name_or_path", str(untrained_policy_dir), "--num_env_steps", "16",
+                              "--model_name_or_path", str(tool_model), "--num_env_steps", "16",
                               "--n_rollout_threads", "4", "--group_size", "2", "--episode_length", "2",
-                              "--max_new_tokens", "8", "--max_tool_calls", "2", "--eval_interval", "2",
+                              "--max_new_tokens", "32", "--max_tool_calls", "2", "--eval_interval", "2",
                               "--eval_limit", "4", "--eval_batch_size", "4", "--logdir", str(tmp_path),
                               "--env_kwargs", '{"arith": {"num_train": 200, "num_test": 20}}'])
     scalars = read_scalars(run_dir)
     assert [step for step, _ in scalars["eval/accuracy"]] == [0, 2]
-    assert len(scalars["train/reward"]) == 2 and len(scalars["train/tool_calls"]) == 2 and "grad/norm" in scalars
+    assert len(scalars["train/reward"]) == 2 and "grad/norm" in scalars
+    assert len(scalars["train/tool_calls"]) == 2 and min(value for _, value in scalars["train/tool_calls"]) > 0
     assert (Path(run_dir) / "checkpoints" / "iter_2" / "manifest.json").is_file()
 
 
 def test_a_run_with_tool_calls_trains(untrained_policy_dir, tmp_path):
-    """A library user's run (RunConfig, no flags) on MATH-Tool-v0 (one problem) whose actions call the tool (scripted):
-    GRPO updates the policy on them."""
+    """A library user's run (RunConfig, no flags) on MATH-Tool-v0 (one problem) whose actions call the tool:
+    GRPO updates the policy on them. Scripted (``ScriptedGenerator``): each group answers right and wrong, so
+    its advantages are not zero and the update must move the weights."""
     from tensorboardX import SummaryWriter
 
     from train.builders import build_runner

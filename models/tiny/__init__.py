@@ -1,6 +1,6 @@
-"""The built-in tiny models: tokenizer, policy, PRM, target solver and team model, trained on a CPU.
+"""The built-in tiny models: tokenizer, policy, PRM, target solver, team and tool model, trained on a CPU.
 
-    python -m models.tiny --out DIR      # DIR/policy, DIR/prm, DIR/target, DIR/team-<hash>, DIR/metrics.json
+    python -m models.tiny --out DIR      # DIR/policy, DIR/prm, DIR/target, DIR/team-<hash>, DIR/tool-<hash>, DIR/metrics.json
 
 They let the trainer, the tests and the benchmarks run end to end with nothing downloaded. One build
 ships inside the package (``models.tiny.shipped``: ``shipped_models()``), the default of every command
@@ -15,11 +15,13 @@ tokenizer), loaded back with the Auto classes: the code path a user's own model 
 - team: the policy taught the roles of the built-in multi-agent workflows (``models.tiny.roles``): a
   verifier that solves again, a refiner's rewrite, a debater's second round; the default model of the
   multi-agent envs, a build stage of its own (``config.team_hash``).
+- tool: the policy taught to call the env's Python tool (``models.tiny.tool``): a python block printing
+  the problem's expression, then the boxed output; a build stage of its own (``config.tool_hash``).
 - prm: Math-Shepherd format (``envs.prompts.shepherd_text``), P("+") over {"+", "-"} at each step
   tag; a likelihood verifier (``models.tiny.likelihood_prm``) on the target's trunk.
 
 Modules: ``config`` (knobs and cache key), ``tokenizer``, ``model``, ``data`` (Arith batches and
-corrupted solutions), ``training``, ``roles`` (the team model), ``evaluation``, ``likelihood_prm``,
+corrupted solutions), ``training``, ``roles`` (the team model), ``tool`` (the tool model), ``evaluation``, ``likelihood_prm``,
 ``build`` (a build, kept and reused), ``shipped`` (the build the package carries).
 Only train_math.py's default-model path, the tests and the benchmarks import this package.
 """

@@ -16,7 +16,7 @@ from models.tiny.config import TinyConfig
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m models.tiny",
-                                     description="Build the tiny tokenizer, policy, PRM, target and team models.")
+                                     description="Build the tiny tokenizer, policy, PRM, target, tool and team models.")
     parser.add_argument("--out", type=Path, default=None, help="output directory (default: the user cache, "
                         "$MATHRL_CACHE/tiny/<config hash>)")
     parser.add_argument("--seed", type=int, default=TinyConfig.seed)
@@ -26,10 +26,13 @@ def main(argv: list[str] | None = None) -> None:
                              "fewer threads can be faster)")
     parser.add_argument("--team", action=argparse.BooleanOptionalAction, default=True,
                         help="build the team model too (the multi-agent envs' default model)")
+    parser.add_argument("--tool", action=argparse.BooleanOptionalAction, default=True,
+                        help="build the tool model too (the policy taught to call the Python tool)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(message)s")
-    models = build_tiny_models(args.out, TinyConfig(seed=args.seed), args.device, args.threads, args.team)
+    models = build_tiny_models(args.out, TinyConfig(seed=args.seed), args.device, args.threads, args.team, args.tool)
     summary = {k: models.metrics[k] for k in ("vocab_size", "num_parameters", "policy", "target", "prm", "build_seconds")}
+    summary["tool"] = models.metrics.get("tool")  # absent with --no-tool, unless an earlier build made it
     summary["team"] = models.metrics.get("team")  # absent with --no-team, unless an earlier build made it
     print(json.dumps({"root": str(models.root), **summary}, indent=1))
 

@@ -1,10 +1,11 @@
-"""The tiny build end to end: train the four models, measure them, and cache the result.
+"""The tiny build end to end: train the five models, measure them, and cache the result.
 
 A build takes minutes on a CPU, so it is kept and reused, in two stages: the base models (policy,
 target, PRM) in a directory named by ``config_hash``, and the team model, fine-tuned from that policy
 on a data stream of its own, in ``team-<team_hash>`` inside it, so that a change to the team stage
-rebuilds the team alone. Each stage is written to a temporary sibling and renamed into place, so a
-killed build never leaves a partial directory that would later be taken for a finished one.
+rebuilds the team alone; the tool model likewise in ``tool-<tool_hash>``. Each stage is written to a
+temporary sibling and renamed into place, so a killed build never leaves a partial directory that would
+later be taken for a finished one.
 """
 
 from __future__ import annotations
@@ -25,12 +26,14 @@ from transformers import AutoTokenizer, LlamaForCausalLM, PreTrainedTokenizerFas
 
 from envs.datasets import Problem
 from envs.prompts import SHEPHERD_STEP_TAG
-from models.tiny.config import TinyConfig, base_knobs, cache_dir, config_hash, team_hash, team_knobs
+from models.tiny.config import (TinyConfig, base_knobs, cache_dir, config_hash, team_hash, team_knobs, tool_hash,
+                                tool_knobs)
 from models.tiny.data import BAD_TOKEN, GOOD_TOKEN, arith_batches, heldout_problems
 from models.tiny.evaluation import arith_accuracy, prefix_metrics, prm_last_step_auc, prm_metrics
 from models.tiny.model import new_model, num_parameters
 from models.tiny.roles import team_metrics, train_team
 from models.tiny.tokenizer import build_tokenizer
+from models.tiny.tool import tool_metrics, train_tool
 from models.tiny.training import build_prm, train_policy_and_target
 
 log = logging.getLogger(__name__)
@@ -45,6 +48,7 @@ class TinyModels:
     prm: Path
     target: Path
     team: Path
+    tool: Path
     metrics: dict
 
 
@@ -53,15 +57,21 @@ def team_dir(root: Path, config: TinyConfig) -> Path:
     return root / f"team-{team_hash(config)}"
 
 
+def tool_dir(root: Path, config: TinyConfig) -> Path:
+    """Where the tool stage of ``config`` lives in the build ``root``."""
+    return root / f"tool-{tool_hash(config)}"
+
+
 def read_build(root: Path, config: TinyConfig) -> TinyModels:
-    """The finished build in ``root``: its paths and metrics; ``metrics["team"]`` comes from the team stage's
-    own metrics.json, when the team stage has been built."""
-    team = team_dir(root, config)
+    """The finished build in ``root``: its paths and metrics; ``metrics["team"]`` and ``metrics["tool"]`` come
+    from the team and tool stages' own metrics.json, when those stages have been built."""
+    team, tool = team_dir(root, config), tool_dir(root, config)
     metrics = json.loads((root / "metrics.json").read_text())
-    if (team / "metrics.json").is_file():
-        metrics["team"] = json.loads((team / "metrics.json").read_text())
+    for name, stage in (("team", team), ("tool", tool)):
+        if (stage / "metrics.json").is_file():
+            metrics[name] = json.loads((stage / "metrics.json").read_text())
     return TinyModels(root=root, policy=root / "policy", prm=root / "prm", target=root / "target", team=team,
-                      metrics=metrics)
+                      tool=tool, metrics=metrics)
 
 
 def _save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, out_dir: Path) -> None:
@@ -91,6 +101,23 @@ def _build_team(root: Path, out_dir: Path, config: TinyConfig, device: str) -> N
                **team_metrics(model, tokenizer, evaluation, config.seed + 4),
                "seconds": round(time.perf_counter() - started, 1)}
     log.info("team model: %s", metrics)
+    (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=1))
+
+
+def _build_tool(root: Path, out_dir: Path, config: TinyConfig, device: str) -> None:
+    """The tool model (``models.tiny.tool``), fine-tuned from ``root``'s policy on a stream of Arith problems of
+    its own, saved to ``out_dir`` in bfloat16 with its metrics.json (measured on the saved weights)."""
+    started = time.perf_counter()
+    model = LlamaForCausalLM.from_pretrained(root / "policy").to(device)
+    tokenizer = AutoTokenizer.from_pretrained(root / "policy")
+    evaluation, select = _problem_draws(config)
+    batches = arith_batches(config.arith(), config.tool_batch_size, config.seed + 6, {p.id for p in evaluation + select})
+    model = train_tool(model, tokenizer, config, batches, device).to(torch.bfloat16)
+    _save(model, tokenizer, out_dir)  # bfloat16: half the size in the package; measured as loaded back in fp32
+    model = model.float()
+    metrics = {"tool_hash": tool_hash(config), "config": tool_knobs(config),
+               **tool_metrics(model, tokenizer, evaluation), "seconds": round(time.perf_counter() - started, 1)}
+    log.info("tool model: %s", metrics)
     (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=1))
 
 
@@ -155,12 +182,14 @@ def _torch_threads(threads: int) -> Iterator[None]:
 
 
 def build_tiny_models(out_dir: str | os.PathLike | None = None, config: TinyConfig = TinyConfig(),
-                      device: str = "cpu", threads: int | None = None, team: bool = True) -> TinyModels:
-    """Builds (or finds already built) the tiny policy, PRM, target and team model for ``config``.
+                      device: str = "cpu", threads: int | None = None, team: bool = True,
+                      tool: bool = False) -> TinyModels:
+    """Builds (or finds already built) the tiny policy, PRM, target, tool and team model for ``config``.
 
     ``team`` False leaves the team stage out (single-agent runs never read the team model, and the stage
     costs more than the other three models together); the returned ``team`` path then holds a model only
-    if an earlier build made it.
+    if an earlier build made it. ``tool`` True builds the tool model too (``models.tiny.tool``; the command
+    line builds it by default), likewise.
 
     ``threads``: torch CPU threads during a build, by default every core this process may use
     (the build expects the machine to itself). The float sums then differ from machine to machine,
@@ -183,6 +212,9 @@ def build_tiny_models(out_dir: str | os.PathLike | None = None, config: TinyConf
     with _torch_threads(threads or _usable_cores()):
         if not (root / "metrics.json").is_file():
             _build_into(root, lambda staging: _build(staging, config, device))
+        tool_root = tool_dir(root, config)
+        if tool and not (tool_root / "metrics.json").is_file():
+            _build_into(tool_root, lambda staging: _build_tool(root, staging, config, device))
         team_root = team_dir(root, config)
         if team and not (team_root / "metrics.json").is_file():
             _build_into(team_root, lambda staging: _build_team(root, staging, config, device))

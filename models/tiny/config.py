@@ -3,7 +3,8 @@
 A build is reused whenever its key matches, so the key covers the config, ``BUILD_VERSION`` (for
 changes to the code) and the transformers major version (for the saved file formats). The team model
 is a stage of its own on top of the policy, keyed apart (``team_hash``: the base key, its own knobs and
-``TEAM_VERSION``), so that a change to the team stage rebuilds only the team.
+``TEAM_VERSION``), so that a change to the team stage rebuilds only the team; so is the tool stage
+(``tool_hash``, ``TOOL_FIELDS`` and ``TOOL_VERSION``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ TEAM_VERSION = 3
 """Part of the team key: bump when a change in models.tiny.roles (or the workflows' prompts) changes the team."""
 TEAM_FIELDS = ("team_steps", "team_lr", "team_rank", "team_targets")
 """The knobs of the team stage alone: outside the base key."""
+TOOL_VERSION = 1
+"""Part of the tool key: bump when a change in models.tiny.tool (or the env's tool turn) changes the tool model."""
+TOOL_FIELDS = ("tool_steps", "tool_lr", "tool_batch_size")
+"""The knobs of the tool stage alone: outside the base key."""
 
 TEAM_TARGETS = ("policy", "reference")
 """The team's replies: the policy's own greedy solution of the problem alone (the roles' formats at the
@@ -72,6 +77,10 @@ class TinyConfig:
     team_lr: float = 2e-3
     team_rank: int = 16  # LoRA rank of the team stage, merged into the weights after it; 0: every weight
     team_targets: str = "policy"  # what each role learns to write (TEAM_TARGETS)
+    # tool model (models.tiny.tool: the policy taught to call the Python tool; keyed by tool_hash)
+    tool_steps: int = 400
+    tool_lr: float = 1e-3
+    tool_batch_size: int = 16  # problems per step (two examples each): a format to learn, not arithmetic
 
     def __post_init__(self) -> None:
         if self.team_targets not in TEAM_TARGETS:
@@ -88,8 +97,8 @@ def _digest(payload: dict) -> str:
 
 
 def base_knobs(config: TinyConfig) -> dict:
-    """The knobs of the base models (policy, target, PRM): every field but ``TEAM_FIELDS``."""
-    return {key: value for key, value in asdict(config).items() if key not in TEAM_FIELDS}
+    """The knobs of the base models (policy, target, PRM): every field but ``TEAM_FIELDS`` and ``TOOL_FIELDS``."""
+    return {key: value for key, value in asdict(config).items() if key not in TEAM_FIELDS + TOOL_FIELDS}
 
 
 def team_knobs(config: TinyConfig) -> dict:
@@ -97,9 +106,14 @@ def team_knobs(config: TinyConfig) -> dict:
     return {key: getattr(config, key) for key in TEAM_FIELDS}
 
 
+def tool_knobs(config: TinyConfig) -> dict:
+    """The knobs of the tool stage alone (``TOOL_FIELDS``)."""
+    return {key: getattr(config, key) for key in TOOL_FIELDS}
+
+
 def config_hash(config: TinyConfig) -> str:
-    """16 hex digits naming ``config`` but its ``TEAM_FIELDS``, BUILD_VERSION and the transformers major
-    version: the key of the base models. (A tokenizer saved by transformers 5 names the class
+    """16 hex digits naming ``config`` but its ``TEAM_FIELDS`` and ``TOOL_FIELDS``, BUILD_VERSION and the
+    transformers major version: the key of the base models. (A tokenizer saved by transformers 5 names the class
     "TokenizersBackend", which 4.x cannot load.)"""
     return _digest({"build_version": BUILD_VERSION, "transformers_major": transformers.__version__.split(".")[0],
                     **base_knobs(config)})
@@ -109,6 +123,12 @@ def team_hash(config: TinyConfig) -> str:
     """16 hex digits naming the team stage: the base key (the policy it starts from), ``TEAM_FIELDS``
     and TEAM_VERSION."""
     return _digest({"base": config_hash(config), "team_version": TEAM_VERSION, **team_knobs(config)})
+
+
+def tool_hash(config: TinyConfig) -> str:
+    """16 hex digits naming the tool stage: the base key (the policy it starts from), ``TOOL_FIELDS`` and
+    TOOL_VERSION."""
+    return _digest({"base": config_hash(config), "tool_version": TOOL_VERSION, **tool_knobs(config)})
 
 
 def cache_dir(config: TinyConfig) -> Path:

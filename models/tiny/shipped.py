@@ -3,11 +3,11 @@
 A build's float sums differ from machine to machine (``models.tiny.build``), so a build of one's own
 gives that build's figures. The package carries one finished build, made once with
 ``python -m models.tiny --out models/tiny/shipped`` and committed (policy, target, PRM, the team
-model in ``team-<team hash>``, and metrics.json: the build's config hash, knobs and held-out metrics),
+model in ``team-<team hash>``, the tool model in ``tool-<tool hash>``, and metrics.json: the build's config hash, knobs and held-out metrics),
 so that every machine starts from the same weights, at once, and reproduces docs/results.md.
 
-It is used only while its keys match the code's: a change to ``TinyConfig``, to ``BUILD_VERSION`` or
-``TEAM_VERSION``, or to the transformers major version makes it refuse to load, naming the fix
+It is used only while its keys match the code's: a change to ``TinyConfig``, to ``BUILD_VERSION``,
+``TEAM_VERSION`` or ``TOOL_VERSION``, or to the transformers major version makes it refuse to load, naming the fix
 (rebuild and commit it, or build one's own). A user's own builds stay in ``$MATHRL_CACHE``.
 """
 
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import transformers
 
-from models.tiny.build import TinyModels, read_build, team_dir
-from models.tiny.config import TinyConfig, config_hash, team_hash
+from models.tiny.build import TinyModels, read_build, team_dir, tool_dir
+from models.tiny.config import TinyConfig, config_hash, team_hash, tool_hash
 
 SHIPPED_DIR = Path(__file__).resolve().parent / "shipped"
 """Where the package keeps its build (``[options.package_data]`` in setup.cfg carries it)."""
@@ -28,11 +28,11 @@ _OWN_BUILD = ("or build your own with `python -m models.tiny` (into $MATHRL_CACH
               "pass its models by path (--model_name_or_path DIR/policy)")
 
 
-def shipped_models(team: bool = True, root: Path = SHIPPED_DIR) -> TinyModels:
-    """The shipped build of ``TinyConfig()``: its paths and metrics, the team model's included.
+def shipped_models(team: bool = True, root: Path = SHIPPED_DIR, tool: bool = False) -> TinyModels:
+    """The shipped build of ``TinyConfig()``: its paths and metrics, the team and tool models' included.
 
-    Raises FileNotFoundError when ``root`` holds no finished build (or, with ``team``, no team model of
-    the expected key), and ValueError when it was built for another config hash than this code's.
+    Raises FileNotFoundError when ``root`` holds no finished build (or, with ``team`` or ``tool``, no team or
+    tool model of the expected key), and ValueError when it was built for another config hash than this code's.
     """
     config = TinyConfig()
     metrics_file = root / "metrics.json"
@@ -44,10 +44,10 @@ def shipped_models(team: bool = True, root: Path = SHIPPED_DIR) -> TinyModels:
         raise ValueError(f"the shipped tiny models in {root} were built for config hash {found}, but this code with "
                          f"transformers {transformers.__version__} keys the tiny build {expected} (models/tiny/config.py): "
                          f"rebuild them with `python -m models.tiny --out {root}` after removing it, {_OWN_BUILD}")
-    team_models = team_dir(root, config)
-    if team and not (team_models / "metrics.json").is_file():
-        shipped_teams = sorted(path.name for path in root.glob("team-*"))
-        raise FileNotFoundError(f"the shipped tiny build in {root} has no team model of key {team_hash(config)} "
-                                f"(it has {shipped_teams or 'none'}): build it with `python -m models.tiny --out {root}`, "
-                                f"{_OWN_BUILD}")
+    for wanted, stage, stage_dir, key in (("team", team, team_dir, team_hash), ("tool", tool, tool_dir, tool_hash)):
+        if stage and not (stage_dir(root, config) / "metrics.json").is_file():
+            shipped = sorted(path.name for path in root.glob(f"{wanted}-*"))
+            raise FileNotFoundError(f"the shipped tiny build in {root} has no {wanted} model of key {key(config)} "
+                                    f"(it has {shipped or 'none'}): build it with `python -m models.tiny --out {root}`, "
+                                    f"{_OWN_BUILD}")
     return read_build(root, config)

@@ -225,6 +225,7 @@ def _build_into(final: Path, build: Callable[[Path], None]) -> None:
     """``build(staging)`` into a temporary sibling of ``final``, then renamed to ``final``."""
     final.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.building-", dir=final.parent))
+    staging.chmod(0o755)  # mkdtemp makes it owner-only; the built models are read by every user
     try:
         build(staging)
         try:

@@ -42,6 +42,7 @@ from envs.contract import FACTS, Agents, StepFacts
 from envs.rewards import OverlongPenalty
 from models.generation import GenerationOutput, Generator, mix_seed
 from models.policy import LanguagePolicy
+from train.config import Critic
 
 
 @dataclass(frozen=True)
@@ -153,9 +154,6 @@ def generate_for_pairs(role_models: RoleModels, sampling: Sampling, generator: G
     return GenerationOutput.interleave(parts, len(prompts))
 
 
-CRITIC_INPUTS = ("centralized", "per_role")  # a multi-agent critic reads the joint transcript, or its own prompt
-
-
 @dataclass
 class Tally:
     """Sums and counts of per-sample statistics of one rollout, and its wall-clock seconds per phase."""
@@ -187,10 +185,10 @@ class Collector:
     env's running episode return and the env steps taken (all saved with checkpoints)."""
 
     def __init__(self, env, spec: AlgorithmSpec, episode_length: int, sampling: Sampling, seed: int,
-                 env_offset: int = 0, role_models: RoleModels = RoleModels(), critic: str = "centralized",
+                 env_offset: int = 0, role_models: RoleModels = RoleModels(), critic: Critic = Critic.CENTRALIZED,
                  overlong: OverlongPenalty | None = None):
-        if critic not in CRITIC_INPUTS:
-            raise ValueError(f"critic={critic!r} must be one of {CRITIC_INPUTS}")
+        if critic not in (Critic.CENTRALIZED, Critic.PER_ROLE):  # what a multi-agent critic reads
+            raise ValueError(f"critic={critic!r} must be 'centralized' or 'per_role' (LearningConfig.critic_view)")
         self.env, self.spec, self.episode_length, self.sampling = env, spec, episode_length, sampling
         self.env_offset = env_offset
         agents: Agents = env.agents
@@ -267,7 +265,7 @@ class Collector:
         action_ids = [out.token_ids[k] for k in trained]
         critic_prompts = self.critic_prompts(policy, envs, agents)
         values, token_values = self.critic_values(policy, critic_prompts or prompt_ids, action_ids,
-                                                  agents.tolist() if self.critic == "per_role" else None)
+                                                  agents.tolist() if self.critic == Critic.PER_ROLE else None)
         return StepRecord(step=step, envs=envs, agents=agents, prompt_ids=prompt_ids, action_ids=action_ids,
                           rollout_logprobs=[out.logprobs[k] for k in trained],
                           group_ids=torch.as_tensor(self.facts.group_ids[envs]),
@@ -329,7 +327,7 @@ class Collector:
     def critic_prompts(self, policy: LanguagePolicy, envs: np.ndarray, agents: np.ndarray) -> list[list[int]] | None:
         """Token ids [B] of the joint transcripts a centralized critic reads for the pairs ``envs[b], agents[b]``
         about to act (the env's ``facts.states``); None when the critic reads the actor's prompt."""
-        if self.critic != "centralized" or len(envs) == 0:
+        if self.critic != Critic.CENTRALIZED or len(envs) == 0:
             return None
         return policy.tokenizer([self.facts.states[i, a] for i, a in zip(envs, agents)])["input_ids"]
 

@@ -377,7 +377,7 @@ class LearningConfig:
     prompt_groups: int | None = None  # resolved: RLOO oversampling: groups kept per iteration over every rank
 
     @property
-    def critic_view(self) -> str:
+    def critic_view(self) -> Critic:
         """What a multi-agent critic reads: the joint transcript (centralized), or each role's prompt (per_role)."""
         return Critic.PER_ROLE if self.critic == Critic.PER_ROLE else Critic.CENTRALIZED
 

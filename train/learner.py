@@ -29,7 +29,7 @@ from models.forward import module_mode
 from models.policy import LanguagePolicy
 from train import distributed
 from train.collector import Collector
-from train.config import LearningConfig, RolloutConfig
+from train.config import Critic, LearningConfig, RolloutConfig
 from train.correction import GapMeter, corrected_targets, score_trainer_logprobs
 from train.distributed import Ranks
 
@@ -255,7 +255,7 @@ class Learner:
 
     def row_value_heads(self, batch) -> list[int] | None:
         """The value head each row of ``batch`` is read from (per-role critics: its agent's), else None."""
-        if self.collector.critic != "per_role":
+        if self.collector.critic != Critic.PER_ROLE:
             return None
         return batch.agents.tolist()
 

@@ -10,7 +10,8 @@ two turns of a tool-using solution, each as the env presents it to the policy:
   -> the boxed answer step, copying the output.
 
 The tool output is never a reply token (as in RL, where it is observation only). With the tool the
-model's accuracy is the tool's; without it (the block is left unrun) the model must guess the value.
+model's accuracy is the tool's. Without it (the block left unrun) the model stops: each reply is trained
+to end in EOS, the call's included, so after an unrun call it ends the solution without an answer.
 """
 
 from __future__ import annotations

@@ -137,7 +137,6 @@ def test_one_full_grpo_iteration_then_a_resumed_one(smollm2_dir, tmp_path):
     assert any(not torch.equal(before[name], after[name].to(before[name].dtype)) for name in before)
 
 
-@pytest.mark.slow
 def test_grpo_raises_its_held_out_accuracy_by_three_standard_errors(smollm2_dir, tmp_path):
     """The real-model bench shortened: its arith preset with full fine-tuning, 8 iterations (32 training minutes
     on 2 cores, about 40 with its two evaluations), greedy accuracy on 300 held-out sums before and after."""

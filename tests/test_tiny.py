@@ -251,16 +251,19 @@ REBUILD_TOLERANCES = {  # about the largest gap between three builds on three ma
     ("policy", "accuracy"): 0.10, ("target", "accuracy"): 0.10, ("target", "correct_prefix_accuracy"): 0.08,
     ("target", "corrupted_prefix_accuracy"): 0.05, ("prm", "step_accuracy"): 0.03, ("prm", "auc"): 0.02,
     ("team", "solver_accuracy"): 0.12, ("team", "verifier_verdict_accuracy"): 0.08,
+    # the tool stage copies an expression into a call and the call's output into the box: the shipped build
+    # gets all 500 held-out problems right (and none without the output); 0.05 allows 25 misses
+    ("tool", "call_accuracy"): 0.05, ("tool", "answer_accuracy"): 0.05, ("tool", "no_output_accuracy"): 0.05,
 }
 
 
 @pytest.mark.slow
 def test_a_rebuild_lands_near_the_shipped_build(tiny_models):
-    """``python -m models.tiny`` into the user cache (about 17 minutes on 2 cores when cold, then found): its
-    held-out metrics within REBUILD_TOLERANCES of the shipped build's."""
-    rebuilt = build_tiny_models()
+    """``python -m models.tiny`` into the user cache, the tool stage included (about 25 minutes on 2 cores when
+    cold, then found): its held-out metrics within REBUILD_TOLERANCES of the shipped build's."""
+    rebuilt = build_tiny_models(tool=True)
     assert rebuilt.root.name == config_hash(TinyConfig()) and rebuilt.root != tiny_models.root
-    assert build_tiny_models() == rebuilt  # found, not rebuilt
+    assert build_tiny_models(tool=True) == rebuilt  # found, not rebuilt
     for (model, metric), tolerance in REBUILD_TOLERANCES.items():
         shipped, own = tiny_models.metrics[model][metric], rebuilt.metrics[model][metric]
         print(f"{model} {metric}: shipped {shipped:.3f}, rebuilt {own:.3f}")

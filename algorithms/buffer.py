@@ -450,7 +450,8 @@ class RolloutBuffer:
             index=index,
             agents=index % self.shape[2],
             prompts=[self.prompt_ids[i] for i in index.tolist()],
-            critic_prompts=None if self.critic_prompt_ids is None else [self.critic_prompt_ids[i] for i in index.tolist()],
+            critic_prompts=(None if self.critic_prompt_ids is None
+                            else [self.critic_prompt_ids[i] for i in index.tolist()]),
             action_ids=tokens(self.action_ids),
             action_lengths=lengths,
             token_mask=token_mask,

@@ -36,9 +36,9 @@ def measure(model_dir: Path, case: str, dtype: str, scratch: Path) -> dict[str, 
 
     lora = LoraSettings(rank=LORA_RANK) if case == "lora" else None
     policy = LanguagePolicy(model_dir, device="cpu", dtype=dtype, lora=lora)
-    trainable = [p for p in policy.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=1e-6)
-    for param in trainable:
+    trained_parameters = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained_parameters, lr=1e-6)
+    for param in trained_parameters:
         param.grad = torch.zeros_like(param)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

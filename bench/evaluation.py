@@ -42,7 +42,8 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=500, help="problems (and envs)")
     parser.add_argument("--max_new_tokens", type=int, default=64, help="tokens per step")
     parser.add_argument("--arith", action="store_true", help="the tiny build's held-out Arith problems, not MATH-500")
-    parser.add_argument("--tools", choices=["python"], default=None, help="run the policy's python blocks (the sandbox)")
+    parser.add_argument("--tools", choices=["python"], default=None,
+                        help="run the policy's python blocks (the sandbox)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     policy = LanguagePolicy(args.policy or shipped_models(team=False).policy, device="cpu")
@@ -52,7 +53,8 @@ def main() -> None:
     wall, cpu = time.perf_counter(), time.process_time()
     result = evaluate(env, make_generator("hf", policy), sampling, limit=args.limit)
     task = "arith" if args.arith else "math500"
-    print(f"summary: evaluation {task} x {args.limit}, tools {args.tools}, step actions, greedy, {args.max_new_tokens} tokens per step: "
+    print(f"summary: evaluation {task} x {args.limit}, tools {args.tools}, step actions, greedy, "
+          f"{args.max_new_tokens} tokens per step: "
           f"{time.process_time() - cpu:.1f} CPU s, {time.perf_counter() - wall:.1f} s wall, accuracy "
           f"{result['eval/accuracy']:.4f}, mean length {result['eval/mean_length']:.3f} tokens")
 

@@ -40,7 +40,8 @@ import torch
 QWEN = {"vocab_size": 151_936, "max_position_embeddings": 32_768, "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6,
         "tie_word_embeddings": True, "hidden_act": "silu", "num_key_value_heads": 2}
 MODELS = {  # the real Qwen2.5 configs (config.json of Qwen/Qwen2.5-0.5B and -1.5B), and a small check
-    "0.5b": {**QWEN, "hidden_size": 896, "intermediate_size": 4_864, "num_hidden_layers": 24, "num_attention_heads": 14},
+    "0.5b": {**QWEN, "hidden_size": 896, "intermediate_size": 4_864, "num_hidden_layers": 24,
+             "num_attention_heads": 14},
     "1.5b": {**QWEN, "hidden_size": 1_536, "intermediate_size": 8_960, "num_hidden_layers": 28,
              "num_attention_heads": 12},
     "small": {**QWEN, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4},
@@ -78,7 +79,8 @@ def write_problems(out: Path, count: int, prompt_tokens: int) -> Path:
     generator = torch.Generator().manual_seed(0)
     with out.open("w") as file:
         for i in range(count):
-            letters = torch.randint(ord("a"), ord("z") + 1, (prompt_tokens - len(format_prompt("")),), generator=generator)
+            letters = torch.randint(ord("a"), ord("z") + 1, (prompt_tokens - len(format_prompt("")),),
+                                    generator=generator)
             file.write(json.dumps({"problem": "".join(map(chr, letters.tolist())), "answer": "1",
                                    "unique_id": f"p{i}"}) + "\n")
     return out
@@ -110,7 +112,8 @@ def run_ours(args: argparse.Namespace, model_dir: Path, problems: Path, scratch:
            f"--group_size={args.samples}", f"--num_env_steps={args.prompts * args.samples * 1000}",
            f"--max_new_tokens={args.response_tokens}", "--temperature=1.0", f"--lr={LR}", "--warmup_iterations=0",
            "--lr_schedule=constant", "--max_grad_norm=1.0", "--clip_param=0.2", "--kl_coef=0",
-           "--loss_agg_mode=token-mean", "--scale_rewards=group", "--eval_interval=0", "--save_interval=0", "--nosave_best",
+           "--loss_agg_mode=token-mean", "--scale_rewards=group", "--eval_interval=0", "--save_interval=0",
+           "--nosave_best",
            "--seed=0", "--noasync_rollouts", f"--device={args.device}", "--dtype=bfloat16",
            f"--lora_rank={LORA_RANK if args.mode == 'lora' else 0}",
            f"--{'' if args.gc == 'on' else 'no'}gradient_checkpointing", f"--logdir={scratch}",
@@ -151,7 +154,8 @@ def run_trl(args: argparse.Namespace, model_dir: Path, problems: Path, scratch: 
         # ours: fp32 trainable weights under bf16 autocast; a frozen LoRA base in bf16
         model_init_kwargs={"dtype": torch.bfloat16 if args.mode == "lora" else torch.float32})
     lora = LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK, target_modules="all-linear", task_type="CAUSAL_LM")
-    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=env_reward_function(TextHashOutcome(), {p.id: p for p in pool}),
+    trainer = GRPOTrainer(model=str(model_dir),
+                          reward_funcs=env_reward_function(TextHashOutcome(), {p.id: p for p in pool}),
                           args=config, train_dataset=dataset, peft_config=lora if args.mode == "lora" else None)
     synchronize(args.device)
     started = time.perf_counter()
@@ -191,7 +195,8 @@ def spawn(args: argparse.Namespace, side: str, model: str, mode: str, checkpoint
                "--model_dir", str(model_dir), "--problems", str(problems), "--device", args.device,
                "--threads", str(args.threads), "--prompts", str(args.prompts), "--samples", str(args.samples),
                "--response_tokens", str(args.response_tokens)]
-    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    done = subprocess.run(command, capture_output=True, text=True,
+                          env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"{side} {model} {mode} checkpointing {checkpointing} failed (exit {done.returncode}):\n"
@@ -231,7 +236,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--models", type=listed, default=["0.5b", "1.5b"], help=f"of {sorted(MODELS)}")
     parser.add_argument("--cases", type=listed, default=["lora", "full"], help="lora (rank 16) and/or full")
-    parser.add_argument("--full_models", type=listed, default=["0.5b", "small"], help="models run with full fine-tuning")
+    parser.add_argument("--full_models", type=listed, default=["0.5b", "small"],
+                        help="models run with full fine-tuning")
     parser.add_argument("--checkpointing", type=listed, default=["off", "on"], help="activation checkpointing: on, off")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--samples", type=int, default=4, help="completions per prompt")
@@ -239,7 +245,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--response_tokens", type=int, default=512)
     parser.add_argument("--threads", type=int, default=2, help="torch threads on cpu")
     for name in ("side", "mode", "gc", "model_dir", "problems"):  # a case's own process
-        parser.add_argument(f"--{name}", help=argparse.SUPPRESS, type=Path if name in ("model_dir", "problems") else str)
+        parser.add_argument(f"--{name}", help=argparse.SUPPRESS,
+                            type=Path if name in ("model_dir", "problems") else str)
     args = parser.parse_args()
     from envs.prompts import format_prompt
 

@@ -130,7 +130,8 @@ def main() -> None:
     single = steps_per_second(prm, batch, batched=False, repeats=args.repeats)
     print(f"PRM {args.prm_dir} on {args.device}, N={args.num_envs}: batched {batched:.0f} steps/s, "
           f"one at a time {single:.0f} steps/s")
-    print(f"summary: reward_throughput batched/single = {batched / single:.1f}x ({batched:.0f} vs {single:.0f} steps/s)")
+    print(f"summary: reward_throughput batched/single = {batched / single:.1f}x "
+          f"({batched:.0f} vs {single:.0f} steps/s)")
 
 
 if __name__ == "__main__":

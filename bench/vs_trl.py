@@ -155,8 +155,9 @@ class OursSide:
         self.iteration += 1
         buffer = self.runner.last_buffer  # set by Runner.log every iteration (log_interval 1)
         live = buffer.live
-        return StepResult(seconds, float(buffer.rewards[live].mean()), float(buffer.action_lengths[live].float().mean()),
-                          equal_reward_share(buffer), torch.get_num_threads())
+        return StepResult(seconds, float(buffer.rewards[live].mean()),
+                          float(buffer.action_lengths[live].float().mean()), equal_reward_share(buffer),
+                          torch.get_num_threads())
 
     def close(self) -> None:
         self.writer.close()

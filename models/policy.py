@@ -126,7 +126,7 @@ class LanguagePolicy(ShardedPolicy, PolicyWeights, nn.Module):
         head_device = "meta" if empty else self.device
         self.value_head = (nn.Linear(hidden_size, value_heads, device=head_device) if with_critic
                            else None)
-        self._trainable = [p for p in self.parameters() if p.requires_grad]
+        self._trained_parameters = [p for p in self.parameters() if p.requires_grad]
         # with role adapters the shared actor adapter stays frozen (peft's switches unfreeze it)
         self._frozen_adapter = [p for name, p in self.named_parameters()
                                 if self.role_adapters and f".{ACTOR_ADAPTER}." in name]
@@ -198,7 +198,7 @@ class LanguagePolicy(ShardedPolicy, PolicyWeights, nn.Module):
     def actor_parameters(self) -> list[nn.Parameter]:
         """Trainable parameters of the policy: the actor adapter (LoRA) or the whole trunk."""
         critic_ids = {id(p) for p in self.critic_parameters()}
-        return [p for p in self._trainable if id(p) not in critic_ids]
+        return [p for p in self._trained_parameters if id(p) not in critic_ids]
 
     def critic_parameters(self) -> list[nn.Parameter]:
         """Trainable parameters only the value loss reaches: the critic adapter, the value head."""
@@ -229,11 +229,11 @@ class LanguagePolicy(ShardedPolicy, PolicyWeights, nn.Module):
             if name is not None:
                 self.model.set_adapter(name)
             with switch:
-                self._restore_trainable()
+                self._restore_requires_grad()
                 yield
         finally:
             self.model.set_adapter(ACTOR_ADAPTER)
-            self._restore_trainable()
+            self._restore_requires_grad()
 
     def _replay_with_active_adapter(self) -> tuple[contextlib.AbstractContextManager,
                                                    contextlib.AbstractContextManager]:
@@ -243,8 +243,9 @@ class LanguagePolicy(ShardedPolicy, PolicyWeights, nn.Module):
         activations)."""
         return contextlib.nullcontext(), self.using_adapter(self.model.active_adapter)
 
-    def _restore_trainable(self) -> None:
-        for param in self._trainable:
+    def _restore_requires_grad(self) -> None:
+        """The trained parameters require grad again, the frozen shared actor adapter not."""
+        for param in self._trained_parameters:
             param.requires_grad_(True)
         for param in self._frozen_adapter:
             param.requires_grad_(False)

@@ -165,4 +165,4 @@ class PolicyWeights:
             if isinstance(module, LoraLayer) and ACTOR_ADAPTER in module.lora_A:
                 weight = module.get_base_layer().weight
                 weight -= module.get_delta_weight(ACTOR_ADAPTER).to(weight.dtype)
-        self._restore_trainable()
+        self._restore_requires_grad()

@@ -67,7 +67,7 @@ class ShardedPolicy:
         with torch.no_grad():  # FSDP takes the first module run as its root: the policy, not a layer
             self([[pad]], [[pad]], with_entropy=False)
         self.reshard()  # a root keeps its weights gathered after a forward without backward
-        self._trainable = [p for p in self.parameters() if p.requires_grad]
+        self._trained_parameters = [p for p in self.parameters() if p.requires_grad]
 
     def _receive_weights(self, whole: dict[str, torch.Tensor] | None, group: dist.ProcessGroup) -> None:
         """Fills every rank's shards from rank 0's ``whole`` state dict (None elsewhere: those ranks' weights

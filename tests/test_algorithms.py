@@ -54,7 +54,8 @@ def test_grpo_group_zscores_by_hand():
     std2 = math.sqrt((3 * 0.75**2 + 2.25**2) / 3)  # mean 2.75
     expected = [0.5 / std1, -0.5 / std1, -0.5 / std1, 0.5 / std1] + [-0.75 / std2] * 3 + [2.25 / std2]
     torch.testing.assert_close(a, torch.tensor(expected))
-    torch.testing.assert_close(group_advantages(returns, groups, "none"), torch.tensor([0.5, -0.5, -0.5, 0.5, -0.75, -0.75, -0.75, 2.25]))
+    torch.testing.assert_close(group_advantages(returns, groups, "none"),
+                               torch.tensor([0.5, -0.5, -0.5, 0.5, -0.75, -0.75, -0.75, 2.25]))
     torch.testing.assert_close(group_advantages(returns, groups, "batch", eps=0.0),
                                torch.tensor([0.5, -0.5, -0.5, 0.5, -0.75, -0.75, -0.75, 2.25]) / returns.std())
     # a group where everyone is right has zero advantage, not NaN
@@ -92,7 +93,8 @@ def test_value_loss_and_huber_use_absolute_error():
     values, old, returns = torch.tensor([1.0, -1.0]), torch.tensor([0.0, 0.0]), torch.tensor([0.0, 2.0])
     # unclipped MSE: 0.5, 4.5; clipped values (0.2, -0.2): 0.02, 2.42 -> max
     torch.testing.assert_close(value_loss(values, old, returns, clip_param=0.2), torch.tensor([0.5, 4.5]))
-    torch.testing.assert_close(value_loss(values, old, returns, clip_param=None, huber_delta=1.0), torch.tensor([0.5, 2.5]))
+    torch.testing.assert_close(value_loss(values, old, returns, clip_param=None, huber_delta=1.0),
+                               torch.tensor([0.5, 2.5]))
 
 
 def test_aggregation_modes():
@@ -154,7 +156,8 @@ def test_tppo_vectorised_equals_loop(seed):
 def test_rloo_leave_one_out_by_hand():
     scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 3.0, 5.0])
     groups = torch.tensor([0, 0, 0, 0, 1, 1])
-    torch.testing.assert_close(leave_one_out_baseline(scores, groups), torch.tensor([1 / 3, 2 / 3, 2 / 3, 1 / 3, 5.0, 3.0]))
+    torch.testing.assert_close(leave_one_out_baseline(scores, groups),
+                               torch.tensor([1 / 3, 2 / 3, 2 / 3, 1 / 3, 5.0, 3.0]))
     with pytest.raises(ValueError, match="use group_size >= 2"):
         leave_one_out_baseline(scores, torch.tensor([0, 0, 0, 0, 1, 2]))
 

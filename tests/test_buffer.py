@@ -49,7 +49,8 @@ def test_step_results_pay_each_agent_at_its_latest_action():
         if step == 2:
             rewards = np.array([[1.0, 1.0], [0.0, 7.0]])  # env 1's agent 1 has no action to take its 7
         ended = np.array([step == 2, False])
-        buffer.add_step_results(step, rewards, ended, np.zeros(2, dtype=bool), np.array([1.0 if step == 2 else nan, nan]))
+        buffer.add_step_results(step, rewards, ended, np.zeros(2, dtype=bool),
+                                np.array([1.0 if step == 2 else nan, nan]))
     assert buffer.rewards[:, 0].tolist() == [[0.5, 0.0], [0.0, 1.0], [1.0, 0.0]]
     assert buffer.rewards[:, 1].tolist() == [[0.0, 0.0]] * 3
     assert buffer.terminated[:, 0].tolist() == [[False, False], [False, True], [True, False]]

@@ -165,7 +165,8 @@ def test_incomplete_directories_are_skipped_and_reported(tmp_path, caplog):
     assert not list(checkpoints.glob(".tmp-*")), "the next save removes what killed saves left"
 
 
-@pytest.mark.parametrize("code, message", [(errno.ENOSPC, "No space left on device"), (errno.EIO, "Input/output error")])
+@pytest.mark.parametrize("code, message", [(errno.ENOSPC, "No space left on device"),
+                                           (errno.EIO, "Input/output error")])
 def test_failed_write_raises_naming_the_path_and_keeps_the_previous(tmp_path, code, message):
     checkpoints = tmp_path / "checkpoints"
     previous = checkpoint.atomic_write(checkpoints / "iter_1", 1, write_files)
@@ -174,7 +175,8 @@ def test_failed_write_raises_naming_the_path_and_keeps_the_previous(tmp_path, co
         write_files(directory)
         raise OSError(code, os.strerror(code), str(directory / "more.bin"))
 
-    with pytest.raises(checkpoint.CheckpointError, match=rf"could not write checkpoint .*iter_2: OSError: .*{message}.* "
+    with pytest.raises(checkpoint.CheckpointError, match=rf"could not write checkpoint .*iter_2: OSError: "
+                                                         rf".*{message}.* "
                                                          rf"Nothing of it was kept; .* The last good checkpoint, "
                                                          rf"{previous}, is intact"):
         checkpoint.atomic_write(checkpoints / "iter_2", 2, failing)
@@ -281,8 +283,8 @@ def run_stopped_by_sigterm(monkeypatch, last: int, argv: list[str]) -> str:
     # every row in the update, where the untrained roles' equal rewards would leave no advantage
     ("GRPO", ["--env_id", "Arith-Chain-v0", "--noshare_policy", "--lora_rank", "4", "--kl_coef", "0.05",
               "--num_env_steps", "48"]),
-    ("APPO", ["--env_id", "Arith-Chain-v0", "--critic", "per_role", "--action_level", "solution", "--episode_length", "3",
-              "--num_env_steps", "48"]),
+    ("APPO", ["--env_id", "Arith-Chain-v0", "--critic", "per_role", "--action_level", "solution",
+              "--episode_length", "3", "--num_env_steps", "48"]),
 ], ids=["APPO", "GRPO", "APPO-LoRA", "RLOO-implicit-PRM", "GRPO-chain-role-adapters", "APPO-chain-per-role-critics"])
 def test_k_then_resume_then_k_equals_2k_in_one_go(untrained_policy_dir, tmp_path, monkeypatch, capsys,
                                                  length_reward, algorithm, extra):

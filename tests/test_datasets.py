@@ -53,7 +53,8 @@ def test_directory_with_split(tmp_path):
     "lines, message",
     [
         (['{"problem": "a", "answer": "1"}', '{"problem": "b", "answer": '], r"bad\.jsonl:2: invalid JSON"),
-        (['{"problem": "a", "answer": "1"}', '{"answer": "1"}'], r"bad\.jsonl:2: missing field 'problem' or 'question'"),
+        (['{"problem": "a", "answer": "1"}', '{"answer": "1"}'],
+         r"bad\.jsonl:2: missing field 'problem' or 'question'"),
         (['{"problem": "a"}'], r"bad\.jsonl:1: missing field 'answer' or 'final_answer'"),
         (['{"problem": "", "answer": "1"}'], r"bad\.jsonl:1: field 'problem' must be a non-empty string"),
         (['{"problem": "a", "answer": [1]}'], r"bad\.jsonl:1: field 'answer' must be a string or number"),
@@ -78,7 +79,8 @@ def test_missing_file_and_empty_filters(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.jsonl does not exist"):
         load_problems(tmp_path / "nope.jsonl")
     path = write_jsonl(tmp_path / "d.jsonl", [{"problem": "a", "answer": "1", "subject": "Algebra", "level": 2}])
-    with pytest.raises(ValueError, match=r"0 kept by subjects=\['Geometry'\], levels=None; subjects present: \['Algebra'\]"):
+    with pytest.raises(ValueError,
+                       match=r"0 kept by subjects=\['Geometry'\], levels=None; subjects present: \['Algebra'\]"):
         load_problems(path, subjects=["Geometry"])
     with pytest.raises(ValueError, match="limit=0"):
         load_problems(path, limit=0)

@@ -27,8 +27,8 @@ def episodic_buffer(returns: list[float], group_ids: list[int], group_offset: in
                           action_ids=[[n, n] for n in range(num_envs)], rollout_logprobs=[[-0.5, -0.25]] * num_envs,
                           group_ids=torch.tensor(group_ids) + group_offset, texts=[f"t{n}" for n in range(num_envs)],
                           cut=[n % 2 == 1 for n in range(num_envs)]))
-    buffer.add_step_results(0, np.array(returns)[:, None], np.ones(num_envs, dtype=bool), np.zeros(num_envs, dtype=bool),
-                  np.array(returns))
+    buffer.add_step_results(0, np.array(returns)[:, None], np.ones(num_envs, dtype=bool),
+                            np.zeros(num_envs, dtype=bool), np.array(returns))
     return buffer
 
 

@@ -233,7 +233,8 @@ def test_model_flags_take_hub_ids_resolved_offline_at_a_revision(untrained_polic
 
 
 def test_chat_template_missing_is_one_line(untrained_policy_dir, tmp_path, capsys):
-    line = the_one_error_line(run_in_process(capsys, *small(untrained_policy_dir, tmp_path, "--prompt_template", "chat")))
+    line = the_one_error_line(run_in_process(capsys, *small(untrained_policy_dir, tmp_path,
+                                                            "--prompt_template", "chat")))
     assert "has no chat template" in line and "--prompt_template default" in line
     assert not list(tmp_path.iterdir())
 
@@ -243,7 +244,8 @@ def events_of(run_dir: Path) -> dict[str, int]:
 
 
 def test_resuming_a_run_at_or_past_its_budget_changes_nothing(untrained_policy_dir, tmp_path, capsys):
-    argv = small(untrained_policy_dir, tmp_path, "--num_env_steps", "32", "--eval_interval", "2", "--save_interval", "2")
+    argv = small(untrained_policy_dir, tmp_path, "--num_env_steps", "32", "--eval_interval", "2",
+                 "--save_interval", "2")
     run_dir = Path(run_train_math(argv))
     history = (run_dir / "eval_history.json").read_text()
     # the periodic save at iteration 4 came before the final evaluation: the final save still holds it

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# 64 blocks of 4 MiB (a CPU activation's size) freed after a larger free raised glibc's dynamic threshold; tiny tensors allocated
-# between them stay alive, so the heap cannot shrink from its top. Prints MiB: (peak - start, end - start).
+# 64 blocks of 4 MiB (a CPU activation's size) freed after a larger free raised glibc's dynamic threshold; tiny
+# tensors allocated between them stay alive, so the heap cannot shrink from its top. Prints MiB: (peak - start,
+# end - start).
 ALLOCATE_AND_FREE = """
 import os, sys
 from train.host import return_freed_memory

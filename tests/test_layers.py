@@ -4,13 +4,16 @@
 
 A module may import its own layer and the ones below it, never one above, and so may a folder: each
 top-level package imports only the packages below it. The tiny-model build tool (models.tiny) is a
-subpackage of the model layer, imported only by itself and by the default-model path (train.builders). envs import no torch; algorithms import no model library; the modules that parse
-flags import nothing heavy at module level, so a bad flag fails before torch loads.
+subpackage of the model layer, imported only by itself and by the default-model path (train.builders).
+envs import no torch; algorithms import no model library; the modules that parse flags import nothing
+heavy at module level, so a bad flag fails before torch loads. No line of Python in the repository runs
+past the house limit (setup.cfg's max-line-length).
 """
 
 from __future__ import annotations
 
 import ast
+import configparser
 import subprocess
 import sys
 from pathlib import Path
@@ -124,3 +127,17 @@ def test_a_fresh_interpreter_imports_any_module_first(module):
     result = subprocess.run([sys.executable, "-c", f"import {module}; import envs; envs.MathVectorEnv"],
                             capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_no_line_is_longer_than_the_house_limit():
+    """Every .py line of the project, its tests and benchmarks fits in setup.cfg's ``max-line-length``."""
+    setup = configparser.ConfigParser()
+    setup.read(ROOT / "setup.cfg")
+    limit = setup.getint("flake8", "max-line-length")
+    assert limit == setup.getint("pycodestyle", "max-line-length")
+    paths = [ROOT / "train_math.py", *(path for folder in (*PACKAGES, "bench", "tests")
+                                       for path in sorted((ROOT / folder).rglob("*.py")))]
+    assert ROOT / "train" / "runner.py" in paths and ROOT / "tests" / "test_layers.py" in paths
+    too_long = [f"{path.relative_to(ROOT)}:{number} ({len(line)} characters)" for path in paths
+                for number, line in enumerate(path.read_text().splitlines(), 1) if len(line) > limit]
+    assert not too_long, f"{len(too_long)} lines over {limit} characters:\n" + "\n".join(too_long)

@@ -68,8 +68,8 @@ def test_trunk_runs_unchanged_and_previous_logits_are_copied(trunk, corrupted, c
         trunk_out = trunk(input_ids=ids, output_hidden_states=True)
         prm_out = prm(input_ids=ids, output_hidden_states=True)
     for layer in range(1, trunk.config.num_hidden_layers):
-        torch.testing.assert_close(prm_out.hidden_states[layer][..., : layout.trunk_size], trunk_out.hidden_states[layer],
-                                   rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(prm_out.hidden_states[layer][..., : layout.trunk_size],
+                                   trunk_out.hidden_states[layer], rtol=1e-4, atol=1e-4)
     copied = prm_out.hidden_states[trunk.config.num_hidden_layers + 1][:, 1:, layout.logits]
     torch.testing.assert_close(copied, trunk_out.logits[:, :-1, checked], rtol=1e-3, atol=1e-3)
 
@@ -92,7 +92,8 @@ def test_flags_follow_the_running_max_margin(tiny_tokenizer, corrupted, built):
     one, verdict = likelihood_prm.readout_features(prm, ids)[tag_mask].unbind(-1)
     reference = margins[tag_mask]
     clear = (reference - margin).abs() > 0.05  # within 0.05 logits of the margin the flag is faint
-    assert clear.float().mean() > 0.8 and (reference[clear] > margin).float().mean().item() == pytest.approx(0.5, abs=0.2)
+    assert clear.float().mean() > 0.8
+    assert (reference[clear] > margin).float().mean().item() == pytest.approx(0.5, abs=0.2)
     flagged = verdict / one > 1e-3
     assert torch.equal(flagged[clear], reference[clear] > margin)
 
@@ -110,12 +111,14 @@ def test_save_load_kv_cache_and_half_precision_give_the_same_scores(tmp_path, ti
     cached_prm = ProcessRewardModel(tmp_path, device="cpu", kv_cache_mb=16)
     for k in range(1, 5):  # the env scores one more step per call; the cache runs only the new one
         cached = cached_prm.step_scores(problems, [s[:k] for s in steps])
-        np.testing.assert_allclose(np.concatenate(cached), np.concatenate([f[:k] for f in np.split(full, np.cumsum([len(s) for s in steps])[:-1])]), atol=1e-4)
+        full_per_problem = np.split(full, np.cumsum([len(s) for s in steps])[:-1])
+        np.testing.assert_allclose(np.concatenate(cached), np.concatenate([f[:k] for f in full_per_problem]), atol=1e-4)
     reference = margins[tag_mask].numpy()
     clear = np.abs(reference - margin) > 0.3  # bf16 logits are off by up to ~0.1 here
     assert np.array_equal(full[clear] > 0.5, reference[clear] <= margin) and clear.mean() > 0.7
     for dtype in ("bfloat16", "float16"):
-        half = np.concatenate(ProcessRewardModel(tmp_path, device="cpu", dtype=dtype, kv_cache_mb=0).step_scores(problems, steps))
+        half_prm = ProcessRewardModel(tmp_path, device="cpu", dtype=dtype, kv_cache_mb=0)
+        half = np.concatenate(half_prm.step_scores(problems, steps))
         assert np.array_equal(half[clear] > 0.5, full[clear] > 0.5), dtype
 
 

@@ -183,7 +183,8 @@ def one_step_buffer(rewards: list[float], lengths: list[int], logprobs: list[lis
                           rollout_logprobs=[row[:n] for row, n in zip(logprobs, lengths)],
                           group_ids=torch.tensor(group_ids), texts=["x"] * count))
     done = np.ones(count, dtype=bool)
-    buffer.add_step_results(0, np.array(rewards, dtype=np.float32)[:, None], done, ~done, np.array(rewards, dtype=np.float32))
+    buffer.add_step_results(0, np.array(rewards, dtype=np.float32)[:, None], done, ~done,
+                            np.array(rewards, dtype=np.float32))
     buffer.ref_logprobs = torch.tensor(ref, dtype=torch.float32)[None, :, None, :]
     return buffer
 

@@ -129,7 +129,8 @@ def test_a_centralized_critic_reads_the_joint_transcript_and_the_acting_role(cri
     assert buffer.live[0, :, 0].all() and buffer.live[1, :, 1].all() and not buffer.live[2].any()  # all accepted
     tokenizer = critic_policy.tokenizer
     for i, episode in enumerate(env.problem_env.episodes):
-        verifier_state = tokenizer.decode(buffer.critic_prompt_ids[buffer.slot_index(1, torch.tensor(i), torch.tensor(1))])
+        verifier_slot = buffer.slot_index(1, torch.tensor(i), torch.tensor(1))
+        verifier_state = tokenizer.decode(buffer.critic_prompt_ids[verifier_slot])
         solution = "1 + 1 = 2\n\nThe answer is \\boxed{2}."
         assert verifier_state == f"[solver]\n{solution}\n\n[verifier]\n\n" + format_prompt(episode.problem.problem)
     states = [buffer.critic_prompt_ids[int(k)] for k in buffer.live.flatten().nonzero().squeeze(1)]
@@ -186,8 +187,9 @@ def test_the_centralized_critic_explains_what_a_role_cannot_see(tiny_models):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, str(root / "bench" / "critic_variance.py"), "--policy", str(tiny_models.policy),
-                           "--seeds", "0"], capture_output=True, text=True, cwd=root, check=True)
+    done = subprocess.run([sys.executable, str(root / "bench" / "critic_variance.py"),
+                           "--policy", str(tiny_models.policy), "--seeds", "0"],
+                          capture_output=True, text=True, cwd=root, check=True)
     result = json.loads(done.stdout.strip().splitlines()[0])
     print(result)
     assert result["per_role/reporter"] < 0.02  # a constant prompt: at best the mean

@@ -153,7 +153,8 @@ def test_chain_role_rates_split_verdicts_and_revisions_by_the_truth(verdict_by):
     np.testing.assert_array_equal(infos[2]["fix_rate"][:, 2], [nan, nan, 1, nan])
     for key in ("verdict_precision", "verdict_recall", "verdict_specificity", "fix_rate", "keep_rate"):
         assert np.isnan(infos[0][key]).all()  # the solvers revise nothing and judge nothing
-        assert np.isnan(np.delete(infos[1][key], 1, axis=1)).all() and np.isnan(np.delete(infos[2][key], 2, axis=1)).all()
+        assert np.isnan(np.delete(infos[1][key], 1, axis=1)).all()
+        assert np.isnan(np.delete(infos[2][key], 2, axis=1)).all()
 
 
 @pytest.mark.parametrize("verdict_by", sorted(CASES))

@@ -383,7 +383,8 @@ def test_fsdp_ranks_start_from_rank_0s_weights(untrained_policy_dir, tmp_path):
     import sys
 
     root = str(Path(__file__).resolve().parents[1])  # this checkout's packages, not an installed copy
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                            __file__, str(untrained_policy_dir), str(tmp_path)], env=env, capture_output=True,
                           text=True, timeout=300)

@@ -207,4 +207,5 @@ def test_bash_block_runs(block, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     script = smoke_script(variables_set_before(block) + block.code, tmp_path)
     result = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, f"{block.name} failed:\n{block.code}\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+    assert result.returncode == 0, (f"{block.name} failed:\n{block.code}\n{result.stdout[-2000:]}\n"
+                                    f"{result.stderr[-3000:]}")

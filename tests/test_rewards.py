@@ -30,7 +30,8 @@ def test_outcome_reward_values():
     np.testing.assert_array_equal(output.correct[:4], [1.0, 1.0, 0.0, 0.0])
     assert np.isnan(output.correct[4])
     np.testing.assert_array_equal(output.components["outcome"], output.rewards)
-    penalised = OutcomeReward(format_penalty=0.25).score(BATCH + [context(["So it is 3/4.", "The answer is 3/4"], True)])
+    penalised = OutcomeReward(format_penalty=0.25).score(
+        BATCH + [context(["So it is 3/4.", "The answer is 3/4"], True)])
     np.testing.assert_array_equal(penalised.rewards, [1.0, 1.0, 0.0, -0.25, 0.0, 0.75])
 
 
@@ -48,7 +49,8 @@ class ConstantPerStep:
 
 def test_mixture_combines_weights_and_keeps_components():
     prm = ConstantPerStep("prm", 0.5)
-    mixture = RewardMixture({"outcome": OutcomeReward(), "prm": prm}, parse_reward_spec("outcome:1.0,prm:0.2", ["outcome", "prm"]))
+    mixture = RewardMixture({"outcome": OutcomeReward(), "prm": prm},
+                            parse_reward_spec("outcome:1.0,prm:0.2", ["outcome", "prm"]))
     output = mixture.score(BATCH)
     np.testing.assert_allclose(output.rewards, [1.1, 1.1, 0.1, 0.1, 0.1])
     np.testing.assert_array_equal(output.components["outcome"], [1.0, 1.0, 0.0, 0.0, 0.0])
@@ -65,8 +67,9 @@ class Unreachable(ConstantPerStep):
 def test_a_failing_source_of_a_mixture_is_the_one_named():
     mixture = RewardMixture({"outcome": OutcomeReward(), "prm": Unreachable("prm", 0.0)},
                             parse_reward_spec("outcome:1.0,prm:0.2", ["outcome", "prm"]))
-    with pytest.raises(RewardModelError, match=r"^reward model 'prm' \(Unreachable\) raised ConnectionError: PRM server "
-                                               r"at http://127.0.0.1:8001 refused the connection while scoring a batch "
+    with pytest.raises(RewardModelError, match=r"^reward model 'prm' \(Unreachable\) raised ConnectionError: "
+                                               r"PRM server at http://127.0.0.1:8001 refused the connection while "
+                                               r"scoring a batch "
                                                r"of 5 steps of problems \[p\]$"):
         score_batch(mixture, BATCH)
 
@@ -107,7 +110,8 @@ def test_reward_spec_defaults_weight_one():
 def test_reference_steps_reward_pays_the_matched_share_in_increments():
     from reward_models.reference_steps import ReferenceStepsReward
 
-    problem = Problem("a1", "Compute 57 + 25 - 43.", "39", solution="57 + 25 = 82\n\n82 - 43 = 39\n\nThe answer is \\boxed{39}.")
+    problem = Problem("a1", "Compute 57 + 25 - 43.", "39",
+                      solution="57 + 25 = 82\n\n82 - 43 = 39\n\nThe answer is \\boxed{39}.")
     reward = ReferenceStepsReward()
     # step mode: right, right, wrong answer -> 1/3, 1/3, 0; a step after a deviation earns nothing
     steps = ["57 + 25 = 82", "82 - 43 = 39", "The answer is \\boxed{40}."]

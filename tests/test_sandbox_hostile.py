@@ -169,7 +169,8 @@ def test_socket_to_a_real_listener(sandbox):
                 "s.sendall(b'leak')")
         assert_contained(sandbox, code, {"PermissionError: [Errno 13] Permission denied",
                                          "OSError: [Errno 101] Network is unreachable"})
-        code = f"import socket\nsocket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'leak', ('127.0.0.1', {udp.getsockname()[1]}))"
+        code = ("import socket\nsocket.socket(socket.AF_INET, socket.SOCK_DGRAM)"
+                f".sendto(b'leak', ('127.0.0.1', {udp.getsockname()[1]}))")
         assert_contained(sandbox, code, {"OSError: [Errno 101] Network is unreachable"})
         with pytest.raises(socket.timeout):
             tcp.accept()
@@ -216,7 +217,8 @@ def test_process_limit(sandbox):
     if "own user id" not in sandbox.describe_isolation():
         pytest.skip("calls share the user id of the caller here: RLIMIT_NPROC counts the caller's processes too")
     code = ("import os, time\nn = 0\nfor _ in range(1000):\n    try:\n        if os.fork() == 0:\n"
-            "            time.sleep(60)\n            os._exit(0)\n        n += 1\n    except OSError:\n        break\nprint(n)")
+            "            time.sleep(60)\n            os._exit(0)\n        n += 1\n    except OSError:\n"
+            "        break\nprint(n)")
     result = sandbox.run(code)
     assert result == result.__class__(f"{MAX_PROCESSES - 1}\n", True, None)
     assert_unharmed(sandbox)  # the sleeping children are gone

@@ -87,5 +87,5 @@ def test_without_gradients_nothing_is_recomputed_and_scores_match(untrained_poli
 def test_temperature_must_be_positive():
     head = torch.nn.Linear(4, 5)
     with pytest.raises(ValueError, match="temperature=0"):
-        token_scores(head, torch.zeros(1, 1, 4), torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool),
-                     0, False)
+        token_scores(head, torch.zeros(1, 1, 4), torch.zeros(1, 1, dtype=torch.long),
+                     torch.ones(1, 1, dtype=torch.bool), 0, False)

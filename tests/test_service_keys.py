@@ -120,7 +120,8 @@ def test_train_math_sends_the_key_and_never_logs_or_saves_it(untrained_policy_di
     assert missing.returncode == 1 and "no API key was sent" in missing.stderr.splitlines()[-1], missing.stderr[-2000:]
     assert wrong.returncode == 1 and "is not the server's" in wrong.stderr.splitlines()[-1], wrong.stderr[-2000:]
     assert first.returncode == 0 and resumed.returncode == 0, (first.stderr + resumed.stderr)[-3000:]
-    saved = json.loads(next(logdir.glob("keyed/*/checkpoints/iter_1/flags.json")).read_text())  # the --service_api_key run
+    # the --service_api_key run
+    saved = json.loads(next(logdir.glob("keyed/*/checkpoints/iter_1/flags.json")).read_text())
     assert saved["service_api_key"] == "<hidden>" and "resuming from" in resumed.stderr
     server_log = (tmp_path / "server.log").read_text()
     assert "refused GET /v1/models from 127.0.0.1: no API key" in server_log

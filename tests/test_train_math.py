@@ -333,14 +333,14 @@ def test_a_micro_batch_token_budget_bounds_each_pass_and_trains_the_same_weights
                            budget=BudgetConfig(num_iterations=1, eval_interval=0),
                            logging=LoggingConfig(save_interval=0, save_best=False))
         runner = build_runner(config, tmp_path / str(budget), SummaryWriter(str(tmp_path / str(budget))))
-        forwarded, trainable = [], runner.learner.trainable
+        forwarded, trained_module = [], runner.learner.trained_module
 
         def counted(prompts, actions, *args, **kwargs):
             distinct, _ = distinct_rows([list(prompt) for prompt in prompts])
             forwarded.append(sum(map(len, distinct)) + sum(token_lengths(actions)))
-            return trainable(prompts, actions, *args, **kwargs)
+            return trained_module(prompts, actions, *args, **kwargs)
 
-        runner.learner.trainable = counted
+        runner.learner.trained_module = counted
         runner.train_iteration(0, {})
         return forwarded, [p.detach().clone() for p in runner.policy.actor_parameters()]
 

@@ -42,7 +42,8 @@ def one_step_buffer(policy: LanguagePolicy, critic: str | None) -> RolloutBuffer
                           rollout_logprobs=logprobs,
                           group_ids=torch.zeros(2, dtype=torch.long), texts=["a", "b"], values=scores.values[:, 0],
                           token_values=scores.values if critic == "token" else None))
-    buffer.add_step_results(0, np.array([[1.0], [0.0]]), np.ones(2, dtype=bool), np.zeros(2, dtype=bool), np.array([1.0, 0.0]))
+    buffer.add_step_results(0, np.array([[1.0], [0.0]]), np.ones(2, dtype=bool), np.zeros(2, dtype=bool),
+                            np.array([1.0, 0.0]))
     buffer.next_values = torch.zeros(buffer.shape)  # both episodes terminated
     return buffer
 
@@ -101,7 +102,8 @@ def test_rloo_filters_groups_outside_the_accuracy_bounds():
     buffer.add(StepRecord(step=0, envs=range(6), agents=[0] * 6, prompt_ids=[[1]] * 6, action_ids=[[2, 3]] * 6,
                           rollout_logprobs=[[-1.0, -1.0]] * 6,
                           group_ids=torch.tensor([0, 0, 1, 1, 2, 2]), texts=["s"] * 6))
-    buffer.add_step_results(0, correct.numpy()[:, None], np.ones(6, dtype=bool), np.zeros(6, dtype=bool), correct.numpy())
+    buffer.add_step_results(0, correct.numpy()[:, None], np.ones(6, dtype=bool), np.zeros(6, dtype=bool),
+                            correct.numpy())
     rloo = make_algorithm("RLOO", AlgorithmConfig())
     targets = rloo.advantages(buffer)
     assert targets.keep[0, :, 0].tolist() == [False, False, True, True, False, False]

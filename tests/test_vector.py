@@ -160,7 +160,8 @@ def test_token_mode_batches_only_completed_steps(tiny_tokenizer):
     reward = StepLengthReward()
     env = MathVectorEnv(num_envs=4, problems=PROBLEMS, mode="token", tokenizer=tiny_tokenizer, reward_model=reward)
     env.reset(seed=0)
-    digit, delimiter = tiny_tokenizer.convert_tokens_to_ids("1"), tiny_tokenizer("\n\n", add_special_tokens=False)["input_ids"]
+    digit = tiny_tokenizer.convert_tokens_to_ids("1")
+    delimiter = tiny_tokenizer("\n\n", add_special_tokens=False)["input_ids"]
     assert len(delimiter) == 1
     env.step(np.array([digit] * 4))
     _, rewards, _, _, info = env.step(np.array([delimiter[0], digit, delimiter[0], digit]))

@@ -20,8 +20,8 @@ import torch
 from envs.prompts import STEP_DELIMITER
 from test_generation import LESSONS, PROMPTS, padded, teach
 from test_generation import role_adapter_policy
-from test_vllm import (GREEDY, LONG_PROMPTS, LORA, ROLE_OF_PROMPT, ROLE_PROMPTS, assert_follows_the_solver_alone, by_role,
-                       policy_dir)  # noqa: F401  (policy_dir is a fixture)
+from test_vllm import (GREEDY, LONG_PROMPTS, LORA, ROLE_OF_PROMPT, ROLE_PROMPTS, assert_follows_the_solver_alone,
+                       by_role, policy_dir)  # noqa: F401  (policy_dir is a fixture)
 from models.generation import HFGenerator
 from models.policy import LanguagePolicy
 from models.remote import ClientSettings, ServiceClient, ServiceError
@@ -115,8 +115,8 @@ def test_full_weights_are_reloaded_from_disk(server, policy_dir, tmp_path):  # n
         generator.sync(LanguagePolicy(policy_dir, device="cpu"))
 
 
-def test_role_adapters_are_served_each_under_its_name_with_base_prompts_sent_after_them(server, policy_dir,  # noqa: F811
-                                                                                         tmp_path, monkeypatch):
+def test_role_adapters_are_served_each_under_its_name_with_base_prompts_sent_after_them(
+        server, policy_dir, tmp_path, monkeypatch):  # noqa: F811
     policy = role_adapter_policy(policy_dir)
     generator = ServerGenerator(server, SERVED, tokenizer=policy.tokenizer, sync_dir=tmp_path,
                                 role_adapters=policy.role_adapters)
@@ -141,7 +141,8 @@ def test_role_adapters_are_served_each_under_its_name_with_base_prompts_sent_aft
     assert {role_adapter_name("solver"), role_adapter_name("verifier")} <= served.keys()
 
 
-def test_503s_and_answers_slower_than_the_read_timeout_are_retried_to_the_same_samples(server, policy_dir):  # noqa: F811
+def test_503s_and_answers_slower_than_the_read_timeout_are_retried_to_the_same_samples(
+        server, policy_dir):  # noqa: F811
     from fault_proxy import FaultProxy
 
     tokenizer = LanguagePolicy(policy_dir, device="cpu").tokenizer
@@ -166,7 +167,8 @@ def run_train_math(policy_dir: Path, logdir: Path, *flags: str) -> subprocess.Co
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-def test_train_math_generates_on_the_server_and_its_adapter_follows_the_policy(server, policy_dir, tmp_path):  # noqa: F811
+def test_train_math_generates_on_the_server_and_its_adapter_follows_the_policy(
+        server, policy_dir, tmp_path):  # noqa: F811
     done = run_train_math(policy_dir, tmp_path, "--generation_backend", "vllm_server", "--vllm_url", server,
                           "--lora_rank", "4")
     assert done.returncode == 0, done.stderr[-3000:]

@@ -350,7 +350,7 @@ def build_role_models(config: RunConfig, env, policy: LanguagePolicy, sampling: 
         samplings={slot: target_sampling for slot in own})
 
 
-def build_trainable(policy: LanguagePolicy, ranks: Ranks, data_parallel: DataParallel) -> torch.nn.Module:
+def build_trained_module(policy: LanguagePolicy, ranks: Ranks, data_parallel: DataParallel) -> torch.nn.Module:
     """The module the update calls: the policy, or under torchrun the policy sharded with FSDP2
     (``data_parallel`` fsdp, or auto with full fine-tuning) or wrapped in DDP (ddp, or auto with LoRA;
     parameters a step leaves unused, such as an idle critic, are allowed). Gradients are averaged over ranks."""
@@ -394,7 +394,7 @@ def build_runner(config: RunConfig, run_dir: Path, writer, saved: checkpoint.Che
     directory = model_dir(config.model, env.workflow is not None)
     policy = build_policy(config.model, directory, learning.algorithm, ranks, data_parallel)
     # first: under FSDP2 the ranks but 0 hold no weights until sharded, and the parameters become new objects
-    trainable = build_trainable(policy, ranks, data_parallel)
+    trained_module = build_trained_module(policy, ranks, data_parallel)
     template = build_template(env.prompt_template, policy.tokenizer, env.system_prompt, env.answer_instruction)
     reward_model = build_reward_model(config, str(policy.device), template)
     train_env, eval_envs = build_envs(config, reward_model, policy.tokenizer, template, ranks)
@@ -414,11 +414,11 @@ def build_runner(config: RunConfig, run_dir: Path, writer, saved: checkpoint.Che
     collector = Collector(train_env, algorithm_spec(learning.algorithm), env.episode_length, sampling,
                           seed=config.budget.seed,
                           env_offset=distributed.shard(env.envs_stepped, env.group_size, ranks)[0],
-                          role_models=build_role_models(config, train_env, policy, sampling), critic=learning.critic_view,
-                          overlong=overlong_penalty(config.rollout, sampling))
+                          role_models=build_role_models(config, train_env, policy, sampling),
+                          critic=learning.critic_view, overlong=overlong_penalty(config.rollout, sampling))
     runner = Runner(config, collector, eval_envs, policy, generator, algorithm, optimizer, scheduler, writer,
                     run_dir, implicit_prm=implicit_prm, rollout_policy=rollout_policy,
-                    rollout_generator=rollout_generator, ranks=ranks, trainable=trainable)
+                    rollout_generator=rollout_generator, ranks=ranks, trained_module=trained_module)
     if saved is not None:
         runner.restore(saved)
     return runner

@@ -435,7 +435,8 @@ def resolve_resume(resume: str | None, experiment_dir: str | Path) -> Path | Non
     reason = invalid_reason(path)
     if reason is not None:
         raise CheckpointError(f"--resume={resume} is not a complete checkpoint: {reason}. Pass an iter_N directory "
-                              "written by this trainer (<logdir>/<experiment>/<run>/checkpoints/iter_N) or --resume auto")
+                              "written by this trainer (<logdir>/<experiment>/<run>/checkpoints/iter_N) "
+                              "or --resume auto")
     return path
 
 
@@ -458,7 +459,8 @@ def load_train_state(saved: Checkpoint, policy: LanguagePolicy, optimizer: torch
     model_state, optimizer_state = get_state_dict(policy, optimizer, options=TRAIN_STATE_OPTIONS)
     directory = saved.path / TRAIN_STATE_DIR
     metadata = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
-    stored = {key.removeprefix("model."): tuple(meta.size) for key, meta in metadata.items() if key.startswith("model.")}
+    stored = {key.removeprefix("model."): tuple(meta.size) for key, meta in metadata.items()
+              if key.startswith("model.")}
     trained = trained_names(policy)
     # a DTensor's shape is the whole one
     built = {key: tuple(tensor.shape) for key, tensor in model_state.items() if key in trained}

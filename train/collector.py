@@ -122,36 +122,34 @@ class RoleModels:
     generators: dict[int, Generator] = field(default_factory=dict)
     samplings: dict[int, Sampling] = field(default_factory=dict)
 
-    def speaker_groups(self, sampling: Sampling, generator: Generator, agents: np.ndarray,
+    def generate_calls(self, sampling: Sampling, generator: Generator, prompts: list[str], agents: np.ndarray,
+                       seeds: list[int] | None = None,
                        greedy: bool = False) -> list[tuple[list[int], Generator, dict[str, Any]]]:
-        """The pairs [B] whose agent is ``agents[b]``, grouped by what generates for them, in order of first
-        appearance: (their positions, the generator, its ``generate`` keywords). The policy's pairs form one
+        """The ``generate`` calls that sample one action per prompt [B] whose agent is ``agents[b]``: one per
+        group of pairs with one speaker, in order of first appearance, as (the group's positions, its generator,
+        the call's keywords: its prompts, ``seeds`` (None: unseeded) and sampling). The policy's pairs form one
         group, each with its role's adapter; each frozen role's pairs a group of their own."""
         speakers = [a if a in self.generators else None for a in agents.tolist()]  # None: the policy
-        groups = []
+        calls = []
         for speaker in dict.fromkeys(speakers):
             index = [k for k, s in enumerate(speakers) if s == speaker]
             if speaker is None:
                 adapters = [self.adapters.get(int(agents[k])) for k in index]
                 kwargs = {**sampling.generate_kwargs(greedy), "adapters": adapters if any(adapters) else None}
-                groups.append((index, generator, kwargs))
             else:
-                groups.append((index, self.generators[speaker],
-                               self.samplings.get(speaker, sampling).generate_kwargs(greedy)))
-        return groups
+                kwargs = self.samplings.get(speaker, sampling).generate_kwargs(greedy)
+            kwargs["prompts"] = [prompts[k] for k in index]
+            kwargs["seed"] = None if seeds is None else [seeds[k] for k in index]
+            calls.append((index, generator if speaker is None else self.generators[speaker], kwargs))
+        return calls
 
 
-def generate_for_pairs(role_models: RoleModels, sampling: Sampling, generator: Generator, prompts: list[str],
-                       agents: np.ndarray, seeds: list[int] | None = None, greedy: bool = False) -> GenerationOutput:
-    """One sample per prompt [B], whose agent is ``agents[b]``: one ``generate`` call per speaker group
-    (``RoleModels.speaker_groups``), the samples put back in prompt order; ``seeds`` [B] (None: unseeded)."""
-    parts = []
-    for index, speaker, kwargs in role_models.speaker_groups(sampling, generator, agents, greedy):
-        seed = None if seeds is None else [seeds[k] for k in index]
-        parts.append((index, speaker.generate([prompts[k] for k in index], seed=seed, **kwargs)))
+def in_prompt_order(parts: list[tuple[list[int], GenerationOutput]], size: int) -> GenerationOutput:
+    """One output of the ``size`` samples of ``RoleModels.generate_calls``' outputs ``parts`` (their positions,
+    their output), in prompt order; one call's output as it came."""
     if len(parts) == 1:
         return parts[0][1]
-    return GenerationOutput.interleave(parts, len(prompts))
+    return GenerationOutput.interleave(parts, size)
 
 
 @dataclass
@@ -207,7 +205,9 @@ class Collector:
 
     @torch.no_grad()
     def collect(self, policy: LanguagePolicy, generator: Generator, seed: int) -> tuple[RolloutBuffer, Tally]:
-        """One rollout of ``episode_length`` steps (episodic: until every episode ended)."""
+        """One rollout of ``episode_length`` steps (episodic: until every episode ended). At each step the
+        acting (env, agent) pairs' actions are generated, one ``generate`` call per speaker
+        (``RoleModels.generate_calls``), then taken in the env (``step``)."""
         num_envs, spec = self.env.num_envs, self.spec
         buffer = RolloutBuffer(self.episode_length, num_envs, self.num_agents, self.sampling.max_new_tokens,
                                policy.device, token_values=spec.critic == "token")
@@ -220,7 +220,13 @@ class Collector:
             envs, agents = acting_pairs(self.facts, done)
             if len(envs) == 0:
                 break
-            terminated, truncated = self.step(step, envs, agents, policy, generator, buffer, tally, seed)
+            started = time.perf_counter()
+            seeds = [mix_seed(seed, step, (self.env_offset + i) * self.num_agents + a) for i, a in zip(envs, agents)]
+            prompts = pair_prompts(self.env.agents, self.obs, envs, agents)
+            calls = self.role_models.generate_calls(self.sampling, generator, prompts, agents, seeds)
+            out = in_prompt_order([(index, speaker.generate(**kwargs)) for index, speaker, kwargs in calls], len(envs))
+            tally.seconds["generate"] += time.perf_counter() - started
+            terminated, truncated = self.step(step, out, envs, agents, policy, buffer, tally)
             if self.whole_episodes:
                 done |= terminated | truncated
         if self.whole_episodes and spec.critic is not None:
@@ -232,16 +238,10 @@ class Collector:
         tally.add("rollout/truncated_share", buffer.cut[buffer.live].double().cpu().numpy())
         return buffer, tally
 
-    def step(self, step: int, envs: np.ndarray, agents: np.ndarray, policy: LanguagePolicy, generator: Generator,
-             buffer: RolloutBuffer, tally: Tally, seed: int) -> tuple[np.ndarray, np.ndarray]:
-        """One env step in which the (env, agent) pairs ``envs[b], agents[b]`` act; returns the env's
-        (terminated, truncated) [N]."""
-        num_agents = self.num_agents
-        started = time.perf_counter()
-        seeds = [mix_seed(seed, step, (self.env_offset + i) * num_agents + a) for i, a in zip(envs, agents)]
-        prompts = pair_prompts(self.env.agents, self.obs, envs, agents)
-        out = generate_for_pairs(self.role_models, self.sampling, generator, prompts, agents, seeds)
-        tally.seconds["generate"] += time.perf_counter() - started
+    def step(self, step: int, out: GenerationOutput, envs: np.ndarray, agents: np.ndarray, policy: LanguagePolicy,
+             buffer: RolloutBuffer, tally: Tally) -> tuple[np.ndarray, np.ndarray]:
+        """One env step: the actions ``out`` generated for the (env, agent) pairs ``envs[b], agents[b]`` recorded
+        and taken; returns the env's (terminated, truncated) [N]."""
         record = self.step_record(step, out, envs, agents, policy)
         buffer.add(record)
         started = time.perf_counter()

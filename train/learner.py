@@ -4,7 +4,7 @@ advantages, rollout-corrected), ``train`` (epochs of minibatches whose micro-bat
 clipped, stepped; a non-finite loss or gradient norm skips its step and ``max_nonfinite_steps`` in a row raise
 ``NonFiniteError``), then PRIME's ``update_implicit_prm`` on the actions the policy trained on.
 
-Data parallelism: ``trainable`` is the policy wrapped in DDP or FSDP2; each rank trains on its own rollout
+Data parallelism: ``trained_module`` is the policy wrapped in DDP or FSDP2; each rank trains on its own rollout
 with losses normalised by the global minibatch totals, and statistics are added over ranks.
 """
 
@@ -63,15 +63,15 @@ class Trained:
 
 
 class Learner:
-    """Trains ``policy`` (through ``trainable``) with ``algorithm``; ``config``: the run's learning section
+    """Trains ``policy`` (through ``trained_module``) with ``algorithm``; ``config``: the run's learning section
     (``train.config.LearningConfig``); ``rollout``: its rollout section (``train.config.RolloutConfig``: the
     correction of samples from another engine); ``minibatch_rng``: the generator that orders minibatches (saved
     with checkpoints)."""
 
     def __init__(self, config: LearningConfig, rollout: RolloutConfig, policy: LanguagePolicy,
-                 trainable: torch.nn.Module, algorithm: Algorithm, optimizer: torch.optim.Optimizer,
+                 trained_module: torch.nn.Module, algorithm: Algorithm, optimizer: torch.optim.Optimizer,
                  collector: Collector, minibatch_rng: torch.Generator, ranks: Ranks, implicit_prm=None):
-        self.config, self.rollout, self.policy, self.trainable = config, rollout, policy, trainable
+        self.config, self.rollout, self.policy, self.trained_module = config, rollout, policy, trained_module
         self.algorithm = algorithm
         self.spec = algorithm_spec(algorithm.name)
         self.optimizer, self.collector, self.minibatch_rng = optimizer, collector, minibatch_rng
@@ -101,8 +101,8 @@ class Learner:
         (``corrected_targets``), and the correction's statistics."""
         return corrected_targets(buffer, self.algorithm.advantages(buffer), self.rollout)
 
-    def train(self, buffer: RolloutBuffer, targets: AdvantageEstimate, gap: GapMeter, iteration: int, nonfinite_steps: int,
-              nonfinite_in_a_row: int) -> Trained:
+    def train(self, buffer: RolloutBuffer, targets: AdvantageEstimate, gap: GapMeter, iteration: int,
+              nonfinite_steps: int, nonfinite_in_a_row: int) -> Trained:
         """``ppo_epoch`` epochs of minibatch steps on ``targets``, stopped once a minibatch's approx KL passes
         ``target_kl``. ``gap``: measured here on the forward passes before the first step unless the scoring
         pass did (``rollout_is``). ``nonfinite_steps``/``nonfinite_in_a_row``: the run's skipped steps so far
@@ -212,7 +212,7 @@ class Learner:
                              gap: GapMeter | None = None) -> tuple[dict[str, torch.Tensor], bool]:
         """One micro-batch's forward and backward, its statistics added into ``sums``/``weights``; returns
         (its statistics, whether its loss was finite)."""
-        scores = self.trainable(batch.prompts, (batch.action_ids, batch.action_lengths), self.temperature,
+        scores = self.trained_module(batch.prompts, (batch.action_ids, batch.action_lengths), self.temperature,
                                 with_entropy=True, with_values=self.spec.critic is not None,
                                 adapters=self.row_adapters(batch), critic_prompts=batch.critic_prompts,
                                 value_heads=self.row_value_heads(batch))
@@ -264,13 +264,13 @@ class Learner:
         at every backward, keeping only its shard of the gradient between micro-batches."""
         if not self.ranks.distributed or last or self.policy.sharded:
             return contextlib.nullcontext()
-        return self.trainable.no_sync()
+        return self.trained_module.no_sync()
 
     def idle_backward(self) -> None:
         """A backward of zero loss through DDP or FSDP2 on one placeholder token: this rank's part of the
         gradient reduction when it has fewer micro-batches than another rank (no gradient of its own)."""
         pad = self.policy.tokenizer.pad_token_id
-        scores = self.trainable([[pad]], [[pad]], self.temperature, with_entropy=True,
+        scores = self.trained_module([[pad]], [[pad]], self.temperature, with_entropy=True,
                                 with_values=self.spec.critic is not None)
         zero = scores.logprobs.sum() * 0.0
         if scores.values is not None:

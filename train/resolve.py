@@ -137,8 +137,8 @@ def registered_env_id(given: str | None, dataset_path: str | None) -> str:
                                         "PYTHONPATH=.)") from None
     if name not in gymnasium.registry:
         known = ", ".join(sorted(k for k in gymnasium.registry if k.startswith(("MATH", "Arith"))))
-        raise flags.ValidationError(f"--env_id={env_id}: {name!r} is not a registered gymnasium id (built in: {known}); "
-                                    "use 'module:EnvId' to import the module that registers it")
+        raise flags.ValidationError(f"--env_id={env_id}: {name!r} is not a registered gymnasium id "
+                                    f"(built in: {known}); use 'module:EnvId' to import the module that registers it")
     if gymnasium.spec(name).vector_entry_point is None:
         raise flags.ValidationError(f"--env_id={env_id} has no vector_entry_point; the trainer needs a batched env "
                                     "like envs.vector:MathVectorEnv (register one with vector_entry_point=...)")

@@ -14,6 +14,11 @@ returns has zero advantage), until it holds as many groups as one round draws, o
 rounds were drawn; then it trains on the groups it holds (a round's whole batch if it kept none). Each rank
 fills its own share (no collective: ranks stay free to draw different numbers of rounds, in the background
 thread too). The rounds after the first are their own cost, logged as ``time/refill``.
+
+From ``Runner.train_iteration`` to the generation backend: ``Rollouts.next`` -> ``Collector.collect`` ->
+``Generator.generate`` (one call per speaker at each env step); with dynamic sampling ``Rollouts.next`` ->
+``refilled`` -> ``Collector.collect`` -> ``Generator.generate``. Asynchronously the background thread runs
+the same ``Collector.collect`` (or ``refilled``) that ``Rollouts.next`` submits.
 """
 
 from __future__ import annotations

@@ -138,7 +138,8 @@ def _check_critic(f: dict) -> bool:
         raise flags.ValidationError(f"--algorithm_name={algorithm} needs a critic (its advantages come from V); "
                                     "drop --critic=off or use GRPO/RLOO")
     if not has_critic(algorithm) and critic not in ("auto", "off"):
-        raise flags.ValidationError(f"--algorithm_name={algorithm} is critic-free; drop --critic={critic} or use APPO/TPPO")
+        raise flags.ValidationError(f"--algorithm_name={algorithm} is critic-free; drop --critic={critic} "
+                                    "or use APPO/TPPO")
     return True
 
 
@@ -185,7 +186,8 @@ def _check_vllm_server(f: dict) -> bool:
         raise flags.ValidationError("--generation_backend=vllm_server needs --vllm_url (the server of the policy)")
     extra = [name for name in ("vllm_url", "vllm_model_name", "vllm_sync_dir") if f[name] is not None]
     if f["generation_backend"] != "vllm_server" and extra:
-        raise flags.ValidationError(f"--{extra[0]} is for --generation_backend=vllm_server; add it or drop --{extra[0]}")
+        raise flags.ValidationError(f"--{extra[0]} is for --generation_backend=vllm_server; "
+                                    f"add it or drop --{extra[0]}")
     return True
 
 
@@ -217,8 +219,8 @@ def _check_reward(f: dict) -> bool:
             raise flags.ValidationError(f"--{source}_model_name names the model served at --{where[1]}; add "
                                         f"--{where[1]} or drop it")
     if f["prm_checkpoint_path"] is not None and f["prm_model_name_or_path"] is None:
-        raise flags.ValidationError("--prm_checkpoint_path is an adapter for a local PRM: give --prm_model_name_or_path "
-                                    "(a PRM server applies its own adapter)")
+        raise flags.ValidationError("--prm_checkpoint_path is an adapter for a local PRM: "
+                                    "give --prm_model_name_or_path (a PRM server applies its own adapter)")
     return True
 
 
@@ -309,7 +311,8 @@ def _check_clip_ratios(f: dict) -> bool:
         raise flags.ValidationError(f"--clip_ratio_high={f['clip_ratio_high']} must be >= 0")
     if f["clip_ratio_c"] is not None and f["clip_ratio_c"] <= 1:
         raise flags.ValidationError(f"--clip_ratio_c={f['clip_ratio_c']} must be > 1: it bounds the loss of a negative "
-                                    "advantage at c |A|, above the clipped ratio's (verl uses 3.0); leave it out for off")
+                                    "advantage at c |A|, above the clipped ratio's (verl uses 3.0); "
+                                    "leave it out for off")
     return True
 
 
@@ -324,9 +327,9 @@ def _check_kl(f: dict) -> bool:
         raise flags.ValidationError("--kl_penalty is the estimator of the KL in the reward; add --use_kl_in_reward, "
                                     "or set the loss's estimator with --kl_loss_type")
     if FLAGS["kl_loss_type"].present and in_reward:
-        raise flags.ValidationError("--kl_loss_type is the estimator of the KL in the loss, and the KL is in the reward "
-                                    f"(--use_kl_in_reward, default with {f['algorithm_name']}); use --kl_penalty, or "
-                                    "--nouse_kl_in_reward")
+        raise flags.ValidationError("--kl_loss_type is the estimator of the KL in the loss, and the KL is in the "
+                                    f"reward (--use_kl_in_reward, default with {f['algorithm_name']}); "
+                                    "use --kl_penalty, or --nouse_kl_in_reward")
     return True
 
 

@@ -57,7 +57,7 @@ class ImplicitPRM:
 
     def log_ratios(self, prompts: TokenBatch, actions: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(log pi_psi - log pi_ref [B, L] with grad through psi, action mask [B, L])."""
-        scores = self.model.evaluate(prompts, actions, with_entropy=False)
+        scores = self.model.score_actions(prompts, actions, with_entropy=False)
         ref_logprobs = self.model.ref_log_probs(prompts, actions)
         mask = scores.mask.to(scores.logprobs.dtype)
         return (scores.logprobs - ref_logprobs.to(scores.logprobs.device)) * mask, scores.mask

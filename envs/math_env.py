@@ -225,7 +225,7 @@ class StepScores:
     """What a batch of B actions earned, as arrays over the B episodes.
 
     rewards: [B] float64, 0.0 where the action completed no step.
-    sources: {source name: [B] float64} as the reward model reported them (``RewardOutput.components``), NaN
+    sources: {source name: [B] float64} as the reward model reported them (``RewardOutput.sources``), NaN
         where no step was scored.
     correct: [B] float64 verdicts, 1.0 / 0.0 where the episode ended at this step, NaN elsewhere.
     answers: [B] object, the extracted final answer where the episode ended at this step, None elsewhere
@@ -492,7 +492,7 @@ class MathTask:
         scores.answers[scored] = answers
         # verdicts only where the episode ended: a model may grade unfinished steps too
         scores.correct[scored] = np.where(done, np.asarray(correct, dtype=np.float64), np.nan)
-        for name, values in output.components.items():
+        for name, values in output.sources.items():
             scores.sources[name] = np.full(len(episodes), np.nan)
             scores.sources[name][scored] = np.asarray(values, dtype=np.float64)
         return scores

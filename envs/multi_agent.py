@@ -376,7 +376,7 @@ class MultiAgentMathVectorEnv(VectorEnv):
         for name, model in models.items():
             output = score_batch(model, contexts)
             source_rewards[name][envs, slots] = output.rewards
-            reported = dict(output.components)
+            reported = dict(output.sources)
             reported.setdefault(name, output.rewards)
             for key, values in reported.items():
                 sources[key] = np.full(shape, np.nan)

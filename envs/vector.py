@@ -47,7 +47,7 @@ class MathVectorEnv(VectorEnv):
     - from ``step`` only (``reset`` and ``set_state`` return the metadata alone), the results of the
       action just taken: ``correct`` (float64, 1.0 / 0.0 where an episode ended at this step, NaN
       elsewhere), ``final_answer`` (object: the answer it judged, None where none), ``reward/<source>``
-      (float64, every component the reward model reported, NaN
+      (float64, every source the reward model reported, NaN
       where no step was scored) and, in step mode, ``action_clipped`` (bool) and, with a tool,
       ``tool_called`` (bool: the action was a tool call, run);
     - SAME_STEP autoreset: gymnasium's ``final_obs`` / ``_final_obs`` and ``final_info`` /

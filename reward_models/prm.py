@@ -499,4 +499,4 @@ def step_rewards(scores: Sequence[np.ndarray], contexts: Sequence[StepContext], 
     else:
         done = np.array([c.done for c in contexts])
         rewards = np.where(done, np.nan_to_num(aggregate_step_scores(scores, aggregation)), 0.0)
-    return RewardOutput(rewards=rewards, components={name: rewards})
+    return RewardOutput(rewards=rewards, sources={name: rewards})

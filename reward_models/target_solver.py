@@ -99,4 +99,4 @@ class TargetSolver:
         finished = [i for i, c in enumerate(contexts) if c.done]
         if finished:
             rewards[finished] = self.solve_rates([contexts[i] for i in finished])
-        return RewardOutput(rewards=rewards, components={self.name: rewards})
+        return RewardOutput(rewards=rewards, sources={self.name: rewards})

@@ -24,7 +24,7 @@ class StepLengthReward:
     def score(self, contexts):
         self.batch_sizes.append(len(contexts))
         rewards = np.array([len(c.new_step) / 100 for c in contexts])
-        return RewardOutput(rewards=rewards, components={self.name: rewards})
+        return RewardOutput(rewards=rewards, sources={self.name: rewards})
 
 
 def play(env, steps):

@@ -32,6 +32,7 @@ from gymnasium.vector.utils import batch_space
 
 from envs.contract import FACTS, Agents, StepFacts
 from envs.math_env import Episode, MathTask
+from envs.modes import ActionLevel, Tool
 
 
 class MathVectorEnv(VectorEnv):
@@ -141,7 +142,7 @@ class MathVectorEnv(VectorEnv):
             final = self._restart(ended)
         facts = self._facts(**results)
         info = {**self._info(facts, stepped=True), **final}
-        if self.task.tools is not None:
+        if self.task.tools != Tool.NONE:
             info["tool_called"] = called
         return self._observations(), facts.rewards[:, 0], terminated, truncated, info
 
@@ -280,7 +281,7 @@ class MathVectorEnv(VectorEnv):
         if stepped:
             info["correct"], info["final_answer"] = facts.correct, facts.answers
             info.update({f"reward/{name}": values[:, 0] for name, values in facts.sources.items()})
-            if self.task.mode == "step":
+            if self.task.mode == ActionLevel.STEP:
                 info["action_clipped"] = facts.clipped[:, 0]
         return info
 

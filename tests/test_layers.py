@@ -39,7 +39,7 @@ def project_modules() -> dict[str, Path]:
 
 
 MODULES = project_modules()
-LIGHT_AT_IMPORT = ("algorithms.registry", "train.config", "train.options", "train_math",
+LIGHT_AT_IMPORT = ("algorithms.registry", "envs.modes", "train.config", "train.options", "train_math",
                    *sorted(m for m in MODULES if m == "train.flags" or m.startswith("train.flags.")))
 
 
@@ -124,3 +124,12 @@ def test_a_fresh_interpreter_imports_any_module_first(module):
     result = subprocess.run([sys.executable, "-c", f"import {module}; import envs; envs.MathVectorEnv"],
                             capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_parsing_flags_loads_no_torch():
+    """The light modules at run time: importing the flags (and the env package, home of the mode enums the
+    options take) loads no model library, so a bad flag fails before torch loads."""
+    code = "import sys, train.flags; print(sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"

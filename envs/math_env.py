@@ -181,6 +181,10 @@ class ProblemSampler:
         self.position = state["position"]
 
 
+RENAMED_STATE_KEYS = {"paid": "return_so_far"}
+"""Keys of an ``Episode.get_state`` saved by an older build -> their field now, so its checkpoints resume."""
+
+
 @dataclass
 class Episode:
     """The state of one episode. ``solution_ids``, ``step_start`` and ``completed_text`` are used
@@ -380,7 +384,7 @@ class MathTask:
     def restore_episode(self, state: dict[str, Any]) -> Episode:
         """The episode ``Episode.get_state`` described."""
         problem = self.sampler.get(state["problem_id"])
-        rest = {key: value for key, value in state.items() if key != "problem_id"}
+        rest = {RENAMED_STATE_KEYS.get(key, key): value for key, value in state.items() if key != "problem_id"}
         return Episode(problem=problem, prompt=self.prompt(problem), **rest)
 
     def observation(self, episode: Episode) -> str:

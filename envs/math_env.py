@@ -113,7 +113,8 @@ def build_problems(
         return load_problems(dataset_path, split=split, subjects=subjects, levels=levels, limit=limit)
     knobs = dict(arith)
     sizes = {key: knobs.pop(key) for key in ("num_train", "num_test", "seed") if key in knobs}
-    train, test = Arith(**knobs).split(sizes.get("num_train", 20_000), sizes.get("num_test", 1_000), sizes.get("seed", 0))
+    train, test = Arith(**knobs).split(sizes.get("num_train", 20_000), sizes.get("num_test", 1_000),
+                                       sizes.get("seed", 0))
     if split not in (None, "train", "test"):
         raise ValueError(f"Arith split={split!r} must be 'train' or 'test'")
     chosen = test if split == "test" else train
@@ -422,7 +423,8 @@ class MathTask:
         episode.steps.append(step)
         episode.solution_text += step
         terminated = self._ends_solution(step) or self._hands_off(episode)
-        code = None if terminated or self.tools == Tool.NONE else trailing_code(episode.solution_text[episode.tool_start:])
+        code = (None if terminated or self.tools == Tool.NONE
+                else trailing_code(episode.solution_text[episode.tool_start:]))
         if code is None:
             episode.solution_text += self.step_delimiter
         truncated = not terminated and (

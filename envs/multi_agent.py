@@ -533,7 +533,8 @@ class MultiAgentMathVectorEnv(VectorEnv):
         info = {FACTS: facts, "problem_id": facts.problem_ids, "group_id": facts.group_ids, "turn": facts.turns,
                 "acting": facts.acting, "state": facts.states, "roles": self.roles}
         if stepped:
-            info.update(correct=facts.correct, final_answer=facts.answers, action_clipped=facts.clipped, **facts.outputs)
+            info.update(correct=facts.correct, final_answer=facts.answers, action_clipped=facts.clipped,
+                        **facts.outputs)
             info.update({f"reward/{name}": values for name, values in facts.sources.items()})
         return info
 

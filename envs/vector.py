@@ -150,8 +150,8 @@ class MathVectorEnv(VectorEnv):
              ) -> tuple[dict[str, Any], np.ndarray, np.ndarray, np.ndarray]:
         """Applies the actions of the ``acting`` envs, runs their tool calls in one batch and scores them in one
         reward-model call. Returns the
-        ``StepFacts`` fields of the results (rewards, returns, sources [N, 1], correct [N], clipped [N, 1], answers [N]; 0 /
-        NaN / False for the envs that did not act), terminated, truncated and tool-called [N]."""
+        ``StepFacts`` fields of the results (rewards, returns, sources [N, 1], correct [N], clipped [N, 1],
+        answers [N]; 0 / NaN / False for the envs that did not act), terminated, truncated and tool-called [N]."""
         terminated, truncated, clipped, called = (np.zeros(self.num_envs, dtype=bool) for _ in range(4))
         transitions = []
         for i in acting:

@@ -92,7 +92,8 @@ class ImplicitPRM:
         if len(labels):
             log_ratio, _ = self.log_ratios(prompts, actions)
             logits = self.beta * log_ratio.sum(-1)
-            loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels.to(logits), reduction="sum") / total
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels.to(logits),
+                                                                        reduction="sum") / total
             loss.backward()
         if sum_gradients is not None:
             for param in self.model.actor_parameters():

@@ -202,7 +202,7 @@ class TextHashOutcome:
         texts = [STEP_DELIMITER.join(c.steps) if c.done else "" for c in contexts]
         draws = np.array([zlib.crc32(text.encode()) / 2**32 for text in texts])
         output.rewards = output.rewards + HASH_BONUS * draws
-        output.components[self.name] = output.rewards
+        output.sources[self.name] = output.rewards
         return output
 
 

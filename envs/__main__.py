@@ -47,7 +47,8 @@ def main() -> None:
         correct += int(info["correct"][graded].sum())
         total_reward += float(rewards.sum())
     seconds = time.perf_counter() - start
-    print(f"{args.env_steps} vector steps in {seconds:.2f}s ({args.env_steps * env.num_envs / seconds:.0f} env steps/s); "
+    rate = args.env_steps * env.num_envs / seconds
+    print(f"{args.env_steps} vector steps in {seconds:.2f}s ({rate:.0f} env steps/s); "
           f"{finished} episodes, {correct} verified correct ({correct / max(finished, 1):.0%}; "
           f"the scripted policy is right in half the envs), total reward {total_reward:.0f}")
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import string
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal, Sequence, get_args
+from typing import Any, Sequence
 
 import gymnasium
 import numpy as np
@@ -35,14 +35,13 @@ from gymnasium import spaces
 from envs.contract import FACTS, StepFacts
 from envs.datasets import Arith, Problem, load_problems
 from envs.grader import extract_answer
+from envs.modes import ActionLevel, Tool, member_of
 from envs.prompts import DEFAULT_TEMPLATE, STEP_DELIMITER, format_prompt, resolve_template
 from envs.rewards import OutcomeReward, RewardModel, StepContext, final_answer, score_batch, verify
 from envs.sandbox import PythonSandbox, Sandbox
 
-ActionMode = Literal["step", "token"]  # an action is one step of text, or one token id
-Tool = Literal["python"]
-MODES: tuple[ActionMode, ...] = get_args(ActionMode)
-TOOLS: tuple[Tool, ...] = get_args(Tool)
+MODES = (ActionLevel.STEP, ActionLevel.TOKEN)  # an action is one step of text, or one token id
+SOLUTION_MODE = " (a whole solution per action is mode='step' with max_steps=1)"
 CODE_FENCE, CLOSING_FENCE = "```python", "```"
 OUTPUT_SLOT = "{output}"
 TOOL_OUTPUT_CUT = "\n... (output cut)"
@@ -114,7 +113,8 @@ def build_problems(
         return load_problems(dataset_path, split=split, subjects=subjects, levels=levels, limit=limit)
     knobs = dict(arith)
     sizes = {key: knobs.pop(key) for key in ("num_train", "num_test", "seed") if key in knobs}
-    train, test = Arith(**knobs).split(sizes.get("num_train", 20_000), sizes.get("num_test", 1_000), sizes.get("seed", 0))
+    train, test = Arith(**knobs).split(sizes.get("num_train", 20_000), sizes.get("num_test", 1_000),
+                                       sizes.get("seed", 0))
     if split not in (None, "train", "test"):
         raise ValueError(f"Arith split={split!r} must be 'train' or 'test'")
     chosen = test if split == "test" else train
@@ -182,6 +182,10 @@ class ProblemSampler:
         self.position = state["position"]
 
 
+RENAMED_STATE_KEYS = {"paid": "return_so_far"}
+"""Keys of an ``Episode.get_state`` saved by an older build -> their field now, so its checkpoints resume."""
+
+
 @dataclass
 class Episode:
     """The state of one episode. ``solution_ids``, ``step_start`` and ``completed_text`` are used
@@ -225,7 +229,7 @@ class StepScores:
     """What a batch of B actions earned, as arrays over the B episodes.
 
     rewards: [B] float64, 0.0 where the action completed no step.
-    sources: {source name: [B] float64} as the reward model reported them (``RewardOutput.components``), NaN
+    sources: {source name: [B] float64} as the reward model reported them (``RewardOutput.sources``), NaN
         where no step was scored.
     correct: [B] float64 verdicts, 1.0 / 0.0 where the episode ended at this step, NaN elsewhere.
     answers: [B] object, the extracted final answer where the episode ended at this step, None elsewhere
@@ -238,19 +242,22 @@ class StepScores:
     answers: np.ndarray
 
 
-def check_task_arguments(mode: ActionMode, tokenizer: Any, step_delimiter: str, tools: Tool | None, tool_turn: str | None,
+def task_modes(mode: ActionLevel | str, tools: Tool | str | None) -> tuple[ActionLevel, Tool]:
+    """``mode`` and ``tools`` (members or their strings; tools None: no tool) as members, or a ValueError
+    naming the bad one and the values it may take."""
+    return (member_of(MODES, mode, "mode", SOLUTION_MODE),
+            member_of(tuple(Tool), Tool.NONE if tools is None else tools, "tools", " or None"))
+
+
+def check_task_arguments(mode: ActionLevel, tokenizer: Any, step_delimiter: str, tools: Tool, tool_turn: str | None,
                          **limits: int) -> None:
-    """Fails early, naming the argument, on a bad mode, a token mode without tokenizer, an unknown tool or
-    one in token mode, a tool turn without ``{output}``, an empty delimiter or a limit below 1."""
-    if mode not in MODES:
-        raise ValueError(f"mode={mode!r} must be one of {MODES}")
-    if tools is not None and tools not in TOOLS:
-        raise ValueError(f"tools={tools!r} must be one of {TOOLS} or None")
-    if tools is not None and mode != "step":
-        raise ValueError(f"tools={tools!r} runs code between steps: it needs mode='step', not {mode!r}")
+    """Fails early, naming the argument, on a token mode without tokenizer, a tool in token mode, a tool
+    turn without ``{output}``, an empty delimiter or a limit below 1."""
+    if tools != Tool.NONE and mode != ActionLevel.STEP:
+        raise ValueError(f"tools={tools.value!r} runs code between steps: it needs mode='step', not {mode.value!r}")
     if tool_turn is not None and tool_turn.count(OUTPUT_SLOT) != 1:
         raise ValueError(f"tool_turn={tool_turn!r} must hold {OUTPUT_SLOT!r} once (where the tool's output goes)")
-    if mode == "token" and tokenizer is None:
+    if mode == ActionLevel.TOKEN and tokenizer is None:
         raise ValueError("mode='token' needs tokenizer= (a Hugging Face tokenizer to decode the token actions)")
     if not step_delimiter:
         raise ValueError("step_delimiter must be a non-empty string, e.g. '\\n\\n'")
@@ -265,7 +272,8 @@ class MathTask:
     Args:
         problems / dataset_path (+ split, subjects, levels, limit) / arith: the problem source
             (exactly one; see ``build_problems``).
-        mode: "step" (action = one step of text) or "token" (action = one token id of ``tokenizer``).
+        mode: ``ActionLevel.STEP`` or "step" (action = one step of text), ``ActionLevel.TOKEN`` or "token"
+            (action = one token id of ``tokenizer``).
         tokenizer: a Hugging Face tokenizer, required in token mode (decoding only).
         reward_model: a ``RewardModel``; default ``OutcomeReward()`` (1 for a verified answer).
         template: prompt template (key of ``envs.prompts.TEMPLATES`` or a string with ``{problem}``).
@@ -276,7 +284,8 @@ class MathTask:
         handoff_steps: Prefix-RL: the episode terminates after this many steps, handing the
             solution to a target solver (``reward_models.target_solver``) that finishes it.
         shuffle: draw problems in a fresh random order each epoch (False: in dataset order).
-        tools: "python" (step mode): a step ending in a fenced python block is run (module docstring).
+        tools: ``Tool.PYTHON`` or "python" (step mode): a step ending in a fenced python block is run (module
+            docstring); None or "none": no tool.
         max_tool_calls: tool calls per episode; a call beyond them truncates the episode.
         max_tool_output_chars: a tool output is cut to this many characters.
         tool_timeout_s: wall-clock seconds one tool call may run.
@@ -296,7 +305,7 @@ class MathTask:
         levels: Sequence[int] | None = None,
         limit: int | None = None,
         arith: dict | None = None,
-        mode: ActionMode = "step",
+        mode: ActionLevel | str = ActionLevel.STEP,
         tokenizer: Any = None,
         reward_model: RewardModel | None = None,
         template: str = DEFAULT_TEMPLATE,
@@ -308,7 +317,7 @@ class MathTask:
         end_marker: str | None = None,
         handoff_steps: int | None = None,
         shuffle: bool = True,
-        tools: Tool | None = None,
+        tools: Tool | str | None = None,
         max_tool_calls: int = 4,
         max_tool_output_chars: int = MAX_TOOL_OUTPUT_CHARS,
         tool_timeout_s: float = TOOL_TIMEOUT_S,
@@ -316,6 +325,7 @@ class MathTask:
         sandbox: Sandbox | None = None,
         tool_workers: int | None = None,
     ):
+        mode, tools = task_modes(mode, tools)
         check_task_arguments(mode, tokenizer, step_delimiter, tools, tool_turn, max_steps=max_steps,
                              max_step_chars=max_step_chars, max_solution_chars=max_solution_chars,
                              max_solution_tokens=max_solution_tokens, max_tool_output_chars=max_tool_output_chars,
@@ -335,7 +345,7 @@ class MathTask:
         self._set_up_tools(tools, max_tool_calls, max_tool_output_chars, tool_timeout_s, tool_turn, sandbox,
                            tool_workers)
 
-    def _set_up_tools(self, tools: Tool | None, max_tool_calls: int, max_tool_output_chars: int, tool_timeout_s: float,
+    def _set_up_tools(self, tools: Tool, max_tool_calls: int, max_tool_output_chars: int, tool_timeout_s: float,
                       tool_turn: str | None, sandbox: Sandbox | None, tool_workers: int | None) -> None:
         """The tool options (``__init__``'s), then the spaces (a tool output lengthens the observation) and the
         sandbox: ``sandbox``, else a ``PythonSandbox`` when ``tools`` asks for one."""
@@ -343,7 +353,7 @@ class MathTask:
         self.tool_turn = tool_turn if tool_turn is not None else plain_tool_turn(self.step_delimiter)
         self.action_space, self.observation_space = self._spaces()
         self.sandbox = sandbox
-        if tools is not None and sandbox is None:
+        if tools != Tool.NONE and sandbox is None:
             self.sandbox = PythonSandbox(timeout_s=tool_timeout_s, max_output_chars=max_tool_output_chars,
                                          workers=tool_workers)
 
@@ -356,9 +366,9 @@ class MathTask:
         """The action space and an observation space long enough for any prompt plus the longest
         solution the limits allow."""
         longest_prompt = max(len(self.prompt(p)) for p in self.sampler.problems)
-        if self.mode == "step":
+        if self.mode == ActionLevel.STEP:
             longest_solution = self.max_solution_chars + self.max_step_chars + len(self.step_delimiter)
-            if self.tools is not None:
+            if self.tools != Tool.NONE:
                 longest_solution += len(self.tool_turn) + self.max_tool_output_chars
             return UnicodeText(self.max_step_chars), UnicodeText(longest_prompt + longest_solution)
         vocabulary = len(self.tokenizer)
@@ -375,7 +385,7 @@ class MathTask:
     def restore_episode(self, state: dict[str, Any]) -> Episode:
         """The episode ``Episode.get_state`` described."""
         problem = self.sampler.get(state["problem_id"])
-        rest = {key: value for key, value in state.items() if key != "problem_id"}
+        rest = {RENAMED_STATE_KEYS.get(key, key): value for key, value in state.items() if key != "problem_id"}
         return Episode(problem=problem, prompt=self.prompt(problem), **rest)
 
     def observation(self, episode: Episode) -> str:
@@ -383,7 +393,7 @@ class MathTask:
 
     def info(self, episode: Episode) -> dict[str, Any]:
         info = {"problem_id": episode.problem.id, "group_id": episode.group_id, "step": len(episode.steps)}
-        if self.tools is not None:
+        if self.tools != Tool.NONE:
             info["tool_calls"] = episode.tool_calls
         return info
 
@@ -400,7 +410,8 @@ class MathTask:
         """Applies one action to a live episode (marking it done if the action ended it)."""
         if episode.done:
             raise RuntimeError("step() called on a finished episode; call reset() first")
-        transition = self._apply_step(episode, action) if self.mode == "step" else self._apply_token(episode, action)
+        transition = (self._apply_step(episode, action) if self.mode == ActionLevel.STEP
+                      else self._apply_token(episode, action))
         episode.done = transition.terminated or transition.truncated
         return transition
 
@@ -412,7 +423,8 @@ class MathTask:
         episode.steps.append(step)
         episode.solution_text += step
         terminated = self._ends_solution(step) or self._hands_off(episode)
-        code = None if terminated or self.tools is None else trailing_code(episode.solution_text[episode.tool_start:])
+        code = (None if terminated or self.tools == Tool.NONE
+                else trailing_code(episode.solution_text[episode.tool_start:]))
         if code is None:
             episode.solution_text += self.step_delimiter
         truncated = not terminated and (
@@ -492,7 +504,7 @@ class MathTask:
         scores.answers[scored] = answers
         # verdicts only where the episode ended: a model may grade unfinished steps too
         scores.correct[scored] = np.where(done, np.asarray(correct, dtype=np.float64), np.nan)
-        for name, values in output.components.items():
+        for name, values in output.sources.items():
             scores.sources[name] = np.full(len(episodes), np.nan)
             scores.sources[name][scored] = np.asarray(values, dtype=np.float64)
         return scores
@@ -546,7 +558,7 @@ class MathEnv(gymnasium.Env):
                                       sources={name: values[:, None] for name, values in scores.sources.items()},
                                       clipped=np.array([[transition.action_clipped]]))
         info.update({f"reward/{name}": float(values[0]) for name, values in scores.sources.items()})
-        if self.task.mode == "step":
+        if self.task.mode == ActionLevel.STEP:
             info["action_clipped"] = transition.action_clipped
         if self.episode.done:
             info["correct"] = bool(scores.correct[0])

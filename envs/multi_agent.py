@@ -42,7 +42,7 @@ refused (every slot of a resetting env would generate a message only to throw it
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Sequence, get_args
+from typing import Any, Sequence
 
 import gymnasium
 import numpy as np
@@ -53,13 +53,12 @@ from envs.datasets import Problem
 from envs.grader import grade_batch
 from envs.contract import FACTS, Agents, StepFacts
 from envs.math_env import UnicodeText
+from envs.modes import ActionLevel, RewardAssignment, member_of
 from envs.rewards import OutcomeReward, RewardMixture, RewardModel, StepContext, score_batch
 from envs.vector import MathVectorEnv
 from envs.workflows import (WORKFLOWS, Limits, Message, Progress, TurnContext, Workflow, resolve_workflow,
                             state_prompt)
 
-RewardAssignment = Literal["team", "individual", "counterfactual"]  # module docstring
-REWARD_ASSIGNMENTS: tuple[RewardAssignment, ...] = get_args(RewardAssignment)
 ROLE_METRICS = ("answer_correct", "verdict", "verdict_correct", "verdict_precision", "verdict_recall",
                 "verdict_specificity", "fix_rate", "keep_rate")  # the [N, A] infos of each role's verified output
 AUTORESET_MODES = (AutoresetMode.SAME_STEP, AutoresetMode.DISABLED)
@@ -76,7 +75,7 @@ Candidates = tuple[str | None, ...]  # the answers a final answer is chosen from
 
 def check_task_keywords(task_kwargs: dict[str, Any]) -> None:
     """Refuses, saying why, the MathTask keywords a multi-agent env cannot honour."""
-    if task_kwargs.get("mode", "step") != "step":
+    if task_kwargs.get("mode", ActionLevel.STEP) != ActionLevel.STEP:
         raise ValueError(f"mode={task_kwargs['mode']!r}: MultiAgentMathVectorEnv takes whole messages as actions; "
                          "leave mode out (or 'step')")
     for key, why in SINGLE_AGENT_KEYWORDS.items():
@@ -198,14 +197,13 @@ class MultiAgentMathVectorEnv(VectorEnv):
         group_offset: int = 0,
         total_groups: int | None = None,
         workflow: Workflow | str = "chain",
-        reward_assignment: RewardAssignment = "team",
+        reward_assignment: RewardAssignment | str = RewardAssignment.TEAM,
         grade_timeout: float = 1.0,
         reward_model: RewardModel | None = None,
         **task_kwargs: Any,
     ):
         self.autoreset_mode = resolve_autoreset_mode(autoreset_mode)
-        if reward_assignment not in REWARD_ASSIGNMENTS:
-            raise ValueError(f"reward_assignment={reward_assignment!r} must be one of {REWARD_ASSIGNMENTS}")
+        reward_assignment = member_of(tuple(RewardAssignment), reward_assignment, "reward_assignment")
         if not grade_timeout > 0:
             raise ValueError(f"grade_timeout={grade_timeout!r} must be > 0 seconds")
         if reward_model is not None and not isinstance(reward_model, RewardModel):
@@ -376,7 +374,7 @@ class MultiAgentMathVectorEnv(VectorEnv):
         for name, model in models.items():
             output = score_batch(model, contexts)
             source_rewards[name][envs, slots] = output.rewards
-            reported = dict(output.components)
+            reported = dict(output.sources)
             reported.setdefault(name, output.rewards)
             for key, values in reported.items():
                 sources[key] = np.full(shape, np.nan)
@@ -395,7 +393,7 @@ class MultiAgentMathVectorEnv(VectorEnv):
         for counterfactual credit, those of its replay without each slot that acted."""
         dialogue = self.dialogues[env_index]
         without = {}
-        if self.reward_assignment == "counterfactual":
+        if self.reward_assignment == RewardAssignment.COUNTERFACTUAL:
             for slot in dialogue.acted():
                 replay = self.workflow.replay(dialogue.problem.problem, self.task.template, dialogue.transcript, slot,
                                               self.limits)
@@ -443,14 +441,14 @@ class MultiAgentMathVectorEnv(VectorEnv):
         ``correct`` less its counterfactual's (counterfactual) or, under individual credit, ``correct`` when
         its role has no output of its own to verify."""
         rewards = np.zeros((self.num_envs, self.num_agents))
-        if self.reward_assignment == "individual":
+        if self.reward_assignment == RewardAssignment.INDIVIDUAL:
             rewards = np.nan_to_num(np.fmax(outputs["answer_correct"], outputs["verdict_correct"]))
         roles = self.workflow.roles
         for i, outcome in outcomes.items():
             acted = self.dialogues[i].acted()
-            if self.reward_assignment == "counterfactual":
+            if self.reward_assignment == RewardAssignment.COUNTERFACTUAL:
                 rewards[i, acted] = [correct[i] - self._solved(i, outcome.without[slot], checks)[1] for slot in acted]
-            elif self.reward_assignment == "team":
+            elif self.reward_assignment == RewardAssignment.TEAM:
                 rewards[i, acted] = correct[i]
             else:
                 rewards[i, [s for s in acted if not roles[s].answers and roles[s].judges is None]] = correct[i]
@@ -535,7 +533,8 @@ class MultiAgentMathVectorEnv(VectorEnv):
         info = {FACTS: facts, "problem_id": facts.problem_ids, "group_id": facts.group_ids, "turn": facts.turns,
                 "acting": facts.acting, "state": facts.states, "roles": self.roles}
         if stepped:
-            info.update(correct=facts.correct, final_answer=facts.answers, action_clipped=facts.clipped, **facts.outputs)
+            info.update(correct=facts.correct, final_answer=facts.answers, action_clipped=facts.clipped,
+                        **facts.outputs)
             info.update({f"reward/{name}": values for name, values in facts.sources.items()})
         return info
 

@@ -50,14 +50,14 @@ class RewardOutput:
     """What a reward model returns for a batch of B contexts.
 
     rewards: [B] float, the per-step reward of each context's new step.
-    components: named [B] arrays (e.g. per-source rewards of a mixture) for logging.
+    sources: named [B] arrays (e.g. per-source rewards of a mixture) for logging.
     correct: optional [B] verdicts of the answer verifier (1.0 / 0.0 for finished contexts, NaN
         for the others), when the model graded anyway; the env then reuses them instead of
         grading the same answers a second time for its accuracy info.
     """
 
     rewards: np.ndarray
-    components: dict[str, np.ndarray] = field(default_factory=dict)
+    sources: dict[str, np.ndarray] = field(default_factory=dict)
     correct: np.ndarray | None = None
 
 
@@ -131,17 +131,17 @@ class RewardMixture:
         return {name: score_batch(model, contexts) for name, model in self.models.items() if name not in skip}
 
     def score(self, contexts: Sequence[StepContext]) -> RewardOutput:
-        """Weighted sum [B] of every source's reward; ``components`` holds what each source reported and its
+        """Weighted sum [B] of every source's reward; ``sources`` holds what each source reported and its
         own reward under its name; ``correct`` comes from the last source that gives it."""
         outputs = self.score_each(contexts)
-        components: dict[str, np.ndarray] = {}
+        sources: dict[str, np.ndarray] = {}
         correct = None
         for name, output in outputs.items():
-            components.update({key: np.asarray(value) for key, value in output.components.items()})
-            components.setdefault(name, np.asarray(output.rewards, dtype=np.float64))
+            sources.update({key: np.asarray(value) for key, value in output.sources.items()})
+            sources.setdefault(name, np.asarray(output.rewards, dtype=np.float64))
             correct = output.correct if output.correct is not None else correct
         rewards = self.combine({name: output.rewards for name, output in outputs.items()})
-        return RewardOutput(rewards=rewards, components=components, correct=correct)
+        return RewardOutput(rewards=rewards, sources=sources, correct=correct)
 
 
 BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
@@ -174,7 +174,7 @@ class OutcomeReward:
         unboxed = [c.done and BOXED.search(STEP_DELIMITER.join(c.steps)) is None for c in contexts]
         rewards[unboxed] -= self.format_penalty
         rewards[np.isnan(correct)] = 0.0
-        return RewardOutput(rewards=rewards, components={self.name: rewards}, correct=correct)
+        return RewardOutput(rewards=rewards, sources={self.name: rewards}, correct=correct)
 
 
 def final_answer(context: StepContext) -> str | None:

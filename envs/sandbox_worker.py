@@ -135,7 +135,8 @@ def landlock_restrict(abi: int, reads: list[str], writes: list[str]) -> None:
     """Restrict this process and its children for good: read (and execute) ``reads``, write only below
     ``writes``; from ABI 4 no TCP bind or connect; from ABI 6 no signal or abstract socket outside."""
     fs = {1: 0x1FFF, 2: 0x3FFF, 3: 0x7FFF, 4: 0x7FFF}.get(abi, 0xFFFF)
-    attr = struct.pack("QQQ", fs, 0b11 if abi >= 4 else 0, 0b11 if abi >= 6 else 0)[:8 if abi < 4 else 16 if abi < 6 else 24]
+    size = 8 if abi < 4 else 16 if abi < 6 else 24
+    attr = struct.pack("QQQ", fs, 0b11 if abi >= 4 else 0, 0b11 if abi >= 6 else 0)[:size]
     ruleset = check(libc.syscall(SYS_LANDLOCK["create_ruleset"], attr, len(attr), 0), "landlock_create_ruleset")
     try:
         for paths, access in ((reads, LANDLOCK_READ), (writes, fs)):
@@ -240,8 +241,9 @@ class Worker:
         try:
             while open_fds:
                 remaining = deadline - time.monotonic()
+                limit = self.output_limit()
                 stopped = (f"timeout after {float(timeout_s)} s" if remaining <= 0 else
-                           f"output limit ({self.output_limit() / 2**20:.1f} MB)" if total > self.output_limit() else None)
+                           f"output limit ({limit / 2**20:.1f} MB)" if total > limit else None)
                 if stopped:
                     os.kill(pid, signal.SIGKILL)
                     return stdout, stderr, stopped
@@ -283,7 +285,8 @@ class Worker:
     def reply(self, stdout: bytes, stderr: bytes, status: int, stopped: str | None, cpu_s: float) -> dict:
         """The call's record: stdout's head (text), the error's last line when the code exited with an
         error of its own (else ""), the one-line reason it failed (None when it did not), its exit status."""
-        last_line = next((line for line in reversed(stderr.decode("utf-8", "replace").splitlines()) if line.strip()), "")
+        lines = stderr.decode("utf-8", "replace").splitlines()
+        last_line = next((line for line in reversed(lines) if line.strip()), "")
         error = stopped or failure(status, cpu_s, last_line, self.limits)
         exited = os.WIFEXITED(status) and not stopped
         return {"stdout": stdout.decode("utf-8", "replace"), "error_line": last_line if exited and error else "",
@@ -335,7 +338,8 @@ def run_child(code: str, directory: str, out_w: int, err_w: int, worker: Worker)
     os.environ.update({"PATH": "/usr/bin:/bin", "HOME": directory, "TMPDIR": directory, "LANG": "C.UTF-8",
                        "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
     for name, value in ((resource.RLIMIT_CORE, 0), (resource.RLIMIT_CPU, lim["cpu_seconds"]),
-                        (resource.RLIMIT_AS, lim["memory_mb"] * 2**20), (resource.RLIMIT_FSIZE, lim["max_file_mb"] * 2**20),
+                        (resource.RLIMIT_AS, lim["memory_mb"] * 2**20),
+                        (resource.RLIMIT_FSIZE, lim["max_file_mb"] * 2**20),
                         (resource.RLIMIT_NPROC, lim["max_processes"]), (resource.RLIMIT_NOFILE, 256)):
         hard = value + 1 if name == resource.RLIMIT_CPU else value  # SIGXCPU first, SIGKILL a second later
         resource.setrlimit(name, (value, hard))

@@ -32,6 +32,7 @@ from gymnasium.vector.utils import batch_space
 
 from envs.contract import FACTS, Agents, StepFacts
 from envs.math_env import Episode, MathTask
+from envs.modes import ActionLevel, Tool
 
 
 class MathVectorEnv(VectorEnv):
@@ -47,7 +48,7 @@ class MathVectorEnv(VectorEnv):
     - from ``step`` only (``reset`` and ``set_state`` return the metadata alone), the results of the
       action just taken: ``correct`` (float64, 1.0 / 0.0 where an episode ended at this step, NaN
       elsewhere), ``final_answer`` (object: the answer it judged, None where none), ``reward/<source>``
-      (float64, every component the reward model reported, NaN
+      (float64, every source the reward model reported, NaN
       where no step was scored) and, in step mode, ``action_clipped`` (bool) and, with a tool,
       ``tool_called`` (bool: the action was a tool call, run);
     - SAME_STEP autoreset: gymnasium's ``final_obs`` / ``_final_obs`` and ``final_info`` /
@@ -141,7 +142,7 @@ class MathVectorEnv(VectorEnv):
             final = self._restart(ended)
         facts = self._facts(**results)
         info = {**self._info(facts, stepped=True), **final}
-        if self.task.tools is not None:
+        if self.task.tools != Tool.NONE:
             info["tool_called"] = called
         return self._observations(), facts.rewards[:, 0], terminated, truncated, info
 
@@ -149,8 +150,8 @@ class MathVectorEnv(VectorEnv):
              ) -> tuple[dict[str, Any], np.ndarray, np.ndarray, np.ndarray]:
         """Applies the actions of the ``acting`` envs, runs their tool calls in one batch and scores them in one
         reward-model call. Returns the
-        ``StepFacts`` fields of the results (rewards, returns, sources [N, 1], correct [N], clipped [N, 1], answers [N]; 0 /
-        NaN / False for the envs that did not act), terminated, truncated and tool-called [N]."""
+        ``StepFacts`` fields of the results (rewards, returns, sources [N, 1], correct [N], clipped [N, 1],
+        answers [N]; 0 / NaN / False for the envs that did not act), terminated, truncated and tool-called [N]."""
         terminated, truncated, clipped, called = (np.zeros(self.num_envs, dtype=bool) for _ in range(4))
         transitions = []
         for i in acting:
@@ -280,7 +281,7 @@ class MathVectorEnv(VectorEnv):
         if stepped:
             info["correct"], info["final_answer"] = facts.correct, facts.answers
             info.update({f"reward/{name}": values[:, 0] for name, values in facts.sources.items()})
-            if self.task.mode == "step":
+            if self.task.mode == ActionLevel.STEP:
                 info["action_clipped"] = facts.clipped[:, 0]
         return info
 

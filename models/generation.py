@@ -9,7 +9,7 @@ Conventions every backend follows:
   but not in ``text`` (special tokens are skipped when decoding). ``"length"``: ``max_new_tokens`` reached.
 - Rollout log-probs are those of the distribution actually sampled from: logits / temperature, then
   top-k, then top-p filtering, renormalised. With top_k/top_p off they equal
-  ``LanguagePolicy.evaluate(..., temperature)``. Temperature 0 is greedy decoding, scored under the
+  ``LanguagePolicy.score_actions(..., temperature)``. Temperature 0 is greedy decoding, scored under the
   unscaled (temperature 1) distribution.
 - String prompts are tokenized with the policy's tokenizer (``add_special_tokens`` as it defines);
   both backends receive token ids, so they see identical prompts.

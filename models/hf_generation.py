@@ -234,7 +234,8 @@ class HFGenerator:
         with module_mode(model, training=False), torch.no_grad(), self.policy.autocast():
             logits = model(input_ids=input_ids, attention_mask=attention_mask,
                            position_ids=(attention_mask.cumsum(1) - 1).clamp(min=0),
-                           **{kv_cache_keyword(model): cache}, use_cache=True, logits_to_keep=last).logits[:, -1]  # [U, V]
+                           **{kv_cache_keyword(model): cache}, use_cache=True,
+                           logits_to_keep=last).logits[:, -1]  # [U, V]
             prompt_of_row = torch.tensor(prompt_of_row, device=device)
             cache.batch_select_indices(prompt_of_row)
             self._decode(model, cache, logits[prompt_of_row], attention_mask.sum(1)[prompt_of_row], samples,

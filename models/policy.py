@@ -67,7 +67,7 @@ class LanguagePolicy(ShardedPolicy, PolicyWeights, nn.Module):
       value loss. It costs a second forward pass (critic adapter active) but no copy of the base.
     - Full fine-tuning: the critic shares the trunk with the actor, and the value loss' gradient
       flows into the whole trunk (scaled by the trainer's value coefficient); no second model in
-      memory, and ``evaluate(..., with_values=True)`` gets log-probs and values from one pass.
+      memory, and ``score_actions(..., with_values=True)`` gets log-probs and values from one pass.
     ``param_groups(lr, critic_lr)`` puts the actor's parameters (actor adapter, or the full trunk)
     and the critic's (critic adapter + value head) in separate optimizer groups.
 
@@ -309,7 +309,7 @@ class LanguagePolicy(ShardedPolicy, PolicyWeights, nn.Module):
                 return shared
         return pack(prompts, actions, pad_id, self.device, padding_side)
 
-    def evaluate(self, prompts: TokenBatch, actions: TokenBatch, temperature: float = 1.0, *,
+    def score_actions(self, prompts: TokenBatch, actions: TokenBatch, temperature: float = 1.0, *,
                  with_entropy: bool = True, with_values: bool = False,
                  padding_side: str = "right", adapters: Sequence[str] | None = None,
                  critic_prompts: TokenBatch | None = None,
@@ -332,12 +332,12 @@ class LanguagePolicy(ShardedPolicy, PolicyWeights, nn.Module):
         passes = [(adapter, bucket) for adapter, rows in rows_of.items()
                   for bucket in self._pass_rows(prompts, actions, rows)]
         if len(passes) == 1 and passes[0][0] is None:
-            return self._evaluate_pass(prompts, actions, temperature, with_entropy, with_values,
+            return self._score_pass(prompts, actions, temperature, with_entropy, with_values,
                                        padding_side, critic_prompts, value_heads)
         parts = []
         for adapter, rows in passes:
             with self.using_adapter(adapter) if adapter is not None else contextlib.nullcontext():
-                parts.append((rows, self._evaluate_pass(
+                parts.append((rows, self._score_pass(
                     take(prompts, rows), take(actions, rows), temperature, with_entropy,
                     with_values, padding_side,
                     None if critic_prompts is None else take(critic_prompts, rows),
@@ -359,11 +359,11 @@ class LanguagePolicy(ShardedPolicy, PolicyWeights, nn.Module):
         buckets = length_buckets([max(lengths[row] for row in group) for group in members])
         return [[row for group in bucket for row in members[group]] for bucket in buckets]
 
-    def _evaluate_pass(self, prompts: TokenBatch, actions: TokenBatch, temperature: float,
+    def _score_pass(self, prompts: TokenBatch, actions: TokenBatch, temperature: float,
                        with_entropy: bool, with_values: bool, padding_side: str,
                        critic_prompts: TokenBatch | None,
                        value_heads: Sequence[int] | None) -> ActionScores:
-        """``evaluate``'s scores of every row in one packed forward pass, active adapter on."""
+        """``score_actions``'s scores of every row in one packed forward pass, active adapter on."""
         batch = self.pack(prompts, actions, padding_side)
         hidden = self._hidden_at_actions(self.causal_lm, batch)
         scores = self._token_scores(self.causal_lm, hidden, batch, temperature, with_entropy)
@@ -378,9 +378,9 @@ class LanguagePolicy(ShardedPolicy, PolicyWeights, nn.Module):
                 with_entropy: bool = True, with_values: bool = False,
                 adapters: Sequence[str] | None = None, critic_prompts: TokenBatch | None = None,
                 value_heads: Sequence[int] | None = None) -> ActionScores:
-        """``evaluate``, as the module's call: what DDP wraps, so data-parallel training reduces the
+        """``score_actions``, as the module's call: what DDP wraps, so data-parallel training reduces the
         gradients of these scores over ranks."""
-        return self.evaluate(prompts, actions, temperature, with_entropy=with_entropy,
+        return self.score_actions(prompts, actions, temperature, with_entropy=with_entropy,
                              with_values=with_values, adapters=adapters,
                              critic_prompts=critic_prompts, value_heads=value_heads)
 

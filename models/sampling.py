@@ -29,7 +29,8 @@ class GenerationOutput:
     @classmethod
     def interleave(cls, parts: Sequence[tuple[Sequence[int], "GenerationOutput"]], size: int) -> "GenerationOutput":
         """One output of ``size`` samples from ``parts``: (the positions its samples take, an output)."""
-        fields = {name: [None] * size for name in ("texts", "token_ids", "logprobs", "finish_reasons", "prompt_token_ids")}
+        names = ("texts", "token_ids", "logprobs", "finish_reasons", "prompt_token_ids")
+        fields = {name: [None] * size for name in names}
         for positions, part in parts:
             for name, values in fields.items():
                 for position, value in zip(positions, getattr(part, name)):

@@ -19,7 +19,8 @@ Weight sync (``sync``), the policy trained here and served there:
   of roles.
 - Full fine-tuning: the merged weights are written as safetensors to ``sync_dir`` and the server
   reloads them in place (``/collective_rpc`` calling ``models.vllm_worker.WeightReload``; the
-  server needs ``VLLM_SERVER_DEV_MODE=1`` and that worker extension), then its prefix cache is reset. ``sync_dir`` must be a path the
+  server needs ``VLLM_SERVER_DEV_MODE=1`` and that worker extension), then its prefix cache is reset.
+  ``sync_dir`` must be a path the
   server can read (a shared filesystem when it runs elsewhere). On GPUs, NCCL weight transfer avoids
   the disk round trip; it is not available on CPU.
 Rollout log-probs are the server's: start it with ``--logprobs-mode processed_logprobs`` so they are

@@ -57,7 +57,7 @@ class ImplicitPRM:
 
     def log_ratios(self, prompts: TokenBatch, actions: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(log pi_psi - log pi_ref [B, L] with grad through psi, action mask [B, L])."""
-        scores = self.model.evaluate(prompts, actions, with_entropy=False)
+        scores = self.model.score_actions(prompts, actions, with_entropy=False)
         ref_logprobs = self.model.ref_log_probs(prompts, actions)
         mask = scores.mask.to(scores.logprobs.dtype)
         return (scores.logprobs - ref_logprobs.to(scores.logprobs.device)) * mask, scores.mask
@@ -92,7 +92,8 @@ class ImplicitPRM:
         if len(labels):
             log_ratio, _ = self.log_ratios(prompts, actions)
             logits = self.beta * log_ratio.sum(-1)
-            loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels.to(logits), reduction="sum") / total
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels.to(logits),
+                                                                        reduction="sum") / total
             loss.backward()
         if sum_gradients is not None:
             for param in self.model.actor_parameters():

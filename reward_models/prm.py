@@ -341,7 +341,8 @@ class ProcessRewardModel:
             model = PeftModel.from_pretrained(model, str(adapter_path)).merge_and_unload()
         return model.train(False).requires_grad_(False)
 
-    def _load_classifier(self, model_dir: str | Path, torch_dtype: torch.dtype, trust_remote_code: bool) -> torch.nn.Module:
+    def _load_classifier(self, model_dir: str | Path, torch_dtype: torch.dtype,
+                         trust_remote_code: bool) -> torch.nn.Module:
         config = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
         if "AutoModel" in (getattr(config, "auto_map", None) or {}):  # e.g. Qwen2.5-Math-PRM's remote code
             if not trust_remote_code:
@@ -350,7 +351,8 @@ class ProcessRewardModel:
             loader = AutoModel
         else:
             loader = AutoModelForTokenClassification
-        return loader.from_pretrained(str(model_dir), dtype=torch_dtype, trust_remote_code=trust_remote_code).to(self.device)
+        model = loader.from_pretrained(str(model_dir), dtype=torch_dtype, trust_remote_code=trust_remote_code)
+        return model.to(self.device)
 
     def text(self, problem: str, steps: Sequence[str]) -> str:
         """The PRM's input: the prompt, then each step followed by the marker (and the delimiter).
@@ -499,4 +501,4 @@ def step_rewards(scores: Sequence[np.ndarray], contexts: Sequence[StepContext], 
     else:
         done = np.array([c.done for c in contexts])
         rewards = np.where(done, np.nan_to_num(aggregate_step_scores(scores, aggregation)), 0.0)
-    return RewardOutput(rewards=rewards, components={name: rewards})
+    return RewardOutput(rewards=rewards, sources={name: rewards})

@@ -45,4 +45,4 @@ class ReferenceStepsReward:
             before = [s for step in context.previous_steps for s in split_steps(step)]
             steps = before + split_steps(context.new_step)  # a solution-level action holds several steps
             rewards[i] = (matched_prefix(steps, reference) - matched_prefix(before, reference)) / len(reference)
-        return RewardOutput(rewards=rewards, components={self.name: rewards})
+        return RewardOutput(rewards=rewards, sources={self.name: rewards})

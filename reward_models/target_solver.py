@@ -88,7 +88,8 @@ class TargetSolver:
         )
         m = self.num_samples
         # The answer may sit in the prefix itself (the policy finished) or in the target's completion.
-        answers = [extract_answer(STEP_DELIMITER.join(contexts[k // m].steps) + text) for k, text in enumerate(output.texts)]
+        answers = [extract_answer(STEP_DELIMITER.join(contexts[k // m].steps) + text)
+                   for k, text in enumerate(output.texts)]
         verdicts = grade_batch(answers, [contexts[k // m].problem.answer for k in range(len(answers))],
                                timeout=self.timeout)
         return np.asarray(verdicts, dtype=np.float64).reshape(len(contexts), m).mean(axis=1)
@@ -99,4 +100,4 @@ class TargetSolver:
         finished = [i for i, c in enumerate(contexts) if c.done]
         if finished:
             rewards[finished] = self.solve_rates([contexts[i] for i in finished])
-        return RewardOutput(rewards=rewards, components={self.name: rewards})
+        return RewardOutput(rewards=rewards, sources={self.name: rewards})

@@ -547,7 +547,7 @@ class ScheduledVerdicts:
         else:  # training: one of each group of 2 right, so every update moves the weights
             verdicts = [float(i % 2 == 0) for i in range(len(contexts))]
         correct = np.array([v if c.done else np.nan for v, c in zip(verdicts, contexts)])
-        return RewardOutput(rewards=np.nan_to_num(correct), components={self.name: np.nan_to_num(correct)},
+        return RewardOutput(rewards=np.nan_to_num(correct), sources={self.name: np.nan_to_num(correct)},
                             correct=correct)
 
 

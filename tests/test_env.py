@@ -7,6 +7,7 @@ import envs  # noqa: F401  (registers the env ids)
 from envs.contract import FACTS
 from envs.datasets import Arith, Problem
 from envs.math_env import MathEnv, MathTask, Transition
+from envs.modes import ActionLevel, Tool
 from envs.prompts import format_prompt, split_steps
 from envs.rewards import RewardOutput
 
@@ -24,7 +25,7 @@ class StepLengthReward:
     def score(self, contexts):
         self.batch_sizes.append(len(contexts))
         rewards = np.array([len(c.new_step) / 100 for c in contexts])
-        return RewardOutput(rewards=rewards, components={self.name: rewards})
+        return RewardOutput(rewards=rewards, sources={self.name: rewards})
 
 
 def play(env, steps):
@@ -170,6 +171,19 @@ def test_bad_arguments_fail_clearly():
         env = MathEnv(problems=PROBLEMS)
         env.reset(seed=0)
         env.step(5)
+
+
+def test_modes_given_as_strings_become_the_members_and_a_bad_one_names_the_allowed_values():
+    task = MathTask(problems=PROBLEMS, mode="step", tools="python")
+    assert task.mode is ActionLevel.STEP and task.tools is Tool.PYTHON
+    task.close()
+    assert MathTask(problems=PROBLEMS, mode=ActionLevel.STEP, tools="none").tools is Tool.NONE
+    assert MathTask(problems=PROBLEMS).tools is Tool.NONE
+    with pytest.raises(ValueError, match=r"mode='solution' must be one of 'step', 'token' \(a whole solution per "
+                                         r"action is mode='step' with max_steps=1\)"):
+        MathTask(problems=PROBLEMS, mode=ActionLevel.SOLUTION)
+    with pytest.raises(ValueError, match=r"tools='bash' must be one of 'python', 'none' or None"):
+        MathTask(problems=PROBLEMS, tools="bash")
 
 
 def test_gymnasium_make_arith_and_math500(tmp_path):

@@ -41,7 +41,8 @@ def teach(policy: LanguagePolicy, lessons: dict[str, str], steps: int = 80, lr: 
     optimizer = torch.optim.Adam(policy.actor_parameters(), lr=lr)  # only the adapter used gets gradients
     for _ in range(steps):
         optimizer.zero_grad()
-        (-policy.evaluate(prompt_ids, completion_ids, with_entropy=False, adapters=adapters).logprobs.sum()).backward()
+        scores = policy.score_actions(prompt_ids, completion_ids, with_entropy=False, adapters=adapters)
+        (-scores.logprobs.sum()).backward()
         optimizer.step()
     policy.eval()
 
@@ -85,7 +86,7 @@ def taught_policy(untrained_policy_dir):
 def test_rollout_logprobs_equal_policy_recomputation(policy, temperature, padding_side):
     out = HFGenerator(policy).generate(PROMPTS, n=2, max_new_tokens=12, temperature=temperature, seed=0)
     with torch.no_grad():
-        scores = policy.evaluate(out.prompt_token_ids, out.token_ids, temperature, padding_side=padding_side)
+        scores = policy.score_actions(out.prompt_token_ids, out.token_ids, temperature, padding_side=padding_side)
     behaviour = padded(out.logprobs)
     assert behaviour.shape == scores.logprobs.shape
     assert (behaviour - scores.logprobs).abs().max() <= 1e-5
@@ -99,7 +100,7 @@ def test_logprobs_stay_exact_as_rows_leave_the_batch(taught_policy):
                                               stop=[STEP_DELIMITER], seed=3)
     assert len({len(ids) for ids in out.token_ids}) > 2, "rows should end at different steps"
     with torch.no_grad():
-        scores = taught_policy.evaluate(out.prompt_token_ids, out.token_ids, temperature)
+        scores = taught_policy.score_actions(out.prompt_token_ids, out.token_ids, temperature)
     assert (padded(out.logprobs) - scores.logprobs).abs().max() <= 1e-5
     for ids, text, reason in zip(out.token_ids, out.texts, out.finish_reasons):
         assert (reason == "stop") == text.endswith(STEP_DELIMITER)
@@ -347,11 +348,11 @@ def test_bfloat16_policies_generate_score_and_train(untrained_policy_dir, policy
     low = LanguagePolicy(untrained_policy_dir, device="cpu", **precision)
     out = HFGenerator(low).generate(PROMPTS, n=2, max_new_tokens=8, seed=0)
     with torch.no_grad():
-        scores = low.evaluate(out.prompt_token_ids, out.token_ids).logprobs
-        full_precision = policy.evaluate(out.prompt_token_ids, out.token_ids).logprobs
+        scores = low.score_actions(out.prompt_token_ids, out.token_ids).logprobs
+        full_precision = policy.score_actions(out.prompt_token_ids, out.token_ids).logprobs
     assert (padded(out.logprobs) - scores).abs().max() < 2e-2
     assert (scores - full_precision).abs().max() < 5e-2
-    low.evaluate(out.prompt_token_ids, out.token_ids).logprobs.sum().backward()
+    low.score_actions(out.prompt_token_ids, out.token_ids).logprobs.sum().backward()
     grads = [p.grad for p in low.actor_parameters()]
     assert all(g is not None and g.isfinite().all() for g in grads)
     stored = torch.bfloat16 if "low_precision_weights" in precision else torch.float32
@@ -385,7 +386,7 @@ def test_a_bfloat16_lora_leaves_its_input_casts_to_autocast(untrained_policy_dir
         low.zero_grad()
         CountCopies.copies = 0
         with CountCopies():
-            scores = low.evaluate(prompts, actions).logprobs
+            scores = low.score_actions(prompts, actions).logprobs
             scores.sum().backward()
         return scores.detach(), [p.grad.clone() for p in low.actor_parameters()], CountCopies.copies
 
@@ -406,7 +407,7 @@ def test_a_fresh_lora_acts_as_full_fine_tuning_with_bfloat16_weights(untrained_p
         low = LanguagePolicy(untrained_policy_dir, device="cpu", dtype="bfloat16", **precision)
         out = HFGenerator(low).generate(PROMPTS, max_new_tokens=12, temperature=0.0)
         with torch.no_grad():
-            outputs[name] = out.token_ids, low.evaluate(out.prompt_token_ids, out.token_ids).logprobs
+            outputs[name] = out.token_ids, low.score_actions(out.prompt_token_ids, out.token_ids).logprobs
     assert outputs["lora"][0] == outputs["bf16-weights"][0]
     assert torch.equal(outputs["lora"][1], outputs["bf16-weights"][1])
     assert not torch.equal(outputs["lora"][1], outputs["fp32-master"][1])

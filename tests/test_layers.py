@@ -42,7 +42,7 @@ def project_modules() -> dict[str, Path]:
 
 
 MODULES = project_modules()
-LIGHT_AT_IMPORT = ("algorithms.registry", "train.config", "train.options", "train_math",
+LIGHT_AT_IMPORT = ("algorithms.registry", "envs.modes", "train.config", "train.options", "train_math",
                    *sorted(m for m in MODULES if m == "train.flags" or m.startswith("train.flags.")))
 
 
@@ -141,3 +141,12 @@ def test_no_line_is_longer_than_the_house_limit():
     too_long = [f"{path.relative_to(ROOT)}:{number} ({len(line)} characters)" for path in paths
                 for number, line in enumerate(path.read_text().splitlines(), 1) if len(line) > limit]
     assert not too_long, f"{len(too_long)} lines over {limit} characters:\n" + "\n".join(too_long)
+
+
+def test_parsing_flags_loads_no_torch():
+    """The light modules at run time: importing the flags (and the env package, home of the mode enums the
+    options take) loads no model library, so a bad flag fails before torch loads."""
+    code = "import sys, train.flags; print(sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"

@@ -243,7 +243,7 @@ def test_an_update_of_one_roles_adapter_leaves_the_other_roles_and_the_base_bit_
 
     def logprobs(role: str) -> torch.Tensor:
         with torch.no_grad():
-            return policy.evaluate(prompts, actions, adapters=[role] * 2).logprobs
+            return policy.score_actions(prompts, actions, adapters=[role] * 2).logprobs
 
     before = {role: logprobs(role) for role in ("solver", "verifier")}
     optimizer = torch.optim.AdamW(policy.param_groups(1e-2), weight_decay=0.1)
@@ -255,7 +255,7 @@ def test_an_update_of_one_roles_adapter_leaves_the_other_roles_and_the_base_bit_
     assert not torch.equal(logprobs("solver"), before["solver"])
     assert all(torch.equal(param, base[name]) for name, param in policy.named_parameters() if name in base)
     # rows of both roles in one call score as each role alone does
-    mixed = policy.evaluate(prompts, actions, adapters=["verifier", "solver"]).logprobs.detach()
+    mixed = policy.score_actions(prompts, actions, adapters=["verifier", "solver"]).logprobs.detach()
     torch.testing.assert_close(mixed, torch.stack([logprobs("verifier")[0], logprobs("solver")[1]]))
 
 

@@ -42,7 +42,7 @@ def pairs(policy):
 def one_step(policy: LanguagePolicy, prompts, actions, lr: float = 1e-2) -> None:
     """One Adam step raising the log-likelihood of ``actions``."""
     optimizer = torch.optim.Adam(policy.actor_parameters(), lr=lr)
-    loss = -policy.evaluate(prompts, actions, with_entropy=False).logprobs.sum()
+    loss = -policy.score_actions(prompts, actions, with_entropy=False).logprobs.sum()
     loss.backward()
     optimizer.step()
 
@@ -60,7 +60,7 @@ def direct_scores(policy: LanguagePolicy, prompt: list[int], action: list[int], 
 @torch.no_grad()
 def test_batched_scores_equal_direct_unbatched_computation(policy, pairs, padding_side, temperature):
     prompts, actions = pairs
-    scores = policy.evaluate(prompts, actions, temperature, padding_side=padding_side, with_values=True)
+    scores = policy.score_actions(prompts, actions, temperature, padding_side=padding_side, with_values=True)
     assert scores.logprobs.shape == scores.mask.shape == scores.entropy.shape == scores.values.shape == (3, 5)
     assert scores.mask.sum(1).tolist() == [2, 5, 1]
     for row, (prompt, action) in enumerate(zip(prompts, actions)):
@@ -68,7 +68,7 @@ def test_batched_scores_equal_direct_unbatched_computation(policy, pairs, paddin
         length = len(action)
         torch.testing.assert_close(scores.logprobs[row, :length], logprobs, atol=1e-5, rtol=0)
         torch.testing.assert_close(scores.entropy[row, :length], entropy, atol=1e-5, rtol=0)
-        alone = policy.evaluate([prompt], [action], temperature, with_values=True)
+        alone = policy.score_actions([prompt], [action], temperature, with_values=True)
         torch.testing.assert_close(scores.values[row, :length], alone.values[0], atol=1e-5, rtol=0)
         assert scores.logprobs[row, length:].eq(0).all() and scores.values[row, length:].eq(0).all()
 
@@ -79,7 +79,8 @@ def test_padded_tensor_input_equals_list_input(policy, pairs):
                                                    padding_value=7), torch.tensor([len(r) for r in rows]))
                   for rows in (prompts, actions)]
     with torch.no_grad():
-        torch.testing.assert_close(policy.evaluate(*as_tensors).logprobs, policy.evaluate(prompts, actions).logprobs)
+        torch.testing.assert_close(policy.score_actions(*as_tensors).logprobs,
+                                   policy.score_actions(prompts, actions).logprobs)
 
 
 def test_pack_builds_masks_and_positions_from_lengths():
@@ -102,11 +103,11 @@ def test_one_optimizer_step_changes_outputs_and_not_the_reference(untrained_poli
     policy = LanguagePolicy(untrained_policy_dir, device="cpu", lora=MODES[mode])
     prompts, actions = pairs
     with torch.no_grad():
-        before = policy.evaluate(prompts, actions).logprobs
+        before = policy.score_actions(prompts, actions).logprobs
         torch.testing.assert_close(policy.ref_log_probs(prompts, actions), before)
     one_step(policy, prompts, actions)
     with torch.no_grad():
-        after = policy.evaluate(prompts, actions).logprobs
+        after = policy.score_actions(prompts, actions).logprobs
         reference = policy.ref_log_probs(prompts, actions)
     assert (after - before).abs().max() > 1e-3
     torch.testing.assert_close(reference, before)
@@ -120,14 +121,14 @@ def test_save_load_round_trip_and_plain_transformers_load(untrained_policy_dir, 
     one_step(policy, prompts, actions)
     with torch.no_grad():
         policy.value_head.bias.fill_(0.5)
-        expected = policy.evaluate(prompts, actions, with_values=True)
+        expected = policy.score_actions(prompts, actions, with_values=True)
         expected_reference = policy.ref_log_probs(prompts, actions)
         sequence = torch.tensor([prompts[2] + actions[2]])
         expected_logits = policy.causal_lm(sequence).logits
     saved = policy.save(tmp_path / "ckpt")
     restored = LanguagePolicy.load(saved, device="cpu")
     with torch.no_grad():
-        got = restored.evaluate(prompts, actions, with_values=True)
+        got = restored.score_actions(prompts, actions, with_values=True)
         torch.testing.assert_close(got.logprobs, expected.logprobs, atol=1e-5, rtol=0)
         torch.testing.assert_close(got.values, expected.values, atol=1e-5, rtol=0)
         torch.testing.assert_close(restored.ref_log_probs(prompts, actions), expected_reference, atol=1e-5, rtol=0)
@@ -192,7 +193,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(untrained_policy_dir, p
         torch.manual_seed(0)  # same LoRA init both times
         policy = LanguagePolicy(untrained_policy_dir, device="cpu", lora=MODES[mode],
                                 gradient_checkpointing=checkpointing).train()
-        policy.evaluate(*pairs).logprobs.sum().backward()
+        policy.score_actions(*pairs).logprobs.sum().backward()
         grads.append(torch.cat([p.grad.flatten() for p in policy.actor_parameters()]))
     torch.testing.assert_close(grads[0], grads[1])
 
@@ -231,7 +232,7 @@ def grouped_rows(pad: int) -> tuple[list[list[int]], list[list[int]]]:
 
 def scores_and_grads(policy: LanguagePolicy, prompts, actions):
     """Scores at T=0.7 with values, and the gradients of their sum (then zeroed)."""
-    scores = policy.evaluate(prompts, actions, 0.7, with_values=True)
+    scores = policy.score_actions(prompts, actions, 0.7, with_values=True)
     (scores.logprobs.sum() + scores.entropy.sum() + scores.values.sum()).backward()
     grads = {name: p.grad.clone() for name, p in policy.named_parameters() if p.grad is not None}
     policy.zero_grad(set_to_none=True)
@@ -394,7 +395,8 @@ def test_fsdp_ranks_start_from_rank_0s_weights(untrained_policy_dir, tmp_path):
     plain = LanguagePolicy(untrained_policy_dir, device="cpu")
     expected = {f"model.{name}": tensor for name, tensor in plain.causal_lm.state_dict().items()}
     with torch.no_grad():
-        expected_logprobs = plain.evaluate(*[rows[:3] for rows in grouped_rows(plain.tokenizer.pad_token_id)]).logprobs
+        first_rows = [rows[:3] for rows in grouped_rows(plain.tokenizer.pad_token_id)]
+        expected_logprobs = plain.score_actions(*first_rows).logprobs
     for rank in ranks:
         assert rank["whole"].keys() == expected.keys() | {"value_head.weight", "value_head.bias"}
         for name, tensor in expected.items():

@@ -29,7 +29,7 @@ def test_outcome_reward_values():
     np.testing.assert_array_equal(output.rewards, [1.0, 1.0, -0.5, -1.0, 0.0])
     np.testing.assert_array_equal(output.correct[:4], [1.0, 1.0, 0.0, 0.0])
     assert np.isnan(output.correct[4])
-    np.testing.assert_array_equal(output.components["outcome"], output.rewards)
+    np.testing.assert_array_equal(output.sources["outcome"], output.rewards)
     penalised = OutcomeReward(format_penalty=0.25).score(
         BATCH + [context(["So it is 3/4.", "The answer is 3/4"], True)])
     np.testing.assert_array_equal(penalised.rewards, [1.0, 1.0, 0.0, -0.25, 0.0, 0.75])
@@ -44,17 +44,17 @@ class ConstantPerStep:
     def score(self, contexts):
         self.calls += 1
         rewards = np.full(len(contexts), self.value)
-        return RewardOutput(rewards=rewards, components={self.name: rewards})
+        return RewardOutput(rewards=rewards, sources={self.name: rewards})
 
 
-def test_mixture_combines_weights_and_keeps_components():
+def test_mixture_combines_weights_and_keeps_sources():
     prm = ConstantPerStep("prm", 0.5)
     mixture = RewardMixture({"outcome": OutcomeReward(), "prm": prm},
                             parse_reward_spec("outcome:1.0,prm:0.2", ["outcome", "prm"]))
     output = mixture.score(BATCH)
     np.testing.assert_allclose(output.rewards, [1.1, 1.1, 0.1, 0.1, 0.1])
-    np.testing.assert_array_equal(output.components["outcome"], [1.0, 1.0, 0.0, 0.0, 0.0])
-    np.testing.assert_array_equal(output.components["prm"], [0.5] * 5)
+    np.testing.assert_array_equal(output.sources["outcome"], [1.0, 1.0, 0.0, 0.0, 0.0])
+    np.testing.assert_array_equal(output.sources["prm"], [0.5] * 5)
     np.testing.assert_array_equal(output.correct[:4], [1.0, 1.0, 0.0, 0.0])
     assert prm.calls == 1
 

@@ -160,7 +160,7 @@ class ScriptedGenerator:
     follow token by token, and answers right and wrong in turn so that a group's rewards differ (the shipped
     tool model copies the tool's output, so its groups mostly agree and GRPO's advantages vanish). A prompt
     without tool output gets ``CODE_STEP``, one with output a boxed answer (42 and 0 in turn). Token ids and
-    rollout log-probs are the policy's own (``LanguagePolicy.evaluate``), texts end in the stop string."""
+    rollout log-probs are the policy's own (``LanguagePolicy.score_actions``), texts end in the stop string."""
 
     def __init__(self, policy):
         self.policy = policy
@@ -175,7 +175,7 @@ class ScriptedGenerator:
         prompt_ids = tokenizer(list(prompts))["input_ids"]
         action_ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
         with torch.no_grad():
-            scores = self.policy.evaluate(prompt_ids, action_ids, temperature or 1.0, with_entropy=False)
+            scores = self.policy.score_actions(prompt_ids, action_ids, temperature or 1.0, with_entropy=False)
         logprobs = [scores.logprobs[b, :len(ids)].tolist() for b, ids in enumerate(action_ids)]
         return GenerationOutput(texts, action_ids, logprobs, ["stop"] * len(texts), prompt_ids)
 

@@ -34,7 +34,7 @@ def one_step_buffer(policy: LanguagePolicy, critic: str | None) -> RolloutBuffer
     prompts = [[5, 6, 7], [5, 6, 7]]
     actions = [[8, 9, 10, 11], [12, 13]]
     with torch.no_grad():
-        scores = policy.evaluate(prompts, actions, with_values=True)
+        scores = policy.score_actions(prompts, actions, with_values=True)
     scores.values.zero_()
     logprobs = [scores.logprobs[i, :len(a)].tolist() for i, a in enumerate(actions)]
     buffer = RolloutBuffer(1, 2, 1, 6, token_values=critic == "token")
@@ -49,7 +49,7 @@ def one_step_buffer(policy: LanguagePolicy, critic: str | None) -> RolloutBuffer
 
 
 def joint_logprobs(policy, batch) -> torch.Tensor:
-    return policy.evaluate(batch.prompts, (batch.action_ids, batch.action_lengths)).logprobs.sum(-1)
+    return policy.score_actions(batch.prompts, (batch.action_ids, batch.action_lengths)).logprobs.sum(-1)
 
 
 @pytest.mark.parametrize("name", list(ALGORITHMS))
@@ -64,7 +64,7 @@ def test_one_update_moves_log_probs_with_the_advantage(policy, name):
         before = joint_logprobs(policy, batch)
     state = {k: v.clone() for k, v in policy.state_dict().items()}
     optimizer = torch.optim.SGD(policy.actor_parameters(), lr=0.02)
-    scores = policy.evaluate(batch.prompts, (batch.action_ids, batch.action_lengths), with_values=True)
+    scores = policy.score_actions(batch.prompts, (batch.action_ids, batch.action_lengths), with_values=True)
     loss, stats = algorithm.loss(scores, batch)
     loss.backward()
     optimizer.step()

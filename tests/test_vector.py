@@ -211,3 +211,20 @@ def test_disabled_autoreset_keeps_one_episode_per_env_until_reset():
     assert info["step"].tolist() == [0, 0, 2, 2] and info["group_id"].tolist() == [2, 2, 1, 1]
     with pytest.raises(ValueError, match="whole groups"):
         env.reset(options={"reset_mask": np.array([True, False, False, False])})
+
+
+def test_an_episode_saved_by_an_older_build_resumes_with_its_return():
+    """A state saved before ``Episode.return_so_far`` names the return ``paid``: it resumes with that return, and
+    the next step's reward adds to it."""
+    env = MathVectorEnv(num_envs=2, group_size=1, problems=PROBLEMS, max_steps=3)
+    env.reset(seed=0)
+    problem = env.episodes[1].problem
+    state = env.get_state()
+    state["episodes"][1] = {"group_id": 1, "steps": ["thinking"], "solution_ids": [], "step_start": 0,
+                            "completed_text": "", "solution_text": "thinking\n\n", "done": False, "paid": 0.25,
+                            "tool_calls": 0, "tool_start": 0, "problem_id": problem.id}
+    env.set_state(json.loads(json.dumps(state)))
+    assert env.episodes[1].return_so_far == 0.25 and env.episodes[1].steps == ["thinking"]
+    _, rewards, terminated, _, info = env.step(["more", f"The answer is \\boxed{{{problem.answer}}}."])
+    assert terminated[1] and rewards[1] == 1.0
+    assert info[FACTS].returns[1, 0] == 1.25

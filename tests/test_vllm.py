@@ -84,7 +84,7 @@ def test_after_sync_vllm_matches_hf_on_the_new_weights(engine, policy_dir, lora)
     assert after.finish_reasons == reference.finish_reasons and after.texts == reference.texts
     sampled = engine.generate(prompts, n=4, max_new_tokens=16, temperature=0.7, stop=[STEP_DELIMITER], seed=3)
     with torch.no_grad():
-        recomputed = policy.evaluate(sampled.prompt_token_ids, sampled.token_ids, temperature=0.7).logprobs
+        recomputed = policy.score_actions(sampled.prompt_token_ids, sampled.token_ids, temperature=0.7).logprobs
     max_diff = (padded(sampled.logprobs) - recomputed).abs().max().item()
     print(f"[{'lora' if lora else 'full'}] sync {seconds * 1e3:.0f} ms, "
           f"vLLM vs policy log-prob max abs diff {max_diff:.2e}")
@@ -188,7 +188,7 @@ def test_role_adapters_in_one_vllm_call_match_hf_under_each_adapter(role_engine,
     sampled = role_engine.generate(ROLE_PROMPTS, n=2, max_new_tokens=12, temperature=0.7, seed=3,
                                    adapters=ROLE_OF_PROMPT)
     with torch.no_grad():
-        recomputed = role_policy.evaluate(sampled.prompt_token_ids, sampled.token_ids, temperature=0.7,
+        recomputed = role_policy.score_actions(sampled.prompt_token_ids, sampled.token_ids, temperature=0.7,
                                           adapters=[a for a in ROLE_OF_PROMPT for _ in range(2)]).logprobs
     assert (padded(sampled.logprobs) - recomputed).abs().max().item() <= 1e-3
     with pytest.raises(ValueError, match=r"adapters \['refiner'\] are not role adapters"):

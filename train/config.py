@@ -9,7 +9,8 @@ resolved values (the env's workflow, envs per iteration, ...), not options. The 
 (train/builders.py) each take their part, so a library user builds a run without absl:
 ``build_runner(RunConfig(...), run_dir, writer)``.
 
-Light on purpose: the flags are generated from these classes before torch (or the env) is imported.
+Light on purpose: the flags are generated from these classes before torch is imported (the env package,
+no torch in it, is: the env's modes, ``envs.modes``, are options here too).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from algorithms.registry import ALGORITHMS, ImportanceSamplingLevel, KLEstimator, LossAgg, ScaleRewards
+from envs.modes import ActionLevel, RewardAssignment, Tool  # the env's modes, which the options take too
 from train.options import option
 
 if TYPE_CHECKING:
@@ -52,21 +54,6 @@ class DataParallel(enum.StrEnum):
     FSDP = "fsdp"  # FSDP2 shards weights, gradients and optimizer state
 
 
-class ActionLevel(enum.StrEnum):
-    """What one env action is."""
-
-    SOLUTION = "solution"  # a whole solution: one generate call per episode
-    STEP = "step"  # one reasoning step: generation stops at the step delimiter
-    TOKEN = "token"  # one token (the env's token mode)
-
-
-class Tool(enum.StrEnum):
-    """A tool the policy may call between reasoning steps (``envs.math_env.TOOLS``), or none."""
-
-    PYTHON = "python"  # a step ending in a fenced python block runs in a sandbox
-    NONE = "none"  # no tool, even where the env id has one
-
-
 class PromptTemplate(enum.StrEnum):
     """How a problem becomes a prompt (``models.prompting.build_template``)."""
 
@@ -84,14 +71,6 @@ class PrmType(enum.StrEnum):
 
 PRM_TYPE_ALIASES = {"ms": "shepherd", "qwen": "classifier"}
 """OpenR's names of the PRM kinds, which --prm_type accepts too."""
-
-
-class RewardAssignment(enum.StrEnum):
-    """How a multi-agent env credits each role."""
-
-    TEAM = "team"  # the verified final answer, to every role that acted
-    INDIVIDUAL = "individual"  # each role's own verifiable output
-    COUNTERFACTUAL = "counterfactual"  # the team outcome minus the outcome without the role's messages
 
 
 class AgentGroups(enum.StrEnum):

@@ -92,7 +92,7 @@ def score_trainer_logprobs(policy, buffer: RolloutBuffer, temperature: float, ad
     if rows.num_samples == 0:
         buffer.trainer_logprobs = torch.zeros_like(buffer.rollout_logprobs)
         return meter
-    scores = policy.evaluate(rows.prompts, (rows.action_ids, rows.action_lengths), temperature,
+    scores = policy.score_actions(rows.prompts, (rows.action_ids, rows.action_lengths), temperature,
                              with_entropy=False, adapters=adapters(rows))
     buffer.trainer_logprobs = buffer.scatter_tokens(rows.index, scores.logprobs)
     meter.add(scores.logprobs, rows.old_logprobs, rows.token_mask)

@@ -1,6 +1,7 @@
 """The built-in tiny models: tokenizer, policy, PRM, target solver, team and tool model, trained on a CPU.
 
-    python -m models.tiny --out DIR      # DIR/policy, DIR/prm, DIR/target, DIR/team-<hash>, DIR/tool-<hash>, DIR/metrics.json
+    python -m models.tiny --out DIR      # DIR/policy, DIR/prm, DIR/target, DIR/team-<hash>, DIR/tool-<hash>,
+                                         # DIR/metrics.json
 
 They let the trainer, the tests and the benchmarks run end to end with nothing downloaded. One build
 ships inside the package (``models.tiny.shipped``: ``shipped_models()``), the default of every command
@@ -21,8 +22,8 @@ tokenizer), loaded back with the Auto classes: the code path a user's own model 
   tag; a likelihood verifier (``models.tiny.likelihood_prm``) on the target's trunk.
 
 Modules: ``config`` (knobs and cache key), ``tokenizer``, ``model``, ``data`` (Arith batches and
-corrupted solutions), ``training``, ``roles`` (the team model), ``tool`` (the tool model), ``evaluation``, ``likelihood_prm``,
-``build`` (a build, kept and reused), ``shipped`` (the build the package carries).
+corrupted solutions), ``training``, ``roles`` (the team model), ``tool`` (the tool model), ``evaluation``,
+``likelihood_prm``, ``build`` (a build, kept and reused), ``shipped`` (the build the package carries).
 Only train_math.py's default-model path, the tests and the benchmarks import this package.
 """
 

@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(message)s")
     models = build_tiny_models(args.out, TinyConfig(seed=args.seed), args.device, args.threads, args.team, args.tool)
-    summary = {k: models.metrics[k] for k in ("vocab_size", "num_parameters", "policy", "target", "prm", "build_seconds")}
+    keys = ("vocab_size", "num_parameters", "policy", "target", "prm", "build_seconds")
+    summary = {k: models.metrics[k] for k in keys}
     summary["tool"] = models.metrics.get("tool")  # absent with --no-tool, unless an earlier build made it
     summary["team"] = models.metrics.get("team")  # absent with --no-team, unless an earlier build made it
     print(json.dumps({"root": str(models.root), **summary}, indent=1))

@@ -83,7 +83,8 @@ def _problem_draws(config: TinyConfig) -> tuple[list[Problem], list[Problem]]:
     """The held-out evaluation problems and the validation problems that pick the policy checkpoint:
     never trained on."""
     evaluation = heldout_problems(config)
-    select = config.arith().problems(config.num_select, seed=config.seed + 2_000_003, exclude=(p.id for p in evaluation))
+    select = config.arith().problems(config.num_select, seed=config.seed + 2_000_003,
+                                     exclude=(p.id for p in evaluation))
     return evaluation, select
 
 
@@ -111,7 +112,8 @@ def _build_tool(root: Path, out_dir: Path, config: TinyConfig, device: str) -> N
     model = LlamaForCausalLM.from_pretrained(root / "policy").to(device)
     tokenizer = AutoTokenizer.from_pretrained(root / "policy")
     evaluation, select = _problem_draws(config)
-    batches = arith_batches(config.arith(), config.tool_batch_size, config.seed + 6, {p.id for p in evaluation + select})
+    batches = arith_batches(config.arith(), config.tool_batch_size, config.seed + 6,
+                            {p.id for p in evaluation + select})
     model = train_tool(model, tokenizer, config, batches, device).to(torch.bfloat16)
     _save(model, tokenizer, out_dir)  # bfloat16: half the size in the package; measured as loaded back in fp32
     model = model.float()
@@ -130,7 +132,8 @@ def _build(out_dir: Path, config: TinyConfig, device: str) -> None:
     model = new_model(tokenizer, config.seed, hidden_size=config.hidden_size, num_hidden_layers=config.num_layers,
                       num_attention_heads=config.num_heads, num_key_value_heads=config.num_heads,
                       intermediate_size=config.intermediate_size).to(device)
-    log.info("tiny build: vocab %d, %d parameters, cache key %s", len(tokenizer), num_parameters(model), config_hash(config))
+    log.info("tiny build: vocab %d, %d parameters, cache key %s", len(tokenizer), num_parameters(model),
+             config_hash(config))
 
     policy_state, sft_log = train_policy_and_target(model, tokenizer, config, batches, select, device)
     _save(model, tokenizer, out_dir / "target")
@@ -208,7 +211,8 @@ def build_tiny_models(out_dir: str | os.PathLike | None = None, config: TinyConf
             raise FileExistsError(f"{root} holds a tiny build of another config (hash {found} != "
                                   f"{config_hash(config)}); remove it or pick another --out")
     elif root.exists() and any(root.iterdir()):
-        raise FileExistsError(f"{root} exists, is not empty and holds no finished tiny build; remove it or pick another --out")
+        raise FileExistsError(f"{root} exists, is not empty and holds no finished tiny build; remove it or pick "
+                              "another --out")
     with _torch_threads(threads or _usable_cores()):
         if not (root / "metrics.json").is_file():
             _build_into(root, lambda staging: _build(staging, config, device))

@@ -130,7 +130,8 @@ def label_token_ids(tokenizer: PreTrainedTokenizerFast) -> torch.Tensor:
     return torch.tensor([tokenizer.convert_tokens_to_ids(GOOD_TOKEN), tokenizer.convert_tokens_to_ids(BAD_TOKEN)])
 
 
-def departure_tokens(tokenizer: PreTrainedTokenizerFast, problems: list[Problem], rng: np.random.Generator) -> list[int]:
+def departure_tokens(tokenizer: PreTrainedTokenizerFast, problems: list[Problem],
+                     rng: np.random.Generator) -> list[int]:
     """Ids of the tokens at which a corrupted solution of ``problems`` first departs from the
     reference, on either side (digits, signs, the space before a step tag, ...): the tokens whose
     likelihood the PRM checks. Sorted."""
@@ -138,7 +139,8 @@ def departure_tokens(tokenizer: PreTrainedTokenizerFast, problems: list[Problem]
     for problem in problems:
         steps, _ = corrupt_solution(problem, rng, clean_fraction=0.0)
         prompt = format_prompt(problem.problem)
-        corrupted, reference = tokenizer([shepherd_text(prompt, steps), shepherd_text(prompt, split_steps(problem.solution))])["input_ids"]
+        texts = [shepherd_text(prompt, steps), shepherd_text(prompt, split_steps(problem.solution))]
+        corrupted, reference = tokenizer(texts)["input_ids"]
         first = next(i for i, (a, b) in enumerate(zip(corrupted, reference)) if a != b)
         departures.update((corrupted[first], reference[first]))
     return sorted(departures)

@@ -145,7 +145,8 @@ def _check_trunk(trunk: LlamaForCausalLM) -> None:
     if head_dim * config.num_attention_heads != config.hidden_size:
         problems.append(f"head_dim {head_dim} x {config.num_attention_heads} heads != hidden size {config.hidden_size}")
     if problems:
-        raise ValueError(f"build_likelihood_prm needs a plain tied-embedding Llama trunk; this one has {', '.join(problems)}")
+        raise ValueError("build_likelihood_prm needs a plain tied-embedding Llama trunk; this one has "
+                         f"{', '.join(problems)}")
 
 
 def build_likelihood_prm(trunk: LlamaForCausalLM, checked_ids: list[int], anchor_id: int, good_id: int,

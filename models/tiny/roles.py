@@ -155,7 +155,8 @@ def team_metrics(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, pr
         metrics[f"{role}_accuracy"] = float(np.mean([first_boxed_integer(c) == p.answer
                                                      for c, p in zip(completions, problems)]))
         if role == "verifier":
-            verdicts = [CHAIN.roles[1].verdict(c, extract_answer(solution)) for c, (solution, _) in zip(completions, shown)]
+            verdicts = [CHAIN.roles[1].verdict(c, extract_answer(solution))
+                        for c, (solution, _) in zip(completions, shown)]
             metrics["verifier_verdict_accuracy"] = float(np.mean([(v is True) == right
                                                                    for v, (_, right) in zip(verdicts, shown)]))
             metrics["verifier_parsed"] = float(np.mean([v is not None for v in verdicts]))

@@ -3,7 +3,8 @@
 A build's float sums differ from machine to machine (``models.tiny.build``), so a build of one's own
 gives that build's figures. The package carries one finished build, made once with
 ``python -m models.tiny --out models/tiny/shipped`` and committed (policy, target, PRM, the team
-model in ``team-<team hash>``, the tool model in ``tool-<tool hash>``, and metrics.json: the build's config hash, knobs and held-out metrics),
+model in ``team-<team hash>``, the tool model in ``tool-<tool hash>``, and metrics.json: the build's config hash,
+knobs and held-out metrics),
 so that every machine starts from the same weights, at once, and reproduces docs/results.md.
 
 It is used only while its keys match the code's: a change to ``TinyConfig``, to ``BUILD_VERSION``,
@@ -42,12 +43,14 @@ def shipped_models(team: bool = True, root: Path = SHIPPED_DIR, tool: bool = Fal
     found, expected = json.loads(metrics_file.read_text()).get("config_hash"), config_hash(config)
     if found != expected:
         raise ValueError(f"the shipped tiny models in {root} were built for config hash {found}, but this code with "
-                         f"transformers {transformers.__version__} keys the tiny build {expected} (models/tiny/config.py): "
+                         f"transformers {transformers.__version__} keys the tiny build {expected} "
+                         "(models/tiny/config.py): "
                          f"rebuild them with `python -m models.tiny --out {root}` after removing it, {_OWN_BUILD}")
     for wanted, stage, stage_dir, key in (("team", team, team_dir, team_hash), ("tool", tool, tool_dir, tool_hash)):
         if stage and not (stage_dir(root, config) / "metrics.json").is_file():
             shipped = sorted(path.name for path in root.glob(f"{wanted}-*"))
             raise FileNotFoundError(f"the shipped tiny build in {root} has no {wanted} model of key {key(config)} "
-                                    f"(it has {shipped or 'none'}): build it with `python -m models.tiny --out {root}`, "
+                                    f"(it has {shipped or 'none'}): build it with "
+                                    f"`python -m models.tiny --out {root}`, "
                                     f"{_OWN_BUILD}")
     return read_build(root, config)

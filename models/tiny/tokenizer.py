@@ -46,7 +46,8 @@ LATEX_SNIPPETS = (
     r"Let $S = \{1, 2, 3, \ldots, 10\}$ and $T \subseteq S$ with $T \cap \{1, 2\} = \emptyset$.",
     r"For $x \in \mathbb{R}$, $x \to \infty$, compare $e^{x}$ with $x^{10}$; also $\theta$, $\alpha$, $\beta$.",
     r"Express $0.\overline{36}$ as a fraction; find $\sqrt[3]{27} \times 2 \div 3 \pm 1$.",
-    r"Points $A$, $B$ and $C$ lie on $\overline{AB}$; the midpoint is $\left(\frac{x_1+x_2}{2}, \frac{y_1+y_2}{2}\right)$.",
+    r"Points $A$, $B$ and $C$ lie on $\overline{AB}$; the midpoint is "
+    r"$\left(\frac{x_1+x_2}{2}, \frac{y_1+y_2}{2}\right)$.",
     r"\begin{align*} x + y &= 10 \\ x - y &= 2 \end{align*} so $x = 6$ and $y = 4$; $\cdots$",
     r"The sequence $a_1, a_2, \dots$ has $a_{n+1} = 2a_n + 1$; find $a_{5}$ when $a_1 = 1$.",
     r"Find the remainder when $2^{100}$ is divided by $7$. \qquad \quad \, \! \;",
@@ -79,7 +80,8 @@ def _tokenizer_json(vocab_size: int) -> str:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    arith_text = [format_prompt(p.problem) + join_steps(split_steps(p.solution)) for p in Arith().problems(2000, seed=0)]
+    arith_text = [format_prompt(p.problem) + join_steps(split_steps(p.solution))
+                  for p in Arith().problems(2000, seed=0)]
     tokenizer.train_from_iterator(arith_text + list(LATEX_SNIPPETS) * 20, trainer)
     tokenizer.add_tokens([AddedToken(SHEPHERD_STEP_TAG, normalized=False)])
     return tokenizer.to_str()

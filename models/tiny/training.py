@@ -30,7 +30,8 @@ from models.tiny.evaluation import arith_accuracy, prm_step_scores
 log = logging.getLogger(__name__)
 
 
-def sft_loss(model: LlamaForCausalLM, ids: torch.Tensor, target_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def sft_loss(model: LlamaForCausalLM, ids: torch.Tensor,
+             target_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean next-token cross-entropy over the solution tokens, and exact [B]: whether every
     solution token was the argmax (free: the batch is fresh problems, so it is a held-out
     estimate of greedy accuracy). Right padding needs no attention mask: causal attention never
@@ -97,13 +98,15 @@ def train_policy_and_target(model: LlamaForCausalLM, tokenizer: PreTrainedTokeni
         if step % config.eval_every:
             continue
         if np.mean(recent_exact) < config.eval_from_exact_match:
-            log.info("policy sft step %d loss %.4f teacher-forced exact match %.3f", step, loss.item(), np.mean(recent_exact))
+            log.info("policy sft step %d loss %.4f teacher-forced exact match %.3f", step, loss.item(),
+                     np.mean(recent_exact))
             continue
         accuracy = arith_accuracy(model, tokenizer, select)
         history.append({"step": step, "loss": round(loss.item(), 4), "select_accuracy": accuracy})
         log.info("policy sft step %d loss %.4f validation greedy accuracy %.3f", step, loss.item(), accuracy)
         in_band = config.policy_min_accuracy <= accuracy <= config.policy_max_accuracy
-        if in_band and (best is None or abs(accuracy - config.policy_target_accuracy) < abs(best[0] - config.policy_target_accuracy)):
+        target = config.policy_target_accuracy
+        if in_band and (best is None or abs(accuracy - target) < abs(best[0] - target)):
             best = (accuracy, step, _snapshot(model))
         if accuracy >= config.policy_target_accuracy:
             break
@@ -134,7 +137,8 @@ def tune_prm_trunk(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, 
     for step in range(1, config.prm_trunk_steps + 1):
         ids, target_mask = sft_batch(tokenizer, next(batches), step_tags=True)
         loss, _ = sft_loss(model, ids.to(device), target_mask.to(device))
-        train_step(model, optimizer, loss, warmup_cosine(config.prm_lr, step, config.prm_trunk_steps, config.warmup_steps))
+        lr = warmup_cosine(config.prm_lr, step, config.prm_trunk_steps, config.warmup_steps)
+        train_step(model, optimizer, loss, lr)
         if step % (4 * config.eval_every) == 0:
             log.info("prm trunk step %d loss %.4f", step, loss.item())
     model.eval()
@@ -150,14 +154,16 @@ def build_prm(target: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, conf
     tune_prm_trunk(trunk, tokenizer, config, batches, device)
     trunk = trunk.cpu()
     rng = np.random.default_rng(seed)
-    problems = [problem for _ in range(math.ceil(config.prm_fit_problems / config.batch_size)) for problem in next(batches)]
+    num_batches = math.ceil(config.prm_fit_problems / config.batch_size)
+    problems = [problem for _ in range(num_batches) for problem in next(batches)]
     checked = departure_tokens(tokenizer, problems, rng)
     anchor = tokenizer.convert_tokens_to_ids(PRM_ANCHOR)
     solutions, labels = zip(*(corrupt_solution(p, rng, config.prm_clean_fraction) for p in problems))
     ids, tag_mask, tag_labels, _ = prm_batch(tokenizer, problems, list(solutions), list(labels))
     with torch.no_grad():
         margins = likelihood_prm.running_max_margin(trunk(input_ids=ids).logits, ids, checked, anchor)[tag_mask]
-    accuracy = {margin: float(((margins <= margin).long() == tag_labels).float().mean()) for margin in config.prm_margins}
+    accuracy = {margin: float(((margins <= margin).long() == tag_labels).float().mean())
+                for margin in config.prm_margins}
     margin = max(accuracy, key=accuracy.get)
     good, bad = label_token_ids(tokenizer).tolist()
     prm = likelihood_prm.build_likelihood_prm(trunk, checked, anchor, good, bad, margin)

@@ -69,9 +69,18 @@ def no_tiny_build_outside_slow_tests(request, tmp_path_factory, monkeypatch) -> 
         monkeypatch.setenv("MATHRL_CACHE", blocker(tmp_path_factory))
 
 
+# The files whose tests start torchrun ranks, servers and whole train_math runs (tens of seconds each),
+# longest first. xdist hands out whole files in collection order (--no-loadscope-reorder): starting with
+# these lets the many short files fill in behind them, so that the two workers end together.
+LONGEST_FILES = ("test_distributed.py", "test_faults.py", "test_checkpoint.py", "test_front_door.py",
+                 "test_train_math.py", "test_service_keys.py", "test_remote.py", "test_readme.py")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     unmarked = [item.nodeid for item in items
                 if "tiny_models" in item.fixturenames and item.get_closest_marker("slow") is None]
     if unmarked:
         raise pytest.UsageError(f"{unmarked} use the trained tiny models (quality tests, minutes) without "
                                 "@pytest.mark.slow: mark them slow, or pass untrained_policy_dir")
+    rank = {name: k for k, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FILES)))  # stable: the rest keep their order

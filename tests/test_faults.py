@@ -68,7 +68,8 @@ def wait_until_training(process: subprocess.Popen, log: Path) -> None:
     assert wait_for(lambda: re.search(r"APPO: +\d+%.*\| [1-9]\d*/", log.read_text()), process, 120), log.read_text()
 
 
-@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGUSR1])
+# SIGUSR1 reaching the trainer, its save and exit 75 are also run by default through the sbatch script below
+@pytest.mark.parametrize("stop", [signal.SIGTERM, pytest.param(signal.SIGUSR1, marks=pytest.mark.slow)])
 def test_a_stop_signal_saves_exits_75_and_prints_the_command_that_resumes(untrained_policy_dir, tmp_path, stop):
     """SIGTERM (a scheduler's stop) or SIGUSR1 (SLURM's --signal warning): the iteration finishes, the
     checkpoint is written, the exit status is 75 (train_math.STOPPED_TO_RESUME) and the printed command

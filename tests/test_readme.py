@@ -171,20 +171,23 @@ def test_python_block_runs(block, placeholders):
 
 
 def smoke_script(code: str, tmp: Path) -> str:
-    """A quickstart block as the bash script this test runs: strict, budgets shrunk to ``SMOKE_STEPS``, runs
-    under ``tmp``, background jobs killed on exit."""
+    """A quickstart block as the bash script this test runs: strict, budgets shrunk to ``SMOKE_STEPS`` (a
+    train_math command without one gets it: the default budget is a ten-minute run), runs under ``tmp``,
+    background jobs killed on exit."""
     def shrink(match: re.Match) -> str:
         return f"{match.group(1)} {min(int(match.group(2)), SMOKE_STEPS)}"
 
     code = re.sub(r"(--(?:num_)?env_steps) (\d+)", shrink, code)
-    code = code.replace("train_math.py", f"train_math.py --logdir {tmp / 'runs'}").replace(" runs/", f" {tmp}/runs/")
+    code = code.replace("train_math.py", f"train_math.py --logdir {tmp / 'runs'} --num_env_steps {SMOKE_STEPS}")
+    code = code.replace(" runs/", f" {tmp}/runs/")  # a block's own --num_env_steps, shrunk above, comes later
     return "set -euo pipefail\ntrap 'kill $(jobs -p) 2>/dev/null || true' EXIT\n" + code
 
 
 def test_smoke_script_shrinks_budgets_and_moves_runs(tmp_path):
-    script = smoke_script("python train_math.py --num_env_steps 6400\npython -m bench.learning_table "
-                          "--env_steps 100 --out runs/grid\n", tmp_path)
-    assert f"train_math.py --logdir {tmp_path / 'runs'} --num_env_steps {SMOKE_STEPS}\n" in script
+    script = smoke_script("python train_math.py --num_env_steps 6400\npython train_math.py --seed 1\n"
+                          "python -m bench.learning_table --env_steps 100 --out runs/grid\n", tmp_path)
+    smoke = f"train_math.py --logdir {tmp_path / 'runs'} --num_env_steps {SMOKE_STEPS}"
+    assert f"{smoke} --num_env_steps {SMOKE_STEPS}\n" in script and f"{smoke} --seed 1\n" in script
     assert f"--env_steps 100 --out {tmp_path}/runs/grid" in script
 
 

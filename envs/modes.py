@@ -3,7 +3,8 @@ multi-agent env credits its roles. The trainer's options take these same enums (
 
 A member equals its string (``ActionLevel.STEP == "step"``), so a user's env keywords may be either;
 each env turns them into members once, in its constructor (``member_of``), and compares members after.
-Stdlib only: the trainer's flags are built from these before anything heavy loads.
+Stdlib only; importing it runs the package's ``__init__`` (gymnasium, numpy, sympy), never torch: the
+trainer's flags are built from these and a bad flag fails before a model library loads.
 """
 
 from __future__ import annotations

@@ -43,6 +43,8 @@ def test_modes_given_as_strings_become_members_aliases_included():
     (RunConfig(learning=LearningConfig(scale_rewards="std")),
      "LearningConfig.scale_rewards='std' (--scale_rewards) must be one of group, batch, none"),
     (RunConfig(env=EnvConfig(tools="bash")), "EnvConfig.tools='bash' (--tools) must be one of python, none"),
+    (RunConfig(env=EnvConfig(env_kwargs='{"tools": "bash"}')),
+     "tools='bash' must be one of 'python', 'none' (--tools, or the env's 'tools' keyword)"),
     (RunConfig(rewards=RewardConfig(prm_type="orm")),
      "RewardConfig.prm_type='orm' (--prm_type) must be one of shepherd, classifier, ms, qwen"),
 ])

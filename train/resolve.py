@@ -16,6 +16,7 @@ from absl import flags
 
 import envs  # registers the built-in ids
 from algorithms.registry import ALGORITHMS, LossAgg, collects_whole_episodes
+from envs.modes import member_of
 from envs.workflows import Workflow, resolve_workflow
 from models.hub import resolve_model
 from models.remote import api_key_from
@@ -238,7 +239,7 @@ def resolved_tool(env: EnvConfig, services: ServicesConfig) -> Tool:
     """--tools, or the env's own (its --env_kwargs' or its registered 'tools'; none without). A tool needs
     --action_level step and a single-agent env; the tool's other options, and --tool_url, need a tool."""
     own = {**gymnasium.spec(env.env_id).kwargs, **env.user_kwargs}.get("tools")
-    tool = Tool(env.tools or own or Tool.NONE)
+    tool = member_of(tuple(Tool), env.tools or own or Tool.NONE, "tools", " (--tools, or the env's 'tools' keyword)")
     if tool == Tool.NONE:
         given = {"max_tool_calls": env.max_tool_calls, "max_tool_response_length": env.max_tool_output_chars,
                  "tool_timeout": env.tool_timeout, "tool_url": services.tool_url}

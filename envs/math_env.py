@@ -23,6 +23,7 @@ beyond ``max_tool_calls`` (truncated, not run) or the step and length limits.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import string
 from dataclasses import dataclass, field, fields
@@ -87,6 +88,13 @@ class UnicodeText(spaces.Text):
 
     def __repr__(self) -> str:
         return f"UnicodeText({self.min_length}, {self.max_length})"
+
+    def __deepcopy__(self, memo: dict) -> UnicodeText:
+        """A copy with its own RNG that shares the character tables, which nothing changes: gymnasium's
+        ``batch_space`` deep-copies the space once per env (1,000 of them in a held-out env)."""
+        copied = copy.copy(self)
+        copied._np_random = copy.deepcopy(self._np_random, memo)
+        return copied
 
 
 def build_problems(

@@ -128,6 +128,9 @@ def test_arith_split_is_disjoint_and_knobs_are_checked():
     train, test = Arith().split(2000, 500, seed=3)
     assert len(train) == 2000 and len(test) == 500
     assert not {p.id for p in train} & {p.id for p in test}
+    assert test == Arith().problems(500, seed=3 + 1_000_003)  # the test set is drawn first, from its own seed
+    train.clear()  # a split is made once per process and each caller gets its own lists
+    assert Arith().split(2000, 500, seed=3)[0][:3] == Arith().problems(3, seed=3, exclude=(p.id for p in test))
     for bad in (dict(digits=0), dict(min_ops=3, max_ops=2), dict(operators="/")):
         with pytest.raises(ValueError, match="Arith"):
             Arith(**bad)

@@ -1,3 +1,5 @@
+import copy
+
 import gymnasium
 import numpy as np
 import pytest
@@ -6,7 +8,7 @@ from gymnasium.utils.env_checker import check_env
 import envs  # noqa: F401  (registers the env ids)
 from envs.contract import FACTS
 from envs.datasets import Arith, Problem
-from envs.math_env import MathEnv, MathTask, Transition
+from envs.math_env import MathEnv, MathTask, Transition, UnicodeText
 from envs.modes import ActionLevel, Tool
 from envs.prompts import format_prompt, split_steps
 from envs.rewards import RewardOutput
@@ -216,3 +218,18 @@ def test_env_kwargs_update_the_registered_knobs_and_reach_the_problems():
     operands = [int(x) for p in env.problems for x in p.problem[len("Compute "):-1].split()[::2]]
     assert max(operands) <= 9 and {p.level for p in env.problems} == {1, 2}
     assert envs.override_kwargs("MATH-v0", {"levels": [1]}) == {"levels": [1]}
+
+
+def test_a_batched_text_space_holds_copies_with_their_own_rng():
+    """gymnasium's batch_space deep-copies the space per env: each copy draws from its own seeded RNG, and
+    all accept any Unicode string up to the length."""
+    batched = gymnasium.vector.utils.batch_space(UnicodeText(8, seed=0), 3)
+    batched.seed(7)
+    first = batched.sample()
+    assert len(set(first)) == 3 and all(batched.spaces[0].contains(text) for text in first)
+    batched.seed(7)
+    assert batched.sample() == first
+    space = UnicodeText(8, seed=5)
+    copied = copy.deepcopy(space)
+    assert copied.sample() == space.sample()  # the copy's RNG is a copy in the same state, not the same one
+    assert batched.spaces[0].contains("π/2≈1.5") and not batched.spaces[0].contains("x" * 9)

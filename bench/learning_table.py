@@ -7,10 +7,10 @@ footing and the numbers can be reproduced by one command.
                                    [--eval_interval 100] [--eval_limit 1000] [--save_interval 50]
                                    [--n_rollout_threads 128] [--out runs/learning_table]
 
-Rows (the flags each adds to train_math's defaults: GRPO, outcome reward, the tiny policy on Arith-v0;
+Rows (the flags each adds to train_math's defaults: GRPO, the tiny policy on Arith-v0, the verified outcome;
 every row samples at temperature 1.0, groups of 8 and a constant lr, see ``GRID_SAMPLING``):
 
-- grpo_outcome: nothing more (the default run at temperature 1.0, groups of 8 and a constant lr).
+- grpo_outcome: the verified outcome alone (``--reward outcome:1.0``; Arith-v0's default adds the step reward).
 - grpo_outcome_prm: the tiny PRM's step score beside the outcome (``--reward outcome:1.0,prm:0.2``).
 - grpo_outcome_steps: the exact Arith process reward (``--reward outcome:1.0,steps:1.0``).
 - appo, tppo: ``--algorithm_name APPO`` / ``TPPO`` (a critic; groups of 1).
@@ -67,16 +67,19 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 PREFIX_FLAGS = ("--env_id", "Arith-Prefix-v0", "--model_name_or_path", "{policy}", "--role_model", "solver={target}",
                 "--reward_assignment", "individual", "--max_new_tokens", "12", "--target_max_new_tokens", "96")
+OUTCOME = ("--reward", "outcome:1.0")
+"""The verified outcome alone, stated rather than left to Arith-v0's declared default (outcome + steps), so
+that a row keeps its meaning when the env's default changes."""
 ROWS: dict[str, tuple[str, ...]] = {
-    "grpo_outcome": (),
+    "grpo_outcome": OUTCOME,
     "grpo_outcome_prm": ("--prm_model_name_or_path", "{prm}", "--reward", "outcome:1.0,prm:0.2"),
     "grpo_outcome_steps": ("--reward", "outcome:1.0,steps:1.0"),
-    "appo": ("--algorithm_name", "APPO"),
-    "tppo": ("--algorithm_name", "TPPO"),
-    "rloo_outcome": ("--algorithm_name", "RLOO", "--process_coef", "0", "--oversample_factor", "1",
+    "appo": ("--algorithm_name", "APPO", *OUTCOME),
+    "tppo": ("--algorithm_name", "TPPO", *OUTCOME),
+    "rloo_outcome": ("--algorithm_name", "RLOO", *OUTCOME, "--process_coef", "0", "--oversample_factor", "1",
                      "--accuracy_lower_bound", "0", "--accuracy_upper_bound", "1"),
-    "rloo_filter": ("--algorithm_name", "RLOO", "--process_coef", "0"),
-    "rloo_prime": ("--algorithm_name", "RLOO"),
+    "rloo_filter": ("--algorithm_name", "RLOO", *OUTCOME, "--process_coef", "0"),
+    "rloo_prime": ("--algorithm_name", "RLOO", *OUTCOME),
     "prefix_rl": PREFIX_FLAGS,
     "chain": ("--env_id", "Arith-Chain-v0", "--reward_assignment", "individual"),
     "debate": ("--env_id", "Arith-Debate-v0", "--reward_assignment", "team"),

@@ -99,9 +99,13 @@ def test_every_row_passes_train_maths_checks(row, untrained_policy_dir, tmp_path
     train_flags.FLAGS.unparse_flags()
     try:
         train_flags.FLAGS(["train_math", *flags, "--logdir", str(tmp_path)])
-        iterations = config_from_flags(train_flags.FLAGS).budget.num_iterations
+        config = config_from_flags(train_flags.FLAGS)
     finally:
         train_flags.FLAGS.unparse_flags()
+    iterations = config.budget.num_iterations
+    outcome_rows = ("grpo_outcome", "appo", "tppo", "rloo_outcome", "rloo_filter", "rloo_prime")
+    if row in outcome_rows:  # the row's name, not the env's declared default (outcome + steps), sets its reward
+        assert config.rewards.weights == {"outcome": 1.0}
     expected = {"grpo_outcome": 24, "rloo_outcome": 24, "rloo_filter": 6, "rloo_prime": 6, "chain": 8, "debate": 12,
                 "target_alone": 1, "solver_alone": 1}
     assert iterations == expected.get(row, iterations)

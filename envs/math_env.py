@@ -93,6 +93,7 @@ class UnicodeText(spaces.Text):
         """A copy with its own RNG that shares the character tables, which nothing changes: gymnasium's
         ``batch_space`` deep-copies the space once per env (1,000 of them in a held-out env)."""
         copied = copy.copy(self)
+        memo[id(self)] = copied
         copied._np_random = copy.deepcopy(self._np_random, memo)
         return copied
 

@@ -72,8 +72,8 @@ def no_tiny_build_outside_slow_tests(request, tmp_path_factory, monkeypatch) -> 
 # The files whose tests start torchrun ranks, servers and whole train_math runs (tens of seconds each),
 # longest first. xdist hands out whole files in collection order (--no-loadscope-reorder): starting with
 # these lets the many short files fill in behind them, so that the two workers end together. The trainer's
-# learning tests (half an hour together, all slow) go first so that one worker runs them while the other
-# takes the rest of the slow suite.
+# learning tests (all slow; 80 minutes one after another in a shared run) go first, so that one worker runs
+# them while the other takes the rest of the slow suite.
 LONGEST_FILES = ("test_trainer.py", "test_distributed.py", "test_faults.py", "test_checkpoint.py",
                  "test_front_door.py", "test_train_math.py", "test_service_keys.py", "test_remote.py", "test_readme.py")
 

@@ -23,7 +23,7 @@ from test_front_door import small
 from test_generation import generate_with, role_adapter_policy
 from test_trainer import run_train_math
 from train import evaluation
-from train.collector import Collector, RoleModels, Sampling, Tally, in_prompt_order
+from train.collector import Collector, RoleModels, Sampling, Tally
 from models.generation import GenerationOutput, HFGenerator
 from models.policy import LanguagePolicy, LoraSettings
 
@@ -218,8 +218,7 @@ def test_the_policy_speaks_for_every_role_adapter_in_one_generate_call(untrained
     prompts = [f"Problem: Compute {k} + {k}.\nSolution:\n" for k in range(7)]
     agents, seeds = np.array([0, 1, 3, 2, 1, 0, 3]), [100 + k for k in range(7)]
     sampling = Sampling(max_new_tokens=8)
-    calls = role_models.generate_calls(sampling, generator, prompts, agents, seeds)
-    out = in_prompt_order([(index, speaker.generate(**kwargs)) for index, speaker, kwargs in calls], len(prompts))
+    out = role_models.generate(sampling, generator, prompts, agents, seeds)
     assert generator.calls == [["solver", "verifier", None, "verifier", "solver"]]
     assert frozen.calls == [None]
     for agent, adapter in ((0, "solver"), (1, "verifier"), (2, None)):

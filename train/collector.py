@@ -143,13 +143,12 @@ class RoleModels:
             calls.append((index, generator if speaker is None else self.generators[speaker], kwargs))
         return calls
 
-
-def in_prompt_order(parts: list[tuple[list[int], GenerationOutput]], size: int) -> GenerationOutput:
-    """One output of the ``size`` samples of ``RoleModels.generate_calls``' outputs ``parts`` (their positions,
-    their output), in prompt order; one call's output as it came."""
-    if len(parts) == 1:
-        return parts[0][1]
-    return GenerationOutput.interleave(parts, size)
+    def generate(self, sampling: Sampling, generator: Generator, prompts: list[str], agents: np.ndarray,
+                 seeds: list[int] | None = None, greedy: bool = False) -> GenerationOutput:
+        """One action per prompt [B], each from its agent's speaker (``generate_calls``), in prompt order."""
+        parts = [(index, speaker.generate(**kwargs))
+                 for index, speaker, kwargs in self.generate_calls(sampling, generator, prompts, agents, seeds, greedy)]
+        return parts[0][1] if len(parts) == 1 else GenerationOutput.interleave(parts, len(prompts))
 
 
 @dataclass
@@ -207,7 +206,7 @@ class Collector:
     def collect(self, policy: LanguagePolicy, generator: Generator, seed: int) -> tuple[RolloutBuffer, Tally]:
         """One rollout of ``episode_length`` steps (episodic: until every episode ended). At each step the
         acting (env, agent) pairs' actions are generated, one ``generate`` call per speaker
-        (``RoleModels.generate_calls``), then taken in the env (``step``)."""
+        (``RoleModels.generate``), then taken in the env (``step``)."""
         num_envs, spec = self.env.num_envs, self.spec
         buffer = RolloutBuffer(self.episode_length, num_envs, self.num_agents, self.sampling.max_new_tokens,
                                policy.device, token_values=spec.critic == "token")
@@ -223,8 +222,7 @@ class Collector:
             started = time.perf_counter()
             seeds = [mix_seed(seed, step, (self.env_offset + i) * self.num_agents + a) for i, a in zip(envs, agents)]
             prompts = pair_prompts(self.env.agents, self.obs, envs, agents)
-            calls = self.role_models.generate_calls(self.sampling, generator, prompts, agents, seeds)
-            out = in_prompt_order([(index, speaker.generate(**kwargs)) for index, speaker, kwargs in calls], len(envs))
+            out = self.role_models.generate(self.sampling, generator, prompts, agents, seeds)
             tally.seconds["generate"] += time.perf_counter() - started
             terminated, truncated = self.step(step, out, envs, agents, policy, buffer, tally)
             if self.whole_episodes:

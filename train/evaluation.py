@@ -33,7 +33,7 @@ from envs.contract import FACTS
 from envs.multi_agent import ROLE_METRICS
 from models.generation import Generator, mix_seed
 from train import distributed
-from train.collector import RoleModels, Sampling, acting_pairs, in_prompt_order, pair_actions, pair_prompts
+from train.collector import RoleModels, Sampling, acting_pairs, pair_actions, pair_prompts
 from train.distributed import Ranks
 from train.eval_metrics import sampled_sums
 
@@ -173,9 +173,8 @@ def solve_batch(env, generator: Generator, sampling: Sampling, problem_ids: Sequ
     while not done.all():
         envs, agents = acting_pairs(info[FACTS], done)
         step_seeds = None if seeds is None else [mix_seed(seeds[i], step, int(a)) for i, a in zip(envs, agents)]
-        calls = role_models.generate_calls(sampling, generator, pair_prompts(env.agents, obs, envs, agents), agents,
-                                           step_seeds, greedy=seeds is None)
-        out = in_prompt_order([(index, speaker.generate(**kwargs)) for index, speaker, kwargs in calls], len(envs))
+        out = role_models.generate(sampling, generator, pair_prompts(env.agents, obs, envs, agents), agents, step_seeds,
+                                   greedy=seeds is None)
         obs, _, terminated, truncated, info = env.step(pair_actions(env, sampling, out, envs, agents))
         facts = info[FACTS]
         np.add.at(tokens, envs, [len(ids) for ids in out.token_ids])

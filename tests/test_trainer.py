@@ -194,8 +194,9 @@ def test_process_rewards_raise_held_out_accuracy(tiny_models, tmp_path, reward):
     """The process-reward claim (Math-Shepherd, OpenR): step rewards carry a learning signal that reaches
     the verified answer. Arith's exact step reward (the share of reference steps reproduced before the first
     mistake) alone, never the outcome, must lift held-out accuracy; the tiny PRM beside the outcome (the
-    grid's grpo_outcome_prm row) must too, i.e. not be hacked. Alone, the tiny PRM is hacked: held-out
-    accuracy went 0.303 -> 0.343 (iterations 50-100) -> 0.230 (250-300) while GRPO maximised its score."""
+    grid's grpo_outcome_prm row) must too, i.e. not be hacked. Alone, the tiny PRM was hacked on an earlier
+    build: held-out accuracy went 0.303 -> 0.343 (iterations 50-100) -> 0.230 (250-300) while GRPO
+    maximised its score."""
     prm = ["--prm_model_name_or_path", str(tiny_models.prm)] if "prm" in reward else []
     run_dir = run_train_math(["--model_name_or_path", str(tiny_models.policy), "--reward", reward, *prm,
                               "--logdir", str(tmp_path), *GRPO_SAMPLING, "--group_size", "8",

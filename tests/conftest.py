@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from xdist.scheduler import LoadScopeScheduling
 
 from models.tiny import build_tokenizer, save_untrained_policy, shipped_models
 
@@ -70,12 +71,29 @@ def no_tiny_build_outside_slow_tests(request, tmp_path_factory, monkeypatch) -> 
 
 
 # The files whose tests start torchrun ranks, servers and whole train_math runs (tens of seconds each),
-# longest first. xdist hands out whole files in collection order (--no-loadscope-reorder): starting with
-# these lets the many short files fill in behind them, so that the two workers end together. The trainer's
-# learning tests (all slow; 80 minutes one after another in a shared run) go first, so that one worker runs
-# them while the other takes the rest of the slow suite.
+# longest first. xdist hands out work units in collection order (--no-loadscope-reorder): starting with
+# these lets the many short files fill in behind them, so that the two workers end together.
 LONGEST_FILES = ("test_trainer.py", "test_distributed.py", "test_faults.py", "test_checkpoint.py",
                  "test_front_door.py", "test_train_math.py", "test_service_keys.py", "test_remote.py", "test_readme.py")
+
+PER_TEST_FILES = ("test_trainer.py", "test_faults.py", "test_readme.py")
+"""Files whose tests are work units of their own rather than the file as a whole: in the slow suite each of
+their tests runs for minutes (the trainer's learning runs, 10-19 minutes each in a shared run; a SIGKILL
+loop; the documents' commands), so that as one unit their file outlasted the rest of the suite on the other
+worker. Their module fixtures are cheap (an untrained tiny policy, one ``--helpfull``)."""
+
+
+class FilesAndLongTests(LoadScopeScheduling):
+    """xdist's loadfile, except that each test of PER_TEST_FILES is a unit of its own."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        path = nodeid.split("::", 1)[0]
+        return nodeid if Path(path).name in PER_TEST_FILES else path
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log) -> LoadScopeScheduling | None:
+    """--dist loadfile (addopts) runs FilesAndLongTests; any other --dist is xdist's own."""
+    return FilesAndLongTests(config, log) if config.getvalue("dist") == "loadfile" else None
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

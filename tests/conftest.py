@@ -78,7 +78,7 @@ LONGEST_FILES = ("test_trainer.py", "test_distributed.py", "test_faults.py", "te
 
 PER_TEST_FILES = ("test_trainer.py", "test_faults.py", "test_readme.py")
 """Files whose tests are work units of their own rather than the file as a whole: in the slow suite each of
-their tests runs for minutes (the trainer's learning runs, 10-19 minutes each in a shared run; a SIGKILL
+their tests runs for minutes (the trainer's learning runs, 5-16 minutes each on idle cores; a SIGKILL
 loop; the documents' commands), so that as one unit their file outlasted the rest of the suite on the other
 worker. Their module fixtures are cheap (an untrained tiny policy, one ``--helpfull``)."""
 

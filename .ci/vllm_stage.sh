@@ -12,6 +12,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1 PYTHONUNBUFFERED=1
 python3 -m venv "$venv"
 pip="$venv/bin/pip"
 install_log=$(mktemp)
+trap 'rm -f "$install_log"' EXIT
 if ! "$pip" install "$vllm_package" >"$install_log" 2>&1; then
   echo "SKIP vLLM stage: 'pip install $vllm_package' failed; its last lines:"
   tail -n 20 "$install_log"

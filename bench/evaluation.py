@@ -56,7 +56,8 @@ def main() -> None:
     print(f"summary: evaluation {task} x {args.limit}, tools {args.tools}, step actions, greedy, "
           f"{args.max_new_tokens} tokens per step: "
           f"{time.process_time() - cpu:.1f} CPU s, {time.perf_counter() - wall:.1f} s wall, accuracy "
-          f"{result['eval/accuracy']:.4f}, mean length {result['eval/mean_length']:.3f} tokens")
+          f"{result['eval/accuracy']:.4f}, mean length {result['eval/mean_length']:.3f} tokens"
+          + (f", tool calls {result['eval/tool_calls']:.3f} of the steps" if "eval/tool_calls" in result else ""))
 
 
 def _env(arith: bool, tools: str | None, limit: int, eos: str) -> MathVectorEnv:

@@ -247,6 +247,8 @@ def test_a_grpo_run_with_the_tool_trains_end_to_end(tool_model, tmp_path):
     assert [step for step, _ in scalars["eval/accuracy"]] == [0, 2]
     assert len(scalars["train/reward"]) == 2 and "grad/norm" in scalars
     assert len(scalars["train/tool_calls"]) == 2 and min(value for _, value in scalars["train/tool_calls"]) > 0
+    assert [step for step, _ in scalars["eval/tool_calls"]] == [0, 2]
+    assert min(value for _, value in scalars["eval/tool_calls"]) > 0  # greedy, the tool model calls it
     assert (Path(run_dir) / "checkpoints" / "iter_2" / "manifest.json").is_file()
 
 

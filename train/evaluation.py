@@ -52,15 +52,17 @@ class EvalSampling:
 @dataclass
 class Solved:
     """Per row of a list of episodes: the verdict, the solution's length in tokens, the final answer the env
-    judged (None where it read none); and every PRM score of the steps taken (NaN where none)."""
+    judged (None where it read none); and per step taken its PRM score (NaN where none) and, in an env with a
+    tool, whether it called the tool (1.0 or 0.0)."""
 
     verdicts: list[float] = dataclasses.field(default_factory=list)
     lengths: list[float] = dataclasses.field(default_factory=list)
     answers: list[str | None] = dataclasses.field(default_factory=list)
     prm_scores: list[float] = dataclasses.field(default_factory=list)
+    tool_calls: list[float] = dataclasses.field(default_factory=list)
 
     def extend(self, other: Solved) -> None:
-        for name in ("verdicts", "lengths", "answers", "prm_scores"):
+        for name in ("verdicts", "lengths", "answers", "prm_scores", "tool_calls"):
             getattr(self, name).extend(getattr(other, name))
 
 
@@ -112,7 +114,8 @@ def greedy_metrics(greedy: Solved, role_sums: np.ndarray, roles: Sequence[str], 
     readable = np.array([answer is not None for answer in greedy.answers], dtype=bool)
     verdicts = np.asarray(greedy.verdicts, dtype=np.float64)
     sums = distributed.all_reduce_sum([verdicts.sum(), sum(greedy.lengths), len(verdicts), scored.sum(), len(scored),
-                                       readable.sum(), verdicts[readable].sum(), *role_sums.flatten().tolist()])
+                                       readable.sum(), verdicts[readable].sum(), sum(greedy.tool_calls),
+                                       len(greedy.tool_calls), *role_sums.flatten().tolist()])
     result = {"accuracy": sums[0] / sums[2], "mean_length": sums[1] / sums[2]}
     if sums[4]:
         result["prm_score"] = sums[3] / sums[4]
@@ -120,7 +123,9 @@ def greedy_metrics(greedy: Solved, role_sums: np.ndarray, roles: Sequence[str], 
         result["readable"] = sums[5] / sums[2]
         if sums[5]:
             result["accuracy_readable"] = sums[6] / sums[5]
-    role_sums = np.asarray(sums[7:]).reshape(role_sums.shape)
+    if sums[8]:
+        result["tool_calls"] = sums[7] / sums[8]  # the share of steps that called the tool, as train/tool_calls
+    role_sums = np.asarray(sums[9:]).reshape(role_sums.shape)
     for a, role in enumerate(roles):
         for m, metric in enumerate(ROLE_METRICS):
             if role_sums[1, a, m]:
@@ -167,7 +172,7 @@ def solve_batch(env, generator: Generator, sampling: Sampling, problem_ids: Sequ
     obs, info = env.reset(options={"problem_ids": padded})
     done = np.zeros(env.num_envs, dtype=bool)
     done[count:] = True
-    tokens, verdicts, prm_scores = np.zeros(env.num_envs), np.zeros(env.num_envs), []
+    tokens, verdicts, prm_scores, tool_calls = np.zeros(env.num_envs), np.zeros(env.num_envs), [], []
     answers = np.full(env.num_envs, None, dtype=object)
     step = 0
     while not done.all():
@@ -183,11 +188,14 @@ def solve_batch(env, generator: Generator, sampling: Sampling, problem_ids: Sequ
         answers[ended] = facts.answers[ended]
         if "prm" in facts.sources:  # [N, A]; NaN where an action was not scored
             prm_scores += facts.sources["prm"][envs, agents].tolist()
+        if "tool_called" in info:  # an env with a tool
+            tool_calls += info["tool_called"][envs].astype(float).tolist()
         if role_sums is not None:
             add_role_outputs(role_sums, facts, done)
         done |= terminated | truncated
         step += 1
-    return Solved(verdicts[:count].tolist(), tokens[:count].tolist(), answers[:count].tolist(), prm_scores)
+    return Solved(verdicts[:count].tolist(), tokens[:count].tolist(), answers[:count].tolist(), prm_scores,
+                  tool_calls)
 
 
 def add_role_outputs(role_sums: np.ndarray, facts, done: np.ndarray) -> None:

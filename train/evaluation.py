@@ -113,19 +113,22 @@ def greedy_metrics(greedy: Solved, role_sums: np.ndarray, roles: Sequence[str], 
     scored = prm_scores[~np.isnan(prm_scores)]
     readable = np.array([answer is not None for answer in greedy.answers], dtype=bool)
     verdicts = np.asarray(greedy.verdicts, dtype=np.float64)
-    sums = distributed.all_reduce_sum([verdicts.sum(), sum(greedy.lengths), len(verdicts), scored.sum(), len(scored),
-                                       readable.sum(), verdicts[readable].sum(), sum(greedy.tool_calls),
-                                       len(greedy.tool_calls), *role_sums.flatten().tolist()])
-    result = {"accuracy": sums[0] / sums[2], "mean_length": sums[1] / sums[2]}
-    if sums[4]:
-        result["prm_score"] = sums[3] / sums[4]
+    totals = {"correct": verdicts.sum(), "tokens": sum(greedy.lengths), "solutions": len(verdicts),
+              "prm_score": scored.sum(), "prm_steps": len(scored), "readable": readable.sum(),
+              "readable_correct": verdicts[readable].sum(), "tool_calls": sum(greedy.tool_calls),
+              "tool_steps": len(greedy.tool_calls)}
+    reduced = distributed.all_reduce_sum([*totals.values(), *role_sums.flatten().tolist()])
+    sums = dict(zip(totals, reduced))
+    result = {"accuracy": sums["correct"] / sums["solutions"], "mean_length": sums["tokens"] / sums["solutions"]}
+    if sums["prm_steps"]:
+        result["prm_score"] = sums["prm_score"] / sums["prm_steps"]
     if answers:
-        result["readable"] = sums[5] / sums[2]
-        if sums[5]:
-            result["accuracy_readable"] = sums[6] / sums[5]
-    if sums[8]:
-        result["tool_calls"] = sums[7] / sums[8]  # the share of steps that called the tool, as train/tool_calls
-    role_sums = np.asarray(sums[9:]).reshape(role_sums.shape)
+        result["readable"] = sums["readable"] / sums["solutions"]
+        if sums["readable"]:
+            result["accuracy_readable"] = sums["readable_correct"] / sums["readable"]
+    if sums["tool_steps"]:  # an env with a tool: the share of steps that called it, as train/tool_calls
+        result["tool_calls"] = sums["tool_calls"] / sums["tool_steps"]
+    role_sums = reduced[len(totals):].reshape(role_sums.shape)
     for a, role in enumerate(roles):
         for m, metric in enumerate(ROLE_METRICS):
             if role_sums[1, a, m]:

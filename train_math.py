@@ -230,7 +230,7 @@ def train(argv: list[str]) -> int:
         (started.run_dir / "eval_history.json").write_text(json.dumps(history, indent=1))
         finish(started.writer, started.run_dir, history,
                {**runner.run_flags, **resolved_settings(started.config, runner, started.saved)},
-               started.config.logging.save_best)
+               started.config.logging.save_best and not started.config.budget.val_only)
     return 0
 
 

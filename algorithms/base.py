@@ -53,12 +53,17 @@ class Algorithm(Protocol):
     """What the runner needs from an algorithm (its episodic/critic traits are in ``algorithms.registry``).
 
     ``needs_reference``: the loss reads ``batch.ref_logprobs`` (KL to the reference policy).
-    ``needs_process_rewards``: ``advantages`` reads ``buffer.token_rewards`` (implicit PRM).
+    ``needs_process_rewards``: ``advantages`` reads ``buffer.token_rewards`` (implicit PRM) of the slots
+    ``kept`` returns.
     """
 
     name: str
     needs_reference: bool
     needs_process_rewards: bool
+
+    def kept(self, buffer: RolloutBuffer) -> torch.Tensor:
+        """[T, N, A] the live slots ``advantages`` will train on (before any rollout correction)."""
+        ...
 
     def advantages(self, buffer: RolloutBuffer) -> AdvantageEstimate:
         """The buffer's training targets: advantages ([T, N, A] or [T, N, A, L]), returns (critics),
@@ -120,6 +125,9 @@ class BaseAlgorithm:
 
     def value_loss_rows(self, scores: ActionScores, batch: Batch) -> torch.Tensor | None:
         return None
+
+    def kept(self, buffer: RolloutBuffer) -> torch.Tensor:
+        return buffer.live
 
 
 def reward_kl(buffer: RolloutBuffer, config: AlgorithmConfig) -> torch.Tensor | None:

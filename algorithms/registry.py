@@ -57,6 +57,13 @@ class ImportanceSamplingLevel(enum.StrEnum):
     SEQUENCE = "sequence"  # the length-normalised sequence ratio, one per action (GSPO)
 
 
+class PrimeNorm(enum.StrEnum):
+    """How PRIME scales the implicit PRM's token rewards within a batch (verl's ``prime_norm`` names)."""
+
+    BATCH_NORM = "batch_norm"  # divided by the batch's largest |return-to-go|: every process return in [-1, 1]
+    NONE = "none"  # beta * log-ratio as it is
+
+
 @dataclass(frozen=True)
 class AlgorithmConfig:
     """Hyper-parameters shared by the algorithms (each reads the ones it needs)."""
@@ -80,7 +87,8 @@ class AlgorithmConfig:
     importance_sampling_level: ImportanceSamplingLevel = ImportanceSamplingLevel.TOKEN
     loss_agg_mode: LossAgg = LossAgg.TOKEN_MEAN
     loss_scale_factor: int | None = None  # seq-mean-token-sum-norm's divisor (the longest action, max_new_tokens)
-    process_coef: float = 0.2  # RLOO: weight of the implicit-PRM stream
+    process_coef: float = 1.0  # RLOO: weight of the implicit-PRM stream (the outcome stream's is 1)
+    normalize_advantages: bool = True  # RLOO: returns standardised over the batch's trained tokens
     accuracy_lower_bound: float = 0.2  # RLOO: PRIME's prompt filter
     accuracy_upper_bound: float = 0.8
     max_groups: int | None = None  # RLOO: groups kept after filtering an oversampled batch

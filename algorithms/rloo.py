@@ -1,11 +1,13 @@
 """RLOO with PRIME's reward combination: leave-one-out baselines computed separately for the
 outcome stream (verified answer) and the implicit-PRM process stream (per-token rewards), then
-summed and turned into per-token returns (PRIME, arXiv 2502.01456)."""
+summed, turned into per-token returns and standardised over the batch (PRIME, arXiv 2502.01456; the
+standardisation is its released code's, which puts the two streams' weights on a common scale)."""
 
 from __future__ import annotations
 
 import torch
 
+from algorithms.appo import normalized
 from algorithms.base import ActionScores, BaseAlgorithm, reward_kl, token_policy_loss, zero_advantage_rows
 from algorithms.buffer import Batch, RolloutBuffer, AdvantageEstimate
 from algorithms.losses import discounted_reverse_cumsum, group_index, group_means
@@ -61,8 +63,9 @@ def filter_groups(
 class RLOO(BaseAlgorithm):
     """RLOO with PRIME: outcome and implicit-PRM token rewards get separate leave-one-out
     baselines within each prompt group (``rloo_returns``); groups whose accuracy lies outside
-    [accuracy_lower_bound, accuracy_upper_bound] are dropped first (PRIME's online filter), keeping
-    at most ``max_groups``. The loss is the per-token clipped surrogate on those returns; a KL in the
+    [accuracy_lower_bound, accuracy_upper_bound] are dropped first (PRIME's online filter, ``kept``),
+    keeping at most ``max_groups``. With ``normalize_advantages`` the returns are standardised over the
+    kept tokens of the batch. The loss is the per-token clipped surrogate on those advantages; a KL in the
     reward (``use_kl_in_reward``) is summed into the outcome stream."""
 
     name = "RLOO"
@@ -72,13 +75,10 @@ class RLOO(BaseAlgorithm):
         """With process_coef 0 the implicit PRM's stream weighs nothing: no PRM is built, scored or trained."""
         return self.config.process_coef > 0
 
-    def advantages(self, buffer: RolloutBuffer) -> AdvantageEstimate:
-        """advantages [T, N, A, L]; ``keep`` drops the filtered-out groups."""
+    def kept_episodes(self, buffer: RolloutBuffer) -> torch.Tensor:
+        """[E] episodes (E = N * A) of the groups that pass PRIME's filter, at most ``max_groups`` of them:
+        what the policy trains on, and what the implicit PRM scores and learns from."""
         config = self.config
-        outcome = buffer.episode_returns().flatten()  # [E] episodes, E = N * A
-        kl = reward_kl(buffer, config)
-        if kl is not None:  # the KL penalty summed into the outcome stream
-            outcome = outcome - config.kl_coef * kl.sum((0, 3)).flatten()
         group_ids = buffer.episode_group_ids(per_agent=not config.joint_groups).flatten()
         correct = buffer.episode_correct().flatten()
         acted = buffer.acted().flatten()
@@ -88,6 +88,21 @@ class RLOO(BaseAlgorithm):
         if config.max_groups is not None:
             kept_groups = group_ids[keep].unique(sorted=False)[: config.max_groups]
             keep &= torch.isin(group_ids, kept_groups)
+        return keep
+
+    def kept(self, buffer: RolloutBuffer) -> torch.Tensor:
+        """[T, N, A] the live slots of ``kept_episodes``."""
+        return buffer.live & self.kept_episodes(buffer).reshape(buffer.shape[1:])[None]
+
+    def advantages(self, buffer: RolloutBuffer) -> AdvantageEstimate:
+        """advantages [T, N, A, L]; ``keep`` drops the filtered-out groups."""
+        config = self.config
+        outcome = buffer.episode_returns().flatten()  # [E] episodes, E = N * A
+        kl = reward_kl(buffer, config)
+        if kl is not None:  # the KL penalty summed into the outcome stream
+            outcome = outcome - config.kl_coef * kl.sum((0, 3)).flatten()
+        group_ids = buffer.episode_group_ids(per_agent=not config.joint_groups).flatten()
+        keep = self.kept_episodes(buffer)
         kept_slots = buffer.live & keep.reshape(buffer.shape[1:])[None]
         order, token_mask = buffer.episode_token_order()
         process = None if buffer.token_rewards is None else buffer.to_episodes(buffer.token_rewards, order)
@@ -98,6 +113,8 @@ class RLOO(BaseAlgorithm):
                                             process_coef=config.process_coef, gamma=config.gamma)
         advantages = buffer.from_episodes(advantages, order)
         kept_tokens = buffer.token_mask() & kept_slots[..., None]
+        if config.normalize_advantages:
+            advantages = normalized(advantages, kept_tokens, self.reduce_sum)
         stats = {"episode_returns": outcome, "kept_fraction": keep.float().mean()[None],
                  "advantages": advantages[kept_tokens]}
         if kl is not None:

@@ -61,12 +61,12 @@ def heldout(prm: ImplicitPRM, rows: Batch, labels: torch.Tensor, batch: int) -> 
 def fit(policy_dir: Path, train: tuple[Batch, torch.Tensor], test: tuple[Batch, torch.Tensor], lr: float,
         beta: float, batch: int, report_every: int, seed: int) -> dict:
     torch.manual_seed(seed)
-    prm = ImplicitPRM(policy_dir, beta=beta, lr=lr, device="cpu")
+    prm = ImplicitPRM(policy_dir, beta=beta, lr=lr, norm="none", device="cpu")  # scores comparable across batches
     rows, labels = train
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
     curve, losses, started = [], [], time.perf_counter()
     for step, index in enumerate(order.split(batch), start=1):
-        losses.append(prm.update(*subset(rows, index), labels[index]))
+        losses.append(prm.update(*subset(rows, index), labels[index])[0])
         if step % report_every == 0 or step * batch >= len(labels):
             recent = losses[-report_every:]
             curve.append({"step": step, "train_loss": round(sum(recent) / len(recent), 4),

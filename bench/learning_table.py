@@ -125,8 +125,8 @@ def train_math_history(flags: Sequence[str], logdir: Path) -> list[dict[str, flo
 
     A run that finished before is read back from ``LOGDIR/history.json``; otherwise the run starts, or
     continues from its newest checkpoint, its output going to ``LOGDIR/train.log``, and its history is
-    read from its last checkpoint's ``trainer_state.json`` (and kept in ``history.json``). A LOGDIR that
-    holds a run of other flags is refused."""
+    read from its last checkpoint's ``trainer_state.json`` (a ``--val_only`` run's from its
+    ``eval_history.json``) and kept in ``history.json``. A LOGDIR that holds a run of other flags is refused."""
     logdir = logdir.resolve()  # train_math runs in the repository root
     logdir.mkdir(parents=True, exist_ok=True)
     check_same_command(logdir, list(flags))
@@ -134,7 +134,10 @@ def train_math_history(flags: Sequence[str], logdir: Path) -> list[dict[str, flo
     if finished.is_file():
         return json.loads(finished.read_text())
     run_to_the_end([*flags, "--logdir", str(logdir), "--resume", "auto"], logdir / LOG_FILE)
-    history = json.loads((newest_checkpoint(logdir) / "trainer_state.json").read_text())["history"]
+    if "--val_only" in flags:  # one evaluation, no checkpoint: the history train_math wrote at its end
+        history = json.loads((newest_run_dir(logdir) / "eval_history.json").read_text())
+    else:
+        history = json.loads((newest_checkpoint(logdir) / "trainer_state.json").read_text())["history"]
     finished.write_text(json.dumps(history, indent=1))
     return history
 
@@ -199,6 +202,14 @@ def terminations_interrupt() -> Iterator[None]:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def newest_run_dir(logdir: Path) -> Path:
+    """The newest run directory (``<experiment>/run_<time>``) under ``logdir``."""
+    runs = sorted(logdir.glob("*/run_*"), key=lambda path: path.name)
+    if not runs:
+        raise RuntimeError(f"train_math.py left no run directory under {logdir}; see {logdir / LOG_FILE}")
+    return runs[-1]
 
 
 def newest_checkpoint(logdir: Path) -> Path:

@@ -7,8 +7,9 @@ each rollout batch (``update``); its token log-ratios are then dense process rew
 PRM's own starting weights, frozen.
 
 Granularity: ``token`` (a reward per token) or ``step`` (the sum over a step, paid at its last
-token). ``normalize=True`` divides the batch's token rewards by the std of the per-response totals
-(a scale-free process stream whatever beta is).
+token). Norm (PRIME's ``prime_norm``): ``batch_norm`` divides a batch's rewards by the largest
+|return-to-go| among them, so that the process stream's returns lie in [-1, 1] like the verified
+outcome's whatever beta and the PRM's drift are; ``none`` keeps beta * log-ratio.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ from typing import Callable
 
 import torch
 
-from models.packing import TokenBatch
+from algorithms.registry import PrimeNorm
+from models.packing import TokenBatch, token_lengths
 from models.policy import LanguagePolicy, LoraSettings
 
 GRANULARITIES = ("token", "step")
+MAX_GRAD_NORM = 1.0  # PRIME's reward-model optimizer clips its gradient norm here (verl's grad_clip)
 
 
 class ImplicitPRM:
@@ -31,7 +34,7 @@ class ImplicitPRM:
     Args:
         model_dir: the Hugging Face causal LM it starts from (psi and the frozen reference).
         beta: the scale of the log-ratio, in the rewards and in the outcome loss.
-        granularity, normalize: see the module docstring.
+        granularity, norm: see the module docstring.
         lr: AdamW learning rate of ``update``.
         device, dtype, lora: as for ``LanguagePolicy``.
     """
@@ -42,7 +45,7 @@ class ImplicitPRM:
         beta: float = 0.05,
         granularity: str = "token",
         lr: float = 1e-6,
-        normalize: bool = False,
+        norm: PrimeNorm = PrimeNorm.BATCH_NORM,
         device: str = "auto",
         dtype: str = "float32",
         lora: LoraSettings | None = None,
@@ -51,7 +54,7 @@ class ImplicitPRM:
             raise ValueError(f"implicit PRM granularity={granularity!r} must be one of {GRANULARITIES}")
         if beta <= 0:
             raise ValueError(f"implicit PRM beta={beta} must be > 0")
-        self.beta, self.granularity, self.normalize = beta, granularity, normalize
+        self.beta, self.granularity, self.norm = beta, granularity, PrimeNorm(norm)
         self.model = LanguagePolicy(model_dir, device=device, dtype=dtype, lora=lora)
         self.optimizer = torch.optim.AdamW(self.model.actor_parameters(), lr=lr, fused=True)  # no temporaries
 
@@ -63,46 +66,56 @@ class ImplicitPRM:
         return (scores.logprobs - ref_logprobs.to(scores.logprobs.device)) * mask, scores.mask
 
     @torch.no_grad()
-    def token_rewards(self, prompts: TokenBatch, actions: TokenBatch,
-                      step_ends: torch.Tensor | None = None) -> torch.Tensor:
+    def token_rewards(self, prompts: TokenBatch, actions: TokenBatch, step_ends: torch.Tensor | None = None,
+                      batch_max: Callable[[float], float] = float) -> torch.Tensor:
         """Process rewards [B, L]: beta * log-ratio per token, or per step (summed over each step and
         paid at the step's last token; ``step_ends`` [B, L] marks those tokens, default: each
-        action is one step)."""
-        log_ratio, mask = self.log_ratios(prompts, actions)
-        rewards = self.beta * log_ratio
+        action is one step), scaled by ``norm``. ``batch_max`` takes this process's largest |return-to-go|
+        to the batch's (under data parallelism: the maximum over every process, which each process joins,
+        with no rows too)."""
+        if not token_lengths(actions):
+            rewards, mask = torch.zeros(0, 0), torch.zeros(0, 0, dtype=torch.bool)
+        else:
+            log_ratio, mask = self.log_ratios(prompts, actions)
+            rewards = self.beta * log_ratio
         if self.granularity == "step":
             if step_ends is None:
                 step_ends = mask & ~torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], dim=1)
             rewards = _sum_per_step(rewards, step_ends.to(mask.device))
-        if self.normalize:
-            totals = rewards.sum(-1)
-            rewards = rewards / (totals.std() + 1e-8) if len(totals) > 1 else rewards
+        if self.norm is PrimeNorm.BATCH_NORM:
+            returns_to_go = rewards.flip(-1).cumsum(-1).flip(-1)
+            largest = float(returns_to_go.abs().max()) if rewards.numel() else 0.0
+            rewards = rewards / (batch_max(largest) + 1e-6)
         return rewards
 
     def update(self, prompts: TokenBatch, actions: TokenBatch, labels: torch.Tensor, total: int | None = None,
-               sum_gradients: Callable[[list[torch.Tensor]], None] | None = None) -> float:
-        """One optimizer step of BCE(sigmoid(beta * sum_t log-ratio), labels [B] in {0, 1}); returns this
-        batch's summed loss divided by ``total``.
+               sum_gradients: Callable[[list[torch.Tensor]], None] | None = None) -> tuple[float, torch.Tensor]:
+        """One optimizer step of BCE(sigmoid(beta * sum_t log-ratio), labels [B] in {0, 1}), its gradient
+        norm clipped to ``MAX_GRAD_NORM``. Returns (this batch's summed loss divided by ``total``, the
+        outcome scores beta * sum_t log-ratio [B] before the step: predictions for a batch it had not
+        learned from).
 
         Data parallelism: ``total`` is the number of samples over every process (default B), so each
         process's loss is its share of the mean, and ``sum_gradients`` adds the gradients (in place)
         over the processes before the step; a process with no samples joins with zero gradients."""
         total = len(labels) if total is None else total
-        loss = torch.zeros(())
+        loss, logits = torch.zeros(()), torch.zeros(0)
         if len(labels):
             log_ratio, _ = self.log_ratios(prompts, actions)
             logits = self.beta * log_ratio.sum(-1)
             loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels.to(logits),
                                                                         reduction="sum") / total
             loss.backward()
+        parameters = list(self.model.actor_parameters())
         if sum_gradients is not None:
-            for param in self.model.actor_parameters():
+            for param in parameters:
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
-            sum_gradients([param.grad for param in self.model.actor_parameters()])
+            sum_gradients([param.grad for param in parameters])
+        torch.nn.utils.clip_grad_norm_([param for param in parameters if param.grad is not None], MAX_GRAD_NORM)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)  # a model's worth, not held between updates
-        return float(loss.detach())
+        return float(loss.detach()), logits.detach()
 
 
 def _sum_per_step(rewards: torch.Tensor, step_ends: torch.Tensor) -> torch.Tensor:

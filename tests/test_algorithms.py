@@ -178,6 +178,33 @@ def test_rloo_returns_prime_combination_by_hand():
     torch.testing.assert_close(outcome_only, torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, 0.0]]))
 
 
+@pytest.mark.parametrize("normalize", [True, False])
+def test_rloo_keeps_the_filtered_groups_and_standardises_their_returns(normalize):
+    """One step, three groups of two: group 0 all right and group 2 all wrong are filtered out; group 1's
+    returns are +1 and -1 over the outcome's leave-one-out baseline, then (normalize_advantages, PRIME's code)
+    standardised over the kept tokens: 3 tokens at +1 and 1 at -1 have mean 0.5 and std 1 (unbiased)."""
+    from algorithms.buffer import RolloutBuffer, StepRecord
+    from algorithms.registry import AlgorithmConfig
+    from algorithms.rloo import RLOO
+
+    torch.set_default_dtype(torch.float32)  # the buffer's dtype in training (the fixture restores float64)
+    buffer = RolloutBuffer(1, 6, 1, 3)
+    buffer.add(StepRecord(step=0, envs=list(range(6)), agents=[0] * 6, prompt_ids=[[1]] * 6,
+                          action_ids=[[2], [2, 3], [2, 3, 4], [2], [2, 3], [2]], rollout_logprobs=[[0.0]] * 6,
+                          group_ids=torch.tensor([0, 0, 1, 1, 2, 2]), texts=["x"] * 6))
+    correct = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0])
+    buffer.add_step_results(0, correct[:, None].numpy(), torch.ones(6, dtype=torch.bool).numpy(),
+                            torch.zeros(6, dtype=torch.bool).numpy(), correct.numpy())
+    rloo = RLOO(AlgorithmConfig(process_coef=0.0, normalize_advantages=normalize))
+    assert rloo.kept(buffer)[0, :, 0].tolist() == [False, False, True, True, False, False]
+    estimate = rloo.advantages(buffer)
+    advantages = estimate.advantages[0, :, 0]  # [N, L]
+    plus, minus = 1 - 0.5, -1 - 0.5  # (x - mean) / std
+    expected = [[plus] * 3, [minus, 0.0, 0.0]] if normalize else [[1.0] * 3, [-1.0, 0.0, 0.0]]
+    torch.testing.assert_close(advantages[2:4], torch.tensor(expected))
+    assert float(advantages[[0, 1, 4, 5]].abs().sum()) == 0.0
+
+
 def test_filter_groups_by_accuracy():
     correct = torch.tensor([1, 1, 1, 1, 0, 1, 0, 0, 0, 0, 0, 0])
     groups = torch.tensor([0] * 4 + [1] * 4 + [2] * 4)

@@ -12,6 +12,7 @@ from tokenizers.processors import TemplateProcessing
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForTokenClassification
 
 from algorithms.base import roc_auc
+from algorithms.registry import PrimeNorm
 from envs.datasets import Arith, Problem
 from envs.prompts import format_prompt, join_steps, split_steps
 from envs.rewards import StepContext
@@ -185,7 +186,7 @@ def hand_log_prob_sum(model, prompt_ids, action_ids) -> float:
 
 
 def test_implicit_prm_reward_by_hand_and_update_direction(untrained_policy_dir):
-    prm = ImplicitPRM(untrained_policy_dir, beta=0.5, lr=1e-4, device="cpu")
+    prm = ImplicitPRM(untrained_policy_dir, beta=0.5, lr=1e-4, norm="none", device="cpu")
     tokenizer = prm.model.tokenizer
     prompts = [tokenizer.encode(format_prompt(p.problem)) for p in PROBLEMS[:4]]
     actions = [tokenizer.encode(join_steps(split_steps(p.solution)), add_special_tokens=False) for p in PROBLEMS[:4]]
@@ -198,7 +199,8 @@ def test_implicit_prm_reward_by_hand_and_update_direction(untrained_policy_dir):
 
     before = sequence_probability()
     torch.testing.assert_close(before, torch.full((4,), 0.5))  # psi starts as ref
-    loss_before = prm.update(prompts, actions, labels)
+    loss_before, scores_before = prm.update(prompts, actions, labels)
+    torch.testing.assert_close(scores_before, torch.zeros(4))  # the scores before the step: psi was ref
     after = sequence_probability()
     loss_after = float(torch.nn.functional.binary_cross_entropy(after, labels))
     # one step lowers the cross-entropy and separates the correct answers from the wrong ones
@@ -211,11 +213,21 @@ def test_implicit_prm_reward_by_hand_and_update_direction(untrained_policy_dir):
         by_hand = prm.beta * (hand_log_prob_sum(prm.model.causal_lm, prompts[b], actions[b])
                               - hand_log_prob_sum(reference, prompts[b], actions[b]))
         assert float(rewards[b].sum()) == pytest.approx(by_hand, abs=1e-4)
-    step_prm = ImplicitPRM(untrained_policy_dir, beta=0.5, granularity="step", device="cpu")
+    step_prm = ImplicitPRM(untrained_policy_dir, beta=0.5, granularity="step", norm="none", device="cpu")
     step_prm.model.load_state_dict(prm.model.state_dict())
     step_rewards = step_prm.token_rewards(prompts, actions)
     torch.testing.assert_close(step_rewards.sum(-1), rewards.sum(-1), atol=1e-5, rtol=0)
     assert int((step_rewards != 0).sum()) == 4  # one summed reward per action, at its last token
+
+    # batch_norm (PRIME's default): the same rewards over the batch's largest |return-to-go|
+    prm.norm = PrimeNorm.BATCH_NORM
+    normed = prm.token_rewards(prompts, actions)
+    largest = rewards.flip(-1).cumsum(-1).flip(-1).abs().max()
+    torch.testing.assert_close(normed, rewards / (largest + 1e-6))
+    assert float(normed.flip(-1).cumsum(-1).flip(-1).abs().max()) == pytest.approx(1.0, abs=1e-5)
+    # under data parallelism the batch's maximum is every process's: a larger one elsewhere scales these down
+    torch.testing.assert_close(prm.token_rewards(prompts, actions, batch_max=lambda mine: 2 * mine),
+                               rewards / (2 * largest + 1e-6))
 
 
 # ---------------------------------------------------------------------------------------------

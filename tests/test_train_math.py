@@ -189,7 +189,9 @@ def test_flag_help_quotes_no_measurement():
 
 
 @pytest.mark.parametrize("name, extra", [
-    ("GRPO", []), ("APPO", []), ("TPPO", []), ("RLOO", ["--num_env_steps", "64"]),  # RLOO: 4x oversampled envs
+    ("GRPO", []), ("APPO", []), ("TPPO", []),
+    # RLOO: 4x oversampled envs; every group kept, so that the implicit PRM scores and learns from every episode
+    ("RLOO", ["--num_env_steps", "64", "--accuracy_lower_bound", "0", "--accuracy_upper_bound", "1"]),
     ("RLOO", ["--num_env_steps", "64", "--process_coef", "0"]),  # the outcome stream alone: no implicit PRM
     ("GRPO", ["--kl_coef", "0.05", "--loss_agg_mode", "seq-mean-token-mean", "--scale_rewards", "none",
               "--lora_rank", "4"]),
@@ -210,7 +212,7 @@ def test_every_algorithm_runs_an_iteration(untrained_policy_dir, tmp_path, name,
     assert (Path(run_dir) / "checkpoints" / "iter_2" / "policy" / "mathrl_policy.json").is_file()
     with_implicit_prm = name == "RLOO" and "--process_coef" not in extra
     assert ("implicit_prm/heldout_accuracy" in scalars) == with_implicit_prm
-    if with_implicit_prm:  # before its first update the PRM is its reference: every outcome score is 0, "wrong"
+    if with_implicit_prm:  # before its first step the PRM is its reference: every outcome score is 0, "wrong"
         (_, heldout), (_, accuracy) = scalars["implicit_prm/heldout_accuracy"][0], scalars["train/accuracy"][0]
         assert heldout == pytest.approx(1.0 - accuracy)
 
@@ -478,3 +480,62 @@ def test_no_gradient_is_held_after_an_update(untrained_policy_dir, tmp_path, mon
         assert not all(torch.equal(a, b) for a, b in zip(weights, model.actor_parameters()))
     held = [name for model in models for name, p in model.named_parameters() if p.grad is not None]
     assert held == []
+
+
+@pytest.mark.parametrize("prime_update", ["before", "after"])
+def test_the_implicit_prm_steps_before_or_after_scoring_a_batch(untrained_policy_dir, tmp_path, monkeypatch,
+                                                                 prime_update):
+    """PRIME's order (verl's reward_model.model.update): under ``before`` the PRM first learns from the batch's
+    outcomes, so the rewards it then writes already rank them (every answer here is wrong: every episode's
+    process return is negative, the largest |return-to-go| 1 under batch_norm); under ``after`` it scores the
+    batch as its reference did (all 0) and learns only after the policy's update. Either way its held-out
+    accuracy comes from scores taken before any step on the batch (all 0: "wrong", right for every episode)."""
+    from tensorboardX import SummaryWriter
+
+    from test_env import StepLengthReward
+    from train import builders
+    from train.builders import build_runner
+    from train.config import (BudgetConfig, EnvConfig, GenerationConfig, LearningConfig, LoggingConfig, ModelConfig,
+                              PrimeConfig, RunConfig)
+
+    monkeypatch.setattr(builders, "build_reward_model", lambda config, device, template: StepLengthReward())
+    torch.manual_seed(0)
+    config = RunConfig(model=ModelConfig(name_or_path=str(untrained_policy_dir), device="cpu"),
+                       env=EnvConfig(num_envs=8), generation=GenerationConfig(max_new_tokens=12),
+                       learning=LearningConfig(algorithm="RLOO"),
+                       prime=PrimeConfig(accuracy_lower_bound=0.0, oversample_factor=1, prime_update=prime_update,
+                                         implicit_prm_lr=1e-3),
+                       budget=BudgetConfig(num_iterations=1, eval_interval=0),
+                       logging=LoggingConfig(save_interval=0, save_best=False))
+    runner = build_runner(config, tmp_path, SummaryWriter(str(tmp_path)))
+    buffer = runner.rollouts.next(0, 0, 0).buffer
+    assert float(buffer.episode_correct().sum()) == 0  # the untrained policy never verifies
+    prm = runner.learner.implicit_prm.model
+    start = [p.detach().clone() for p in prm.actor_parameters()]
+    stats = runner.learner.process_rewards(buffer)
+    stepped = not all(torch.equal(a, b) for a, b in zip(start, prm.actor_parameters()))
+    assert stats["implicit_prm/heldout_accuracy"] == 1.0
+    order, token_mask = buffer.episode_token_order()
+    returns = buffer.to_episodes(buffer.token_rewards, order)
+    if prime_update == "before":
+        assert stepped and "loss/implicit_prm" in stats
+        assert (returns.sum(-1) < 0).all()
+        to_go = returns.flip(-1).cumsum(-1).flip(-1)
+        assert float(to_go[token_mask].abs().max()) == pytest.approx(1.0, abs=1e-5)
+    else:
+        assert not stepped and "loss/implicit_prm" not in stats
+        assert float(returns.abs().max()) == 0.0
+
+
+def test_val_only_evaluates_once_and_trains_and_saves_nothing(untrained_policy_dir, tmp_path):
+    """verl's trainer.val_only: the held-out evaluation of the model as given, in eval_history.json and
+    TensorBoard, with no iteration, checkpoint or best/ policy."""
+    import json
+
+    run_dir = run_train_math(["--model_name_or_path", str(untrained_policy_dir), "--val_only", "--eval_limit", "6",
+                              "--eval_batch_size", "6", "--max_new_tokens", "6", "--logdir", str(tmp_path)])
+    history = json.loads((Path(run_dir) / "eval_history.json").read_text())
+    assert [(h["iteration"], h["env_steps"]) for h in history] == [(0, 0)]
+    scalars = read_scalars(run_dir)
+    assert [step for step, _ in scalars["eval/accuracy"]] == [0] and "train/reward" not in scalars
+    assert not (Path(run_dir) / "checkpoints").exists() and not (Path(run_dir) / "best").exists()

@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from algorithms.registry import ALGORITHMS, ImportanceSamplingLevel, KLEstimator, LossAgg, ScaleRewards
+from algorithms.registry import ALGORITHMS, ImportanceSamplingLevel, KLEstimator, LossAgg, PrimeNorm, ScaleRewards
 from envs.modes import ActionLevel, RewardAssignment, Tool  # the env's modes, which the options take too
 from train.options import option
 
@@ -71,6 +71,13 @@ class PrmType(enum.StrEnum):
 
 PRM_TYPE_ALIASES = {"ms": "shepherd", "qwen": "classifier"}
 """OpenR's names of the PRM kinds, which --prm_type accepts too."""
+
+
+class PrimeUpdate(enum.StrEnum):
+    """When PRIME's implicit PRM learns from a batch (verl's ``reward_model.model.update`` names)."""
+
+    BEFORE = "before"  # its step on the batch, then its rewards for the batch (a second forward pass)
+    AFTER = "after"  # its rewards for the batch, then, after the policy's update, its step on the batch
 
 
 class AgentGroups(enum.StrEnum):
@@ -371,8 +378,16 @@ class PrimeConfig:
                                     "--group_size of those passing the accuracy filter.", lower_bound=1)
     implicit_prm_beta: float = option(0.05, "PRIME: implicit PRM beta.")
     implicit_prm_lr: float = option(1e-3, "PRIME: implicit PRM learning rate (PRIME's paper used 1e-6 on 7B models).")
-    process_coef: float = option(0.2, "PRIME: weight of the implicit-PRM reward stream (0: RLOO on the outcome stream "
-                                 "alone, and no implicit PRM is built or trained).")
+    process_coef: float = option(1.0, "PRIME: weight of the implicit-PRM reward stream against the outcome stream's 1 "
+                                 "(0: RLOO on the outcome stream alone, and no implicit PRM is built or trained).")
+    prime_update: PrimeUpdate = option(PrimeUpdate.BEFORE, "PRIME: when the implicit PRM takes its step on a batch's "
+                                       "trained episodes: before scoring them (their rewards then carry their own "
+                                       "outcomes) or after the policy's update (one PRM forward pass fewer).")
+    prime_norm: PrimeNorm = option(PrimeNorm.BATCH_NORM, "PRIME: batch_norm divides a batch's process rewards by their "
+                                   "largest |return-to-go| (process returns in [-1, 1], as the outcome's); none: "
+                                   "implicit_prm_beta * log-ratio as is.")
+    normalize_advantages: bool = option(True, "RLOO: standardise the summed returns over the batch's trained tokens "
+                                        "(mean 0, std 1), as PRIME's code does.")
 
 
 @dataclass(frozen=True)
@@ -463,6 +478,8 @@ class BudgetConfig:
     eval_temperature: float = option(1.0, "Sampling temperature of --eval_samples (> 0).")
     eval_top_p: float = option(1.0, "Nucleus sampling of --eval_samples (1: off).")
     seed: int = option(0, "Seed of torch, numpy, the problem sampler and generation.")
+    val_only: bool = option(False, "Evaluate the model once on the held-out set, train nothing, save no "
+                            "checkpoint, and stop; its evaluation goes to TensorBoard and eval_history.json.")
     num_iterations: int | None = None  # resolved from num_env_steps (given in code: it wins)
 
 

@@ -2,7 +2,9 @@
 implicit-PRM token rewards, the trainer's log-probs for the rollout correction), ``targets`` (the algorithm's
 advantages, rollout-corrected), ``train`` (epochs of minibatches whose micro-batches accumulate gradients,
 clipped, stepped; a non-finite loss or gradient norm skips its step and ``max_nonfinite_steps`` in a row raise
-``NonFiniteError``), then PRIME's ``update_implicit_prm`` on the actions the policy trained on.
+``NonFiniteError``). PRIME's implicit PRM learns from the episodes the policy trains on either while scoring,
+before its rewards are computed (``--prime_update before``, PRIME's default), or after the policy's update
+(``after``: ``update_implicit_prm_after``).
 
 Data parallelism: ``trained_module`` is the policy wrapped in DDP or FSDP2; each rank trains on its own rollout
 with losses normalised by the global minibatch totals, and statistics are added over ranks.
@@ -29,7 +31,7 @@ from models.forward import module_mode
 from models.policy import LanguagePolicy
 from train import distributed
 from train.collector import Collector
-from train.config import Critic, LearningConfig, RolloutConfig
+from train.config import Critic, LearningConfig, PrimeUpdate, RolloutConfig
 from train.correction import GapMeter, corrected_targets, score_trainer_logprobs
 from train.distributed import Ranks
 
@@ -70,31 +72,50 @@ class Learner:
 
     def __init__(self, config: LearningConfig, rollout: RolloutConfig, policy: LanguagePolicy,
                  trained_module: torch.nn.Module, algorithm: Algorithm, optimizer: torch.optim.Optimizer,
-                 collector: Collector, minibatch_rng: torch.Generator, ranks: Ranks, implicit_prm=None):
+                 collector: Collector, minibatch_rng: torch.Generator, ranks: Ranks, implicit_prm=None,
+                 prime_update: PrimeUpdate = PrimeUpdate.BEFORE):
         self.config, self.rollout, self.policy, self.trained_module = config, rollout, policy, trained_module
         self.algorithm = algorithm
         self.spec = algorithm_spec(algorithm.name)
         self.optimizer, self.collector, self.minibatch_rng = optimizer, collector, minibatch_rng
         self.temperature = collector.sampling.temperature
-        self.ranks, self.implicit_prm = ranks, implicit_prm
+        self.ranks, self.implicit_prm, self.prime_update = ranks, implicit_prm, prime_update
 
     def score(self, buffer: RolloutBuffer) -> Scores:
         """Writes into ``buffer`` what the loss needs of other models: the reference log-probs of every live
-        action (KL), the implicit PRM's token rewards (PRIME) and, under ``rollout_is``, the trainer's
-        log-probs (``score_trainer_logprobs``)."""
-        heldout = {}
-        rows = buffer.rows() if self.algorithm.needs_reference or self.algorithm.needs_process_rewards else None
+        action (KL), the implicit PRM's token rewards (PRIME: ``process_rewards``) and, under ``rollout_is``,
+        the trainer's log-probs (``score_trainer_logprobs``)."""
+        heldout = self.process_rewards(buffer) if self.algorithm.needs_process_rewards else {}
         with self.policy.gathered(), torch.no_grad():
             if self.algorithm.needs_reference:
+                rows = buffer.rows()
                 ref = self.policy.ref_log_probs(rows.prompts, (rows.action_ids, rows.action_lengths), self.temperature)
                 buffer.ref_logprobs = buffer.scatter_tokens(rows.index, ref)
-            if self.algorithm.needs_process_rewards:
-                process = self.implicit_prm.token_rewards(rows.prompts, (rows.action_ids, rows.action_lengths))
-                buffer.token_rewards = buffer.scatter_tokens(rows.index, process)
-                heldout = self.implicit_prm_heldout(buffer, rows.index, process.sum(-1))
             gap = (score_trainer_logprobs(self.policy, buffer, self.temperature, self.row_adapters)
                    if self.rollout.rollout_is else GapMeter())
         return Scores(heldout, gap)
+
+    def process_rewards(self, buffer: RolloutBuffer) -> dict[str, float]:
+        """PRIME: writes the implicit PRM's token rewards of the episodes the policy will train on (the groups
+        that pass the prompt filter, ``algorithm.kept``) into ``buffer.token_rewards``, 0 elsewhere. Under
+        ``--prime_update before`` the PRM first takes its step on those episodes, so that their rewards already
+        carry what their outcomes taught it. Returns its held-out statistics (``implicit_prm_heldout``, from its
+        scores before any step on this batch) and, under ``before``, its loss."""
+        rows = buffer.rows(self.algorithm.kept(buffer))
+        stats = {}
+        if self.prime_update is PrimeUpdate.BEFORE:
+            stats["loss/implicit_prm"], unseen_scores = self.implicit_prm_step(buffer, rows)
+        with torch.no_grad():
+            process = self.implicit_prm.token_rewards(rows.prompts, (rows.action_ids, rows.action_lengths),
+                                                      batch_max=self.batch_max)
+        buffer.token_rewards = buffer.scatter_tokens(rows.index, process)
+        if self.prime_update is PrimeUpdate.AFTER:
+            unseen_scores = process.sum(-1)  # its sign and order are those of beta * sum log-ratio
+        return stats | self.implicit_prm_heldout(buffer, rows.index, unseen_scores)
+
+    def batch_max(self, value: float) -> float:
+        """The largest of every rank's ``value`` (this one's in one process)."""
+        return float(distributed.all_reduce_max([value])[0]) if self.ranks.distributed else value
 
     def targets(self, buffer: RolloutBuffer) -> tuple[AdvantageEstimate, dict[str, float]]:
         """The algorithm's advantages (and critic targets) for ``buffer``, rollout-corrected
@@ -152,11 +173,10 @@ class Learner:
 
     def implicit_prm_heldout(self, buffer: RolloutBuffer, index: torch.Tensor,
                              totals: torch.Tensor) -> dict[str, float]:
-        """PRIME: how well the implicit PRM predicts the outcomes of a batch it has not trained on yet (it
-        learns from this batch only after the update): ROC-AUC and accuracy of its outcome score, the sum
-        of an action's process rewards (its sign and order are those of beta * sum log-ratio whatever
-        the granularity and normalisation), against whether the episode's answer verified. Every rank's
-        rows count; NaN while the batch holds one class only."""
+        """PRIME: how well the implicit PRM predicts the outcomes of a batch it has not trained on yet:
+        ROC-AUC and accuracy of its outcome scores ``totals`` [B] (beta * sum log-ratio, or any positive
+        multiple) against whether the episode's answer verified. Every rank's rows count; NaN while the
+        batch holds one class only."""
         labels, totals = buffer.episode_correct_at(index).cpu(), totals.float().cpu()
         if self.ranks.distributed:
             gathered = distributed.all_gather_objects((totals, labels))
@@ -288,14 +308,20 @@ class Learner:
                 f"iteration {iteration}: {nonfinite_in_a_row} optimizer steps in a row had a non-finite {what} "
                 f"(--max_nonfinite_steps={self.config.max_nonfinite_steps}); stopped without saving")
 
-    def update_implicit_prm(self, buffer: RolloutBuffer, targets: AdvantageEstimate) -> float:
-        """PRIME: one step of the implicit PRM on the actions the policy trained on (``buffer.trained(targets)``),
-        labelled by whether their episode's answer verified; returns its loss (NaN: no action on any rank)."""
-        rows = buffer.rows(buffer.trained(targets))
+    def update_implicit_prm_after(self, buffer: RolloutBuffer, targets: AdvantageEstimate) -> dict[str, float]:
+        """PRIME under ``--prime_update after``: one step of the implicit PRM on the actions the policy trained on
+        (``buffer.trained(targets)``); returns its loss. Nothing (``{}``) without a PRM or under ``before``."""
+        if self.implicit_prm is None or self.prime_update is not PrimeUpdate.AFTER:
+            return {}
+        return {"loss/implicit_prm": self.implicit_prm_step(buffer, buffer.rows(buffer.trained(targets)))[0]}
+
+    def implicit_prm_step(self, buffer: RolloutBuffer, rows: Batch) -> tuple[float, torch.Tensor]:
+        """One step of the implicit PRM on ``rows``, labelled by whether their episode's answer verified; returns
+        (its loss, NaN when no rank has a row; its outcome scores [B] of ``rows`` before the step)."""
         total = int(distributed.all_reduce_sum([rows.num_samples])[0])  # over every rank
         if total == 0:
-            return math.nan
+            return math.nan, torch.zeros(0)
         labels = buffer.episode_correct_at(rows.index)
-        loss = self.implicit_prm.update(rows.prompts, (rows.action_ids, rows.action_lengths), labels, total,
-                                        distributed.sum_in_place if self.ranks.distributed else None)
-        return float(distributed.all_reduce_sum([loss])[0])
+        loss, scores = self.implicit_prm.update(rows.prompts, (rows.action_ids, rows.action_lengths), labels, total,
+                                                distributed.sum_in_place if self.ranks.distributed else None)
+        return float(distributed.all_reduce_sum([loss])[0]), scores

@@ -3,7 +3,8 @@ data flows, each call returning what it produced, and keeps the counters (``Prog
 
     evaluate when due (train.evaluation) -> collect the batch (Rollouts.next) -> score it with the reference
     and reward models (Learner.score) -> advantages (Learner.targets) -> minibatch steps (Learner.train)
-    -> scheduler step -> implicit-PRM update (Learner.update_implicit_prm) -> sync the generator
+    -> scheduler step -> implicit-PRM update under --prime_update after (Learner.update_implicit_prm_after)
+    -> sync the generator
     -> log (train.reporting); between iterations, checkpoints (train.checkpointing).
 
 Surviving faults:
@@ -100,7 +101,8 @@ class Runner:
                                  if config.rollout.filter_groups else None)
         self.learner = Learner(config.learning, config.rollout, policy,
                                trained_module if trained_module is not None else policy,
-                               algorithm, optimizer, collector, minibatch_rng, ranks, implicit_prm)
+                               algorithm, optimizer, collector, minibatch_rng, ranks, implicit_prm,
+                               config.prime.prime_update)
         self.scheduler = scheduler  # the lr schedule: steps with each iteration that updated the policy
         self.reporter = Reporter(writer, ranks, policy.tokenizer, collector.roles, NUM_TEXT_SAMPLES)
         self.checkpointer = Checkpointer(run_dir, logs.keep_checkpoints, policy, optimizer, scheduler, self.rollouts,
@@ -129,12 +131,16 @@ class Runner:
 
     def run(self) -> list[dict[str, float]]:
         """Trains from ``iteration`` (0, or where ``restore`` left it) to ``num_iterations``;
-        returns the evaluation history. Stops early, after saving, on ``STOP_SIGNALS``."""
+        returns the evaluation history. Stops early, after saving, on ``STOP_SIGNALS``. Under ``val_only``:
+        one evaluation, nothing trained or saved."""
         budget, logs = self.config.budget, self.config.logging
         bar = self.reporter.progress_bar(self.iteration, budget.num_iterations, self.algorithm.name)
         postfix: dict[str, str] = {}
         self.clock = time.perf_counter()  # the time before this call (start-up, a restore) is not training
         try:
+            if budget.val_only:
+                self.evaluate(self.iteration)
+                return self.history
             with self.signals_stop_after_iteration():
                 for iteration in bar:
                     self.train_iteration(iteration, postfix)
@@ -201,9 +207,8 @@ class Runner:
         progress.nonfinite_in_a_row = trained.nonfinite_in_a_row
         if trained.optimizer_steps:  # the schedule advances with iterations that updated the policy
             self.scheduler.step()
-        stats = collected.stats | trained.stats | scores.heldout | correction
-        if learner.implicit_prm is not None:
-            stats["loss/implicit_prm"] = learner.update_implicit_prm(buffer, targets)
+        stats = (collected.stats | trained.stats | scores.heldout | correction
+                 | learner.update_implicit_prm_after(buffer, targets))
         stats |= {"train/nonfinite_steps": float(progress.nonfinite_steps), "histograms": targets.stats,
                   "time/update": time.perf_counter() - started, **learner.learning_rates()}
         progress.version += 1
@@ -286,7 +291,8 @@ class Runner:
         self.progress.eval_seconds += result["time/eval"]
         seconds = self.elapsed() - self.progress.eval_seconds
         self.history.append({"iteration": iteration, "env_steps": env_steps, "seconds": seconds, **result})
-        if self.config.logging.save_best and result["eval/accuracy"] > best_before:  # the same on every rank
+        new_best = result["eval/accuracy"] > best_before  # the same on every rank
+        if self.config.logging.save_best and not self.config.budget.val_only and new_best:
             self.save_best(iteration, result["eval/accuracy"])
         limit = self.config.budget.eval_limit
         num_problems = {name: min(limit, len(env.problems)) for name, env in self.eval_envs.items()}

@@ -25,7 +25,8 @@ GROUPED = tuple(name for name, spec in ALGORITHMS.items() if spec.grouped)
 TOKEN_LOSS = tuple(name for name in ALGORITHMS if name != "APPO")  # APPO's loss is one ratio per action
 APPLIES_TO = {
     **dict.fromkeys(("accuracy_lower_bound", "accuracy_upper_bound", "oversample_factor", "implicit_prm_beta",
-                     "implicit_prm_lr", "process_coef"), ("RLOO",)),
+                     "implicit_prm_lr", "process_coef", "prime_update", "prime_norm", "normalize_advantages"),
+                    ("RLOO",)),
     "scale_rewards": ("GRPO",),
     "agent_groups": GROUPED,
     "importance_sampling_level": CRITIC_FREE,

@@ -1,8 +1,9 @@
 """Faults from outside the trainer: SIGTERM or SIGUSR1 on a running train_math.py (saves, exits 75,
-prints the command that resumes), a second writer on the same run (refused by the run's lock),
-generations the env must survive, and (slow) SIGKILL at random moments,
-including in the middle of checkpoint writes, each followed by ``--resume auto``: it always resumes
-from the last complete checkpoint, and the run it finishes equals a run never killed."""
+prints the command that resumes), sent again or followed by SIGINT (ignored: the same, and the run resumes
+exactly), a second writer on the same run (refused by the run's lock), generations the env must survive,
+and (slow) SIGKILL at random moments, including in the middle of checkpoint writes, each followed by
+``--resume auto``: it always resumes from the last complete checkpoint, and the run it finishes equals a
+run never killed."""
 
 from __future__ import annotations
 

@@ -161,31 +161,31 @@ def test_a_repeated_stop_signal_is_ignored_and_the_checkpoint_resumes_exactly(un
         wait_until_training(process, log)
         process.send_signal(first)
         if when == "in its save":
-            assert wait_for(lambda: list(tmp_path.glob("stopped/*/*/checkpoints/.tmp-iter_*/rng.pt")), process, 60), \
-                log.read_text()[-3000:]
+            assert wait_for(lambda: list(tmp_path.glob("stopped/*/*/checkpoints/.tmp-iter_*/rng.pt")), process,
+                            60), log.read_text()[-3000:]
         targets = list(worker_pids(process).values()) if ranks > 1 else [process.pid]
         for repeat in then:
             time.sleep(0.3)
             for pid in targets:
                 os.kill(pid, repeat)
         out, _ = process.communicate(timeout=120)
+        text = log.read_text()
+        assert process.returncode == (75 if ranks == 1 else 1), text[-3000:]  # torchrun ends 1 on a signal
+        match = re.search(rf"stopped by {first.name} after iteration (\d+): checkpoint (\S+); resume with: (.+)", out)
+        assert match, text[-3000:]
+        stopped_at, path = int(match[1]), Path(match[2])
+        assert stopped_at < iterations and checkpoint.invalid_reason(path) is None
+        if ranks == 1:
+            assert shlex.split(match[3]) == [*command("stopped"), f"--resume={path}"]
+        assert text.count(f"{then[0].name} received while stopping for {first.name}: ignored") == ranks, text[-3000:]
+        resumed = subprocess.run(command("stopped", "--resume", "auto"), capture_output=True, text=True,
+                                 env=child_env(), cwd=ROOT, timeout=300)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert f"resuming from {path} (iteration {stopped_at})" in resumed.stderr
         assert reference.wait(timeout=300) == 0, (tmp_path / "reference.log").read_text()[-3000:]
     finally:
         process.kill()
         reference.kill()
-    text = log.read_text()
-    assert process.returncode == (75 if ranks == 1 else 1), text[-3000:]  # torchrun ends 1 on a signal
-    match = re.search(rf"stopped by {first.name} after iteration (\d+): checkpoint (\S+); resume with: (.+)", out)
-    assert match, text[-3000:]
-    stopped_at, path = int(match[1]), Path(match[2])
-    assert stopped_at < iterations and checkpoint.invalid_reason(path) is None
-    if ranks == 1:
-        assert shlex.split(match[3]) == [*command("stopped"), f"--resume={path}"]
-    assert text.count(f"{then[0].name} received while stopping for {first.name}: ignored") == ranks, text[-3000:]
-    resumed = subprocess.run(command("stopped", "--resume", "auto"), capture_output=True, text=True,
-                             env=child_env(), cwd=ROOT, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resuming from {path} (iteration {stopped_at})" in resumed.stderr
     (reference_dir,), run_dir = (tmp_path / "reference").glob("*/run_*"), path.parents[1]
     assert_same_training_state(reference_dir / "checkpoints" / f"iter_{iterations}",
                                run_dir / "checkpoints" / f"iter_{iterations}")

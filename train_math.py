@@ -12,7 +12,7 @@ RunConfig (train/config.py), and the run is composed from it by train/builders.p
 TensorBoard logs and checkpoints go to <logdir>/<experiment>/<run>; ``--resume auto`` continues the
 newest complete checkpoint in the same run directory (train/checkpoint.py). SIGINT, SIGTERM and
 SIGUSR1 save a checkpoint after the current iteration and exit 75 (``STOPPED_TO_RESUME``) with the command
-that resumes.
+that resumes; the signals that follow are ignored, except Ctrl-C twice, which stops at once without saving.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ from train import builders, checkpoint, evaluation
 from train.learner import Learner
 from train.reporting import write_out
 from train.rollouts import Rollouts
-from train.runner import NonFiniteError, Runner
+from train.runner import STOP_SIGNALS, NonFiniteError, Runner
 
 PROBLEMS = Arith().problems(30, seed=2)
 
@@ -259,7 +259,8 @@ def length_reward(monkeypatch):
 
 def run_stopped_by_sigterm(monkeypatch, last: int, argv: list[str]) -> str:
     """Runs train_math in this process and sends it SIGTERM right after iteration ``last`` is logged: it
-    must save and exit 75 (``train_math.STOPPED_TO_RESUME``). Returns the run directory."""
+    must save and exit 75 (``train_math.STOPPED_TO_RESUME``), leaving the stop signals ignored until the
+    process exits (this one goes on: its handlers are put back). Returns the run directory."""
     log = Runner.log
 
     def log_then_signal(self, iteration, buffer, stats):
@@ -267,10 +268,16 @@ def run_stopped_by_sigterm(monkeypatch, last: int, argv: list[str]) -> str:
         if iteration == last:
             os.kill(os.getpid(), signal.SIGTERM)
 
-    with monkeypatch.context() as patch:
-        patch.setattr(Runner, "log", log_then_signal)
-        with pytest.raises(SystemExit) as stopped:
-            run_train_math(argv)
+    handlers = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    try:
+        with monkeypatch.context() as patch:
+            patch.setattr(Runner, "log", log_then_signal)
+            with pytest.raises(SystemExit) as stopped:
+                run_train_math(argv)
+        assert all(signal.getsignal(signum) is signal.SIG_IGN for signum in STOP_SIGNALS)
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
     assert stopped.value.code == train_math.STOPPED_TO_RESUME == 75
     return sorted(glob.glob(f"{argv[argv.index('--logdir') + 1]}/*/run_*"))[-1]
 
@@ -297,7 +304,6 @@ def test_k_then_resume_then_k_equals_2k_in_one_go(untrained_policy_dir, tmp_path
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line.startswith(f"stopped by SIGTERM after iteration {k}: checkpoint {stopped}/checkpoints/iter_{k}; "
                            "resume with: ") and line.endswith(f"--resume={stopped}/checkpoints/iter_{k}")
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the runner put the handlers back
     resumed = run_train_math(flags_for(untrained_policy_dir, tmp_path / "resumed", algorithm, 2 * k, *extra,
                                        "--resume", "auto"))
     assert resumed == stopped  # the same run directory, TensorBoard continued in it

@@ -1,8 +1,9 @@
 """Faults from outside the trainer: SIGTERM or SIGUSR1 on a running train_math.py (saves, exits 75,
-prints the command that resumes), a second writer on the same run (refused by the run's lock),
-generations the env must survive, and (slow) SIGKILL at random moments,
-including in the middle of checkpoint writes, each followed by ``--resume auto``: it always resumes
-from the last complete checkpoint, and the run it finishes equals a run never killed."""
+prints the command that resumes), sent again or followed by SIGINT (ignored: the same, and the run resumes
+exactly), a second writer on the same run (refused by the run's lock), generations the env must survive,
+and (slow) SIGKILL at random moments, including in the middle of checkpoint writes, each followed by
+``--resume auto``: it always resumes from the last complete checkpoint, and the run it finishes equals a
+run never killed."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -24,9 +26,11 @@ from envs.vector import MathVectorEnv
 from fault_proxy import FaultProxy
 from reward_models.prm import ProcessRewardModel
 from test_checkpoint import assert_same_training_state, deterministic_scalars
-from test_distributed import TORCHRUN
+from test_distributed import TORCHRUN, worker_pids
 from test_prm_server import serving, stop
 from train import checkpoint
+from train.checkpointing import Progress
+from train.runner import STOP_SIGNALS, Runner
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,8 +72,10 @@ def wait_until_training(process: subprocess.Popen, log: Path) -> None:
     assert wait_for(lambda: re.search(r"APPO: +\d+%.*\| [1-9]\d*/", log.read_text()), process, 120), log.read_text()
 
 
-# SIGUSR1 reaching the trainer, its save and exit 75 are also run by default through the sbatch script below
-@pytest.mark.parametrize("stop", [signal.SIGTERM, pytest.param(signal.SIGUSR1, marks=pytest.mark.slow)])
+# by default SIGTERM's save, exit 75 and printed command are run by the repeated-signal test below, and SIGUSR1's
+# through the sbatch script
+@pytest.mark.slow
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGUSR1])
 def test_a_stop_signal_saves_exits_75_and_prints_the_command_that_resumes(untrained_policy_dir, tmp_path, stop):
     """SIGTERM (a scheduler's stop) or SIGUSR1 (SLURM's --signal warning): the iteration finishes, the
     checkpoint is written, the exit status is 75 (train_math.STOPPED_TO_RESUME) and the printed command
@@ -92,6 +98,100 @@ def test_a_stop_signal_saves_exits_75_and_prints_the_command_that_resumes(untrai
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resuming from {path} (iteration {iteration})" in resumed.stderr
     assert checkpoint.find_latest(path.parents[1]).name == f"iter_{iteration + 1}"
+
+
+@pytest.mark.parametrize("first", STOP_SIGNALS, ids=lambda s: s.name)
+@pytest.mark.parametrize("then", STOP_SIGNALS, ids=lambda s: s.name)
+def test_once_a_run_stops_only_a_second_sigint_interrupts_it(first, then, caplog):
+    """The runner's handlers, sent real signals: the first asks for the stop; then SIGINT after SIGINT (Ctrl-C
+    twice) interrupts at once, and every other one, sent twice, is ignored and logged once; after the run the
+    three stay ignored until the process exits."""
+    handlers = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    runner = SimpleNamespace(stop_signal=None, progress=Progress())  # all the handlers read of a Runner
+    try:
+        with Runner.signals_stop_after_iteration(runner):
+            signal.raise_signal(first)
+            if first == then == signal.SIGINT:
+                with pytest.raises(KeyboardInterrupt, match="second SIGINT: stopping without saving"):
+                    signal.raise_signal(then)
+            else:
+                signal.raise_signal(then)
+                signal.raise_signal(then)
+        assert runner.stop_signal == first.name
+        ignored = [r.message for r in caplog.records if "while stopping" in r.message]
+        assert ignored == ([] if first == then == signal.SIGINT else
+                           [f"{then.name} received while stopping for {first.name}: ignored, the checkpoint is still "
+                            "written"])
+        assert all(signal.getsignal(signum) is signal.SIG_IGN for signum in STOP_SIGNALS)
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+
+
+REPEATED = [  # the signal that stops the run, what follows it 0.3 s apart, when that starts, ranks
+    pytest.param(signal.SIGTERM, [signal.SIGTERM], "0.3 s later", 1, id="SIGTERM-twice"),
+    pytest.param(signal.SIGTERM, [signal.SIGTERM, signal.SIGTERM], "in its save", 1, marks=pytest.mark.slow,
+                 id="SIGTERM-twice-in-its-save"),
+    pytest.param(signal.SIGUSR1, [signal.SIGINT], "0.3 s later", 1, marks=pytest.mark.slow, id="SIGUSR1-then-SIGINT"),
+    pytest.param(signal.SIGTERM, [signal.SIGINT], "in its save", 1, marks=pytest.mark.slow,
+                 id="SIGTERM-then-SIGINT-in-its-save"),
+    pytest.param(signal.SIGTERM, [signal.SIGTERM], "0.3 s later", 2, marks=pytest.mark.slow, id="torchrun"),
+]
+
+
+@pytest.mark.parametrize("first, then, when, ranks", REPEATED)
+def test_a_repeated_stop_signal_is_ignored_and_the_checkpoint_resumes_exactly(untrained_policy_dir, tmp_path, first,
+                                                                              then, when, ranks):
+    """A stop signal sent again (GNU ``timeout`` signals the command, then its process group), or a SIGINT after
+    one, while the run finishes its iteration or writes its checkpoint: ignored (one line in the log), the
+    checkpoint is written, the run exits 75, and ``--resume auto`` ends where a run never stopped ends (weights,
+    optimizer state, scalars). Under torchrun the first signal goes to torchrun, which passes it on to its
+    ranks, and the ones after to every rank (a scheduler signalling every process of the job)."""
+    iterations = 6
+    launcher = [*TORCHRUN, "--nproc_per_node", "2"] if ranks > 1 else [sys.executable]
+
+    def command(name: str, *extra: str) -> list[str]:
+        return [*launcher, *train_command(untrained_policy_dir, tmp_path / name, iterations, "--save_interval", "0",
+                                          *extra)[1:]]
+
+    reference = launch(command("reference"), tmp_path / "reference.log", env=child_env())
+    log = tmp_path / "stopped.log"
+    process = launch(command("stopped"), log, env=child_env(checkpoint_delay=1.0))  # a save takes 1 s or more
+    try:
+        wait_until_training(process, log)
+        process.send_signal(first)
+        if when == "in its save":
+            assert wait_for(lambda: list(tmp_path.glob("stopped/*/*/checkpoints/.tmp-iter_*/rng.pt")), process,
+                            60), log.read_text()[-3000:]
+        targets = list(worker_pids(process).values()) if ranks > 1 else [process.pid]
+        for repeat in then:
+            time.sleep(0.3)
+            for pid in targets:
+                os.kill(pid, repeat)
+        out, _ = process.communicate(timeout=120)
+        text = log.read_text()
+        assert process.returncode == (75 if ranks == 1 else 1), text[-3000:]  # torchrun ends 1 on a signal
+        match = re.search(rf"stopped by {first.name} after iteration (\d+): checkpoint (\S+); resume with: (.+)", out)
+        assert match, text[-3000:]
+        stopped_at, path = int(match[1]), Path(match[2])
+        assert stopped_at < iterations and checkpoint.invalid_reason(path) is None
+        if ranks == 1:
+            assert shlex.split(match[3]) == [*command("stopped"), f"--resume={path}"]
+        assert text.count(f"{then[0].name} received while stopping for {first.name}: ignored") == ranks, text[-3000:]
+        resumed = subprocess.run(command("stopped", "--resume", "auto"), capture_output=True, text=True,
+                                 env=child_env(), cwd=ROOT, timeout=300)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert f"resuming from {path} (iteration {stopped_at})" in resumed.stderr
+        assert reference.wait(timeout=300) == 0, (tmp_path / "reference.log").read_text()[-3000:]
+    finally:
+        process.kill()
+        reference.kill()
+    (reference_dir,), run_dir = (tmp_path / "reference").glob("*/run_*"), path.parents[1]
+    assert_same_training_state(reference_dir / "checkpoints" / f"iter_{iterations}",
+                               run_dir / "checkpoints" / f"iter_{iterations}")
+    scalars = deterministic_scalars(run_dir)
+    assert [step for step, _ in scalars["train/reward"]] == list(range(iterations))
+    assert scalars == deterministic_scalars(reference_dir)
 
 
 def sbatch_script() -> str:

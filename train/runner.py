@@ -12,8 +12,9 @@ Surviving faults:
   scheduler, RNG states, the collector's state and the counters; ``restore`` continues from one exactly
   (synchronous collection: the same parameters and logged values as a run never stopped).
 - SIGINT, SIGTERM and SIGUSR1 (what SLURM's ``--signal`` sends before a time limit): the current
-  iteration finishes, a checkpoint is written, ``run`` returns with ``stop_signal`` set. A second
-  signal interrupts at once (KeyboardInterrupt).
+  iteration finishes, a checkpoint is written, ``run`` returns with ``stop_signal`` set. Further ones are
+  ignored (a duplicate must not abandon the save), except a second SIGINT, which interrupts at once
+  (KeyboardInterrupt).
 - ``max_nonfinite_steps`` non-finite optimizer steps in a row raise ``NonFiniteError`` without saving,
   naming the last checkpoint (the last good state).
 - An exception before the update (a reward model raising in evaluation or collection, in this thread
@@ -247,26 +248,39 @@ class Runner:
 
     @contextlib.contextmanager
     def signals_stop_after_iteration(self) -> Iterator[None]:
-        """``STOP_SIGNALS`` set ``stop_signal`` (the loop saves and returns after the current iteration);
-        a second one raises KeyboardInterrupt. Only the main thread can install handlers: elsewhere
-        signals keep their default behaviour."""
+        """``STOP_SIGNALS`` set ``stop_signal`` (the loop saves and returns after the current iteration). Once
+        it is set, a second SIGINT (Ctrl-C twice: a person at the terminal) raises KeyboardInterrupt; any other
+        signal of the three is ignored, logged once: GNU ``timeout`` signals the command and then its process
+        group, and a scheduler may signal every process of a job, so a SIGTERM often comes twice, and a save
+        under way must not be abandoned for it. A stopped run leaves the three ignored: its process is on its
+        way to exit with the checkpoint written (an in-process caller that goes on restores them). Only the
+        main thread can install handlers: elsewhere signals keep their default behaviour."""
         if threading.current_thread() is not threading.main_thread():
             yield
             return
+        ignored_one = False
 
         def request_stop(signum: int, frame) -> None:
-            if self.stop_signal is not None:
-                raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopping without saving")
-            self.stop_signal = signal.Signals(signum).name
-            log.warning("%s received: finishing iteration %d, then saving a checkpoint and exiting (send it again "
-                        "to stop at once without saving)", self.stop_signal, self.progress.iteration)
+            nonlocal ignored_one
+            name = signal.Signals(signum).name
+            if self.stop_signal is None:
+                self.stop_signal = name
+                log.warning("%s received: finishing iteration %d, then saving a checkpoint and exiting (%s)", name,
+                            self.progress.iteration, "Ctrl-C again stops at once without saving" if name == "SIGINT"
+                            else "a repeated signal is ignored; SIGKILL stops at once without saving")
+            elif name == self.stop_signal == "SIGINT":
+                raise KeyboardInterrupt("second SIGINT: stopping without saving")
+            elif not ignored_one:
+                ignored_one = True
+                log.warning("%s received while stopping for %s: ignored, the checkpoint is still written", name,
+                            self.stop_signal)
 
         previous = {signum: signal.signal(signum, request_stop) for signum in STOP_SIGNALS}
         try:
             yield
         finally:
             for signum, handler in previous.items():
-                signal.signal(signum, handler)
+                signal.signal(signum, handler if self.stop_signal is None else signal.SIG_IGN)
 
     def evaluate_once(self, iteration: int) -> dict[str, float]:
         """``evaluate``, unless the history already holds this iteration (a resume of a finished run's

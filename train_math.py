@@ -208,7 +208,7 @@ def train(argv: list[str]) -> int:
         return 0
     runner = started.runner
     try:
-        history = runner.run()
+        history = runner.run(exit_after_stop=True)
     except KeyboardInterrupt as interrupt:
         fail(f"{interrupt or 'interrupted'}; the last checkpoint is {runner.last_checkpoint or 'none'}", code=130)
     except CheckpointError as error:  # a full disk: what, where and what to do, on one line

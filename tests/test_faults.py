@@ -102,14 +102,16 @@ def test_a_stop_signal_saves_exits_75_and_prints_the_command_that_resumes(untrai
 
 @pytest.mark.parametrize("first", STOP_SIGNALS, ids=lambda s: s.name)
 @pytest.mark.parametrize("then", STOP_SIGNALS, ids=lambda s: s.name)
-def test_once_a_run_stops_only_a_second_sigint_interrupts_it(first, then, caplog):
+@pytest.mark.parametrize("exit_after_stop", [True, False], ids=["command-line", "library"])
+def test_once_a_run_stops_only_a_second_sigint_interrupts_it(first, then, exit_after_stop, caplog):
     """The runner's handlers, sent real signals: the first asks for the stop; then SIGINT after SIGINT (Ctrl-C
     twice) interrupts at once, and every other one, sent twice, is ignored and logged once; after the run the
-    three stay ignored until the process exits."""
+    three stay ignored until the process exits (train_math), or the handlers before come back (a library
+    caller that goes on, e.g. a notebook whose next Ctrl-C must still interrupt)."""
     handlers = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
     runner = SimpleNamespace(stop_signal=None, progress=Progress())  # all the handlers read of a Runner
     try:
-        with Runner.signals_stop_after_iteration(runner):
+        with Runner.signals_stop_after_iteration(runner, exit_after_stop):
             signal.raise_signal(first)
             if first == then == signal.SIGINT:
                 with pytest.raises(KeyboardInterrupt, match="second SIGINT: stopping without saving"):
@@ -122,7 +124,8 @@ def test_once_a_run_stops_only_a_second_sigint_interrupts_it(first, then, caplog
         assert ignored == ([] if first == then == signal.SIGINT else
                            [f"{then.name} received while stopping for {first.name}: ignored, the checkpoint is still "
                             "written"])
-        assert all(signal.getsignal(signum) is signal.SIG_IGN for signum in STOP_SIGNALS)
+        after = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+        assert after == (dict.fromkeys(STOP_SIGNALS, signal.SIG_IGN) if exit_after_stop else handlers)
     finally:
         for signum, handler in handlers.items():
             signal.signal(signum, handler)

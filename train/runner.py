@@ -130,10 +130,12 @@ class Runner:
     def last_buffer(self) -> RolloutBuffer | None:
         return self.reporter.last_buffer
 
-    def run(self) -> list[dict[str, float]]:
+    def run(self, exit_after_stop: bool = False) -> list[dict[str, float]]:
         """Trains from ``iteration`` (0, or where ``restore`` left it) to ``num_iterations``;
         returns the evaluation history. Stops early, after saving, on ``STOP_SIGNALS``. Under ``val_only``:
-        one evaluation, nothing trained or saved."""
+        one evaluation, nothing trained or saved. ``exit_after_stop``: the caller exits once a stop has
+        saved (the command line), so a stopped run leaves the stop signals ignored; otherwise their handlers
+        are put back."""
         budget, logs = self.config.budget, self.config.logging
         bar = self.reporter.progress_bar(self.iteration, budget.num_iterations, self.algorithm.name)
         postfix: dict[str, str] = {}
@@ -142,7 +144,7 @@ class Runner:
             if budget.val_only:
                 self.evaluate(self.iteration)
                 return self.history
-            with self.signals_stop_after_iteration():
+            with self.signals_stop_after_iteration(exit_after_stop):
                 for iteration in bar:
                     self.train_iteration(iteration, postfix)
                     bar.set_postfix(postfix, refresh=False)
@@ -247,14 +249,14 @@ class Runner:
             raise
 
     @contextlib.contextmanager
-    def signals_stop_after_iteration(self) -> Iterator[None]:
+    def signals_stop_after_iteration(self, exit_after_stop: bool = False) -> Iterator[None]:
         """``STOP_SIGNALS`` set ``stop_signal`` (the loop saves and returns after the current iteration). Once
         it is set, a second SIGINT (Ctrl-C twice: a person at the terminal) raises KeyboardInterrupt; any other
         signal of the three is ignored, logged once: GNU ``timeout`` signals the command and then its process
         group, and a scheduler may signal every process of a job, so a SIGTERM often comes twice, and a save
-        under way must not be abandoned for it. A stopped run leaves the three ignored: its process is on its
-        way to exit with the checkpoint written (an in-process caller that goes on restores them). Only the
-        main thread can install handlers: elsewhere signals keep their default behaviour."""
+        under way must not be abandoned for it. With ``exit_after_stop`` a stopped run leaves the three ignored
+        (its process is on its way to exit with the checkpoint written); otherwise the handlers before are put
+        back. Only the main thread can install handlers: elsewhere signals keep their default behaviour."""
         if threading.current_thread() is not threading.main_thread():
             yield
             return
@@ -280,7 +282,7 @@ class Runner:
             yield
         finally:
             for signum, handler in previous.items():
-                signal.signal(signum, handler if self.stop_signal is None else signal.SIG_IGN)
+                signal.signal(signum, signal.SIG_IGN if exit_after_stop and self.stop_signal else handler)
 
     def evaluate_once(self, iteration: int) -> dict[str, float]:
         """``evaluate``, unless the history already holds this iteration (a resume of a finished run's

@@ -18,7 +18,7 @@ every row samples at temperature 1.0, groups of 8 and a constant lr, see ``GRID_
   kept and none oversampled, so every env step is trained on.
 - rloo_filter: PRIME's sampling without its PRM: prompts 4x oversampled and filtered to group accuracy in
   [0.2, 0.8], the outcome stream alone (``--process_coef 0``); the control for rloo_prime.
-- rloo_prime: RLOO as PRIME runs it: the implicit PRM's token rewards as a second stream (weight 0.2),
+- rloo_prime: RLOO as PRIME runs it: the implicit PRM's token rewards as a second stream (weight 1, batch-normed),
   prompts 4x oversampled and filtered to group accuracy in [0.2, 0.8] (RLOO's defaults).
 - prefix_rl: ``Arith-Prefix-v0``: the tiny policy writes a prefix of at most 12 tokens, the frozen tiny
   target finishes it (``--role_model solver=<target>``, 96 tokens), the writer is paid the team's

@@ -1,0 +1,261 @@
+"""The project's own methods against their controls on a real pretrained model, through ``train_math.py``.
+
+    python -m bench.real_model_methods --method prefix_rl|prime [--seeds 0 1] [--iterations N]
+                                       [--eval_interval N] [--eval_limit 500] [--model DIR] [--out DIR]
+
+SmolLM2-135M-Instruct (``python -m models.smollm2``) under its chat template on the real-model bench's task
+(``bench.real_model_learning.ARITH``: sums of two or three one-digit numbers, 500 held out), full fine-tuning
+at lr 2e-5, sampling at temperature 0.3, 8 prompts x 8 samples an iteration, both cores to one process.
+Every run is evaluated greedily on the held-out problems at its start, every ``--eval_interval`` iterations
+and at its end. Methods, each beside its control:
+
+- ``prefix_rl``: Prefix-RL (``Arith-Prefix-v0``). The writer writes at most ``PREFIX_TOKENS`` tokens; a frozen
+  target, SmolLM2-135M-Instruct in a directory of its own (``<out>/target``, its weights hashed before and
+  after every run), continues the solution for at most ``TARGET_TOKENS`` greedily; the writer is paid the
+  verified answer of prefix and continuation (``--reward_assignment individual``). Controls, evaluated only
+  (``--val_only``): ``target_alone``, the target solving alone with the team's whole budget
+  (``PREFIX_TOKENS + TARGET_TOKENS`` tokens), and ``writer_alone``, each seed's trained writer (its last
+  checkpoint) solving alone with the same budget: what the target adds to the writer's prefix.
+  The task: the target alone is right on about a fifth of it (weak, not at zero: a group of 8 often holds
+  a right and a wrong answer, so the writer has a signal from the start).
+- ``prime``: PRIME (RLOO with the implicit PRM, started from the reference model and updated online,
+  ``--prime_update before``, ``--prime_norm batch_norm``, its stream weighted 1:1 with the outcome's, 4x
+  oversampling and the [0.2, 0.8] prompt filter: the defaults) against ``rloo_filter``, the paper's control:
+  the same RLOO, oversampling and filter with the outcome alone (``--process_coef 0``); ``rloo``, plain RLOO
+  without oversampling or filter, beside them. The implicit PRM's learning rate is ``PRM_LR``.
+
+Comparisons are at equal generated samples: each row's ``env_steps`` counts every sample generated
+(oversampled ones included), and each run gets ``--iterations`` x ``SAMPLES_PER_ITERATION`` of them (so an
+oversampling row runs a quarter of the iterations). Per comparison one line ends
+``METHOD A -> B vs CONTROL A -> C at equal samples (+D points, Z standard errors)``: A the start, B and C the
+two-seed means of the final accuracies, D = B - C, and Z = D over the standard error of that difference,
+each mean's standard error the larger of the binomial one (sqrt(sum p(1-p)/n) / seeds) and the spread of
+the seeds (their sd / sqrt(seeds)).
+
+Outputs in ``--out``: ``runs/<row>/seed_<s>/`` (train_math's logdir and ``train.log``), ``curve.csv`` (one
+line per row, seed and evaluation), ``curve_samples.png`` and ``curve_minutes.png`` (with matplotlib). Runs
+that finished are reused; an interrupted one continues from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import hashlib
+import json
+import math
+import shutil
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from bench.learning_table import newest_run_dir, train_math_history
+from bench.real_model_learning import ARITH, default_model, standard_error
+
+PREFIX_TOKENS, TARGET_TOKENS = 32, 128  # Prefix-RL's writer budget (the paper's 32-64 tokens) and the target's
+PRM_LR = 4e-5  # PRIME's paper: the PRM at twice the policy's lr (1e-6 against 5e-7)
+SAMPLES_PER_ITERATION = 64  # 8 prompts x 8 samples
+TASK_FLAGS = ("--env_kwargs", json.dumps({"arith": ARITH}), "--prompt_template", "chat", "--reward", "outcome:1.0",
+              "--temperature", "0.3", "--group_size", "8", "--lr", "2e-5", "--lr_schedule", "constant",
+              "--warmup_iterations", "2", "--torch_threads", "2", "--noasync_rollouts", "--micro_batch_tokens", "4096",
+              "--keep_checkpoints", "1", "--save_interval", "5", "--nosave_best")
+"""The real-model bench's task and GRPO settings (bench.real_model_learning), shared by every row."""
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row: its train_math flags ({model}, {target}: the model directories; {writer}: the seed's trained
+    writer), the samples each of its iterations generates, the env steps an episode takes, and whether it
+    only evaluates (``--val_only``)."""
+
+    flags: tuple[str, ...]
+    samples_per_iteration: int = SAMPLES_PER_ITERATION
+    turns: int = 1
+    val_only: bool = False
+
+
+PREFIX_TEAM = ("--env_id", "Arith-Prefix-v0", "--role_model", "solver={target}", "--reward_assignment", "individual",
+               "--max_new_tokens", str(PREFIX_TOKENS), "--target_max_new_tokens", str(TARGET_TOKENS),
+               "--n_rollout_threads", "64")
+ALONE = ("--max_new_tokens", str(PREFIX_TOKENS + TARGET_TOKENS), "--n_rollout_threads", "64")
+RLOO = ("--algorithm_name", "RLOO", "--max_new_tokens", "128", "--n_rollout_threads", "64")
+ROWS: dict[str, Row] = {
+    "prefix_rl": Row(("--model_name_or_path", "{model}", *PREFIX_TEAM), turns=2),
+    "target_alone": Row(("--model_name_or_path", "{target}", *ALONE), val_only=True),
+    "writer_alone": Row(("--model_name_or_path", "{writer}", *ALONE), val_only=True),
+    "prime": Row(("--model_name_or_path", "{model}", *RLOO, "--implicit_prm_lr", str(PRM_LR)), 4 * 64),
+    "rloo_filter": Row(("--model_name_or_path", "{model}", *RLOO, "--process_coef", "0"), 4 * 64),
+    "rloo": Row(("--model_name_or_path", "{model}", *RLOO, "--process_coef", "0", "--oversample_factor", "1",
+                 "--accuracy_lower_bound", "0", "--accuracy_upper_bound", "1")),
+}
+METHODS = {"prefix_rl": ("prefix_rl", ("target_alone", "writer_alone")), "prime": ("prime", ("rloo_filter", "rloo"))}
+"""Each method's trained row and its controls, the first control the one it must beat."""
+CSV_KEYS = ("row", "seed", "iteration", "env_steps", "minutes", "accuracy", "standard_error", "readable",
+            "mean_length")
+
+
+def weights_digest(directory: Path) -> str:
+    """SHA-256 over the safetensors files of ``directory``, in name order."""
+    digest = hashlib.sha256()
+    for path in sorted(directory.glob("*.safetensors")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def target_copy(model: Path, out: Path) -> Path:
+    """``out/target``: the frozen target's own copy of ``model`` (made once)."""
+    target = out / "target"
+    if not target.is_dir():
+        shutil.copytree(model, target)
+    return target
+
+
+def writer_dir(out: Path, seed: int) -> Path:
+    """The Prefix-RL writer of ``seed`` as its run ended: the policy of its last checkpoint."""
+    logdir = out / "runs" / "prefix_rl" / f"seed_{seed}"
+    checkpoints = sorted(newest_run_dir(logdir).glob("checkpoints/iter_*"), key=lambda p: int(p.name.split("_")[1]))
+    if not checkpoints:
+        raise FileNotFoundError(f"no checkpoint of the Prefix-RL writer under {logdir}: its run did not finish")
+    return checkpoints[-1] / "policy"
+
+
+def row_flags(row: str, seed: int, args: argparse.Namespace, models: dict[str, str]) -> list[str]:
+    """train_math's flags for one row and seed (its logdir and --resume aside): ``--iterations`` x
+    ``SAMPLES_PER_ITERATION`` generated samples, evaluated at the same sample counts in every row."""
+    spec = ROWS[row]
+    flags = [flag.format(**models) for flag in spec.flags] + list(TASK_FLAGS) + [
+        "--seed", str(seed), "--eval_limit", str(args.eval_limit), "--eval_batch_size", str(min(args.eval_limit, 250)),
+        "--experiment_name", row]
+    if spec.val_only:
+        return flags + ["--val_only"]
+    iterations = args.iterations * SAMPLES_PER_ITERATION // spec.samples_per_iteration
+    interval = max(1, args.eval_interval * SAMPLES_PER_ITERATION // spec.samples_per_iteration)
+    return flags + ["--num_env_steps", str(iterations * spec.samples_per_iteration * spec.turns),
+                    "--eval_interval", str(interval)]
+
+
+def run_method(args: argparse.Namespace) -> dict[str, dict[int, list[dict[str, float]]]]:
+    """{row: {seed: evaluation history}} of the method's rows; raises if a run changed the target's weights."""
+    trained, controls = METHODS[args.method]
+    models = {"model": args.model, "target": str(target_copy(Path(args.model), args.out))}
+    digest = weights_digest(Path(models["target"]))
+    results: dict[str, dict[int, list[dict[str, float]]]] = {}
+    for row in (trained, *controls):
+        results[row] = {}
+        for seed in args.seeds:
+            if ROWS[row].val_only and "{writer}" not in " ".join(ROWS[row].flags) and results[row]:
+                results[row][seed] = next(iter(results[row].values()))  # a frozen model's greedy accuracy: one run
+                continue
+            seed_models = {**models, "writer": str(writer_dir(args.out, seed)) if row == "writer_alone" else ""}
+            flags = row_flags(row, seed, args, seed_models)
+            results[row][seed] = train_math_history(flags, args.out / "runs" / row / f"seed_{seed}")
+    if weights_digest(Path(models["target"])) != digest:
+        raise RuntimeError(f"the frozen target's weights in {models['target']} changed during the runs")
+    print(f"frozen target {models['target']}: weights sha256 {digest[:16]} before and after the runs", flush=True)
+    return results
+
+
+def mean_and_error(histories: dict[int, list[dict[str, float]]], n: int) -> tuple[float, float]:
+    """(the seeds' mean final accuracy, its standard error: the larger of the binomial one and the seeds'
+    spread, sd / sqrt(seeds))."""
+    finals = [history[-1]["eval/accuracy"] for history in histories.values()]
+    k = len(finals)
+    binomial = math.sqrt(sum(standard_error(p, n) ** 2 for p in finals)) / k
+    spread = statistics.stdev(finals) / math.sqrt(k) if k > 1 else 0.0
+    return statistics.fmean(finals), max(binomial, spread)
+
+
+def difference(method: str, control: str, results: dict[str, dict[int, list[dict[str, float]]]],
+               n: int) -> tuple[float, float]:
+    """(the method's mean final accuracy minus the control's, that difference in standard errors)."""
+    (b, b_error), (c, c_error) = mean_and_error(results[method], n), mean_and_error(results[control], n)
+    error = math.hypot(b_error, c_error)
+    return b - c, (b - c) / error if error else math.inf
+
+
+def comparison(method: str, control: str, results: dict[str, dict[int, list[dict[str, float]]]], n: int) -> str:
+    """``METHOD A -> B vs CONTROL A' -> C at equal samples (+D points, Z standard errors)``."""
+    start, end = {}, {}
+    for row in (method, control):
+        start[row] = statistics.fmean(history[0]["eval/accuracy"] for history in results[row].values())
+        end[row] = mean_and_error(results[row], n)[0]
+    gain, z = difference(method, control, results, n)
+    return (f"{method} {start[method]:.3f} -> {end[method]:.3f} vs {control} {start[control]:.3f} -> "
+            f"{end[control]:.3f} at equal samples ({100 * gain:+.1f} points, {z:.1f} standard errors)")
+
+
+def curve_rows(results: dict[str, dict[int, list[dict[str, float]]]], n: int) -> list[dict[str, object]]:
+    return [{"row": row, "seed": seed, "iteration": h["iteration"], "env_steps": h["env_steps"],
+             "minutes": round(h["seconds"] / 60, 2), "accuracy": h["eval/accuracy"],
+             "standard_error": round(standard_error(h["eval/accuracy"], n), 4), "readable": h.get("eval/readable", ""),
+             "mean_length": round(h["eval/mean_length"], 1)}
+            for row, by_seed in results.items() for seed, history in by_seed.items() for h in history]
+
+
+def plot(rows: list[dict[str, object]], x: str, path: Path, title: str) -> Path | None:
+    """Held-out accuracy against ``x`` (env_steps or minutes), one line per row and seed; an evaluation-only
+    row is a horizontal line."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -e '.[bench]'): no plots")
+        return None
+    figure, axes = plt.subplots(figsize=(6.5, 4))
+    trained = [row for row in rows if not ROWS[str(row["row"])].val_only]
+    right = max((float(row[x]) for row in trained), default=1.0)
+    for index, name in enumerate(dict.fromkeys(str(row["row"]) for row in rows)):
+        for seed in dict.fromkeys(row["seed"] for row in rows if row["row"] == name):
+            mine = [row for row in rows if row["row"] == name and row["seed"] == seed]
+            xs, ys = [float(row[x]) for row in mine], [float(row["accuracy"]) for row in mine]
+            if ROWS[name].val_only:
+                xs, ys = [0.0, right], [ys[0], ys[0]]
+            axes.plot(xs, ys, color=f"C{index}", marker="" if ROWS[name].val_only else "o",
+                      linestyle="--" if ROWS[name].val_only else "-", label=f"{name} seed {seed}")
+    axes.set(xlabel="generated samples" if x == "env_steps" else "training minutes",
+             ylabel="held-out greedy accuracy", title=title)
+    axes.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    return path
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--method", choices=tuple(METHODS), required=True)
+    parser.add_argument("--model", default=None, help="Model directory or hub id (default: SmolLM2-135M-Instruct "
+                        "in the cache, from python -m models.smollm2).")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--iterations", type=int, default=16, help="Budget in iterations of 64 generated samples "
+                        "(an oversampling row runs a quarter as many iterations of four times the samples).")
+    parser.add_argument("--eval_interval", type=int, default=8, help="Evaluate every this many iterations of 64 "
+                        "samples (and at the start and end).")
+    parser.add_argument("--eval_limit", type=int, default=500, help="Held-out problems per evaluation.")
+    parser.add_argument("--out", type=Path, default=Path("runs/real_model_methods"))
+    args = parser.parse_args(argv)
+    args.model = args.model or default_model()
+    args.out = args.out.resolve()
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = run_method(args)
+    rows = curve_rows(results, args.eval_limit)
+    with open(args.out / "curve.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=CSV_KEYS)
+        writer.writeheader()
+        writer.writerows(rows)
+    for x, name in (("env_steps", "curve_samples.png"), ("minutes", "curve_minutes.png")):
+        plot(rows, x, args.out / name, f"{args.method} on SmolLM2-135M-Instruct")
+    trained, controls = METHODS[args.method]
+    for control in controls:
+        print(comparison(trained, control, results, args.eval_limit), flush=True)
+
+
+if __name__ == "__main__":
+    main()

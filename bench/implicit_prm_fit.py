@@ -52,7 +52,7 @@ def subset(rows: Batch, index: torch.Tensor) -> tuple[list[list[int]], tuple[tor
 @torch.no_grad()
 def heldout(prm: ImplicitPRM, rows: Batch, labels: torch.Tensor, batch: int) -> dict[str, float]:
     """ROC-AUC and accuracy (score > 0) of the outcome score on ``rows``."""
-    scores = torch.cat([prm.token_rewards(*subset(rows, index)).sum(-1).cpu()
+    scores = torch.cat([prm.outcome_scores(*subset(rows, index)).cpu()
                         for index in torch.arange(len(labels)).split(batch)])
     accuracy = float(((scores > 0).float() == labels).float().mean())
     return {"auc": round(roc_auc(scores, labels), 4), "accuracy": round(accuracy, 4)}
@@ -61,12 +61,12 @@ def heldout(prm: ImplicitPRM, rows: Batch, labels: torch.Tensor, batch: int) -> 
 def fit(policy_dir: Path, train: tuple[Batch, torch.Tensor], test: tuple[Batch, torch.Tensor], lr: float,
         beta: float, batch: int, report_every: int, seed: int) -> dict:
     torch.manual_seed(seed)
-    prm = ImplicitPRM(policy_dir, beta=beta, lr=lr, norm="none", device="cpu")  # scores comparable across batches
+    prm = ImplicitPRM(policy_dir, beta=beta, lr=lr, device="cpu")
     rows, labels = train
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
     curve, losses, started = [], [], time.perf_counter()
     for step, index in enumerate(order.split(batch), start=1):
-        losses.append(prm.update(*subset(rows, index), labels[index])[0])
+        losses.append(prm.update(*subset(rows, index), labels[index]))
         if step % report_every == 0 or step * batch >= len(labels):
             recent = losses[-report_every:]
             curve.append({"step": step, "train_loss": round(sum(recent) / len(recent), 4),

@@ -88,18 +88,23 @@ class ImplicitPRM:
             rewards = rewards / (batch_max(largest) + 1e-6)
         return rewards
 
+    @torch.no_grad()
+    def outcome_scores(self, prompts: TokenBatch, actions: TokenBatch) -> torch.Tensor:
+        """[B] its prediction of each action's outcome, beta * sum_t log-ratio (> 0: right)."""
+        if not token_lengths(actions):
+            return torch.zeros(0)
+        return self.beta * self.log_ratios(prompts, actions)[0].sum(-1)
+
     def update(self, prompts: TokenBatch, actions: TokenBatch, labels: torch.Tensor, total: int | None = None,
-               sum_gradients: Callable[[list[torch.Tensor]], None] | None = None) -> tuple[float, torch.Tensor]:
+               sum_gradients: Callable[[list[torch.Tensor]], None] | None = None) -> float:
         """One optimizer step of BCE(sigmoid(beta * sum_t log-ratio), labels [B] in {0, 1}), its gradient
-        norm clipped to ``MAX_GRAD_NORM``. Returns (this batch's summed loss divided by ``total``, the
-        outcome scores beta * sum_t log-ratio [B] before the step: predictions for a batch it had not
-        learned from).
+        norm clipped to ``MAX_GRAD_NORM``; returns this batch's summed loss divided by ``total``.
 
         Data parallelism: ``total`` is the number of samples over every process (default B), so each
         process's loss is its share of the mean, and ``sum_gradients`` adds the gradients (in place)
         over the processes before the step; a process with no samples joins with zero gradients."""
         total = len(labels) if total is None else total
-        loss, logits = torch.zeros(()), torch.zeros(0)
+        loss = torch.zeros(())
         if len(labels):
             log_ratio, _ = self.log_ratios(prompts, actions)
             logits = self.beta * log_ratio.sum(-1)
@@ -115,7 +120,7 @@ class ImplicitPRM:
         torch.nn.utils.clip_grad_norm_([param for param in parameters if param.grad is not None], MAX_GRAD_NORM)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)  # a model's worth, not held between updates
-        return float(loss.detach()), logits.detach()
+        return float(loss.detach())
 
 
 def _sum_per_step(rewards: torch.Tensor, step_ends: torch.Tensor) -> torch.Tensor:

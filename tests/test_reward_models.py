@@ -199,8 +199,9 @@ def test_implicit_prm_reward_by_hand_and_update_direction(untrained_policy_dir):
 
     before = sequence_probability()
     torch.testing.assert_close(before, torch.full((4,), 0.5))  # psi starts as ref
-    loss_before, scores_before = prm.update(prompts, actions, labels)
-    torch.testing.assert_close(scores_before, torch.zeros(4))  # the scores before the step: psi was ref
+    torch.testing.assert_close(prm.outcome_scores(prompts, actions), torch.zeros(4))  # psi is ref: no opinion
+    loss_before = prm.update(prompts, actions, labels)
+    torch.testing.assert_close(torch.sigmoid(prm.outcome_scores(prompts, actions)), sequence_probability())
     after = sequence_probability()
     loss_after = float(torch.nn.functional.binary_cross_entropy(after, labels))
     # one step lowers the cross-entropy and separates the correct answers from the wrong ones

@@ -99,19 +99,18 @@ class Learner:
         """PRIME: writes the implicit PRM's token rewards of the episodes the policy will train on (the groups
         that pass the prompt filter, ``algorithm.kept``) into ``buffer.token_rewards``, 0 elsewhere. Under
         ``--prime_update before`` the PRM first takes its step on those episodes, so that their rewards already
-        carry what their outcomes taught it. Returns its held-out statistics (``implicit_prm_heldout``, from its
-        scores before any step on this batch) and, under ``before``, its loss."""
-        rows = buffer.rows(self.algorithm.kept(buffer))
-        stats = {}
+        carry what their outcomes taught it. Returns its held-out statistics (``implicit_prm_heldout``: its
+        outcome scores of every live episode before any step on this batch) and, under ``before``, its loss."""
+        live, kept = buffer.rows(), self.algorithm.kept(buffer)
+        unseen_scores = self.implicit_prm.outcome_scores(live.prompts, (live.action_ids, live.action_lengths))
+        stats = self.implicit_prm_heldout(buffer, live.index, unseen_scores, kept.flatten()[live.index])
+        rows = buffer.rows(kept)
         if self.prime_update is PrimeUpdate.BEFORE:
-            stats["loss/implicit_prm"], unseen_scores = self.implicit_prm_step(buffer, rows)
-        with torch.no_grad():
-            process = self.implicit_prm.token_rewards(rows.prompts, (rows.action_ids, rows.action_lengths),
-                                                      batch_max=self.batch_max)
+            stats["loss/implicit_prm"] = self.implicit_prm_step(buffer, rows)
+        process = self.implicit_prm.token_rewards(rows.prompts, (rows.action_ids, rows.action_lengths),
+                                                  batch_max=self.batch_max)
         buffer.token_rewards = buffer.scatter_tokens(rows.index, process)
-        if self.prime_update is PrimeUpdate.AFTER:
-            unseen_scores = process.sum(-1)  # its sign and order are those of beta * sum log-ratio
-        return stats | self.implicit_prm_heldout(buffer, rows.index, unseen_scores)
+        return stats
 
     def batch_max(self, value: float) -> float:
         """The largest of every rank's ``value`` (this one's in one process)."""
@@ -171,18 +170,24 @@ class Learner:
         """The minibatch totals over every rank (``RolloutBuffer.minibatches``), or None in one process."""
         return distributed.all_reduce_sum if self.ranks.distributed else None
 
-    def implicit_prm_heldout(self, buffer: RolloutBuffer, index: torch.Tensor,
-                             totals: torch.Tensor) -> dict[str, float]:
+    def implicit_prm_heldout(self, buffer: RolloutBuffer, index: torch.Tensor, totals: torch.Tensor,
+                             trained: torch.Tensor) -> dict[str, float]:
         """PRIME: how well the implicit PRM predicts the outcomes of a batch it has not trained on yet:
-        ROC-AUC and accuracy of its outcome scores ``totals`` [B] (beta * sum log-ratio, or any positive
-        multiple) against whether the episode's answer verified. Every rank's rows count; NaN while the
-        batch holds one class only."""
-        labels, totals = buffer.episode_correct_at(index).cpu(), totals.float().cpu()
+        ROC-AUC and accuracy of its outcome scores ``totals`` [B] of the slots ``index`` [B] against whether
+        their episode's answer verified, and the ROC-AUC among the ``trained`` [B] ones alone (the filtered
+        groups, each holding a right and a wrong answer: how well it ranks answers to the same problem, which
+        is what the process stream's leave-one-out advantages read). Every rank's rows count; an AUC is NaN
+        while its rows hold one class only."""
+        labels, totals, trained = buffer.episode_correct_at(index).cpu(), totals.float().cpu(), trained.cpu()
         if self.ranks.distributed:
-            gathered = distributed.all_gather_objects((totals, labels))
-            totals, labels = (torch.cat(parts) for parts in zip(*gathered))
-        both_classes = 0 < int(labels.sum()) < len(labels)
-        return {"implicit_prm/heldout_auc": roc_auc(totals, labels) if both_classes else math.nan,
+            gathered = distributed.all_gather_objects((totals, labels, trained))
+            totals, labels, trained = (torch.cat(parts) for parts in zip(*gathered))
+
+        def auc(scores: torch.Tensor, truth: torch.Tensor) -> float:
+            return roc_auc(scores, truth) if 0 < int(truth.sum()) < len(truth) else math.nan
+
+        return {"implicit_prm/heldout_auc": auc(totals, labels),
+                "implicit_prm/heldout_auc_trained": auc(totals[trained], labels[trained]),
                 "implicit_prm/heldout_accuracy": float(((totals > 0).float() == labels).float().mean())}
 
     def minibatch_step(self, minibatch: list[Batch], sums: dict, weights: dict, grad_norms: list,
@@ -313,15 +318,15 @@ class Learner:
         (``buffer.trained(targets)``); returns its loss. Nothing (``{}``) without a PRM or under ``before``."""
         if self.implicit_prm is None or self.prime_update is not PrimeUpdate.AFTER:
             return {}
-        return {"loss/implicit_prm": self.implicit_prm_step(buffer, buffer.rows(buffer.trained(targets)))[0]}
+        return {"loss/implicit_prm": self.implicit_prm_step(buffer, buffer.rows(buffer.trained(targets)))}
 
-    def implicit_prm_step(self, buffer: RolloutBuffer, rows: Batch) -> tuple[float, torch.Tensor]:
+    def implicit_prm_step(self, buffer: RolloutBuffer, rows: Batch) -> float:
         """One step of the implicit PRM on ``rows``, labelled by whether their episode's answer verified; returns
-        (its loss, NaN when no rank has a row; its outcome scores [B] of ``rows`` before the step)."""
+        its loss (NaN when no rank has a row)."""
         total = int(distributed.all_reduce_sum([rows.num_samples])[0])  # over every rank
         if total == 0:
-            return math.nan, torch.zeros(0)
+            return math.nan
         labels = buffer.episode_correct_at(rows.index)
-        loss, scores = self.implicit_prm.update(rows.prompts, (rows.action_ids, rows.action_lengths), labels, total,
-                                                distributed.sum_in_place if self.ranks.distributed else None)
-        return float(distributed.all_reduce_sum([loss])[0]), scores
+        loss = self.implicit_prm.update(rows.prompts, (rows.action_ids, rows.action_lengths), labels, total,
+                                        distributed.sum_in_place if self.ranks.distributed else None)
+        return float(distributed.all_reduce_sum([loss])[0])

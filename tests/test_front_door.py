@@ -339,7 +339,7 @@ def test_a_changed_lora_rank_on_resume_is_one_line(untrained_policy_dir, tmp_pat
 
 
 def test_a_second_interrupt_stops_at_once_in_one_line(untrained_policy_dir, tmp_path, monkeypatch, capsys):
-    def second_signal(self):
+    def second_signal(self, exit_after_stop=False):
         raise KeyboardInterrupt("second SIGINT: stopping without saving")
 
     monkeypatch.setattr("train.runner.Runner.run", second_signal)

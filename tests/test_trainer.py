@@ -108,7 +108,9 @@ def test_rloo_filters_groups_outside_the_accuracy_bounds():
     targets = rloo.advantages(buffer)
     assert targets.keep[0, :, 0].tolist() == [False, False, True, True, False, False]
     assert buffer.live.all(), "the algorithm returns its filter; the buffer is left as collected"
-    torch.testing.assert_close(targets.advantages[0, 2:4, 0], torch.tensor([[1.0, 1.0], [-1.0, -1.0]]))
+    # returns +1 and -1 on two tokens each, standardised (--normalize_advantages): mean 0, unbiased std sqrt(4/3)
+    scale = 1 / math.sqrt(4 / 3)
+    torch.testing.assert_close(targets.advantages[0, 2:4, 0], torch.tensor([[scale, scale], [-scale, -scale]]))
     trained = [batch.index.tolist() for minibatch in buffer.minibatches(targets, 1, 1) for batch in minibatch]
     assert sorted(trained[0]) == [2, 3]
 

@@ -25,10 +25,10 @@ Model output is untrusted: this module never runs it in the calling process.
 from __future__ import annotations
 
 import json
+import math
 import os
 import queue
 import select
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -37,6 +37,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol, Sequence
+
+from envs.sandbox_worker import remove_tree
 
 WORKER_SCRIPT = Path(__file__).with_name("sandbox_worker.py")
 START_TIMEOUT_S = 120.0  # a worker's start-up: Python and the sympy import (seconds on a busy machine)
@@ -149,7 +151,7 @@ class _Worker:
         self.process.wait()
         for stream in (self.process.stdin, self.process.stdout):
             stream.close()
-        shutil.rmtree(self.base_dir, ignore_errors=True)
+        remove_tree(str(self.base_dir))
 
 
 def _worker_environment() -> dict[str, str]:
@@ -184,7 +186,7 @@ class PythonSandbox:
             raise ValueError(f"workers={workers} must be >= 1")
         self.preload, self.workers = tuple(preload), workers
         self.lock = threading.Lock()
-        self.idle: queue.Queue[_Worker] = queue.Queue()
+        self.idle: queue.Queue[_Worker | None] = queue.Queue()  # None: a slot whose worker must be started
         self.closed = False
         with ThreadPoolExecutor(workers) as pool:
             starts = [pool.submit(self._start_worker) for _ in range(workers)]
@@ -217,14 +219,23 @@ class PythonSandbox:
         """The raw record of one call: ``stdout`` (its head, a few times ``max_output_chars`` bytes),
         ``error`` (None or the one-line reason), ``error_line`` (the last line of the code's own error,
         or ""), ``return_code`` (None when killed) and ``timed_out``. ``run`` is this, made a ToolResult.
-        ``timeout_s``: a shorter wall-clock limit for this call (never a longer one)."""
+        ``timeout_s``: a shorter wall-clock limit for this call (never a longer one); ValueError unless
+        it is a finite number of seconds > 0.
+
+        A worker that died or fell silent is never handed out again: it is replaced before its slot
+        takes another call (that call gets ``error="sandbox worker died"``); a slot whose replacement
+        failed to start tries again at its next call, which raises RuntimeError if it fails again."""
+        if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and 0 < timeout_s < math.inf):
+            raise ValueError(f"timeout_s={timeout_s!r} must be a finite number of seconds > 0")
         timeout_s = self.limits.timeout_s if timeout_s is None else min(timeout_s, self.limits.timeout_s)
         if self.closed:
             raise RuntimeError("this PythonSandbox is closed: make a new one")
         worker = self.idle.get()
         try:
+            worker = worker or self._start_worker()
             record = worker.call(code, timeout_s)
-            if record is None:
+            if record is None:  # call() closed it
+                worker = None
                 worker = self._start_worker()
                 return {"stdout": "", "error": "sandbox worker died", "error_line": "", "return_code": None,
                         "timed_out": False}
@@ -243,7 +254,9 @@ class PythonSandbox:
         self.closed = True
         self.pool.shutdown(wait=True)
         while not self.idle.empty():
-            self.idle.get().close()
+            worker = self.idle.get()
+            if worker is not None:
+                worker.close()
 
     def __enter__(self) -> PythonSandbox:
         return self

@@ -65,7 +65,7 @@ def test_calls_are_independent_and_in_order(sandbox):
 
 def test_describe_isolation_names_every_layer(sandbox):
     lines = sandbox.describe_isolation().splitlines()
-    assert [line.split(" ", 1)[0] for line in lines if "namespace" in line] == ["network", "PID"] or \
+    assert [line.split(" ", 2)[1] for line in lines if "namespace:" in line] == ["namespace:", "mount", "namespace:"] or \
         any(line.startswith("NO ") and "namespace" in line for line in lines)
     assert any(line.startswith(("Landlock ABI", "NO Landlock")) for line in lines)
     assert lines[-1].startswith("rlimits per process: 5 CPU s, 512 MB address space, 16 MB per file, 32 processes")

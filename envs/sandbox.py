@@ -108,7 +108,7 @@ class _Worker:
     """One warm worker process: a request line in (JSON), a reply line out (JSON)."""
 
     def __init__(self, limits: Limits, base_dir: Path, preload: Sequence[str]):
-        self.base_dir = base_dir
+        self.base_dir, self.timeout_s = base_dir, limits.timeout_s
         config = json.dumps({"limits": asdict(limits), "base_dir": str(base_dir), "preload": list(preload)})
         self.process = subprocess.Popen([sys.executable, "-I", str(WORKER_SCRIPT), config], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, env=_worker_environment(), start_new_session=True)
@@ -120,19 +120,27 @@ class _Worker:
                                f"`{sys.executable} {WORKER_SCRIPT} '{config}'` to see its error")
 
     def call(self, code: str, timeout_s: float) -> dict | None:
-        """The worker's record of one call of at most ``timeout_s`` seconds, or None when it died or fell
-        silent (then it is closed)."""
+        """The worker's record of one call of at most ``timeout_s`` seconds (the worker holds it to its own
+        limit), or None when it died or fell silent. A worker that died, fell silent or was interrupted
+        mid-call is closed: its late reply would answer the next call."""
         try:
             self.process.stdin.write(json.dumps({"code": code, "timeout_s": timeout_s}).encode() + b"\n")
             self.process.stdin.flush()
+            longest = timeout_s if 0 < timeout_s < self.timeout_s else self.timeout_s  # NaN too, as the worker reads it
+            reply = self._reply(longest + REPLY_GRACE_S)
         except OSError:
+            reply = None
+        except BaseException:
             self.close()
-            return None
-        reply = self._reply(timeout_s + REPLY_GRACE_S)
+            raise
         if reply is None or "stdout" not in reply:  # silent, dead, or failing in its own code
             self.close()
             return None
         return reply
+
+    @property
+    def alive(self) -> bool:
+        return not self.process.stdin.closed and self.process.poll() is None
 
     def _reply(self, timeout_s: float) -> dict | None:
         """One JSON line from the worker within ``timeout_s``; None on EOF, silence or garbage."""
@@ -225,7 +233,8 @@ class PythonSandbox:
         A worker that died or fell silent is never handed out again: it is replaced before its slot
         takes another call (that call gets ``error="sandbox worker died"``); a slot whose replacement
         failed to start tries again at its next call, which raises RuntimeError if it fails again."""
-        if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and 0 < timeout_s < math.inf):
+        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                                      or not 0 < timeout_s < math.inf):
             raise ValueError(f"timeout_s={timeout_s!r} must be a finite number of seconds > 0")
         timeout_s = self.limits.timeout_s if timeout_s is None else min(timeout_s, self.limits.timeout_s)
         if self.closed:
@@ -235,13 +244,12 @@ class PythonSandbox:
             worker = worker or self._start_worker()
             record = worker.call(code, timeout_s)
             if record is None:  # call() closed it
-                worker = None
                 worker = self._start_worker()
                 return {"stdout": "", "error": "sandbox worker died", "error_line": "", "return_code": None,
                         "timed_out": False}
             return record
         finally:
-            self.idle.put(worker)
+            self.idle.put(worker if worker is not None and worker.alive else None)
 
     def run_many(self, codes: Sequence[str]) -> list[ToolResult]:
         """Run each piece of code as ``run`` does, as many at once as there are workers; results in order."""

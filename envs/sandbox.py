@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol, Sequence
 
-from envs.sandbox_worker import remove_tree
+from envs.sandbox_worker import make_memory_cgroup, remove_cgroup, remove_tree
 
 WORKER_SCRIPT = Path(__file__).with_name("sandbox_worker.py")
 START_TIMEOUT_S = 120.0  # a worker's start-up: Python and the sympy import (seconds on a busy machine)
@@ -109,7 +109,9 @@ class _Worker:
 
     def __init__(self, limits: Limits, base_dir: Path, preload: Sequence[str]):
         self.base_dir, self.timeout_s = base_dir, limits.timeout_s
-        config = json.dumps({"limits": asdict(limits), "base_dir": str(base_dir), "preload": list(preload)})
+        self.cgroup = make_memory_cgroup(base_dir.name)
+        config = json.dumps({"limits": asdict(limits), "base_dir": str(base_dir), "preload": list(preload),
+                             "cgroup": self.cgroup})
         self.process = subprocess.Popen([sys.executable, "-I", str(WORKER_SCRIPT), config], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, env=_worker_environment(), start_new_session=True)
         self.ready = self._reply(START_TIMEOUT_S)
@@ -160,6 +162,8 @@ class _Worker:
         for stream in (self.process.stdin, self.process.stdout):
             stream.close()
         remove_tree(str(self.base_dir))
+        if self.cgroup is not None:
+            remove_cgroup(self.cgroup)
 
 
 def _worker_environment() -> dict[str, str]:

@@ -1,6 +1,6 @@
 """A warm worker of ``envs.sandbox.PythonSandbox``, run as a script (standard library only):
 
-    python -I envs/sandbox_worker.py CONFIG_JSON      # {"limits": {...}, "base_dir": DIR, "preload": [...]}
+    python -I envs/sandbox_worker.py CONFIG_JSON   # {"limits": {...}, "base_dir": DIR, "preload": [...], "cgroup": DIR}
 
 It answers JSON lines on stdout to JSON lines on stdin: first ``{"isolation": [lines]}`` once ready,
 then one record ``{"stdout", "error_line", "error", "return_code", "timed_out"}`` per
@@ -213,13 +213,34 @@ class Worker:
         self.limits, self.base_dir = config["limits"], config["base_dir"]
         self.pid_namespace, self.call_uid = namespaces.pid_namespace, call_uid
         self.reads, self.abi, self.calls = read_paths(), landlock_abi(), 0
+        self.cgroup, memory_note = config["cgroup"], self.limit_memory(config["cgroup"])
         bpf, filter_note = syscall_filter()
         self.filter = None if bpf is None else ctypes.create_string_buffer(bpf, len(bpf))  # struct sock_filter[]
         self.filter_program = None if bpf is None else struct.pack(  # struct sock_fprog: length, pointer
             "HxxxxxxP", len(bpf) // 8, ctypes.addressof(self.filter))
-        self.notes = namespaces.notes + [self.landlock_note(), filter_note, self.limits_note()]
+        self.notes = namespaces.notes + [self.landlock_note(), filter_note, memory_note, self.limits_note()]
         if not self.pid_namespace:
             libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans of a call come back here to be reaped
+
+    def limit_memory(self, cgroup: str | None) -> str:
+        """Bound the memory of the worker's cgroup (which holds every call) to what the worker uses now plus
+        ``memory_mb``, swap included; its isolation note."""
+        if cgroup is None:
+            return ("NO memory cgroup (needs root and a memory controller): a call's memory is bounded only by "
+                    "its processes' address spaces, its directory and the kernel's own limits (see rlimits)")
+        limit = cgroup_value(cgroup, ("memory.usage_in_bytes", "memory.current")) + self.limits["memory_mb"] * 2**20
+        for name, value in (("memory.limit_in_bytes", limit), ("memory.memsw.limit_in_bytes", limit),
+                            ("memory.max", limit), ("memory.swap.max", 0)):
+            if os.path.exists(os.path.join(cgroup, name)):
+                with open(os.path.join(cgroup, name), "w") as f:
+                    f.write(str(value))
+        return (f"memory cgroup: a call's processes, files, pipes and kernel buffers together get "
+                f"{self.limits['memory_mb']} MB beyond the worker's own, no swap; past it the kernel kills the call")
+
+    def oom_kills(self) -> int:
+        """Processes the kernel has killed in the worker's memory cgroup for its limit, so far (0 without one)."""
+        return 0 if self.cgroup is None else cgroup_value(self.cgroup, ("memory.oom_control", "memory.events"),
+                                                          "oom_kill")
 
     def landlock_note(self) -> str:
         if not self.abi:
@@ -270,9 +291,12 @@ class Worker:
         os.close(out_w)
         os.close(err_w)
         try:
+            oom_kills = self.oom_kills()
             stdout, stderr, stopped = self.collect(pid, out_r, err_r, timeout_s)
             _, status, usage = os.wait4(pid, 0)
             self.kill_rest(pid)
+            if self.oom_kills() > oom_kills:
+                stopped = stopped or f"memory limit ({self.limits['memory_mb']} MB)"
             stdout, stderr = drain(out_r, stdout, self.head_bytes()), drain(err_r, stderr, -STDERR_TAIL_BYTES)
         finally:
             os.close(out_r)
@@ -370,6 +394,52 @@ def failure(status: int, cpu_s: float, last_line: str, lim: dict) -> str | None:
     return last_line[:200] or f"exit status {code}"
 
 
+def make_memory_cgroup(name: str) -> str | None:
+    """A new memory cgroup ``name`` below this process's own (cgroup v1's memory hierarchy, or v2 where
+    this cgroup delegates the memory controller), or None where none can be made (not root, no memory
+    controller). The caller removes it (``remove_cgroup``)."""
+    with open("/proc/self/cgroup") as f:
+        entries = [line.rstrip("\n").split(":", 2) for line in f]
+    for _, controllers, path in entries:
+        if "memory" in controllers.split(","):
+            parent = f"/sys/fs/cgroup/memory{path}"
+        elif controllers == "" and os.path.exists(f"/sys/fs/cgroup{path}/cgroup.subtree_control"):
+            with open(f"/sys/fs/cgroup{path}/cgroup.subtree_control") as f:
+                if "memory" not in f.read().split():
+                    continue
+            parent = f"/sys/fs/cgroup{path}"
+        else:
+            continue
+        try:
+            os.mkdir(os.path.join(parent, name))
+        except OSError:
+            return None
+        return os.path.join(parent, name)
+    return None
+
+
+def remove_cgroup(path: str, wait_s: float = 10.0) -> None:
+    """Remove the cgroup ``path`` once the processes that were in it (killed) have gone."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return os.rmdir(path)
+        except OSError as error:
+            if error.errno != errno.EBUSY or time.monotonic() > deadline:
+                raise OSError(error.errno, f"cannot remove the sandbox's memory cgroup {path}: {error.strerror}")
+        time.sleep(0.01)
+
+
+def cgroup_value(cgroup: str, names: tuple[str, str], key: str | None = None) -> int:
+    """The number in the first of ``names`` (cgroup v1's file, v2's) that ``cgroup`` has, or the one after
+    ``key`` on its line of that file."""
+    name = next(name for name in names if os.path.exists(os.path.join(cgroup, name)))
+    with open(os.path.join(cgroup, name)) as f:
+        text = f.read()
+    return int(text) if key is None else next(int(line.split()[1]) for line in text.splitlines()
+                                              if line.startswith(key + " "))
+
+
 def remove_tree(path: str) -> None:
     """Delete the directory ``path`` and everything below it, at any depth, holding two descriptors and
     no recursion: each subdirectory's entries move up into ``path`` (as ``.up-N``, a name not taken)
@@ -459,6 +529,8 @@ def run_child(code: str, directory: str, out_w: int, err_w: int, worker: Worker)
     os.environ.clear()
     os.environ.update({"PATH": "/usr/bin:/bin", "HOME": directory, "TMPDIR": directory, "LANG": "C.UTF-8",
                        "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+    with open("/proc/self/oom_score_adj", "w") as f:
+        f.write("1000")  # at the memory limit the kernel kills a process of the call, never the worker
     check(libc.unshare(CLONE_NEWIPC), "unshare(CLONE_NEWIPC)")  # System V IPC and POSIX queues die with the call
     check(libc.syscall(SYS_KEYCTL, KEYCTL_JOIN_SESSION_KEYRING, None), "join a new session keyring")
     for name, value in ((resource.RLIMIT_CORE, 0), (resource.RLIMIT_CPU, lim["cpu_seconds"]),
@@ -537,6 +609,9 @@ def main() -> None:
 
 def start(config: dict) -> None:
     """Enter the namespaces, fork the namespace's init (when there is one), preload, serve."""
+    if config["cgroup"] is not None:
+        with open(os.path.join(config["cgroup"], "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))  # every process the worker forks is born in it
     paths = read_paths()
     namespaces = enter_namespaces(config["base_dir"], paths, 4 * config["limits"]["max_file_mb"])
     call_uid = CALL_UID_BASE + os.getpid() if namespaces.own_uid else None

@@ -374,6 +374,16 @@ def test_memory_outside_the_address_space_is_bounded(sandbox):
         assert_contained(sandbox, "import os\nos.memfd_create('fill')", {f"PermissionError: [Errno 1] {DENIED}"})
 
 
+def test_memory_of_a_call_as_a_whole_is_bounded(sandbox):
+    """Eight processes of 100 MB each (each under the address-space limit, 800 MB together) against the
+    call's 256 MB: the kernel kills the call's processes, never the worker."""
+    if not any(line.startswith("memory cgroup: ") for line in sandbox.describe_isolation().splitlines()):
+        pytest.skip("no memory cgroup here (describe_isolation says why)")
+    code = ("import os, time\nfor _ in range(8):\n    if os.fork() == 0:\n        block = b'1' * (100 * 2**20)\n"
+            "        time.sleep(2)\n        os._exit(0)\nfor _ in range(8):\n    os.wait()")
+    assert_contained(sandbox, code, {MEMORY})
+
+
 def test_host_unix_sockets_are_out_of_sight(sandbox):
     """World-writable listeners in /tmp, /run and /dev/shm, and an abstract one: no call connects."""
     listeners, paths = [], []

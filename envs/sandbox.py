@@ -10,10 +10,11 @@ should take milliseconds. Each worker (``envs/sandbox_worker.py``, started as a 
 imports only the standard library and what it preloads) imports sympy once, then forks one fresh
 process per call. The forked process sets its limits (CPU seconds, address space, file size, process
 count, no core dumps), cleans its environment, enters a fresh temporary directory, locks itself in
-with the kernel's isolation layers (network namespace, PID namespace, an unprivileged user id,
-Landlock) where the machine has them, and runs the code. The worker enforces the wall-clock timeout,
-kills everything the call started, reads at most a bounded part of its output and deletes its
-directory. ``describe_isolation()`` says which layers are in force and what they do not cover.
+with the kernel's isolation layers (a memory cgroup; network, mount, PID and IPC namespaces; a new
+session keyring; an unprivileged user id; Landlock; a seccomp filter) where the machine has them, and
+runs the code. The worker enforces the wall-clock timeout, kills everything the call started, reads at
+most a bounded part of its output and deletes its directory. ``describe_isolation()`` says which layers
+are in force and what they do not cover. A worker that dies is replaced, never handed a call again.
 
 ``run_many`` spreads calls over the workers (one call at a time per worker). ``RemoteSandbox``
 (``models.remote_sandbox``) gives the same ``run``/``run_many`` for a Sandbox Fusion-style service;

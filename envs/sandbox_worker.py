@@ -8,20 +8,26 @@ then one record ``{"stdout", "error_line", "error", "return_code", "timed_out"}`
 
 Start-up (once per worker), each step where the kernel allows it:
 
+- the memory cgroup ``"cgroup"`` (made by the caller), bounded to the worker's own memory plus
+  ``memory_mb``: every process a call starts is born in it;
 - a network namespace of its own (no interface but a loopback that is down: no network at all), inside
   a user namespace when not root;
-- as root, a private mount namespace in which a directory that only root may enter (e.g. ``/root``)
-  is covered by an empty tmpfs, with the Python installation under it bound back in place, so that
-  the calls can run under an unprivileged user id of their own and still import from it;
+- a private mount namespace: /tmp, /var/tmp, /run and /dev/shm covered by empty tmpfs (the Python
+  installation bound back where it lies below one), ``base_dir`` a tmpfs of 4 x ``max_file_mb``; as
+  root, a directory that only root may enter (e.g. ``/root``) covered the same way, so that the calls
+  can run under an unprivileged user id of their own and still import from it;
 - a PID namespace whose init is the worker itself: everything a call starts, even a process that left
-  its process group, is killed with one ``kill(-1, SIGKILL)`` after the call.
+  its process group, is killed with one ``kill(-1, SIGKILL)`` after the call;
+- a seccomp filter compiled once (``DENIED_SYSCALLS``), loaded by each call.
 
-Per call, the worker forks; the child sets its rlimits, cleans its environment, closes every
-inherited descriptor, enters a fresh directory (the only place it may write), restricts itself with
-Landlock (file system: read the Python installation and system libraries, write its directory; TCP
-bind and connect; signals and abstract sockets outside its domain), drops to its user id and runs the
-code. The worker reads a bounded head of stdout and tail of stderr until the child exits or the
-wall-clock timeout, then kills and reaps everything left and deletes the directory.
+Per call, the worker forks; the child makes itself the kernel's first choice at the memory limit,
+enters a new IPC namespace and a new session keyring, sets its rlimits, cleans its environment,
+closes every inherited descriptor, enters a fresh directory (the only place it may write), restricts
+itself with Landlock (file system: read the Python installation and system libraries, write its
+directory; TCP bind and connect; signals and abstract sockets outside its domain), drops to its user
+id, loads the seccomp filter and runs the code. The worker reads a bounded head of stdout and tail of
+stderr until the child exits (its pidfd, whatever the call did with its descriptors) or the wall-clock
+timeout, then kills and reaps everything left and deletes the directory (``remove_tree``: any depth).
 """
 
 import builtins
@@ -248,15 +254,16 @@ class Worker:
         net = ", no TCP bind/connect" if self.abi >= 4 else " (TCP not covered: ABI < 4)"
         scope = ", no signals or abstract unix sockets outside the call" if self.abi >= 6 else ""
         return (f"Landlock ABI {self.abi}: reads only {', '.join(self.reads)}; writes only its own temporary "
-                f"directory{net}{scope}; not covered: named unix sockets the user id may open, /proc of its own "
-                "processes, CPU caches and other side channels")
+                f"directory{net}{scope}; not covered: named unix sockets outside the private directories that the "
+                "user id may open, /proc of its own processes, CPU caches and other side channels")
 
     def limits_note(self) -> str:
         lim = self.limits
         return (f"rlimits per process: {lim['cpu_seconds']} CPU s, {lim['memory_mb']} MB address space, "
                 f"{lim['max_file_mb']} MB per file, {lim['max_processes']} processes, no core dumps; wall clock "
-                f"{float(lim['timeout_s'])} s per call; environment emptied but for a minimal PATH; stdin closed; "
-                "not covered: total disk use across files, memory not in the address space (tmpfs, pipes)")
+                f"{float(lim['timeout_s'])} s per call, whatever the call does with its descriptors; a new IPC "
+                "namespace (System V IPC, POSIX message queues) and session keyring per call; environment emptied "
+                "but for a minimal PATH; stdin closed")
 
     def serve(self) -> None:
         """Answer each request line until stdin closes."""

@@ -156,7 +156,7 @@ class _Worker:
             return None
 
     def close(self) -> None:
-        """Stop the worker (its PID namespace, and every call process in it, goes with it)."""
+        """Stop the worker (its PID namespace, and every call process in it, goes with it); idempotent."""
         if self.process.poll() is None:
             self.process.kill()
         self.process.wait()
@@ -165,6 +165,7 @@ class _Worker:
         remove_tree(str(self.base_dir))
         if self.cgroup is not None:
             remove_cgroup(self.cgroup)
+            self.cgroup = None
 
 
 def _worker_environment() -> dict[str, str]:
@@ -246,7 +247,7 @@ class PythonSandbox:
             raise RuntimeError("this PythonSandbox is closed: make a new one")
         worker = self.idle.get()
         try:
-            worker = worker or self._start_worker()
+            worker = worker if worker is not None and worker.alive else self._start_worker()
             record = worker.call(code, timeout_s)
             if record is None:  # call() closed it
                 worker = self._start_worker()

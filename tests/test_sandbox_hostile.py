@@ -286,11 +286,13 @@ def test_a_dead_worker_is_never_handed_out_again(sandbox):
     for worker in list(sandbox.idle.queue):
         worker.process.kill()
         worker.process.wait()
-    results = sandbox.run_many(["print(1)"] * 8)
-    assert {r.error for r in results} <= {None, "sandbox worker died"}
-    assert sum(r.error == "sandbox worker died" for r in results) <= 2
-    assert [r.output for r in sandbox.run_many(["print(6 * 7)"] * 6)] == ["42\n"] * 6
-    sandbox.baseline = descendants()  # the new workers
+    try:
+        results = sandbox.run_many(["print(1)"] * 8)
+        assert {r.error for r in results} <= {None, "sandbox worker died"}
+        assert sum(r.error == "sandbox worker died" for r in results) <= 2
+        assert [r.output for r in sandbox.run_many(["print(6 * 7)"] * 6)] == ["42\n"] * 6
+    finally:
+        sandbox.baseline = descendants()  # the new workers (the later tests' baseline, whatever happened here)
     assert_unharmed(sandbox)
 
 

@@ -201,6 +201,7 @@ class PythonSandbox:
         self.preload, self.workers = tuple(preload), workers
         self.lock = threading.Lock()
         self.idle: queue.Queue[_Worker | None] = queue.Queue()  # None: a slot whose worker must be started
+        self.busy: set[_Worker] = set()  # workers running a call now (closed too by close())
         self.closed = False
         with ThreadPoolExecutor(workers) as pool:
             starts = [pool.submit(self._start_worker) for _ in range(workers)]
@@ -216,6 +217,8 @@ class PythonSandbox:
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="sandbox")
 
     def _start_worker(self) -> _Worker:
+        if self.closed:
+            raise RuntimeError("this PythonSandbox is closed: make a new one")
         base_dir = Path(tempfile.mkdtemp(prefix="mathrl-sandbox-"))
         base_dir.chmod(0o711)  # a call may enter its own directory below it, under its own user id
         return _Worker(self.limits, base_dir, self.preload)
@@ -247,14 +250,23 @@ class PythonSandbox:
             raise RuntimeError("this PythonSandbox is closed: make a new one")
         worker = self.idle.get()
         try:
-            worker = worker if worker is not None and worker.alive else self._start_worker()
+            if worker is not None and not worker.alive:  # died while idle
+                worker.close()
+                worker = None
+            worker = worker or self._start_worker()
+            with self.lock:
+                self.busy.add(worker)
             record = worker.call(code, timeout_s)
+            with self.lock:
+                self.busy.discard(worker)
             if record is None:  # call() closed it
                 worker = self._start_worker()
                 return {"stdout": "", "error": "sandbox worker died", "error_line": "", "return_code": None,
                         "timed_out": False}
             return record
         finally:
+            with self.lock:
+                self.busy.discard(worker)
             self.idle.put(worker if worker is not None and worker.alive else None)
 
     def run_many(self, codes: Sequence[str]) -> list[ToolResult]:
@@ -262,11 +274,16 @@ class PythonSandbox:
         return list(self.pool.map(self.run, codes))
 
     def close(self) -> None:
-        """Stop every worker and delete their directories (idempotent)."""
+        """Stop every worker, those still running a call from another thread too (that call gets
+        "sandbox worker died" or raises), and delete their directories and cgroups (idempotent)."""
         if self.closed:
             return
         self.closed = True
         self.pool.shutdown(wait=True)
+        with self.lock:
+            busy = list(self.busy)
+        for worker in busy:
+            worker.close()
         while not self.idle.empty():
             worker = self.idle.get()
             if worker is not None:

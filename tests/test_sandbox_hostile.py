@@ -283,7 +283,8 @@ def test_the_wall_clock_holds_whatever_a_call_does_with_its_descriptors(sandbox,
 
 def test_a_dead_worker_is_never_handed_out_again(sandbox):
     """Both workers killed from outside: each slot's next call says so, and every later call is served."""
-    for worker in list(sandbox.idle.queue):
+    killed = list(sandbox.idle.queue)
+    for worker in killed:
         worker.process.kill()
         worker.process.wait()
     try:
@@ -291,6 +292,7 @@ def test_a_dead_worker_is_never_handed_out_again(sandbox):
         assert {r.error for r in results} <= {None, "sandbox worker died"}
         assert sum(r.error == "sandbox worker died" for r in results) <= 2
         assert [r.output for r in sandbox.run_many(["print(6 * 7)"] * 6)] == ["42\n"] * 6
+        assert not any(worker.base_dir.exists() or worker.cgroup for worker in killed)  # cleaned up, not leaked
     finally:
         sandbox.baseline = descendants()  # the new workers (the later tests' baseline, whatever happened here)
     assert_unharmed(sandbox)

@@ -10,10 +10,11 @@ should take milliseconds. Each worker (``envs/sandbox_worker.py``, started as a 
 imports only the standard library and what it preloads) imports sympy once, then forks one fresh
 process per call. The forked process sets its limits (CPU seconds, address space, file size, process
 count, no core dumps), cleans its environment, enters a fresh temporary directory, locks itself in
-with the kernel's isolation layers (network namespace, PID namespace, an unprivileged user id,
-Landlock) where the machine has them, and runs the code. The worker enforces the wall-clock timeout,
-kills everything the call started, reads at most a bounded part of its output and deletes its
-directory. ``describe_isolation()`` says which layers are in force and what they do not cover.
+with the kernel's isolation layers (a memory cgroup; network, mount, PID and IPC namespaces; a new
+session keyring; an unprivileged user id; Landlock; a seccomp filter) where the machine has them, and
+runs the code. The worker enforces the wall-clock timeout, kills everything the call started, reads at
+most a bounded part of its output and deletes its directory. ``describe_isolation()`` says which layers
+are in force and what they do not cover. A worker that dies is replaced, never handed a call again.
 
 ``run_many`` spreads calls over the workers (one call at a time per worker). ``RemoteSandbox``
 (``models.remote_sandbox``) gives the same ``run``/``run_many`` for a Sandbox Fusion-style service;
@@ -25,10 +26,10 @@ Model output is untrusted: this module never runs it in the calling process.
 from __future__ import annotations
 
 import json
+import math
 import os
 import queue
 import select
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -37,6 +38,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol, Sequence
+
+from envs.sandbox_worker import make_memory_cgroup, remove_cgroup, remove_tree
 
 WORKER_SCRIPT = Path(__file__).with_name("sandbox_worker.py")
 START_TIMEOUT_S = 120.0  # a worker's start-up: Python and the sympy import (seconds on a busy machine)
@@ -106,8 +109,10 @@ class _Worker:
     """One warm worker process: a request line in (JSON), a reply line out (JSON)."""
 
     def __init__(self, limits: Limits, base_dir: Path, preload: Sequence[str]):
-        self.base_dir = base_dir
-        config = json.dumps({"limits": asdict(limits), "base_dir": str(base_dir), "preload": list(preload)})
+        self.base_dir, self.timeout_s = base_dir, limits.timeout_s
+        self.cgroup = make_memory_cgroup(base_dir.name)
+        config = json.dumps({"limits": asdict(limits), "base_dir": str(base_dir), "preload": list(preload),
+                             "cgroup": self.cgroup})
         self.process = subprocess.Popen([sys.executable, "-I", str(WORKER_SCRIPT), config], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, env=_worker_environment(), start_new_session=True)
         self.ready = self._reply(START_TIMEOUT_S)
@@ -118,19 +123,27 @@ class _Worker:
                                f"`{sys.executable} {WORKER_SCRIPT} '{config}'` to see its error")
 
     def call(self, code: str, timeout_s: float) -> dict | None:
-        """The worker's record of one call of at most ``timeout_s`` seconds, or None when it died or fell
-        silent (then it is closed)."""
+        """The worker's record of one call of at most ``timeout_s`` seconds (the worker holds it to its own
+        limit), or None when it died or fell silent. A worker that died, fell silent or was interrupted
+        mid-call is closed: its late reply would answer the next call."""
         try:
             self.process.stdin.write(json.dumps({"code": code, "timeout_s": timeout_s}).encode() + b"\n")
             self.process.stdin.flush()
+            longest = timeout_s if 0 < timeout_s < self.timeout_s else self.timeout_s  # NaN too, as the worker reads it
+            reply = self._reply(longest + REPLY_GRACE_S)
         except OSError:
+            reply = None
+        except BaseException:
             self.close()
-            return None
-        reply = self._reply(timeout_s + REPLY_GRACE_S)
+            raise
         if reply is None or "stdout" not in reply:  # silent, dead, or failing in its own code
             self.close()
             return None
         return reply
+
+    @property
+    def alive(self) -> bool:
+        return not self.process.stdin.closed and self.process.poll() is None
 
     def _reply(self, timeout_s: float) -> dict | None:
         """One JSON line from the worker within ``timeout_s``; None on EOF, silence or garbage."""
@@ -143,13 +156,16 @@ class _Worker:
             return None
 
     def close(self) -> None:
-        """Stop the worker (its PID namespace, and every call process in it, goes with it)."""
+        """Stop the worker (its PID namespace, and every call process in it, goes with it); idempotent."""
         if self.process.poll() is None:
             self.process.kill()
         self.process.wait()
         for stream in (self.process.stdin, self.process.stdout):
             stream.close()
-        shutil.rmtree(self.base_dir, ignore_errors=True)
+        remove_tree(str(self.base_dir))
+        if self.cgroup is not None:
+            remove_cgroup(self.cgroup)
+            self.cgroup = None
 
 
 def _worker_environment() -> dict[str, str]:
@@ -184,7 +200,8 @@ class PythonSandbox:
             raise ValueError(f"workers={workers} must be >= 1")
         self.preload, self.workers = tuple(preload), workers
         self.lock = threading.Lock()
-        self.idle: queue.Queue[_Worker] = queue.Queue()
+        self.idle: queue.Queue[_Worker | None] = queue.Queue()  # None: a slot whose worker must be started
+        self.busy: set[_Worker] = set()  # workers running a call now (closed too by close())
         self.closed = False
         with ThreadPoolExecutor(workers) as pool:
             starts = [pool.submit(self._start_worker) for _ in range(workers)]
@@ -200,6 +217,8 @@ class PythonSandbox:
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="sandbox")
 
     def _start_worker(self) -> _Worker:
+        if self.closed:
+            raise RuntimeError("this PythonSandbox is closed: make a new one")
         base_dir = Path(tempfile.mkdtemp(prefix="mathrl-sandbox-"))
         base_dir.chmod(0o711)  # a call may enter its own directory below it, under its own user id
         return _Worker(self.limits, base_dir, self.preload)
@@ -217,33 +236,58 @@ class PythonSandbox:
         """The raw record of one call: ``stdout`` (its head, a few times ``max_output_chars`` bytes),
         ``error`` (None or the one-line reason), ``error_line`` (the last line of the code's own error,
         or ""), ``return_code`` (None when killed) and ``timed_out``. ``run`` is this, made a ToolResult.
-        ``timeout_s``: a shorter wall-clock limit for this call (never a longer one)."""
+        ``timeout_s``: a shorter wall-clock limit for this call (never a longer one); ValueError unless
+        it is a finite number of seconds > 0.
+
+        A worker that died or fell silent is never handed out again: it is replaced before its slot
+        takes another call (that call gets ``error="sandbox worker died"``); a slot whose replacement
+        failed to start tries again at its next call, which raises RuntimeError if it fails again."""
+        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                                      or not 0 < timeout_s < math.inf):
+            raise ValueError(f"timeout_s={timeout_s!r} must be a finite number of seconds > 0")
         timeout_s = self.limits.timeout_s if timeout_s is None else min(timeout_s, self.limits.timeout_s)
         if self.closed:
             raise RuntimeError("this PythonSandbox is closed: make a new one")
         worker = self.idle.get()
         try:
+            if worker is not None and not worker.alive:  # died while idle
+                worker.close()
+                worker = None
+            worker = worker or self._start_worker()
+            with self.lock:
+                self.busy.add(worker)
             record = worker.call(code, timeout_s)
-            if record is None:
+            with self.lock:
+                self.busy.discard(worker)
+            if record is None:  # call() closed it
                 worker = self._start_worker()
                 return {"stdout": "", "error": "sandbox worker died", "error_line": "", "return_code": None,
                         "timed_out": False}
             return record
         finally:
-            self.idle.put(worker)
+            with self.lock:
+                self.busy.discard(worker)
+            self.idle.put(worker if worker is not None and worker.alive else None)
 
     def run_many(self, codes: Sequence[str]) -> list[ToolResult]:
         """Run each piece of code as ``run`` does, as many at once as there are workers; results in order."""
         return list(self.pool.map(self.run, codes))
 
     def close(self) -> None:
-        """Stop every worker and delete their directories (idempotent)."""
+        """Stop every worker, those still running a call from another thread too (that call gets
+        "sandbox worker died" or raises), and delete their directories and cgroups (idempotent)."""
         if self.closed:
             return
         self.closed = True
         self.pool.shutdown(wait=True)
+        with self.lock:
+            busy = list(self.busy)
+        for worker in busy:
+            worker.close()
         while not self.idle.empty():
-            self.idle.get().close()
+            worker = self.idle.get()
+            if worker is not None:
+                worker.close()
 
     def __enter__(self) -> PythonSandbox:
         return self

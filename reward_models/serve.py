@@ -44,7 +44,6 @@ In-process (tests, benchmarks)::
 from __future__ import annotations
 
 import argparse
-import hmac
 import json
 import os
 import signal
@@ -58,9 +57,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
+from envs.service_keys import API_KEY_ENV, authorized, check_exposure
+
 MAX_BODY_BYTES = 64 * 2**20
-API_KEY_ENV = "MATHRL_SERVICE_API_KEY"  # models.remote's: the server stays free of the client's imports
-LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 SCORE_FIELDS = ("model", "problems", "steps", "finished")
 PRM_OPTIONS = ("prm_type", "step_tag", "good_token", "bad_token", "separator", "device", "dtype", "kv_cache_mb",
                "trust_remote_code", "check_labels")
@@ -291,27 +290,8 @@ class Handler(BaseHTTPRequestHandler):
         self.reply(200, {"model": self.server.name, "step_scores": scores})
 
     def authorized(self) -> bool:
-        """Whether the request carries the server's key (always, on a server without one); if not, answers
-        401 saying whether the key was missing or wrong, logs that on stderr, and closes the connection
-        (after reading a body of an acceptable length: a client still sending would see a reset, not the 401)."""
-        expected = self.server.api_key
-        if expected is None:
-            return True
-        sent = self.headers.get("Authorization", "")
-        scheme, _, token = sent.partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), expected.encode()):
-            return True
-        problem = "a wrong API key" if scheme.lower() == "bearer" and token.strip() else "no API key"
-        print(f"refused {self.command} {self.path.split('?')[0]} from {self.client_address[0]}: {problem}",
-              file=sys.stderr, flush=True)
-        length = self.headers.get("Content-Length", "")
-        if length.isdigit() and int(length) <= MAX_BODY_BYTES:
-            self.rfile.read(int(length))
-        self.close_connection = True
-        self.reply(401, {"error": f"this server needs its API key and the request carried {problem}: send "
-                                  "'Authorization: Bearer <key>' (mathrl: --service_api_key or "
-                                  f"${API_KEY_ENV})"}, {"WWW-Authenticate": "Bearer"})
-        return False
+        """Whether the request carries the server's key; if not, it was answered 401 (``envs.service_keys``)."""
+        return authorized(self, self.server.api_key, MAX_BODY_BYTES)
 
     def read_body(self) -> bytes:
         length = self.headers.get("Content-Length")
@@ -356,13 +336,6 @@ def check_limits(max_batch: int, max_wait_ms: float, max_queue: int, max_request
     if max_queue < max_request_items:
         raise ValueError(f"max_queue={max_queue} must be >= max_request_items={max_request_items}, or a largest "
                          "request would never fit in the queue")
-
-
-def check_exposure(host: str, api_key: str | None) -> None:
-    """A ``ValueError`` when a server without a key would listen beyond the loopback interface."""
-    if api_key is None and host not in LOOPBACK_HOSTS:
-        raise ValueError(f"--host={host} without a key would let anyone who can reach {host} use this server: give "
-                         f"--api_key (or ${API_KEY_ENV}), or listen on 127.0.0.1")
 
 
 def make_server(prm: StepScorer, host: str = "127.0.0.1", port: int = 0, name: str = "prm", max_batch: int = 64,

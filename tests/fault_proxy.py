@@ -4,7 +4,7 @@ Each request gets a number (0, 1, ...) in arrival order. Requests numbered below
 from ``fail_from`` on (a server that died mid-run; None: never), are answered with ``fail_status``
 without reaching the server; those below ``slow_first`` are held for
 ``delay`` seconds first (longer than a client's read timeout: it gives up); the rest are forwarded as
-they are. ``seen`` counts requests, ``forwarded`` those that reached the server.
+they are (with their API key). ``seen`` counts requests, ``forwarded`` those that reached the server.
 """
 
 from __future__ import annotations
@@ -62,8 +62,9 @@ class FaultProxy:
             time.sleep(self.delay)
         connection = http.client.HTTPConnection(self.upstream.hostname, self.upstream.port, timeout=60)
         try:
+            key = {"Authorization": request.headers["Authorization"]} if "Authorization" in request.headers else {}
             connection.request(request.command, request.path, body=body,
-                               headers={"Content-Type": "application/json"})
+                               headers={"Content-Type": "application/json", **key})
             response = connection.getresponse()
             status, data = response.status, response.read()
         finally:

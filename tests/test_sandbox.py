@@ -13,12 +13,14 @@ from pathlib import Path
 import pytest
 
 from envs.sandbox import PythonSandbox, ToolResult, tool_result
+from envs.service_keys import API_KEY_ENV
 from fault_proxy import FaultProxy
 from models.remote import ClientSettings, ServiceError
 from models.remote_sandbox import RemoteSandbox
 
 ROOT = Path(__file__).resolve().parents[1]
-FAST = ClientSettings(connect_timeout=2.0, read_timeout=30.0, retries=2, backoff=0.01, max_backoff=0.05)
+KEY = "mathrl-sandbox-test-key-8d21"
+FAST = ClientSettings(connect_timeout=2.0, read_timeout=30.0, retries=2, backoff=0.01, max_backoff=0.05, api_key=KEY)
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +67,11 @@ def test_calls_are_independent_and_in_order(sandbox):
 
 def test_describe_isolation_names_every_layer(sandbox):
     lines = sandbox.describe_isolation().splitlines()
-    assert [line.split(" ", 1)[0] for line in lines if "namespace" in line] == ["network", "PID"] or \
+    layers = [line.split(":")[0] for line in lines if "namespace" in line.split(":")[0]]
+    assert layers == ["network namespace", "private mount namespace", "PID namespace"] or \
         any(line.startswith("NO ") and "namespace" in line for line in lines)
     assert any(line.startswith(("Landlock ABI", "NO Landlock")) for line in lines)
+    assert any(line.startswith(("seccomp filter: ", "NO seccomp filter")) for line in lines)
     assert lines[-1].startswith("rlimits per process: 5 CPU s, 512 MB address space, 16 MB per file, 32 processes")
 
 
@@ -82,8 +86,8 @@ def test_bad_limits_fail_before_starting():
 
 @pytest.fixture(scope="module")
 def server():
-    """``python -m envs.sandbox serve`` on a free port (at most 10 s of wall clock per call), its URL."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    """``python -m envs.sandbox serve`` on a free port (at most 10 s of wall clock per call, KEY), its URL."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), API_KEY_ENV: KEY}
     process = subprocess.Popen([sys.executable, "-m", "envs.sandbox", "serve", "--port", "0", "--workers", "2",
                                 "--timeout_s", "10"], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
     try:
@@ -112,7 +116,7 @@ def test_remote_sandbox_retries_and_times_out(server):
         remote = RemoteSandbox(proxy.url, timeout_s=10.0, settings=FAST)
         assert remote.run("print('after retries')") == ToolResult("after retries\n", True, None)
         assert remote.client.retried == 2 and proxy.forwarded == 1
-    slow = ClientSettings(connect_timeout=2.0, read_timeout=5.0, retries=1, backoff=0.01)
+    slow = ClientSettings(connect_timeout=2.0, read_timeout=5.0, retries=1, backoff=0.01, api_key=KEY)
     with FaultProxy(server, slow_first=1, delay=10.0) as proxy:  # the first answer comes after the read timeout
         remote = RemoteSandbox(proxy.url, timeout_s=4.0, settings=slow)
         assert remote.run("print('second try')") == ToolResult("second try\n", True, None)

@@ -141,15 +141,23 @@ def curve_rows(histories: dict[str, list[dict[str, float]]], n: int) -> list[dic
             for mode, history in histories.items() for h in history]
 
 
-def plot(rows: list[dict[str, object]], path: Path) -> Path | None:
-    """Held-out accuracy against training minutes, one line per mode with a one-standard-error band."""
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend, or None (said on stdout) where matplotlib is absent."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed (pip install -e '.[bench]'): no curve.png")
+        print("matplotlib is not installed (pip install -e '.[bench]'): no plots")
+        return None
+    return plt
+
+
+def plot(rows: list[dict[str, object]], path: Path) -> Path | None:
+    """Held-out accuracy against training minutes, one line per mode with a one-standard-error band."""
+    plt = pyplot()
+    if plt is None:
         return None
     figure, axes = plt.subplots(figsize=(6, 4))
     for mode in dict.fromkeys(row["mode"] for row in rows):

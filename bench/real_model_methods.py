@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Sequence
 
 from bench.learning_table import newest_run_dir, train_math_history
-from bench.real_model_learning import ARITH, default_model, standard_error
+from bench.real_model_learning import ARITH, default_model, pyplot, standard_error
 
 PREFIX_TOKENS, TARGET_TOKENS = 32, 128  # Prefix-RL's writer budget (the paper's 32-64 tokens) and the target's
 PRM_LR = 4e-5  # PRIME's paper: the PRM at twice the policy's lr (1e-6 against 5e-7)
@@ -196,13 +196,8 @@ def curve_rows(results: dict[str, dict[int, list[dict[str, float]]]], n: int) ->
 def plot(rows: list[dict[str, object]], x: str, path: Path, title: str) -> Path | None:
     """Held-out accuracy against ``x`` (env_steps or minutes), one line per row and seed; an evaluation-only
     row is a horizontal line."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install -e '.[bench]'): no plots")
+    plt = pyplot()
+    if plt is None:
         return None
     figure, axes = plt.subplots(figsize=(6.5, 4))
     trained = [row for row in rows if not ROWS[str(row["row"])].val_only]

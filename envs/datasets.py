@@ -30,6 +30,7 @@ class Problem:
     solution: str | None = None
     subject: str | None = None
     level: int | None = None
+    scorer: str | None = None  # JSON naming the problem's own scorer (``envs.reasoning_gym``); None: the grader's
 
 
 # --------------------------------------------------------------------------------------------

@@ -27,13 +27,14 @@ main=$(python3 -c 'import sys; print(sys.version_info.minor)')
 test_command=$(awk '/<!-- test-command -->/ {getline; getline; print; exit}' README.md)
 install_command=${test_command%% && *}  # the README's pip install, without the pytest after it
 
-find_python() {  # an interpreter of 3.$1, or nothing
-  command -v "python3.$1" 2>/dev/null && return
+find_python() {  # an interpreter of 3.$1 that runs (a pyenv shim of a version not selected does not), or nothing
   local candidate
-  for candidate in "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3."$1".*/bin/python; do
-    [ -x "$candidate" ] && { echo "$candidate"; return; }
+  for candidate in "$(command -v "python3.$1" || true)" "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3."$1".*/bin/python; do
+    if [ -x "$candidate" ] && [ "$("$candidate" -c 'import sys; print(sys.version_info[1])' 2>/dev/null)" = "$1" ]; then
+      echo "$candidate"
+      return
+    fi
   done
-  return 0
 }
 
 below=$(find_python $((floor - 1)))
@@ -46,6 +47,8 @@ else
   echo "SKIP 3.$((floor - 1)) (below the floor): no python3.$((floor - 1)) on PATH or under pyenv"
 fi
 
+# The installs run side by side (mostly waiting on downloads and disk), then the tests one interpreter at a time.
+installing=()
 for minor in $(seq "$floor" 13); do
   if [ "$minor" = "$main" ]; then
     echo "SKIP 3.$minor: the main interpreter (python3); stage 1 ran the whole default suite on it"
@@ -57,10 +60,22 @@ for minor in $(seq "$floor" 13); do
     continue
   fi
   venv="$work/venv-3.$minor"
-  echo "== 3.$minor: $python; $install_command; pytest on ${tests//$'\n'/}"
+  echo "== 3.$minor: $python; installing with: $install_command"
   "$python" -m venv "$venv"
-  (source "$venv/bin/activate" && bash -c "$install_command" >"$venv/install.log" 2>&1) \
-    || { tail -n 30 "$venv/install.log"; exit 1; }
+  (source "$venv/bin/activate" && bash -c "$install_command" >"$venv/install.log" 2>&1) &
+  installing+=("$minor:$!")
+done
+for entry in "${installing[@]}"; do
+  minor=${entry%%:*}
+  if ! wait "${entry#*:}"; then
+    echo "3.$minor: the install failed; its last lines:"
+    tail -n 30 "$work/venv-3.$minor/install.log"
+    exit 1
+  fi
+done
+for entry in "${installing[@]}"; do
+  minor=${entry%%:*}
+  echo "== 3.$minor: pytest on" $tests
   # shellcheck disable=SC2086  # the file list splits on whitespace
-  (source "$venv/bin/activate" && python -m pytest -p no:cacheprovider -q $tests)
+  (source "$work/venv-3.$minor/bin/activate" && python -m pytest -p no:cacheprovider -q $tests)
 done

@@ -1129,12 +1129,15 @@ EXTRAS = {"math_verify": "math_verify", "reasoning_gym": "rg"}  # scorer -> the 
 
 def math_verify_equiv(pred: str, gold: str) -> bool:
     """math-verify's verdict on the answer ``pred`` against the reference ``gold``, each parsed inside
-    ``\\boxed{}`` (what TRL's reward parses out of a completion), as ``verify(gold, target)`` takes them.
-    math-verify parses with sympy: this runs in the grading workers (``grade_batch(..., grader="math_verify")``),
-    never on model text in the caller's process."""
-    from math_verify import parse, verify
+    ``\\boxed{}`` as LaTeX alone (TRL's ``accuracy_reward`` parses a completion so: its plain-expression parser
+    would hand the text to sympy's ``parse_expr``, an ``eval``), as ``verify(gold, target)`` takes them. It
+    builds sympy objects from model text: it runs in the grading workers (``grade_batch(...,
+    grader="math_verify")``), never in the caller's process."""
+    from math_verify import LatexExtractionConfig, parse, verify
 
-    return bool(verify(parse(f"\\boxed{{{gold}}}"), parse(f"\\boxed{{{pred}}}")))
+    latex = [LatexExtractionConfig()]
+    return bool(verify(parse(f"\\boxed{{{gold}}}", extraction_config=latex),
+                       parse(f"\\boxed{{{pred}}}", extraction_config=latex)))
 
 
 @functools.lru_cache(maxsize=16)
@@ -1197,6 +1200,8 @@ def _serve_template(fd: int, preload: Sequence[str] = ()) -> None:
     _symbolic_verdict("x+1", "1+x")  # import sympy's lazily loaded parts once, for every worker
     for name in preload:
         importlib.import_module(name)
+    if "math_verify" in preload:
+        math_verify_equiv("x+1", "1+x")  # its LaTeX parser builds itself on a first call
     channel = socket.socket(fileno=fd)
     channel.send(_READY)
     workers: set[int] = set()
@@ -1584,12 +1589,13 @@ def _worker_scores(scorer: str, requests: list[list], timeout: float) -> list[fl
     return pool.grade([[scorer, *request] for request in requests], timeout)
 
 
-def warm_up(workers: int | None = None, timeout: float = WORKER_START_TIMEOUT) -> None:
-    """Start the worker pool now (``workers`` processes, default min(2, cpu_count)) and wait until
-    all are ready, so that the first graded answers do not spend their timeout on start-up."""
+def warm_up(workers: int | None = None, timeout: float = WORKER_START_TIMEOUT, scorers: Sequence[str] = ()) -> None:
+    """Start the worker pool now (``workers`` processes, default min(2, cpu_count); the packages of ``scorers``,
+    keys of ``SCORERS``, imported ahead) and wait until all are ready, so that the first graded answers do not
+    spend their timeout on start-up."""
     if workers is not None and workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
-    pool = _get_pool(workers)
+    pool = _get_pool(workers, frozenset().union(*map(scorer_packages, scorers)))
     deadline = time.monotonic() + timeout
     ready: list[_Worker] = []
     while len(ready) < pool.size and time.monotonic() < deadline:

@@ -1171,7 +1171,8 @@ def scorer_packages(scorer: str) -> frozenset[str]:
         return frozenset()
     package = str(scorer)
     if importlib.util.find_spec(package) is None:
-        raise ImportError(f"the {package!r} scorer needs the {package} package: pip install 'mathrl[{EXTRAS[package]}]'")
+        raise ImportError(f"the {package!r} scorer needs the {package} package: "
+                          f"pip install 'mathrl[{EXTRAS[package]}]'")
     return frozenset({package})
 
 

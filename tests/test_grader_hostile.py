@@ -123,8 +123,8 @@ def test_is_equiv_on_hostile_preds_and_golds(hostile):
 
 def test_extract_answer_on_hostile_text(hostile):
     for text in hostile:
-        for wrapped in (text, f"\\boxed{{{text}}}", f"The answer is {text}", f"\\fbox{{{text}", f"<answer>{text}</answer>",
-                        f"<answer>{text}"):
+        for wrapped in (text, f"\\boxed{{{text}}}", f"The answer is {text}", f"\\fbox{{{text}",
+                        f"<answer>{text}</answer>", f"<answer>{text}"):
             answer, seconds = timed(extract_answer, wrapped)
             assert answer is None or isinstance(answer, str)
             assert seconds < TIMEOUT + SLACK, f"extract_answer took {seconds:.2f} s on {wrapped[:60]!r}"

@@ -5,6 +5,9 @@
   step- or token-level (``mode=``).
 - ``Arith-v0``: procedural arithmetic (``arith=`` knobs of ``envs.datasets.Arith``), the task the
   built-in tiny models learn on a CPU; no data file needed.
+- ``ReasoningGym-v0``: a reasoning-gym dataset (``reasoning_gym=`` its name, config and split sizes; default
+  chain_sum, ``envs.reasoning_gym_source``), each answer scored by the dataset's own scorer; needs the ``rg``
+  extra.
 - ``MATH-Tool-v0``, ``Arith-Tool-v0``: the same tasks with a Python tool (``tools="python"``, step mode):
   a step ending in a fenced python block runs in a sandbox and its output is the next observation's tail.
 - ``Arith-Chain-v0``, ``Arith-Debate-v0``, ``Arith-Prefix-v0`` and the same three ``MATH-*`` ids: the
@@ -27,6 +30,7 @@ import gymnasium
 from envs.datasets import MATH500, Arith, Problem, load_problems
 from envs.math_env import MathEnv, MathTask, build_problems
 from envs.multi_agent import MultiAgentMathEnv, MultiAgentMathVectorEnv, register_builtin
+from envs.reasoning_gym_source import SIZES as REASONING_GYM_SIZES
 from envs.vector import MathVectorEnv
 
 DEFAULT_ARITH = {"digits": 2, "min_ops": 1, "max_ops": 3, "operators": "+-", "num_train": 20_000, "num_test": 1_000,
@@ -84,7 +88,7 @@ def override_kwargs(env_id: str, overrides: dict) -> dict:
               else value for key, value in overrides.items()}
     if accepted is not None:  # a MathTask env: its problem source must build (Arith draws both splits at once)
         source = {key: value for key, value in {**spec.kwargs, **merged}.items()
-                  if key in ("dataset_path", "subjects", "levels", "limit", "arith")}
+                  if key in ("dataset_path", "subjects", "levels", "limit", "arith", "reasoning_gym")}
         build_problems(split="train", **source)
     return merged
 
@@ -103,6 +107,8 @@ _register("MATH-v0", reward="outcome", dataset_path=str(MATH500))
 # Arith's canonical solutions make the matched share of their steps an exact process reward; with the
 # outcome it trains the default run further than the outcome alone.
 _register("Arith-v0", reward="outcome:1.0,steps:1.0", arith=DEFAULT_ARITH, max_steps=8)
+_register("ReasoningGym-v0", reward="outcome", max_steps=8,
+          reasoning_gym={"name": "chain_sum", "config": {}, **REASONING_GYM_SIZES})
 _register("MATH-Tool-v0", reward="outcome", dataset_path=str(MATH500), tools="python")
 # A code step matches no canonical step: the tool ids train on the outcome alone.
 _register("Arith-Tool-v0", reward="outcome", arith=DEFAULT_ARITH, max_steps=8, tools="python")

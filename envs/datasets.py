@@ -22,7 +22,8 @@ MATH500 = Path(__file__).resolve().parent / "data" / "math500.jsonl"
 
 @dataclass(frozen=True)
 class Problem:
-    """One math problem. ``answer`` is the reference final answer in LaTeX (what goes in \\boxed{})."""
+    """One math problem. ``answer`` is the reference final answer in LaTeX (what goes in \\boxed{}); ``scorer``,
+    where set, names the problem's own scorer, which grades its answers instead of the grader."""
 
     id: str
     problem: str
@@ -30,6 +31,7 @@ class Problem:
     solution: str | None = None
     subject: str | None = None
     level: int | None = None
+    scorer: str | None = None  # JSON of the scorer (``envs.reasoning_gym_source``); None: the grader
 
 
 # --------------------------------------------------------------------------------------------

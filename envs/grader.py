@@ -5,7 +5,9 @@ is"); ``is_equiv`` and ``grade_batch`` decide whether a model's answer equals th
 a LaTeX-aware string and number fast path in the caller (``strings_equiv`` alone), a bounded parser that
 builds sympy objects in worker processes, and a deadline on every call after which its worker is killed.
 Model text is untrusted: nothing here hands it to Python's or sympy's evaluators, and every call returns
-within its timeout, from any thread. Where public graders disagree: bare comma-separated answers compare
+within its timeout, from any thread. The same workers run the other scorers (``SCORERS``): math-verify's
+equivalence (``grader="math_verify"``) and reasoning-gym's own dataset scorers (``reasoning_gym_scores``),
+whose packages their template process imports once. Where public graders disagree: bare comma-separated answers compare
 as sets, parenthesised tuples in order; unreduced fractions equal reduced ones; ``10\\%`` equals ``10``
 and ``0.1``; ``2\\frac{1}{2}`` is a mixed number; ``3e5`` is 300000.
 """
@@ -14,7 +16,10 @@ from __future__ import annotations
 
 import atexit
 import cmath
+import functools
 import hashlib
+import importlib
+import importlib.util
 import json
 import logging
 import math
@@ -57,12 +62,13 @@ WORKER_MEMORY_BYTES = 2 << 30  # address-space limit of the template and of each
 _BOX = re.compile(r"\\(?:boxed|fbox)(?![a-zA-Z])")
 _BRACE_TOKEN = re.compile(r"\\.|[{}]", re.DOTALL)
 _ANSWER_IS = re.compile(r"answer\s++is\s*+:?", re.IGNORECASE)
+ANSWER_TAGS = ("<answer>", "</answer>")  # DeepSeek-R1-Zero's and reasoning-gym's answer format
 
 
 def extract_answer(text: str) -> str | None:
-    """The content of the last ``\\boxed{...}``/``\\fbox{...}`` (also ``\\boxed 5``); else what
-    follows the last "answer is" on its line; else None. None too when the last box is unclosed.
-    Linear in ``len(text)``."""
+    """The content of the last ``\\boxed{...}``/``\\fbox{...}`` (also ``\\boxed 5``); else of the last
+    ``<answer>...</answer>``; else what follows the last "answer is" on its line; else None. None too when the
+    last box is unclosed. Linear in ``len(text)``."""
     if not isinstance(text, str):
         raise TypeError(f"extract_answer expects a str, got {_describe(text)}")
     last_box = None
@@ -70,6 +76,10 @@ def extract_answer(text: str) -> str | None:
         pass
     if last_box is not None:
         return _box_content(text, last_box.end())
+    close = text.rfind(ANSWER_TAGS[1])
+    open_ = text.rfind(ANSWER_TAGS[0], 0, close) if close != -1 else -1
+    if open_ != -1:
+        return text[open_ + len(ANSWER_TAGS[0]):close].strip() or None
     last_phrase = None
     for last_phrase in _ANSWER_IS.finditer(text):
         pass
@@ -1111,6 +1121,64 @@ def _evaluate_big(expr: sympy.Expr, values: dict, index: int) -> sympy.Expr:
 
 
 # ----------------------------------------------------------------------------------------------
+# Other scorers: math-verify's equivalence and reasoning-gym's own, in the same bounded workers
+
+GRADERS = ("mathrl", "math_verify")
+"""The answer graders ``grade_batch`` takes: this module's own, and math-verify's (``pip install
+'mathrl[math_verify]'``), which TRL's ``accuracy_reward`` and verl's math-verify score use."""
+EXTRAS = {"math_verify": "math_verify", "reasoning_gym": "rg"}  # scorer -> the mathrl extra that installs it
+
+
+def math_verify_equiv(pred: str, gold: str) -> bool:
+    """math-verify's verdict on the answer ``pred`` against the reference ``gold``, each parsed inside
+    ``\\boxed{}`` as LaTeX alone (TRL's ``accuracy_reward`` parses a completion so: its plain-expression parser
+    would hand the text to sympy's ``parse_expr``, an ``eval``), as ``verify(gold, target)`` takes them. It
+    builds sympy objects from model text: it runs in the grading workers (``grade_batch(...,
+    grader="math_verify")``), never in the caller's process."""
+    from math_verify import LatexExtractionConfig, parse, verify
+
+    latex = [LatexExtractionConfig()]
+    return bool(verify(parse(f"\\boxed{{{gold}}}", extraction_config=latex),
+                       parse(f"\\boxed{{{pred}}}", extraction_config=latex)))
+
+
+@functools.lru_cache(maxsize=16)
+def _reasoning_gym_dataset(name: str, config: str):
+    import reasoning_gym
+
+    return reasoning_gym.create_dataset(name, **json.loads(config))
+
+
+def reasoning_gym_score(answer: str, source: str) -> float:
+    """reasoning-gym's own score in [0, 1] of ``answer`` to the problem ``source`` names (JSON
+    ``{"name", "config", "index"}``: entry ``index`` of ``create_dataset(name, **config)``, regenerated here,
+    since its generators are seeded per index), by that dataset's ``score_answer``. Runs in the grading
+    workers (``reasoning_gym_scores``): a scorer may parse the answer with sympy."""
+    spec = json.loads(source)
+    dataset = _reasoning_gym_dataset(spec["name"], json.dumps(spec["config"], sort_keys=True))
+    return float(dataset.score_answer(answer, dataset[spec["index"]]))
+
+
+SCORERS = {"mathrl": lambda pred, gold: _symbolic_verdict(pred, gold), "math_verify": math_verify_equiv,
+           "reasoning_gym": reasoning_gym_score}
+"""What a worker runs for a request [name, *arguments]; a score in [0, 1] (a verdict: 1.0 or 0.0)."""
+
+
+def scorer_packages(scorer: str) -> frozenset[str]:
+    """The package the workers must import ahead for ``scorer`` (a key of ``SCORERS``): an ImportError naming
+    the extra that installs it when this interpreter lacks it (a worker would only score 0)."""
+    if scorer not in SCORERS:
+        raise ValueError(f"scorer {scorer!r} must be one of {sorted(SCORERS)}")
+    if scorer == "mathrl":
+        return frozenset()
+    package = str(scorer)
+    if importlib.util.find_spec(package) is None:
+        raise ImportError(f"the {package!r} scorer needs the {package} package: "
+                          f"pip install 'mathrl[{EXTRAS[package]}]'")
+    return frozenset({package})
+
+
+# ----------------------------------------------------------------------------------------------
 # Worker processes
 #
 # min(2, cpu_count) persistent workers, forked on request by a template process: a fresh interpreter
@@ -1123,16 +1191,20 @@ def _evaluate_big(expr: sympy.Expr, values: dict, index: int) -> sympy.Expr:
 
 _READY = b"ready"
 _TEMPLATE_MAIN = ("import sys, runpy; runpy.run_path(sys.argv[1], run_name='mathrl_grader_template')"
-                  "['_serve_template'](int(sys.argv[2]))")
+                  "['_serve_template'](int(sys.argv[2]), sys.argv[3:])")
 _CHANNEL_TIMEOUT = 10.0  # seconds the template may take to fork or kill a worker
 
 
-def _serve_template(fd: int) -> None:
-    """The template process: loads sympy once, then forks a worker per b"fork" request (which
-    carries the worker's socket) and kills and reaps one per b"kill PID". It runs no threads, so
-    forking it is safe, and a replacement worker is ready in milliseconds."""
+def _serve_template(fd: int, preload: Sequence[str] = ()) -> None:
+    """The template process: loads sympy (and the packages ``preload`` names: the external graders') once,
+    then forks a worker per b"fork" request (which carries the worker's socket) and kills and reaps one per
+    b"kill PID". It runs no threads, so forking it is safe, and a replacement worker is ready in milliseconds."""
     _limit_memory()
     _symbolic_verdict("x+1", "1+x")  # import sympy's lazily loaded parts once, for every worker
+    for name in preload:
+        importlib.import_module(name)
+    if "math_verify" in preload:
+        math_verify_equiv("x+1", "1+x")  # its LaTeX parser builds itself on a first call
     channel = socket.socket(fileno=fd)
     channel.send(_READY)
     workers: set[int] = set()
@@ -1167,34 +1239,36 @@ def _limit_memory() -> None:
 
 
 def _serve_worker(fd: int) -> NoReturn:
-    """A forked worker: a verdict b"1"/b"0" per JSON [pred, gold] request until EOF, then exit."""
+    """A forked worker: a score per JSON [scorer, *arguments] request (``SCORERS``), sent back as its JSON
+    number, until EOF, then exit."""
     connection = Connection(fd)
     try:
         while True:
-            pred, gold = json.loads(connection.recv_bytes())
-            connection.send_bytes(b"1" if _guarded_verdict(pred, gold) else b"0")
+            scorer, *arguments = json.loads(connection.recv_bytes())
+            connection.send_bytes(json.dumps(_guarded_score(scorer, arguments)).encode())
     except (EOFError, OSError):
         os._exit(0)  # the grading process closed our socket
     except BaseException:  # noqa: BLE001 - never return into the template's loop
         os._exit(1)
 
 
-def _guarded_verdict(pred: str, gold: str) -> bool:
+def _guarded_score(scorer: str, arguments: list) -> float:
     try:
-        return _symbolic_verdict(pred, gold)
+        return float(SCORERS[scorer](*arguments))
     except Exception:  # noqa: BLE001 - any failure (bounds, sympy, recursion, memory) means "not shown equal"
-        return False
+        return 0.0
 
 
 class _Template:
     """The template subprocess (a fresh interpreter: nothing of this process is forked) and the
     channel on which this process asks it for workers."""
 
-    def __init__(self):
+    def __init__(self, preload: Sequence[str] = ()):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with theirs:
             self.process = subprocess.Popen(
-                [sys.executable, "-c", _TEMPLATE_MAIN, str(Path(__file__).resolve()), str(theirs.fileno())],
+                [sys.executable, "-c", _TEMPLATE_MAIN, str(Path(__file__).resolve()), str(theirs.fileno()),
+                 *preload],
                 pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True)
         self.channel = ours
         self.lock = threading.Lock()
@@ -1250,10 +1324,12 @@ class _Worker:
 
 
 class _Pool:
-    """Up to ``size`` workers shared by every thread of the process that created it."""
+    """Up to ``size`` workers shared by every thread of the process that created it, their template having
+    imported the packages ``preload`` names."""
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, preload: frozenset[str] = frozenset()):
         self.size = size
+        self.preload = preload
         self.owner = os.getpid()
         self.changed = threading.Condition()
         self.idle: list[_Worker] = []
@@ -1273,7 +1349,7 @@ class _Pool:
     def _fork_worker(self) -> _Worker:
         with self.template_lock:
             if self.template is None or not self.template.alive():
-                self.template = _Template()
+                self.template = _Template(sorted(self.preload))
             return self.template.fork()
 
     def _start_worker(self) -> None:
@@ -1343,10 +1419,11 @@ class _Pool:
             if self.template is not None:
                 self.template.close()
 
-    def grade(self, items: list[tuple[str, str]], timeout: float, deadline: float | None = None) -> list[bool]:
-        """Verdicts for ``items`` spread over the workers; each item gets ``timeout`` seconds from
-        when it is sent (and none past ``deadline``); an overrun is False and costs its worker."""
-        verdicts = [False] * len(items)
+    def grade(self, items: list[list], timeout: float, deadline: float | None = None) -> list[float]:
+        """Scores of ``items`` (each [scorer, *arguments], see ``SCORERS``) spread over the workers; each item
+        gets ``timeout`` seconds from when it is sent (and none past ``deadline``); an overrun scores 0 and
+        costs its worker."""
+        verdicts = [0.0] * len(items)
         todo = deque(range(len(items)))
         running: dict[Connection, tuple[_Worker, int, float]] = {}
         held: list[_Worker] = []
@@ -1372,7 +1449,7 @@ class _Pool:
                 for connection in wait(list(running), timeout=max(0.0, first_deadline - time.monotonic())):
                     worker, index, _ = running.pop(connection)
                     try:
-                        verdicts[index] = connection.recv_bytes() == b"1"
+                        verdicts[index] = float(json.loads(connection.recv_bytes()))
                         held.append(worker)
                     except (EOFError, OSError):
                         self.discard(worker)
@@ -1392,14 +1469,18 @@ _pool: _Pool | None = None
 _pool_lock = threading.Lock()
 
 
-def _get_pool(size: int | None = None) -> _Pool:
-    """This process's pool (a new one after fork or when ``size`` changes)."""
+def _get_pool(size: int | None = None, preload: frozenset[str] = frozenset()) -> _Pool:
+    """This process's pool (a new one after fork, when ``size`` changes or when its template lacks a package
+    that ``preload`` names; the new one preloads the old one's too)."""
     global _pool
     with _pool_lock:
-        if _pool is None or _pool.owner != os.getpid() or (size is not None and size != _pool.size):
+        if (_pool is None or _pool.owner != os.getpid() or (size is not None and size != _pool.size)
+                or not preload <= _pool.preload):
+            kept = frozenset()
             if _pool is not None and _pool.owner == os.getpid():
+                kept = _pool.preload
                 _pool.close()
-            _pool = _Pool(size or min(2, os.cpu_count() or 1))
+            _pool = _Pool(size or min(2, os.cpu_count() or 1), preload | kept)
         return _pool
 
 
@@ -1450,7 +1531,7 @@ def is_equiv(pred: str, gold: str, timeout: float = 1.0) -> bool:
     verdict = _fast_verdict(pred, gold)
     if verdict is not None:
         return verdict
-    return _get_pool().grade([(pred, gold)], timeout, deadline)[0]
+    return _get_pool().grade([["mathrl", pred, gold]], timeout, deadline)[0] == 1.0
 
 
 def strings_equiv(a: str, b: str) -> bool:
@@ -1463,35 +1544,61 @@ def strings_equiv(a: str, b: str) -> bool:
     return _fast_verdict(a, b) is True
 
 
-def grade_batch(preds: Sequence[str | None], golds: Sequence[str], timeout: float = 1.0) -> list[bool]:
+def grade_batch(preds: Sequence[str | None], golds: Sequence[str], timeout: float = 1.0,
+                grader: str = "mathrl") -> list[bool]:
     """``[is_equiv(p, g) for p, g in zip(preds, golds)]`` with the symbolic ones spread over the
     worker pool; each item is bounded by ``timeout`` seconds once a worker takes it. None -> False.
+    ``grader`` (one of ``GRADERS``) "math_verify" sends every item to ``math_verify_equiv`` in the workers.
     The first call in a process also waits for the pool's one-time start-up (about a second, at
     most ``WORKER_START_TIMEOUT``), so that a cold start does not grade right answers False."""
     if len(preds) != len(golds):
         raise ValueError(f"grade_batch got {len(preds)} preds but {len(golds)} golds")
+    if grader not in GRADERS:
+        raise ValueError(f"grader={grader!r} must be one of {GRADERS}")
     verdicts, pending = [], []
     for index, (pred, gold) in enumerate(zip(preds, golds)):
         _check_inputs(pred, gold, timeout)
-        verdict = False if pred is None else _fast_verdict(pred, gold)
+        verdict = False if pred is None else _fast_verdict(pred, gold) if grader == "mathrl" else None
         if verdict is None:
             pending.append(index)
         verdicts.append(bool(verdict))
-    if pending:
-        pool = _get_pool()
-        pool.wait_started(WORKER_START_TIMEOUT)
-        symbolic = pool.grade([(preds[i], golds[i]) for i in pending], timeout)
-        for index, verdict in zip(pending, symbolic):
-            verdicts[index] = verdict
+    scores = _worker_scores(grader, [[preds[i], golds[i]] for i in pending], timeout)
+    for index, score in zip(pending, scores):
+        verdicts[index] = score == 1.0
     return verdicts
 
 
-def warm_up(workers: int | None = None, timeout: float = WORKER_START_TIMEOUT) -> None:
-    """Start the worker pool now (``workers`` processes, default min(2, cpu_count)) and wait until
-    all are ready, so that the first graded answers do not spend their timeout on start-up."""
+def reasoning_gym_scores(answers: Sequence[str | None], sources: Sequence[str], timeout: float = 1.0) -> list[float]:
+    """``reasoning_gym_score`` of each answer (None scores 0) in the worker pool, each bounded by ``timeout``
+    seconds once a worker takes it (an overrun scores 0)."""
+    if len(answers) != len(sources):
+        raise ValueError(f"reasoning_gym_scores got {len(answers)} answers but {len(sources)} sources")
+    for answer, source in zip(answers, sources):
+        _check_inputs(answer, source, timeout)
+    pending = [i for i, answer in enumerate(answers) if answer is not None]
+    scores = [0.0] * len(answers)
+    for index, score in zip(pending, _worker_scores("reasoning_gym", [[answers[i], sources[i]] for i in pending],
+                                                    timeout)):
+        scores[index] = score
+    return scores
+
+
+def _worker_scores(scorer: str, requests: list[list], timeout: float) -> list[float]:
+    """``SCORERS[scorer](*request)`` of each request in the pool (none: no pool needed)."""
+    if not requests:
+        return []
+    pool = _get_pool(preload=scorer_packages(scorer))
+    pool.wait_started(WORKER_START_TIMEOUT)
+    return pool.grade([[scorer, *request] for request in requests], timeout)
+
+
+def warm_up(workers: int | None = None, timeout: float = WORKER_START_TIMEOUT, scorers: Sequence[str] = ()) -> None:
+    """Start the worker pool now (``workers`` processes, default min(2, cpu_count); the packages of ``scorers``,
+    keys of ``SCORERS``, imported ahead) and wait until all are ready, so that the first graded answers do not
+    spend their timeout on start-up."""
     if workers is not None and workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
-    pool = _get_pool(workers)
+    pool = _get_pool(workers, frozenset().union(*map(scorer_packages, scorers)))
     deadline = time.monotonic() + timeout
     ready: list[_Worker] = []
     while len(ready) < pool.size and time.monotonic() < deadline:

@@ -38,6 +38,7 @@ from envs.datasets import Arith, Problem, load_problems
 from envs.grader import extract_answer
 from envs.modes import ActionLevel, Tool, member_of
 from envs.prompts import DEFAULT_TEMPLATE, STEP_DELIMITER, format_prompt, resolve_template
+from envs.reasoning_gym_source import reasoning_gym_problems
 from envs.rewards import OutcomeReward, RewardModel, StepContext, final_answer, score_batch, verify
 from envs.sandbox import PythonSandbox, Sandbox
 
@@ -106,20 +107,27 @@ def build_problems(
     levels: Sequence[int] | None = None,
     limit: int | None = None,
     arith: dict | None = None,
+    reasoning_gym: dict | None = None,
 ) -> list[Problem]:
-    """The problem list from exactly one source: ``problems``, ``dataset_path`` (+ filters) or
+    """The problem list from exactly one source: ``problems``, ``dataset_path`` (+ filters),
     ``arith`` (knobs of ``Arith`` plus ``num_train``, ``num_test``, ``seed``; ``split`` picks
-    "train" or "test" of that disjoint split)."""
-    given = [name for name, value in (("problems", problems), ("dataset_path", dataset_path), ("arith", arith))
-             if value is not None]
+    "train" or "test" of that disjoint split) or ``reasoning_gym`` (a reasoning-gym dataset, split the same
+    way: ``envs.reasoning_gym_source``)."""
+    sources = (("problems", problems), ("dataset_path", dataset_path), ("arith", arith),
+               ("reasoning_gym", reasoning_gym))
+    given = [name for name, value in sources if value is not None]
     if len(given) != 1:
-        raise ValueError(f"give exactly one problem source of problems=, dataset_path=, arith=; got {given or 'none'}")
+        raise ValueError(f"give exactly one problem source of problems=, dataset_path=, arith=, reasoning_gym=; got "
+                         f"{given or 'none'}")
     if problems is not None:
         if not problems or not all(isinstance(p, Problem) for p in problems):
             raise ValueError("problems= must be a non-empty list of envs.datasets.Problem")
         return list(problems)
     if dataset_path is not None:
         return load_problems(dataset_path, split=split, subjects=subjects, levels=levels, limit=limit)
+    if reasoning_gym is not None:
+        chosen = reasoning_gym_problems(reasoning_gym, split)
+        return chosen[:limit] if limit else chosen
     knobs = dict(arith)
     sizes = {key: knobs.pop(key) for key in ("num_train", "num_test", "seed") if key in knobs}
     train, test = Arith(**knobs).split(sizes.get("num_train", 20_000), sizes.get("num_test", 1_000),
@@ -279,7 +287,7 @@ class MathTask:
     """Everything about the MATH task that does not depend on how many episodes run at once.
 
     Args:
-        problems / dataset_path (+ split, subjects, levels, limit) / arith: the problem source
+        problems / dataset_path (+ split, subjects, levels, limit) / arith / reasoning_gym: the problem source
             (exactly one; see ``build_problems``).
         mode: ``ActionLevel.STEP`` or "step" (action = one step of text), ``ActionLevel.TOKEN`` or "token"
             (action = one token id of ``tokenizer``).
@@ -314,6 +322,7 @@ class MathTask:
         levels: Sequence[int] | None = None,
         limit: int | None = None,
         arith: dict | None = None,
+        reasoning_gym: dict | None = None,
         mode: ActionLevel | str = ActionLevel.STEP,
         tokenizer: Any = None,
         reward_model: RewardModel | None = None,
@@ -340,7 +349,8 @@ class MathTask:
                              max_solution_tokens=max_solution_tokens, max_tool_output_chars=max_tool_output_chars,
                              handoff_steps=1 if handoff_steps is None else handoff_steps,
                              max_tool_calls=max_tool_calls)
-        self.sampler = ProblemSampler(build_problems(problems, dataset_path, split, subjects, levels, limit, arith),
+        self.sampler = ProblemSampler(build_problems(problems, dataset_path, split, subjects, levels, limit, arith,
+                                                     reasoning_gym),
                                       shuffle=shuffle)
         self.mode, self.tokenizer = mode, tokenizer
         self.reward_model = reward_model if reward_model is not None else OutcomeReward()

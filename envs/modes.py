@@ -36,6 +36,13 @@ class RewardAssignment(enum.StrEnum):
     COUNTERFACTUAL = "counterfactual"  # the team outcome minus the outcome without the role's messages
 
 
+class Grader(enum.StrEnum):
+    """What decides whether a final answer equals the reference (``envs.grader.GRADERS``)."""
+
+    MATHRL = "mathrl"  # this project's grader (envs.grader): string, number and bounded symbolic tiers
+    MATH_VERIFY = "math_verify"  # Hugging Face's math-verify, as TRL's accuracy_reward and verl grade (extra)
+
+
 Mode = TypeVar("Mode", bound=enum.StrEnum)
 
 

@@ -18,7 +18,8 @@ from typing import Mapping, Protocol, Sequence, runtime_checkable
 import numpy as np
 
 from envs.datasets import Problem
-from envs.grader import extract_answer, grade_batch
+from envs.grader import extract_answer, grade_batch, reasoning_gym_scores, scorer_packages
+from envs.modes import Grader
 from envs.prompts import STEP_DELIMITER
 
 
@@ -154,7 +155,8 @@ class OutcomeReward:
     subtracted from a finished trajectory whose answer is not in ``\\boxed{}`` (the format the
     prompt asks for), whatever its correctness.
 
-    All finished trajectories of a batch are graded in one parallel ``grade_batch`` call, each
+    All finished trajectories of a batch are graded in one parallel call (``outcome_scores``: by ``grader``, or
+    by the problem's own scorer, whose partial credit s in [0, 1] pays ``wrong + s * (correct - wrong)``), each
     bounded by ``timeout`` seconds.
     """
 
@@ -163,13 +165,18 @@ class OutcomeReward:
     no_answer: float = 0.0
     format_penalty: float = 0.0
     timeout: float = 1.0
+    grader: Grader = Grader.MATHRL
     name: str = "outcome"
+
+    def __post_init__(self):
+        scorer_packages(self.grader)  # math-verify installed, else the ImportError naming its extra
 
     def score(self, contexts: Sequence[StepContext]) -> RewardOutput:
         """Rewards [B]; ``correct`` [B] holds 1.0/0.0 for finished contexts and NaN for the others."""
         answers = [final_answer(c) if c.done else None for c in contexts]
-        correct = verify(contexts, answers, timeout=self.timeout)
-        rewards = np.where(correct == 1.0, self.correct, self.wrong)
+        scores = outcome_scores(contexts, answers, timeout=self.timeout, grader=self.grader)
+        correct = verdicts(scores)
+        rewards = self.wrong + (self.correct - self.wrong) * np.nan_to_num(scores)
         rewards[[a is None for a in answers]] = self.no_answer
         unboxed = [c.done and BOXED.search(STEP_DELIMITER.join(c.steps)) is None for c in contexts]
         rewards[unboxed] -= self.format_penalty
@@ -183,16 +190,34 @@ def final_answer(context: StepContext) -> str | None:
 
 
 def verify(contexts: Sequence[StepContext], answers: Sequence[str | None] | None = None,
-           timeout: float = 1.0) -> np.ndarray:
-    """Verdicts [B]: 1.0 / 0.0 for finished contexts, NaN for unfinished ones; all finished ones
-    graded in one parallel ``grade_batch`` call. ``answers`` are pre-extracted final answers."""
+           timeout: float = 1.0, grader: Grader = Grader.MATHRL) -> np.ndarray:
+    """Verdicts [B]: 1.0 / 0.0 for finished contexts (1.0: full marks, see ``outcome_scores``), NaN for
+    unfinished ones. ``answers`` are pre-extracted final answers."""
+    return verdicts(outcome_scores(contexts, answers, timeout, grader))
+
+
+def verdicts(scores: np.ndarray) -> np.ndarray:
+    """1.0 where a score [B] is full marks, 0.0 where it is less, NaN where it is NaN (not finished)."""
+    return np.where(np.isnan(scores), np.nan, scores == 1.0)
+
+
+def outcome_scores(contexts: Sequence[StepContext], answers: Sequence[str | None] | None = None,
+                   timeout: float = 1.0, grader: Grader = Grader.MATHRL) -> np.ndarray:
+    """Scores [B] in [0, 1] of finished contexts, NaN for unfinished ones: a problem with a scorer of its own
+    (``Problem.scorer``: a reasoning-gym dataset's, partial credit included) by that scorer, every other by
+    ``grader``'s verdict on its reference answer; each kind in one parallel call to the grading workers, each
+    answer bounded by ``timeout`` seconds. ``answers`` are pre-extracted final answers."""
     if answers is None:
         answers = [final_answer(c) if c.done else None for c in contexts]
-    correct = np.full(len(contexts), np.nan)
+    scores = np.full(len(contexts), np.nan)
     finished = [i for i, c in enumerate(contexts) if c.done]
-    correct[finished] = grade_batch([answers[i] for i in finished], [contexts[i].problem.answer for i in finished],
-                                    timeout=timeout)
-    return correct
+    own = [i for i in finished if contexts[i].problem.scorer is not None]
+    graded = [i for i in finished if contexts[i].problem.scorer is None]
+    scores[graded] = grade_batch([answers[i] for i in graded], [contexts[i].problem.answer for i in graded],
+                                 timeout=timeout, grader=grader)
+    scores[own] = reasoning_gym_scores([answers[i] for i in own], [contexts[i].problem.scorer for i in own],
+                                       timeout=timeout)
+    return scores
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from envs.grader import extract_answer, grade_batch, is_equiv, strings_equiv, warm_up
+from envs.datasets import Problem
+from envs.grader import GRADERS, extract_answer, grade_batch, is_equiv, math_verify_equiv, strings_equiv, warm_up
+from envs.modes import Grader
+from envs.rewards import OutcomeReward, StepContext
 
 CASES_PATH = Path(__file__).resolve().parents[2] / "shared/data/grader_cases.jsonl"
 MIN_AGREEMENT = 0.97
@@ -55,6 +58,10 @@ def test_grade_batch_equals_is_equiv(cases):
     ("no final answer here", None),
     ("\\boxed{1} and an unclosed \\boxed{2", None),  # the last box decides, and it is truncated
     ("\\boxed{}", None),
+    ("<answer> 42 </answer>", "42"),  # reasoning-gym's and R1-Zero's format
+    ("<answer>1</answer> then <answer>2</answer>", "2"),
+    ("<answer>x</answer> \\boxed{3}", "3"),  # a box wins over the tags
+    ("<answer> </answer>", None), ("</answer> <answer>", None), ("<answer>5", None),
 ])
 def test_extract_answer(text, answer):
     assert extract_answer(text) == answer
@@ -200,3 +207,27 @@ def test_strings_equiv_refuses_non_strings():
         strings_equiv(3, "3")
     with pytest.raises(TypeError, match="b must be a str, got NoneType"):
         strings_equiv("3", None)
+
+
+def test_the_grader_option_names_the_graders():
+    assert tuple(Grader) == GRADERS
+    with pytest.raises(ValueError, match="grader='sympy' must be one of"):
+        grade_batch(["1"], ["1"], grader="sympy")
+
+
+MATH_VERIFY_CASES = [("\\frac{1}{2}", "0.5", True), ("\\frac{2}{4}", "\\frac12", True), ("x^2+2x+1", "(x+1)^2", True),
+                     ("3", "4", False), (None, "4", False), ("\\{1,2\\}", "\\{2,1\\}", True)]
+
+
+def test_math_verify_grades_in_the_workers_as_it_grades_in_process():
+    """grade_batch(grader="math_verify") is math-verify's own verdict (here run in this process on trusted text),
+    through the same bounded workers as ours."""
+    pytest.importorskip("math_verify", reason="the math_verify extra: pip install 'mathrl[math_verify]'")
+    warm_up(scorers=("math_verify",))
+    preds, golds, expected = zip(*MATH_VERIFY_CASES)
+    assert grade_batch(preds, golds, timeout=10.0, grader="math_verify") == list(expected)  # a loaded CI core
+    assert [pred is not None and math_verify_equiv(pred, gold) for pred, gold, _ in MATH_VERIFY_CASES] == list(expected)
+    contexts = [StepContext(Problem(id=str(i), problem="?", answer=gold), (), f"\\boxed{{{pred}}}", done=True)
+                for i, (pred, gold, _) in enumerate(MATH_VERIFY_CASES) if pred is not None]
+    output = OutcomeReward(grader=Grader.MATH_VERIFY, timeout=10.0).score(contexts)
+    assert list(output.rewards) == [float(e) for p, _, e in MATH_VERIFY_CASES if p is not None]

@@ -123,7 +123,8 @@ def test_is_equiv_on_hostile_preds_and_golds(hostile):
 
 def test_extract_answer_on_hostile_text(hostile):
     for text in hostile:
-        for wrapped in (text, f"\\boxed{{{text}}}", f"The answer is {text}", f"\\fbox{{{text}"):
+        for wrapped in (text, f"\\boxed{{{text}}}", f"The answer is {text}", f"\\fbox{{{text}",
+                        f"<answer>{text}</answer>", f"<answer>{text}"):
             answer, seconds = timed(extract_answer, wrapped)
             assert answer is None or isinstance(answer, str)
             assert seconds < TIMEOUT + SLACK, f"extract_answer took {seconds:.2f} s on {wrapped[:60]!r}"
@@ -133,6 +134,18 @@ def test_grade_batch_on_hostile_preds(hostile):
     verdicts, seconds = timed(grade_batch, hostile, [GOLD] * len(hostile), TIMEOUT)
     assert verdicts == [False] * len(hostile)
     assert seconds < 30.0, f"grade_batch of {len(hostile)} hostile answers took {seconds:.1f} s"
+
+
+def test_math_verify_runs_no_hostile_code_and_stays_in_time(tmp_path):
+    """math-verify grades in the same bounded workers; the code payloads (it is about 50 answers a second where
+    ours is thousands, and each overrun costs a full timeout, so not the whole hostile set here)."""
+    pytest.importorskip("math_verify", reason="the math_verify extra: pip install 'mathrl[math_verify]'")
+    warm_up(scorers=("math_verify",))
+    canary = tmp_path / "CANARY"
+    payloads = code_payloads(str(canary))
+    verdicts, seconds = timed(grade_batch, payloads, [GOLD] * len(payloads), TIMEOUT, "math_verify")
+    assert verdicts == [False] * len(payloads) and not canary.exists()
+    assert seconds < len(payloads) * TIMEOUT / 2 + SLACK, f"{len(payloads)} payloads took {seconds:.1f} s"
 
 
 def test_hostile_calls_from_threads(hostile):

@@ -41,11 +41,11 @@ def test_math500_is_package_data():
 
 
 def test_every_registered_id_declares_a_valid_default_reward():
-    """The ten built-in ids (other tests register ids of their own with envs' entry points)."""
-    builtin = ("Arith", "MATH")
+    """The eleven built-in ids (other tests register ids of their own with envs' entry points)."""
+    builtin = ("Arith", "MATH", "ReasoningGym")
     ids = [spec.id for spec in gymnasium.registry.values()
            if str(spec.entry_point).startswith("envs.") and spec.id.startswith(builtin)]
-    assert sorted(envs.DEFAULT_REWARDS) == sorted(ids) and len(ids) == 10
+    assert sorted(envs.DEFAULT_REWARDS) == sorted(ids) and len(ids) == 11
     assert envs.default_reward("Arith-v0") == "outcome:1.0,steps:1.0"
     assert parse_reward_spec(envs.default_reward("Arith-v0"), REWARD_SOURCES) == {"outcome": 1.0, "steps": 1.0}
     for env_id in ids:

@@ -131,7 +131,7 @@ def build_reward_source(config: RunConfig, name: str, device: str, policy_templa
     """One reward source; the model-based ones load only when asked for."""
     rewards, services = config.rewards, config.services
     if name == "outcome":
-        return OutcomeReward()
+        return OutcomeReward(grader=rewards.grader)
     if name == "steps":
         from reward_models.reference_steps import ReferenceStepsReward
 
@@ -185,7 +185,7 @@ def problem_source(env: EnvConfig, split: str, eval_path: str | None = None) -> 
         source = {"dataset_path": (eval_path or env.dataset_path) if split == "test" else env.dataset_path}
         return source if env.dataset_name is None else {**source, "subjects": [env.dataset_name]}
     if eval_path is not None and split == "test":
-        return {"dataset_path": eval_path, "arith": None}
+        return {"dataset_path": eval_path, "arith": None, "reasoning_gym": None}
     return {"split": split}
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from algorithms.registry import ALGORITHMS, ImportanceSamplingLevel, KLEstimator, LossAgg, PrimeNorm, ScaleRewards
-from envs.modes import ActionLevel, RewardAssignment, Tool  # the env's modes, which the options take too
+from envs.modes import ActionLevel, Grader, RewardAssignment, Tool  # the env's modes, which the options take too
 from train.options import option
 
 if TYPE_CHECKING:
@@ -259,6 +259,11 @@ class RewardConfig:
         "default (Arith-v0: 'outcome:1.0,steps:1.0'; MATH and the workflows: 'outcome'). On a multi-agent env "
         "'outcome' is the --reward_assignment credit and the other sources score each answering role's message as "
         "one solution, paid to that role.", flag="reward")
+    grader: Grader = option(
+        Grader.MATHRL, "What grades a final answer against the reference, for the outcome reward and the held-out "
+        "accuracy: mathrl (this project's grader) or math_verify (Hugging Face's math-verify, as TRL's "
+        "accuracy_reward and verl's math_verify score grade; pip install 'mathrl[math_verify]'). Both run in the "
+        "same time-bounded worker processes. A reasoning-gym problem is scored by its own dataset's scorer.")
     prm_model: str | None = option(
         None, "Process reward model: a directory or a hub id (see --model_name_or_path); enables the 'prm' reward "
         f"source (default --reward becomes {DEFAULT_PRM_REWARD!r}).", flag="prm_model_name_or_path")

@@ -16,6 +16,7 @@ from absl import flags
 
 import envs  # registers the built-in ids
 from algorithms.registry import ALGORITHMS, LossAgg, collects_whole_episodes
+from envs.grader import scorer_packages
 from envs.modes import member_of
 from envs.workflows import Workflow, resolve_workflow
 from models.hub import resolve_model
@@ -105,10 +106,15 @@ def resolved(config: RunConfig) -> RunConfig:
 def checked_modes(config: RunConfig) -> RunConfig:
     """``config`` with every mode (an Enum option: --dtype, --loss_agg_mode, --critic, ...) as its Enum's
     member, a string among its choices included, so the layers below compare members only; float16 training
-    refused (``FLOAT16_TRAINING``). Raises ValueError naming the option, the value and the choices."""
+    refused (``FLOAT16_TRAINING``), a grader whose package is missing refused. Raises ValueError naming the option,
+    the value and the choices (or the extra to install)."""
     config = dataclasses.replace(config, **{name: with_members(getattr(config, name)) for name in sections()})
     if config.model.dtype == DType.FLOAT16:
         raise ValueError(f"ModelConfig.dtype='float16' (--dtype): {FLOAT16_TRAINING}")
+    try:
+        scorer_packages(config.rewards.grader)
+    except ImportError as error:
+        raise ValueError(f"RewardConfig.grader={config.rewards.grader.value!r} (--grader): {error}") from None
     return config
 
 

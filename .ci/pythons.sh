@@ -47,8 +47,9 @@ else
   echo "SKIP 3.$((floor - 1)) (below the floor): no python3.$((floor - 1)) on PATH or under pyenv"
 fi
 
-# The installs run side by side (mostly waiting on downloads and disk), then the tests one interpreter at a time.
-installing=()
+# One interpreter at a time: install, then its tests. The installs share one pip cache in the work dir, so the
+# CUDA libraries that PyPI's torch wheels for these interpreters pull in are downloaded once.
+export PIP_CACHE_DIR="$work/pip-cache"
 for minor in $(seq "$floor" 13); do
   if [ "$minor" = "$main" ]; then
     echo "SKIP 3.$minor: the main interpreter (python3); stage 1 ran the whole default suite on it"
@@ -62,20 +63,13 @@ for minor in $(seq "$floor" 13); do
   venv="$work/venv-3.$minor"
   echo "== 3.$minor: $python; installing with: $install_command"
   "$python" -m venv "$venv"
-  (source "$venv/bin/activate" && bash -c "$install_command" >"$venv/install.log" 2>&1) &
-  installing+=("$minor:$!")
-done
-for entry in "${installing[@]}"; do
-  minor=${entry%%:*}
-  if ! wait "${entry#*:}"; then
+  if ! (source "$venv/bin/activate" && bash -c "$install_command" >"$venv/install.log" 2>&1); then
     echo "3.$minor: the install failed; its last lines:"
-    tail -n 30 "$work/venv-3.$minor/install.log"
+    tail -n 30 "$venv/install.log"
     exit 1
   fi
-done
-for entry in "${installing[@]}"; do
-  minor=${entry%%:*}
   echo "== 3.$minor: pytest on" $tests
   # shellcheck disable=SC2086  # the file list splits on whitespace
-  (source "$work/venv-3.$minor/bin/activate" && python -m pytest -p no:cacheprovider -q $tests)
+  (source "$venv/bin/activate" && python -m pytest -p no:cacheprovider -q $tests)
+  rm -rf "$venv"  # several GB; the next interpreter's install reads the shared cache
 done

@@ -1125,8 +1125,8 @@ def _evaluate_big(expr: sympy.Expr, values: dict, index: int) -> sympy.Expr:
 
 GRADERS = ("mathrl", "math_verify")
 """The answer graders ``grade_batch`` takes: this module's own, and math-verify's (``pip install
-'mathrl[math_verify]'``), which TRL's ``accuracy_reward`` and verl's math-verify score use."""
-EXTRAS = {"math_verify": "math_verify", "reasoning_gym": "rg"}  # scorer -> the mathrl extra that installs it
+'mathrl[math-verify]'``), which TRL's ``accuracy_reward`` and verl's math-verify score use."""
+EXTRAS = {"math_verify": "math-verify", "reasoning_gym": "rg"}  # scorer -> the mathrl extra that installs it
 
 
 def math_verify_equiv(pred: str, gold: str) -> bool:

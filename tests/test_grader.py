@@ -222,7 +222,7 @@ MATH_VERIFY_CASES = [("\\frac{1}{2}", "0.5", True), ("\\frac{2}{4}", "\\frac12",
 def test_math_verify_grades_in_the_workers_as_it_grades_in_process():
     """grade_batch(grader="math_verify") is math-verify's own verdict (here run in this process on trusted text),
     through the same bounded workers as ours."""
-    pytest.importorskip("math_verify", reason="the math_verify extra: pip install 'mathrl[math_verify]'")
+    pytest.importorskip("math_verify", reason="the math_verify extra: pip install 'mathrl[math-verify]'")
     warm_up(scorers=("math_verify",))
     preds, golds, expected = zip(*MATH_VERIFY_CASES)
     assert grade_batch(preds, golds, timeout=10.0, grader="math_verify") == list(expected)  # a loaded CI core

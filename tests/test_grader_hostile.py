@@ -139,7 +139,7 @@ def test_grade_batch_on_hostile_preds(hostile):
 def test_math_verify_runs_no_hostile_code_and_stays_in_time(tmp_path):
     """math-verify grades in the same bounded workers; the code payloads (it is about 50 answers a second where
     ours is thousands, and each overrun costs a full timeout, so not the whole hostile set here)."""
-    pytest.importorskip("math_verify", reason="the math_verify extra: pip install 'mathrl[math_verify]'")
+    pytest.importorskip("math_verify", reason="the math_verify extra: pip install 'mathrl[math-verify]'")
     warm_up(scorers=("math_verify",))
     canary = tmp_path / "CANARY"
     payloads = code_payloads(str(canary))

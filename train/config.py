@@ -262,7 +262,7 @@ class RewardConfig:
     grader: Grader = option(
         Grader.MATHRL, "What grades a final answer against the reference, for the outcome reward and the held-out "
         "accuracy: mathrl (this project's grader) or math_verify (Hugging Face's math-verify, as TRL's "
-        "accuracy_reward and verl's math_verify score grade; pip install 'mathrl[math_verify]'). Both run in the "
+        "accuracy_reward and verl's math_verify score grade; pip install 'mathrl[math-verify]'). Both run in the "
         "same time-bounded worker processes. A reasoning-gym problem is scored by its own dataset's scorer.")
     prm_model: str | None = option(
         None, "Process reward model: a directory or a hub id (see --model_name_or_path); enables the 'prm' reward "

@@ -1,11 +1,12 @@
 """Agreement of the two answer graders, this project's (``--grader mathrl``) and math-verify's
 (``--grader math_verify``), on MATH-500's reference answers: each reference against itself, against rewritten
 forms of it that keep its value, and against another problem's reference; and, with ``--tiny N``, the final
-answers the shipped tiny policy writes (greedy, whole solutions) to N held-out Arith problems and N MATH-500
-problems against their references. Each pair through ``grade_batch`` in the bounded workers, as the reward and
-the evaluation grade. Needs the math_verify extra.
+answers the shipped tiny policy (or, with ``--model DIR``, a real instruct model under its chat template)
+writes (greedy, whole solutions) to N held-out Arith problems and N MATH-500 problems against their
+references. Each pair through ``grade_batch`` in the bounded workers, as the reward and the evaluation grade.
+Needs the math-verify extra.
 
-    python bench/grader_agreement.py [--timeout 5] [--limit 500] [--tiny 0]
+    python bench/grader_agreement.py [--timeout 5] [--limit 500] [--tiny 0] [--model DIR] [--max_new_tokens 96]
 
 Prints one row per kind of pair: pairs, how many each grader calls equal, and how many verdicts agree, then the
 pairs they disagree on (at most ``--show`` of each kind).
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from pathlib import Path
 from typing import Callable
 
 from envs.datasets import MATH500, Problem, load_problems
@@ -49,14 +51,21 @@ def wrong_ones(references: list[str]) -> dict[str, Callable[[int], str | None]]:
     }
 
 
-def tiny_policy_pairs(problems: list[Problem]) -> list[tuple[str, str]]:
-    """(the shipped tiny policy's extracted final answer, the reference) for each problem it answers, greedy."""
+def model_pairs(problems: list[Problem], model: str | None, max_new_tokens: int) -> list[tuple[str, str]]:
+    """(the final answer extracted from a model's greedy whole solution, the reference) for each problem it
+    answers: the shipped tiny policy on the plain prompt (``model`` None), or the model in the directory
+    ``model`` under its chat template with train_math's answer instruction (a real instruct model)."""
     from models.generation import make_generator
     from models.policy import LanguagePolicy
+    from models.prompting import build_template
     from models.tiny import shipped_models
+    from train.config import ANSWER_INSTRUCTION
 
-    generator = make_generator("hf", LanguagePolicy(shipped_models(team=False).policy, device="cpu"))
-    texts = generator.generate([format_prompt(p.problem) for p in problems], max_new_tokens=96, temperature=0.0).texts
+    policy = LanguagePolicy(model or shipped_models(team=False).policy, device="cpu")
+    template = (build_template("chat", policy.tokenizer, answer_instruction=ANSWER_INSTRUCTION) if model
+                else None)
+    prompts = [format_prompt(p.problem) if template is None else format_prompt(p.problem, template) for p in problems]
+    texts = make_generator("hf", policy).generate(prompts, max_new_tokens=max_new_tokens, temperature=0.0).texts
     answers = [extract_answer(text) for text in texts]
     return [(answer, p.answer) for answer, p in zip(answers, problems) if answer is not None]
 
@@ -66,7 +75,10 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds per answer, either grader")
     parser.add_argument("--limit", type=int, default=500, help="MATH-500 problems")
     parser.add_argument("--show", type=int, default=5, help="disagreements printed per kind")
-    parser.add_argument("--tiny", type=int, default=0, help="problems of each set the shipped tiny policy answers")
+    parser.add_argument("--tiny", type=int, default=0, help="problems of each set the model answers")
+    parser.add_argument("--model", default=None, help="with --tiny: a real instruct model's directory answers, under "
+                        "its chat template (default: the shipped tiny policy)")
+    parser.add_argument("--max_new_tokens", type=int, default=96, help="with --tiny: tokens per solution")
     args = parser.parse_args()
     references = [json.loads(line)["answer"] for line in MATH500.read_text().splitlines()[:args.limit]]
     pairs: dict[str, list[tuple[str, str]]] = {}
@@ -79,8 +91,10 @@ def main() -> None:
     if args.tiny:
         from models.tiny.data import heldout_problems
 
-        pairs["tiny policy, Arith held-out"] = tiny_policy_pairs(heldout_problems()[:args.tiny])
-        pairs["tiny policy, MATH-500"] = tiny_policy_pairs(load_problems(MATH500, limit=args.tiny))
+        name = "tiny policy" if args.model is None else Path(args.model).name
+        pairs[f"{name}, Arith held-out"] = model_pairs(heldout_problems()[:args.tiny], args.model, args.max_new_tokens)
+        pairs[f"{name}, MATH-500"] = model_pairs(load_problems(MATH500, limit=args.tiny), args.model,
+                                                 args.max_new_tokens)
     warm_up(scorers=("mathrl", "math_verify"))
     print(f"| pairs | n | mathrl: equal | math_verify: equal | verdicts agree |\n| --- | --- | --- | --- | --- |")
     shown = []

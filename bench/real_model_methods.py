@@ -66,13 +66,15 @@ TASK_FLAGS = ("--env_kwargs", json.dumps({"arith": ARITH}), "--prompt_template",
 @dataclass(frozen=True)
 class Row:
     """One row: its train_math flags ({model}, {target}: the model directories; {writer}: the seed's trained
-    writer), the samples each of its iterations generates, the env steps an episode takes, and whether it
-    only evaluates (``--val_only``)."""
+    writer), the samples each of its iterations generates, the env steps an episode takes, whether it only
+    evaluates (``--val_only``), and whether it depends on the seed (a frozen model's greedy accuracy does not:
+    one run, counted once in the standard errors)."""
 
     flags: tuple[str, ...]
     samples_per_iteration: int = SAMPLES_PER_ITERATION
     turns: int = 1
     val_only: bool = False
+    seeded: bool = True
 
 
 PREFIX_TEAM = ("--env_id", "Arith-Prefix-v0", "--role_model", "solver={target}", "--reward_assignment", "individual",
@@ -82,7 +84,7 @@ ALONE = ("--max_new_tokens", str(PREFIX_TOKENS + TARGET_TOKENS), "--n_rollout_th
 RLOO = ("--algorithm_name", "RLOO", "--max_new_tokens", "128", "--n_rollout_threads", "64")
 ROWS: dict[str, Row] = {
     "prefix_rl": Row(("--model_name_or_path", "{model}", *PREFIX_TEAM), turns=2),
-    "target_alone": Row(("--model_name_or_path", "{target}", *ALONE), val_only=True),
+    "target_alone": Row(("--model_name_or_path", "{target}", *ALONE), val_only=True, seeded=False),
     "writer_alone": Row(("--model_name_or_path", "{writer}", *ALONE), val_only=True),
     "prime": Row(("--model_name_or_path", "{model}", *RLOO, "--implicit_prm_lr", str(PRM_LR)), 4 * 64),
     "rloo_filter": Row(("--model_name_or_path", "{model}", *RLOO, "--process_coef", "0"), 4 * 64),
@@ -143,10 +145,7 @@ def run_method(args: argparse.Namespace) -> dict[str, dict[int, list[dict[str, f
     results: dict[str, dict[int, list[dict[str, float]]]] = {}
     for row in (trained, *controls):
         results[row] = {}
-        for seed in args.seeds:
-            if ROWS[row].val_only and "{writer}" not in " ".join(ROWS[row].flags) and results[row]:
-                results[row][seed] = next(iter(results[row].values()))  # a frozen model's greedy accuracy: one run
-                continue
+        for seed in args.seeds if ROWS[row].seeded else args.seeds[:1]:
             seed_models = {**models, "writer": str(writer_dir(args.out, seed)) if row == "writer_alone" else ""}
             flags = row_flags(row, seed, args, seed_models)
             results[row][seed] = train_math_history(flags, args.out / "runs" / row / f"seed_{seed}")

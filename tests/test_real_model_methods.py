@@ -25,9 +25,9 @@ def test_a_mean_of_seeds_takes_the_larger_of_the_binomial_error_and_the_seeds_sp
 
 def test_the_comparison_line_states_both_runs_the_gain_and_its_standard_errors():
     results = {"prefix_rl": {0: history(0.2, 0.6), 1: history(0.2, 0.6)},
-               "target_alone": {0: history(0.18), 1: history(0.18)}}
+               "target_alone": {0: history(0.18)}}  # a frozen model: one run, whatever the seeds
     line = comparison("prefix_rl", "target_alone", results, 500)
-    error = math.hypot(math.sqrt(2 * 0.24 / 500) / 2, math.sqrt(2 * 0.18 * 0.82 / 500) / 2)
+    error = math.hypot(math.sqrt(2 * 0.24 / 500) / 2, math.sqrt(0.18 * 0.82 / 500))
     assert line == (f"prefix_rl 0.200 -> 0.600 vs target_alone 0.180 -> 0.180 at equal samples (+42.0 points, "
                     f"{0.42 / error:.1f} standard errors)")
 

@@ -16,6 +16,8 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
+from envs.modes import LossAgg
+
 
 @dataclass(frozen=True)
 class AdvantageEstimate:
@@ -62,9 +64,9 @@ class StepRecord:
 class Batch:
     """One micro-batch of B live slots, flattened. ``L`` is the longest action in it.
 
-    ``weight(unit)`` is the micro-batch's share of its minibatch, counted in samples
-    ("seq_mean"/"sample") or in tokens ("token_mean"): multiplying a micro-batch mean by it and
-    summing over the micro-batches gives the minibatch mean with every sample (or token) weighted
+    ``weight(agg)`` is the micro-batch's share of its minibatch, counted in tokens where ``agg`` weighs every
+    token the same (``LossAgg.TOKEN_MEAN``) and in samples (actions) otherwise: multiplying a micro-batch mean
+    by it and summing over the micro-batches gives the minibatch mean with every token (or sample) weighted
     equally, whatever the remainders of the split.
     """
 
@@ -86,12 +88,10 @@ class Batch:
     minibatch_tokens: int
     rollout_weights: torch.Tensor | None = None  # [B, L] or [B, 1] rollout-correction weights of the policy gradient
 
-    def weight(self, unit: str) -> float:
-        if unit == "token_mean":
+    def weight(self, agg: LossAgg) -> float:
+        if LossAgg(agg).per_token:
             return self.num_tokens / self.minibatch_tokens
-        if unit in ("seq_mean", "sample"):
-            return self.num_samples / self.minibatch_samples
-        raise ValueError(f"weight unit {unit!r} must be 'token_mean', 'seq_mean' or 'sample'")
+        return self.num_samples / self.minibatch_samples
 
 
 class RolloutBuffer:

@@ -8,13 +8,11 @@ from algorithms.base import (ActionScores, BaseAlgorithm, SumReducer, batch_mean
                              token_policy_loss, zero_advantage_rows)
 from algorithms.buffer import Batch, RolloutBuffer, AdvantageEstimate
 from algorithms.losses import group_index, group_means
-from algorithms.registry import ScaleRewards
-
-SCALE_REWARDS = tuple(mode.value for mode in ScaleRewards)
+from envs.modes import ScaleRewards, member_of
 
 
 def group_advantages(
-    returns: torch.Tensor, group_ids: torch.Tensor, scale_rewards: str = "group", eps: float = 1e-4,
+    returns: torch.Tensor, group_ids: torch.Tensor, scale_rewards: ScaleRewards = ScaleRewards.GROUP, eps: float = 1e-4,
     reduce_sum: SumReducer = lambda tensor: tensor,
 ) -> torch.Tensor:
     """Advantages [B] of episode returns [B] grouped by ``group_ids`` [B] (episodes of one prompt).
@@ -25,17 +23,16 @@ def group_advantages(
     parts of the batch (groups are never split). A group of one (a role that acted in one episode of its
     group) has nothing to compare with: advantage 0. Vectorised with scatter sums.
     """
-    if scale_rewards not in SCALE_REWARDS:
-        raise ValueError(f"scale_rewards={scale_rewards!r} must be one of {SCALE_REWARDS}")
+    scale_rewards = member_of(tuple(ScaleRewards), scale_rewards, "scale_rewards")
     groups, sizes = group_index(group_ids)
     # a group of equal returns has no signal: exactly 0, not the rounding error of its mean (eight returns of
     # 0.3 in float32 average to 0.3 - 3e-8, which the std's eps would scale to advantages of 3e-4)
     spread = (returns.new_zeros(len(sizes)).scatter_reduce(0, groups, returns, "amax", include_self=False)
               - returns.new_zeros(len(sizes)).scatter_reduce(0, groups, returns, "amin", include_self=False))
     centered = torch.where(spread[groups] == 0, 0.0, returns - group_means(returns, groups, sizes)[groups])
-    if scale_rewards == "none":
+    if scale_rewards is ScaleRewards.NONE:
         return centered
-    if scale_rewards == "batch":
+    if scale_rewards is ScaleRewards.BATCH:
         return centered / (batch_mean_std(returns, reduce_sum)[1] + eps)
     variances = group_means(centered**2, groups, sizes) * sizes / (sizes - 1).clamp(min=1)  # unbiased
     std = torch.where(sizes > 1, variances.sqrt(), 1.0)  # a group of one: centered is 0, and stays so

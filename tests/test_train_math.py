@@ -268,7 +268,8 @@ def test_the_algorithms_defaults_are_the_options_defaults():
 
     from algorithms.registry import AlgorithmConfig
     from train.builders import algorithm_config
-    from train.config import AgentGroups, LearningConfig, MultiAgentConfig, PrimeConfig, RunConfig
+    from envs.modes import AgentGroups
+    from train.config import LearningConfig, MultiAgentConfig, PrimeConfig, RunConfig
     from train.resolve import resolved
 
     assert algorithm_config(resolved(RunConfig())) == AlgorithmConfig(max_groups=128 // 4)

@@ -10,7 +10,7 @@ resolved values (the env's workflow, envs per iteration, ...), not options. The 
 ``build_runner(RunConfig(...), run_dir, writer)``.
 
 Light on purpose: the flags are generated from these classes before torch is imported (the env package,
-no torch in it, is: the env's modes, ``envs.modes``, are options here too).
+no torch in it, is: the options' types are the house's modes, ``envs.modes``).
 """
 
 from __future__ import annotations
@@ -21,8 +21,10 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from algorithms.registry import ALGORITHMS, ImportanceSamplingLevel, KLEstimator, LossAgg, PrimeNorm, ScaleRewards
-from envs.modes import ActionLevel, Grader, RewardAssignment, Tool  # the env's modes, which the options take too
+from algorithms.registry import ALGORITHMS
+from envs.modes import (ActionLevel, AgentGroups, Backend, Critic, DataParallel, DType, Grader, ImportanceSamplingLevel,
+                        KLEstimator, LossAgg, LrSchedule, PrimeNorm, PrimeUpdate, PrmType, PromptTemplate,
+                        RewardAssignment, RolloutIsLevel, RolloutIsMode, ScaleRewards, Tool)
 from train.options import option
 
 if TYPE_CHECKING:
@@ -33,75 +35,13 @@ REWARD_SOURCES = ("outcome", "prm", "target", "steps")
 DEFAULT_PRM_REWARD = "outcome:1.0,prm:0.2"
 
 
-class DType(enum.StrEnum):
-    """The policy's compute dtype (float16: inference and exports only, ``FLOAT16_TRAINING``)."""
-
-    FLOAT32 = "float32"
-    BFLOAT16 = "bfloat16"
-    FLOAT16 = "float16"
-
-
 FLOAT16_TRAINING = ("float16 training needs a loss scaler (torch.amp.GradScaler), which the trainer does not have, "
                     "so small gradients would underflow to 0; use --dtype bfloat16 (or float32)")
 """Why --dtype float16 (``ModelConfig.dtype``) is refused, and the fix; float16 remains a --save_dtype."""
 
 
-class DataParallel(enum.StrEnum):
-    """How the policy is split over the ranks under torchrun."""
-
-    AUTO = "auto"  # fsdp for full fine-tuning, ddp for LoRA
-    DDP = "ddp"  # every rank holds the whole model, gradients all-reduced
-    FSDP = "fsdp"  # FSDP2 shards weights, gradients and optimizer state
-
-
-class PromptTemplate(enum.StrEnum):
-    """How a problem becomes a prompt (``models.prompting.build_template``)."""
-
-    DEFAULT = "default"  # 'Problem: ...\nSolution:\n'
-    QWEN_MATH = "qwen_math"  # Qwen2.5-Math's ChatML prompt
-    CHAT = "chat"  # the tokenizer's own chat template
-
-
-class PrmType(enum.StrEnum):
-    """The kind of a process reward model."""
-
-    SHEPHERD = "shepherd"  # Math-Shepherd step tags
-    CLASSIFIER = "classifier"  # Qwen2.5-Math-PRM style
-
-
 PRM_TYPE_ALIASES = {"ms": "shepherd", "qwen": "classifier"}
 """OpenR's names of the PRM kinds, which --prm_type accepts too."""
-
-
-class PrimeUpdate(enum.StrEnum):
-    """When PRIME's implicit PRM learns from a batch (verl's ``reward_model.model.update`` names)."""
-
-    BEFORE = "before"  # its step on the batch, then its rewards for the batch (a second forward pass)
-    AFTER = "after"  # its rewards for the batch, then, after the policy's update, its step on the batch
-
-
-class AgentGroups(enum.StrEnum):
-    """What a multi-agent GRPO/RLOO group baseline compares."""
-
-    ROLE = "role"  # one role's samples of one problem
-    JOINT = "joint"  # every role's samples of the problem together (MAGRPO's team baseline)
-
-
-class LrSchedule(enum.StrEnum):
-    """The learning rate after warm-up."""
-
-    LINEAR = "linear"  # decays to 0 at the last iteration
-    CONSTANT = "constant"
-
-
-class Critic(enum.StrEnum):
-    """Whether a critic is trained and, on a multi-agent env, what it reads."""
-
-    AUTO = "auto"  # APPO/TPPO yes, GRPO/RLOO no
-    ON = "on"
-    OFF = "off"
-    CENTRALIZED = "centralized"  # the joint transcript and the acting role's name, one value head (MAPPO)
-    PER_ROLE = "per_role"  # each role's own prompt, a value head per role
 
 
 AlgorithmName = enum.StrEnum("AlgorithmName", {name: name for name in ALGORITHMS})
@@ -488,14 +428,6 @@ class BudgetConfig:
     num_iterations: int | None = None  # resolved from num_env_steps (given in code: it wins)
 
 
-class Backend(enum.StrEnum):
-    """Where rollouts are generated."""
-
-    HF = "hf"  # Hugging Face transformers, in this process
-    VLLM = "vllm"  # a vLLM engine, in this process
-    VLLM_SERVER = "vllm_server"  # vLLM servers at --vllm_url
-
-
 @dataclass(frozen=True)
 class GenerationConfig:
     """How rollouts are generated."""
@@ -512,21 +444,6 @@ class GenerationConfig:
         "rollout log-probs recorded at generation. Default: on with --generation_backend=hf for APPO, and for "
         "every algorithm on a CPU.")  # None (RunConfig()): off
     max_policy_lag: int = option(1, "With --async_rollouts: most policy updates a batch may lag.", lower_bound=1)
-
-
-class RolloutIsLevel(enum.StrEnum):
-    """Where the trainer/sampler probability ratio of rollout correction is taken."""
-
-    TOKEN = "token"  # each token's ratio
-    SEQUENCE = "sequence"  # the product over the action's tokens
-    GEOMETRIC = "geometric"  # the geometric mean over the action's tokens
-
-
-class RolloutIsMode(enum.StrEnum):
-    """What rollout correction does with the ratio."""
-
-    TRUNCATE = "truncate"  # weight the policy-gradient term by min(ratio, threshold) (TIS)
-    MASK = "mask"  # drop the action from the loss where the ratio leaves [threshold_lower, threshold]
 
 
 @dataclass(frozen=True)

@@ -15,14 +15,13 @@ import gymnasium
 from absl import flags
 
 import envs  # registers the built-in ids
-from algorithms.registry import ALGORITHMS, LossAgg, collects_whole_episodes
+from algorithms.registry import ALGORITHMS, collects_whole_episodes
 from envs.grader import scorer_packages
-from envs.modes import member_of
+from envs.modes import ActionLevel, Critic, DType, LossAgg, Tool, member_of
 from envs.workflows import Workflow, resolve_workflow
 from models.hub import resolve_model
 from models.remote import api_key_from
-from train.config import (DEFAULT_PRM_REWARD, FLOAT16_TRAINING, ActionLevel, Critic, DType, EnvConfig,
-                          ModelConfig, RunConfig, ServicesConfig, Tool)
+from train.config import DEFAULT_PRM_REWARD, FLOAT16_TRAINING, EnvConfig, ModelConfig, RunConfig, ServicesConfig
 from train.flags.checks import check_algorithm_specific, default_group_size, kl_in_reward, reward_sources
 from train.options import section_from_flags, with_members
 

@@ -14,8 +14,8 @@ from pathlib import Path
 from absl import flags
 
 from algorithms.registry import ALGORITHMS
-from train.config import (DEFAULT_PRM_REWARD, FLOAT16_TRAINING, PRM_TYPE_ALIASES, REWARD_SOURCES, DType, PrmType,
-                          parse_eval_sets)
+from envs.modes import DType, PrmType
+from train.config import DEFAULT_PRM_REWARD, FLOAT16_TRAINING, PRM_TYPE_ALIASES, REWARD_SOURCES, parse_eval_sets
 
 FLAGS = flags.FLAGS
 

@@ -100,7 +100,7 @@ class RolloutBuffer:
     Filled by ``add`` (one call per env step, for the (env, agent) pairs that acted) and ``add_step_results`` (what
     the env paid for them, once per env step). Collection also
     writes ``next_values`` [T, N, A], the value to bootstrap from after each action (0 where the
-    episode terminated), and before the update ``ref_logprobs`` / ``token_rewards`` where the
+    episode ended, terminated or truncated), and before the update ``ref_logprobs`` / ``token_rewards`` where the
     algorithm reads them, and with rollout correction ``trainer_logprobs`` (the trainer's scores of the
     actions before the update, which the ratio is then taken against) and ``rollout_weights``.
     """

@@ -5,8 +5,12 @@ compares samples within prompt groups; only algorithms with a critic take critic
 the hyper-parameters (``AlgorithmConfig``) before torch is imported. Its modes are the house's
 (``envs.modes``), the one module of ``envs`` an algorithm imports.
 
-Adding an algorithm is a module with a class following ``algorithms.base.Algorithm`` plus one entry in
-``ALGORITHMS``.
+Adding an algorithm is a module with a class following ``algorithms.base.Algorithm`` and its entry in
+``ALGORITHMS`` (``--algorithm_name`` and the critic and group checks follow from the entry), and more where
+the flags name algorithms: ``train.flags.checks.APPLIES_TO`` lists the algorithms that read each
+algorithm-specific flag (a new algorithm gets the KL and loss-aggregation flags unless it is excluded from
+``TOKEN_LOSS``, as APPO's one ratio per action is), and ``train.resolve`` gives RLOO its oversampling and
+APPO asynchronous rollouts by name.
 """
 
 from __future__ import annotations

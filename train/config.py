@@ -60,7 +60,7 @@ class ModelConfig:
         "roles).", flag="model_name_or_path")
     revision: str | None = option(None, "Hub revision (branch, tag or commit) of every model flag given as a hub "
                                   "id. Default: the hub's default branch.")
-    device: str = option("auto", "auto, cpu, cuda or cuda:N.")
+    device: str = option("auto", "auto, cpu, cuda, cuda:N or mps.")
     dtype: DType = option(DType.FLOAT32, "Compute dtype: matmuls run in it under autocast; trained weights stay fp32 "
                           "(master weights) and a LoRA's frozen base is stored in it.")
     lora_rank: int = option(0, "LoRA rank; 0 trains all weights.", lower_bound=0)
@@ -442,7 +442,7 @@ class GenerationConfig:
         None, "Generate the next batch with a copy of the policy in a second thread while the current one trains "
         "(on a CPU: a second core), at most --max_policy_lag updates behind; ratios are taken against the "
         "rollout log-probs recorded at generation. Default: on with --generation_backend=hf for APPO, and for "
-        "every algorithm on a CPU.")  # None (RunConfig()): off
+        "every algorithm on a CPU.")
     max_policy_lag: int = option(1, "With --async_rollouts: most policy updates a batch may lag.", lower_bound=1)
 
 

@@ -389,7 +389,29 @@ def build_runner(config: RunConfig, run_dir: Path, writer, saved: checkpoint.Che
     ``writer`` is a tensorboardX SummaryWriter on ``run_dir`` (None on ranks other than 0);
     ``generator_factory`` builds the generation backend when the caller needs engine settings the config
     does not cover; ``ranks``: this process's place in a torchrun job. ``config`` is resolved first
-    (``train.resolve.resolved``): options left None take the values the command line would give them."""
+    (``train.resolve.resolved``): options left None take the values the command line would give them.
+
+    One GRPO iteration of the shipped tiny policy on Arith-v0 (four samples of one problem), as a library user
+    runs it without flags:
+
+    >>> import tempfile
+    >>> from tensorboardX import SummaryWriter
+    >>> from train.config import BudgetConfig, EnvConfig, GenerationConfig, LoggingConfig, ModelConfig
+    >>> config = RunConfig(model=ModelConfig(device="cpu"), env=EnvConfig(num_envs=4),
+    ...                    generation=GenerationConfig(max_new_tokens=16, async_rollouts=False),
+    ...                    budget=BudgetConfig(num_iterations=1, eval_interval=0),
+    ...                    logging=LoggingConfig(save_best=False))
+    >>> with tempfile.TemporaryDirectory() as run_dir, SummaryWriter(run_dir) as writer:
+    ...     runner = build_runner(config, Path(run_dir), writer)
+    ...     try:
+    ...         history = runner.run()  # collects, updates, saves the last checkpoint under run_dir
+    ...     finally:
+    ...         runner.close()
+    >>> history  # the held-out evaluations: none with eval_interval=0
+    []
+    >>> runner.last_buffer.live.shape  # [T, N, A]: one step (a whole solution) of 4 envs, one agent
+    torch.Size([1, 4, 1])
+    """
     config = resolved(config)
     env, learning, data_parallel = config.env, config.learning, config.distributed.data_parallel
     directory = model_dir(config.model, env.workflow is not None)

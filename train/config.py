@@ -579,7 +579,23 @@ class LoggingConfig:
 @dataclass(frozen=True)
 class RunConfig:
     """Every part of a run, one section per --helpfull section. ``flags``: the command line's flag values, saved
-    with each checkpoint so a resume can inherit them (empty for a run built without flags)."""
+    with each checkpoint so a resume can inherit them (empty for a run built without flags).
+
+    Built in code, a config leaves None what the command line would resolve; ``train.resolve.resolved`` works
+    it out (the builders call it) and refuses a bad value as a bad flag is refused:
+
+    >>> from train.resolve import resolved
+    >>> config = RunConfig(learning=LearningConfig(algorithm="GRPO"), env=EnvConfig(num_envs=8),
+    ...                    budget=BudgetConfig(num_env_steps=64))
+    >>> run = resolved(config)
+    >>> run.env.env_id, run.env.group_size, run.rewards.spec, run.budget.num_iterations
+    ('Arith-v0', 4, 'outcome:1.0,steps:1.0', 8)
+    >>> run.learning.loss_agg_mode is LossAgg.TOKEN_MEAN
+    True
+    >>> resolved(RunConfig(learning=LearningConfig(scale_rewards="std")))
+    Traceback (most recent call last):
+    ValueError: LearningConfig.scale_rewards='std' (--scale_rewards) must be one of group, batch, none
+    """
 
     model: ModelConfig = field(default_factory=ModelConfig)
     env: EnvConfig = field(default_factory=EnvConfig)

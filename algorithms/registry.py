@@ -22,6 +22,14 @@ class ScaleRewards(enum.StrEnum):
     NONE = "none"  # nothing (Dr.GRPO)
 
 
+class AgentGroups(enum.StrEnum):
+    """What a multi-agent group baseline compares (GRPO; RLOO and REINFORCE++-baseline take role and joint)."""
+
+    ROLE = "role"  # one role's episodes of one problem, each scored by its return
+    JOINT = "joint"  # every role's episodes of the problem together (MAGRPO's team baseline)
+    AT_GRPO = "at_grpo"  # one role's actions at one turn of one problem, each scored by its turn's reward (AT-GRPO)
+
+
 class LossAgg(enum.StrEnum):
     """How per-token losses become one number (verl's ``loss_agg_mode`` names)."""
 
@@ -92,7 +100,7 @@ class AlgorithmConfig:
     accuracy_lower_bound: float = 0.2  # RLOO: PRIME's prompt filter
     accuracy_upper_bound: float = 0.8
     max_groups: int | None = None  # RLOO: groups kept after filtering an oversampled batch
-    joint_groups: bool = False  # multi-agent GRPO/RLOO: one baseline over all agents of a prompt group (MAGRPO)
+    agent_groups: AgentGroups = AgentGroups.ROLE  # multi-agent: what a group baseline compares
 
     @property
     def clip_low(self) -> float:
@@ -114,17 +122,19 @@ class AlgorithmSpec:
     ``episodic``: collect exactly one episode per env per iteration (advantages compare whole episodes
     within a prompt group) instead of ``episode_length`` steps of episodes that span iterations.
     ``critic``: None, "action" (V(s) per step) or "token" (V per action token).
-    ``grouped``: advantages compare the samples of one prompt (a group needs two or more)."""
+    ``grouped``: advantages compare the samples of one prompt (a group needs two or more).
+    ``turn_groups``: a multi-agent baseline may compare one role's actions at one turn (``AgentGroups.AT_GRPO``)."""
 
     target: str
     episodic: bool
     critic: str | None
     grouped: bool = False
+    turn_groups: bool = False
 
 
 ALGORITHMS = {
     "APPO": AlgorithmSpec("algorithms.appo:APPO", episodic=False, critic="action"),
-    "GRPO": AlgorithmSpec("algorithms.grpo:GRPO", episodic=True, critic=None, grouped=True),
+    "GRPO": AlgorithmSpec("algorithms.grpo:GRPO", episodic=True, critic=None, grouped=True, turn_groups=True),
     "TPPO": AlgorithmSpec("algorithms.tppo:TPPO", episodic=False, critic="token"),
     "RLOO": AlgorithmSpec("algorithms.rloo:RLOO", episodic=True, critic=None, grouped=True),
     "REINFORCE_PP": AlgorithmSpec("algorithms.reinforce_pp:ReinforcePP", episodic=True, critic=None),

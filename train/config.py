@@ -21,7 +21,8 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from algorithms.registry import ALGORITHMS, ImportanceSamplingLevel, KLEstimator, LossAgg, PrimeNorm, ScaleRewards
+from algorithms.registry import (ALGORITHMS, AgentGroups, ImportanceSamplingLevel, KLEstimator, LossAgg, PrimeNorm,
+                                 ScaleRewards)
 from envs.modes import ActionLevel, Grader, RewardAssignment, Tool  # the env's modes, which the options take too
 from train.options import option
 
@@ -78,13 +79,6 @@ class PrimeUpdate(enum.StrEnum):
 
     BEFORE = "before"  # its step on the batch, then its rewards for the batch (a second forward pass)
     AFTER = "after"  # its rewards for the batch, then, after the policy's update, its step on the batch
-
-
-class AgentGroups(enum.StrEnum):
-    """What a multi-agent GRPO/RLOO group baseline compares."""
-
-    ROLE = "role"  # one role's samples of one problem
-    JOINT = "joint"  # every role's samples of the problem together (MAGRPO's team baseline)
 
 
 class LrSchedule(enum.StrEnum):
@@ -405,9 +399,10 @@ class MultiAgentConfig:
         "model in DIR instead of the policy. Frozen roles are never trained on; without a model of their own they "
         "speak with the policy.", flag="role_model")
     agent_groups: AgentGroups = option(
-        AgentGroups.ROLE, "Multi-agent envs, GRPO/RLOO: the group baseline compares one role's samples of one "
-        "problem (role, normalised per role), or every role's samples of the problem together (joint, MAGRPO's team "
-        "baseline).")
+        AgentGroups.ROLE, "Multi-agent envs, GRPO/RLOO: the group baseline compares one role's episodes of one "
+        "problem, each scored by its return (role, normalised per role), or every role's episodes of the problem "
+        "together (joint, MAGRPO's team baseline); GRPO only: at_grpo (PettingLLMs' AT-GRPO, agent- and turn-wise) "
+        "compares one role's actions at one turn of one problem, each scored by the reward of its own turn.")
     reward_assignment: RewardAssignment = option(
         RewardAssignment.TEAM, "Multi-agent envs: how each role is credited. team: the verified final answer, to "
         "every role that acted; individual: each role's own verifiable output (its answer; a verifier's verdict "

@@ -260,6 +260,14 @@ class RolloutBuffer:
             return group_ids
         return group_ids * num_agents + torch.arange(num_agents, device=self.device)
 
+    def turn_group_ids(self) -> torch.Tensor:
+        """[T, N, A] the group of each action for agent- and turn-wise baselines (AT-GRPO): agent a's action at
+        step t of prompt group g is group (g * A + a) * T + t, so a baseline compares one role's actions at one turn
+        of one problem (whole-episode collection steps turn t of every env's episode together, at step t)."""
+        num_steps = self.shape[0]
+        steps = torch.arange(num_steps, device=self.device)[:, None, None]
+        return self.episode_group_ids()[None] * num_steps + steps
+
     def episode_correct(self) -> torch.Tensor:
         """[N, A] 1.0 where the env's episode ended with a verified answer (episodic collection);
         an episode cut by the rollout length counts as not correct."""

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from envs.modes import CriticGranularity, ImportanceSamplingLevel, KLEstimator, LossAgg, ScaleRewards
+from envs.modes import AgentGroups, CriticGranularity, ImportanceSamplingLevel, KLEstimator, LossAgg, ScaleRewards
+
 
 @dataclass(frozen=True)
 class AlgorithmConfig:
@@ -47,7 +48,7 @@ class AlgorithmConfig:
     accuracy_lower_bound: float = 0.2  # RLOO: PRIME's prompt filter
     accuracy_upper_bound: float = 0.8
     max_groups: int | None = None  # RLOO: groups kept after filtering an oversampled batch
-    joint_groups: bool = False  # multi-agent GRPO/RLOO: one baseline over all agents of a prompt group (MAGRPO)
+    agent_groups: AgentGroups = AgentGroups.ROLE  # multi-agent: what a group baseline compares
 
     @property
     def clip_low(self) -> float:
@@ -70,17 +71,19 @@ class AlgorithmSpec:
     within a prompt group) instead of ``episode_length`` steps of episodes that span iterations.
     ``critic``: None (no critic) or what the critic values: ``CriticGranularity.ACTION`` (V(s) per step) or
     ``CriticGranularity.TOKEN`` (V per action token).
-    ``grouped``: advantages compare the samples of one prompt (a group needs two or more)."""
+    ``grouped``: advantages compare the samples of one prompt (a group needs two or more).
+    ``turn_groups``: a multi-agent baseline may compare one role's actions at one turn (``AgentGroups.AT_GRPO``)."""
 
     target: str
     episodic: bool
     critic: CriticGranularity | None
     grouped: bool = False
+    turn_groups: bool = False
 
 
 ALGORITHMS = {
     "APPO": AlgorithmSpec("algorithms.appo:APPO", episodic=False, critic=CriticGranularity.ACTION),
-    "GRPO": AlgorithmSpec("algorithms.grpo:GRPO", episodic=True, critic=None, grouped=True),
+    "GRPO": AlgorithmSpec("algorithms.grpo:GRPO", episodic=True, critic=None, grouped=True, turn_groups=True),
     "TPPO": AlgorithmSpec("algorithms.tppo:TPPO", episodic=False, critic=CriticGranularity.TOKEN),
     "RLOO": AlgorithmSpec("algorithms.rloo:RLOO", episodic=True, critic=None, grouped=True),
     "REINFORCE_PP": AlgorithmSpec("algorithms.reinforce_pp:ReinforcePP", episodic=True, critic=None),

@@ -221,10 +221,11 @@ class PrimeUpdate(enum.StrEnum):
 
 
 class AgentGroups(enum.StrEnum):
-    """What a multi-agent GRPO/RLOO group baseline compares."""
+    """What a multi-agent group baseline compares (GRPO; RLOO and REINFORCE++-baseline take role and joint)."""
 
-    ROLE = "role"  # one role's samples of one problem
-    JOINT = "joint"  # every role's samples of the problem together (MAGRPO's team baseline)
+    ROLE = "role"  # one role's episodes of one problem, each scored by its return
+    JOINT = "joint"  # every role's episodes of the problem together (MAGRPO's team baseline)
+    AT_GRPO = "at_grpo"  # one role's actions at one turn of one problem, each scored by its turn's reward (AT-GRPO)
 
 
 class DataParallel(enum.StrEnum):

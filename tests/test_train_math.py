@@ -277,7 +277,8 @@ def test_the_algorithms_defaults_are_the_options_defaults():
                        prime=PrimeConfig(process_coef=0.5, oversample_factor=1),
                        multi_agent=MultiAgentConfig(agent_groups=AgentGroups.JOINT))
     assert algorithm_config(config) == dataclasses.replace(
-        AlgorithmConfig(), clip_param=0.1, value_clip_param=None, huber_delta=2.0, process_coef=0.5, joint_groups=True)
+        AlgorithmConfig(), clip_param=0.1, value_clip_param=None, huber_delta=2.0, process_coef=0.5,
+        agent_groups=AgentGroups.JOINT)
 
 
 @pytest.mark.parametrize("lora_rank", [0, 8], ids=["full", "lora"])

@@ -21,7 +21,7 @@ from algorithms.base import Algorithm, make_algorithm
 from algorithms.registry import AlgorithmConfig, algorithm_spec
 from envs.datasets import load_problems
 from envs.math_env import MAX_TOOL_OUTPUT_CHARS, TOOL_TIMEOUT_S
-from envs.modes import ActionLevel, AgentGroups, Backend, DataParallel, DType, LrSchedule, PrmType, Tool
+from envs.modes import ActionLevel, Backend, DataParallel, DType, LrSchedule, PrmType, Tool
 from envs.prompts import STEP_DELIMITER
 from envs.rewards import OutcomeReward, OverlongPenalty, RewardMixture, RewardModel
 from reward_models.implicit_prm import ImplicitPRM
@@ -261,7 +261,7 @@ def build_envs(config: RunConfig, reward_model: RewardModel, tokenizer, template
 
 def algorithm_config(config: RunConfig, ranks: Ranks = Ranks()) -> AlgorithmConfig:
     """The algorithms' hyper-parameters: each from the option of the same name in the algorithm or PRIME
-    section (0 turning the value clip and the Huber loss off), the joint group baseline from --agent_groups;
+    section (0 turning the value clip and the Huber loss off), the multi-agent group baseline from --agent_groups;
     under torchrun RLOO keeps its share of the filtered groups on each rank."""
     learning, prime = config.learning, config.prime
     named = {part.name: getattr(section, part.name) for part in dataclasses.fields(AlgorithmConfig)
@@ -270,7 +270,7 @@ def algorithm_config(config: RunConfig, ranks: Ranks = Ranks()) -> AlgorithmConf
         **named, "value_clip_param": learning.value_clip_param or None, "huber_delta": learning.huber_delta or None,
         "use_kl_in_reward": bool(learning.use_kl_in_reward),
         "max_groups": learning.prompt_groups // ranks.world_size if learning.prompt_groups is not None else None,
-        "joint_groups": config.multi_agent.agent_groups == AgentGroups.JOINT})
+        "agent_groups": config.multi_agent.agent_groups})
 
 
 def build_algorithm(config: RunConfig, ranks: Ranks = Ranks()) -> Algorithm:

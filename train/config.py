@@ -345,9 +345,10 @@ class MultiAgentConfig:
         "model in DIR instead of the policy. Frozen roles are never trained on; without a model of their own they "
         "speak with the policy.", flag="role_model")
     agent_groups: AgentGroups = option(
-        AgentGroups.ROLE, "Multi-agent envs, GRPO/RLOO: the group baseline compares one role's samples of one "
-        "problem (role, normalised per role), or every role's samples of the problem together (joint, MAGRPO's team "
-        "baseline).")
+        AgentGroups.ROLE, "Multi-agent envs, GRPO/RLOO: the group baseline compares one role's episodes of one "
+        "problem, each scored by its return (role, normalised per role), or every role's episodes of the problem "
+        "together (joint, MAGRPO's team baseline); GRPO only: at_grpo (PettingLLMs' AT-GRPO, agent- and turn-wise) "
+        "compares one role's actions at one turn of one problem, each scored by the reward of its own turn.")
     reward_assignment: RewardAssignment = option(
         RewardAssignment.TEAM, "Multi-agent envs: how each role is credited. team: the verified final answer, to "
         "every role that acted; individual: each role's own verifiable output (its answer; a verifier's verdict "

@@ -17,7 +17,7 @@ from absl import flags
 import envs  # registers the built-in ids
 from algorithms.registry import ALGORITHMS, collects_whole_episodes
 from envs.grader import scorer_packages
-from envs.modes import ActionLevel, Critic, DType, LossAgg, Tool, member_of
+from envs.modes import ActionLevel, AgentGroups, Critic, DType, LossAgg, Tool, member_of
 from envs.workflows import Workflow, resolve_workflow
 from models.hub import resolve_model
 from models.remote import api_key_from
@@ -177,6 +177,11 @@ def check_multi_agent(config: RunConfig, env_id: str, workflow: Workflow | None,
                                         f"--env_id={env_id} has one agent (use --critic on, or e.g. --env_id "
                                         "Arith-Chain-v0)")
         return
+    algorithm = config.learning.algorithm
+    if config.multi_agent.agent_groups == AgentGroups.AT_GRPO and not ALGORITHMS[algorithm].turn_groups:
+        raise flags.ValidationError(f"--agent_groups at_grpo compares one role's actions at one turn; "
+                                    f"--algorithm_name={algorithm} compares whole episodes: use GRPO, or "
+                                    "--agent_groups role or joint")
     if not config.multi_agent.share_policy and config.model.lora_rank == 0:
         raise flags.ValidationError("--noshare_policy gives each role a LoRA adapter on the shared base: add "
                                     "--lora_rank > 0 (now 0)")

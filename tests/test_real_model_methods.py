@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from bench.real_model_methods import (METHODS, PREFIX_KL, PREFIX_TOKENS, ROWS, SAMPLES_PER_ITERATION, TARGET_TOKENS, comparison,
-                                      mean_and_error, parse_args, row_flags, weights_digest)
+from bench.real_model_methods import (METHODS, PREFIX_KL, PREFIX_TOKENS, ROWS, SAMPLES_PER_ITERATION, TARGET_TOKENS,
+                                      comparison, mean_and_error, parse_args, row_flags, weights_digest)
 
 
 def history(*accuracies: float) -> list[dict[str, float]]:

@@ -12,7 +12,8 @@ and at its end. Methods, each beside its control:
 - ``prefix_rl``: Prefix-RL (``Arith-Prefix-v0``). The writer writes at most ``PREFIX_TOKENS`` tokens; a frozen
   target, SmolLM2-135M-Instruct in a directory of its own (``<out>/target``, its weights hashed before and
   after every run), continues the solution for at most ``TARGET_TOKENS`` greedily; the writer is paid the
-  verified answer of prefix and continuation (``--reward_assignment individual``). Controls, evaluated only
+  verified answer of prefix and continuation (``--reward_assignment individual``), and its loss holds a KL to
+  its reference (``PREFIX_KL``, k3 as verl's low_var_kl). Controls, evaluated only
   (``--val_only``): ``target_alone``, the target solving alone with the team's whole budget
   (``PREFIX_TOKENS + TARGET_TOKENS`` tokens), and ``writer_alone``, each seed's trained writer (its last
   checkpoint) solving alone with the same budget: what the target adds to the writer's prefix.
@@ -54,7 +55,7 @@ from bench.learning_table import newest_run_dir, train_math_history
 from bench.real_model_learning import ARITH, default_model, pyplot, standard_error
 
 PREFIX_TOKENS, TARGET_TOKENS = 32, 128  # Prefix-RL's writer budget (the paper's 32-64 tokens) and the target's
-PREFIX_KL = 0.05  # the writer's KL to its reference, as the loss's k3 term: without it its prefixes collapsed
+PREFIX_KL = 0.05  # the writer's KL to its reference (the loss's k3 term), as Prefix-RL's PPO code keeps one
 PRM_LR = 4e-5  # PRIME's paper: the PRM at twice the policy's lr (1e-6 against 5e-7)
 SAMPLES_PER_ITERATION = 64  # 8 prompts x 8 samples
 TASK_FLAGS = ("--env_kwargs", json.dumps({"arith": ARITH}), "--prompt_template", "chat", "--reward", "outcome:1.0",

@@ -602,7 +602,7 @@ class ServicesConfig:
     vllm_model_name: str | None = option(None, "The policy's served model name on --vllm_url (default: the one "
                                          "model the servers serve).")
     tool_url: str | None = option(None, "The python tool's calls go to this Sandbox Fusion-style run_code service "
-                                  "(`python -m envs.sandbox serve`), instead of sandbox processes on this machine.")
+                                  "(`python -m envs.sandbox_server`), instead of sandbox processes on this machine.")
     vllm_sync_dir: str | None = option(None, "Where new policy weights are written for the --vllm_url servers to "
                                        "load (a path they can read). Default: <run dir>/sync.")
     connect_timeout: float = option(5.0, "Seconds to connect to a --*_url server before the attempt counts as "

@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 import functools
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import TYPE_CHECKING
 
 from algorithms.registry import ALGORITHMS, ImportanceSamplingLevel, KLEstimator, LossAgg, PrimeNorm, ScaleRewards
@@ -678,3 +678,10 @@ class RunConfig:
     budget: BudgetConfig = field(default_factory=BudgetConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     flags: dict = field(default_factory=dict)
+
+
+def sections() -> dict[str, type]:
+    """{RunConfig field: its section's dataclass}, in --helpfull's order."""
+    default = RunConfig()
+    return {part.name: type(getattr(default, part.name)) for part in fields(RunConfig)
+            if is_dataclass(getattr(default, part.name))}

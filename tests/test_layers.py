@@ -115,6 +115,16 @@ def test_flag_parsing_modules_import_nothing_heavy_at_module_level(module):
             assert name in LIGHT_AT_IMPORT, f"{module}:{line} imports {name}, which is not light"
 
 
+def test_no_two_modules_import_each_other():
+    """No circle of two within a layer either: if a module imports another (at module level or in a function),
+    that one imports nothing of it back."""
+    imported = {module: {name for name, _ in imports(module) if name in MODULES and name != module}
+                for module in MODULES}
+    both_ways = sorted(f"{a} <-> {b}" for a in imported for b in imported[a] if a < b and a in imported[b])
+    assert not both_ways, both_ways
+    assert "envs.sandbox" in imported["envs.sandbox_server"]
+
+
 def test_the_layer_map_covers_every_module():
     assert set(MODULES) >= {"envs.rewards", "algorithms.buffer", "models.policy", "reward_models.prm",
                             "train.runner", "models.tiny.build"}

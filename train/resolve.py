@@ -19,8 +19,8 @@ from envs.modes import member_of
 from envs.workflows import Workflow, resolve_workflow
 from models.hub import resolve_model
 from models.remote import api_key_from
-from train.config import (DEFAULT_PRM_REWARD, ActionLevel, Critic, EnvConfig, ModelConfig, RunConfig, ServicesConfig,
-                          Tool)
+from train.config import (DEFAULT_PRM_REWARD, ActionLevel, Backend, Critic, EnvConfig, ModelConfig, RunConfig,
+                          ServicesConfig, Tool)
 from train.validation import checked_modes, given, kl_in_reward, reward_sources, validate
 
 MULTI_AGENT_OPTIONS = ("reward_assignment", "role_model", "share_policy", "agent_groups")
@@ -234,7 +234,7 @@ def default_async_rollouts(config: RunConfig) -> bool:
     """On with the HF backend for an algorithm asynchronous by design (its spec's ``asynchronous``), and for every
     algorithm on a CPU (where the second thread has a core of its own; on one GPU the copy's memory would buy
     little overlap)."""
-    if config.generation.backend != "hf":
+    if config.generation.backend != Backend.HF:
         return False
     if ALGORITHMS[config.learning.algorithm].asynchronous:
         return True

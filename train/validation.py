@@ -23,8 +23,9 @@ from typing import Any
 
 from algorithms.registry import ALGORITHMS, LossAgg, algorithms_with
 from envs.modes import ActionLevel
-from train.config import (DEFAULT_PRM_REWARD, FLOAT16_TRAINING, REWARD_SOURCES, Backend, DataParallel, DType,
-                          PrmType, PromptTemplate, RolloutIsLevel, RolloutIsMode, RunConfig, parse_eval_sets, sections)
+from train.config import (DEFAULT_PRM_REWARD, FLOAT16_TRAINING, REWARD_SOURCES, Backend, Critic, DataParallel,
+                          DType, PrmType, PromptTemplate, RolloutIsLevel, RolloutIsMode, RunConfig, parse_eval_sets,
+                          sections)
 from train.options import flag_name, options, with_members
 
 OPTIONS = {flag_name(field): (section, field) for section, kind in sections().items() for field in options(kind)}
@@ -195,10 +196,10 @@ def check_algorithm_options(config: RunConfig) -> None:
     if spec.grouped and group_size < 2:
         raise ValueError(f"--algorithm_name={algorithm} compares samples within a prompt group: "
                          f"--group_size={group_size} must be >= 2")
-    if spec.critic is not None and critic == "off":
+    if spec.critic is not None and critic == Critic.OFF:
         raise ValueError(f"--algorithm_name={algorithm} needs a critic (its advantages come from V); drop "
                          f"--critic=off or use {'/'.join(algorithms_with(lambda spec: spec.critic is None))}")
-    if spec.critic is None and critic not in ("auto", "off"):
+    if spec.critic is None and critic not in (Critic.AUTO, Critic.OFF):
         raise ValueError(f"--algorithm_name={algorithm} is critic-free; drop --critic={critic} or use "
                          f"{'/'.join(algorithms_with(lambda spec: spec.critic is not None))}")
 

@@ -190,7 +190,7 @@ def train(argv: list[str]) -> int:
     except KeyboardInterrupt:
         fail("interrupted during start-up; nothing was trained", code=130)
     except (flags.Error, ValueError, OSError, ServiceError, RunLockedError) as error:
-        fail(str(error))
+        fail(*str(error).splitlines())  # validation refuses each wrong option on a line of its own
     if started is None:
         return 0
     runner = started.runner

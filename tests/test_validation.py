@@ -22,19 +22,19 @@ NO_VLLM = pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reaso
 
 REFUSED = [
     # each option alone
-    ({"lr": -1.0}, "--lr=-1.0 must be > 0"),
-    ({"entropy_coef": -0.1}, "--entropy_coef=-0.1 must be >= 0"),
-    ({"top_p": 0.0}, "--top_p=0.0 must be in (0, 1]"),
-    ({"gamma": 1.5}, "--gamma=1.5 must be in [0, 1]"),
+    ({"lr": -1.0}, "--lr=-1.0: must be > 0"),
+    ({"entropy_coef": -0.1}, "--entropy_coef=-0.1: must be >= 0"),
+    ({"top_p": 0.0}, "--top_p=0.0: must be in (0, 1]"),
+    ({"gamma": 1.5}, "--gamma=1.5: must be in [0, 1]"),
     ({"dtype": "float16"}, FLOAT16_TRAINING),
-    ({"device": "gpu"}, "--device=gpu must be auto, cpu, cuda or cuda:N"),
+    ({"device": "gpu"}, "--device=gpu: must be auto, cpu, cuda or cuda:N"),
     ({"experiment_name": "a/b"}, "(it names a directory)"),
     ({"dataset_path": "/no/such/problems.jsonl"}, "does not exist; pass an existing path or leave --dataset_path out"),
     ({"model_name_or_path": "./no/such/dir"}, "leave --model_name_or_path out"),
     ({"model_name_or_path": A_FILE}, "is not a directory"),
     ({"resume": A_DIRECTORY}, "has no manifest.json: pass 'auto' or a complete checkpoint"),
     ({"eval_dataset_path": "a=x.jsonl,a="}, "names the set 'a' twice"),
-    ({"prm_url": "localhost:8000"}, "--prm_url='localhost:8000' must be http(s)://HOST:PORT"),
+    ({"prm_url": "localhost:8000"}, "--prm_url='localhost:8000': must be http(s)://HOST:PORT"),
     pytest.param({"generation_backend": "vllm"}, "pip install 'mathrl[vllm]'", marks=NO_VLLM),
     # the algorithm's options, groups and critic
     ({"algorithm_name": "GRPO", "gae_lambda": 0.9}, "--gae_lambda applies to APPO/TPPO"),
@@ -73,6 +73,14 @@ REFUSED = [
     ({"handoff_steps": 1, "env_id": "Arith-Chain-v0", **TARGET}, "Prefix-RL is Arith-Prefix-v0 there"),
     ({"reward_assignment": "individual"}, "--reward_assignment concerns the roles of a multi-agent env"),
     ({"eval_temperature": 0.6}, "--eval_temperature sets how --eval_samples are drawn"),
+    ({"algorithm_name": "APPO", "critic": "centralized"}, "--critic=centralized concerns the roles of a multi-agent"),
+    ({"env_id": "Arith-Chain-v0", "share_policy": False}, "--noshare_policy gives each role a LoRA adapter"),
+    ({"env_id": "Arith-Chain-v0", "action_level": "step"}, "every action is one role's whole message"),
+    ({"env_id": "Arith-Chain-v0", "reward": "steps"}, "its 'outcome' source is the --reward_assignment credit"),
+    ({"env_id": "No-Such-v0"}, "'No-Such-v0' is not a registered gymnasium id"),
+    ({"env_kwargs": "{"}, "--env_kwargs='{'"),
+    ({"max_tool_calls": 2}, "--max_tool_calls sets the policy's tool"),
+    ({"env_id": "Arith-Tool-v0"}, "add --action_level step (not solution), or --tools none"),
     # losses
     ({"clip_ratio_low": 1.0}, "--clip_ratio_low=1.0 must be in [0, 1)"),
     ({"clip_ratio_high": -0.1}, "--clip_ratio_high=-0.1 must be >= 0"),
@@ -137,6 +145,21 @@ def test_each_check_refuses_flags_and_code_alike(overrides, message):
     assert refusal_from_flags(overrides) == in_code
 
 
+def test_every_option_wrong_alone_is_refused_on_a_line_of_its_own():
+    """As absl reported its validators: all options wrong alone at once; the checks of options against each other
+    only once each option is right alone."""
+    overrides = {"lr": -1.0, "top_p": 0.0, "device": "gpu", "clip_ratio_c": 0.5}
+    with pytest.raises(ValueError) as error:
+        resolved(from_code(overrides))
+    assert str(error.value).splitlines() == ["--lr=-1.0: must be > 0", "--top_p=0.0: must be in (0, 1]",
+                                             "--device=gpu: must be auto, cpu, cuda or cuda:N"]
+    assert refusal_from_flags(overrides) == str(error.value)
+    with pytest.raises(ValueError) as error:
+        resolved(from_code({"clip_ratio_c": 0.5, "max_num_gen_batches": 3, "system_prompt": "Be brief."}))
+    assert [line.split(" ")[0] for line in str(error.value).splitlines()] == [
+        "--system_prompt", "--clip_ratio_c=0.5", "--max_num_gen_batches"]
+
+
 def test_the_checks_pass_what_they_do_not_concern():
     """The default config, a resolved one (idempotent), and the options each algorithm reads pass."""
     for overrides in ({}, {"algorithm_name": "APPO", "gae_lambda": 0.9},
@@ -148,7 +171,7 @@ def test_the_checks_pass_what_they_do_not_concern():
 
 
 def test_a_declared_bound_refuses_code_as_absl_refuses_the_flag():
-    with pytest.raises(ValueError, match=r"^--n_rollout_threads=0 must be >= 1$"):
+    with pytest.raises(ValueError, match=r"^--n_rollout_threads=0: must be >= 1$"):
         resolved(RunConfig(env=EnvConfig(num_envs=0)))
     FLAGS.unparse_flags()
     try:

@@ -19,6 +19,7 @@ import dataclasses
 import importlib.util
 import re
 from pathlib import Path
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from algorithms.registry import ALGORITHMS, LossAgg, algorithms_with
@@ -80,9 +81,9 @@ def reward_sources(spec: str) -> list[str]:
     from reward_models.mixture import parse_reward_spec
 
     if "implicit_prm" in spec:
-        raise ValueError("'implicit_prm' is not a --reward source: PRIME's implicit PRM is the second reward stream "
-                         f"of {'/'.join(algorithms_with(lambda spec: spec.prime))}; use --algorithm_name with one of "
-                         "them (--process_coef weighs it)")
+        raise ValueError("'implicit_prm' is not a --reward source: PRIME's implicit PRM is a second reward stream; "
+                         f"use --algorithm_name {'/'.join(algorithms_with(lambda spec: spec.prime))} (--process_coef "
+                         "weighs it)")
     return list(parse_reward_spec(spec, REWARD_SOURCES))
 
 
@@ -105,52 +106,62 @@ def checked_modes(config: RunConfig) -> RunConfig:
 
 def validate(config: RunConfig) -> None:
     """Refuses ``config`` (given or resolved) if an option is out of its bounds or choices, names a missing
-    file or package, or contradicts another option. Raises ValueError naming the option(s) and the fix."""
+    file or package, or contradicts another option. Raises one ValueError of one line per problem, naming the
+    option(s) and the fix: every option that is wrong alone; else the first problem of each check of options
+    against each other (``CHECKS``)."""
     config = checked_modes(config)
-    for check in CHECKS:
-        check(config)
+    problems = [problem for option_problems in OPTION_PROBLEMS for problem in option_problems(config)]
+    if not problems:
+        problems = [problem for check in CHECKS if (problem := refusal(lambda: check(config))) is not None]
+    if problems:
+        raise ValueError("\n".join(problems))
 
 
-def check_bounds(config: RunConfig) -> None:
+def refusal(call: Callable[[], object]) -> str | None:
+    """The message of the ValueError ``call()`` raises, or None when it raises none."""
+    try:
+        call()
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def bound_problems(config: RunConfig) -> Iterator[str]:
     """Each option within the bounds its field declares, and the positive, non-negative and unit-interval ones."""
     for name, (_, field) in OPTIONS.items():
         low, high, given_value = field.metadata["lower_bound"], field.metadata["upper_bound"], value(config, name)
-        if given_value is None:
-            continue
-        if low is not None and given_value < low:
-            raise ValueError(f"--{name}={given_value} must be >= {low}")
-        if high is not None and given_value > high:
-            raise ValueError(f"--{name}={given_value} must be <= {high}")
-    for name in POSITIVE:
-        if not value(config, name) > 0:
-            raise ValueError(f"--{name}={value(config, name)} must be > 0")
-    for name in NON_NEGATIVE:
-        if not value(config, name) >= 0:
-            raise ValueError(f"--{name}={value(config, name)} must be >= 0")
-    for name in PROBABILITIES:
-        if not 0 < value(config, name) <= 1:
-            raise ValueError(f"--{name}={value(config, name)} must be in (0, 1]")
-    for name in FRACTIONS:
-        if not 0 <= value(config, name) <= 1:
-            raise ValueError(f"--{name}={value(config, name)} must be in [0, 1]")
+        if given_value is not None and low is not None and given_value < low:
+            yield f"--{name}={given_value}: must be >= {low}"
+        if given_value is not None and high is not None and given_value > high:
+            yield f"--{name}={given_value}: must be <= {high}"
+    for names, within, bounds in ((POSITIVE, lambda x: x > 0, "> 0"), (NON_NEGATIVE, lambda x: x >= 0, ">= 0"),
+                                  (PROBABILITIES, lambda x: 0 < x <= 1, "in (0, 1]"),
+                                  (FRACTIONS, lambda x: 0 <= x <= 1, "in [0, 1]")):
+        yield from (f"--{name}={value(config, name)}: must be {bounds}" for name in names
+                    if not within(value(config, name)))
 
 
-def check_names(config: RunConfig) -> None:
+def name_problems(config: RunConfig) -> Iterator[str]:
     """--device and --experiment_name spelled as a device and a directory name."""
     if re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", config.model.device) is None:
-        raise ValueError(f"--device={config.model.device} must be auto, cpu, cuda or cuda:N")
+        yield f"--device={config.model.device}: must be auto, cpu, cuda or cuda:N"
     name = config.logging.experiment_name
     if name is not None and re.fullmatch(r"[\w.\-]+", name) is None:
-        raise ValueError(f"--experiment_name={name!r} must be letters, digits, '.', '-' or '_' (it names a "
-                         "directory)")
+        yield f"--experiment_name={name!r}: must be letters, digits, '.', '-' or '_' (it names a directory)"
 
 
-def check_paths(config: RunConfig) -> None:
+def path_problems(config: RunConfig) -> Iterator[str]:
     """Every path option names what it must (``check_path``), the held-out sets' paths too."""
-    for name, kind in PATHS.items():
-        check_path(name, kind, value(config, name))
-    for eval_set in parse_eval_sets(config.env.eval_dataset_path):
-        check_path("eval_dataset_path", "data", eval_set.path)
+    try:
+        eval_paths = [eval_set.path for eval_set in parse_eval_sets(config.env.eval_dataset_path)]
+    except ValueError as error:
+        yield str(error)
+        eval_paths = []
+    paths = [(name, kind, value(config, name)) for name, kind in PATHS.items()]
+    for name, kind, path_value in [*paths, *(("eval_dataset_path", "data", path) for path in eval_paths)]:
+        problem = refusal(lambda: check_path(name, kind, path_value))
+        if problem is not None:
+            yield problem
 
 
 def check_path(name: str, kind: str, path_value: str | None) -> None:
@@ -223,19 +234,14 @@ def check_generation(config: RunConfig) -> None:
                          "the adapters are small enough for every rank: use --data_parallel ddp (or auto)")
 
 
-def check_services(config: RunConfig) -> None:
+def url_problems(config: RunConfig) -> Iterator[str]:
     """Each --*_url is one or more http(s)://HOST:PORT."""
     from models.remote import parse_urls
 
     for name in SERVICE_URLS:
         urls = value(config, name)
-        if urls is None:
-            continue
-        try:
-            parse_urls(urls)
-        except ValueError as error:
-            raise ValueError(f"--{name}={urls!r} must be http(s)://HOST:PORT[,http(s)://HOST:PORT...], e.g. "
-                             f"http://127.0.0.1:8000 ({error})") from None
+        if urls is not None and refusal(lambda: parse_urls(urls)) is not None:
+            yield f"--{name}={urls!r}: must be http(s)://HOST:PORT[,http(s)://HOST:PORT...], e.g. http://127.0.0.1:8000"
 
 
 def check_rewards(config: RunConfig) -> None:
@@ -394,6 +400,8 @@ def check_evaluation(config: RunConfig) -> None:
                              "(evaluation is otherwise greedy)")
 
 
-CHECKS = (check_bounds, check_names, check_paths, check_algorithm_options, check_generation, check_services,
-          check_rewards, check_env, check_losses, check_prime, check_rollouts, check_evaluation)
-"""``validate``'s checks, in order: each option alone, then the options against each other."""
+OPTION_PROBLEMS = (bound_problems, name_problems, path_problems, url_problems)
+"""The checks of each option alone: each yields every problem it finds."""
+CHECKS = (check_algorithm_options, check_generation, check_rewards, check_env, check_losses, check_prime,
+          check_rollouts, check_evaluation)
+"""The checks of options against each other: each raises a ValueError at the first problem it finds."""

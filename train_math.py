@@ -1,4 +1,5 @@
-"""Train a language model on a gymnasium MATH env with APPO, GRPO, TPPO or RLOO.
+"""Train a language model on a gymnasium MATH env with APPO, GRPO, TPPO, RLOO (PRIME),
+REINFORCE_PP or REINFORCE_PP_BASELINE (``algorithms.registry.ALGORITHMS``).
 
     python train_math.py                      # tiny built-in policy on Arith-v0, GRPO, CPU
     python train_math.py --help               # the main flags, grouped (--helpfull: every flag, by section)

@@ -10,6 +10,7 @@ from algorithms.base import (ActionScores, BaseAlgorithm, SumReducer, batch_mean
                              detached)
 from algorithms.buffer import Batch, RolloutBuffer, AdvantageEstimate
 from algorithms.losses import clipped_surrogate, kl_k3, masked_mean, value_loss
+from envs.modes import LossAgg
 
 
 def gae(
@@ -76,8 +77,7 @@ class APPO(BaseAlgorithm):
         stats = {"policy_loss": surrogate.loss.mean(), "value_loss": critic_loss.mean(), "entropy": entropy.mean(),
                  **clip_stats(surrogate, torch.ones_like(surrogate.loss), config),
                  "approx_kl": kl_k3(old_log_prob, log_prob).mean()}
-        weight = batch.weight("sample")
-        return per_sample.mean() * weight, detached(stats)
+        return per_sample.mean() * batch.weight(LossAgg.SEQ_MEAN_TOKEN_MEAN), detached(stats)  # actions weigh the same
 
     def value_loss_rows(self, scores: ActionScores, batch: Batch) -> torch.Tensor:
         value = scores.values[:, 0]  # V(s_t), read at the last prompt token

@@ -18,7 +18,7 @@ import torch
 from algorithms.buffer import Batch, RolloutBuffer, AdvantageEstimate
 from algorithms.losses import (Surrogate, aggregate, clipped_surrogate, importance_log_ratio, kl_estimate, kl_k3,
                                masked_mean)
-from algorithms.registry import AlgorithmConfig, LossAgg, algorithm_spec
+from algorithms.registry import AlgorithmConfig, algorithm_spec
 from algorithms.rollout_correction import rollout_weighted
 
 
@@ -172,7 +172,7 @@ def token_policy_loss(scores: ActionScores, batch: Batch, advantages: torch.Tens
 def minibatch_share(per_token: torch.Tensor, mask: torch.Tensor, batch: Batch, config: AlgorithmConfig) -> torch.Tensor:
     """The micro-batch's share of its minibatch's ``loss_agg_mode`` aggregate of ``per_token`` [B, L]: summed over
     the micro-batches it gives the minibatch's aggregate (tokens or actions weigh the same across micro-batches)."""
-    weight = batch.weight("token_mean" if LossAgg(config.loss_agg_mode).per_token else "sample")
+    weight = batch.weight(config.loss_agg_mode)
     return aggregate(per_token, mask, config.loss_agg_mode, config.loss_scale_factor) * weight
 
 

@@ -16,6 +16,8 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
+from envs.modes import LossAgg
+
 
 @dataclass(frozen=True)
 class AdvantageEstimate:
@@ -62,9 +64,9 @@ class StepRecord:
 class Batch:
     """One micro-batch of B live slots, flattened. ``L`` is the longest action in it.
 
-    ``weight(unit)`` is the micro-batch's share of its minibatch, counted in samples
-    ("seq_mean"/"sample") or in tokens ("token_mean"): multiplying a micro-batch mean by it and
-    summing over the micro-batches gives the minibatch mean with every sample (or token) weighted
+    ``weight(agg)`` is the micro-batch's share of its minibatch, counted in tokens where ``agg`` weighs every
+    token the same (``LossAgg.TOKEN_MEAN``) and in samples (actions) otherwise: multiplying a micro-batch mean
+    by it and summing over the micro-batches gives the minibatch mean with every token (or sample) weighted
     equally, whatever the remainders of the split.
     """
 
@@ -86,12 +88,10 @@ class Batch:
     minibatch_tokens: int
     rollout_weights: torch.Tensor | None = None  # [B, L] or [B, 1] rollout-correction weights of the policy gradient
 
-    def weight(self, unit: str) -> float:
-        if unit == "token_mean":
+    def weight(self, agg: LossAgg) -> float:
+        if LossAgg(agg).per_token:
             return self.num_tokens / self.minibatch_tokens
-        if unit in ("seq_mean", "sample"):
-            return self.num_samples / self.minibatch_samples
-        raise ValueError(f"weight unit {unit!r} must be 'token_mean', 'seq_mean' or 'sample'")
+        return self.num_samples / self.minibatch_samples
 
 
 class RolloutBuffer:
@@ -100,7 +100,7 @@ class RolloutBuffer:
     Filled by ``add`` (one call per env step, for the (env, agent) pairs that acted) and ``add_step_results`` (what
     the env paid for them, once per env step). Collection also
     writes ``next_values`` [T, N, A], the value to bootstrap from after each action (0 where the
-    episode terminated), and before the update ``ref_logprobs`` / ``token_rewards`` where the
+    episode ended, terminated or truncated), and before the update ``ref_logprobs`` / ``token_rewards`` where the
     algorithm reads them, and with rollout correction ``trainer_logprobs`` (the trainer's scores of the
     actions before the update, which the ratio is then taken against) and ``rollout_weights``.
     """
@@ -259,6 +259,14 @@ class RolloutBuffer:
         if not per_agent:
             return group_ids
         return group_ids * num_agents + torch.arange(num_agents, device=self.device)
+
+    def turn_group_ids(self) -> torch.Tensor:
+        """[T, N, A] the group of each action for agent- and turn-wise baselines (AT-GRPO): agent a's action at
+        step t of prompt group g is group (g * A + a) * T + t, so a baseline compares one role's actions at one turn
+        of one problem (whole-episode collection steps turn t of every env's episode together, at step t)."""
+        num_steps = self.shape[0]
+        steps = torch.arange(num_steps, device=self.device)[:, None, None]
+        return self.episode_group_ids()[None] * num_steps + steps
 
     def episode_correct(self) -> torch.Tensor:
         """[N, A] 1.0 where the env's episode ended with a verified answer (episodic collection);

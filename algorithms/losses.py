@@ -8,9 +8,7 @@ from typing import NamedTuple
 
 import torch
 
-from algorithms.registry import ImportanceSamplingLevel, KLEstimator, LossAgg
-
-LOSS_AGGREGATIONS = tuple(mode.value for mode in LossAgg)
+from envs.modes import ImportanceSamplingLevel, KLEstimator, LossAgg
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -22,7 +20,7 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
     return masked_sum(x, mask, dim) / (mask.sum() if dim is None else mask.sum(dim)).clamp(min=1)
 
 
-def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, scale_factor: int | None = None) -> torch.Tensor:
+def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: LossAgg, scale_factor: int | None = None) -> torch.Tensor:
     """Reduces a per-token loss [B, L] to a scalar (verl's ``loss_agg_mode``; l_it the loss of token t of action
     i, |y_i| its length, M = ``scale_factor``).
 
@@ -64,7 +62,7 @@ def group_means(values: torch.Tensor, groups: torch.Tensor, sizes: torch.Tensor)
 
 
 def importance_log_ratio(log_probs: torch.Tensor, old_log_probs: torch.Tensor, mask: torch.Tensor,
-                         level: str = ImportanceSamplingLevel.TOKEN) -> torch.Tensor:
+                         level: ImportanceSamplingLevel = ImportanceSamplingLevel.TOKEN) -> torch.Tensor:
     """log of the importance ratio against the rollout log-probs, [B, L] (inputs [B, L]).
 
     token: log pi(y_t) - log pi_old(y_t) (PPO).
@@ -149,7 +147,7 @@ def kl_k3(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
     return torch.exp(log_ratio) - log_ratio - 1.0
 
 
-def kl_estimate(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str) -> torch.Tensor:
+def kl_estimate(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: KLEstimator) -> torch.Tensor:
     """KL(pi || ref) estimated per sample y ~ pi, elementwise (Schulman 2020, "Approximating KL divergence"),
     with d = log ref(y) - log pi(y):
 

@@ -2,68 +2,18 @@
 
 Torch-free on purpose: a run's configuration is checked against these traits (an episodic algorithm
 compares samples within prompt groups; only algorithms with a critic take critic options) and its
-hyper-parameters (``AlgorithmConfig``) are resolved before torch is imported. The trainer knows an
-algorithm only by its traits, so adding one is a module with a class following ``algorithms.base.Algorithm``
-plus one entry in ``ALGORITHMS``.
+hyper-parameters (``AlgorithmConfig``) are resolved before torch is imported. Its modes are the house's
+(``envs.modes``), the one module of ``envs`` an algorithm imports. The trainer knows an algorithm only by its
+traits, so adding one is a module with a class following ``algorithms.base.Algorithm`` plus one entry in
+``ALGORITHMS``.
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
-CRITIC_GRANULARITIES = (None, "action", "token")  # what a critic values: nothing, each action, each token
-
-
-class ScaleRewards(enum.StrEnum):
-    """What centred group returns are divided by (GRPO)."""
-
-    GROUP = "group"  # the group's std
-    BATCH = "batch"  # the batch's std
-    NONE = "none"  # nothing (Dr.GRPO)
-
-
-class LossAgg(enum.StrEnum):
-    """How per-token losses become one number (verl's ``loss_agg_mode`` names)."""
-
-    TOKEN_MEAN = "token-mean"  # the mean over every action token of the minibatch (DAPO)
-    SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"  # each action's token mean, then the mean over actions (GRPO)
-    SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"  # each action's token sum, then the mean over actions
-    SEQ_MEAN_TOKEN_SUM_NORM = "seq-mean-token-sum-norm"  # as above over a fixed length (Dr. GRPO)
-
-    @classmethod
-    def _missing_(cls, value: object) -> LossAgg | None:
-        """The spellings of earlier releases: token_mean, seq_mean."""
-        return {"token_mean": cls.TOKEN_MEAN, "seq_mean": cls.SEQ_MEAN_TOKEN_MEAN}.get(value)
-
-    @property
-    def per_token(self) -> bool:
-        """Whether every token of a minibatch weighs the same (else every action does)."""
-        return self is LossAgg.TOKEN_MEAN
-
-
-class KLEstimator(enum.StrEnum):
-    """Schulman's estimators of KL(pi || ref) from one sample of pi (verl's ``kl_loss_type`` names)."""
-
-    K1 = "k1"  # log pi - log ref: unbiased, high variance, can be negative
-    K2 = "k2"  # (log pi - log ref)^2 / 2: biased, low variance, >= 0
-    K3 = "k3"  # ref/pi - 1 - log(ref/pi): unbiased, low variance, >= 0
-    LOW_VAR_KL = "low_var_kl"  # k3 with log(ref/pi) clamped to [-20, 20] and the result to [-10, 10] (verl)
-
-
-class ImportanceSamplingLevel(enum.StrEnum):
-    """What the clipped importance ratio is taken over (TRL's ``importance_sampling_level``)."""
-
-    TOKEN = "token"  # pi(y_t) / pi_old(y_t) per token (PPO, GRPO)
-    SEQUENCE = "sequence"  # the length-normalised sequence ratio, one per action (GSPO)
-
-
-class PrimeNorm(enum.StrEnum):
-    """How PRIME scales the implicit PRM's token rewards within a batch (verl's ``prime_norm`` names)."""
-
-    BATCH_NORM = "batch_norm"  # divided by the batch's largest |return-to-go|: every process return in [-1, 1]
-    NONE = "none"  # beta * log-ratio as it is
+from envs.modes import AgentGroups, CriticGranularity, ImportanceSamplingLevel, KLEstimator, LossAgg, ScaleRewards
 
 
 @dataclass(frozen=True)
@@ -94,7 +44,7 @@ class AlgorithmConfig:
     accuracy_lower_bound: float = 0.2  # RLOO: PRIME's prompt filter
     accuracy_upper_bound: float = 0.8
     max_groups: int | None = None  # RLOO: groups kept after filtering an oversampled batch
-    joint_groups: bool = False  # multi-agent GRPO/RLOO: one baseline over all agents of a prompt group (MAGRPO)
+    agent_groups: AgentGroups = AgentGroups.ROLE  # multi-agent: what a group baseline compares
 
     @property
     def clip_low(self) -> float:
@@ -115,24 +65,27 @@ class AlgorithmSpec:
     """``target``: "module:Class" (imported on first use).
     ``episodic``: collect exactly one episode per env per iteration (advantages compare whole episodes
     within a prompt group) instead of ``episode_length`` steps of episodes that span iterations.
-    ``critic``: None, "action" (V(s) per step) or "token" (V per action token).
+    ``critic``: None (no critic) or what the critic values: ``CriticGranularity.ACTION`` (V(s) per step) or
+    ``CriticGranularity.TOKEN`` (V per action token).
     ``grouped``: advantages compare the samples of one prompt (a group needs two or more).
     ``token_loss``: the loss takes one ratio per token (else one per action: the KL and loss-aggregation
     options, and per-token rollout weights, mean nothing to it).
     ``scales_rewards``: centred group returns are divided by a std (``ScaleRewards``).
     ``prime``: PRIME's options apply: an implicit PRM, an accuracy filter on oversampled prompt groups.
     ``kl_in_reward``: the KL to the reference is a token reward by default (else a loss term).
-    ``asynchronous``: the next batch is generated while this one trains by default (on any device)."""
+    ``asynchronous``: the next batch is generated while this one trains by default (on any device).
+    ``turn_groups``: a multi-agent baseline may compare one role's actions at one turn (``AgentGroups.AT_GRPO``)."""
 
     target: str
     episodic: bool
-    critic: str | None
+    critic: CriticGranularity | None
     grouped: bool = False
     token_loss: bool = True
     scales_rewards: bool = False
     prime: bool = False
     kl_in_reward: bool = False
     asynchronous: bool = False
+    turn_groups: bool = False
 
     @property
     def default_group_size(self) -> int:
@@ -141,10 +94,11 @@ class AlgorithmSpec:
 
 
 ALGORITHMS = {
-    "APPO": AlgorithmSpec("algorithms.appo:APPO", episodic=False, critic="action", token_loss=False,
+    "APPO": AlgorithmSpec("algorithms.appo:APPO", episodic=False, critic=CriticGranularity.ACTION, token_loss=False,
                           asynchronous=True),
-    "GRPO": AlgorithmSpec("algorithms.grpo:GRPO", episodic=True, critic=None, grouped=True, scales_rewards=True),
-    "TPPO": AlgorithmSpec("algorithms.tppo:TPPO", episodic=False, critic="token"),
+    "GRPO": AlgorithmSpec("algorithms.grpo:GRPO", episodic=True, critic=None, grouped=True, scales_rewards=True,
+                          turn_groups=True),
+    "TPPO": AlgorithmSpec("algorithms.tppo:TPPO", episodic=False, critic=CriticGranularity.TOKEN),
     "RLOO": AlgorithmSpec("algorithms.rloo:RLOO", episodic=True, critic=None, grouped=True, prime=True),
     "REINFORCE_PP": AlgorithmSpec("algorithms.reinforce_pp:ReinforcePP", episodic=True, critic=None,
                                   kl_in_reward=True),

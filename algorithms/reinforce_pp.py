@@ -11,6 +11,7 @@ from algorithms.appo import normalized
 from algorithms.base import ActionScores, BaseAlgorithm, reward_kl, token_policy_loss, zero_advantage_rows
 from algorithms.buffer import Batch, RolloutBuffer, AdvantageEstimate
 from algorithms.losses import discounted_reverse_cumsum, group_index, group_means
+from envs.modes import AgentGroups
 
 
 def reinforce_pp_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float,
@@ -57,7 +58,7 @@ class ReinforcePP(BaseAlgorithm):
         kl = reward_kl(buffer, config)
         penalty = None if kl is None else config.kl_coef * buffer.to_episodes(kl, order)
         acted = buffer.acted().flatten()  # [E]: episodes of agents that never acted have no tokens and no group
-        group_ids = buffer.episode_group_ids(per_agent=not config.joint_groups).flatten()
+        group_ids = buffer.episode_group_ids(per_agent=config.agent_groups != AgentGroups.JOINT).flatten()
         returns = torch.zeros_like(rewards)
         returns[acted] = reinforce_pp_returns(rewards[acted], token_mask[acted], config.gamma,
                                               group_ids[acted] if self.subtract_group_mean else None,

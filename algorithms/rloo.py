@@ -11,6 +11,7 @@ from algorithms.appo import normalized
 from algorithms.base import ActionScores, BaseAlgorithm, reward_kl, token_policy_loss, zero_advantage_rows
 from algorithms.buffer import Batch, RolloutBuffer, AdvantageEstimate
 from algorithms.losses import discounted_reverse_cumsum, group_index, group_means
+from envs.modes import AgentGroups
 
 
 def leave_one_out_baseline(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
@@ -79,7 +80,7 @@ class RLOO(BaseAlgorithm):
         """[E] episodes (E = N * A) of the groups that pass PRIME's filter, at most ``max_groups`` of them:
         what the policy trains on, and what the implicit PRM scores and learns from."""
         config = self.config
-        group_ids = buffer.episode_group_ids(per_agent=not config.joint_groups).flatten()
+        group_ids = buffer.episode_group_ids(per_agent=config.agent_groups != AgentGroups.JOINT).flatten()
         correct = buffer.episode_correct().flatten()
         acted = buffer.acted().flatten()
         keep = torch.zeros_like(acted)
@@ -101,7 +102,7 @@ class RLOO(BaseAlgorithm):
         kl = reward_kl(buffer, config)
         if kl is not None:  # the KL penalty summed into the outcome stream
             outcome = outcome - config.kl_coef * kl.sum((0, 3)).flatten()
-        group_ids = buffer.episode_group_ids(per_agent=not config.joint_groups).flatten()
+        group_ids = buffer.episode_group_ids(per_agent=config.agent_groups != AgentGroups.JOINT).flatten()
         keep = self.kept_episodes(buffer)
         kept_slots = buffer.live & keep.reshape(buffer.shape[1:])[None]
         order, token_mask = buffer.episode_token_order()

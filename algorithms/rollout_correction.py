@@ -23,22 +23,19 @@ import torch
 
 from algorithms.buffer import Batch
 from algorithms.losses import kl_k3, masked_sum
-
-LEVELS = ("token", "sequence", "geometric")
-MODES = ("truncate", "mask")
+from envs.modes import RolloutIsLevel, member_of
 
 
-def log_ratio(trainer: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+def log_ratio(trainer: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor, level: RolloutIsLevel) -> torch.Tensor:
     """log rho at ``level``: [B, L] per token, or [B, 1] per action (sequence: the sum of its tokens' log
     ratios; geometric: their mean). ``trainer``, ``sampler``: [B, L] log-probs; ``mask``: [B, L] real tokens."""
+    level = member_of(tuple(RolloutIsLevel), level, "rollout_is_level")
     difference = (trainer - sampler) * mask
-    if level == "token":
+    if level is RolloutIsLevel.TOKEN:
         return difference
-    if level == "sequence":
+    if level is RolloutIsLevel.SEQUENCE:
         return difference.sum(-1, keepdim=True)
-    if level == "geometric":
-        return difference.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
-    raise ValueError(f"rollout_is_level={level!r} must be one of {LEVELS}")
+    return difference.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # geometric
 
 
 def truncated_weights(log_rho: torch.Tensor, cap: float) -> torch.Tensor:

@@ -30,7 +30,7 @@ def tppo_advantages(
 
     rewards: [T, N] reward of action t. token_values: [T, N, L] V_{t,j}. lengths: [T, N] tokens
     in action t (>= 1). next_values: [T, N] V_{t+1,first} to bootstrap from after action t (0 where
-    the episode terminated). episode_ends: [T, N] 1 where the episode ended after action t.
+    the episode ended, terminated or truncated). episode_ends: [T, N] 1 where the episode ended after action t.
 
     Last token of step t:  delta = r_t + gamma * next_value_t - V_{t,last};
                            A = delta + gamma * lam * (1 - end_t) * A_{t+1,first}.

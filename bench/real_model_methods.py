@@ -54,6 +54,7 @@ from bench.learning_table import newest_run_dir, train_math_history
 from bench.real_model_learning import ARITH, default_model, pyplot, standard_error
 
 PREFIX_TOKENS, TARGET_TOKENS = 32, 128  # Prefix-RL's writer budget (the paper's 32-64 tokens) and the target's
+PREFIX_KL = 0.05  # the writer's KL to its reference, as the loss's k3 term: without it its prefixes collapsed
 PRM_LR = 4e-5  # PRIME's paper: the PRM at twice the policy's lr (1e-6 against 5e-7)
 SAMPLES_PER_ITERATION = 64  # 8 prompts x 8 samples
 TASK_FLAGS = ("--env_kwargs", json.dumps({"arith": ARITH}), "--prompt_template", "chat", "--reward", "outcome:1.0",
@@ -79,7 +80,7 @@ class Row:
 
 PREFIX_TEAM = ("--env_id", "Arith-Prefix-v0", "--role_model", "solver={target}", "--reward_assignment", "individual",
                "--max_new_tokens", str(PREFIX_TOKENS), "--target_max_new_tokens", str(TARGET_TOKENS),
-               "--n_rollout_threads", "64")
+               "--n_rollout_threads", "64", "--kl_coef", str(PREFIX_KL), "--kl_loss_type", "low_var_kl")
 ALONE = ("--max_new_tokens", str(PREFIX_TOKENS + TARGET_TOKENS), "--n_rollout_threads", "64")
 RLOO = ("--algorithm_name", "RLOO", "--max_new_tokens", "128", "--n_rollout_threads", "64")
 ROWS: dict[str, Row] = {

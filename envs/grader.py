@@ -40,6 +40,8 @@ from typing import NoReturn, Sequence
 
 import sympy
 
+from envs.modes import Grader, member_of
+
 log = logging.getLogger(__name__)
 
 MAX_ANSWER_CHARS = 2_000  # longer answers are only compared as stripped strings
@@ -1123,9 +1125,6 @@ def _evaluate_big(expr: sympy.Expr, values: dict, index: int) -> sympy.Expr:
 # ----------------------------------------------------------------------------------------------
 # Other scorers: math-verify's equivalence and reasoning-gym's own, in the same bounded workers
 
-GRADERS = ("mathrl", "math_verify")
-"""The answer graders ``grade_batch`` takes: this module's own, and math-verify's (``pip install
-'mathrl[math-verify]'``), which TRL's ``accuracy_reward`` and verl's math-verify score use."""
 EXTRAS = {"math_verify": "math-verify", "reasoning_gym": "rg"}  # scorer -> the mathrl extra that installs it
 
 
@@ -1159,7 +1158,7 @@ def reasoning_gym_score(answer: str, source: str) -> float:
     return float(dataset.score_answer(answer, dataset[spec["index"]]))
 
 
-SCORERS = {"mathrl": lambda pred, gold: _symbolic_verdict(pred, gold), "math_verify": math_verify_equiv,
+SCORERS = {Grader.MATHRL: lambda pred, gold: _symbolic_verdict(pred, gold), Grader.MATH_VERIFY: math_verify_equiv,
            "reasoning_gym": reasoning_gym_score}
 """What a worker runs for a request [name, *arguments]; a score in [0, 1] (a verdict: 1.0 or 0.0)."""
 
@@ -1168,8 +1167,8 @@ def scorer_packages(scorer: str) -> frozenset[str]:
     """The package the workers must import ahead for ``scorer`` (a key of ``SCORERS``): an ImportError naming
     the extra that installs it when this interpreter lacks it (a worker would only score 0)."""
     if scorer not in SCORERS:
-        raise ValueError(f"scorer {scorer!r} must be one of {sorted(SCORERS)}")
-    if scorer == "mathrl":
+        raise ValueError(f"scorer {scorer!r} must be one of {sorted(map(str, SCORERS))}")
+    if scorer == Grader.MATHRL:
         return frozenset()
     package = str(scorer)
     if importlib.util.find_spec(package) is None:
@@ -1531,7 +1530,7 @@ def is_equiv(pred: str, gold: str, timeout: float = 1.0) -> bool:
     verdict = _fast_verdict(pred, gold)
     if verdict is not None:
         return verdict
-    return _get_pool().grade([["mathrl", pred, gold]], timeout, deadline)[0] == 1.0
+    return _get_pool().grade([[Grader.MATHRL, pred, gold]], timeout, deadline)[0] == 1.0
 
 
 def strings_equiv(a: str, b: str) -> bool:
@@ -1545,20 +1544,19 @@ def strings_equiv(a: str, b: str) -> bool:
 
 
 def grade_batch(preds: Sequence[str | None], golds: Sequence[str], timeout: float = 1.0,
-                grader: str = "mathrl") -> list[bool]:
+                grader: Grader = Grader.MATHRL) -> list[bool]:
     """``[is_equiv(p, g) for p, g in zip(preds, golds)]`` with the symbolic ones spread over the
     worker pool; each item is bounded by ``timeout`` seconds once a worker takes it. None -> False.
-    ``grader`` (one of ``GRADERS``) "math_verify" sends every item to ``math_verify_equiv`` in the workers.
+    ``grader`` ``Grader.MATH_VERIFY`` sends every item to ``math_verify_equiv`` in the workers.
     The first call in a process also waits for the pool's one-time start-up (about a second, at
     most ``WORKER_START_TIMEOUT``), so that a cold start does not grade right answers False."""
     if len(preds) != len(golds):
         raise ValueError(f"grade_batch got {len(preds)} preds but {len(golds)} golds")
-    if grader not in GRADERS:
-        raise ValueError(f"grader={grader!r} must be one of {GRADERS}")
+    grader = member_of(tuple(Grader), grader, "grader")
     verdicts, pending = [], []
     for index, (pred, gold) in enumerate(zip(preds, golds)):
         _check_inputs(pred, gold, timeout)
-        verdict = False if pred is None else _fast_verdict(pred, gold) if grader == "mathrl" else None
+        verdict = False if pred is None else _fast_verdict(pred, gold) if grader is Grader.MATHRL else None
         if verdict is None:
             pending.append(index)
         verdicts.append(bool(verdict))

@@ -537,6 +537,22 @@ class MathEnv(gymnasium.Env):
     mode). Its info has ``reward/<source>`` for a scored step, ``action_clipped`` (step mode) and,
     at episode end, ``correct`` (the verifier's verdict, bool); ``info[FACTS]`` is the same as the
     ``envs.contract.StepFacts`` of one env.
+
+    >>> import gymnasium
+    >>> import envs  # registers the ids
+    >>> env = gymnasium.make("Arith-v0")
+    >>> obs, info = env.reset(seed=0)
+    >>> print(obs)
+    Problem: Compute 16 + 26.
+    Solution:
+    <BLANKLINE>
+    >>> obs, reward, terminated, truncated, info = env.step("16 + 26 = 42")  # a step without an answer
+    >>> reward, terminated
+    (0.0, False)
+    >>> obs, reward, terminated, truncated, info = env.step(r"The answer is \\boxed{42}.")
+    >>> reward, terminated, info["correct"]  # the verified outcome
+    (1.0, True, True)
+    >>> env.close()
     """
 
     metadata = {"render_modes": ["ansi"]}

@@ -58,15 +58,12 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass
-from typing import Callable, Literal, Sequence, get_args
+from typing import Callable, Sequence
 
 from envs.grader import extract_answer, strings_equiv
+from envs.modes import AnswerRule, VerdictKind, member_of
 from envs.prompts import format_prompt
 
-AnswerRule = Literal["last", "vote"]  # how a workflow's final answer is chosen (Workflow.candidates)
-VerdictKind = Literal["line", "solving"]  # how a judging role gives its verdict (module docstring)
-ANSWER_RULES: tuple[AnswerRule, ...] = get_args(AnswerRule)
-VERDICT_KINDS: tuple[VerdictKind, ...] = get_args(VerdictKind)
 ACCEPT = "Verdict: correct"
 REJECT = "Verdict: wrong"
 MAX_VERDICT_CHARS = 200  # the verdict line is short; reading a bounded tail keeps parsing O(1)
@@ -180,7 +177,7 @@ class Role:
         the ``TurnContext`` (e.g. ``repeat("solver")``).
     answers: its message holds an answer (``\\boxed{}``) that is verified and can be final.
     judges: the name of the role whose latest answer its verdict is about (a verifier).
-    verdict_by: how a judging role gives its verdict: ``"line"`` or ``"solving"`` (module docstring).
+    verdict_by: how a judging role gives its verdict: ``VerdictKind.LINE`` or ``SOLVING`` (module docstring).
     continues: its message continues the previous message as one solution (Prefix-RL's solver).
     """
 
@@ -191,7 +188,7 @@ class Role:
     default: str | DefaultMessage = ""
     answers: bool = True
     judges: str | None = None
-    verdict_by: VerdictKind = "line"
+    verdict_by: VerdictKind = VerdictKind.LINE
     continues: bool = False
 
     def __post_init__(self) -> None:
@@ -200,8 +197,8 @@ class Role:
         if self.answers and self.judges is not None:
             raise ValueError(f"Role {self.name!r} both answers and judges {self.judges!r}; its individual credit "
                              "would be ambiguous: give it answers=False or judges=None")
-        if self.verdict_by not in VERDICT_KINDS:
-            raise ValueError(f"Role {self.name!r} verdict_by={self.verdict_by!r} must be one of {VERDICT_KINDS}")
+        object.__setattr__(self, "verdict_by", member_of(tuple(VerdictKind), self.verdict_by,
+                                                         f"Role {self.name!r} verdict_by"))
 
     def build_prompt(self, context: TurnContext) -> str:
         return self.prompt(self, context)
@@ -212,7 +209,7 @@ class Role:
     def verdict(self, text: str, judged_answer: str | None) -> bool | None:
         """This judging role's verdict in its message ``text`` on a solution whose answer is
         ``judged_answer``: True accept, False reject, None unparseable (module docstring)."""
-        if self.verdict_by == "line":
+        if self.verdict_by is VerdictKind.LINE:
             return parse_verdict(text)
         own = extract_answer(text)
         if own is None:
@@ -236,14 +233,14 @@ def repeat(role_name: str) -> DefaultMessage:
 
 @dataclass(frozen=True)
 class Workflow:
-    """Roles (one per agent slot), a ``Schedule`` and the answer rule (``"last"`` or ``"vote"``).
+    """Roles (one per agent slot), a ``Schedule`` and the answer rule (``AnswerRule.LAST`` or ``VOTE``).
     ``max_turns``: the most turns its schedule ever runs (None: unbounded, the env's limit cuts it);
     what a trainer sizes its rollout by."""
 
     name: str
     roles: tuple[Role, ...]
     schedule: Schedule
-    answer: AnswerRule = "last"
+    answer: AnswerRule = AnswerRule.LAST
     max_turns: int | None = None
 
     def __post_init__(self) -> None:
@@ -260,8 +257,7 @@ class Workflow:
                                  f"none of its roles {names}")
         if self.max_turns is not None and self.max_turns < 1:
             raise ValueError(f"workflow {self.name!r} max_turns={self.max_turns} must be >= 1 (or None: unbounded)")
-        if self.answer not in ANSWER_RULES:
-            raise ValueError(f"workflow {self.name!r} answer={self.answer!r} must be one of {ANSWER_RULES}")
+        object.__setattr__(self, "answer", member_of(tuple(AnswerRule), self.answer, f"workflow {self.name!r} answer"))
         if not self.scheduled((), 0):
             raise ValueError(f"workflow {self.name!r} schedules no slot at turn 0: its episodes would be empty")
 
@@ -311,12 +307,12 @@ class Workflow:
         return None if judge is None else self.judged(transcript, judge)
 
     def candidates(self, transcript: Sequence[Message]) -> tuple[str | None, ...]:
-        """The answers the final answer is chosen from (None: a message without one). ``"last"``: the
-        last answering message's; ``"vote"``: those of the last turn in which answering roles spoke."""
+        """The answers the final answer is chosen from (None: a message without one). ``LAST``: the
+        last answering message's; ``VOTE``: those of the last turn in which answering roles spoke."""
         answering = [i for i, m in enumerate(transcript) if self.roles[m.slot].answers]
         if not answering:
             return (None,)
-        if self.answer == "last":
+        if self.answer is AnswerRule.LAST:
             return (self.answer_of(transcript, answering[-1]),)
         last_turn = transcript[answering[-1]].turn
         return tuple(self.answer_of(transcript, i) for i in answering if transcript[i].turn == last_turn)
@@ -325,7 +321,7 @@ class Workflow:
         """The final answer among ``candidates``. ``equivalent(a, b)`` is asked only of two candidates,
         ``a`` before ``b``. Vote: each answer joins the first group whose first answer it is equivalent
         to; the largest group wins, a tie goes to the earliest group; None when nobody answered."""
-        if self.answer == "last":
+        if self.answer is AnswerRule.LAST:
             return candidates[-1]
         groups: list[list[str]] = []
         for answer in candidates:
@@ -377,21 +373,21 @@ def _every_slot(num_slots: int, rounds: int, transcript: tuple[Message, ...], tu
 
 
 VERIFIER_INSTRUCTIONS = {
-    "line": f"Verifier: check the solver's steps. End with '{ACCEPT}' or '{REJECT}'.",
-    "solving": "Verifier: solve it yourself, answer in \\boxed{}. The solution stands if your answer is the same.",
+    VerdictKind.LINE: f"Verifier: check the solver's steps. End with '{ACCEPT}' or '{REJECT}'.",
+    VerdictKind.SOLVING: ("Verifier: solve it yourself, answer in \\boxed{}. The solution stands if your answer is the "
+                          "same."),
 }
 REFINER_INSTRUCTION = ("Refiner: the verifier did not accept the solver's solution. Write a corrected one, answer "
                        "in \\boxed{}.")
 DEBATER_INSTRUCTION = "Debater {k}: above are the others' last solutions. Solve it, answer in \\boxed{{}}."
 
 
-def chain(verdict_by: VerdictKind = "solving") -> Workflow:
+def chain(verdict_by: VerdictKind = VerdictKind.SOLVING) -> Workflow:
     """Solver -> verifier -> refiner, the verifier's verdict given ``verdict_by`` (see the module docstring)."""
-    if verdict_by not in VERDICT_KINDS:
-        raise ValueError(f"chain verdict_by={verdict_by!r} must be one of {VERDICT_KINDS}")
+    verdict_by = member_of(tuple(VerdictKind), verdict_by, "chain verdict_by")
     solver = Role("solver", default="")
     verifier = Role("verifier", instruction=VERIFIER_INSTRUCTIONS[verdict_by], answers=False, judges="solver",
-                    verdict_by=verdict_by, default=ACCEPT if verdict_by == "line" else repeat("solver"))
+                    verdict_by=verdict_by, default=ACCEPT if verdict_by is VerdictKind.LINE else repeat("solver"))
     refiner = Role("refiner", instruction=REFINER_INSTRUCTION, default=repeat("solver"))
     return Workflow("chain", (solver, verifier, refiner), schedule=functools.partial(_chain_schedule, verifier),
                     max_turns=3)
@@ -406,8 +402,8 @@ def debate(num_agents: int = 3, rounds: int = 2) -> Workflow:
         Role(f"debater_{k}", prompt=previous_round_prompt, default="", instruction=DEBATER_INSTRUCTION.format(k=k))
         for k in range(num_agents)
     )
-    return Workflow("debate", roles, schedule=functools.partial(_every_slot, num_agents, rounds), answer="vote",
-                    max_turns=rounds)
+    return Workflow("debate", roles, schedule=functools.partial(_every_slot, num_agents, rounds),
+                    answer=AnswerRule.VOTE, max_turns=rounds)
 
 
 def prefix(co_train: bool = False) -> Workflow:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence
 
+from envs.modes import Backend
 from models.hf_generation import HFGenerator
 from models.policy import LanguagePolicy
 from models.sampling import GenerationOutput, Prompts, Seed, mix_seed
@@ -54,13 +55,13 @@ class Generator(Protocol):
         """Makes the backend generate with ``policy``'s current weights; returns seconds taken."""
 
 
-def make_generator(backend: str, policy: LanguagePolicy, **kwargs) -> Generator:
+def make_generator(backend: Backend, policy: LanguagePolicy, **kwargs) -> Generator:
     """``hf``: HFGenerator(policy, **kwargs); ``vllm``: a VLLMGenerator on the policy's directory (dtype
     the policy's unless given; serving its role adapters, if any), synced to the policy's current weights
     (kwargs go to VLLMGenerator)."""
-    if backend == "hf":
+    if backend == Backend.HF:
         return HFGenerator(policy, **kwargs)
-    if backend == "vllm":
+    if backend == Backend.VLLM:
         roles = {"role_adapters": policy.role_adapters, "lora_rank": policy.lora.rank} if policy.role_adapters else {}
         generator = VLLMGenerator(policy.model_dir, **{"dtype": policy.dtype_name, **roles, **kwargs})
         generator.sync(policy)

@@ -12,6 +12,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, StopStringCriteria
 from transformers.cache_utils import Cache, DynamicLayer
 
+from envs.modes import FinishReason
 from models.batching import compacts, length_batches
 from models.forward import kv_cache_keyword, module_mode
 from models.packing import distinct_rows, left_padded
@@ -147,10 +148,10 @@ class _Samples:
                    torch.zeros(rows, dtype=torch.long, device=device),
                    torch.zeros(rows, dtype=torch.bool, device=device))
 
-    def outputs(self) -> tuple[list[list[int]], list[list[float]], list[str]]:
+    def outputs(self) -> tuple[list[list[int]], list[list[float]], list[FinishReason]]:
         """Per row: generated ids and log-probs up to its end, and its finish reason."""
         lengths = torch.where(self.ends == 0, self.token_ids.shape[1], self.ends).tolist()
-        reasons = ["length" if end == 0 else "eos" if eos else "stop"
+        reasons = [FinishReason.LENGTH if end == 0 else FinishReason.EOS if eos else FinishReason.STOP
                    for end, eos in zip(self.ends.tolist(), self.on_eos.tolist())]
         token_ids = [ids[:length] for ids, length in zip(self.token_ids.tolist(), lengths)]
         logprobs = [lps[:length] for lps, length in zip(self.logprobs.tolist(), lengths)]

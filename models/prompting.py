@@ -11,34 +11,33 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from envs.modes import PromptTemplate, member_of
 from envs.prompts import QWEN_MATH_SYSTEM, TEMPLATES, chatml_template
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-PROMPT_KINDS = ("default", "qwen_math", "chat")
 USER_SLOT = "MATHRL-USER-TURN-7f3a9c"
 """Stands in for the user's message while the chat template renders; replaced by the env's placeholders."""
 ASSISTANT_SLOT, TOOL_SLOT = "MATHRL-ASSISTANT-TURN-7f3a9c", "MATHRL-TOOL-TURN-7f3a9c"
 
 
-def build_template(kind: str, tokenizer: PreTrainedTokenizerBase, system_prompt: str | None = None,
+def build_template(kind: PromptTemplate, tokenizer: PreTrainedTokenizerBase, system_prompt: str | None = None,
                    answer_instruction: str = "") -> str:
     """A template for ``envs.prompts.format_prompt`` (the envs' ``template=``) of ``kind``: ``default``
     (plain text; takes no system prompt), ``qwen_math`` (ChatML with ``system_prompt``, Qwen-Math's by
     default, which already asks for a boxed answer) or ``chat`` (``tokenizer``'s chat template; a system turn
     only when ``system_prompt`` is given; the user turn ends with ``answer_instruction`` when it is not empty,
     e.g. a sentence asking for the answer in ``\\boxed{}``)."""
-    if kind == "default":
+    kind = member_of(tuple(PromptTemplate), kind, "prompt_template")
+    if kind is PromptTemplate.DEFAULT:
         if system_prompt is not None:
             raise ValueError("--system_prompt needs a chat prompt template (--prompt_template chat or qwen_math); "
                              "the default plain template has no system turn")
-        return TEMPLATES["default"]
-    if kind == "qwen_math":
+        return TEMPLATES[PromptTemplate.DEFAULT]
+    if kind is PromptTemplate.QWEN_MATH:
         return chatml_template(QWEN_MATH_SYSTEM if system_prompt is None else system_prompt)
-    if kind == "chat":
-        return chat_template(tokenizer, system_prompt, answer_instruction)
-    raise ValueError(f"prompt template kind {kind!r} is not one of {PROMPT_KINDS}")
+    return chat_template(tokenizer, system_prompt, answer_instruction)
 
 
 def chat_template(tokenizer: PreTrainedTokenizerBase, system_prompt: str | None = None,
@@ -73,12 +72,12 @@ def adds_bos(tokenizer: PreTrainedTokenizerBase) -> bool:
     return bool(ids) and ids[0] == tokenizer.bos_token_id and ids != plain
 
 
-def tool_turn_template(kind: str, tokenizer: PreTrainedTokenizerBase) -> str | None:
+def tool_turn_template(kind: PromptTemplate, tokenizer: PreTrainedTokenizerBase) -> str | None:
     """What follows a tool call's step in a ``kind`` prompt (``envs.math_env.MathTask``'s ``tool_turn``, holding
     ``{output}``): under ``chat``, the tokenizer's chat template from the end of an assistant message through a
     ``tool`` message and the next generation prompt, where the template renders a tool role; else None (the
     env's plain ```` ```output ```` block, which Qwen2.5-Math's tool-integrated reasoning also writes)."""
-    if kind != "chat" or not getattr(tokenizer, "chat_template", None):
+    if kind != PromptTemplate.CHAT or not getattr(tokenizer, "chat_template", None):
         return None
     messages = [{"role": "user", "content": USER_SLOT}, {"role": "assistant", "content": ASSISTANT_SLOT},
                 {"role": "tool", "content": TOOL_SLOT}]

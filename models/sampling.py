@@ -11,9 +11,10 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from envs.modes import FinishReason
+
 Prompts = Sequence[str] | Sequence[Sequence[int]]
 Seed = int | Sequence[int] | None
-FINISH_REASONS = ("stop", "length", "eos")
 
 
 @dataclass
@@ -23,7 +24,7 @@ class GenerationOutput:
     texts: list[str]
     token_ids: list[list[int]]
     logprobs: list[list[float]]  # behaviour log-prob of each generated token (see module docstring)
-    finish_reasons: list[str]  # "stop" | "length" | "eos"
+    finish_reasons: list[FinishReason]
     prompt_token_ids: list[list[int]]  # the prompt of each sample
 
     @classmethod
@@ -107,11 +108,12 @@ def check_sampling(n: int, max_new_tokens: int, temperature: float, top_p: float
         raise ValueError(f"top_k={top_k} must be -1 (off) or >= 1")
 
 
-def finish_texts(tokenizer: PreTrainedTokenizerBase, token_ids: list[list[int]], finish_reasons: list[str],
+def finish_texts(tokenizer: PreTrainedTokenizerBase, token_ids: list[list[int]], finish_reasons: list[FinishReason],
                  stop: Sequence[str] | None) -> list[str]:
     """Decoded samples; a sample that ended on a stop string is cut right after its first occurrence."""
     texts = tokenizer.batch_decode(token_ids, skip_special_tokens=True)
-    return [_cut_after_stop(text, stop) if reason == "stop" else text for text, reason in zip(texts, finish_reasons)]
+    return [_cut_after_stop(text, stop) if reason == FinishReason.STOP else text
+            for text, reason in zip(texts, finish_reasons)]
 
 
 def _cut_after_stop(text: str, stop: Sequence[str] | None) -> str:

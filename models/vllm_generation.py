@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 from transformers import AutoConfig
 
+from envs.modes import FinishReason
 from models.loading import load_tokenizer
 from models.policy import LanguagePolicy
 from models.sampling import (GenerationOutput, Prompts, Seed, adapter_groups, check_sampling, encode_prompts,
@@ -209,10 +210,10 @@ def _check_cpu_head_size(model_dir: str | Path) -> None:
                          f"(supported: {supported}); use fewer, wider heads or the hf backend")
 
 
-def _finish_reason(sample) -> str:
-    """vLLM's reason in our terms: a stop string -> "stop"; EOS or an EOS-like stop token id -> "eos"."""
+def _finish_reason(sample) -> FinishReason:
+    """vLLM's reason (its strings) in our terms: a stop string -> STOP; EOS or an EOS-like stop token id -> EOS."""
     if sample.finish_reason == "length":
-        return "length"
+        return FinishReason.LENGTH
     if sample.finish_reason == "stop":
-        return "stop" if isinstance(sample.stop_reason, str) else "eos"
+        return FinishReason.STOP if isinstance(sample.stop_reason, str) else FinishReason.EOS
     raise RuntimeError(f"vLLM ended a sample with finish_reason={sample.finish_reason!r} (aborted?)")

@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from envs.modes import FinishReason
 from models.sampling import (GenerationOutput, Prompts, Seed, adapter_groups, check_sampling, encode_prompts,
                              finish_texts)
 from models.vllm_generation import request_seeds
@@ -174,10 +175,10 @@ def _choices(answer: Any, n: int) -> list[dict]:
     return choices
 
 
-def _finish_reason(choice: dict) -> str:
-    """The server's reason in our terms: a stop string -> "stop"; EOS or a stop token id -> "eos"."""
+def _finish_reason(choice: dict) -> FinishReason:
+    """The server's reason (OpenAI's strings) in our terms: a stop string -> STOP; EOS or a stop token id -> EOS."""
     if choice["finish_reason"] == "length":
-        return "length"
+        return FinishReason.LENGTH
     if choice["finish_reason"] == "stop":
-        return "stop" if isinstance(choice.get("stop_reason"), str) else "eos"
+        return FinishReason.STOP if isinstance(choice.get("stop_reason"), str) else FinishReason.EOS
     raise ServiceError(f"the server ended a sample with finish_reason={choice['finish_reason']!r} (aborted?)")

@@ -19,11 +19,10 @@ from typing import Callable
 
 import torch
 
-from algorithms.registry import PrimeNorm
+from envs.modes import ImplicitPrmGranularity, PrimeNorm, member_of
 from models.packing import TokenBatch, token_lengths
 from models.policy import LanguagePolicy, LoraSettings
 
-GRANULARITIES = ("token", "step")
 MAX_GRAD_NORM = 1.0  # PRIME's reward-model optimizer clips its gradient norm here (verl's grad_clip)
 
 
@@ -43,18 +42,18 @@ class ImplicitPRM:
         self,
         model_dir: str | Path,
         beta: float = 0.05,
-        granularity: str = "token",
+        granularity: ImplicitPrmGranularity = ImplicitPrmGranularity.TOKEN,
         lr: float = 1e-6,
         norm: PrimeNorm = PrimeNorm.BATCH_NORM,
         device: str = "auto",
         dtype: str = "float32",
         lora: LoraSettings | None = None,
     ):
-        if granularity not in GRANULARITIES:
-            raise ValueError(f"implicit PRM granularity={granularity!r} must be one of {GRANULARITIES}")
+        self.granularity = member_of(tuple(ImplicitPrmGranularity), granularity, "implicit PRM granularity")
+        self.norm = member_of(tuple(PrimeNorm), norm, "implicit PRM norm")
         if beta <= 0:
             raise ValueError(f"implicit PRM beta={beta} must be > 0")
-        self.beta, self.granularity, self.norm = beta, granularity, PrimeNorm(norm)
+        self.beta = beta
         self.model = LanguagePolicy(model_dir, device=device, dtype=dtype, lora=lora)
         self.optimizer = torch.optim.AdamW(self.model.actor_parameters(), lr=lr, fused=True)  # no temporaries
 
@@ -78,7 +77,7 @@ class ImplicitPRM:
         else:
             log_ratio, mask = self.log_ratios(prompts, actions)
             rewards = self.beta * log_ratio
-        if self.granularity == "step":
+        if self.granularity is ImplicitPrmGranularity.STEP:
             if step_ends is None:
                 step_ends = mask & ~torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], dim=1)
             rewards = _sum_per_step(rewards, step_ends.to(mask.device))

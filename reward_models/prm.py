@@ -36,14 +36,13 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoModel, AutoModelForTokenClassification, DynamicCache, PreTrainedTokenizerBase
 
+from envs.modes import PrmAggregation, PrmType, member_of
 from envs.prompts import DEFAULT_TEMPLATE, SHEPHERD_STEP_TAG, STEP_DELIMITER, format_prompt, shepherd_text, split_steps
 from envs.rewards import RewardOutput, StepContext
 from models.forward import kv_cache_keyword
 from models.loading import ModelDirError, inference_dtype, load_causal_lm, load_tokenizer, resolve_device
 from models.packing import right_padded
 
-PRM_TYPES = ("shepherd", "classifier")
-AGGREGATIONS = ("step", "last", "min", "product", "mean")
 DEFAULT_KV_CACHE_MB = 1024.0
 """The shepherd PRM's default KV cache cap: 256k tokens of the tiny PRM (4 KiB each), 8k of a 7B
 Mistral in bf16 (128 KiB each: 2 * layers * kv_heads * head_dim * 2 bytes)."""
@@ -59,17 +58,13 @@ raises '+' (10-13% here) over a near-uniform rest."""
 CLASSIFIER_HEADS = ("ForTokenClassification", "ForProcessRewardModel")
 
 
-def checked_kv_cache_mb(prm_type: str, aggregation: str, kv_cache_mb: float | None) -> float:
-    """The KV cache cap in MiB (``None``: the default of ``prm_type``), after checking the PRM's
-    type, aggregation and cap; a clear error for any bad value."""
-    if prm_type not in PRM_TYPES:
-        raise ValueError(f"prm_type={prm_type!r} must be one of {PRM_TYPES}")
-    if aggregation not in AGGREGATIONS:
-        raise ValueError(f"aggregation={aggregation!r} must be one of {AGGREGATIONS}")
+def checked_kv_cache_mb(prm_type: PrmType, kv_cache_mb: float | None) -> float:
+    """The KV cache cap in MiB (``None``: the default of ``prm_type``), after checking it; a clear error for a
+    bad value."""
     if kv_cache_mb is None:
-        return DEFAULT_KV_CACHE_MB if prm_type == "shepherd" else 0.0
-    if kv_cache_mb < 0 or (kv_cache_mb > 0 and prm_type != "shepherd"):
-        raise ValueError(f"kv_cache_mb={kv_cache_mb} must be >= 0, and 0 for prm_type={prm_type!r}: only "
+        return DEFAULT_KV_CACHE_MB if prm_type is PrmType.SHEPHERD else 0.0
+    if kv_cache_mb < 0 or (kv_cache_mb > 0 and prm_type is not PrmType.SHEPHERD):
+        raise ValueError(f"kv_cache_mb={kv_cache_mb} must be >= 0, and 0 for prm_type='{prm_type}': only "
                          "the shepherd PRM reuses key/values")
     return kv_cache_mb
 
@@ -97,12 +92,12 @@ def single_token_id(tokenizer: PreTrainedTokenizerBase, text: str, role: str, ar
     return plain[0]
 
 
-def prm_token_ids(tokenizer: PreTrainedTokenizerBase, model_dir: str | Path, role: str, prm_type: str,
+def prm_token_ids(tokenizer: PreTrainedTokenizerBase, model_dir: str | Path, role: str, prm_type: PrmType,
                   step_tag: str, good_token: str, bad_token: str, separator: str) -> tuple[str, int, list[int]]:
     """``(marker, marker id, [good, bad] label ids)`` of the PRM in ``model_dir`` (classifier: no labels),
     each checked to be one token of its ``tokenizer`` (``single_token_id``); raises ``ModelDirError``."""
     try:
-        if prm_type == "shepherd":
+        if prm_type is PrmType.SHEPHERD:
             labels = [single_token_id(tokenizer, good_token, "'good' label token", "good_token"),
                       single_token_id(tokenizer, bad_token, "'bad' label token", "bad_token")]
             return step_tag, single_token_id(tokenizer, step_tag, "step tag", "step_tag (--prm_step_tag)"), labels
@@ -125,7 +120,7 @@ def check_classifier_head(model_dir: str | Path, role: str = "model_dir") -> Non
             "(--prm_type shepherd) for a Math-Shepherd PRM")
 
 
-def check_prm_dir(path: str | Path, prm_type: str = "shepherd", step_tag: str = SHEPHERD_STEP_TAG,
+def check_prm_dir(path: str | Path, prm_type: PrmType = PrmType.SHEPHERD, step_tag: str = SHEPHERD_STEP_TAG,
                   good_token: str = "+", bad_token: str = "-", separator: str = "<extra_0>",
                   role: str = "model_dir") -> None:
     """Checks, reading no weights, that ``path`` can be a PRM of ``prm_type``: a model directory
@@ -133,18 +128,17 @@ def check_prm_dir(path: str | Path, prm_type: str = "shepherd", step_tag: str = 
     (classifier) as single tokens, and, for a classifier, a 2-class head in its config. Whether a
     shepherd PRM's LM head scores its labels needs the weights: ``ProcessRewardModel`` checks that when
     it loads (``label_odds``). ``role`` names the argument or flag in the error. Raises ``ModelDirError``."""
-    if prm_type not in PRM_TYPES:
-        raise ValueError(f"prm_type={prm_type!r} must be one of {PRM_TYPES}")
+    prm_type = member_of(tuple(PrmType), prm_type, "prm_type")
     prm_token_ids(load_tokenizer(path, role), path, role, prm_type, step_tag, good_token, bad_token, separator)
-    if prm_type == "classifier":
+    if prm_type is PrmType.CLASSIFIER:
         check_classifier_head(path, role)
 
 
-def aggregate_step_scores(step_scores: Sequence[np.ndarray], how: str) -> np.ndarray:
+def aggregate_step_scores(step_scores: Sequence[np.ndarray], how: PrmAggregation) -> np.ndarray:
     """One number per trajectory from its step scores: last, min, product or mean."""
-    functions = {"last": lambda s: s[-1], "min": np.min, "product": np.prod, "mean": np.mean}
-    if how not in functions:
-        raise ValueError(f"aggregation {how!r} must be one of {sorted(functions)}")
+    functions = {PrmAggregation.LAST: lambda s: s[-1], PrmAggregation.MIN: np.min, PrmAggregation.PRODUCT: np.prod,
+                 PrmAggregation.MEAN: np.mean}
+    how = member_of(tuple(functions), how, "aggregation")
     return np.array([functions[how](s) if len(s) else np.nan for s in step_scores], dtype=np.float64)
 
 
@@ -267,10 +261,10 @@ class ProcessRewardModel:
     def __init__(
         self,
         model_dir: str | Path,
-        prm_type: str = "shepherd",
+        prm_type: PrmType = PrmType.SHEPHERD,
         device: str = "auto",
         dtype: str = "auto",
-        aggregation: str = "step",
+        aggregation: PrmAggregation = PrmAggregation.STEP,
         adapter_path: str | Path | None = None,
         template: str = DEFAULT_TEMPLATE,
         step_tag: str = SHEPHERD_STEP_TAG,
@@ -284,7 +278,9 @@ class ProcessRewardModel:
         kv_cache_mb: float | None = None,
         check_labels: bool = True,
     ):
-        kv_cache_mb = checked_kv_cache_mb(prm_type, aggregation, kv_cache_mb)
+        prm_type = member_of(tuple(PrmType), prm_type, "prm_type")
+        aggregation = member_of(tuple(PrmAggregation), aggregation, "aggregation")
+        kv_cache_mb = checked_kv_cache_mb(prm_type, kv_cache_mb)
         self.name, self.prm_type, self.aggregation = name, prm_type, aggregation
         self.device = resolve_device(device)
         self.template, self.max_length = template, max_length
@@ -295,10 +291,10 @@ class ProcessRewardModel:
         # Tokens and head first: a wrong one fails before the model is loaded.
         self.marker, self.marker_id, self.label_ids = prm_token_ids(
             self.tokenizer, model_dir, "model_dir", prm_type, step_tag, good_token, bad_token, separator)
-        if prm_type == "classifier":
+        if prm_type is PrmType.CLASSIFIER:
             check_classifier_head(model_dir)
         self.model = self._load_model(model_dir, torch_dtype, adapter_path, trust_remote_code)
-        if prm_type == "shepherd" and check_labels:
+        if prm_type is PrmType.SHEPHERD and check_labels:
             self._check_label_odds(model_dir, good_token, bad_token)
         self.past_cache = PastCache(int(kv_cache_mb * 2**20)) if kv_cache_mb > 0 else None
 
@@ -331,7 +327,7 @@ class ProcessRewardModel:
     def _load_model(self, model_dir: str | Path, torch_dtype: torch.dtype, adapter_path: str | Path | None,
                     trust_remote_code: bool) -> torch.nn.Module:
         """The frozen scoring model, with the LoRA adapter (if any) merged in."""
-        if self.prm_type == "shepherd":
+        if self.prm_type is PrmType.SHEPHERD:
             model = load_causal_lm(model_dir, torch_dtype, self.device)
         else:
             model = self._load_classifier(model_dir, torch_dtype, trust_remote_code)
@@ -360,7 +356,7 @@ class ProcessRewardModel:
         is split at the delimiter, so the PRM reads every step as it was trained to."""
         prompt = format_prompt(problem.replace(self.marker, ""), self.template)
         pieces = [piece for step in steps for piece in marked_pieces(step, self.marker)]
-        if self.prm_type == "shepherd":
+        if self.prm_type is PrmType.SHEPHERD:
             return shepherd_text(prompt, pieces, self.marker)
         return prompt + "".join(f"{piece}{self.marker}{STEP_DELIMITER}" for piece in pieces)
 
@@ -402,7 +398,7 @@ class ProcessRewardModel:
         is_real = torch.arange(input_ids.shape[1], device=self.device)[None] < lengths[:, None]
         is_marker = (input_ids == self.marker_id) & is_real
         rows, positions = is_marker.nonzero(as_tuple=True)
-        if self.prm_type == "shepherd":
+        if self.prm_type is PrmType.SHEPHERD:
             # Only the marker positions and the two label rows of the LM head: no [B, T, V] logits.
             decoder = getattr(self.model, self.model.base_model_prefix)
             hidden = decoder(input_ids=input_ids).last_hidden_state
@@ -492,11 +488,11 @@ class ProcessRewardModel:
         return step_rewards(scores, contexts, self.aggregation, self.name)
 
 
-def step_rewards(scores: Sequence[np.ndarray], contexts: Sequence[StepContext], aggregation: str,
+def step_rewards(scores: Sequence[np.ndarray], contexts: Sequence[StepContext], aggregation: PrmAggregation,
                  name: str) -> RewardOutput:
     """The reward [B] a PRM pays from the step scores of B contexts: the new step's score (``step``), or
     at episode end the aggregate of all step scores (other aggregations; 0 before the end)."""
-    if aggregation == "step":
+    if aggregation == PrmAggregation.STEP:
         rewards = np.array([s[-1] if len(s) else 0.0 for s in scores], dtype=np.float64)
     else:
         done = np.array([c.done for c in contexts])

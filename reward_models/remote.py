@@ -14,8 +14,9 @@ from typing import Sequence
 
 import numpy as np
 
+from envs.modes import PrmAggregation, member_of
 from envs.rewards import RewardOutput, StepContext
-from reward_models.prm import AGGREGATIONS, step_rewards
+from reward_models.prm import step_rewards
 from models.remote import ClientSettings, ServiceClient, ServiceError
 
 
@@ -30,10 +31,10 @@ class RemotePRM:
         settings: the client's timeouts, retries and concurrency.
     """
 
-    def __init__(self, urls: str | Sequence[str], model: str | None = None, aggregation: str = "step",
-                 request_size: int = 16, settings: ClientSettings = ClientSettings(), name: str = "prm"):
-        if aggregation not in AGGREGATIONS:
-            raise ValueError(f"aggregation={aggregation!r} must be one of {AGGREGATIONS}")
+    def __init__(self, urls: str | Sequence[str], model: str | None = None,
+                 aggregation: PrmAggregation = PrmAggregation.STEP, request_size: int = 16,
+                 settings: ClientSettings = ClientSettings(), name: str = "prm"):
+        aggregation = member_of(tuple(PrmAggregation), aggregation, "aggregation")
         if request_size < 1:
             raise ValueError(f"request_size={request_size} must be >= 1")
         self.client = ServiceClient(urls, settings)

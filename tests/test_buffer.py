@@ -9,6 +9,7 @@ import torch
 from algorithms.base import make_algorithm
 from algorithms.registry import AlgorithmConfig
 from algorithms.buffer import AdvantageEstimate, RolloutBuffer, StepRecord
+from envs.modes import LossAgg
 from models.scoring import ActionScores
 
 VOCAB = 11
@@ -152,8 +153,8 @@ def test_minibatches_cover_every_live_slot_once_with_balanced_sizes():
     seen = torch.cat([b.index for mb in minibatches for b in mb])
     assert sorted(seen.tolist()) == buffer.live.flatten().nonzero().squeeze(1).tolist()
     for minibatch in minibatches:  # micro-batch weights of a minibatch sum to one, in both units
-        assert sum(b.weight("sample") for b in minibatch) == pytest.approx(1.0)
-        assert sum(b.weight("token_mean") for b in minibatch) == pytest.approx(1.0)
+        assert sum(b.weight(LossAgg.SEQ_MEAN_TOKEN_MEAN) for b in minibatch) == pytest.approx(1.0)
+        assert sum(b.weight(LossAgg.TOKEN_MEAN) for b in minibatch) == pytest.approx(1.0)
 
 
 def test_minibatch_gradients_sum_to_full_gradient_for_sample_weighted_loss():

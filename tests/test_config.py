@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 from absl import flags
 
-from algorithms.registry import LossAgg
-from train.config import (FLOAT16_TRAINING, Critic, DType, EnvConfig, LearningConfig, LoggingConfig, ModelConfig,
-                          PrmType, RewardConfig, RunConfig, Tool)
+from envs.modes import Critic, DType, LossAgg, PrmType, Tool
+from train.config import (FLOAT16_TRAINING, EnvConfig, LearningConfig, LoggingConfig, ModelConfig, RewardConfig,
+                          RunConfig)
 from train.flags import FLAGS, config_from_flags
 from train.resolve import resolved
 from train.validation import checked_modes

@@ -5,9 +5,10 @@
 A module may import its own layer and the ones below it, never one above, and so may a folder: each
 top-level package imports only the packages below it. The tiny-model build tool (models.tiny) is a
 subpackage of the model layer, imported only by itself and by the default-model path (train.builders).
-envs import no torch; algorithms import no model library; the modules that parse flags import nothing
-heavy at module level, so a bad flag fails before torch loads. No line of Python in the repository runs
-past the house limit (setup.cfg's max-line-length).
+The house's modes (envs.modes, stdlib enums) are the one module of envs the algorithms import: tensor math
+compares modes as members and knows nothing else of the env. envs import no torch; algorithms import no model
+library; the modules that parse flags import nothing heavy at module level, so a bad flag fails before torch
+loads. No line of Python in the repository runs past the house limit (setup.cfg's max-line-length).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ PACKAGES = ("envs", "algorithms", "models", "reward_models", "train")
 LAYERS = {"envs": 0, "algorithms": 1, "models": 2, "reward_models": 3, "models.tiny": 2, "train": 4,
           "train_math": 5}
 TINY_IMPORTERS = ("models.tiny", "train.builders")
+ALGORITHMS_MAY_IMPORT = ("algorithms", "envs.modes")  # the house's modes are the algorithms' only view of envs
 FORBIDDEN = {  # layer -> third-party packages it must not import
     "envs": ("torch", "transformers", "peft", "safetensors", "vllm"),
     "algorithms": ("transformers", "peft", "safetensors", "vllm", "gymnasium"),
@@ -98,6 +100,13 @@ def test_no_folder_imports_a_folder_above_it():
         for name, line in imports(module):
             if is_project(name):
                 assert order.index(name.split(".")[0]) <= order.index(folder), f"{module}:{line} imports {name}"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if layer_of(m) == "algorithms"))
+def test_algorithms_import_of_envs_only_the_modes(module):
+    for name, line in imports(module):
+        if is_project(name):
+            assert name.startswith(ALGORITHMS_MAY_IMPORT), f"{module}:{line} imports {name}"
 
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if layer_of(m) in FORBIDDEN))

@@ -18,6 +18,7 @@ from algorithms.buffer import Batch, RolloutBuffer, StepRecord
 from algorithms.losses import aggregate, clipped_surrogate, importance_log_ratio, kl_estimate
 from algorithms.registry import AlgorithmConfig
 from algorithms.reinforce_pp import reinforce_pp_returns
+from envs.modes import LossAgg
 from event_files import read_scalars
 from test_train_math import parse
 from test_trainer import run_train_math
@@ -170,7 +171,7 @@ def test_kl_loss_type_sets_the_loss_term():
         mask = batch.token_mask.float()
         expected_kl = (estimate * mask).sum() / mask.sum()
         torch.testing.assert_close(stats["kl_ref"], expected_kl.detach())
-        torch.testing.assert_close(value, plain + 0.5 * expected_kl * batch.weight("token_mean"))
+        torch.testing.assert_close(value, plain + 0.5 * expected_kl * batch.weight(LossAgg.TOKEN_MEAN))
 
 
 def one_step_buffer(rewards: list[float], lengths: list[int], logprobs: list[list[float]], ref: list[list[float]],

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from algorithms.registry import AlgorithmConfig
-from algorithms.buffer import RolloutBuffer
+from algorithms.buffer import RolloutBuffer, StepRecord
 from algorithms.grpo import GRPO, group_advantages
-from algorithms.registry import algorithm_spec
+from algorithms.registry import AlgorithmConfig, algorithm_spec
+from envs.modes import AgentGroups
 from envs.multi_agent import MultiAgentMathVectorEnv
 from envs.workflows import ACCEPT, REJECT, chain
 from event_files import read_scalars
@@ -120,12 +120,62 @@ def test_joint_groups_pool_every_role_of_a_problem(policy):
     refiner, 2 in the env that did not) share one baseline, so the refiners are no longer a group of their own."""
     buffer, _ = chain_rollout(policy, "team")
     per_role = GRPO(AlgorithmConfig()).advantages(buffer).advantages
-    joint = GRPO(AlgorithmConfig(joint_groups=True)).advantages(buffer).advantages
+    joint = GRPO(AlgorithmConfig(agent_groups=AgentGroups.JOINT)).advantages(buffer).advantages
     torch.testing.assert_close(per_role[2, 4:7, 2], torch.zeros(3))
     acted = buffer.live[:, 4:].any(0)  # [4, A]
     pooled = group_advantages(buffer.episode_returns()[4:][acted], torch.zeros(int(acted.sum()), dtype=torch.long))
     torch.testing.assert_close(joint.sum(0)[4:][acted], pooled)
     assert float(joint[2, 4, 2]) > 0 > float(joint[0, 7, 0])
+
+
+def two_round_buffer() -> RolloutBuffer:
+    """Two debaters answer in two rounds on 4 envs of one problem; debater 1 is not called in env 3's second
+    round. Individual credit, paid each round: debater 0 [1, 0, 0, 0] then [1, 1, 1, 1]; debater 1 [1, 1, 0, 0]
+    then [0, 1, 1, -]."""
+    buffer = RolloutBuffer(2, 4, 2, max_action_tokens=1)
+    paid = [[[1, 1], [0, 1], [0, 0], [0, 0]], [[1, 0], [1, 1], [1, 1], [1, 0]]]  # [turn][env][debater]
+    spoke = [([0, 0, 1, 1, 2, 2, 3, 3], [0, 1] * 4), ([0, 0, 1, 1, 2, 2, 3], [0, 1] * 3 + [0])]  # (envs, agents)
+    for turn, (envs, agents) in enumerate(spoke):
+        buffer.add(StepRecord(step=turn, envs=envs, agents=agents, prompt_ids=[[1]] * len(envs),
+                              action_ids=[[2]] * len(envs), rollout_logprobs=[[0.0]] * len(envs),
+                              group_ids=torch.zeros(len(envs), dtype=torch.long), texts=["x"] * len(envs)))
+        ended = np.full(4, turn == 1)
+        buffer.add_step_results(turn, np.array(paid[turn], dtype=float), ended, np.zeros(4, dtype=bool),
+                                np.full(4, np.nan))
+    return buffer
+
+
+def test_at_grpo_compares_one_roles_actions_at_one_turn_by_hand():
+    """PettingLLMs' AT-GRPO (--agent_groups at_grpo): each action's own turn reward, z-scored among the actions of
+    its role at its turn of its problem (the unbiased std, + 1e-4)."""
+    buffer = two_round_buffer()
+    at_grpo = GRPO(AlgorithmConfig(agent_groups=AgentGroups.AT_GRPO)).advantages(buffer).advantages
+    third = 1 / 3
+    # turn 0, debater 0: mean 0.25, centred [0.75, -0.25, -0.25, -0.25], std sqrt(0.75 / 3) = 0.5
+    torch.testing.assert_close(at_grpo[0, :, 0], torch.tensor([0.75, -0.25, -0.25, -0.25]) / (0.5 + 1e-4))
+    # turn 0, debater 1: mean 0.5, centred [0.5, 0.5, -0.5, -0.5], std sqrt(1 / 3)
+    torch.testing.assert_close(at_grpo[0, :, 1], torch.tensor([0.5, 0.5, -0.5, -0.5]) / (third ** 0.5 + 1e-4))
+    # turn 1, debater 0: all right, no signal
+    torch.testing.assert_close(at_grpo[1, :, 0], torch.zeros(4))
+    # turn 1, debater 1, the 3 envs it spoke in: mean 2/3, centred [-2/3, 1/3, 1/3], std sqrt((6/9) / 2)
+    expected = torch.tensor([-2 * third, third, third, 0.0]) / (third ** 0.5 + 1e-4)
+    torch.testing.assert_close(at_grpo[1, :, 1], expected)
+    # the per-role baseline scores whole episodes: debater 0's returns [2, 1, 1, 1] put env 0's second-round
+    # answer at +1.5, where AT-GRPO gives that round, right in every env, nothing
+    per_role = GRPO(AlgorithmConfig()).advantages(buffer).advantages
+    torch.testing.assert_close(per_role[1, :, 0], torch.tensor([0.75, -0.25, -0.25, -0.25]) / (0.5 + 1e-4))
+
+
+def test_train_math_trains_a_debate_with_at_grpo(untrained_policy_dir, tmp_path):
+    run = run_train_math(small(untrained_policy_dir, tmp_path, "--env_id", "Arith-Debate-v0", "--num_env_steps", "32",
+                               "--eval_interval", "0", "--agent_groups", "at_grpo", "--reward_assignment",
+                               "individual", "--kl_coef", "0.05"))
+    scalars = read_scalars(run)
+    for role in ("debater_0", "debater_1", "debater_2"):
+        assert [step for step, _ in scalars[f"train/{role}/reward"]] == [0, 1], (role, scalars.keys())
+        assert [step for step, _ in scalars[f"loss/{role}/entropy"]] == [0, 1]
+    # the KL term keeps the untrained debaters' rows in the update: 8 envs x 3 debaters x 2 rounds
+    assert [value for _, value in scalars["train/trained_samples"]] == [48.0, 48.0]
 
 
 def test_counterfactual_credit_blames_the_verifier_that_let_a_wrong_answer_through(policy):
@@ -353,6 +403,8 @@ def test_prefix_rl_writer_learns_to_help_the_frozen_target(tiny_models, tmp_path
     (["--env_id", "Arith-Chain-v0", "--role_model", "solver=/models/target"], "the frozen roles of"),
     (["--env_id", "Arith-Prefix-v0", "--role_model", "solver"], "must be ROLE=DIR"),
     (["--env_id", "Arith-Chain-v0", "--noshare_policy"], "add --lora_rank > 0"),
+    (["--env_id", "Arith-Debate-v0", "--algorithm_name", "RLOO", "--agent_groups", "at_grpo"],
+     "--algorithm_name=RLOO compares whole episodes: use GRPO"),
 ])
 def test_multi_agent_flags_that_cannot_work_fail_in_one_line(argv, message):
     from test_train_math import run_cli

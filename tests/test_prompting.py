@@ -110,5 +110,5 @@ def test_what_cannot_be_built_fails_in_one_line(tiny_tokenizer):
         build_template("chat", tiny_tokenizer)
     with pytest.raises(ValueError, match=r"^--system_prompt needs a chat prompt template"):
         build_template("default", tiny_tokenizer, system_prompt="Be brief.")
-    with pytest.raises(ValueError, match=r"^prompt template kind 'chatml' is not one of \('default', 'qwen_math', "):
+    with pytest.raises(ValueError, match=r"^prompt_template='chatml' must be one of 'default', 'qwen_math', 'chat'$"):
         build_template("chatml", tiny_tokenizer)

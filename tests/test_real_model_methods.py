@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from bench.real_model_methods import (METHODS, PREFIX_TOKENS, ROWS, SAMPLES_PER_ITERATION, TARGET_TOKENS, comparison,
-                                      mean_and_error, parse_args, row_flags, weights_digest)
+from bench.real_model_methods import (METHODS, PREFIX_KL, PREFIX_TOKENS, ROWS, SAMPLES_PER_ITERATION, TARGET_TOKENS,
+                                      comparison, mean_and_error, parse_args, row_flags, weights_digest)
 
 
 def history(*accuracies: float) -> list[dict[str, float]]:
@@ -51,6 +51,7 @@ def test_every_row_is_a_train_math_command_that_resolves(row, untrained_policy_d
     assert samples * config.budget.eval_interval == 8 * SAMPLES_PER_ITERATION
     if row == "prefix_rl":
         assert config.generation.max_new_tokens == PREFIX_TOKENS and config.prefix_rl.target_max_new_tokens == 128
+        assert config.learning.kl_coef == PREFIX_KL and config.learning.kl_loss_type == "low_var_kl"
     if row in METHODS["prime"][1]:
         assert config.prime.process_coef == 0
 

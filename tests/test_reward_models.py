@@ -12,8 +12,8 @@ from tokenizers.processors import TemplateProcessing
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForTokenClassification
 
 from algorithms.base import roc_auc
-from algorithms.registry import PrimeNorm
 from envs.datasets import Arith, Problem
+from envs.modes import PrimeNorm
 from envs.prompts import format_prompt, join_steps, split_steps
 from envs.rewards import StepContext
 from reward_models.implicit_prm import ImplicitPRM

@@ -258,9 +258,9 @@ def test_a_run_with_tool_calls_trains(untrained_policy_dir, tmp_path):
     its advantages are not zero and the update must move the weights."""
     from tensorboardX import SummaryWriter
 
+    from envs.modes import ActionLevel
     from train.builders import build_runner
-    from train.config import (ActionLevel, BudgetConfig, EnvConfig, GenerationConfig, LoggingConfig, ModelConfig,
-                              RunConfig)
+    from train.config import BudgetConfig, EnvConfig, GenerationConfig, LoggingConfig, ModelConfig, RunConfig
 
     dataset = tmp_path / "problems.jsonl"
     dataset.write_text(json.dumps({"problem": PROBLEM.problem, "answer": PROBLEM.answer}) + "\n")

@@ -269,7 +269,8 @@ def test_the_algorithms_defaults_are_the_options_defaults():
 
     from algorithms.registry import AlgorithmConfig
     from train.builders import algorithm_config
-    from train.config import AgentGroups, LearningConfig, MultiAgentConfig, PrimeConfig, RunConfig
+    from envs.modes import AgentGroups
+    from train.config import LearningConfig, MultiAgentConfig, PrimeConfig, RunConfig
     from train.resolve import resolved
 
     assert algorithm_config(resolved(RunConfig())) == AlgorithmConfig(max_groups=128 // 4)
@@ -277,7 +278,8 @@ def test_the_algorithms_defaults_are_the_options_defaults():
                        prime=PrimeConfig(process_coef=0.5, oversample_factor=1),
                        multi_agent=MultiAgentConfig(agent_groups=AgentGroups.JOINT))
     assert algorithm_config(config) == dataclasses.replace(
-        AlgorithmConfig(), clip_param=0.1, value_clip_param=None, huber_delta=2.0, process_coef=0.5, joint_groups=True)
+        AlgorithmConfig(), clip_param=0.1, value_clip_param=None, huber_delta=2.0, process_coef=0.5,
+        agent_groups=AgentGroups.JOINT)
 
 
 @pytest.mark.parametrize("lora_rank", [0, 8], ids=["full", "lora"])

@@ -45,6 +45,8 @@ REFUSED = [
     ({"algorithm_name": "REINFORCE_PP_BASELINE", "group_size": 1}, "--group_size=1 must be >= 2"),
     ({"algorithm_name": "TPPO", "critic": "off"}, "needs a critic (its advantages come from V)"),
     ({"algorithm_name": "GRPO", "critic": "on"}, "is critic-free; drop --critic=on or use APPO/TPPO"),
+    ({"algorithm_name": "RLOO", "env_id": "Arith-Chain-v0", "agent_groups": "at_grpo"},
+     "--algorithm_name=RLOO compares whole episodes: use GRPO, or --agent_groups role or joint"),
     # generation
     ({"generation_backend": "vllm_server", "vllm_url": "http://127.0.0.1:9", "async_rollouts": True},
      "--async_rollouts generates with an HF copy of the policy"),

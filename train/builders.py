@@ -21,13 +21,14 @@ from algorithms.base import Algorithm, make_algorithm
 from algorithms.registry import AlgorithmConfig, algorithm_spec
 from envs.datasets import load_problems
 from envs.math_env import MAX_TOOL_OUTPUT_CHARS, TOOL_TIMEOUT_S
+from envs.modes import ActionLevel, Backend, DataParallel, DType, LrSchedule, PrmType, Tool
 from envs.prompts import STEP_DELIMITER
 from envs.rewards import OutcomeReward, OverlongPenalty, RewardMixture, RewardModel
 from reward_models.implicit_prm import ImplicitPRM
 from train import checkpoint, distributed
 from train.collector import Collector, RoleModels, Sampling
-from train.config import (ActionLevel, AgentGroups, DataParallel, EnvConfig, GenerationConfig, LearningConfig,
-                          ModelConfig, RewardConfig, RolloutConfig, RunConfig, ServicesConfig, Tool)
+from train.config import (EnvConfig, GenerationConfig, LearningConfig, ModelConfig, RewardConfig, RolloutConfig,
+                          RunConfig, ServicesConfig)
 from train.distributed import Ranks
 from models.generation import Generator, make_generator
 from models.loading import check_model_dir, resolve_device
@@ -165,7 +166,7 @@ def build_target_solver(config: RunConfig, device: str, policy_template: str) ->
         template = policy_template  # a served target's tokenizer is not here: it reads the policy's prompt
     else:
         solver = LanguagePolicy(target.target_model, device=device, dtype=config.model.dtype).eval()
-        generator = make_generator("hf", solver)
+        generator = make_generator(Backend.HF, solver)
         template = build_template(env.prompt_template, solver.tokenizer, env.system_prompt, env.answer_instruction)
     return TargetSolver(generator, num_samples=target.target_num_samples, max_new_tokens=target.target_max_new_tokens,
                         temperature=target.target_temperature, seed=config.budget.seed, template=template)
@@ -175,7 +176,7 @@ def prm_marker(rewards: RewardConfig) -> dict[str, str]:
     """The PRM's step tag as its argument: a shepherd PRM's step tag, or a classifier PRM's separator."""
     if rewards.prm_step_tag is None:
         return {}
-    return {"step_tag" if rewards.prm_type == "shepherd" else "separator": rewards.prm_step_tag}
+    return {"step_tag" if rewards.prm_type == PrmType.SHEPHERD else "separator": rewards.prm_step_tag}
 
 
 def problem_source(env: EnvConfig, split: str, eval_path: str | None = None) -> dict:
@@ -211,7 +212,7 @@ def env_kwargs(config: RunConfig, split: str, reward_model: RewardModel, tokeniz
     elif env.action_level == ActionLevel.STEP:
         kwargs["end_marker"] = tokenizer.eos_token or ""  # a step that ended on EOS ends the episode
     else:
-        kwargs.update(mode="token", tokenizer=tokenizer)
+        kwargs.update(mode=ActionLevel.TOKEN, tokenizer=tokenizer)
     return kwargs
 
 
@@ -260,7 +261,7 @@ def build_envs(config: RunConfig, reward_model: RewardModel, tokenizer, template
 
 def algorithm_config(config: RunConfig, ranks: Ranks = Ranks()) -> AlgorithmConfig:
     """The algorithms' hyper-parameters: each from the option of the same name in the algorithm or PRIME
-    section (0 turning the value clip and the Huber loss off), the joint group baseline from --agent_groups;
+    section (0 turning the value clip and the Huber loss off), the multi-agent group baseline from --agent_groups;
     under torchrun RLOO keeps its share of the filtered groups on each rank."""
     learning, prime = config.learning, config.prime
     named = {part.name: getattr(section, part.name) for part in dataclasses.fields(AlgorithmConfig)
@@ -269,7 +270,7 @@ def algorithm_config(config: RunConfig, ranks: Ranks = Ranks()) -> AlgorithmConf
         **named, "value_clip_param": learning.value_clip_param or None, "huber_delta": learning.huber_delta or None,
         "use_kl_in_reward": bool(learning.use_kl_in_reward),
         "max_groups": learning.prompt_groups // ranks.world_size if learning.prompt_groups is not None else None,
-        "joint_groups": config.multi_agent.agent_groups == AgentGroups.JOINT})
+        "agent_groups": config.multi_agent.agent_groups})
 
 
 def build_algorithm(config: RunConfig, ranks: Ranks = Ranks()) -> Algorithm:
@@ -292,7 +293,7 @@ def build_optimizer(learning: LearningConfig, policy: LanguagePolicy, iterations
     def factor(iteration: int) -> float:
         if iteration < warmup:
             return (iteration + 1) / warmup
-        if schedule == "linear":
+        if schedule == LrSchedule.LINEAR:
             return max(0.0, 1.0 - (iteration - warmup) / max(iterations - warmup, 1))
         return 1.0
 
@@ -310,15 +311,15 @@ def build_generators(config: RunConfig, policy: LanguagePolicy, directory: str, 
     generation, services, model = config.generation, config.services, config.model
     if generator_factory is not None:
         generator = generator_factory(policy)
-    elif generation.backend == "vllm_server":
+    elif generation.backend == Backend.VLLM_SERVER:
         from models.vllm_server import ServerGenerator
 
         generator = ServerGenerator(services.vllm_url, services.vllm_model_name, tokenizer=policy.tokenizer,
                                     sync_dir=sync_dir, settings=services.client, model_flag="--vllm_model_name",
                                     role_adapters=policy.role_adapters)
         generator.sync(policy)
-    elif generation.backend == "vllm":
-        generator = make_generator("vllm", policy, sync_dir=sync_dir)
+    elif generation.backend == Backend.VLLM:
+        generator = make_generator(Backend.VLLM, policy, sync_dir=sync_dir)
     else:
         generator = make_generator(generation.backend, policy)
     if not generation.async_rollouts:
@@ -328,12 +329,12 @@ def build_generators(config: RunConfig, policy: LanguagePolicy, directory: str, 
     # its rollout log-probs are recorded at generation, so the update's ratios correct for it as for vLLM's.
     rollout_policy = LanguagePolicy(directory, lora=lora_settings(model), with_critic=with_critic,
                                     device=policy.device, dtype=model.dtype,
-                                    low_precision_weights=model.dtype == "bfloat16",
+                                    low_precision_weights=model.dtype == DType.BFLOAT16,
                                     gradient_checkpointing=model.gradient_checkpointing,
                                     role_adapters=policy.role_adapters,
                                     value_heads=max(policy.num_value_heads, 1)).eval()
     rollout_policy.load_state_dict(policy.whole_state_dict())  # sharded: every rank gathers
-    return generator, rollout_policy, make_generator("hf", rollout_policy)
+    return generator, rollout_policy, make_generator(Backend.HF, rollout_policy)
 
 
 def build_role_models(config: RunConfig, env, policy: LanguagePolicy, sampling: Sampling) -> RoleModels:
@@ -345,8 +346,8 @@ def build_role_models(config: RunConfig, env, policy: LanguagePolicy, sampling: 
                                           temperature=config.prefix_rl.target_temperature)
     return RoleModels(
         adapters={slot: role for slot, role in slots.items() if role in policy.role_adapters},
-        generators={slot: make_generator("hf", LanguagePolicy(models[slots[slot]], device=str(policy.device),
-                                                              dtype=config.model.dtype).eval()) for slot in own},
+        generators={slot: make_generator(Backend.HF, LanguagePolicy(models[slots[slot]], device=str(policy.device),
+                                                                    dtype=config.model.dtype).eval()) for slot in own},
         samplings={slot: target_sampling for slot in own})
 
 
@@ -388,7 +389,29 @@ def build_runner(config: RunConfig, run_dir: Path, writer, saved: checkpoint.Che
     ``writer`` is a tensorboardX SummaryWriter on ``run_dir`` (None on ranks other than 0);
     ``generator_factory`` builds the generation backend when the caller needs engine settings the config
     does not cover; ``ranks``: this process's place in a torchrun job. ``config`` is resolved first
-    (``train.resolve.resolved``): options left None take the values the command line would give them."""
+    (``train.resolve.resolved``): options left None take the values the command line would give them.
+
+    One GRPO iteration of the shipped tiny policy on Arith-v0 (four samples of one problem), as a library user
+    runs it without flags:
+
+    >>> import tempfile
+    >>> from tensorboardX import SummaryWriter
+    >>> from train.config import BudgetConfig, EnvConfig, GenerationConfig, LoggingConfig, ModelConfig
+    >>> config = RunConfig(model=ModelConfig(device="cpu"), env=EnvConfig(num_envs=4),
+    ...                    generation=GenerationConfig(max_new_tokens=16, async_rollouts=False),
+    ...                    budget=BudgetConfig(num_iterations=1, eval_interval=0),
+    ...                    logging=LoggingConfig(save_best=False))
+    >>> with tempfile.TemporaryDirectory() as run_dir, SummaryWriter(run_dir) as writer:
+    ...     runner = build_runner(config, Path(run_dir), writer)
+    ...     try:
+    ...         history = runner.run()  # collects, updates, saves the last checkpoint under run_dir
+    ...     finally:
+    ...         runner.close()
+    >>> history  # the held-out evaluations: none with eval_interval=0
+    []
+    >>> runner.last_buffer.live.shape  # [T, N, A]: one step (a whole solution) of 4 envs, one agent
+    torch.Size([1, 4, 1])
+    """
     config = resolved(config)
     env, learning, data_parallel = config.env, config.learning, config.distributed.data_parallel
     directory = model_dir(config.model, env.workflow is not None)

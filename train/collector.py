@@ -39,10 +39,10 @@ import torch
 from algorithms.buffer import RolloutBuffer, StepRecord
 from algorithms.registry import AlgorithmSpec, collects_whole_episodes
 from envs.contract import FACTS, Agents, StepFacts
+from envs.modes import Critic, CriticGranularity, FinishReason
 from envs.rewards import OverlongPenalty
 from models.generation import GenerationOutput, Generator, mix_seed
 from models.policy import LanguagePolicy
-from train.config import Critic
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ class Sampling:
             return [ids[0] for ids in out.token_ids]
         if self.stop is None:
             return list(out.texts)
-        return [text + self.eos_text if reason == "eos" else text
+        return [text + self.eos_text if reason == FinishReason.EOS else text
                 for text, reason in zip(out.texts, out.finish_reasons)]
 
     def env_actions(self, out: GenerationOutput, acting: np.ndarray, num_envs: int) -> list[str] | np.ndarray:
@@ -209,7 +209,7 @@ class Collector:
         (``RoleModels.generate``), then taken in the env (``step``)."""
         num_envs, spec = self.env.num_envs, self.spec
         buffer = RolloutBuffer(self.episode_length, num_envs, self.num_agents, self.sampling.max_new_tokens,
-                               policy.device, token_values=spec.critic == "token")
+                               policy.device, token_values=spec.critic is CriticGranularity.TOKEN)
         if self.whole_episodes:
             self.obs, info = self.env.reset()
             self.facts = info[FACTS]
@@ -268,7 +268,8 @@ class Collector:
                           rollout_logprobs=[out.logprobs[k] for k in trained],
                           group_ids=torch.as_tensor(self.facts.group_ids[envs]),
                           texts=[out.texts[k] for k in trained], values=values, token_values=token_values,
-                          critic_prompt_ids=critic_prompts, cut=[out.finish_reasons[k] == "length" for k in trained])
+                          critic_prompt_ids=critic_prompts,
+                          cut=[out.finish_reasons[k] == FinishReason.LENGTH for k in trained])
 
     def tally_step(self, tally: Tally, out: GenerationOutput, envs: np.ndarray, agents: np.ndarray,
                    info: dict[str, Any], ended: np.ndarray) -> None:
@@ -335,7 +336,7 @@ class Collector:
         reads (``prompts``), from value head ``heads[b]`` (None: head 0)."""
         if self.spec.critic is None or not prompts:
             return None, None
-        if self.spec.critic == "token":
+        if self.spec.critic is CriticGranularity.TOKEN:
             token_values = policy.token_values(prompts, actions, heads=heads)
             return token_values[:, 0], token_values
         return policy.values(prompts, heads), None

@@ -10,7 +10,7 @@ resolved values (the env's workflow, envs per iteration, ...), not options. The 
 ``build_runner(RunConfig(...), run_dir, writer)``.
 
 Light on purpose: the flags are generated from these classes before torch is imported (the env package,
-no torch in it, is: the env's modes, ``envs.modes``, are options here too).
+no torch in it, is: the options' types are the house's modes, ``envs.modes``).
 """
 
 from __future__ import annotations
@@ -21,8 +21,10 @@ import re
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import TYPE_CHECKING
 
-from algorithms.registry import ALGORITHMS, ImportanceSamplingLevel, KLEstimator, LossAgg, PrimeNorm, ScaleRewards
-from envs.modes import ActionLevel, Grader, RewardAssignment, Tool  # the env's modes, which the options take too
+from algorithms.registry import ALGORITHMS
+from envs.modes import (ActionLevel, AgentGroups, Backend, Critic, DataParallel, DType, Grader, ImportanceSamplingLevel,
+                        KLEstimator, LossAgg, LrSchedule, PrimeNorm, PrimeUpdate, PrmType, PromptTemplate,
+                        RewardAssignment, RolloutIsLevel, RolloutIsMode, ScaleRewards, Tool)
 from train.options import option
 
 if TYPE_CHECKING:
@@ -33,75 +35,13 @@ REWARD_SOURCES = ("outcome", "prm", "target", "steps")
 DEFAULT_PRM_REWARD = "outcome:1.0,prm:0.2"
 
 
-class DType(enum.StrEnum):
-    """The policy's compute dtype (float16: inference and exports only, ``FLOAT16_TRAINING``)."""
-
-    FLOAT32 = "float32"
-    BFLOAT16 = "bfloat16"
-    FLOAT16 = "float16"
-
-
 FLOAT16_TRAINING = ("float16 training needs a loss scaler (torch.amp.GradScaler), which the trainer does not have, "
                     "so small gradients would underflow to 0; use --dtype bfloat16 (or float32)")
 """Why --dtype float16 (``ModelConfig.dtype``) is refused, and the fix; float16 remains a --save_dtype."""
 
 
-class DataParallel(enum.StrEnum):
-    """How the policy is split over the ranks under torchrun."""
-
-    AUTO = "auto"  # fsdp for full fine-tuning, ddp for LoRA
-    DDP = "ddp"  # every rank holds the whole model, gradients all-reduced
-    FSDP = "fsdp"  # FSDP2 shards weights, gradients and optimizer state
-
-
-class PromptTemplate(enum.StrEnum):
-    """How a problem becomes a prompt (``models.prompting.build_template``)."""
-
-    DEFAULT = "default"  # 'Problem: ...\nSolution:\n'
-    QWEN_MATH = "qwen_math"  # Qwen2.5-Math's ChatML prompt
-    CHAT = "chat"  # the tokenizer's own chat template
-
-
-class PrmType(enum.StrEnum):
-    """The kind of a process reward model."""
-
-    SHEPHERD = "shepherd"  # Math-Shepherd step tags
-    CLASSIFIER = "classifier"  # Qwen2.5-Math-PRM style
-
-
 PRM_TYPE_ALIASES = {"ms": "shepherd", "qwen": "classifier"}
 """OpenR's names of the PRM kinds, which --prm_type accepts too."""
-
-
-class PrimeUpdate(enum.StrEnum):
-    """When PRIME's implicit PRM learns from a batch (verl's ``reward_model.model.update`` names)."""
-
-    BEFORE = "before"  # its step on the batch, then its rewards for the batch (a second forward pass)
-    AFTER = "after"  # its rewards for the batch, then, after the policy's update, its step on the batch
-
-
-class AgentGroups(enum.StrEnum):
-    """What a multi-agent GRPO/RLOO group baseline compares."""
-
-    ROLE = "role"  # one role's samples of one problem
-    JOINT = "joint"  # every role's samples of the problem together (MAGRPO's team baseline)
-
-
-class LrSchedule(enum.StrEnum):
-    """The learning rate after warm-up."""
-
-    LINEAR = "linear"  # decays to 0 at the last iteration
-    CONSTANT = "constant"
-
-
-class Critic(enum.StrEnum):
-    """Whether a critic is trained and, on a multi-agent env, what it reads."""
-
-    AUTO = "auto"  # APPO/TPPO yes, GRPO/RLOO no
-    ON = "on"
-    OFF = "off"
-    CENTRALIZED = "centralized"  # the joint transcript and the acting role's name, one value head (MAPPO)
-    PER_ROLE = "per_role"  # each role's own prompt, a value head per role
 
 
 AlgorithmName = enum.StrEnum("AlgorithmName", {name: name for name in ALGORITHMS})
@@ -120,7 +60,7 @@ class ModelConfig:
         "roles).", flag="model_name_or_path")
     revision: str | None = option(None, "Hub revision (branch, tag or commit) of every model flag given as a hub "
                                   "id. Default: the hub's default branch.")
-    device: str = option("auto", "auto, cpu, cuda or cuda:N.")
+    device: str = option("auto", "auto, cpu, cuda, cuda:N or mps.")
     dtype: DType = option(DType.FLOAT32, "Compute dtype: matmuls run in it under autocast; trained weights stay fp32 "
                           "(master weights) and a LoRA's frozen base is stored in it.")
     lora_rank: int = option(0, "LoRA rank; 0 trains all weights.", lower_bound=0)
@@ -405,9 +345,10 @@ class MultiAgentConfig:
         "model in DIR instead of the policy. Frozen roles are never trained on; without a model of their own they "
         "speak with the policy.", flag="role_model")
     agent_groups: AgentGroups = option(
-        AgentGroups.ROLE, "Multi-agent envs, GRPO/RLOO: the group baseline compares one role's samples of one "
-        "problem (role, normalised per role), or every role's samples of the problem together (joint, MAGRPO's team "
-        "baseline).")
+        AgentGroups.ROLE, "Multi-agent envs, GRPO/RLOO: the group baseline compares one role's episodes of one "
+        "problem, each scored by its return (role, normalised per role), or every role's episodes of the problem "
+        "together (joint, MAGRPO's team baseline); GRPO only: at_grpo (PettingLLMs' AT-GRPO, agent- and turn-wise) "
+        "compares one role's actions at one turn of one problem, each scored by the reward of its own turn.")
     reward_assignment: RewardAssignment = option(
         RewardAssignment.TEAM, "Multi-agent envs: how each role is credited. team: the verified final answer, to "
         "every role that acted; individual: each role's own verifiable output (its answer; a verifier's verdict "
@@ -488,14 +429,6 @@ class BudgetConfig:
     num_iterations: int | None = None  # resolved from num_env_steps (given in code: it wins)
 
 
-class Backend(enum.StrEnum):
-    """Where rollouts are generated."""
-
-    HF = "hf"  # Hugging Face transformers, in this process
-    VLLM = "vllm"  # a vLLM engine, in this process
-    VLLM_SERVER = "vllm_server"  # vLLM servers at --vllm_url
-
-
 @dataclass(frozen=True)
 class GenerationConfig:
     """How rollouts are generated."""
@@ -510,23 +443,8 @@ class GenerationConfig:
         None, "Generate the next batch with a copy of the policy in a second thread while the current one trains "
         "(on a CPU: a second core), at most --max_policy_lag updates behind; ratios are taken against the "
         "rollout log-probs recorded at generation. Default: on with --generation_backend=hf for APPO, and for "
-        "every algorithm on a CPU.")  # None (RunConfig()): off
+        "every algorithm on a CPU.")
     max_policy_lag: int = option(1, "With --async_rollouts: most policy updates a batch may lag.", lower_bound=1)
-
-
-class RolloutIsLevel(enum.StrEnum):
-    """Where the trainer/sampler probability ratio of rollout correction is taken."""
-
-    TOKEN = "token"  # each token's ratio
-    SEQUENCE = "sequence"  # the product over the action's tokens
-    GEOMETRIC = "geometric"  # the geometric mean over the action's tokens
-
-
-class RolloutIsMode(enum.StrEnum):
-    """What rollout correction does with the ratio."""
-
-    TRUNCATE = "truncate"  # weight the policy-gradient term by min(ratio, threshold) (TIS)
-    MASK = "mask"  # drop the action from the loss where the ratio leaves [threshold_lower, threshold]
 
 
 @dataclass(frozen=True)
@@ -662,7 +580,23 @@ class LoggingConfig:
 @dataclass(frozen=True)
 class RunConfig:
     """Every part of a run, one section per --helpfull section. ``flags``: the command line's flag values, saved
-    with each checkpoint so a resume can inherit them (empty for a run built without flags)."""
+    with each checkpoint so a resume can inherit them (empty for a run built without flags).
+
+    Built in code, a config leaves None what the command line would resolve; ``train.resolve.resolved`` works
+    it out (the builders call it) and refuses a bad value as a bad flag is refused:
+
+    >>> from train.resolve import resolved
+    >>> config = RunConfig(learning=LearningConfig(algorithm="GRPO"), env=EnvConfig(num_envs=8),
+    ...                    budget=BudgetConfig(num_env_steps=64))
+    >>> run = resolved(config)
+    >>> run.env.env_id, run.env.group_size, run.rewards.spec, run.budget.num_iterations
+    ('Arith-v0', 4, 'outcome:1.0,steps:1.0', 8)
+    >>> run.learning.loss_agg_mode is LossAgg.TOKEN_MEAN
+    True
+    >>> resolved(RunConfig(learning=LearningConfig(scale_rewards="std")))
+    Traceback (most recent call last):
+    ValueError: LearningConfig.scale_rewards='std' (--scale_rewards) must be one of group, batch, none
+    """
 
     model: ModelConfig = field(default_factory=ModelConfig)
     env: EnvConfig = field(default_factory=EnvConfig)

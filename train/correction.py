@@ -21,6 +21,7 @@ import torch
 
 from algorithms.buffer import RolloutBuffer, AdvantageEstimate
 from algorithms.rollout_correction import gap_sums, log_ratio, truncated_weights, within_band
+from envs.modes import RolloutIsLevel, RolloutIsMode
 from train import distributed
 from train.config import RolloutConfig
 
@@ -67,8 +68,8 @@ def corrected_targets(buffer: RolloutBuffer, targets: AdvantageEstimate,
     if rollout.rollout_is:
         mask = buffer.token_mask().float()
         log_rho = log_ratio(buffer.trainer_logprobs, buffer.rollout_logprobs, mask, rollout.rollout_is_level)
-        counted = mask if rollout.rollout_is_level == "token" else live[..., None].float()
-        if rollout.rollout_is_mode == "truncate":
+        counted = mask if rollout.rollout_is_level == RolloutIsLevel.TOKEN else live[..., None].float()
+        if rollout.rollout_is_mode == RolloutIsMode.TRUNCATE:
             buffer.rollout_weights = truncated_weights(log_rho, rollout.rollout_is_threshold)
             capped = (log_rho > math.log(rollout.rollout_is_threshold)).float()
             parts["rollout/is_weight_mean"] = float((buffer.rollout_weights * counted).sum()), float(counted.sum())

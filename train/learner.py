@@ -27,11 +27,12 @@ from algorithms.base import Algorithm, roc_auc
 from algorithms.buffer import Batch, RolloutBuffer, AdvantageEstimate
 from algorithms.registry import algorithm_spec
 from algorithms.statistics import kl_early_stop, role_sums, row_statistics
+from envs.modes import Critic, PrimeUpdate
 from models.forward import module_mode
 from models.policy import LanguagePolicy
 from train import distributed
 from train.collector import Collector
-from train.config import Critic, LearningConfig, PrimeUpdate, RolloutConfig
+from train.config import LearningConfig, RolloutConfig
 from train.correction import GapMeter, corrected_targets, score_trainer_logprobs
 from train.distributed import Ranks
 

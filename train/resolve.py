@@ -14,13 +14,12 @@ import importlib
 import gymnasium
 
 import envs  # registers the built-in ids
-from algorithms.registry import ALGORITHMS, LossAgg, collects_whole_episodes
-from envs.modes import member_of
+from algorithms.registry import ALGORITHMS, collects_whole_episodes
+from envs.modes import ActionLevel, Backend, Critic, LossAgg, Tool, member_of
 from envs.workflows import Workflow, resolve_workflow
 from models.hub import resolve_model
 from models.remote import api_key_from
-from train.config import (DEFAULT_PRM_REWARD, ActionLevel, Backend, Critic, EnvConfig, ModelConfig, RunConfig,
-                          ServicesConfig, Tool)
+from train.config import DEFAULT_PRM_REWARD, EnvConfig, ModelConfig, RunConfig, ServicesConfig
 from train.validation import checked_modes, given, kl_in_reward, reward_sources, validate
 
 MULTI_AGENT_OPTIONS = ("reward_assignment", "role_model", "share_policy", "agent_groups")

@@ -22,11 +22,10 @@ from pathlib import Path
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from algorithms.registry import ALGORITHMS, LossAgg, algorithms_with
-from envs.modes import ActionLevel
-from train.config import (DEFAULT_PRM_REWARD, FLOAT16_TRAINING, REWARD_SOURCES, Backend, Critic, DataParallel,
-                          DType, PrmType, PromptTemplate, RolloutIsLevel, RolloutIsMode, RunConfig, parse_eval_sets,
-                          sections)
+from algorithms.registry import ALGORITHMS, algorithms_with
+from envs.modes import (ActionLevel, AgentGroups, Backend, Critic, DataParallel, DType, LossAgg, PrmType,
+                        PromptTemplate, RolloutIsLevel, RolloutIsMode)
+from train.config import DEFAULT_PRM_REWARD, FLOAT16_TRAINING, REWARD_SOURCES, RunConfig, parse_eval_sets, sections
 from train.options import flag_name, options, with_members
 
 OPTIONS = {flag_name(field): (section, field) for section, kind in sections().items() for field in options(kind)}
@@ -194,7 +193,8 @@ def looks_like_hub_id(path_value: str) -> bool:
 
 
 def check_algorithm_options(config: RunConfig) -> None:
-    """The options the chosen algorithm would ignore (``APPLIES_TO``) are not given; its groups and its critic."""
+    """The options the chosen algorithm would ignore (``APPLIES_TO``) are not given; its groups (turn groups too)
+    and its critic."""
     algorithm, critic = config.learning.algorithm, config.learning.critic
     for name, algorithms in APPLIES_TO.items():
         if algorithm not in algorithms and given(config, name):
@@ -213,6 +213,10 @@ def check_algorithm_options(config: RunConfig) -> None:
     if spec.critic is None and critic not in (Critic.AUTO, Critic.OFF):
         raise ValueError(f"--algorithm_name={algorithm} is critic-free; drop --critic={critic} or use "
                          f"{'/'.join(algorithms_with(lambda spec: spec.critic is not None))}")
+    if config.multi_agent.agent_groups == AgentGroups.AT_GRPO and not spec.turn_groups:
+        raise ValueError(f"--agent_groups at_grpo compares one role's actions at one turn; --algorithm_name="
+                         f"{algorithm} compares whole episodes: use "
+                         f"{'/'.join(algorithms_with(lambda spec: spec.turn_groups))}, or --agent_groups role or joint")
 
 
 def check_generation(config: RunConfig) -> None:

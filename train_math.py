@@ -7,9 +7,9 @@ REINFORCE_PP or REINFORCE_PP_BASELINE (``algorithms.registry.ALGORITHMS``).
     python -u train_math.py --dataset_path ./math_500.jsonl --model_name_or_path ./Qwen2.5-Math-1.5B \\
         --prm_model_name_or_path ./math-shepherd-mistral-7b-prm --algorithm_name APPO --num_mini_batch 4 --ppo_epoch 1
 
-Flags are parsed and validated (train/flags/) before anything heavy is imported or loaded; a resume gives
-the flags this command line left out their checkpoint's values; then they are resolved once into a
-RunConfig (train/config.py), and the run is composed from it by train/builders.py.
+Flags are parsed (train/flags/); a resume gives the flags this command line left out their checkpoint's values;
+then they are validated (train/validation.py, before anything heavy is imported or loaded) and resolved once
+into a RunConfig (train/config.py), and the run is composed from it by train/builders.py.
 TensorBoard logs and checkpoints go to <logdir>/<experiment>/<run>; ``--resume auto`` continues the
 newest complete checkpoint in the same run directory (train/checkpoint.py). SIGINT, SIGTERM and
 SIGUSR1 save a checkpoint after the current iteration and exit 75 (``STOPPED_TO_RESUME``) with the command
@@ -140,19 +140,8 @@ def parse_flags(argv: list[str]) -> list[str]:
     try:
         return FLAGS(argv)
     except flags.Error as error:
-        errors = [without_flag_dump(line) for line in str(error).splitlines() if line.strip()]
+        errors = [line for line in str(error).splitlines() if line.strip()]
         fail(*errors[:-1], f"{errors[-1]} (--helpfull lists every flag)")
-
-
-def without_flag_dump(message: str) -> str:
-    """absl prefixes a multi-flag validator's message with the value of every flag it read ("flags a=1,
-    b=None, ...: "); the project's messages name the flags that matter, so the dump goes."""
-    for name in train_flags.flag_dict():
-        for validator in FLAGS[name].validators:
-            prefix = f"{validator.print_flags_with_values(FLAGS)}: "
-            if prefix.startswith("flags ") and message.startswith(prefix):
-                return message[len(prefix):]
-    return message
 
 
 def after_service_failure(runner: Runner) -> str:
@@ -191,10 +180,8 @@ def train(argv: list[str]) -> int:
     from train.run_lock import RunLockedError
 
     try:
-        from train.resolve import config_from_flags
-
         saved = resumed()
-        config = config_from_flags(FLAGS)
+        config = train_flags.config_from_flags(FLAGS)
         from train.checkpoint import CheckpointError  # torch and transformers: only once the flags resolve
 
         try:
@@ -204,7 +191,7 @@ def train(argv: list[str]) -> int:
     except KeyboardInterrupt:
         fail("interrupted during start-up; nothing was trained", code=130)
     except (flags.Error, ValueError, OSError, ServiceError, RunLockedError) as error:
-        fail(str(error))
+        fail(*str(error).splitlines())  # validation refuses each wrong option on a line of its own
     if started is None:
         return 0
     runner = started.runner
@@ -241,10 +228,9 @@ def resumed() -> Checkpoint | None:
     if FLAGS.resume is None:
         return None
     from train import checkpoint  # torch: only a resume loads it before the config is built
-    from train.resolve import experiment_dir
 
     try:
-        resume_path = checkpoint.resolve_resume(FLAGS.resume, experiment_dir(FLAGS))
+        resume_path = checkpoint.resolve_resume(FLAGS.resume, train_flags.experiment_dir(FLAGS))
         saved = None if resume_path is None else checkpoint.load(resume_path)
     except checkpoint.CheckpointError as error:
         fail(str(error))

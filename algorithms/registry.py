@@ -1,20 +1,16 @@
 """The algorithms the trainer knows, and the traits it must know of each before building one.
 
-Torch-free on purpose: the command line checks flags against these traits (an episodic algorithm
-compares samples within prompt groups; only algorithms with a critic take critic flags) and resolves
-the hyper-parameters (``AlgorithmConfig``) before torch is imported. Its modes are the house's
-(``envs.modes``), the one module of ``envs`` an algorithm imports.
-
-Adding an algorithm is a module with a class following ``algorithms.base.Algorithm`` and its entry in
-``ALGORITHMS`` (``--algorithm_name`` and the critic and group checks follow from the entry), and more where
-the flags name algorithms: ``train.flags.checks.APPLIES_TO`` lists the algorithms that read each
-algorithm-specific flag (a new algorithm gets the KL and loss-aggregation flags unless it is excluded from
-``TOKEN_LOSS``, as APPO's one ratio per action is), and ``train.resolve`` gives RLOO its oversampling and
-APPO asynchronous rollouts by name.
+Torch-free on purpose: a run's configuration is checked against these traits (an episodic algorithm
+compares samples within prompt groups; only algorithms with a critic take critic options) and its
+hyper-parameters (``AlgorithmConfig``) are resolved before torch is imported. Its modes are the house's
+(``envs.modes``), the one module of ``envs`` an algorithm imports. The trainer knows an algorithm only by its
+traits, so adding one is a module with a class following ``algorithms.base.Algorithm`` plus one entry in
+``ALGORITHMS``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from envs.modes import AgentGroups, CriticGranularity, ImportanceSamplingLevel, KLEstimator, LossAgg, ScaleRewards
@@ -72,24 +68,48 @@ class AlgorithmSpec:
     ``critic``: None (no critic) or what the critic values: ``CriticGranularity.ACTION`` (V(s) per step) or
     ``CriticGranularity.TOKEN`` (V per action token).
     ``grouped``: advantages compare the samples of one prompt (a group needs two or more).
+    ``token_loss``: the loss takes one ratio per token (else one per action: the KL and loss-aggregation
+    options, and per-token rollout weights, mean nothing to it).
+    ``scales_rewards``: centred group returns are divided by a std (``ScaleRewards``).
+    ``prime``: PRIME's options apply: an implicit PRM, an accuracy filter on oversampled prompt groups.
+    ``kl_in_reward``: the KL to the reference is a token reward by default (else a loss term).
+    ``asynchronous``: the next batch is generated while this one trains by default (on any device).
     ``turn_groups``: a multi-agent baseline may compare one role's actions at one turn (``AgentGroups.AT_GRPO``)."""
 
     target: str
     episodic: bool
     critic: CriticGranularity | None
     grouped: bool = False
+    token_loss: bool = True
+    scales_rewards: bool = False
+    prime: bool = False
+    kl_in_reward: bool = False
+    asynchronous: bool = False
     turn_groups: bool = False
+
+    @property
+    def default_group_size(self) -> int:
+        """Samples per prompt when --group_size is left out: a group to compare for an episodic algorithm."""
+        return 4 if self.episodic else 1
 
 
 ALGORITHMS = {
-    "APPO": AlgorithmSpec("algorithms.appo:APPO", episodic=False, critic=CriticGranularity.ACTION),
-    "GRPO": AlgorithmSpec("algorithms.grpo:GRPO", episodic=True, critic=None, grouped=True, turn_groups=True),
+    "APPO": AlgorithmSpec("algorithms.appo:APPO", episodic=False, critic=CriticGranularity.ACTION, token_loss=False,
+                          asynchronous=True),
+    "GRPO": AlgorithmSpec("algorithms.grpo:GRPO", episodic=True, critic=None, grouped=True, scales_rewards=True,
+                          turn_groups=True),
     "TPPO": AlgorithmSpec("algorithms.tppo:TPPO", episodic=False, critic=CriticGranularity.TOKEN),
-    "RLOO": AlgorithmSpec("algorithms.rloo:RLOO", episodic=True, critic=None, grouped=True),
-    "REINFORCE_PP": AlgorithmSpec("algorithms.reinforce_pp:ReinforcePP", episodic=True, critic=None),
+    "RLOO": AlgorithmSpec("algorithms.rloo:RLOO", episodic=True, critic=None, grouped=True, prime=True),
+    "REINFORCE_PP": AlgorithmSpec("algorithms.reinforce_pp:ReinforcePP", episodic=True, critic=None,
+                                  kl_in_reward=True),
     "REINFORCE_PP_BASELINE": AlgorithmSpec("algorithms.reinforce_pp:ReinforcePPBaseline", episodic=True, critic=None,
-                                           grouped=True),
+                                           grouped=True, kl_in_reward=True),
 }
+
+
+def algorithms_with(trait: Callable[[AlgorithmSpec], bool]) -> tuple[str, ...]:
+    """The names of the registered algorithms whose spec has ``trait`` (e.g. ``lambda spec: spec.prime``)."""
+    return tuple(name for name, spec in ALGORITHMS.items() if trait(spec))
 
 
 def algorithm_spec(name: str) -> AlgorithmSpec:

@@ -46,8 +46,7 @@ class PhaseWriter:
 
 def build(run_dir: Path, extra: list[str]):
     from train import builders
-    from train.resolve import config_from_flags
-    from train.flags import FLAGS
+    from train.flags import FLAGS, config_from_flags
 
     FLAGS(["iteration_profile", "--noasync_rollouts", "--eval_interval", "0", "--save_interval", "0",
            "--num_env_steps", str(10**9), *extra])

@@ -103,8 +103,7 @@ def run_ours(args: argparse.Namespace, model_dir: Path, problems: Path, scratch:
     from tensorboardX import SummaryWriter
 
     from train import builders, host
-    from train.resolve import config_from_flags
-    from train.flags import FLAGS
+    from train.flags import FLAGS, config_from_flags
     from vs_trl import TextHashOutcome
 
     FLAGS(["memory", f"--model_name_or_path={model_dir}", "--algorithm_name=GRPO", "--env_id=MATH-v0",

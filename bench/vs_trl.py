@@ -121,8 +121,7 @@ class OursSide:
 
         from envs.datasets import MATH500
         from train import builders
-        from train.resolve import config_from_flags
-        from train.flags import FLAGS
+        from train.flags import FLAGS, config_from_flags
 
         problems = ["--env_id=Arith-v0"] if dataset == "arith" else ["--env_id=MATH-v0", f"--dataset_path={MATH500}"]
         FLAGS(["vs_trl", f"--model_name_or_path={policy_dir}", "--algorithm_name=GRPO", *problems,

@@ -18,7 +18,7 @@ are in force and what they do not cover. A worker that dies is replaced, never h
 
 ``run_many`` spreads calls over the workers (one call at a time per worker). ``RemoteSandbox``
 (``models.remote_sandbox``) gives the same ``run``/``run_many`` for a Sandbox Fusion-style service;
-``python -m envs.sandbox serve`` serves this sandbox that way (``envs.sandbox_server``).
+``python -m envs.sandbox_server`` serves this sandbox that way.
 
 Model output is untrusted: this module never runs it in the calling process.
 """
@@ -294,16 +294,3 @@ class PythonSandbox:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m envs.sandbox serve ...`` (see ``envs.sandbox_server``)."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] != "serve":
-        raise SystemExit("usage: python -m envs.sandbox serve [--host H] [--port P] [limits...]")
-    from envs.sandbox_server import main as serve_main
-    serve_main(argv[1:])
-
-
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,7 @@
 """``PythonSandbox`` behind HTTP, speaking Sandbox Fusion's ``run_code`` API (what ``--tool_url`` and
 ``models.remote_sandbox.RemoteSandbox`` call), for trainers that share one sandbox machine.
 
-    python -m envs.sandbox serve [--host 127.0.0.1] [--port 8080] [--api_key KEY] [--workers N] [--timeout_s 5 ...]
+    python -m envs.sandbox_server [--host 127.0.0.1] [--port 8080] [--api_key KEY] [--workers N] [--timeout_s 5 ...]
 
 Endpoints (JSON in and out; only the standard library serves):
 
@@ -174,7 +174,7 @@ class Handler(BaseHTTPRequestHandler):
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m envs.sandbox serve", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m envs.sandbox_server", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8080, help="port to listen on (0: any free one)")
@@ -199,6 +199,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m envs.sandbox_server [--host H] [--port P] [limits...]``: serves until SIGTERM or SIGINT."""
     args = vars(parse_args(argv))
     host, port, api_key, read_timeout_s = (args.pop(key) for key in ("host", "port", "api_key", "read_timeout_s"))
     with PythonSandbox(**args) as sandbox:
@@ -214,3 +215,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"sandbox serving run_code on {server.url}\n{sandbox.describe_isolation()}", flush=True)
         server.serve_forever()
         server.server_close()
+
+
+if __name__ == "__main__":
+    main()

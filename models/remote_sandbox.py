@@ -1,5 +1,5 @@
 """The Python tool on a remote sandbox: a Sandbox Fusion-style ``run_code`` service (Sandbox Fusion
-itself, or ``python -m envs.sandbox serve`` on another machine), behind the same ``run``/``run_many``
+itself, or ``python -m envs.sandbox_server`` on another machine), behind the same ``run``/``run_many``
 as ``envs.sandbox.PythonSandbox``.
 
 It lives in the model layer because it talks through ``models.remote.ServiceClient``, the client of
@@ -42,7 +42,7 @@ class RemoteSandbox:
 
     def describe_isolation(self) -> str:
         return (f"remote sandbox at {', '.join(self.client.urls)}: isolation is the service's own "
-                "(python -m envs.sandbox serve reports its layers at GET /health)")
+                "(python -m envs.sandbox_server reports its layers at GET /health)")
 
     def run(self, code: str) -> ToolResult:
         """Run one piece of code on the service (see ``run_many``)."""

@@ -1,5 +1,5 @@
 """A config's modes are its Enums' members, checked once at the edge: the flags take their choices from
-the Enum types, and ``train.resolve`` holds a RunConfig built in code to the same choices. float16
+the Enum types, and ``train.validation`` holds a RunConfig built in code to the same choices. float16
 training is refused on both paths, naming the fix."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ from absl import flags
 from envs.modes import Critic, DType, LossAgg, PrmType, Tool
 from train.config import (FLOAT16_TRAINING, EnvConfig, LearningConfig, LoggingConfig, ModelConfig, RewardConfig,
                           RunConfig)
-from train.flags import FLAGS
-from train.resolve import checked_modes, resolved
+from train.flags import FLAGS, config_from_flags
+from train.resolve import resolved
+from train.validation import checked_modes
 
 
 def parsed(*argv: str) -> flags.FlagValues:
@@ -61,11 +62,11 @@ def test_float16_training_is_refused_in_code_with_the_fix():
     assert FLOAT16_TRAINING.endswith("use --dtype bfloat16 (or float32)")
 
 
-def test_float16_training_is_refused_at_parse_time_and_float16_exports_are_not():
-    with pytest.raises(flags.IllegalFlagValueError) as error:
-        parsed("--dtype", "float16")
-    assert str(error.value) == f"flag --dtype=float16: {FLOAT16_TRAINING}"
-    assert parsed("--dtype", "bfloat16", "--save_dtype", "float16").save_dtype == "float16"
+def test_float16_training_is_refused_from_flags_and_float16_exports_are_not():
+    with pytest.raises(flags.ValidationError) as error:
+        config_from_flags(parsed("--dtype", "float16"))
+    assert str(error.value) == f"ModelConfig.dtype='float16' (--dtype): {FLOAT16_TRAINING}"
+    assert config_from_flags(parsed("--dtype", "bfloat16", "--save_dtype", "float16")).logging.save_dtype == "float16"
 
 
 def test_an_optional_enum_option_takes_its_choices_and_none_by_default():

@@ -131,7 +131,7 @@ EXPECTED = {
     "arith too small for its split": ("--env_kwargs", "fewer than 1000 distinct problems", "num_test"),
     "env kwargs not an object": ("--env_kwargs", "must be a JSON object"),
     "answer instruction without chat": ("--answer_instruction", "--prompt_template chat"),
-    "float16 training": ("--dtype=float16", "loss scaler", "--dtype bfloat16"),
+    "float16 training": ("dtype='float16' (--dtype)", "loss scaler", "--dtype bfloat16"),
 }
 
 

@@ -44,7 +44,8 @@ def project_modules() -> dict[str, Path]:
 
 
 MODULES = project_modules()
-LIGHT_AT_IMPORT = ("algorithms.registry", "envs.modes", "train.config", "train.options", "train_math",
+LIGHT_AT_IMPORT = ("algorithms.registry", "envs.modes", "train.config", "train.options", "train.validation",
+                   "train_math",
                    *sorted(m for m in MODULES if m == "train.flags" or m.startswith("train.flags.")))
 
 
@@ -121,6 +122,16 @@ def test_flag_parsing_modules_import_nothing_heavy_at_module_level(module):
         assert name.split(".")[0] not in HEAVY, f"{module}:{line} imports {name} at module level"
         if is_project(name):
             assert name in LIGHT_AT_IMPORT, f"{module}:{line} imports {name}, which is not light"
+
+
+def test_no_two_modules_import_each_other():
+    """No circle of two within a layer either: if a module imports another (at module level or in a function),
+    that one imports nothing of it back."""
+    imported = {module: {name for name, _ in imports(module) if name in MODULES and name != module}
+                for module in MODULES}
+    both_ways = sorted(f"{a} <-> {b}" for a in imported for b in imported[a] if a < b and a in imported[b])
+    assert not both_ways, both_ways
+    assert "envs.sandbox" in imported["envs.sandbox_server"]
 
 
 def test_the_layer_map_covers_every_module():

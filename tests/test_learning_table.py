@@ -17,7 +17,7 @@ import pytest
 
 from bench import learning_table
 from train import flags as train_flags
-from train.resolve import config_from_flags
+from train.flags import config_from_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 

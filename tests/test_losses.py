@@ -248,7 +248,7 @@ def test_reinforce_pp_normalises_returns_over_the_batch(name):
     (["--clip_ratio_low", "1.0"], "--clip_ratio_low=1.0 must be in"),
     (["--algorithm_name", "APPO", "--importance_sampling_level", "sequence"], "applies to GRPO/RLOO"),
     (["--algorithm_name", "REINFORCE_PP", "--critic", "on"], "critic-free"),
-    (["--algorithm_name", "REINFORCE_PP_BASELINE", "--value_coef", "0.5"], "applies to APPO/TPPO"),
+    (["--algorithm_name", "REINFORCE_PP_BASELINE", "--value_coef", "0.25"], "applies to APPO/TPPO"),
     (["--algorithm_name", "REINFORCE_PP_BASELINE", "--group_size", "1"], "group_size=1 must be >= 2"),
     (["--kl_penalty", "k3", "--kl_coef", "0.1"], "--kl_penalty is the estimator of the KL in the reward"),
     (["--use_kl_in_reward", "--kl_coef", "0.1", "--kl_loss_type", "k2"], "--kl_loss_type is the estimator of the KL"),

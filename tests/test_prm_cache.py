@@ -14,7 +14,7 @@ from envs.datasets import Arith
 from envs.prompts import split_steps
 from envs.rewards import StepContext
 from reward_models.prm import Past, PastCache, ProcessRewardModel
-from train.resolve import config_from_flags
+from train.flags import config_from_flags
 
 PROBLEMS = Arith().problems(12, seed=5)
 SOLUTIONS = [(p.problem, split_steps(p.solution)) for p in PROBLEMS]
@@ -214,8 +214,9 @@ def test_bad_cache_arguments_fail_naming_the_value(untrained_policy_dir, tmp_pat
     FLAGS = flags.FLAGS
     FLAGS.unparse_flags()
     try:
+        FLAGS(["train_math", "--prm_type", "qwen", "--prm_kv_cache_mb", "8"])
         with pytest.raises(flags.Error, match="--prm_kv_cache_mb=8.0 needs --prm_type=shepherd"):
-            FLAGS(["train_math", "--prm_type", "qwen", "--prm_kv_cache_mb", "8"])
+            config_from_flags(FLAGS)
         FLAGS.unparse_flags()
         FLAGS(["train_math", "--prm_type", "qwen", "--prm_kv_cache_mb", "0"])
         assert config_from_flags(FLAGS).rewards.prm_type == "classifier"

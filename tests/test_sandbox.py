@@ -1,5 +1,5 @@
 """The Python tool's sandbox in normal use (print, sympy, errors, cut output, many calls in order) and
-the remote sandbox against a real ``python -m envs.sandbox serve`` process on 127.0.0.1, directly and
+the remote sandbox against a real ``python -m envs.sandbox_server`` process on 127.0.0.1, directly and
 behind a fault-injecting proxy (503s, an answer slower than the read timeout, a refused request)."""
 
 from __future__ import annotations
@@ -86,9 +86,9 @@ def test_bad_limits_fail_before_starting():
 
 @pytest.fixture(scope="module")
 def server():
-    """``python -m envs.sandbox serve`` on a free port (at most 10 s of wall clock per call, KEY), its URL."""
+    """``python -m envs.sandbox_server`` on a free port (at most 10 s of wall clock per call, KEY), its URL."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), API_KEY_ENV: KEY}
-    process = subprocess.Popen([sys.executable, "-m", "envs.sandbox", "serve", "--port", "0", "--workers", "2",
+    process = subprocess.Popen([sys.executable, "-m", "envs.sandbox_server", "--port", "0", "--workers", "2",
                                 "--timeout_s", "10"], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
     try:
         first = process.stdout.readline()  # "sandbox serving run_code on http://127.0.0.1:PORT"

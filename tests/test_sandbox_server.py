@@ -1,4 +1,4 @@
-"""The sandbox server (``python -m envs.sandbox serve``, a real process on 127.0.0.1) under hostile
+"""The sandbox server (``python -m envs.sandbox_server``, a real process on 127.0.0.1) under hostile
 clients: it takes only requests carrying its key (401 otherwise, /health open) and will not listen
 beyond loopback without one; it refuses a body without a plain Content-Length, non-JSON numbers and
 timeouts that are not finite; 200 requests at once are all answered; a connection that stops sending
@@ -32,7 +32,7 @@ READ_TIMEOUT_S = 1.0
 def server():
     """The URL of a server with KEY (from the environment), 2 workers, a 5 s wall clock and a 1 s read timeout."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), API_KEY_ENV: KEY}
-    process = subprocess.Popen([sys.executable, "-m", "envs.sandbox", "serve", "--port", "0", "--workers", "2",
+    process = subprocess.Popen([sys.executable, "-m", "envs.sandbox_server", "--port", "0", "--workers", "2",
                                 "--timeout_s", "5", "--read_timeout_s", str(READ_TIMEOUT_S)], cwd=ROOT, env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -96,7 +96,7 @@ def test_only_its_key_runs_code(server):
 
 def test_an_open_host_needs_a_key():
     env = {key: value for key, value in os.environ.items() if key != API_KEY_ENV}
-    refused = subprocess.run([sys.executable, "-m", "envs.sandbox", "serve", "--host", "0.0.0.0", "--port", "0"],
+    refused = subprocess.run([sys.executable, "-m", "envs.sandbox_server", "--host", "0.0.0.0", "--port", "0"],
                              cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "--host=0.0.0.0 without a key" in refused.stderr
 

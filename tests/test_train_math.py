@@ -20,7 +20,7 @@ from envs.rewards import StepContext
 from event_files import read_scalars
 from test_trainer import run_train_math
 from train import flags as train_flags
-from train.resolve import config_from_flags
+from train.flags import config_from_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 FLAGS = train_flags.FLAGS
@@ -131,7 +131,7 @@ def test_openr_command_parses_unchanged(tmp_path):
 def test_resume_auto_looks_where_the_config_puts_the_run(tmp_path, argv, experiment):
     """``--resume auto`` is resolved from the flags before the config is built: it looks in the experiment
     directory the config then names, <logdir>/<experiment> (default <algorithm>_<env>)."""
-    from train.resolve import experiment_dir
+    from train.flags import experiment_dir
 
     given = ("--model_name_or_path", str(tmp_path), "--logdir", str(tmp_path / "runs"), *argv)
     config = parse(*given)
@@ -245,7 +245,8 @@ def test_a_run_config_defaults_to_what_the_command_line_defaults_to():
     import dataclasses
 
     from train.config import RunConfig
-    from train.resolve import config_from_flags, resolved
+    from train.flags import config_from_flags
+    from train.resolve import resolved
 
     FLAGS.unparse_flags()
     FLAGS(["train_math"])

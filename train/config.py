@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 import functools
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import TYPE_CHECKING
 
 from algorithms.registry import ALGORITHMS
@@ -520,7 +520,7 @@ class ServicesConfig:
     vllm_model_name: str | None = option(None, "The policy's served model name on --vllm_url (default: the one "
                                          "model the servers serve).")
     tool_url: str | None = option(None, "The python tool's calls go to this Sandbox Fusion-style run_code service "
-                                  "(`python -m envs.sandbox serve`), instead of sandbox processes on this machine.")
+                                  "(`python -m envs.sandbox_server`), instead of sandbox processes on this machine.")
     vllm_sync_dir: str | None = option(None, "Where new policy weights are written for the --vllm_url servers to "
                                        "load (a path they can read). Default: <run dir>/sync.")
     connect_timeout: float = option(5.0, "Seconds to connect to a --*_url server before the attempt counts as "
@@ -612,3 +612,10 @@ class RunConfig:
     budget: BudgetConfig = field(default_factory=BudgetConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     flags: dict = field(default_factory=dict)
+
+
+def sections() -> dict[str, type]:
+    """{RunConfig field: its section's dataclass}, in --helpfull's order."""
+    default = RunConfig()
+    return {part.name: type(getattr(default, part.name)) for part in fields(RunConfig)
+            if is_dataclass(getattr(default, part.name))}

@@ -41,9 +41,9 @@ def option(default: Any, help: str, *, flag: str | None = None, lower_bound: flo
            upper_bound: float | None = None, aliases: dict[str, str] | None = None, secret: bool = False) -> Any:
     """A dataclass field that is also a command-line flag: ``default`` and ``help`` written once;
     ``flag``: the flag's name when it differs from the field's (OpenR compatibility); bounds checked at
-    parse time; ``secret``: a key, never in a repr, a log or a checkpoint. A field whose type is an Enum
-    takes its members' values as the flag's choices, and ``aliases`` ({other name: member value}) as
-    further ones, matched case-insensitively."""
+    parse time, and in a config built in code by ``train.validation``; ``secret``: a key, never in a repr,
+    a log or a checkpoint. A field whose type is an Enum takes its members' values as the flag's choices,
+    and ``aliases`` ({other name: member value}) as further ones, matched case-insensitively."""
     metadata = {"help": help, "flag": flag, "lower_bound": lower_bound, "upper_bound": upper_bound,
                 "aliases": aliases or {}, "secret": secret}
     return dataclasses.field(default=default, metadata=metadata, repr=not secret)

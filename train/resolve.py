@@ -1,81 +1,35 @@
 """A RunConfig resolved: the one place where the options left to other options (default None: the env id and
 its workflow, the reward, episode length, group size, asynchronous rollouts, the experiment name, hub ids as
-local snapshots) and the values derived from options (envs stepped per iteration, iterations, RLOO's kept
-groups) are worked out, and the checks that need them run. ``config_from_flags`` builds the sections from
-the parsed flags and resolves them; ``resolved`` does the same for a config built in code.
+local snapshots) and the values derived from options (envs stepped per iteration, iterations, the prompt groups
+an oversampling algorithm keeps) are worked out, after ``train.validation.validate``, and the checks that need
+them (the env id's registration, its workflow and tool) run. A config from flags
+(``train.flags.config_from_flags``) and one built in code go through the same ``resolved``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
-from pathlib import Path
 
 import gymnasium
-from absl import flags
 
 import envs  # registers the built-in ids
 from algorithms.registry import ALGORITHMS, collects_whole_episodes
-from envs.grader import scorer_packages
-from envs.modes import ActionLevel, AgentGroups, Critic, DType, LossAgg, Tool, member_of
+from envs.modes import ActionLevel, Backend, Critic, LossAgg, Tool, member_of
 from envs.workflows import Workflow, resolve_workflow
 from models.hub import resolve_model
 from models.remote import api_key_from
-from train.config import DEFAULT_PRM_REWARD, FLOAT16_TRAINING, EnvConfig, ModelConfig, RunConfig, ServicesConfig
-from train.flags.checks import check_algorithm_specific, default_group_size, kl_in_reward, reward_sources
-from train.options import section_from_flags, with_members
+from train.config import DEFAULT_PRM_REWARD, EnvConfig, ModelConfig, RunConfig, ServicesConfig
+from train.validation import checked_modes, given, kl_in_reward, reward_sources, validate
 
-MULTI_AGENT_FLAGS = ("reward_assignment", "role_model", "share_policy", "agent_groups")
-"""Flags that concern the roles of a multi-agent env (refused with a single-agent one)."""
-
-
-def sections() -> dict[str, type]:
-    """{RunConfig field: its section's dataclass}, in --helpfull's order."""
-    default = RunConfig()
-    return {part.name: type(getattr(default, part.name)) for part in dataclasses.fields(RunConfig)
-            if dataclasses.is_dataclass(getattr(default, part.name))}
-
-
-def given_config(f: flags.FlagValues) -> RunConfig:
-    """The sections as the flags give them, nothing resolved yet."""
-    from train.flags import flag_dict
-
-    return RunConfig(**{name: section_from_flags(section, f) for name, section in sections().items()},
-                     flags=flag_dict(f))
-
-
-def config_from_flags(f: flags.FlagValues) -> RunConfig:
-    """Every flag resolved once into a RunConfig. Raises flags.Error or ValueError naming the flag and the fix."""
-    check_algorithm_specific(f)
-    given = given_config(f)
-    check_given_flags(f, given)
-    config = resolved(given)
-    if f["max_policy_lag"].present and not config.generation.async_rollouts:
-        raise flags.ValidationError("--max_policy_lag bounds asynchronous rollouts; add --async_rollouts or drop it")
-    return config
-
-
-def check_given_flags(f: flags.FlagValues, config: RunConfig) -> None:
-    """The flags that must not be given (rather than not differ from their default) in this run: role flags
-    with a single-agent env, --handoff_steps with a workflow, eval sampling without --eval_samples."""
-    env_id = registered_env_id(config.env.env_id, config.env.dataset_path)
-    multi_agent = workflow_of(env_id) is not None
-    for name in () if multi_agent else MULTI_AGENT_FLAGS:
-        if f[name].present:
-            raise flags.ValidationError(f"--{name} concerns the roles of a multi-agent env; --env_id={env_id} "
-                                        "has one agent (use e.g. --env_id Arith-Chain-v0, or drop it)")
-    if multi_agent and f["handoff_steps"].present:
-        raise flags.ValidationError(f"--handoff_steps with the multi-agent --env_id={env_id}: Prefix-RL is "
-                                    "Arith-Prefix-v0 there (its solver role finishes the writer's prefix)")
-    for name in ("eval_temperature", "eval_top_p"):
-        if f[name].present and not f.eval_samples:
-            raise flags.ValidationError(f"--{name} sets how --eval_samples are drawn; add --eval_samples K (> 0) or "
-                                        "drop it (evaluation is otherwise greedy)")
+MULTI_AGENT_OPTIONS = ("reward_assignment", "role_model", "share_policy", "agent_groups")
+"""Options that concern the roles of a multi-agent env (refused with a single-agent one)."""
 
 
 def resolved(config: RunConfig) -> RunConfig:
-    """``config`` with every option left None worked out and every derived value set (idempotent). Raises
-    flags.ValidationError or ValueError naming the flag and the fix."""
+    """``config`` validated (``train.validation.validate``), with every option left None worked out and every
+    derived value set (idempotent). Raises ValueError naming the option (in its flag's spelling) and the fix."""
+    validate(config)
     config = checked_modes(config)
     env_id = registered_env_id(config.env.env_id, config.env.dataset_path)
     workflow = config.env.workflow or workflow_of(env_id)
@@ -94,27 +48,12 @@ def resolved(config: RunConfig) -> RunConfig:
         learning=dataclasses.replace(learning, prompt_groups=prompt_groups, **resolved_losses(config)),
         multi_agent=dataclasses.replace(config.multi_agent, role_models=tuple(
             f"{role}={local_model(config, name, f'--role_model {role}')}"
-            for role, name in role_models(config).items())),
+            for role, name in config.multi_agent.models_by_role.items())),
         prefix_rl=dataclasses.replace(config.prefix_rl, target_model=local_model(
             config, config.prefix_rl.target_model, "--target_model_name_or_path")),
         budget=dataclasses.replace(budget, num_iterations=iterations),
         services=dataclasses.replace(config.services, api_key=api_key_from(config.services.api_key)),
         logging=dataclasses.replace(config.logging, experiment_name=experiment_name(config, env_id)))
-
-
-def checked_modes(config: RunConfig) -> RunConfig:
-    """``config`` with every mode (an Enum option: --dtype, --loss_agg_mode, --critic, ...) as its Enum's
-    member, a string among its choices included, so the layers below compare members only; float16 training
-    refused (``FLOAT16_TRAINING``), a grader whose package is missing refused. Raises ValueError naming the option,
-    the value and the choices (or the extra to install)."""
-    config = dataclasses.replace(config, **{name: with_members(getattr(config, name)) for name in sections()})
-    if config.model.dtype == DType.FLOAT16:
-        raise ValueError(f"ModelConfig.dtype='float16' (--dtype): {FLOAT16_TRAINING}")
-    try:
-        scorer_packages(config.rewards.grader)
-    except ImportError as error:
-        raise ValueError(f"RewardConfig.grader={config.rewards.grader.value!r} (--grader): {error}") from None
-    return config
 
 
 def resolved_losses(config: RunConfig) -> dict:
@@ -138,16 +77,16 @@ def registered_env_id(given: str | None, dataset_path: str | None) -> str:
         try:
             importlib.import_module(module)
         except ImportError as error:
-            raise flags.ValidationError(f"--env_id={env_id}: cannot import registration module {module!r} ({error}); "
-                                        "it must be importable: add the directory holding it to PYTHONPATH (e.g. "
-                                        "PYTHONPATH=.)") from None
+            raise ValueError(f"--env_id={env_id}: cannot import registration module {module!r} ({error}); "
+                             "it must be importable: add the directory holding it to PYTHONPATH (e.g. "
+                             "PYTHONPATH=.)") from None
     if name not in gymnasium.registry:
         known = ", ".join(sorted(k for k in gymnasium.registry if k.startswith(("MATH", "Arith"))))
-        raise flags.ValidationError(f"--env_id={env_id}: {name!r} is not a registered gymnasium id "
-                                    f"(built in: {known}); use 'module:EnvId' to import the module that registers it")
+        raise ValueError(f"--env_id={env_id}: {name!r} is not a registered gymnasium id "
+                         f"(built in: {known}); use 'module:EnvId' to import the module that registers it")
     if gymnasium.spec(name).vector_entry_point is None:
-        raise flags.ValidationError(f"--env_id={env_id} has no vector_entry_point; the trainer needs a batched env "
-                                    "like envs.vector:MathVectorEnv (register one with vector_entry_point=...)")
+        raise ValueError(f"--env_id={env_id} has no vector_entry_point; the trainer needs a batched env "
+                         "like envs.vector:MathVectorEnv (register one with vector_entry_point=...)")
     return name
 
 
@@ -169,30 +108,33 @@ def reward_spec(config: RunConfig, env_id: str) -> str:
 
 def check_multi_agent(config: RunConfig, env_id: str, workflow: Workflow | None, spec: str) -> None:
     """What a multi-agent env (every action a whole message, credit by --reward_assignment, the other --reward
-    sources on answering roles' messages) rules out, and the critics a single-agent env cannot use."""
+    sources on answering roles' messages, no Prefix-RL hand-off) rules out, and the options (``MULTI_AGENT_OPTIONS``,
+    the multi-agent critics) a single-agent env cannot use."""
     critic = config.learning.critic
     if workflow is None:
+        for name in MULTI_AGENT_OPTIONS:
+            if given(config, name):
+                raise ValueError(f"--{name} concerns the roles of a multi-agent env; --env_id={env_id} has one agent "
+                                 "(use e.g. --env_id Arith-Chain-v0, or drop it)")
         if critic in (Critic.CENTRALIZED, Critic.PER_ROLE):
-            raise flags.ValidationError(f"--critic={critic} concerns the roles of a multi-agent env; "
-                                        f"--env_id={env_id} has one agent (use --critic on, or e.g. --env_id "
-                                        "Arith-Chain-v0)")
+            raise ValueError(f"--critic={critic} concerns the roles of a multi-agent env; "
+                             f"--env_id={env_id} has one agent (use --critic on, or e.g. --env_id "
+                             "Arith-Chain-v0)")
         return
-    algorithm = config.learning.algorithm
-    if config.multi_agent.agent_groups == AgentGroups.AT_GRPO and not ALGORITHMS[algorithm].turn_groups:
-        raise flags.ValidationError(f"--agent_groups at_grpo compares one role's actions at one turn; "
-                                    f"--algorithm_name={algorithm} compares whole episodes: use GRPO, or "
-                                    "--agent_groups role or joint")
+    if config.prefix_rl.handoff_steps is not None:
+        raise ValueError(f"--handoff_steps with the multi-agent --env_id={env_id}: Prefix-RL is Arith-Prefix-v0 there "
+                         "(its solver role finishes the writer's prefix)")
     if not config.multi_agent.share_policy and config.model.lora_rank == 0:
-        raise flags.ValidationError("--noshare_policy gives each role a LoRA adapter on the shared base: add "
-                                    "--lora_rank > 0 (now 0)")
+        raise ValueError("--noshare_policy gives each role a LoRA adapter on the shared base: add "
+                         "--lora_rank > 0 (now 0)")
     frozen = [role.name for role in workflow.roles if not role.trainable]
-    for role in role_models(config):
+    for role in config.multi_agent.models_by_role:
         if role not in frozen:
-            raise flags.ValidationError(f"--role_model {role}=...: the frozen roles of --env_id={env_id} are "
-                                        f"{frozen or 'none'}; a trained role speaks with the policy")
+            raise ValueError(f"--role_model {role}=...: the frozen roles of --env_id={env_id} are "
+                             f"{frozen or 'none'}; a trained role speaks with the policy")
     if config.env.action_level != ActionLevel.SOLUTION:
-        raise flags.ValidationError(f"--action_level={config.env.action_level}: in the multi-agent --env_id={env_id} "
-                                    "every action is one role's whole message; use --action_level solution")
+        raise ValueError(f"--action_level={config.env.action_level}: in the multi-agent --env_id={env_id} "
+                         "every action is one role's whole message; use --action_level solution")
     check_workflow_reward(spec, env_id, workflow)
 
 
@@ -200,22 +142,14 @@ def check_workflow_reward(spec: str, env_id: str, workflow: Workflow) -> None:
     """A workflow's --reward must hold 'outcome' (the --reward_assignment credit) and no second target."""
     sources = reward_sources(spec)
     if "outcome" not in sources:
-        raise flags.ValidationError(f"--reward={spec!r} with the multi-agent --env_id={env_id}: its 'outcome' source "
-                                    "is the --reward_assignment credit, which every role needs; add it, e.g. "
-                                    "--reward outcome:1.0,prm:0.2")
+        raise ValueError(f"--reward={spec!r} with the multi-agent --env_id={env_id}: its 'outcome' source "
+                         "is the --reward_assignment credit, which every role needs; add it, e.g. "
+                         "--reward outcome:1.0,prm:0.2")
     if "target" in sources and any(role.continues for role in workflow.roles):
         continuing = next(role.name for role in workflow.roles if role.continues)
-        raise flags.ValidationError(f"--reward uses 'target' with --env_id={env_id}, whose {continuing} role already "
-                                    "is the frozen target finishing the prefix; drop 'target' from --reward and give "
-                                    f"the target as --role_model {continuing}=DIR")
-
-
-def role_models(config: RunConfig) -> dict[str, str]:
-    """--role_model entries as {role: model directory or hub id}."""
-    try:
-        return config.multi_agent.models_by_role
-    except ValueError as error:
-        raise flags.ValidationError(str(error)) from None
+        raise ValueError(f"--reward uses 'target' with --env_id={env_id}, whose {continuing} role already "
+                         "is the frozen target finishing the prefix; drop 'target' from --reward and give "
+                         f"the target as --role_model {continuing}=DIR")
 
 
 def local_model(config: RunConfig, value: str | None, flag: str) -> str | None:
@@ -234,13 +168,13 @@ def resolved_model(config: RunConfig, workflow: Workflow | None) -> ModelConfig:
 
 def resolved_env(config: RunConfig, env_id: str, workflow: Workflow | None) -> EnvConfig:
     """The env section with its id registered, its workflow, episode length, group size, envs stepped per
-    iteration (RLOO: times its oversampling) and whether iterations collect whole episodes."""
-    env, algorithm = config.env, config.learning.algorithm
+    iteration (times the oversampling of an algorithm with PRIME) and whether iterations collect whole episodes."""
+    env, spec = config.env, ALGORITHMS[config.learning.algorithm]
     resolved_env = dataclasses.replace(
         env, env_id=env_id, workflow=workflow, episode_length=episode_length(config, env_id, workflow),
-        group_size=env.group_size or default_group_size(algorithm),
-        envs_stepped=env.num_envs * (config.prime.oversample_factor if algorithm == "RLOO" else 1),
-        whole_episodes=collects_whole_episodes(ALGORITHMS[algorithm], workflow is not None))
+        group_size=env.group_size or spec.default_group_size,
+        envs_stepped=env.num_envs * (config.prime.oversample_factor if spec.prime else 1),
+        whole_episodes=collects_whole_episodes(spec, workflow is not None))
     check_env_kwargs(resolved_env)
     return dataclasses.replace(resolved_env, tools=resolved_tool(resolved_env, config.services))
 
@@ -251,19 +185,19 @@ def resolved_tool(env: EnvConfig, services: ServicesConfig) -> Tool:
     own = {**gymnasium.spec(env.env_id).kwargs, **env.user_kwargs}.get("tools")
     tool = member_of(tuple(Tool), env.tools or own or Tool.NONE, "tools", " (--tools, or the env's 'tools' keyword)")
     if tool == Tool.NONE:
-        given = {"max_tool_calls": env.max_tool_calls, "max_tool_response_length": env.max_tool_output_chars,
+        tool_options = {"max_tool_calls": env.max_tool_calls, "max_tool_response_length": env.max_tool_output_chars,
                  "tool_timeout": env.tool_timeout, "tool_url": services.tool_url}
-        for name, value in given.items():
+        for name, value in tool_options.items():
             if value is not None:
-                raise flags.ValidationError(f"--{name} sets the policy's tool, and --env_id={env.env_id} runs none "
-                                            f"(--tools={env.tools}): add --tools python or drop --{name}")
+                raise ValueError(f"--{name} sets the policy's tool, and --env_id={env.env_id} runs none "
+                                 f"(--tools={env.tools}): add --tools python or drop --{name}")
         return tool
     if env.workflow is not None:
-        raise flags.ValidationError(f"--tools={tool}: the multi-agent --env_id={env.env_id} does not run its roles' "
-                                    "code; use a single-agent id (MATH-Tool-v0, Arith-Tool-v0) or --tools none")
+        raise ValueError(f"--tools={tool}: the multi-agent --env_id={env.env_id} does not run its roles' "
+                         "code; use a single-agent id (MATH-Tool-v0, Arith-Tool-v0) or --tools none")
     if env.action_level != ActionLevel.STEP:
-        raise flags.ValidationError(f"--env_id={env.env_id} runs a {tool} tool between reasoning steps: add "
-                                    f"--action_level step (not {env.action_level}), or --tools none")
+        raise ValueError(f"--env_id={env.env_id} runs a {tool} tool between reasoning steps: add "
+                         f"--action_level step (not {env.action_level}), or --tools none")
     return tool
 
 
@@ -272,7 +206,7 @@ def check_env_kwargs(env: EnvConfig) -> None:
     try:
         env.user_kwargs  # noqa: B018  (the property parses and checks)
     except (ValueError, TypeError) as error:  # json.JSONDecodeError is a ValueError
-        raise flags.ValidationError(f"--env_kwargs={env.env_kwargs!r}: {error}") from None
+        raise ValueError(f"--env_kwargs={env.env_kwargs!r}: {error}") from None
 
 
 def episode_length(config: RunConfig, env_id: str, workflow: Workflow | None) -> int:
@@ -286,28 +220,29 @@ def episode_length(config: RunConfig, env_id: str, workflow: Workflow | None) ->
 
 
 def async_rollouts(config: RunConfig) -> bool:
-    """--async_rollouts, or its default: on with the HF backend for APPO, and for every algorithm on a CPU
-    (where the second thread has a core of its own; on one GPU the copy's memory would buy little overlap)."""
-    generation, device = config.generation, config.model.device
-    if generation.async_rollouts is not None:
-        return generation.async_rollouts
-    if generation.backend != "hf":
+    """--async_rollouts, or its default (``default_async_rollouts``); --max_policy_lag, which bounds them, only
+    with them on."""
+    given_value = config.generation.async_rollouts
+    on = default_async_rollouts(config) if given_value is None else given_value
+    if given(config, "max_policy_lag") and not on:
+        raise ValueError("--max_policy_lag bounds asynchronous rollouts; add --async_rollouts or drop it")
+    return on
+
+
+def default_async_rollouts(config: RunConfig) -> bool:
+    """On with the HF backend for an algorithm asynchronous by design (its spec's ``asynchronous``), and for every
+    algorithm on a CPU (where the second thread has a core of its own; on one GPU the copy's memory would buy
+    little overlap)."""
+    if config.generation.backend != Backend.HF:
         return False
-    if config.learning.algorithm == "APPO":
+    if ALGORITHMS[config.learning.algorithm].asynchronous:
         return True
+    device = config.model.device
     if device == "auto":
         import torch  # here: parsing flags stays light until a run is configured
 
         return not torch.cuda.is_available()
     return device == "cpu"
-
-
-def experiment_dir(f: flags.FlagValues) -> Path:
-    """<logdir>/<experiment> as the flags name it: where ``--resume auto`` looks for the run to continue,
-    before that run's flags are inherited and the config is built."""
-    given = given_config(f)
-    env_id = registered_env_id(given.env.env_id, given.env.dataset_path)
-    return Path(given.logging.logdir) / experiment_name(given, env_id)
 
 
 def experiment_name(config: RunConfig, env_id: str) -> str:

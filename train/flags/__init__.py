@@ -1,14 +1,15 @@
-"""Every command-line flag of train_math.py, defined once per section, validated at parse time.
+"""Every command-line flag of train_math.py, defined once per section; flags only parse.
 
 Each section module (model, env, generation, rollouts, rewards, algorithm, PRIME, multi-agent, Prefix-RL,
 services, distributed, budget, logs) generates its flags from one section of ``train.config.RunConfig``
-(``train.options.define_flags``), so a field's default and help are written once. ``checks`` holds the
-validators absl runs before any model is loaded or heavy module imported, so a wrong path, a bad value
+(``train.options.define_flags``), so a field's default and help are written once. absl checks each value's
+type, choices and declared bounds; every other check is ``train.validation.validate``'s, which a config built
+in code goes through too, before any model is loaded or heavy module imported, so a wrong path, a bad value
 or a contradictory combination fails at once naming the flag and the fix. After parsing, train_math.py
 resolves --resume first (``--resume auto`` looks in the experiment directory the flags name,
-``train.resolve.experiment_dir``); ``inherit`` then gives every flag the command line left out its value
-in that checkpoint and validates the flags again; only then is the RunConfig built, once, with the
-values that depend on others resolved (``train.resolve.config_from_flags``). No flag changes after that.
+``experiment_dir``); ``inherit`` then gives every flag the command line left out its value in that checkpoint;
+only then is the RunConfig built, once, validated and with the values that depend on others resolved
+(``config_from_flags``). No flag changes after that.
 
 OpenR's flags keep their names and meanings (``--dataset_path``, ``--model_name_or_path``,
 ``--prm_model_name_or_path``, ``--algorithm_name``, ``--num_mini_batch``, ``--ppo_epoch``, ...), so
@@ -18,15 +19,19 @@ OpenR's ``train_math.py`` command runs unchanged.
 from __future__ import annotations
 
 import textwrap
+from pathlib import Path
 
 from absl import flags
 
+from train.config import RunConfig, sections
 from train.flags import (algorithm, budget, distributed, env, generation, logs, model, multi_agent, prefix_rl, prime,
                          rewards, rollout, services)
-from train.flags import checks  # noqa: F401  (after the sections: it registers validators on their flags)
-from train.options import SECRET_MASK, masked
+from train.options import SECRET_MASK, masked, section_from_flags
+from train.validation import APPLIES_TO
 
 FLAGS = flags.FLAGS
+for _name, _algorithms in APPLIES_TO.items():  # a flag only some algorithms read says which in its help
+    FLAGS[_name].help += f" [{'/'.join(_algorithms)} only]"
 
 SECTIONS = {"model": model, "data and env": env, "generation": generation,
             "rollouts (dynamic sampling, cut-off answers, rollout correction)": rollout, "rewards": rewards,
@@ -88,7 +93,7 @@ def inherit(saved: dict, flag_values: flags.FlagValues = FLAGS) -> list[str]:
     flags (a ``flag_dict``), so a resumed run trains as the run it continues unless told otherwise.
     A flag the checkpoint lacks (added since) keeps its default; one it has that no longer exists is
     skipped, and so is a secret one (saved masked: a resume takes the key from its flag or environment
-    variable again). Returns the names whose value changed; the flags are validated again."""
+    variable again). Returns the names whose value changed; absl checks their bounds and choices again."""
     inherited = []
     for name, value in saved.items():
         if name == "resume" or name not in flag_values or flag_values[name].present or value == SECRET_MASK:
@@ -98,3 +103,33 @@ def inherit(saved: dict, flag_values: flags.FlagValues = FLAGS) -> list[str]:
             inherited.append(name)
     flag_values.validate_all_flags()
     return inherited
+
+
+def given_config(flag_values: flags.FlagValues = FLAGS) -> RunConfig:
+    """The sections as the flags give them, nothing resolved yet."""
+    return RunConfig(**{name: section_from_flags(section, flag_values) for name, section in sections().items()},
+                     flags=flag_dict(flag_values))
+
+
+def config_from_flags(flag_values: flags.FlagValues = FLAGS) -> RunConfig:
+    """Every flag validated and resolved once into a RunConfig (``train.resolve.resolved``, as for a config built
+    in code). Raises flags.ValidationError (a usage error) with the message naming the flag and the fix."""
+    from train.resolve import resolved  # here: the env and model layers load once the flags have parsed
+
+    try:
+        return resolved(given_config(flag_values))
+    except ValueError as error:
+        raise flags.ValidationError(str(error)) from None
+
+
+def experiment_dir(flag_values: flags.FlagValues = FLAGS) -> Path:
+    """<logdir>/<experiment> as the flags name it: where ``--resume auto`` looks for the run to continue,
+    before that run's flags are inherited and the config is built."""
+    from train.resolve import experiment_name, registered_env_id
+
+    given = given_config(flag_values)
+    try:
+        env_id = registered_env_id(given.env.env_id, given.env.dataset_path)
+    except ValueError as error:
+        raise flags.ValidationError(str(error)) from None
+    return Path(given.logging.logdir) / experiment_name(given, env_id)

@@ -196,8 +196,8 @@ def report(meter: PhaseMeter, floor: int, seconds: float) -> str:
             lines.append(f"| {name} | {phase.calls} | {phase.start / GB:.2f} | {phase.peak / GB:.2f} | "
                          f"{(phase.peak - phase.start) / GB:+.2f} | {phase.seconds:.1f} | {phase.cpu_seconds:.1f} |")
     if meter.passes:
-        lines.append(f"\nupdate: {len(meter.passes)} micro-batches, the largest forwarding {max(meter.passes)} positions "
-                     f"(padding included)")
+        lines.append(f"\nupdate: {len(meter.passes)} micro-batches, the largest forwarding {max(meter.passes)} "
+                     "positions (padding included)")
     meter.charge_peak()
     lines.append(f"\npeak resident set {meter.known_peak / GB:.2f} GB, reached in: {meter.peak_phase}; "
                  f"weights + gradients + AdamW floor {floor / GB:.2f} GB; {seconds:.0f} s")

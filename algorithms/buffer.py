@@ -94,6 +94,13 @@ class Batch:
         return self.num_samples / self.minibatch_samples
 
 
+def forwarded_positions(prompt_lengths: Sequence[int], action_lengths: Sequence[int]) -> int:
+    """Positions one pass forwards for rows that share prompts: the distinct prompts (``prompt_lengths``) padded
+    to the longest, then the rows' actions (``action_lengths``) padded to the longest. What the pass's
+    activations scale with, so a bound on it bounds their memory."""
+    return len(prompt_lengths) * max(prompt_lengths, default=0) + len(action_lengths) * max(action_lengths, default=0)
+
+
 class RolloutBuffer:
     """Storage for T steps of N envs with A agents; actions up to L tokens.
 
@@ -413,27 +420,30 @@ class RolloutBuffer:
         return chunks
 
     def within_tokens(self, index: torch.Tensor, max_tokens: int) -> list[torch.Tensor]:
-        """The slots ``index`` [B] cut into micro-batches that forward at most ``max_tokens`` tokens each, as
-        the policy forwards rows that share a prompt: the prompt once, then every row's action. The rows of one
-        prompt form a group, taken in the order the prompts first appear: a group that does not fit beside the
-        rows before it starts a micro-batch, and one that alone exceeds the budget is cut across micro-batches,
-        each paying its prompt again; a row longer than the budget is a micro-batch of its own."""
+        """The slots ``index`` [B] cut into micro-batches that forward at most ``max_tokens`` positions each,
+        padding included, as the policy forwards rows that share a prompt: each distinct prompt once, padded to
+        the longest of them, then every row's action, padded to the longest action (``forwarded_positions``).
+        The rows of one prompt form a group, taken in the order the prompts first appear: a group that does not
+        fit beside the rows before it starts a micro-batch, and one that alone exceeds the budget is cut across
+        micro-batches, each paying its prompt again; a row longer than the budget is a micro-batch of its own."""
         groups: dict[tuple[int, ...], list[tuple[int, int]]] = {}
         for slot, length in zip(index.tolist(), self.action_lengths.flatten()[index].tolist()):
             groups.setdefault(tuple(self.prompt_ids[slot]), []).append((slot, length))
         parts: list[list[int]] = [[]]
-        forwarded = 0
+        prompts: list[int] = []  # the prompt lengths of parts[-1]
+        actions: list[int] = []  # its action lengths
         for prompt, rows in groups.items():
-            if parts[-1] and forwarded + len(prompt) + sum(length for _, length in rows) > max_tokens:
+            lengths = [length for _, length in rows]
+            if parts[-1] and forwarded_positions([*prompts, len(prompt)], [*actions, *lengths]) > max_tokens:
                 parts.append([])
-                forwarded = 0
-            forwarded += len(prompt)
+                prompts, actions = [], []
+            prompts.append(len(prompt))
             for slot, length in rows:
-                if parts[-1] and forwarded + length > max_tokens:
+                if parts[-1] and forwarded_positions(prompts, [*actions, length]) > max_tokens:
                     parts.append([])
-                    forwarded = len(prompt)
+                    prompts, actions = [len(prompt)], []
                 parts[-1].append(slot)
-                forwarded += length
+                actions.append(length)
         return [torch.tensor(part, dtype=index.dtype, device=index.device) for part in parts]
 
     def batch(self, index: torch.Tensor, minibatch_samples: int, minibatch_tokens: int,

@@ -48,6 +48,12 @@ ARITH = {"digits": 1, "min_ops": 1, "max_ops": 2, "operators": "+", "num_train":
 held-out set is drawn first and takes all 100 one-operation sums, so training sees two-operation sums
 only and a fifth of the held-out problems are of a form it never trains on."""
 
+MICRO_BATCH_TOKENS = 1536
+"""The arith task's update micro-batches, in forwarded positions (``--micro_batch_tokens``): a group of 8 answers
+of at most 128 tokens and its prompt fit one. Without activation checkpointing SmolLM2-135M keeps about 1.5 MB
+of activations a position for the backward (30 layers, float32), so a micro-batch holds at most 2.3 GB beside
+the 2.2 GB of weights, gradients and AdamW states (``bench.memory_phases``)."""
+
 
 @dataclass(frozen=True)
 class Task:
@@ -67,7 +73,7 @@ TASKS = {
     "arith": Task(None, ("--env_kwargs", json.dumps({"arith": ARITH}), "--reward", "outcome", "--temperature", "0.3",
                          "--group_size", "8", "--n_rollout_threads", "64", "--max_new_tokens", "128", "--lr_schedule",
                          "constant", "--warmup_iterations", "2", "--torch_threads", "2", "--noasync_rollouts",
-                         "--micro_batch_tokens", "4096"),
+                         "--micro_batch_tokens", str(MICRO_BATCH_TOKENS)),
                   {"lora": ("--lora_rank", "16", "--lr", "1e-4"), "full": ("--lr", "2e-5")}, 64, 24, 8),
     "math": Task("Qwen/Qwen2.5-0.5B-Instruct",
                  ("--dataset_path", "hf://DigitalLearningGmbH/MATH-lighteval:train", "--eval_dataset_path",

@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Sequence
 
 from bench.learning_table import newest_run_dir, train_math_history
-from bench.real_model_learning import ARITH, default_model, pyplot, standard_error
+from bench.real_model_learning import ARITH, MICRO_BATCH_TOKENS, default_model, pyplot, standard_error
 
 PREFIX_TOKENS, TARGET_TOKENS = 32, 128  # Prefix-RL's writer budget (the paper's 32-64 tokens) and the target's
 PREFIX_KL = 0.05  # the writer's KL to its reference (the loss's k3 term), as Prefix-RL's PPO code keeps one
@@ -60,8 +60,9 @@ PRM_LR = 4e-5  # PRIME's paper: the PRM at twice the policy's lr (1e-6 against 5
 SAMPLES_PER_ITERATION = 64  # 8 prompts x 8 samples
 TASK_FLAGS = ("--env_kwargs", json.dumps({"arith": ARITH}), "--prompt_template", "chat", "--reward", "outcome:1.0",
               "--temperature", "0.3", "--group_size", "8", "--lr", "2e-5", "--lr_schedule", "constant",
-              "--warmup_iterations", "2", "--torch_threads", "2", "--noasync_rollouts", "--micro_batch_tokens", "4096",
-              "--keep_checkpoints", "1", "--save_interval", "5", "--nosave_best")
+              "--warmup_iterations", "2", "--torch_threads", "2", "--noasync_rollouts",
+              "--micro_batch_tokens", str(MICRO_BATCH_TOKENS), "--keep_checkpoints", "1", "--save_interval", "5",
+              "--nosave_best")
 """The real-model bench's task and GRPO settings (bench.real_model_learning), shared by every row."""
 
 

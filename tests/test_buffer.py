@@ -114,10 +114,11 @@ def test_a_token_budget_per_micro_batch_keeps_the_gradient(max_tokens):
     torch.testing.assert_close(budgeted, full, atol=1e-6, rtol=1e-5)
 
 
-def test_a_token_budget_cuts_micro_batches_by_forwarded_tokens_keeping_a_prompts_rows_together():
+def test_a_token_budget_cuts_micro_batches_by_forwarded_positions_keeping_a_prompts_rows_together():
     """Three groups of rows: prompts of 4, 6 and 3 tokens, actions of the lengths below. A micro-batch forwards
-    each prompt once plus every action: 4 + 2 + 3 = 9 for group a, 6 + 5 + 5 = 16 for group b (over a budget
-    of 12, so cut: 6 + 5 and 6 + 5), 3 + 1 + 1 = 5 for group c, which fits beside nothing else."""
+    each prompt once, padded to its longest prompt, plus every action, padded to its longest action: 4 + 2 x 3
+    = 10 for group a, 6 + 2 x 5 = 16 for group b (over a budget of 12, so cut: 6 + 5 and 6 + 5), 3 + 2 x 1 = 5
+    for group c; a and c together 2 x 4 + 4 x 3 = 20 (their 14 tokens padded)."""
     prompts = {"a": [1, 2, 3, 4], "b": [5, 6, 7, 8, 9, 10], "c": [11, 12, 13]}
     rows = [("b", 5), ("a", 2), ("c", 1), ("b", 5), ("a", 3), ("c", 1)]
     buffer = RolloutBuffer(1, len(rows), 1, 5)
@@ -130,8 +131,9 @@ def test_a_token_budget_cuts_micro_batches_by_forwarded_tokens_keeping_a_prompts
         return [part.tolist() for part in buffer.within_tokens(torch.arange(len(rows)), max_tokens)]
 
     assert cut(12) == [[0], [3], [1, 4], [2, 5]]  # b first (its prompt is seen first), then a, then c
-    assert cut(13) == [[0], [3], [1, 4], [2, 5]]  # c (5) does not fit beside a (9): moved whole, not cut
-    assert cut(14) == [[0], [3], [1, 4, 2, 5]]
+    assert cut(19) == [[0, 3], [1, 4], [2, 5]]  # c does not fit beside a (20 with padding): moved whole, not cut
+    assert cut(20) == [[0, 3], [1, 4, 2, 5]]
+    assert cut(32) == [[0, 3, 1, 4], [2, 5]]  # b and a: 2 x 6 + 4 x 5
     assert cut(100) == [[0, 3, 1, 4, 2, 5]]
     assert cut(1) == [[0], [3], [1], [4], [2], [5]]  # a row over the budget goes alone
 

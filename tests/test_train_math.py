@@ -322,15 +322,16 @@ def test_gradient_checkpointing_holds_fewer_activations_in_the_update(untrained_
 
 def test_a_micro_batch_token_budget_bounds_each_pass_and_trains_the_same_weights(untrained_policy_dir, tmp_path):
     """``--micro_batch_tokens``: every update pass forwards at most the budget (a shared prompt once, then each
-    action) and the step is the one of a single micro-batch."""
+    action, padding included), and the logged losses and the step are those of a single micro-batch."""
     from tensorboardX import SummaryWriter
 
+    from algorithms.buffer import forwarded_positions
     from models.packing import distinct_rows, token_lengths
     from train.builders import build_runner
     from train.config import (BudgetConfig, EnvConfig, GenerationConfig, LearningConfig, LoggingConfig, ModelConfig,
                               RunConfig)
 
-    def one_iteration(budget: int) -> tuple[list[int], list[torch.Tensor]]:
+    def one_iteration(budget: int) -> tuple[list[int], dict[str, float], list[torch.Tensor]]:
         torch.manual_seed(0)
         config = RunConfig(model=ModelConfig(name_or_path=str(untrained_policy_dir), device="cpu"),
                            env=EnvConfig(num_envs=8), generation=GenerationConfig(max_new_tokens=6),
@@ -338,21 +339,29 @@ def test_a_micro_batch_token_budget_bounds_each_pass_and_trains_the_same_weights
                            budget=BudgetConfig(num_iterations=1, eval_interval=0),
                            logging=LoggingConfig(save_interval=0, save_best=False))
         runner = build_runner(config, tmp_path / str(budget), SummaryWriter(str(tmp_path / str(budget))))
-        forwarded, trained_module = [], runner.learner.trained_module
+        forwarded, trained_module, learner_train, losses = [], runner.learner.trained_module, runner.learner.train, {}
 
         def counted(prompts, actions, *args, **kwargs):
             distinct, _ = distinct_rows([list(prompt) for prompt in prompts])
-            forwarded.append(sum(map(len, distinct)) + sum(token_lengths(actions)))
+            forwarded.append(forwarded_positions(list(map(len, distinct)), token_lengths(actions)))
             return trained_module(prompts, actions, *args, **kwargs)
 
-        runner.learner.trained_module = counted
-        runner.train_iteration(0, {})
-        return forwarded, [p.detach().clone() for p in runner.policy.actor_parameters()]
+        def logged(*args, **kwargs):
+            trained = learner_train(*args, **kwargs)
+            losses.update({key: value for key, value in trained.stats.items() if key.startswith("loss/")})
+            return trained
 
-    whole, whole_weights = one_iteration(0)
+        runner.learner.trained_module, runner.learner.train = counted, logged
+        runner.train_iteration(0, {})
+        return forwarded, losses, [p.detach().clone() for p in runner.policy.actor_parameters()]
+
+    whole, whole_losses, whole_weights = one_iteration(0)
     budget = whole[0] // 3
-    cut, cut_weights = one_iteration(budget)
-    assert len(whole) == 1 and len(cut) > 3 and max(cut) <= budget
+    cut, cut_losses, cut_weights = one_iteration(budget)
+    assert len(whole) == 1 and len(cut) >= 3 and max(cut) <= budget
+    assert whole_losses.keys() == cut_losses.keys() and "loss/policy_loss" in whole_losses
+    for key, value in whole_losses.items():
+        assert cut_losses[key] == pytest.approx(value, abs=1e-5), key
     for expected, got in zip(whole_weights, cut_weights):
         torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
 

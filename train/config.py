@@ -237,9 +237,10 @@ class LearningConfig:
     ppo_epoch: int = option(1, "Epochs over each rollout.", lower_bound=1)
     gradient_cp_steps: int = option(1, "Gradient accumulation: micro-batches per minibatch.", lower_bound=1)
     micro_batch_tokens: int = option(
-        0, "Most tokens one micro-batch forwards (a shared prompt once, then each action): micro-batches are cut "
-        "further until each fits, rows of one prompt kept together, the gradient unchanged. It bounds the update's "
-        "activation memory; 0: no limit.", lower_bound=0)
+        0, "Most positions one micro-batch forwards, padding included (its prompts once, padded to the longest, "
+        "then each action, padded to the longest): micro-batches are cut further until each fits, rows of one prompt "
+        "kept together, the gradient unchanged. It bounds the update's activation memory; 0: no limit.",
+        lower_bound=0)
     lr: float = option(1e-4, "Policy learning rate (AdamW).")
     critic_lr: float = option(1e-3, "Critic learning rate (value head and critic adapter).")
     warmup_iterations: int = option(20, "Linear lr warm-up length in iterations (Adam's first steps move every weight "

@@ -5,11 +5,11 @@ is"); ``is_equiv`` and ``grade_batch`` decide whether a model's answer equals th
 a LaTeX-aware string and number fast path in the caller (``strings_equiv`` alone), a bounded parser that
 builds sympy objects in worker processes, and a deadline on every call after which its worker is killed.
 Model text is untrusted: nothing here hands it to Python's or sympy's evaluators, and every call returns
-within its timeout, from any thread. The same workers run the other scorers (``scorers.SCORERS``): math-verify's
-equivalence (``grader="math_verify"``) and reasoning-gym's own dataset scorers (``reasoning_gym_scores``),
-whose packages their template process imports once. Where public graders disagree: bare comma-separated
-answers compare as sets, parenthesised tuples in order; unreduced fractions equal reduced ones; ``10\\%``
-equals ``10`` and ``0.1``; ``2\\frac{1}{2}`` is a mixed number; ``3e5`` is 300000.
+within its timeout, from any thread. The same workers run the other scorers (``scorers.SCORERS``):
+math-verify's equivalence (``grader="math_verify"``) and reasoning-gym's own dataset scorers
+(``reasoning_gym_scores``), whose packages their template process imports once. Where public graders
+disagree: bare comma-separated answers compare as sets, parenthesised tuples in order; unreduced fractions
+equal reduced ones; ``10\\%`` equals ``10`` and ``0.1``; ``2\\frac{1}{2}`` is a mixed number; ``3e5`` is 300000.
 
 One concern a module: ``extraction`` (the answer in a text), ``normalization`` (canonical strings, plain
 numbers), ``parsing`` (answer -> bounded sympy value), ``comparison`` (the string and symbolic verdicts),

@@ -11,7 +11,7 @@ Flags are parsed (train/flags/); a resume gives the flags this command line left
 then they are validated (train/validation.py, before anything heavy is imported or loaded) and resolved once
 into a RunConfig (train/config.py), and the run is composed from it by train/builders.py.
 TensorBoard logs and checkpoints go to <logdir>/<experiment>/<run>; ``--resume auto`` continues the
-newest complete checkpoint in the same run directory (train/checkpoint.py). SIGINT, SIGTERM and
+newest complete checkpoint in the same run directory (train/checkpoint_files.py). SIGINT, SIGTERM and
 SIGUSR1 save a checkpoint after the current iteration and exit 75 (``STOPPED_TO_RESUME``) with the command
 that resumes; the signals that follow are ignored, except Ctrl-C twice, which stops at once without saving.
 """
@@ -33,7 +33,7 @@ from absl import app, flags, logging
 from train import flags as train_flags
 
 if TYPE_CHECKING:
-    from train.checkpoint import Checkpoint
+    from train.checkpoint_files import Checkpoint
     from train.config import LoggingConfig, RunConfig
     from train.runner import Runner
 
@@ -182,7 +182,7 @@ def train(argv: list[str]) -> int:
     try:
         saved = resumed()
         config = train_flags.config_from_flags(FLAGS)
-        from train.checkpoint import CheckpointError  # torch and transformers: only once the flags resolve
+        from train.checkpoint_files import CheckpointError  # torch and transformers: only once the flags resolve
 
         try:
             started = start(config, saved)
@@ -227,12 +227,12 @@ def resumed() -> Checkpoint | None:
     this command line left out takes its value there, so that the config, built after this, is the run's own."""
     if FLAGS.resume is None:
         return None
-    from train import checkpoint  # torch: only a resume loads it before the config is built
+    from train import checkpoint_files  # torch: only a resume loads it before the config is built
 
     try:
-        resume_path = checkpoint.resolve_resume(FLAGS.resume, train_flags.experiment_dir(FLAGS))
-        saved = None if resume_path is None else checkpoint.load(resume_path)
-    except checkpoint.CheckpointError as error:
+        resume_path = checkpoint_files.resolve_resume(FLAGS.resume, train_flags.experiment_dir(FLAGS))
+        saved = None if resume_path is None else checkpoint_files.load(resume_path)
+    except checkpoint_files.CheckpointError as error:
         fail(str(error))
     if saved is not None:
         inherited = train_flags.inherit(saved.flags)
@@ -247,7 +247,7 @@ def start(config: RunConfig, saved: Checkpoint | None) -> Started | None:
     import numpy as np
     import torch
 
-    from train import builders, checkpoint, distributed, host
+    from train import builders, checkpoint_files, distributed, host
 
     ranks = distributed.init(config.model.device, config.distributed.dist_timeout)
     if saved is not None and saved.iteration >= config.budget.num_iterations:
@@ -261,7 +261,7 @@ def start(config: RunConfig, saved: Checkpoint | None) -> Started | None:
         if saved is not None:
             logging.info("resuming from %s (iteration %d)", saved.path, saved.iteration)
             if ranks.is_main:
-                checkpoint.retire_newer(saved)
+                checkpoint_files.retire_newer(saved)
             log_changed_flags(saved.flags, config.flags)
         host.set_up(config.model)
         torch.manual_seed(config.budget.seed)

@@ -6,7 +6,7 @@
 The model is a random-init Qwen2.5 config (``bench/memory.py``'s, with its byte-level tokenizer); the
 policy is built as a run builds it (fp32 master weights for full fine-tuning, the frozen LoRA base in
 ``--dtype``, rank-16 LoRA on all linear layers), AdamW takes one step on zero gradients so that its
-moments exist, and ``train.checkpoint.save`` and ``Checkpointer.save_best``'s export write the files.
+moments exist, and ``train.checkpoint_files.save`` and ``Checkpointer.save_best``'s export write the files.
 Sizes are bytes of the files (GB = 10^9 bytes).
 """
 
@@ -32,7 +32,7 @@ def measure(model_dir: Path, case: str, dtype: str, scratch: Path) -> dict[str, 
     """Bytes of each part of a checkpoint and of the best/ export for one case."""
     from models.loading import DTYPES
     from models.policy import LanguagePolicy, LoraSettings
-    from train import checkpoint
+    from train import checkpoint_files
 
     lora = LoraSettings(rank=LORA_RANK) if case == "lora" else None
     policy = LanguagePolicy(model_dir, device="cpu", dtype=dtype, lora=lora)
@@ -42,8 +42,8 @@ def measure(model_dir: Path, case: str, dtype: str, scratch: Path) -> dict[str, 
         param.grad = torch.zeros_like(param)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    path = checkpoint.save(scratch / "checkpoints", 1, policy=policy, optimizer=optimizer, optimizers={},
-                           rng=checkpoint.rng_state(), state={}, flags={})
+    path = checkpoint_files.save(scratch / "checkpoints", 1, policy=policy, optimizer=optimizer, optimizers={},
+                           rng=checkpoint_files.rng_state(), state={}, flags={})
     best = policy.save(scratch / "best", dtype=DTYPES[dtype])
     sizes = {part.name: directory_bytes(part) if part.is_dir() else part.stat().st_size for part in path.iterdir()}
     return {**sizes, "checkpoint": directory_bytes(path), "best": directory_bytes(best)}

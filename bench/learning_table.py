@@ -214,10 +214,10 @@ def newest_run_dir(logdir: Path) -> Path:
 
 def newest_checkpoint(logdir: Path) -> Path:
     """The newest complete checkpoint of the newest run under ``logdir`` (``<experiment>/run_<time>``)."""
-    from train import checkpoint
+    from train import checkpoint_files
 
     for run_dir in sorted(logdir.glob("*/run_*"), key=lambda path: path.name, reverse=True):
-        latest = checkpoint.find_latest(run_dir)
+        latest = checkpoint_files.find_latest(run_dir)
         if latest is not None:
             return latest
     raise RuntimeError(f"train_math.py left no complete checkpoint under {logdir}; see {logdir / LOG_FILE}")

@@ -1,4 +1,4 @@
-"""Checkpoints (train/checkpoint.py, train/checkpointing.py): the env's state round trip, atomic writes
+"""Checkpoints (train/checkpoint_files.py, train/run_state.py): the env's state round trip, atomic writes
 that leave the previous checkpoint intact when the disk is full, incomplete directories skipped and
 reported, pruning, exact resume (k + resume + k iterations = 2k in one go, same parameters,
 optimizer state and logged values), non-finite steps, and a reward model that raises."""
@@ -36,7 +36,7 @@ from event_files import event_files, read_scalars
 from test_env import StepLengthReward
 from test_train_math import parse
 from test_trainer import run_train_math
-from train import builders, checkpoint, evaluation
+from train import builders, checkpoint_files, evaluation
 from train.learner import Learner
 from train.reporting import write_out
 from train.rollouts import Rollouts
@@ -147,21 +147,21 @@ def write_files(directory: Path) -> None:
 
 def test_incomplete_directories_are_skipped_and_reported(tmp_path, caplog):
     checkpoints = tmp_path / "exp" / "run_1" / "checkpoints"
-    first = checkpoint.atomic_write(checkpoints / "iter_1", 1, write_files)
-    checkpoint.atomic_write(checkpoints / "iter_3", 3, write_files)
+    first = checkpoint_files.atomic_write(checkpoints / "iter_1", 1, write_files)
+    checkpoint_files.atomic_write(checkpoints / "iter_3", 3, write_files)
     (checkpoints / "iter_4").mkdir()  # no manifest: a foreign or torn directory
     with open(checkpoints / "iter_3" / "weights.bin", "r+b") as f:
         f.truncate(10)  # manifest present, file cut short
     (checkpoints / ".tmp-iter_5-123").mkdir()  # a save killed mid-write
-    with caplog.at_level(logging.WARNING, logger="train.checkpoint"):
-        assert checkpoint.find_latest(tmp_path / "exp" / "run_1") == first
-        assert checkpoint.resolve_resume("auto", tmp_path / "exp") == first
+    with caplog.at_level(logging.WARNING, logger="train.checkpoint_files"):
+        assert checkpoint_files.find_latest(tmp_path / "exp" / "run_1") == first
+        assert checkpoint_files.resolve_resume("auto", tmp_path / "exp") == first
     assert "iter_4: no manifest.json" in caplog.text
     assert "iter_3: weights.bin has 10 bytes, the manifest says 1000" in caplog.text
-    with pytest.raises(checkpoint.CheckpointError, match="iter_3 is not a complete checkpoint: weights.bin"):
-        checkpoint.resolve_resume(str(checkpoints / "iter_3"), tmp_path / "exp")
-    assert checkpoint.resolve_resume("auto", tmp_path / "empty_experiment") is None  # a fresh start
-    checkpoint.atomic_write(checkpoints / "iter_6", 6, write_files)
+    with pytest.raises(checkpoint_files.CheckpointError, match="iter_3 is not a complete checkpoint: weights.bin"):
+        checkpoint_files.resolve_resume(str(checkpoints / "iter_3"), tmp_path / "exp")
+    assert checkpoint_files.resolve_resume("auto", tmp_path / "empty_experiment") is None  # a fresh start
+    checkpoint_files.atomic_write(checkpoints / "iter_6", 6, write_files)
     assert not list(checkpoints.glob(".tmp-*")), "the next save removes what killed saves left"
 
 
@@ -169,37 +169,37 @@ def test_incomplete_directories_are_skipped_and_reported(tmp_path, caplog):
                                            (errno.EIO, "Input/output error")])
 def test_failed_write_raises_naming_the_path_and_keeps_the_previous(tmp_path, code, message):
     checkpoints = tmp_path / "checkpoints"
-    previous = checkpoint.atomic_write(checkpoints / "iter_1", 1, write_files)
+    previous = checkpoint_files.atomic_write(checkpoints / "iter_1", 1, write_files)
 
     def failing(directory: Path) -> None:
         write_files(directory)
         raise OSError(code, os.strerror(code), str(directory / "more.bin"))
 
-    with pytest.raises(checkpoint.CheckpointError, match=rf"could not write checkpoint .*iter_2: OSError: "
+    with pytest.raises(checkpoint_files.CheckpointError, match=rf"could not write checkpoint .*iter_2: OSError: "
                                                          rf".*{message}.* "
                                                          rf"Nothing of it was kept; .* The last good checkpoint, "
                                                          rf"{previous}, is intact"):
-        checkpoint.atomic_write(checkpoints / "iter_2", 2, failing)
+        checkpoint_files.atomic_write(checkpoints / "iter_2", 2, failing)
     assert sorted(p.name for p in checkpoints.iterdir()) == ["iter_1"]
-    assert checkpoint.invalid_reason(previous) is None
+    assert checkpoint_files.invalid_reason(previous) is None
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("")
-    with pytest.raises(checkpoint.CheckpointError, match=r"could not write checkpoint .*file/iter_1"):
-        checkpoint.atomic_write(not_a_dir / "iter_1", 1, write_files)
+    with pytest.raises(checkpoint_files.CheckpointError, match=r"could not write checkpoint .*file/iter_1"):
+        checkpoint_files.atomic_write(not_a_dir / "iter_1", 1, write_files)
 
 
 def test_saving_the_same_iteration_again_replaces_it_whole(tmp_path):
-    checkpoint.atomic_write(tmp_path / "iter_1", 1, write_files)
-    checkpoint.atomic_write(tmp_path / "iter_1", 1, lambda d: (d / "other.bin").write_bytes(b"x"))
+    checkpoint_files.atomic_write(tmp_path / "iter_1", 1, write_files)
+    checkpoint_files.atomic_write(tmp_path / "iter_1", 1, lambda d: (d / "other.bin").write_bytes(b"x"))
     assert sorted(p.name for p in (tmp_path / "iter_1").iterdir()) == ["manifest.json", "other.bin"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_1"]
 
 
 def test_prune_deletes_the_oldest_complete_checkpoints(tmp_path):
     for n in (1, 2, 5, 10):
-        checkpoint.atomic_write(tmp_path / f"iter_{n}", n, write_files)
+        checkpoint_files.atomic_write(tmp_path / f"iter_{n}", n, write_files)
     (tmp_path / "iter_11").mkdir()  # incomplete: reported by find_latest, never counted or deleted
-    removed = checkpoint.prune(tmp_path, keep=2)
+    removed = checkpoint_files.prune(tmp_path, keep=2)
     assert [p.name for p in removed] == ["iter_1", "iter_2"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_10", "iter_11", "iter_5"]
 
@@ -223,9 +223,9 @@ def test_write_out_puts_every_logged_point_in_the_file(tmp_path):
 def test_rng_states_round_trip_through_weights_only_load(tmp_path):
     torch.manual_seed(1)
     np.random.seed(1)
-    torch.save(checkpoint.rng_state(), tmp_path / "rng.pt")
+    torch.save(checkpoint_files.rng_state(), tmp_path / "rng.pt")
     expected = (torch.rand(3), np.random.rand(3), __import__("random").random())
-    checkpoint.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    checkpoint_files.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
     assert torch.equal(torch.rand(3), expected[0])
     np.testing.assert_array_equal(np.random.rand(3), expected[1])
     assert __import__("random").random() == expected[2]
@@ -377,7 +377,7 @@ def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(untrained_policy_d
     assert "iteration 1: non-finite loss; optimizer step skipped (1 in a row, 1 in the run)" in caplog.text
     (run_dir,) = glob.glob(f"{tmp_path}/APPO_Arith-v0/run_*")
     checkpoints = Path(run_dir) / "checkpoints"
-    assert [p.name for p in checkpoint.checkpoint_dirs(checkpoints)] == ["iter_1", "iter_2", "iter_3", "iter_4"]
+    assert [p.name for p in checkpoint_files.checkpoint_dirs(checkpoints)] == ["iter_1", "iter_2", "iter_3", "iter_4"]
     weights = [load_file(checkpoints / f"iter_{n}" / "policy" / "model.safetensors") for n in (1, 2, 3, 4)]
     same = [all(torch.equal(before[k], after[k]) for k in before) for before, after in zip(weights, weights[1:])]
     assert same == [True, False, True]  # iterations 1 and 3 skipped their step, iteration 2 trained
@@ -410,11 +410,11 @@ def test_reward_model_error_names_model_and_batch_and_saves_first(untrained_poli
                                                r"of problems \[arith:[^,]+(, arith:[^,]+)*\]$"):
         run_train_math(argv)
     (run_dir,) = glob.glob(f"{tmp_path}/GRPO_Arith-v0/run_*")
-    saved = checkpoint.find_latest(run_dir)
+    saved = checkpoint_files.find_latest(run_dir)
     assert saved is not None and saved.name == "iter_2"
     monkeypatch.setattr(builders, "build_reward_model", lambda config, device, template: StepLengthReward())
     assert run_train_math([*argv, "--resume", "auto"]) == run_dir
-    assert checkpoint.find_latest(run_dir).name == "iter_4"
+    assert checkpoint_files.find_latest(run_dir).name == "iter_4"
 
 
 def test_a_write_failing_with_enospc_keeps_nothing_of_it_and_says_so(untrained_policy_dir, tmp_path, monkeypatch,
@@ -444,7 +444,7 @@ def test_a_write_failing_with_enospc_keeps_nothing_of_it_and_says_so(untrained_p
                         rf"intact. If the disk is full, "
                         rf"free space or write fewer or smaller checkpoints: --keep_checkpoints .*", line), line
     assert sorted(p.name for p in checkpoints.iterdir()) == ["iter_1", "iter_2"]
-    assert checkpoint.find_latest(run_dir).name == "iter_2"
+    assert checkpoint_files.find_latest(run_dir).name == "iter_2"
 
 
 @pytest.fixture
@@ -487,7 +487,7 @@ def test_a_full_small_disk_stops_before_the_save_naming_what_and_where(untrained
                         r"--keep_checkpoints .* --save_interval .* --lora_rank .* or --logdir on a larger disk.",
                         line), line
     assert sorted(p.name for p in checkpoints.iterdir()) == ["iter_1", "iter_2"]
-    assert all(checkpoint.invalid_reason(checkpoints / name) is None for name in ("iter_1", "iter_2"))
+    assert all(checkpoint_files.invalid_reason(checkpoints / name) is None for name in ("iter_1", "iter_2"))
 
 
 def test_a_save_that_fills_a_real_disk_midway_leaves_no_checkpoint_of_it(untrained_policy_dir, small_disk,
@@ -495,14 +495,14 @@ def test_a_save_that_fills_a_real_disk_midway_leaves_no_checkpoint_of_it(untrain
     """With the space check blinded (it sees no tensors to write), the fourth save really runs out of space
     on the 50 MiB file system in the middle of its files: the line says so, no iter_4 nor temporary
     directory is left, and iter_3 stays the one to resume."""
-    monkeypatch.setattr(checkpoint, "export_bytes", lambda tensors, dtype=None: 0)
-    monkeypatch.setattr(checkpoint, "tensor_bytes", lambda *values: 0)
+    monkeypatch.setattr(checkpoint_files, "export_bytes", lambda tensors, dtype=None: 0)
+    monkeypatch.setattr(checkpoint_files, "tensor_bytes", lambda *values: 0)
     checkpoints, line = run_on_the_small_disk(untrained_policy_dir, small_disk, capsys)
     assert line.startswith(f"train_math.py: error: could not write checkpoint {checkpoints}/iter_4: "), line
     assert f"Nothing of it was kept; {checkpoints} has " in line
     assert f"The last good checkpoint, {checkpoints}/iter_3, is intact." in line
     assert sorted(p.name for p in checkpoints.iterdir()) == ["iter_1", "iter_2", "iter_3"]
-    assert checkpoint.find_latest(checkpoints.parent).name == "iter_3"
+    assert checkpoint_files.find_latest(checkpoints.parent).name == "iter_3"
 
 
 def test_unwritable_logdir_fails_before_any_model_loads(untrained_policy_dir, tmp_path, monkeypatch, capsys):
@@ -597,13 +597,13 @@ def test_the_last_checkpoint_is_written_once_and_a_resume_evaluates_each_iterati
     """--save_interval 2 over 4 iterations writes iter_2 and iter_4 once each (the final save is the
     periodic one's). Resumed from iter_4, whose history holds the evaluation of iteration 4, with a budget
     of 6: the run does not evaluate iteration 4 again, and TensorBoard still shows it."""
-    save, written = checkpoint.save, []
+    save, written = checkpoint_files.save, []
 
     def recorded(checkpoints_dir, iteration, **kwargs):
         written.append(iteration)
         return save(checkpoints_dir, iteration, **kwargs)
 
-    monkeypatch.setattr(checkpoint, "save", recorded)
+    monkeypatch.setattr(checkpoint_files, "save", recorded)
     run_dir = Path(run_train_math(flags_for(untrained_policy_dir, tmp_path, "GRPO", 4, "--save_interval", "2")))
     assert written == [2, 4]
     first = json.loads((run_dir / "eval_history.json").read_text())
@@ -701,7 +701,7 @@ def test_checkpoints_hold_the_weights_once_and_best_is_exported_in_the_training_
     run_dir = Path(run_train_math(flags_for(untrained_policy_dir, tmp_path, "GRPO", 3, "--dtype", "bfloat16",
                                             "--save_interval", "1", "--kl_coef", "0.05")))
     checkpoints = run_dir / "checkpoints"
-    assert [p.name for p in checkpoint.checkpoint_dirs(checkpoints)] == ["iter_2", "iter_3"]
+    assert [p.name for p in checkpoint_files.checkpoint_dirs(checkpoints)] == ["iter_2", "iter_3"]
     last = checkpoints / "iter_3"
     with safe_open(last / "policy" / "model.safetensors", "pt") as weights:
         dtypes = {weights.get_slice(name).get_dtype() for name in weights.keys()}
@@ -732,7 +732,7 @@ def test_lora_checkpoints_hold_no_frozen_weight_and_older_full_checkpoints_resum
     assert stored and all("lora_" in key or "value_head" in key for key in stored), stored
     straight = Path(run_train_math(flags_for(untrained_policy_dir, tmp_path / "straight", "GRPO", 4)))
     with monkeypatch.context() as patch:
-        patch.setattr(checkpoint, "in_policy_dir", lambda policy, trained: set())
+        patch.setattr(checkpoint_files, "in_policy_dir", lambda policy, trained: set())
         older = Path(run_stopped_by_sigterm(patch, 1, flags_for(untrained_policy_dir, tmp_path / "older", "GRPO", 4)))
     metadata = torch.distributed.checkpoint.FileSystemReader(older / "checkpoints" / "iter_2" / "train_state")
     assert any(key.startswith("model.model.") for key in metadata.read_metadata().state_dict_metadata)

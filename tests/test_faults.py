@@ -28,8 +28,8 @@ from reward_models.prm import ProcessRewardModel
 from test_checkpoint import assert_same_training_state, deterministic_scalars
 from test_distributed import TORCHRUN, worker_pids
 from test_prm_server import serving, stop
-from train import checkpoint
-from train.checkpointing import Progress
+from train import checkpoint_files
+from train.run_state import Progress
 from train.runner import STOP_SIGNALS, Runner
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,7 +48,7 @@ def train_command(policy_dir, logdir, iterations: int, *extra: str) -> list[str]
 
 
 def child_env(checkpoint_delay: float = 0.0) -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", checkpoint.DELAY_ENV: str(checkpoint_delay)}
+    return {**os.environ, "OMP_NUM_THREADS": "1", checkpoint_files.DELAY_ENV: str(checkpoint_delay)}
 
 
 def wait_for(condition, process: subprocess.Popen, timeout: float):
@@ -90,14 +90,14 @@ def test_a_stop_signal_saves_exits_75_and_prints_the_command_that_resumes(untrai
                          out.strip())
     assert match, out
     iteration, path = int(match[1]), Path(match[2])
-    assert iteration >= 1 and path.name == f"iter_{iteration}" and checkpoint.invalid_reason(path) is None
+    assert iteration >= 1 and path.name == f"iter_{iteration}" and checkpoint_files.invalid_reason(path) is None
     assert shlex.split(match[3]) == [*command, f"--resume={path}"]  # this command with --resume added
     budget = ["--num_env_steps", str(16 * (iteration + 1))]  # one more iteration
     resumed = subprocess.run([*shlex.split(match[3]), *budget], capture_output=True, text=True, env=child_env(),
                              cwd=ROOT, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resuming from {path} (iteration {iteration})" in resumed.stderr
-    assert checkpoint.find_latest(path.parents[1]).name == f"iter_{iteration + 1}"
+    assert checkpoint_files.find_latest(path.parents[1]).name == f"iter_{iteration + 1}"
 
 
 @pytest.mark.parametrize("first", STOP_SIGNALS, ids=lambda s: s.name)
@@ -177,7 +177,7 @@ def test_a_repeated_stop_signal_is_ignored_and_the_checkpoint_resumes_exactly(un
         match = re.search(rf"stopped by {first.name} after iteration (\d+): checkpoint (\S+); resume with: (.+)", out)
         assert match, text[-3000:]
         stopped_at, path = int(match[1]), Path(match[2])
-        assert stopped_at < iterations and checkpoint.invalid_reason(path) is None
+        assert stopped_at < iterations and checkpoint_files.invalid_reason(path) is None
         if ranks == 1:
             assert shlex.split(match[3]) == [*command("stopped"), f"--resume={path}"]
         assert text.count(f"{then[0].name} received while stopping for {first.name}: ignored") == ranks, text[-3000:]
@@ -347,12 +347,12 @@ def test_a_prm_server_dying_under_async_rollouts_leaves_a_state_that_resumes(unt
     assert line.startswith("train_math.py: error: ") and match, failed.stderr[-3000:]
     resume = shlex.split(match[1])
     path = Path(resume[-1].removeprefix("--resume="))
-    assert path.name == "iter_3" and checkpoint.invalid_reason(path) is None, line
-    assert checkpoint.load(path).state["env_steps"] == 3 * 8  # the failed batch's steps are not in it
+    assert path.name == "iter_3" and checkpoint_files.invalid_reason(path) is None, line
+    assert checkpoint_files.load(path).state["env_steps"] == 3 * 8  # the failed batch's steps are not in it
     prm_proxy.fail_from = None
     resumed = subprocess.run(resume, capture_output=True, text=True, env=child_env(), cwd=ROOT, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert checkpoint.find_latest(path.parents[1]).name == "iter_5"
+    assert checkpoint_files.find_latest(path.parents[1]).name == "iter_5"
 
 
 @pytest.mark.slow  # 25 s; a dead server in one process and a failing rank under torchrun run by default
@@ -365,7 +365,7 @@ def test_a_prm_server_dying_under_two_ranks_names_the_last_checkpoint(untrained_
     failed = subprocess.run(command, capture_output=True, text=True, env=child_env(), cwd=ROOT, timeout=300)
     assert failed.returncode != 0
     (run_dir,) = tmp_path.glob("APPO_Arith-v0/run_*")
-    last = checkpoint.find_latest(run_dir)
+    last = checkpoint_files.find_latest(run_dir)
     assert last is not None, failed.stderr[-3000:]
     assert (f"[rank 0] train_math.py: error: " in failed.stderr and "Nothing was saved at the failure (its 2 ranks "
             f"cannot join a save); the last checkpoint is {last}. Once the server is back, launch the same command "
@@ -378,13 +378,13 @@ def test_a_prm_server_dying_under_two_ranks_names_the_last_checkpoint(untrained_
 # ---------------------------------------------------------------------------------------------
 
 def complete_checkpoints(logdir: Path) -> list[Path]:
-    return sorted((p for p in logdir.glob("*/*/checkpoints/iter_*") if checkpoint.invalid_reason(p) is None),
-                  key=checkpoint.iteration_of)
+    return sorted((p for p in logdir.glob("*/*/checkpoints/iter_*") if checkpoint_files.invalid_reason(p) is None),
+                  key=checkpoint_files.iteration_of)
 
 
 def kill_during_write(logdir: Path, process: subprocess.Popen, after_iteration: int) -> str | None:
     """SIGKILLs the process while it writes a checkpoint past ``after_iteration`` (its files are
-    there, its manifest is not: the save sleeps there, see checkpoint.DELAY_ENV)."""
+    there, its manifest is not: the save sleeps there, see checkpoint_files.DELAY_ENV)."""
     def writing() -> Path | None:
         for scratch in logdir.glob(f"*/*/checkpoints/.tmp-iter_*-{process.pid}"):  # its own saves only
             number = int(scratch.name.split("-")[1].removeprefix("iter_"))
@@ -421,7 +421,7 @@ def test_sigkill_at_random_moments_always_resumes_from_the_last_complete_checkpo
                 process.wait(timeout=600)
                 moment = f"none: ran to the end (exit {process.returncode})"
             elif during_write:
-                start = checkpoint.iteration_of(expected) if expected else 0
+                start = checkpoint_files.iteration_of(expected) if expected else 0
                 moment = kill_during_write(logdir, process, start + rng.randint(0, 2))
             else:  # at a random moment of start-up and training, or of training only
                 after_start = trial % 3 == 0
@@ -445,7 +445,7 @@ def test_sigkill_at_random_moments_always_resumes_from_the_last_complete_checkpo
             start = "started afresh (no checkpoint yet)"
         else:
             start = "killed during start-up, before choosing a checkpoint"
-        torn = [p for p in logdir.glob("*/*/checkpoints/iter_*") if checkpoint.invalid_reason(p) is not None]
+        torn = [p for p in logdir.glob("*/*/checkpoints/iter_*") if checkpoint_files.invalid_reason(p) is not None]
         assert not torn, f"trial {trial} left torn checkpoints {torn}"
         now = complete_checkpoints(logdir)
         results.append((trial, moment, start))

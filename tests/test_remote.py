@@ -24,7 +24,7 @@ from reward_models.prm import ProcessRewardModel
 from reward_models.remote import RemotePRM
 from reward_models.serve import make_server
 from test_faults import child_env, wait_for
-from train import checkpoint
+from train import checkpoint_files
 from models.remote import ClientSettings, ServiceClient, ServiceError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -166,7 +166,7 @@ def test_a_prm_server_killed_mid_run_stops_training_saved_and_a_new_one_resumes_
     assert last.startswith("train_math.py: error: ") and url in last and "of problems [" in last, last
     resume = re.search(r"resume with: .*--resume=(\S+)$", last)
     saved = Path(resume[1])
-    assert checkpoint.invalid_reason(saved) is None and 0 < int(saved.name.removeprefix("iter_")) < 8
+    assert checkpoint_files.invalid_reason(saved) is None and 0 < int(saved.name.removeprefix("iter_")) < 8
     server, url = start_prm_server(untrained_policy_dir)
     try:
         finished = subprocess.run([*command, "--prm_url", url, f"--resume={saved}"], capture_output=True, text=True,

@@ -25,7 +25,7 @@ from envs.modes import ActionLevel, Backend, DataParallel, DType, LrSchedule, Pr
 from envs.prompts import STEP_DELIMITER
 from envs.rewards import OutcomeReward, OverlongPenalty, RewardMixture, RewardModel
 from reward_models.implicit_prm import ImplicitPRM
-from train import checkpoint, distributed
+from train import checkpoint_files, distributed
 from train.collector import Collector, RoleModels, Sampling
 from train.config import (EnvConfig, GenerationConfig, LearningConfig, ModelConfig, RewardConfig, RolloutConfig,
                           RunConfig, ServicesConfig)
@@ -383,7 +383,7 @@ def overlong_penalty(rollout: RolloutConfig, sampling: Sampling) -> OverlongPena
     return OverlongPenalty(sampling.max_new_tokens, rollout.overlong_buffer_len, rollout.overlong_penalty_factor)
 
 
-def build_runner(config: RunConfig, run_dir: Path, writer, saved: checkpoint.Checkpoint | None = None,
+def build_runner(config: RunConfig, run_dir: Path, writer, saved: checkpoint_files.Checkpoint | None = None,
                  generator_factory: GeneratorFactory | None = None, ranks: Ranks = Ranks()) -> Runner:
     """Every piece of a run from its config, composed into a Runner (restored from ``saved`` if given).
     ``writer`` is a tensorboardX SummaryWriter on ``run_dir`` (None on ranks other than 0);

@@ -16,7 +16,7 @@ environment the same code runs as one process and nothing here communicates.
   normalised by the global sample or token count (``all_reduce_sum`` of the minibatch totals) and
   scaled by the world size: N ranks compute the gradient one process would on all their samples.
 - Rank 0 alone writes TensorBoard, the progress bar and the policy export; statistics are sums and
-  counts added over ranks first. Checkpoints are written by every rank (``train.checkpoint``: DCP).
+  counts added over ranks first. Checkpoints are written by every rank (``train.checkpoint_files``: DCP).
 """
 
 from __future__ import annotations

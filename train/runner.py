@@ -5,7 +5,7 @@ data flows, each call returning what it produced, and keeps the counters (``Prog
     and reward models (Learner.score) -> advantages (Learner.targets) -> minibatch steps (Learner.train)
     -> scheduler step -> implicit-PRM update under --prime_update after (Learner.update_implicit_prm_after)
     -> sync the generator
-    -> log (train.reporting); between iterations, checkpoints (train.checkpointing).
+    -> log (train.reporting); between iterations, checkpoints (train.run_state).
 
 Surviving faults:
 - Checkpoints every ``save_interval`` iterations and at the end hold the weights, optimizer and
@@ -46,8 +46,8 @@ from algorithms.base import Algorithm
 from algorithms.buffer import RolloutBuffer
 from models.generation import Generator
 from models.policy import LanguagePolicy
-from train import checkpoint, distributed, evaluation
-from train.checkpointing import Checkpointer, Progress, Snapshot
+from train import checkpoint_files, distributed, evaluation
+from train.run_state import Checkpointer, Progress, Snapshot
 from train.collector import Collector
 from train.distributed import Ranks
 from train.evaluation import EvalSampling
@@ -333,7 +333,7 @@ class Runner:
         """The policy alone to ``<run>/best`` (``Checkpointer.save_best``)."""
         return self.checkpointer.save_best(iteration, accuracy)
 
-    def restore(self, saved: checkpoint.Checkpoint) -> None:
+    def restore(self, saved: checkpoint_files.Checkpoint) -> None:
         """Continues from ``saved``: weights, optimizers, RNGs, collector and counters; the generation
         engines take the restored weights."""
         self.progress = self.checkpointer.restore(saved)

@@ -1,4 +1,6 @@
-"""Atomic training checkpoints: everything a run needs to continue exactly where it stopped.
+"""A training checkpoint's files on disk: their layout, atomic writing, validation, finding and loading them.
+A checkpoint holds everything a run needs to continue exactly where it stopped; what the run puts in it (its
+counters and state) is ``train.run_state``'s.
 
 ``<run_dir>/checkpoints/iter_N`` (N = completed iterations) holds
 

@@ -1,6 +1,6 @@
-"""The run's state in and out of checkpoints (their format: ``train.checkpoint``): the runner's counters,
-a snapshot of everything but weights and optimizers, saving it with them, the best policy so far, and
-restoring all of it.
+"""The run's state in and out of checkpoints (their files on disk: ``train.checkpoint_files``): the runner's
+counters, a snapshot of everything but weights and optimizers, saving it with them, the best policy so far,
+and restoring all of it.
 
 A checkpoint ``iter_N`` holds the state after N iterations; under asynchronous rollouts it holds the env
 before the batch still in flight (``Rollouts.handed_over_state``), which a resume collects again. Several
@@ -18,7 +18,7 @@ import torch
 
 from models.loading import DTYPES
 from models.policy import LanguagePolicy
-from train import checkpoint, distributed
+from train import checkpoint_files, distributed
 from train.distributed import Ranks
 from train.reporting import write_out
 from train.rollouts import Rollouts
@@ -70,16 +70,17 @@ class Checkpointer:
         and torch RNGs and ``minibatch_rng`` (saved as "shuffle"). The JSON keeps one flat layout, so
         checkpoints of earlier versions resume."""
         return ({**asdict(progress), **self.rollouts.handed_over_state()},
-                {**checkpoint.rng_state(), "shuffle": self.minibatch_rng.get_state()})
+                {**checkpoint_files.rng_state(), "shuffle": self.minibatch_rng.get_state()})
 
     def save(self, snapshot: Snapshot) -> Path:
         """Writes checkpoint ``iter_<iteration>`` of ``snapshot`` with the current weights and optimizers
-        (``train.checkpoint.save``: atomic), then prunes to ``keep_checkpoints``."""
+        (``train.checkpoint_files.save``: atomic), then prunes to ``keep_checkpoints``."""
         self.rollouts.wait()  # the rollout thread may use the RNGs and the reward models: let it finish first
         state, rng = snapshot
         checkpoints_dir = self.run_dir / "checkpoints"
         saved = (state["iteration"], len(state["history"]))
-        if self.last_checkpoint == checkpoints_dir / f"{checkpoint.PREFIX}{saved[0]}" and self.last_saved == saved:
+        if (self.last_checkpoint == checkpoints_dir / f"{checkpoint_files.PREFIX}{saved[0]}"
+                and self.last_saved == saved):
             return self.last_checkpoint  # nothing trained or evaluated since (e.g. a stop right after a periodic save)
         if self.ranks.distributed:  # every rank's envs and RNGs in the one checkpoint
             gathered = distributed.all_gather_objects((state, rng))
@@ -91,7 +92,7 @@ class Checkpointer:
         optimizers = {"scheduler": self.scheduler.state_dict()}
         if self.implicit_prm is not None:
             optimizers["implicit_prm"] = self.implicit_prm.optimizer.state_dict()
-        path = checkpoint.save(checkpoints_dir, state["iteration"], policy=self.policy, optimizer=self.optimizer,
+        path = checkpoint_files.save(checkpoints_dir, state["iteration"], policy=self.policy, optimizer=self.optimizer,
                                optimizers=optimizers, rng=rng, state=state, flags=self.run_flags,
                                implicit_prm=self.implicit_prm.model if self.implicit_prm is not None else None,
                                ranks=self.ranks)
@@ -99,7 +100,7 @@ class Checkpointer:
         if self.ranks.is_main:
             log.info("saved checkpoint %s", path)
             if self.keep_checkpoints:
-                checkpoint.prune(checkpoints_dir, self.keep_checkpoints)
+                checkpoint_files.prune(checkpoints_dir, self.keep_checkpoints)
         return path
 
     def save_best(self, iteration: int, accuracy: float) -> Path:
@@ -107,17 +108,17 @@ class Checkpointer:
         it) to ``<run>/best``, atomically replacing the previous best: RL's held-out accuracy swings, and
         the last iteration is rarely the best one. Every rank calls it (a sharded policy gathers its weights)."""
         tensors = self.policy.full_tensors()
-        path = checkpoint.atomic_write(self.run_dir / "best", iteration,
+        path = checkpoint_files.atomic_write(self.run_dir / "best", iteration,
                                        lambda out: self.policy.save(out, tensors, self.save_dtype), ranks=self.ranks,
-                                       needed_bytes=checkpoint.export_bytes(tensors, self.save_dtype))
+                                       needed_bytes=checkpoint_files.export_bytes(tensors, self.save_dtype))
         if self.ranks.is_main:
             log.info("new best held-out accuracy %.3f at iteration %d: policy saved to %s", accuracy, iteration, path)
         return path
 
-    def restore(self, saved: checkpoint.Checkpoint) -> Progress:
+    def restore(self, saved: checkpoint_files.Checkpoint) -> Progress:
         """Loads ``saved``: the policy's trainable weights and optimizer, scheduler, implicit PRM, RNGs and
         collector (every rank: the train state is read as each rank holds it); returns its counters."""
-        checkpoint.load_train_state(saved, self.policy, self.optimizer)
+        checkpoint_files.load_train_state(saved, self.policy, self.optimizer)
         self.restore_optimizers(saved)
         state, rng = saved.state, saved.rng()
         saved_ranks = state.get("world_size", 1)
@@ -129,18 +130,18 @@ class Checkpointer:
                 log.warning("resuming a checkpoint of %d rank(s) on %d: the envs and their episodes are split anew",
                             saved_ranks, self.ranks.world_size)
         self.collector.set_state(state)
-        checkpoint.set_rng_state(rng)
+        checkpoint_files.set_rng_state(rng)
         self.minibatch_rng.set_state(rng["shuffle"])
         # a checkpoint written before a counter existed leaves that counter at its default
         progress = Progress(**{f.name: state[f.name] for f in fields(Progress) if f.name in state})
         self.last_checkpoint, self.last_saved = saved.path, (progress.iteration, len(progress.history))
         return progress
 
-    def restore_optimizers(self, saved: checkpoint.Checkpoint) -> None:
+    def restore_optimizers(self, saved: checkpoint_files.Checkpoint) -> None:
         """The scheduler, the lr it schedules for this run, and the implicit PRM with its optimizer."""
         optimizers = saved.optimizers(self.policy.device)
         if ("implicit_prm" in optimizers) != (self.implicit_prm is not None):
-            raise checkpoint.CheckpointError(
+            raise checkpoint_files.CheckpointError(
                 f"{saved.path} was trained {'with' if 'implicit_prm' in optimizers else 'without'} an implicit PRM, "
                 f"this run {'trains one' if self.implicit_prm is not None else 'trains none'}: resume with the "
                 "algorithm it was trained with")

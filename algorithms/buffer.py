@@ -217,9 +217,10 @@ class RolloutBuffer:
         """[T, N, A] True where an episode ended after the action (terminated or truncated)."""
         return self.terminated | self.truncated
 
-    def episode_returns(self) -> torch.Tensor:
-        """[N, A] summed rewards of each env's episode (episodic collection: one episode per env)."""
-        return (self.rewards * self.live).sum(0)
+    def episode_returns(self, rewards: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, A] summed rewards of each env's episode (episodic collection: one episode per env): the buffer's,
+        or ``rewards`` [T, N, A] in their place (e.g. less a KL penalty)."""
+        return ((self.rewards if rewards is None else rewards) * self.live).sum(0)
 
     def acted(self) -> torch.Tensor:
         """[N, A] the (env, agent) pairs that acted in their episode (episodic collection): a multi-agent

@@ -55,7 +55,7 @@ class GRPO(BaseAlgorithm):
         the actions that were taken count in a group."""
         kl = reward_kl(buffer, self.config)
         rewards = buffer.rewards if kl is None else buffer.rewards - self.config.kl_coef * kl.sum(3)  # [T, N, A]
-        returns, acted = (rewards * buffer.live).sum(0), buffer.acted()  # [N, A]
+        returns, acted = buffer.episode_returns(rewards), buffer.acted()  # [N, A]
         if self.config.agent_groups == AgentGroups.AT_GRPO:
             scores, scored, group_ids = rewards, buffer.live, buffer.turn_group_ids()
         else:  # one score per episode, [1, N, A]

@@ -367,7 +367,7 @@ def test_a_prm_server_dying_under_two_ranks_names_the_last_checkpoint(untrained_
     (run_dir,) = tmp_path.glob("APPO_Arith-v0/run_*")
     last = checkpoint_files.find_latest(run_dir)
     assert last is not None, failed.stderr[-3000:]
-    assert (f"[rank 0] train_math.py: error: " in failed.stderr and "Nothing was saved at the failure (its 2 ranks "
+    assert ("[rank 0] train_math.py: error: " in failed.stderr and "Nothing was saved at the failure (its 2 ranks "
             f"cannot join a save); the last checkpoint is {last}. Once the server is back, launch the same command "
             "with --resume auto" in failed.stderr), failed.stderr[-3000:]
     assert failed.stderr.count("run directory ") == 1, failed.stderr[-3000:]

@@ -66,7 +66,7 @@ def fit(policy_dir: Path, train: tuple[Batch, torch.Tensor], test: tuple[Batch, 
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
     curve, losses, started = [], [], time.perf_counter()
     for step, index in enumerate(order.split(batch), start=1):
-        losses.append(prm.update(*subset(rows, index), labels[index]))
+        losses.append(prm.update(*subset(rows, index), labels[index])[0])
         if step % report_every == 0 or step * batch >= len(labels):
             recent = losses[-report_every:]
             curve.append({"step": step, "train_loss": round(sum(recent) / len(recent), 4),

@@ -57,26 +57,40 @@ class ImplicitPRM:
         self.model = LanguagePolicy(model_dir, device=device, dtype=dtype, lora=lora)
         self.optimizer = torch.optim.AdamW(self.model.actor_parameters(), lr=lr, fused=True)  # no temporaries
 
-    def log_ratios(self, prompts: TokenBatch, actions: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log pi_psi - log pi_ref [B, L] with grad through psi, action mask [B, L])."""
+    @torch.no_grad()
+    def reference_logprobs(self, prompts: TokenBatch, actions: TokenBatch) -> torch.Tensor:
+        """[B, L] log pi_ref of the actions, 0 past each one's end. pi_ref is frozen, so a batch's are computed once
+        and passed to ``update`` and ``token_rewards`` (each computes them itself when not given)."""
+        if not token_lengths(actions):
+            return torch.zeros(0, 0)
+        return self.model.ref_log_probs(prompts, actions)
+
+    def log_ratios(self, prompts: TokenBatch, actions: TokenBatch,
+                   ref_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log pi_psi - log pi_ref [B, L] with grad through psi, action mask [B, L]); ``ref_logprobs`` [B, L]:
+        ``reference_logprobs`` of the same rows, computed here when None."""
         scores = self.model.score_actions(prompts, actions, with_entropy=False)
-        ref_logprobs = self.model.ref_log_probs(prompts, actions)
+        if ref_logprobs is None:
+            ref_logprobs = self.reference_logprobs(prompts, actions)
         mask = scores.mask.to(scores.logprobs.dtype)
         return (scores.logprobs - ref_logprobs.to(scores.logprobs.device)) * mask, scores.mask
 
     @torch.no_grad()
     def token_rewards(self, prompts: TokenBatch, actions: TokenBatch, step_ends: torch.Tensor | None = None,
-                      batch_max: Callable[[float], float] = float) -> torch.Tensor:
-        """Process rewards [B, L]: beta * log-ratio per token, or per step (summed over each step and
-        paid at the step's last token; ``step_ends`` [B, L] marks those tokens, default: each
-        action is one step), scaled by ``norm``. ``batch_max`` takes this process's largest |return-to-go|
-        to the batch's (under data parallelism: the maximum over every process, which each process joins,
-        with no rows too)."""
+                      batch_max: Callable[[float], float] = float,
+                      ref_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(process rewards [B, L], outcome scores [B]). The rewards: beta * log-ratio per token, or per step
+        (summed over each step and paid at the step's last token; ``step_ends`` [B, L] marks those tokens,
+        default: each action is one step), scaled by ``norm``; ``batch_max`` takes this process's largest
+        |return-to-go| to the batch's (under data parallelism: the maximum over every process, which each process
+        joins, with no rows too). The outcome scores: beta * sum_t log-ratio, its prediction of each action's
+        outcome (> 0: right), read off the same pass. ``ref_logprobs``: as ``log_ratios``."""
         if not token_lengths(actions):
             rewards, mask = torch.zeros(0, 0), torch.zeros(0, 0, dtype=torch.bool)
         else:
-            log_ratio, mask = self.log_ratios(prompts, actions)
+            log_ratio, mask = self.log_ratios(prompts, actions, ref_logprobs)
             rewards = self.beta * log_ratio
+        scores = rewards.sum(-1)
         if self.granularity is ImplicitPrmGranularity.STEP:
             if step_ends is None:
                 step_ends = mask & ~torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], dim=1)
@@ -85,7 +99,7 @@ class ImplicitPRM:
             returns_to_go = rewards.flip(-1).cumsum(-1).flip(-1)
             largest = float(returns_to_go.abs().max()) if rewards.numel() else 0.0
             rewards = rewards / (batch_max(largest) + 1e-6)
-        return rewards
+        return rewards, scores
 
     @torch.no_grad()
     def outcome_scores(self, prompts: TokenBatch, actions: TokenBatch) -> torch.Tensor:
@@ -95,21 +109,25 @@ class ImplicitPRM:
         return self.beta * self.log_ratios(prompts, actions)[0].sum(-1)
 
     def update(self, prompts: TokenBatch, actions: TokenBatch, labels: torch.Tensor, total: int | None = None,
-               sum_gradients: Callable[[list[torch.Tensor]], None] | None = None) -> float:
+               sum_gradients: Callable[[list[torch.Tensor]], None] | None = None,
+               ref_logprobs: torch.Tensor | None = None) -> tuple[float, torch.Tensor]:
         """One optimizer step of BCE(sigmoid(beta * sum_t log-ratio), labels [B] in {0, 1}), its gradient
-        norm clipped to ``MAX_GRAD_NORM``; returns this batch's summed loss divided by ``total``.
+        norm clipped to ``MAX_GRAD_NORM``. Returns (this batch's summed loss divided by ``total``, the outcome
+        scores [B] the step started from: its predictions of outcomes it had not yet trained on, as PRIME's
+        code reads its accuracy before the update). ``ref_logprobs``: as ``log_ratios``.
 
         Data parallelism: ``total`` is the number of samples over every process (default B), so each
         process's loss is its share of the mean, and ``sum_gradients`` adds the gradients (in place)
         over the processes before the step; a process with no samples joins with zero gradients."""
         total = len(labels) if total is None else total
-        loss = torch.zeros(())
+        loss, scores = torch.zeros(()), torch.zeros(0)
         if len(labels):
-            log_ratio, _ = self.log_ratios(prompts, actions)
+            log_ratio, _ = self.log_ratios(prompts, actions, ref_logprobs)
             logits = self.beta * log_ratio.sum(-1)
             loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels.to(logits),
                                                                         reduction="sum") / total
             loss.backward()
+            scores = logits.detach()
         parameters = list(self.model.actor_parameters())
         if sum_gradients is not None:
             for param in parameters:
@@ -119,7 +137,7 @@ class ImplicitPRM:
         torch.nn.utils.clip_grad_norm_([param for param in parameters if param.grad is not None], MAX_GRAD_NORM)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)  # a model's worth, not held between updates
-        return float(loss.detach())
+        return float(loss.detach()), scores
 
 
 def _sum_per_step(rewards: torch.Tensor, step_ends: torch.Tensor) -> torch.Tensor:

@@ -200,7 +200,8 @@ def test_implicit_prm_reward_by_hand_and_update_direction(untrained_policy_dir):
     before = sequence_probability()
     torch.testing.assert_close(before, torch.full((4,), 0.5))  # psi starts as ref
     torch.testing.assert_close(prm.outcome_scores(prompts, actions), torch.zeros(4))  # psi is ref: no opinion
-    loss_before = prm.update(prompts, actions, labels)
+    loss_before, scores_before = prm.update(prompts, actions, labels)
+    torch.testing.assert_close(scores_before, torch.zeros(4))  # the scores the step started from
     torch.testing.assert_close(torch.sigmoid(prm.outcome_scores(prompts, actions)), sequence_probability())
     after = sequence_probability()
     loss_after = float(torch.nn.functional.binary_cross_entropy(after, labels))
@@ -208,7 +209,11 @@ def test_implicit_prm_reward_by_hand_and_update_direction(untrained_policy_dir):
     assert loss_after < loss_before == pytest.approx(math.log(2))
     assert after[labels == 1].min() > after[labels == 0].max(), after
 
-    rewards = prm.token_rewards(prompts, actions)
+    ref_logprobs = prm.reference_logprobs(prompts, actions)
+    rewards, scores = prm.token_rewards(prompts, actions)
+    torch.testing.assert_close(scores, prm.outcome_scores(prompts, actions))
+    given, _ = prm.token_rewards(prompts, actions, ref_logprobs=ref_logprobs)  # the frozen reference's, passed in
+    assert torch.equal(given, rewards)
     reference = AutoModelForCausalLM.from_pretrained(untrained_policy_dir)
     for b in range(4):
         by_hand = prm.beta * (hand_log_prob_sum(prm.model.causal_lm, prompts[b], actions[b])
@@ -216,18 +221,18 @@ def test_implicit_prm_reward_by_hand_and_update_direction(untrained_policy_dir):
         assert float(rewards[b].sum()) == pytest.approx(by_hand, abs=1e-4)
     step_prm = ImplicitPRM(untrained_policy_dir, beta=0.5, granularity="step", norm="none", device="cpu")
     step_prm.model.load_state_dict(prm.model.state_dict())
-    step_rewards = step_prm.token_rewards(prompts, actions)
+    step_rewards, _ = step_prm.token_rewards(prompts, actions)
     torch.testing.assert_close(step_rewards.sum(-1), rewards.sum(-1), atol=1e-5, rtol=0)
     assert int((step_rewards != 0).sum()) == 4  # one summed reward per action, at its last token
 
     # batch_norm (PRIME's default): the same rewards over the batch's largest |return-to-go|
     prm.norm = PrimeNorm.BATCH_NORM
-    normed = prm.token_rewards(prompts, actions)
+    normed, _ = prm.token_rewards(prompts, actions)
     largest = rewards.flip(-1).cumsum(-1).flip(-1).abs().max()
     torch.testing.assert_close(normed, rewards / (largest + 1e-6))
     assert float(normed.flip(-1).cumsum(-1).flip(-1).abs().max()) == pytest.approx(1.0, abs=1e-5)
     # under data parallelism the batch's maximum is every process's: a larger one elsewhere scales these down
-    torch.testing.assert_close(prm.token_rewards(prompts, actions, batch_max=lambda mine: 2 * mine),
+    torch.testing.assert_close(prm.token_rewards(prompts, actions, batch_max=lambda mine: 2 * mine)[0],
                                rewards / (2 * largest + 1e-6))
 
 

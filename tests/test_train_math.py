@@ -501,7 +501,8 @@ def test_the_implicit_prm_steps_before_or_after_scoring_a_batch(untrained_policy
     outcomes, so the rewards it then writes already rank them (every answer here is wrong: every episode's
     process return is negative, the largest |return-to-go| 1 under batch_norm); under ``after`` it scores the
     batch as its reference did (all 0) and learns only after the policy's update. Either way its held-out
-    accuracy comes from scores taken before any step on the batch (all 0: "wrong", right for every episode)."""
+    accuracy comes from scores taken before any step on the batch (all 0: "wrong", right for every episode), read
+    off the pass its step or its rewards take, and its frozen reference scores the batch once for both."""
     from tensorboardX import SummaryWriter
 
     from test_env import StepLengthReward
@@ -524,7 +525,14 @@ def test_the_implicit_prm_steps_before_or_after_scoring_a_batch(untrained_policy
     assert float(buffer.episode_correct().sum()) == 0  # the untrained policy never verifies
     prm = runner.learner.implicit_prm.model
     start = [p.detach().clone() for p in prm.actor_parameters()]
+    passes = {"reference": 0, "psi": 0}
+    for name, method in (("reference", "ref_log_probs"), ("psi", "score_actions")):
+        def counted(*args, _name=name, _scored=getattr(prm, method), **kwargs):
+            passes[_name] += 1
+            return _scored(*args, **kwargs)
+        monkeypatch.setattr(prm, method, counted)
     stats = runner.learner.process_rewards(buffer)
+    assert passes == {"reference": 1, "psi": 2 if prime_update == "before" else 1}
     stepped = not all(torch.equal(a, b) for a, b in zip(start, prm.actor_parameters()))
     assert stats["implicit_prm/heldout_accuracy"] == 1.0
     order, token_mask = buffer.episode_token_order()

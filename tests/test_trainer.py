@@ -176,15 +176,16 @@ def test_algorithm_raises_training_reward_on_arith(tiny_models, tmp_path, name, 
 @pytest.mark.slow
 def test_prime_implicit_prm_learns_to_predict_outcomes(tiny_models, tmp_path):
     """PRIME's claim that an implicit PRM learns from outcome labels alone: each batch's held-out ROC-AUC
-    (its outcome score, beta * sum log(pi_psi / pi_ref), against the verified answers, before it trains
-    on the batch). An uninformed score has AUC 0.5 (sd about 0.04 on one batch of 256, 0.013 on the mean
-    of ten). On the shipped build (the learning grid's rloo_prime, 128 envs, seeds 0 and 1): 0.64 and 0.66 on
+    over every sampled answer (its outcome score, beta * sum log(pi_psi / pi_ref), against the verified answers,
+    of answers it has not trained on; ``--implicit_prm_heldout_all``). An uninformed score has AUC 0.5 (sd about
+    0.04 on one batch of 256, 0.013 on the mean of ten). On the shipped build (the learning grid's rloo_prime, 128 envs, seeds 0 and 1): 0.64 and 0.66 on
     average from the fourth to the 25th iteration, 0.65 and 0.70 over iterations 16-25."""
     run_dir = run_train_math(["--algorithm_name", "RLOO", "--model_name_or_path", str(tiny_models.policy),
                               "--eval_interval", "0", "--logdir", str(tmp_path), "--save_interval", "0",
                               *GRPO_SAMPLING, "--group_size", "8",
-                              "--n_rollout_threads", "64", "--num_env_steps", str(64 * 4 * 25)])
-    aucs = [value for _, value in sorted(read_scalars(run_dir)["implicit_prm/heldout_auc"])]
+                              "--n_rollout_threads", "64", "--num_env_steps", str(64 * 4 * 25),
+                              "--implicit_prm_heldout_all"])
+    aucs = [value for _, value in sorted(read_scalars(run_dir)["implicit_prm/heldout_all_auc"])]
     late = float(np.mean(aucs[-10:]))
     print(f"implicit PRM held-out ROC-AUC: iteration 0 {aucs[0]:.3f}, mean of the last 10 {late:.3f}")
     assert late > 0.6, f"the implicit PRM did not learn to predict outcomes: held-out AUC {aucs}"

@@ -332,6 +332,9 @@ class PrimeConfig:
     prime_norm: PrimeNorm = option(PrimeNorm.BATCH_NORM, "PRIME: batch_norm divides a batch's process rewards by their "
                                    "largest |return-to-go| (process returns in [-1, 1], as the outcome's); none: "
                                    "implicit_prm_beta * log-ratio as is.")
+    implicit_prm_heldout_all: bool = option(False, "PRIME: also score every sampled episode, the groups the prompt "
+                                            "filter drops included, for implicit_prm/heldout_all_auc (one more "
+                                            "PRM and reference pass over all of them).")
     normalize_advantages: bool = option(True, "RLOO: standardise the summed returns over the batch's trained tokens "
                                         "(mean 0, std 1), as PRIME's code does.")
 

@@ -32,7 +32,7 @@ from models.forward import module_mode
 from models.policy import LanguagePolicy
 from train import distributed
 from train.collector import Collector
-from train.config import LearningConfig, RolloutConfig
+from train.config import LearningConfig, PrimeConfig, RolloutConfig
 from train.correction import GapMeter, corrected_targets, score_trainer_logprobs
 from train.distributed import Ranks
 
@@ -74,13 +74,13 @@ class Learner:
     def __init__(self, config: LearningConfig, rollout: RolloutConfig, policy: LanguagePolicy,
                  trained_module: torch.nn.Module, algorithm: Algorithm, optimizer: torch.optim.Optimizer,
                  collector: Collector, minibatch_rng: torch.Generator, ranks: Ranks, implicit_prm=None,
-                 prime_update: PrimeUpdate = PrimeUpdate.BEFORE):
+                 prime: PrimeConfig = PrimeConfig()):
         self.config, self.rollout, self.policy, self.trained_module = config, rollout, policy, trained_module
         self.algorithm = algorithm
         self.spec = algorithm_spec(algorithm.name)
         self.optimizer, self.collector, self.minibatch_rng = optimizer, collector, minibatch_rng
         self.temperature = collector.sampling.temperature
-        self.ranks, self.implicit_prm, self.prime_update = ranks, implicit_prm, prime_update
+        self.ranks, self.implicit_prm, self.prime = ranks, implicit_prm, prime
 
     def score(self, buffer: RolloutBuffer) -> Scores:
         """Writes into ``buffer`` what the loss needs of other models: the reference log-probs of every live
@@ -101,16 +101,26 @@ class Learner:
         that pass the prompt filter, ``algorithm.kept``) into ``buffer.token_rewards``, 0 elsewhere. Under
         ``--prime_update before`` the PRM first takes its step on those episodes, so that their rewards already
         carry what their outcomes taught it. Returns its held-out statistics (``implicit_prm_heldout``: its
-        outcome scores of every live episode before any step on this batch) and, under ``before``, its loss."""
-        live, kept = buffer.rows(), self.algorithm.kept(buffer)
-        unseen_scores = self.implicit_prm.outcome_scores(live.prompts, (live.action_ids, live.action_lengths))
-        stats = self.implicit_prm_heldout(buffer, live.index, unseen_scores, kept.flatten()[live.index])
+        outcome scores of those episodes before its step on them, read off the pass its step or its rewards
+        take; with ``--implicit_prm_heldout_all`` also of every live episode) and, under ``before``, its loss."""
+        kept = self.algorithm.kept(buffer)
         rows = buffer.rows(kept)
-        if self.prime_update is PrimeUpdate.BEFORE:
-            stats["loss/implicit_prm"] = self.implicit_prm_step(buffer, rows)
-        process = self.implicit_prm.token_rewards(rows.prompts, (rows.action_ids, rows.action_lengths),
-                                                  batch_max=self.batch_max)
+        actions = (rows.action_ids, rows.action_lengths)
+        reference = self.implicit_prm.reference_logprobs(rows.prompts, actions)  # frozen: one pass serves both
+        stats = {}
+        if self.prime.prime_update is PrimeUpdate.BEFORE:
+            stats["loss/implicit_prm"], unseen = self.implicit_prm_step(buffer, rows, reference)
+        process, scores = self.implicit_prm.token_rewards(rows.prompts, actions, batch_max=self.batch_max,
+                                                          ref_logprobs=reference)
+        if self.prime.prime_update is PrimeUpdate.AFTER:
+            unseen = scores
         buffer.token_rewards = buffer.scatter_tokens(rows.index, process)
+        stats |= self.implicit_prm_heldout(buffer, rows.index, unseen, "heldout")
+        if self.prime.implicit_prm_heldout_all:
+            others = buffer.rows(buffer.live & ~kept)
+            other_scores = self.implicit_prm.outcome_scores(others.prompts, (others.action_ids, others.action_lengths))
+            stats |= self.implicit_prm_heldout(buffer, torch.cat([rows.index, others.index]),
+                                               torch.cat([unseen.cpu(), other_scores.cpu()]), "heldout_all")
         return stats
 
     def batch_max(self, value: float) -> float:
@@ -171,25 +181,21 @@ class Learner:
         """The minibatch totals over every rank (``RolloutBuffer.minibatches``), or None in one process."""
         return distributed.all_reduce_sum if self.ranks.distributed else None
 
-    def implicit_prm_heldout(self, buffer: RolloutBuffer, index: torch.Tensor, totals: torch.Tensor,
-                             trained: torch.Tensor) -> dict[str, float]:
-        """PRIME: how well the implicit PRM predicts the outcomes of a batch it has not trained on yet:
-        ROC-AUC and accuracy of its outcome scores ``totals`` [B] of the slots ``index`` [B] against whether
-        their episode's answer verified, and the ROC-AUC among the ``trained`` [B] ones alone (the filtered
-        groups, each holding a right and a wrong answer: how well it ranks answers to the same problem, which
-        is what the process stream's leave-one-out advantages read). Every rank's rows count; an AUC is NaN
-        while its rows hold one class only."""
-        labels, totals, trained = buffer.episode_correct_at(index).cpu(), totals.float().cpu(), trained.cpu()
+    def implicit_prm_heldout(self, buffer: RolloutBuffer, index: torch.Tensor, scores: torch.Tensor,
+                             name: str) -> dict[str, float]:
+        """PRIME: how well the implicit PRM predicts outcomes it has not trained on: ``implicit_prm/<name>_auc``
+        and ``_accuracy``, the ROC-AUC and accuracy (score > 0) of its outcome scores ``scores`` [B] of the slots
+        ``index`` [B] against whether their episode's answer verified. Over the filtered groups, each holding a
+        right and a wrong answer to one problem, the AUC is how well it ranks answers to the same problem: what
+        the process stream's leave-one-out advantages read. Every rank's rows count; the AUC is NaN while the
+        rows hold one class only."""
+        labels, scores = buffer.episode_correct_at(index).cpu(), scores.float().cpu()
         if self.ranks.distributed:
-            gathered = distributed.all_gather_objects((totals, labels, trained))
-            totals, labels, trained = (torch.cat(parts) for parts in zip(*gathered))
-
-        def auc(scores: torch.Tensor, truth: torch.Tensor) -> float:
-            return roc_auc(scores, truth) if 0 < int(truth.sum()) < len(truth) else math.nan
-
-        return {"implicit_prm/heldout_auc": auc(totals, labels),
-                "implicit_prm/heldout_auc_trained": auc(totals[trained], labels[trained]),
-                "implicit_prm/heldout_accuracy": float(((totals > 0).float() == labels).float().mean())}
+            gathered = distributed.all_gather_objects((scores, labels))
+            scores, labels = (torch.cat(parts) for parts in zip(*gathered))
+        both = 0 < int(labels.sum()) < len(labels)
+        return {f"implicit_prm/{name}_auc": roc_auc(scores, labels) if both else math.nan,
+                f"implicit_prm/{name}_accuracy": float(((scores > 0).float() == labels).float().mean())}
 
     def minibatch_step(self, minibatch: list[Batch], sums: dict, weights: dict, grad_norms: list,
                        gap: GapMeter | None = None) -> tuple[float, bool, str | None]:
@@ -317,17 +323,20 @@ class Learner:
     def update_implicit_prm_after(self, buffer: RolloutBuffer, targets: AdvantageEstimate) -> dict[str, float]:
         """PRIME under ``--prime_update after``: one step of the implicit PRM on the actions the policy trained on
         (``buffer.trained(targets)``); returns its loss. Nothing (``{}``) without a PRM or under ``before``."""
-        if self.implicit_prm is None or self.prime_update is not PrimeUpdate.AFTER:
+        if self.implicit_prm is None or self.prime.prime_update is not PrimeUpdate.AFTER:
             return {}
-        return {"loss/implicit_prm": self.implicit_prm_step(buffer, buffer.rows(buffer.trained(targets)))}
+        return {"loss/implicit_prm": self.implicit_prm_step(buffer, buffer.rows(buffer.trained(targets)))[0]}
 
-    def implicit_prm_step(self, buffer: RolloutBuffer, rows: Batch) -> float:
-        """One step of the implicit PRM on ``rows``, labelled by whether their episode's answer verified; returns
-        its loss (NaN when no rank has a row)."""
+    def implicit_prm_step(self, buffer: RolloutBuffer, rows: Batch,
+                          reference: torch.Tensor | None = None) -> tuple[float, torch.Tensor]:
+        """One step of the implicit PRM on ``rows``, labelled by whether their episode's answer verified
+        (``reference``: their reference log-probs, when already computed); returns its loss (NaN when no rank has
+        a row) and its outcome scores [B] of ``rows`` before the step."""
         total = int(distributed.all_reduce_sum([rows.num_samples])[0])  # over every rank
         if total == 0:
-            return math.nan
+            return math.nan, torch.zeros(0)
         labels = buffer.episode_correct_at(rows.index)
-        loss = self.implicit_prm.update(rows.prompts, (rows.action_ids, rows.action_lengths), labels, total,
-                                        distributed.sum_in_place if self.ranks.distributed else None)
-        return float(distributed.all_reduce_sum([loss])[0])
+        loss, scores = self.implicit_prm.update(rows.prompts, (rows.action_ids, rows.action_lengths), labels, total,
+                                                distributed.sum_in_place if self.ranks.distributed else None,
+                                                reference)
+        return float(distributed.all_reduce_sum([loss])[0]), scores

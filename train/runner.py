@@ -103,7 +103,7 @@ class Runner:
         self.learner = Learner(config.learning, config.rollout, policy,
                                trained_module if trained_module is not None else policy,
                                algorithm, optimizer, collector, minibatch_rng, ranks, implicit_prm,
-                               config.prime.prime_update)
+                               config.prime)
         self.scheduler = scheduler  # the lr schedule: steps with each iteration that updated the policy
         self.reporter = Reporter(writer, ranks, policy.tokenizer, collector.roles, NUM_TEXT_SAMPLES)
         self.checkpointer = Checkpointer(run_dir, logs.keep_checkpoints, policy, optimizer, scheduler, self.rollouts,

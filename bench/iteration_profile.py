@@ -61,7 +61,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iterations", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--top", type=int, default=12, help="Functions to list by own time (0: the phases alone).")
     parser.add_argument("extra", nargs="*", help="train_math.py flags after --")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as run_dir:
@@ -84,11 +84,12 @@ def main() -> None:
         print(f"| {tag.removeprefix('time/')} | {value:.3f} | {value / seconds:.0%} |")
     rest = seconds - sum(phases.values())
     print(f"| the rest (logging, bookkeeping) | {rest:.3f} | {rest / seconds:.0%} |")
-    text = io.StringIO()
-    pstats.Stats(profile, stream=text).strip_dirs().sort_stats("tottime").print_stats(args.top)
-    lines = text.getvalue().splitlines()
-    start = next(i for i, line in enumerate(lines) if line.lstrip().startswith("ncalls"))
-    print(f"\ntop {args.top} functions by own time:\n" + "\n".join(lines[start:start + args.top + 1]))
+    if args.top:  # 0: the phases alone
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).strip_dirs().sort_stats("tottime").print_stats(args.top)
+        lines = text.getvalue().splitlines()
+        start = next(i for i, line in enumerate(lines) if line.lstrip().startswith("ncalls"))
+        print(f"\ntop {args.top} functions by own time:\n" + "\n".join(lines[start:start + args.top + 1]))
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ MAX_GRAD_NORM = 1.0  # PRIME's reward-model optimizer clips its gradient norm he
 
 class ImplicitPRM:
     """The implicit PRM of the module docstring. The trainer decides when it learns (it calls
-    ``update``); the checkpoint saves ``model`` and ``optimizer``.
+    ``update``, or ``accumulate`` per micro-batch then ``step``); the checkpoint saves ``model`` and ``optimizer``.
 
     Args:
         model_dir: the Hugging Face causal LM it starts from (psi and the frozen reference).
@@ -111,23 +111,33 @@ class ImplicitPRM:
     def update(self, prompts: TokenBatch, actions: TokenBatch, labels: torch.Tensor, total: int | None = None,
                sum_gradients: Callable[[list[torch.Tensor]], None] | None = None,
                ref_logprobs: torch.Tensor | None = None) -> tuple[float, torch.Tensor]:
-        """One optimizer step of BCE(sigmoid(beta * sum_t log-ratio), labels [B] in {0, 1}), its gradient
-        norm clipped to ``MAX_GRAD_NORM``. Returns (this batch's summed loss divided by ``total``, the outcome
-        scores [B] the step started from: its predictions of outcomes it had not yet trained on, as PRIME's
-        code reads its accuracy before the update). ``ref_logprobs``: as ``log_ratios``.
+        """One optimizer step on one batch: ``accumulate`` then ``step``. Returns ``accumulate``'s (loss, scores);
+        ``total`` defaults to B."""
+        loss, scores = self.accumulate(prompts, actions, labels, len(labels) if total is None else total,
+                                       ref_logprobs)
+        self.step(sum_gradients)
+        return loss, scores
 
-        Data parallelism: ``total`` is the number of samples over every process (default B), so each
-        process's loss is its share of the mean, and ``sum_gradients`` adds the gradients (in place)
-        over the processes before the step; a process with no samples joins with zero gradients."""
-        total = len(labels) if total is None else total
-        loss, scores = torch.zeros(()), torch.zeros(0)
-        if len(labels):
-            log_ratio, _ = self.log_ratios(prompts, actions, ref_logprobs)
-            logits = self.beta * log_ratio.sum(-1)
-            loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels.to(logits),
-                                                                        reduction="sum") / total
-            loss.backward()
-            scores = logits.detach()
+    def accumulate(self, prompts: TokenBatch, actions: TokenBatch, labels: torch.Tensor, total: int,
+                   ref_logprobs: torch.Tensor | None = None) -> tuple[float, torch.Tensor]:
+        """Adds to the gradients BCE(sigmoid(beta * sum_t log-ratio), labels [B] in {0, 1}) summed over these
+        rows and divided by ``total`` (the samples of the whole step, over every micro-batch and process), so
+        that micro-batches add up to the step's mean. Returns (that loss, the outcome scores [B] it was taken
+        at: before the step, its predictions of outcomes it has not trained on, as PRIME's code reads its
+        accuracy before the update). ``ref_logprobs``: as ``log_ratios``."""
+        if not len(labels):
+            return 0.0, torch.zeros(0)
+        log_ratio, _ = self.log_ratios(prompts, actions, ref_logprobs)
+        logits = self.beta * log_ratio.sum(-1)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels.to(logits), reduction="sum") / total
+        loss.backward()
+        return float(loss.detach()), logits.detach()
+
+    def step(self, sum_gradients: Callable[[list[torch.Tensor]], None] | None = None) -> None:
+        """The optimizer step on the accumulated gradients, their norm clipped to ``MAX_GRAD_NORM``.
+
+        Data parallelism: ``sum_gradients`` adds the gradients (in place) over the processes before the step; a
+        process with no samples joins with zero gradients."""
         parameters = list(self.model.actor_parameters())
         if sum_gradients is not None:
             for param in parameters:
@@ -137,7 +147,6 @@ class ImplicitPRM:
         torch.nn.utils.clip_grad_norm_([param for param in parameters if param.grad is not None], MAX_GRAD_NORM)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)  # a model's worth, not held between updates
-        return float(loss.detach()), scores
 
 
 def _sum_per_step(rewards: torch.Tensor, step_ends: torch.Tensor) -> torch.Tensor:

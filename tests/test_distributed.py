@@ -157,12 +157,14 @@ def test_a_checkpoint_resumes_at_another_number_of_ranks(untrained_policy_dir, t
 
 @pytest.mark.slow  # 2 ranks against one process (30 s); one process's implicit PRM runs by default (test_checkpoint)
 def test_rloo_and_its_implicit_prm_train_the_same_on_two_ranks(untrained_policy_dir, tmp_path):
-    """PRIME's two streams: the implicit PRM's gradients are summed over ranks too. Every group kept (the
-    filter's quota is per rank, so a filtering run keeps other groups than one process would)."""
+    """PRIME's two streams: the implicit PRM's gradients are summed over ranks too, and over the micro-batches
+    that ``--micro_batch_tokens`` cuts. Every group kept (the filter's quota is per rank, so a filtering run keeps
+    other groups than one process would)."""
     rloo = ("--algorithm_name", "RLOO", "--group_size", "4", "--oversample_factor", "1", "--accuracy_lower_bound",
             "0", "--accuracy_upper_bound", "1", "--action_level", "solution", "--episode_length", "1",
             "--implicit_prm_lr", "1e-4", "--num_env_steps", "24")  # 3 iterations of one step
-    split = train(tmp_path / "two", untrained_policy_dir, 2, 4, *rloo, "--gradient_cp_steps", "4")
+    split = train(tmp_path / "two", untrained_policy_dir, 2, 4, *rloo, "--gradient_cp_steps", "4",
+                  "--micro_batch_tokens", "64")  # the PRM's step too in micro-batches of their own on each rank
     assert split.returncode == 0, split.stderr[-4000:]
     whole = train(tmp_path / "one", untrained_policy_dir, 1, 8, *rloo, "--gradient_cp_steps", "8")
     assert whole.returncode == 0, whole.stderr[-4000:]

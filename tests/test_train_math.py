@@ -4,6 +4,8 @@ OpenR's command with the tiny models writing TensorBoard event files that read b
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import importlib.util
 import re
 import subprocess
@@ -494,15 +496,9 @@ def test_no_gradient_is_held_after_an_update(untrained_policy_dir, tmp_path, mon
     assert held == []
 
 
-@pytest.mark.parametrize("prime_update", ["before", "after"])
-def test_the_implicit_prm_steps_before_or_after_scoring_a_batch(untrained_policy_dir, tmp_path, monkeypatch,
-                                                                 prime_update):
-    """PRIME's order (verl's reward_model.model.update): under ``before`` the PRM first learns from the batch's
-    outcomes, so the rewards it then writes already rank them (every answer here is wrong: every episode's
-    process return is negative, the largest |return-to-go| 1 under batch_norm); under ``after`` it scores the
-    batch as its reference did (all 0) and learns only after the policy's update. Either way its held-out
-    accuracy comes from scores taken before any step on the batch (all 0: "wrong", right for every episode), read
-    off the pass its step or its rewards take, and its frozen reference scores the batch once for both."""
+def prime_runner(policy_dir, logdir, monkeypatch, micro_batch_tokens: int = 0, **prime):
+    """A runner of PRIME on the untrained policy (8 envs, 12-token actions, every group kept), rewarded by
+    ``StepLengthReward``."""
     from tensorboardX import SummaryWriter
 
     from test_env import StepLengthReward
@@ -513,14 +509,26 @@ def test_the_implicit_prm_steps_before_or_after_scoring_a_batch(untrained_policy
 
     monkeypatch.setattr(builders, "build_reward_model", lambda config, device, template: StepLengthReward())
     torch.manual_seed(0)
-    config = RunConfig(model=ModelConfig(name_or_path=str(untrained_policy_dir), device="cpu"),
+    config = RunConfig(model=ModelConfig(name_or_path=str(policy_dir), device="cpu"),
                        env=EnvConfig(num_envs=8), generation=GenerationConfig(max_new_tokens=12),
-                       learning=LearningConfig(algorithm="RLOO"),
-                       prime=PrimeConfig(accuracy_lower_bound=0.0, oversample_factor=1, prime_update=prime_update,
-                                         implicit_prm_lr=1e-3),
+                       learning=LearningConfig(algorithm="RLOO", micro_batch_tokens=micro_batch_tokens),
+                       prime=PrimeConfig(accuracy_lower_bound=0.0, oversample_factor=1, implicit_prm_lr=1e-3, **prime),
                        budget=BudgetConfig(num_iterations=1, eval_interval=0),
                        logging=LoggingConfig(save_interval=0, save_best=False))
-    runner = build_runner(config, tmp_path, SummaryWriter(str(tmp_path)))
+    with SummaryWriter(str(logdir)) as writer:
+        return build_runner(config, logdir, writer)
+
+
+@pytest.mark.parametrize("prime_update", ["before", "after"])
+def test_the_implicit_prm_steps_before_or_after_scoring_a_batch(untrained_policy_dir, tmp_path, monkeypatch,
+                                                                 prime_update):
+    """PRIME's order (verl's reward_model.model.update): under ``before`` the PRM first learns from the batch's
+    outcomes, so the rewards it then writes already rank them (every answer here is wrong: every episode's
+    process return is negative, the largest |return-to-go| 1 under batch_norm); under ``after`` it scores the
+    batch as its reference did (all 0) and learns only after the policy's update. Either way its held-out
+    accuracy comes from scores taken before any step on the batch (all 0: "wrong", right for every episode), read
+    off the pass its step or its rewards take, and its frozen reference scores the batch once for both."""
+    runner = prime_runner(untrained_policy_dir, tmp_path, monkeypatch, prime_update=prime_update)
     buffer = runner.rollouts.next(0, 0, 0).buffer
     assert float(buffer.episode_correct().sum()) == 0  # the untrained policy never verifies
     prm = runner.learner.implicit_prm.model
@@ -545,6 +553,28 @@ def test_the_implicit_prm_steps_before_or_after_scoring_a_batch(untrained_policy
     else:
         assert not stepped and "loss/implicit_prm" not in stats
         assert float(returns.abs().max()) == 0.0
+
+
+def test_the_implicit_prm_step_in_micro_batches_equals_one_batch(untrained_policy_dir, tmp_path, monkeypatch):
+    """``--micro_batch_tokens`` bounds the implicit PRM's step as it bounds the policy's: the gradients of the
+    micro-batches add up to the one batch's, so its loss, the scores it started from and its weights after the
+    step equal those of one pass (to float error)."""
+    runner = prime_runner(untrained_policy_dir, tmp_path, monkeypatch, micro_batch_tokens=40)
+    learner, buffer = runner.learner, runner.rollouts.next(0, 0, 0).buffer
+    prm = learner.implicit_prm
+    rows = buffer.rows()
+    assert len(learner.micro_batch_rows(buffer, rows)) > 2
+    weights, optimizer = copy.deepcopy(prm.model.state_dict()), copy.deepcopy(prm.optimizer.state_dict())
+    loss, scores = learner.implicit_prm_step(buffer, rows)
+    parts = [p.detach().clone() for p in prm.model.actor_parameters()]
+    prm.model.load_state_dict(weights)
+    prm.optimizer.load_state_dict(optimizer)
+    learner.config = dataclasses.replace(learner.config, micro_batch_tokens=0)
+    whole_loss, whole_scores = learner.implicit_prm_step(buffer, rows)
+    assert loss == pytest.approx(whole_loss, abs=1e-5)
+    torch.testing.assert_close(scores, whole_scores, atol=1e-5, rtol=0)
+    for part, whole in zip(parts, prm.model.actor_parameters()):  # an AdamW step moves a weight ~lr = 1e-3
+        torch.testing.assert_close(part, whole.detach(), atol=1e-5, rtol=0)
 
 
 def test_val_only_evaluates_once_and_trains_and_saves_nothing(untrained_policy_dir, tmp_path):

@@ -239,7 +239,8 @@ class LearningConfig:
     micro_batch_tokens: int = option(
         0, "Most positions one micro-batch forwards, padding included (its prompts once, padded to the longest, "
         "then each action, padded to the longest): micro-batches are cut further until each fits, rows of one prompt "
-        "kept together, the gradient unchanged. It bounds the update's activation memory; 0: no limit.",
+        "kept together, the gradient unchanged. It bounds the update's activation memory (the policy's and PRIME's "
+        "implicit PRM's steps); 0: no limit.",
         lower_bound=0)
     lr: float = option(1e-4, "Policy learning rate (AdamW).")
     critic_lr: float = option(1e-3, "Critic learning rate (value head and critic adapter).")

@@ -29,6 +29,7 @@ from algorithms.registry import algorithm_spec
 from algorithms.statistics import kl_early_stop, role_sums, row_statistics
 from envs.modes import Critic, PrimeUpdate
 from models.forward import module_mode
+from models.packing import take
 from models.policy import LanguagePolicy
 from train import distributed
 from train.collector import Collector
@@ -329,14 +330,29 @@ class Learner:
 
     def implicit_prm_step(self, buffer: RolloutBuffer, rows: Batch,
                           reference: torch.Tensor | None = None) -> tuple[float, torch.Tensor]:
-        """One step of the implicit PRM on ``rows``, labelled by whether their episode's answer verified
-        (``reference``: their reference log-probs, when already computed); returns its loss (NaN when no rank has
-        a row) and its outcome scores [B] of ``rows`` before the step."""
+        """One step of the implicit PRM on ``rows``, labelled by whether their episode's answer verified, its
+        gradients accumulated over micro-batches of at most ``micro_batch_tokens`` forwarded positions as the
+        policy's are (``reference``: the rows' reference log-probs [B, L], when already computed); returns its
+        loss (NaN when no rank has a row) and its outcome scores [B] of ``rows`` before the step."""
         total = int(distributed.all_reduce_sum([rows.num_samples])[0])  # over every rank
         if total == 0:
             return math.nan, torch.zeros(0)
         labels = buffer.episode_correct_at(rows.index)
-        loss, scores = self.implicit_prm.update(rows.prompts, (rows.action_ids, rows.action_lengths), labels, total,
-                                                distributed.sum_in_place if self.ranks.distributed else None,
-                                                reference)
+        loss, scores = 0.0, torch.zeros(rows.num_samples)
+        for part in self.micro_batch_rows(buffer, rows):
+            width = max(int(rows.action_lengths[part].max()), 1)  # as wide as the part's scores: its longest action
+            part_loss, scores[part] = self.implicit_prm.accumulate(
+                take(rows.prompts, part.tolist()), (rows.action_ids[part, :width], rows.action_lengths[part]),
+                labels[part], total, None if reference is None else reference[part, :width])
+            loss += part_loss
+        self.implicit_prm.step(distributed.sum_in_place if self.ranks.distributed else None)
         return float(distributed.all_reduce_sum([loss])[0]), scores
+
+    def micro_batch_rows(self, buffer: RolloutBuffer, rows: Batch) -> list[torch.Tensor]:
+        """The positions in ``rows`` [B] of each micro-batch of at most ``micro_batch_tokens`` forwarded
+        positions (``RolloutBuffer.within_tokens``; 0: one micro-batch)."""
+        if not self.config.micro_batch_tokens:
+            return [torch.arange(rows.num_samples)]
+        position = {slot: row for row, slot in enumerate(rows.index.tolist())}
+        return [torch.tensor([position[slot] for slot in part.tolist()], dtype=torch.long)
+                for part in buffer.within_tokens(rows.index, self.config.micro_batch_tokens)]

@@ -543,6 +543,7 @@ def test_the_implicit_prm_steps_before_or_after_scoring_a_batch(untrained_policy
     assert passes == {"reference": 1, "psi": 2 if prime_update == "before" else 1}
     stepped = not all(torch.equal(a, b) for a, b in zip(start, prm.actor_parameters()))
     assert stats["implicit_prm/heldout_accuracy"] == 1.0
+    assert ("implicit_prm/after_step_accuracy" in stats) == (prime_update == "before")
     order, token_mask = buffer.episode_token_order()
     returns = buffer.to_episodes(buffer.token_rewards, order)
     if prime_update == "before":

@@ -47,7 +47,7 @@ class NonFiniteError(RuntimeError):
 @dataclass(frozen=True)
 class Scores:
     """What scoring a batch measured besides what it wrote into the buffer: the implicit PRM's ``heldout``
-    statistics (``implicit_prm_heldout``; empty without one) and the sampler/trainer log-prob ``gap``, filled
+    statistics (``process_rewards``; empty without one) and the sampler/trainer log-prob ``gap``, filled
     here under ``rollout_is``, else by ``Learner.train`` on the forward passes before its first step."""
 
     heldout: dict[str, float]
@@ -101,9 +101,10 @@ class Learner:
         """PRIME: writes the implicit PRM's token rewards of the episodes the policy will train on (the groups
         that pass the prompt filter, ``algorithm.kept``) into ``buffer.token_rewards``, 0 elsewhere. Under
         ``--prime_update before`` the PRM first takes its step on those episodes, so that their rewards already
-        carry what their outcomes taught it. Returns its held-out statistics (``implicit_prm_heldout``: its
-        outcome scores of those episodes before its step on them, read off the pass its step or its rewards
-        take; with ``--implicit_prm_heldout_all`` also of every live episode) and, under ``before``, its loss."""
+        carry what their outcomes taught it. Returns how well it ranks their outcomes (``implicit_prm_ranking``):
+        ``heldout``, by its scores before its step on them, read off the pass its step or its rewards take, with
+        ``--implicit_prm_heldout_all`` ``heldout_all`` over every live episode too, and under ``before``
+        ``after_step``, by the scores its rewards carry; and under ``before`` its loss."""
         kept = self.algorithm.kept(buffer)
         rows = buffer.rows(kept)
         actions = (rows.action_ids, rows.action_lengths)
@@ -115,12 +116,14 @@ class Learner:
                                                           ref_logprobs=reference)
         if self.prime.prime_update is PrimeUpdate.AFTER:
             unseen = scores
+        else:  # the scores its rewards carry, after its step on these episodes (PRIME's code: dpo_acc_after)
+            stats |= self.implicit_prm_ranking(buffer, rows.index, scores, "after_step")
         buffer.token_rewards = buffer.scatter_tokens(rows.index, process)
-        stats |= self.implicit_prm_heldout(buffer, rows.index, unseen, "heldout")
+        stats |= self.implicit_prm_ranking(buffer, rows.index, unseen, "heldout")
         if self.prime.implicit_prm_heldout_all:
             others = buffer.rows(buffer.live & ~kept)
             other_scores = self.implicit_prm.outcome_scores(others.prompts, (others.action_ids, others.action_lengths))
-            stats |= self.implicit_prm_heldout(buffer, torch.cat([rows.index, others.index]),
+            stats |= self.implicit_prm_ranking(buffer, torch.cat([rows.index, others.index]),
                                                torch.cat([unseen.cpu(), other_scores.cpu()]), "heldout_all")
         return stats
 
@@ -182,10 +185,9 @@ class Learner:
         """The minibatch totals over every rank (``RolloutBuffer.minibatches``), or None in one process."""
         return distributed.all_reduce_sum if self.ranks.distributed else None
 
-    def implicit_prm_heldout(self, buffer: RolloutBuffer, index: torch.Tensor, scores: torch.Tensor,
+    def implicit_prm_ranking(self, buffer: RolloutBuffer, index: torch.Tensor, scores: torch.Tensor,
                              name: str) -> dict[str, float]:
-        """PRIME: how well the implicit PRM predicts outcomes it has not trained on: ``implicit_prm/<name>_auc``
-        and ``_accuracy``, the ROC-AUC and accuracy (score > 0) of its outcome scores ``scores`` [B] of the slots
+        """PRIME: how well the implicit PRM predicts outcomes: ``implicit_prm/<name>_auc`` and ``_accuracy``, the ROC-AUC and accuracy (score > 0) of its outcome scores ``scores`` [B] of the slots
         ``index`` [B] against whether their episode's answer verified. Over the filtered groups, each holding a
         right and a wrong answer to one problem, the AUC is how well it ranks answers to the same problem: what
         the process stream's leave-one-out advantages read. Every rank's rows count; the AUC is NaN while the

@@ -34,18 +34,21 @@ class ActionScores:
     @classmethod
     def interleave(cls, parts: Sequence[tuple[list[int], "ActionScores"]], size: int) -> "ActionScores":
         """``size`` rows from ``parts``: (the rows its scores take, scores of width L_i), padded to the widest."""
-        width = max(scores.mask.shape[1] for _, scores in parts)
 
         def merged(name: str) -> torch.Tensor | None:
-            first = getattr(parts[0][1], name)
-            if first is None:
+            if getattr(parts[0][1], name) is None:
                 return None
-            out = first.new_zeros(size, width)
-            for rows, scores in parts:
-                part = getattr(scores, name)
-                out[torch.as_tensor(rows, device=out.device), :part.shape[1]] = part
-            return out
+            return interleave_rows([(rows, getattr(scores, name)) for rows, scores in parts], size)
         return cls(**{name: merged(name) for name in ("logprobs", "mask", "entropy", "values")})
+
+
+def interleave_rows(parts: Sequence[tuple[list[int], torch.Tensor]], size: int) -> torch.Tensor:
+    """``[size, L]``: each part's ``[B_i, L_i]`` tensor written at its rows, zeros (False) to the widest L."""
+    width = max(tensor.shape[1] for _, tensor in parts)
+    out = parts[0][1].new_zeros(size, width)
+    for rows, tensor in parts:
+        out[torch.as_tensor(rows, device=out.device), :tensor.shape[1]] = tensor
+    return out
 
 
 def chunk_rows(vocab_size: int) -> int:

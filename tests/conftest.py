@@ -42,6 +42,14 @@ def untrained_policy_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def smaller_policy_dir(tmp_path_factory) -> Path:
+    """Another base: a random-init tiny Llama of other weights and shape (hidden size 48, 3 layers; the tiny
+    tokenizer), for a role that learns on a base model of its own beside ``untrained_policy_dir``."""
+    return save_untrained_policy(tmp_path_factory.mktemp("smaller_policy"), seed=1, hidden_size=48,
+                                 num_hidden_layers=3)
+
+
+@pytest.fixture(scope="session")
 def tiny_models():
     """The shipped build: the same weights on every machine, so slow tests' thresholds hold on each."""
     return shipped_models()

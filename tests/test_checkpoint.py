@@ -68,8 +68,8 @@ def train_state(checkpoint_dir: Path, scratch: Path) -> dict[str, Any]:
 
 
 def assert_same_training_state(a: Path, b: Path) -> None:
-    """Two checkpoints hold bit-identical weights (policy, LoRA adapters, value head, implicit PRM),
-    optimizer moments and trainer state."""
+    """Two checkpoints hold bit-identical weights (policy, LoRA adapters, value head, implicit PRM, every
+    member's), optimizer moments (the policy's and every member's) and trainer state."""
     files = sorted(p.relative_to(a) for p in a.rglob("*.safetensors"))
     assert files == sorted(p.relative_to(b) for p in b.rglob("*.safetensors"))
     for file in files:
@@ -77,12 +77,17 @@ def assert_same_training_state(a: Path, b: Path) -> None:
         assert left.keys() == right.keys()
         for name in left:
             assert torch.equal(left[name], right[name]), f"{file}:{name} differs"
-    with tempfile.TemporaryDirectory() as scratch:
-        state_a, state_b = (train_state(p, Path(scratch) / f"{k}.pt") for k, p in enumerate((a, b)))
-    assert state_a.keys() == state_b.keys() and any(k.endswith("/exp_avg") for k in state_a), "the run never stepped"
-    for key, value in state_a.items():
-        assert torch.equal(value, state_b[key]) if torch.is_tensor(value) else value == state_b[key], f"{key} differs"
+    parts = [Path(), *sorted(p.relative_to(a) for p in a.glob("members/*"))]  # the policy's, each member's
+    assert parts == [Path(), *sorted(p.relative_to(b) for p in b.glob("members/*"))]
+    for part in parts:
+        with tempfile.TemporaryDirectory() as scratch:
+            state_a, state_b = (train_state(p / part, Path(scratch) / f"{k}.pt") for k, p in enumerate((a, b)))
+        assert state_a.keys() == state_b.keys(), part
+        assert any(key.endswith("/exp_avg") for key in state_a), f"the run never stepped {part}"
+        for key, value in state_a.items():
+            assert torch.equal(value, state_b[key]) if torch.is_tensor(value) else value == state_b[key], (part, key)
     optimizers_a, optimizers_b = (torch.load(p / "optimizers.pt", weights_only=True) for p in (a, b))
+    assert optimizers_a.get("members") == optimizers_b.get("members")
     assert optimizers_a.keys() == optimizers_b.keys()
     if "implicit_prm" in optimizers_a:
         state_a, state_b = optimizers_a["implicit_prm"]["state"], optimizers_b["implicit_prm"]["state"]

@@ -262,3 +262,25 @@ def test_max_restarts_and_resume_auto_recover_from_a_killed_rank(untrained_polic
         launcher.kill()
     assert launcher.returncode == 0, err[-3000:]
     assert checkpoints(tmp_path)[-1].name == "iter_8"
+
+
+@pytest.mark.slow  # 2 ranks against one process (about a minute on 2 idle cores)
+def test_a_role_on_its_own_base_trains_the_same_on_two_ranks(untrained_policy_dir, smaller_policy_dir, tmp_path):
+    """The chain with its verifier on another base (LoRA) beside the policy (full fine-tuning): DDP of the whole
+    team on 2 ranks trains every model's weights as one process does. The entropy bonus gives every row a
+    gradient (the untrained roles' equal rewards leave no advantage)."""
+    chain = ("--env_id", "Arith-Chain-v0", "--role_base_model", f"verifier={smaller_policy_dir}",
+             "--role_lora_rank", "verifier=4", "--entropy_coef", "0.01", "--action_level", "solution",
+             "--algorithm_name", "GRPO", "--group_size", "2", "--episode_length", "3", "--num_env_steps", "48")
+    runs = {}
+    for ranks, cp_steps in ((2, 12), (1, 24)):  # one row per micro-batch on both sides
+        done = train(tmp_path / str(ranks), untrained_policy_dir, ranks, 8 // ranks, *chain,
+                     "--gradient_cp_steps", str(cp_steps))
+        assert done.returncode == 0, done.stderr[-4000:]
+        (last,) = (tmp_path / str(ranks)).glob("GRPO_Arith-Chain-v0/run_*/checkpoints/iter_2")
+        runs[ranks] = {f"{file.relative_to(last)}:{name}": value for file in sorted(last.rglob("*.safetensors"))
+                       for name, value in load_file(file).items()}
+    member = {key.split(":")[1]: value for key, value in runs[1].items() if key.startswith("members/verifier/")}
+    initial = load_file(smaller_policy_dir / "model.safetensors")
+    assert any(not np.array_equal(member[name], initial[name]) for name in initial), "the member never trained"
+    assert_same_training(runs[2], runs[1], iterations=2)

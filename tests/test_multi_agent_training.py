@@ -405,6 +405,19 @@ def test_prefix_rl_writer_learns_to_help_the_frozen_target(tiny_models, tmp_path
     (["--env_id", "Arith-Chain-v0", "--noshare_policy"], "add --lora_rank > 0"),
     (["--env_id", "Arith-Debate-v0", "--algorithm_name", "RLOO", "--agent_groups", "at_grpo"],
      "--algorithm_name=RLOO compares whole episodes: use GRPO"),
+    (["--role_base_model", "verifier=tests"], "has one agent"),
+    (["--env_id", "Arith-Chain-v0", "--role_base_model", "verifier=tests", "--algorithm_name", "APPO"],
+     "--role_base_model verifier=... trains critic-free; --algorithm_name=APPO needs a critic"),
+    (["--env_id", "Arith-Chain-v0", "--role_base_model", "verifier=tests", "--async_rollouts"],
+     "collects synchronously: drop --async_rollouts"),
+    (["--env_id", "Arith-Chain-v0", "--role_lr", "verifier=1e-3"], "role 'verifier' has no --role_base_model"),
+    (["--env_id", "Arith-Chain-v0", "--role_base_model", "verifier=tests", "--role_lora_rank", "verifier=-1"],
+     "--role_lora_rank=verifier=-1: must be a LoRA rank >= 0"),
+    (["--env_id", "Arith-Prefix-v0", "--role_base_model", "solver=tests"], "the trained roles of"),
+    (["--env_id", "Arith-Chain-v0", "--frozen_role", "judge"], "--frozen_role judge: the workflow 'chain' has the "
+                                                              "roles ['solver', 'verifier', 'refiner']"),
+    (["--env_id", "Arith-Debate-v0", *[arg for k in range(3) for arg in ("--frozen_role", f"debater_{k}")]],
+     "nothing would train"),
 ])
 def test_multi_agent_flags_that_cannot_work_fail_in_one_line(argv, message):
     from test_train_math import run_cli

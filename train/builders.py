@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import gymnasium
 import torch
@@ -30,10 +30,12 @@ from train.collector import Collector, RoleModels, Sampling
 from train.config import (EnvConfig, GenerationConfig, LearningConfig, ModelConfig, RewardConfig, RolloutConfig,
                           RunConfig, ServicesConfig)
 from train.distributed import Ranks
+from train.members import Member, memory_line
 from models.generation import Generator, make_generator
 from models.loading import check_model_dir, resolve_device
 from models.policy import LanguagePolicy, LoraSettings
 from models.prompting import build_template, tool_turn_template
+from models.team import Team
 from models.remote import ServiceClient, ServiceError
 from train.resolve import resolved
 from train.runner import Runner
@@ -64,7 +66,9 @@ def check_inputs(config: RunConfig) -> None:
     role_models = config.multi_agent.models_by_role
     for flag, directory in (("--model_name_or_path", config.model.name_or_path),
                             ("--target_model_name_or_path", config.prefix_rl.target_model),
-                            *((f"--role_model {role}", path) for role, path in role_models.items())):
+                            *((f"--role_model {role}", path) for role, path in role_models.items()),
+                            *((f"--role_base_model {role}", path)
+                              for role, path in config.multi_agent.base_models_by_role.items())):
         if directory is not None:
             check_model_dir(directory, flag)
     if config.rewards.prm_model is not None:
@@ -94,8 +98,20 @@ def check_services(services: ServicesConfig) -> None:
                 raise ServiceError(f"--{service}_url: {error}") from error
 
 
-def lora_settings(model: ModelConfig) -> LoraSettings | None:
-    return LoraSettings(rank=model.lora_rank, alpha=2.0 * model.lora_rank) if model.lora_rank else None
+def lora_settings(rank: int) -> LoraSettings | None:
+    """LoRA of ``rank`` (alpha twice the rank), or None (full fine-tuning) for rank 0."""
+    return LoraSettings(rank=rank, alpha=2.0 * rank) if rank else None
+
+
+def language_policy(directory: str, model: ModelConfig, device: str | torch.device, *, lora_rank: int = 0,
+                    trained: bool = False, **settings: Any) -> LanguagePolicy:
+    """The one way a run builds a LanguagePolicy (its policy, a member, the rollout copy, a frozen role, the
+    target): the model in ``directory`` on ``device`` in the run's --dtype, in eval mode (no dropout: recomputed
+    log-probs must match the sampler's). ``lora_rank``: its LoRA (0: none); ``trained``: it learns, so
+    --gradient_checkpointing applies; ``settings``: LanguagePolicy's other keywords (critic, role adapters...)."""
+    checkpointing = {"gradient_checkpointing": model.gradient_checkpointing} if trained else {}
+    return LanguagePolicy(directory, device=device, dtype=model.dtype, lora=lora_settings(lora_rank),
+                          **checkpointing, **settings).eval()
 
 
 def shards_weights(data_parallel: DataParallel, lora_rank: int, ranks: Ranks) -> bool:
@@ -110,11 +126,10 @@ def build_policy(model: ModelConfig, directory: str, algorithm: str, ranks: Rank
     checkpoint's into it: ``Runner.restore``); in eval mode (no dropout: recomputed log-probs must match
     the sampler's). Sharded with FSDP2, only rank 0 reads the weights (the others receive their shards)."""
     with_critic = algorithm_spec(algorithm).critic is not None
-    return LanguagePolicy(directory, lora=lora_settings(model), with_critic=with_critic,
-                          device=str(resolve_device(model.device)), dtype=model.dtype,
-                          gradient_checkpointing=model.gradient_checkpointing, role_adapters=model.role_adapters,
-                          value_heads=model.value_heads,
-                          weights_from_rank0=shards_weights(data_parallel, model.lora_rank, ranks)).eval()
+    return language_policy(directory, model, str(resolve_device(model.device)), lora_rank=model.lora_rank,
+                           trained=True, with_critic=with_critic, role_adapters=model.role_adapters,
+                           value_heads=model.value_heads,
+                           weights_from_rank0=shards_weights(data_parallel, model.lora_rank, ranks))
 
 
 def build_reward_model(config: RunConfig, device: str, policy_template: str) -> RewardModel:
@@ -165,7 +180,7 @@ def build_target_solver(config: RunConfig, device: str, policy_template: str) ->
                                     model_flag="--target_model_name")
         template = policy_template  # a served target's tokenizer is not here: it reads the policy's prompt
     else:
-        solver = LanguagePolicy(target.target_model, device=device, dtype=config.model.dtype).eval()
+        solver = language_policy(target.target_model, config.model, device)
         generator = make_generator(Backend.HF, solver)
         template = build_template(env.prompt_template, solver.tokenizer, env.system_prompt, env.answer_instruction)
     return TargetSolver(generator, num_samples=target.target_num_samples, max_new_tokens=target.target_max_new_tokens,
@@ -195,13 +210,14 @@ def env_kwargs(config: RunConfig, split: str, reward_model: RewardModel, tokeniz
     """Task kwargs of the train (split "train") or a held-out ("test", from ``eval_path``: see
     ``problem_source``) vector env; ``tokenizer`` is the policy's (it decodes token actions, and its EOS text
     ends a step-level episode), ``template`` its prompt template (``models.prompting.build_template``), for
-    every role of a workflow. A multi-agent env takes whole messages and credits its 'outcome' source by
-    ``reward_assignment``. The user's ``env_kwargs`` come first: what the trainer sets (the problem source of
-    a held-out set, a solution-level action's one step) wins."""
+    every role of a workflow. A multi-agent env takes whole messages, plays the resolved workflow (its roles
+    frozen by --frozen_role) and credits its 'outcome' source by ``reward_assignment``. The user's
+    ``env_kwargs`` come first: what the trainer sets (the problem source of a held-out set, a solution-level
+    action's one step) wins."""
     env, handoff_steps = config.env, config.prefix_rl.handoff_steps
     source = problem_source(env, split, eval_path)
     if env.workflow is not None:
-        return {**env.user_kwargs, "reward_assignment": config.multi_agent.reward_assignment,
+        return {**env.user_kwargs, "workflow": env.workflow, "reward_assignment": config.multi_agent.reward_assignment,
                 "reward_model": reward_model, "template": template, **source}
     kwargs = {**env.user_kwargs, "reward_model": reward_model, "template": template, **source,
               **tool_kwargs(env, tokenizer)}
@@ -281,9 +297,10 @@ def build_algorithm(config: RunConfig, ranks: Ranks = Ranks()) -> Algorithm:
     return algorithm
 
 
-def build_optimizer(learning: LearningConfig, policy: LanguagePolicy, iterations: int,
+def build_optimizer(learning: LearningConfig, policy: LanguagePolicy, iterations: int, lr: float | None = None,
                     ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW over the policy's parameter groups, and the lr schedule (after the warm-up iterations).
+    """AdamW over the policy's parameter groups at ``lr`` (None: --lr), and the lr schedule (after the warm-up
+    iterations).
 
     The fused kernel updates each parameter in one pass; the per-parameter loop torch picks on a CPU
     allocates two temporaries of the parameter's size on the way (about 1 GB for a 151,936 x 896
@@ -297,7 +314,7 @@ def build_optimizer(learning: LearningConfig, policy: LanguagePolicy, iterations
             return max(0.0, 1.0 - (iteration - warmup) / max(iterations - warmup, 1))
         return 1.0
 
-    optimizer = torch.optim.AdamW(policy.param_groups(learning.lr, learning.critic_lr), weight_decay=0.0,
+    optimizer = torch.optim.AdamW(policy.param_groups(lr or learning.lr, learning.critic_lr), weight_decay=0.0,
                                   fused=True)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
@@ -327,45 +344,64 @@ def build_generators(config: RunConfig, policy: LanguagePolicy, directory: str, 
     with_critic = algorithm_spec(config.learning.algorithm).critic is not None
     # The copy only samples: under bfloat16 it holds bfloat16 weights, no fp32 master copy (half the memory);
     # its rollout log-probs are recorded at generation, so the update's ratios correct for it as for vLLM's.
-    rollout_policy = LanguagePolicy(directory, lora=lora_settings(model), with_critic=with_critic,
-                                    device=policy.device, dtype=model.dtype,
-                                    low_precision_weights=model.dtype == DType.BFLOAT16,
-                                    gradient_checkpointing=model.gradient_checkpointing,
-                                    role_adapters=policy.role_adapters,
-                                    value_heads=max(policy.num_value_heads, 1)).eval()
+    rollout_policy = language_policy(directory, model, policy.device, lora_rank=model.lora_rank,
+                                     with_critic=with_critic, low_precision_weights=model.dtype == DType.BFLOAT16,
+                                     role_adapters=policy.role_adapters, value_heads=max(policy.num_value_heads, 1))
     rollout_policy.load_state_dict(policy.whole_state_dict())  # sharded: every rank gathers
     return generator, rollout_policy, make_generator(Backend.HF, rollout_policy)
 
 
-def build_role_models(config: RunConfig, env, policy: LanguagePolicy, sampling: Sampling) -> RoleModels:
+def build_role_models(config: RunConfig, env, policy: LanguagePolicy, sampling: Sampling,
+                      members: Sequence[Member] = ()) -> RoleModels:
     """What generates for each agent slot: its role adapter (per-role adapters), a frozen role's own model (an HF
-    generator sampled as the target is: the target's max new tokens and temperature), else the policy."""
+    generator sampled as the target is: the target's max new tokens and temperature), a member's generator
+    (sampled as the policy is), else the policy."""
     models, slots = config.multi_agent.models_by_role, dict(enumerate(env.agents.roles))
-    own = [slot for slot, role in slots.items() if role in models]
+    frozen = {slot: make_generator(Backend.HF, language_policy(models[role], config.model, policy.device))
+              for slot, role in slots.items() if role in models}
     target_sampling = dataclasses.replace(sampling, max_new_tokens=config.prefix_rl.target_max_new_tokens,
                                           temperature=config.prefix_rl.target_temperature)
+    member_slots = {slot: member for slot, role in slots.items() for member in members if member.role == role}
     return RoleModels(
         adapters={slot: role for slot, role in slots.items() if role in policy.role_adapters},
-        generators={slot: make_generator(Backend.HF, LanguagePolicy(models[slots[slot]], device=str(policy.device),
-                                                                    dtype=config.model.dtype).eval()) for slot in own},
-        samplings={slot: target_sampling for slot in own})
+        generators={**frozen, **{slot: member.generator for slot, member in member_slots.items()}},
+        samplings={slot: target_sampling for slot in frozen},
+        members={slot: member.role for slot, member in member_slots.items()})
 
 
-def build_trained_module(policy: LanguagePolicy, ranks: Ranks, data_parallel: DataParallel) -> torch.nn.Module:
-    """The module the update calls: the policy, or under torchrun the policy sharded with FSDP2
-    (``data_parallel`` fsdp, or auto with full fine-tuning) or wrapped in DDP (ddp, or auto with LoRA;
-    parameters a step leaves unused, such as an idle critic, are allowed). Gradients are averaged over ranks."""
+def build_members(config: RunConfig, device: torch.device) -> list[Member]:
+    """The roles on base models of their own (--role_base_model), each with its LoRA rank (--role_lora_rank,
+    default --lora_rank), optimizer at its lr (--role_lr, default --lr) on the policy's schedule, and HF generator;
+    each logs its memory line."""
+    multi_agent = config.multi_agent
+    lrs, ranks = multi_agent.lrs_by_role, multi_agent.lora_ranks_by_role
+    members = []
+    for role, directory in multi_agent.base_models_by_role.items():
+        policy = language_policy(directory, config.model, device, lora_rank=ranks.get(role, config.model.lora_rank),
+                                 trained=True)
+        optimizer, scheduler = build_optimizer(config.learning, policy, config.budget.num_iterations, lrs.get(role))
+        members.append(Member(role, policy, optimizer, scheduler, make_generator(Backend.HF, policy)))
+        log.info("%s", memory_line(f"member {role}", policy))
+    return members
+
+
+def build_trained_module(team: Team, ranks: Ranks, data_parallel: DataParallel) -> torch.nn.Module:
+    """The module the update calls: the team (the policy and its members), or under torchrun the team with its
+    policy sharded with FSDP2 (``data_parallel`` fsdp, or auto with full fine-tuning; with members auto resolves
+    to ddp) or the team wrapped in DDP (ddp, or auto with LoRA; parameters a step leaves unused, such as an idle
+    critic or a member without rows on this rank, are allowed). Gradients are averaged over ranks."""
     if not ranks.distributed:
-        return policy
+        return team
+    policy = team.policy
     if shards_weights(data_parallel, policy.lora.rank if policy.lora else 0, ranks):
         from torch.distributed.device_mesh import init_device_mesh
 
         policy.fully_shard(init_device_mesh(policy.device.type, (ranks.world_size,)))
-        return policy
+        return team
     from torch.nn.parallel import DistributedDataParallel
 
     device_ids = [torch.cuda.current_device()] if policy.device.type == "cuda" else None
-    return DistributedDataParallel(policy, device_ids=device_ids, find_unused_parameters=True)
+    return DistributedDataParallel(team, device_ids=device_ids, find_unused_parameters=True)
 
 
 def sampling_of(generation: GenerationConfig, action_level: ActionLevel, eos_text: str) -> Sampling:
@@ -416,8 +452,11 @@ def build_runner(config: RunConfig, run_dir: Path, writer, saved: checkpoint_fil
     env, learning, data_parallel = config.env, config.learning, config.distributed.data_parallel
     directory = model_dir(config.model, env.workflow is not None)
     policy = build_policy(config.model, directory, learning.algorithm, ranks, data_parallel)
+    log.info("%s", memory_line("policy", policy))
+    members = build_members(config, policy.device)
+    team = Team(policy, {member.role: member.policy for member in members})
     # first: under FSDP2 the ranks but 0 hold no weights until sharded, and the parameters become new objects
-    trained_module = build_trained_module(policy, ranks, data_parallel)
+    trained_module = build_trained_module(team, ranks, data_parallel)
     template = build_template(env.prompt_template, policy.tokenizer, env.system_prompt, env.answer_instruction)
     reward_model = build_reward_model(config, str(policy.device), template)
     train_env, eval_envs = build_envs(config, reward_model, policy.tokenizer, template, ranks)
@@ -431,17 +470,18 @@ def build_runner(config: RunConfig, run_dir: Path, writer, saved: checkpoint_fil
     if algorithm.needs_process_rewards:
         implicit_prm = ImplicitPRM(directory, beta=config.prime.implicit_prm_beta, lr=config.prime.implicit_prm_lr,
                                    norm=config.prime.prime_norm, device=str(policy.device), dtype=config.model.dtype,
-                                   lora=lora_settings(config.model))
+                                   lora=lora_settings(config.model.lora_rank))
     optimizer, scheduler = build_optimizer(learning, policy, config.budget.num_iterations)
     sampling = sampling_of(config.generation, env.action_level, policy.tokenizer.eos_token or "")
     collector = Collector(train_env, algorithm_spec(learning.algorithm), env.episode_length, sampling,
                           seed=config.budget.seed,
                           env_offset=distributed.shard(env.envs_stepped, env.group_size, ranks)[0],
-                          role_models=build_role_models(config, train_env, policy, sampling),
+                          role_models=build_role_models(config, train_env, policy, sampling, members),
                           critic=learning.critic_view, overlong=overlong_penalty(config.rollout, sampling))
-    runner = Runner(config, collector, eval_envs, policy, generator, algorithm, optimizer, scheduler, writer,
+    runner = Runner(config, collector, eval_envs, team, generator, algorithm, optimizer, scheduler, writer,
                     run_dir, implicit_prm=implicit_prm, rollout_policy=rollout_policy,
-                    rollout_generator=rollout_generator, ranks=ranks, trained_module=trained_module)
+                    rollout_generator=rollout_generator, ranks=ranks, trained_module=trained_module,
+                    members=members)
     if saved is not None:
         runner.restore(saved)
     return runner

@@ -12,9 +12,11 @@ counters and state) is ``train.run_state``'s.
                                policy/'s, written at the precision the optimizer steps them), each rank
                                writing its own shard (FSDP2), keyed by parameter name so any number of
                                ranks, sharded or not, loads it back
+    members/<role>/            each member (a role on a base model of its own, ``train.members``) as the
+                               policy is kept: its policy/ and train_state/
     implicit_prm.safetensors   PRIME's implicit PRM weights, when one is trained
-    optimizers.pt              the scheduler's state dict and the implicit PRM optimizer's ("scheduler",
-                               "implicit_prm")
+    optimizers.pt              the scheduler's state dict, the members' ({role: state dict}) and the implicit
+                               PRM optimizer's ("scheduler", "members", "implicit_prm")
     rng.pt                     python, numpy and torch (CPU, CUDA) RNG states and the runner's generators
     trainer_state.json         iteration, env steps, counters, eval history, the env's state (problem
                                sampler position, episodes in progress), the runner's episode returns
@@ -46,7 +48,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -66,6 +68,7 @@ FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 POLICY_DIR = "policy"
 TRAIN_STATE_DIR = "train_state"
+MEMBERS_DIR = "members"
 IMPLICIT_PRM_FILE = "implicit_prm.safetensors"
 OPTIMIZERS_FILE = "optimizers.pt"
 RNG_FILE = "rng.pt"
@@ -98,6 +101,10 @@ class Checkpoint:
     def policy_dir(self) -> Path:
         return self.path / POLICY_DIR
 
+    def part(self, member: str | None = None) -> Path:
+        """Where the policy's (None) or a member's ``policy/`` and ``train_state/`` are."""
+        return self.path if member is None else self.path / MEMBERS_DIR / member
+
     @property
     def run_dir(self) -> Path | None:
         """The run directory it was written in (None if it was moved out of a ``checkpoints`` folder)."""
@@ -120,24 +127,37 @@ class Checkpoint:
 
 def save(checkpoints_dir: str | Path, iteration: int, *, policy: LanguagePolicy, optimizer: torch.optim.Optimizer,
          optimizers: dict[str, Any], rng: dict[str, Any], state: dict[str, Any], flags: dict[str, Any],
-         implicit_prm: torch.nn.Module | None = None, ranks: Ranks = Ranks()) -> Path:
+         implicit_prm: torch.nn.Module | None = None, ranks: Ranks = Ranks(),
+         members: Mapping[str, tuple[LanguagePolicy, torch.optim.Optimizer]] | None = None) -> Path:
     """Writes ``checkpoints_dir/iter_<iteration>`` atomically (see the module docstring); returns it.
     Under torchrun every rank calls it together (the train state and a sharded policy's export are
     collective); rank 0 writes everything else.
 
-    ``optimizer``: the policy's; ``optimizers``: other state dicts by name (scheduler, implicit PRM);
+    ``optimizer``: the policy's; ``members``: {role: (its policy, its optimizer)}, each kept under
+    ``members/<role>/`` as the policy is; ``optimizers``: other state dicts by name (schedulers, implicit PRM);
     ``rng``: tensors and plain values (``rng_state()`` plus the caller's own generators); ``state`` and
     ``flags``: JSON-serialisable. Raises ``CheckpointError`` naming the path when anything fails (disk
     full, unwritable directory); earlier checkpoints are never touched by a failed save.
     """
-    tensors = policy.full_tensors()  # every rank: a sharded policy gathers its weights
-    in_train_state = [p for p in policy.parameters() if p.requires_grad] if policy.lora is not None else []
-    sharded_bytes = distributed.all_reduce_sum([tensor_bytes(list(optimizer.state.values()), in_train_state)])[0]
-    needed = export_bytes(tensors) + int(sharded_bytes) + tensor_bytes(
+    parts = {None: (policy, optimizer), **(members or {})}
+    tensors = {name: model.full_tensors() for name, (model, _) in parts.items()}  # every rank: sharded ones gather
+    in_train_state = [p for model, _ in parts.values() if model.lora is not None
+                      for p in model.parameters() if p.requires_grad]
+    moments = [list(model_optimizer.state.values()) for _, model_optimizer in parts.values()]
+    sharded_bytes = distributed.all_reduce_sum([tensor_bytes(moments, in_train_state)])[0]
+    needed = sum(export_bytes(part) for part in tensors.values()) + int(sharded_bytes) + tensor_bytes(
         optimizers, list(implicit_prm.parameters()) if implicit_prm is not None else [])
 
+    def part_dir(directory: Path, name: str | None) -> Path:
+        return directory if name is None else directory / MEMBERS_DIR / name
+
+    def fill_train_states(directory: Path) -> None:
+        for name, (model, model_optimizer) in parts.items():
+            save_train_state(part_dir(directory, name) / TRAIN_STATE_DIR, model, model_optimizer)
+
     def fill(directory: Path) -> None:
-        policy.save(directory / POLICY_DIR, tensors)
+        for name, (model, _) in parts.items():
+            model.save(part_dir(directory, name) / POLICY_DIR, tensors[name])
         if implicit_prm is not None:
             save_model(implicit_prm, str(directory / IMPLICIT_PRM_FILE))  # handles tied weights
         torch.save(optimizers, directory / OPTIMIZERS_FILE)
@@ -146,7 +166,7 @@ def save(checkpoints_dir: str | Path, iteration: int, *, policy: LanguagePolicy,
         (directory / FLAGS_FILE).write_text(json.dumps(flags, indent=1, default=str))
 
     return atomic_write(Path(checkpoints_dir) / f"{PREFIX}{iteration}", iteration, fill,
-                        shared_fill=lambda directory: save_train_state(directory / TRAIN_STATE_DIR, policy, optimizer),
+                        shared_fill=fill_train_states,
                         ranks=ranks, needed_bytes=needed)
 
 
@@ -453,13 +473,18 @@ def load(path: str | Path) -> Checkpoint:
                       flags=json.loads((path / FLAGS_FILE).read_text()))
 
 
-def load_train_state(saved: Checkpoint, policy: LanguagePolicy, optimizer: torch.optim.Optimizer) -> None:
+def load_train_state(saved: Checkpoint, policy: LanguagePolicy, optimizer: torch.optim.Optimizer,
+                     member: str | None = None) -> None:
     """Loads the trained weights (``train_state/`` and, for those it leaves out, ``policy/``) into a policy
     built as a fresh run builds it (sharded or not, on any number of ranks: DCP splits each tensor as this
-    run holds it) and the optimizer state into its optimizer. The trainable parameters must be the ones
-    this run builds (LoRA rank and targets, critic)."""
+    run holds it) and the optimizer state into its optimizer; ``member``: the role whose part this is (None:
+    the policy's). The trainable parameters must be the ones this run builds (LoRA rank and targets, critic)."""
     model_state, optimizer_state = get_state_dict(policy, optimizer, options=TRAIN_STATE_OPTIONS)
-    directory = saved.path / TRAIN_STATE_DIR
+    directory = saved.part(member) / TRAIN_STATE_DIR
+    if not directory.is_dir():
+        raise CheckpointError(f"{saved.path} holds no {directory.relative_to(saved.path)}: it was trained without "
+                              f"role {member!r} on a base model of its own; resume with the --role_base_model "
+                              "flags it was trained with")
     metadata = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
     stored = {key.removeprefix("model."): tuple(meta.size) for key, meta in metadata.items()
               if key.startswith("model.")}
@@ -470,13 +495,14 @@ def load_train_state(saved: Checkpoint, policy: LanguagePolicy, optimizer: torch
     needed = {key: shape for key, shape in built.items() if key not in referenced}
     # older checkpoints stored the referenced weights too, and a LoRA base's tied output embedding
     if not needed.items() <= stored.items() or not stored.keys() <= model_state.keys():
+        rank_flag = "--lora_rank" if member is None else f"--role_lora_rank {member}=R"
         differ = sorted({key for key, shape in needed.items() if stored.get(key) != shape}
                         | (stored.keys() - model_state.keys()))
         raise CheckpointError(f"{saved.path} holds other trainable parameters than this run builds ({len(differ)} "
-                              f"differ in name or shape, e.g. {differ[:2]}): the LoRA rank or targets (--lora_rank) "
+                              f"differ in name or shape, e.g. {differ[:2]}): the LoRA rank or targets ({rank_flag}) "
                               "or the critic (--algorithm_name, --critic) changed; resume with the flags it was "
                               "trained with")
-    load_policy_weights(saved.policy_dir, policy, referenced - stored.keys())
+    load_policy_weights(saved.part(member) / POLICY_DIR, policy, referenced - stored.keys())
     train_state = {"model": {key: model_state[key] for key in stored.keys() & built.keys()},
                    "optimizer": optimizer_state}
     with one_process_quietly():

@@ -115,12 +115,20 @@ def pair_actions(env, sampling: Sampling, out: GenerationOutput, envs: np.ndarra
 @dataclass(frozen=True)
 class RoleModels:
     """What generates for each agent slot of a multi-agent env: the policy through its generator (by default),
-    under the slot's own LoRA adapter (``adapters``: one adapter per role), or a frozen role's model of its
-    own (``generators``), sampled as ``samplings`` says for that slot (e.g. a target's longer budget)."""
+    under the slot's own LoRA adapter (``adapters``: one adapter per role), or a model of the slot's own
+    (``generators``: a frozen role's, or a member's, ``members`` naming the member's role), sampled as
+    ``samplings`` says for that slot (e.g. a target's longer budget)."""
 
     adapters: dict[int, str] = field(default_factory=dict)
     generators: dict[int, Generator] = field(default_factory=dict)
     samplings: dict[int, Sampling] = field(default_factory=dict)
+    members: dict[int, str] = field(default_factory=dict)
+
+    def voices(self, agents: Sequence[int]) -> list[str | None] | None:
+        """What scores each row of agent ``agents[b]`` in the update (``models.team.Team``): its member's role, its
+        role adapter, or None (the policy); None when every row is the policy's own."""
+        voices = {**self.adapters, **self.members}
+        return [voices.get(agent) for agent in agents] if voices else None
 
     def generate_calls(self, sampling: Sampling, generator: Generator, prompts: list[str], agents: np.ndarray,
                        seeds: list[int] | None = None,

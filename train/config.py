@@ -349,6 +349,21 @@ class MultiAgentConfig:
         "Workflow marks trainable=False, e.g. Arith-Prefix-v0's solver: Prefix-RL's frozen target) speaks with the "
         "model in DIR instead of the policy. Frozen roles are never trained on; without a model of their own they "
         "speak with the policy.", flag="role_model")
+    frozen_roles: tuple[str, ...] = option(
+        (), "ROLE (repeatable): a role of a multi-agent workflow that acts but is never trained on (as a role its "
+        "Workflow marks trainable=False): it speaks with the policy (its starting weights under --noshare_policy, "
+        "the policy as it trains otherwise), or with --role_model ROLE=DIR.", flag="frozen_role")
+    role_base_models: tuple[str, ...] = option(
+        (), "ROLE=DIR (repeatable; DIR a directory or a hub id): a trained role of a multi-agent workflow learns on "
+        "a base model of its own (PettingLLMs' specialization full, its base_models), with its own optimizer, "
+        "learning rate (--role_lr), LoRA or full fine-tuning (--role_lora_rank), lr schedule and checkpoint part; "
+        "the other roles share the policy. Critic-free algorithms, synchronous HF generation.",
+        flag="role_base_model")
+    role_lrs: tuple[str, ...] = option(
+        (), "ROLE=LR (repeatable): the learning rate of a --role_base_model role (default --lr).", flag="role_lr")
+    role_lora_ranks: tuple[str, ...] = option(
+        (), "ROLE=R (repeatable): the LoRA rank of a --role_base_model role, 0 training all its weights (default "
+        "--lora_rank).", flag="role_lora_rank")
     agent_groups: AgentGroups = option(
         AgentGroups.ROLE, "Multi-agent envs, GRPO/RLOO: the group baseline compares one role's episodes of one "
         "problem, each scored by its return (role, normalised per role), or every role's episodes of the problem "
@@ -367,13 +382,51 @@ class MultiAgentConfig:
     @property
     def models_by_role(self) -> dict[str, str]:
         """``role_models`` as {role: model directory or hub id}. Raises ValueError on an entry not ROLE=DIR."""
-        models = {}
-        for entry in self.role_models:
-            role, sep, directory = entry.partition("=")
-            if not sep or not role or not directory:
-                raise ValueError(f"--role_model={entry!r} must be ROLE=DIR (e.g. solver=/models/target)")
-            models[role] = directory
-        return models
+        return by_role(self.role_models, "role_model", "ROLE=DIR", "solver=/models/target")
+
+    @property
+    def base_models_by_role(self) -> dict[str, str]:
+        """``role_base_models`` as {role: model directory or hub id}. Raises ValueError on an entry not ROLE=DIR."""
+        return by_role(self.role_base_models, "role_base_model", "ROLE=DIR", "verifier=/models/verifier")
+
+    @property
+    def lrs_by_role(self) -> dict[str, float]:
+        """``role_lrs`` as {role: learning rate}. Raises ValueError on an entry not ROLE=LR (LR > 0)."""
+        given = by_role(self.role_lrs, "role_lr", "ROLE=LR", "verifier=1e-5")
+        return {role: number(text, float, "role_lr", role, "a learning rate > 0") for role, text in given.items()}
+
+    @property
+    def lora_ranks_by_role(self) -> dict[str, int]:
+        """``role_lora_ranks`` as {role: LoRA rank}. Raises ValueError on an entry not ROLE=R (R >= 0)."""
+        given = by_role(self.role_lora_ranks, "role_lora_rank", "ROLE=R", "verifier=8")
+        return {role: number(text, int, "role_lora_rank", role, "a LoRA rank >= 0 (0: full fine-tuning)")
+                for role, text in given.items()}
+
+
+def by_role(entries: tuple[str, ...], flag: str, shape: str, example: str) -> dict[str, str]:
+    """Repeated ``--flag ROLE=VALUE`` entries as {role: value}. Raises ValueError on an entry not of ``shape``
+    (e.g. ROLE=DIR), or a role given twice."""
+    values: dict[str, str] = {}
+    for entry in entries:
+        role, sep, text = entry.partition("=")
+        if not sep or not role or not text:
+            raise ValueError(f"--{flag}={entry!r} must be {shape} (e.g. {example})")
+        if role in values:
+            raise ValueError(f"--{flag} gives role {role!r} twice ({values[role]!r} and {text!r}); give it once")
+        values[role] = text
+    return values
+
+
+def number(text: str, kind: type, flag: str, role: str, what: str) -> int | float:
+    """``text`` as a ``kind`` (int or float), positive for a float and non-negative for an int. Raises ValueError
+    naming ``--flag role=text`` and ``what`` it must be."""
+    try:
+        value = kind(text)
+    except ValueError:
+        value = None
+    if value is None or (value <= 0 if kind is float else value < 0):
+        raise ValueError(f"--{flag}={role}={text}: must be {what}")
+    return value
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,12 @@ clipped, stepped; a non-finite loss or gradient norm skips its step and ``max_no
 before its rewards are computed (``--prime_update before``, PRIME's default), or after the policy's update
 (``after``: ``update_implicit_prm_after``).
 
-Data parallelism: ``trained_module`` is the policy wrapped in DDP or FSDP2; each rank trains on its own rollout
-with losses normalised by the global minibatch totals, and statistics are added over ranks.
+Roles on base models of their own (``train.members``): the team (``models.team.Team``) scores each row with its
+role's model, one loss trains them all, and each model's optimizer steps on its own clipped gradient.
+
+Data parallelism: ``trained_module`` is the team wrapped in DDP, or the team with its policy sharded by FSDP2;
+each rank trains on its own rollout with losses normalised by the global minibatch totals, and statistics are
+added over ranks.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import logging
 import math
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Mapping
 
 import numpy as np
 import torch
@@ -30,7 +34,7 @@ from algorithms.statistics import kl_early_stop, role_sums, row_statistics
 from envs.modes import Critic, PrimeUpdate
 from models.forward import module_mode
 from models.packing import take
-from models.policy import LanguagePolicy
+from models.team import Team
 from train import distributed
 from train.collector import Collector
 from train.config import LearningConfig, PrimeConfig, RolloutConfig
@@ -38,6 +42,11 @@ from train.correction import GapMeter, corrected_targets, score_trainer_logprobs
 from train.distributed import Ranks
 
 log = logging.getLogger(__name__)
+
+
+def grad_norm_key(name: str | None) -> str:
+    """The logged gradient norm of the policy (``name`` None) or of a member's model (its role)."""
+    return "grad/norm" if name is None else f"grad/{name}/norm"
 
 
 class NonFiniteError(RuntimeError):
@@ -67,19 +76,23 @@ class Trained:
 
 
 class Learner:
-    """Trains ``policy`` (through ``trained_module``) with ``algorithm``; ``config``: the run's learning section
-    (``train.config.LearningConfig``); ``rollout``: its rollout section (``train.config.RolloutConfig``: the
-    correction of samples from another engine); ``minibatch_rng``: the generator that orders minibatches (saved
-    with checkpoints)."""
+    """Trains ``team`` (the policy and its members, ``models.team.Team``; through ``trained_module``) with
+    ``algorithm``; ``optimizer`` steps the policy, ``member_optimizers`` ({role: optimizer}) each member, each
+    model's gradient clipped on its own. ``config``: the run's learning section (``train.config.LearningConfig``);
+    ``rollout``: its rollout section (``train.config.RolloutConfig``: the correction of samples from another
+    engine); ``minibatch_rng``: the generator that orders minibatches (saved with checkpoints)."""
 
-    def __init__(self, config: LearningConfig, rollout: RolloutConfig, policy: LanguagePolicy,
+    def __init__(self, config: LearningConfig, rollout: RolloutConfig, team: Team,
                  trained_module: torch.nn.Module, algorithm: Algorithm, optimizer: torch.optim.Optimizer,
                  collector: Collector, minibatch_rng: torch.Generator, ranks: Ranks, implicit_prm=None,
-                 prime: PrimeConfig = PrimeConfig()):
-        self.config, self.rollout, self.policy, self.trained_module = config, rollout, policy, trained_module
+                 prime: PrimeConfig = PrimeConfig(),
+                 member_optimizers: Mapping[str, torch.optim.Optimizer] | None = None):
+        self.config, self.rollout, self.policy, self.trained_module = config, rollout, team, trained_module
         self.algorithm = algorithm
         self.spec = algorithm_spec(algorithm.name)
-        self.optimizer, self.collector, self.minibatch_rng = optimizer, collector, minibatch_rng
+        self.collector, self.minibatch_rng = collector, minibatch_rng
+        # None: the policy's optimizer; a role: its member's
+        self.optimizers: dict[str | None, torch.optim.Optimizer] = {None: optimizer, **(member_optimizers or {})}
         self.temperature = collector.sampling.temperature
         self.ranks, self.implicit_prm, self.prime = ranks, implicit_prm, prime
 
@@ -91,7 +104,8 @@ class Learner:
         with self.policy.gathered(), torch.no_grad():
             if self.algorithm.needs_reference:
                 rows = buffer.rows()
-                ref = self.policy.ref_log_probs(rows.prompts, (rows.action_ids, rows.action_lengths), self.temperature)
+                ref = self.policy.ref_log_probs(rows.prompts, (rows.action_ids, rows.action_lengths), self.temperature,
+                                                adapters=self.row_adapters(rows))
                 buffer.ref_logprobs = buffer.scatter_tokens(rows.index, ref)
             gap = (score_trainer_logprobs(self.policy, buffer, self.temperature, self.row_adapters)
                    if self.rollout.rollout_is else GapMeter())
@@ -160,7 +174,8 @@ class Learner:
         if self.ranks.distributed:
             sums, weights = distributed.sum_by_key(sums, weights)
         stats = {f"loss/{key}": sums[key] / weights[key] for key in sums} | gap.stats() | {
-            "grad/norm": float(np.mean(grad_norms)) if grad_norms else 0.0,
+            grad_norm_key(name): float(np.mean([norms[name] for norms in grad_norms])) if grad_norms else 0.0
+            for name in self.optimizers} | {
             "train/optimizer_steps": float(steps), "train/early_stopped": float(stopped_early)}
         if steps:  # no step, no sample trained on
             trained = float(buffer.trained(targets).sum())
@@ -177,8 +192,9 @@ class Learner:
                                           max_tokens=config.micro_batch_tokens)
 
     def learning_rates(self) -> dict[str, float]:
-        """``lr/<group>``: each parameter group's learning rate now."""
-        return {f"lr/{group.get('name', 'group')}": group["lr"] for group in self.optimizer.param_groups}
+        """``lr/<group>``: each parameter group's learning rate now; a member's ``lr/<role>/<group>``."""
+        return {f"lr/{'' if name is None else name + '/'}{group.get('name', 'group')}": group["lr"]
+                for name, optimizer in self.optimizers.items() for group in optimizer.param_groups}
 
     @property
     def reduce_totals(self):
@@ -203,9 +219,10 @@ class Learner:
     def minibatch_step(self, minibatch: list[Batch], sums: dict, weights: dict, grad_norms: list,
                        gap: GapMeter | None = None) -> tuple[float, bool, str | None]:
         """Accumulates the micro-batches' gradients, clips, steps; returns (the minibatch's approx KL, whether
-        the optimizer stepped, what was non-finite when that skipped the step: "loss", "gradient norm (nan)",
+        the optimizers stepped, what was non-finite when that skipped the step: "loss", "gradient norm (nan)",
         else None). ``gap``: where the forward passes' distance to the sampler's log-probs is added (None: not
-        measured); ``grad_norms``: where a step's gradient norm is appended.
+        measured); ``grad_norms``: where a step's gradient norms ({None: the policy's, role: a member's}) are
+        appended. One model's non-finite gradient skips every model's step, as one loss made them all.
 
         Several ranks: DDP and FSDP2 average the gradients over ranks, so each loss (normalised by the
         global totals) is scaled by the world size. Every rank runs as many forward and backward passes as
@@ -233,14 +250,17 @@ class Learner:
         if self.ranks.distributed:
             kl_sum, kl_weight, nonfinite = distributed.all_reduce_sum([kl_sum, kl_weight, float(not finite_loss)])
             finite_loss = nonfinite == 0
-        grad_norm = self.clipped_grad_norm()
+        norms = {name: self.clipped_grad_norm(optimizer) for name, optimizer in self.optimizers.items()}
         kl = kl_sum / max(kl_weight, 1)
-        stepped = finite_loss and math.isfinite(grad_norm)
+        bad_norm = next((norm for norm in norms.values() if not math.isfinite(norm)), None)
+        stepped = finite_loss and bad_norm is None
         if stepped:
-            grad_norms.append(grad_norm)
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        nonfinite = None if stepped else "loss" if not finite_loss else f"gradient norm ({grad_norm})"
+            grad_norms.append(norms)
+        for optimizer in self.optimizers.values():
+            if stepped:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        nonfinite = None if stepped else "loss" if not finite_loss else f"gradient norm ({bad_norm})"
         return kl, stepped, nonfinite
 
     def micro_batch_backward(self, batch, sums: dict, weights: dict,
@@ -262,9 +282,10 @@ class Learner:
         self.add_role_stats(scores, batch, sums, weights)
         return micro_stats, finite
 
-    def clipped_grad_norm(self) -> float:
-        """Clips the gradients to ``max_grad_norm`` (0: no clipping); returns their norm before clipping."""
-        parameters = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+    def clipped_grad_norm(self, optimizer: torch.optim.Optimizer) -> float:
+        """Clips the gradients of ``optimizer``'s parameters to ``max_grad_norm`` (0: no clipping); returns their
+        norm before clipping."""
+        parameters = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         grad_norm = torch.nn.utils.clip_grad_norm_(parameters, self.config.max_grad_norm or math.inf)
         return float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)  # FSDP2: sharded
 
@@ -281,12 +302,10 @@ class Learner:
             sums[key] += total
             weights[key] += count
 
-    def row_adapters(self, batch) -> list[str] | None:
-        """The role adapter each row of ``batch`` acts with (one adapter per role), else None."""
-        adapters = self.collector.role_models.adapters
-        if not adapters:
-            return None
-        return [adapters[agent] for agent in batch.agents.tolist()]
+    def row_adapters(self, batch) -> list[str | None] | None:
+        """What scores each row of ``batch``: its member's role or its role adapter (``RoleModels.voices``), else
+        None."""
+        return self.collector.role_models.voices(batch.agents.tolist())
 
     def row_value_heads(self, batch) -> list[int] | None:
         """The value head each row of ``batch`` is read from (per-role critics: its agent's), else None."""

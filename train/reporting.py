@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 from tqdm import tqdm
@@ -22,10 +22,13 @@ sampled ones (pass_at_k, maj_at_k, mean_at_n) follow."""
 
 class Reporter:
     """Rank 0's writer (a tensorboardX SummaryWriter; None on the other ranks) and what it is shown.
-    ``roles``: the agent slots' role names of a multi-agent env (None: one agent)."""
+    ``roles``: the agent slots' role names of a multi-agent env (None: one agent); ``tokenizer`` decodes the
+    prompts, ``slot_tokenizers`` {agent slot: tokenizer} those of slots whose model has a tokenizer of its own."""
 
-    def __init__(self, writer, ranks: Ranks, tokenizer, roles: Sequence[str] | None, num_text_samples: int):
+    def __init__(self, writer, ranks: Ranks, tokenizer, roles: Sequence[str] | None, num_text_samples: int,
+                 slot_tokenizers: Mapping[int, Any] | None = None):
         self.writer, self.ranks, self.tokenizer, self.roles = writer, ranks, tokenizer, roles
+        self.slot_tokenizers = dict(slot_tokenizers or {})
         self.num_text_samples = num_text_samples
         self.last_buffer: RolloutBuffer | None = None  # for the text panel of sampled solutions
 
@@ -84,7 +87,8 @@ class Reporter:
             if not acted:
                 continue
             first = int(buffer.slot_index(acted[0][0], torch.tensor(env_index), torch.tensor(acted[0][1])))
-            prompt = self.tokenizer.decode(buffer.prompt_ids[first], skip_special_tokens=True)
+            tokenizer = self.slot_tokenizers.get(acted[0][1], self.tokenizer)
+            prompt = tokenizer.decode(buffer.prompt_ids[first], skip_special_tokens=True)
             lines.append(f"**env {env_index}** (group {int(buffer.group_ids[acted[0][0], env_index, acted[0][1]])})\n\n"
                          f"    {prompt.strip()}\n")
             for t, agent in acted:

@@ -15,14 +15,15 @@ import gymnasium
 
 import envs  # registers the built-in ids
 from algorithms.registry import ALGORITHMS, collects_whole_episodes
-from envs.modes import ActionLevel, Backend, Critic, LossAgg, Tool, member_of
+from envs.modes import ActionLevel, Backend, Critic, DataParallel, LossAgg, Tool, member_of
 from envs.workflows import Workflow, resolve_workflow
 from models.hub import resolve_model
 from models.remote import api_key_from
-from train.config import DEFAULT_PRM_REWARD, EnvConfig, ModelConfig, RunConfig, ServicesConfig
+from train.config import DEFAULT_PRM_REWARD, DistributedConfig, EnvConfig, ModelConfig, RunConfig, ServicesConfig
 from train.validation import checked_modes, given, kl_in_reward, reward_sources, validate
 
-MULTI_AGENT_OPTIONS = ("reward_assignment", "role_model", "share_policy", "agent_groups")
+MULTI_AGENT_OPTIONS = ("reward_assignment", "role_model", "frozen_role", "role_base_model", "role_lr",
+                       "role_lora_rank", "share_policy", "agent_groups")
 """Options that concern the roles of a multi-agent env (refused with a single-agent one)."""
 
 
@@ -32,7 +33,7 @@ def resolved(config: RunConfig) -> RunConfig:
     validate(config)
     config = checked_modes(config)
     env_id = registered_env_id(config.env.env_id, config.env.dataset_path)
-    workflow = config.env.workflow or workflow_of(env_id)
+    workflow = with_frozen_roles(config.env.workflow or workflow_of(env_id), config.multi_agent.frozen_roles)
     spec = reward_spec(config, env_id)
     check_multi_agent(config, env_id, workflow, spec)
     env = resolved_env(config, env_id, workflow)
@@ -48,7 +49,10 @@ def resolved(config: RunConfig) -> RunConfig:
         learning=dataclasses.replace(learning, prompt_groups=prompt_groups, **resolved_losses(config)),
         multi_agent=dataclasses.replace(config.multi_agent, role_models=tuple(
             f"{role}={local_model(config, name, f'--role_model {role}')}"
-            for role, name in config.multi_agent.models_by_role.items())),
+            for role, name in config.multi_agent.models_by_role.items()), role_base_models=tuple(
+            f"{role}={local_model(config, name, f'--role_base_model {role}')}"
+            for role, name in config.multi_agent.base_models_by_role.items())),
+        distributed=resolved_distributed(config),
         prefix_rl=dataclasses.replace(config.prefix_rl, target_model=local_model(
             config, config.prefix_rl.target_model, "--target_model_name_or_path")),
         budget=dataclasses.replace(budget, num_iterations=iterations),
@@ -96,6 +100,23 @@ def workflow_of(env_id: str) -> Workflow | None:
     return None if workflow is None else resolve_workflow(workflow)
 
 
+def with_frozen_roles(workflow: Workflow | None, frozen: tuple[str, ...]) -> Workflow | None:
+    """``workflow`` with the roles ``frozen`` (--frozen_role) marked trainable=False; at least one role must still
+    train. Raises ValueError naming a role it does not have."""
+    if workflow is None or not frozen:
+        return workflow
+    names = [role.name for role in workflow.roles]
+    unknown = sorted(set(frozen) - set(names))
+    if unknown:
+        raise ValueError(f"--frozen_role {unknown[0]}: the workflow {workflow.name!r} has the roles {names}")
+    roles = tuple(dataclasses.replace(role, trainable=False) if role.name in frozen else role
+                  for role in workflow.roles)
+    if not any(role.trainable for role in roles):
+        raise ValueError(f"--frozen_role freezes every role of the workflow {workflow.name!r} ({names}): nothing "
+                         "would train; leave at least one role out")
+    return dataclasses.replace(workflow, roles=roles)
+
+
 def reward_spec(config: RunConfig, env_id: str) -> str:
     """--reward, or its default: the outcome with a PRM's score when a PRM is given, else the env id's own
     declared default (``envs.default_reward``: Arith-v0's adds its exact step reward)."""
@@ -131,7 +152,13 @@ def check_multi_agent(config: RunConfig, env_id: str, workflow: Workflow | None,
     for role in config.multi_agent.models_by_role:
         if role not in frozen:
             raise ValueError(f"--role_model {role}=...: the frozen roles of --env_id={env_id} are "
-                             f"{frozen or 'none'}; a trained role speaks with the policy")
+                             f"{frozen or 'none'}; a trained role speaks with the policy (or with "
+                             f"--role_base_model {role}=DIR learns on a model of its own)")
+    trained = [role.name for role in workflow.roles if role.trainable]
+    for role in config.multi_agent.base_models_by_role:
+        if role not in trained:
+            raise ValueError(f"--role_base_model {role}=...: the trained roles of --env_id={env_id} are "
+                             f"{trained}; a frozen role speaks with --role_model {role}=DIR")
     if config.env.action_level != ActionLevel.SOLUTION:
         raise ValueError(f"--action_level={config.env.action_level}: in the multi-agent --env_id={env_id} "
                          "every action is one role's whole message; use --action_level solution")
@@ -159,8 +186,9 @@ def local_model(config: RunConfig, value: str | None, flag: str) -> str | None:
 
 def resolved_model(config: RunConfig, workflow: Workflow | None) -> ModelConfig:
     """The policy's local directory, its roles' adapters and its value heads."""
-    model, shared = config.model, config.multi_agent.share_policy
-    trained = () if shared or workflow is None else tuple(role.name for role in workflow.roles if role.trainable)
+    model, shared, members = config.model, config.multi_agent.share_policy, config.multi_agent.base_models_by_role
+    trained = () if shared or workflow is None else tuple(role.name for role in workflow.roles
+                                                          if role.trainable and role.name not in members)
     per_role_critic = workflow is not None and config.learning.critic == Critic.PER_ROLE
     return dataclasses.replace(model, name_or_path=local_model(config, model.name_or_path, "--model_name_or_path"),
                                role_adapters=trained, value_heads=len(workflow.roles) if per_role_critic else 1)
@@ -232,8 +260,9 @@ def async_rollouts(config: RunConfig) -> bool:
 def default_async_rollouts(config: RunConfig) -> bool:
     """On with the HF backend for an algorithm asynchronous by design (its spec's ``asynchronous``), and for every
     algorithm on a CPU (where the second thread has a core of its own; on one GPU the copy's memory would buy
-    little overlap)."""
-    if config.generation.backend != Backend.HF:
+    little overlap); off with roles on base models of their own (--role_base_model), which collect
+    synchronously."""
+    if config.generation.backend != Backend.HF or config.multi_agent.role_base_models:
         return False
     if ALGORITHMS[config.learning.algorithm].asynchronous:
         return True
@@ -243,6 +272,14 @@ def default_async_rollouts(config: RunConfig) -> bool:
 
         return not torch.cuda.is_available()
     return device == "cpu"
+
+
+def resolved_distributed(config: RunConfig) -> DistributedConfig:
+    """--data_parallel auto with roles on base models of their own is ddp: the team is replicated whole."""
+    distributed = config.distributed
+    if config.multi_agent.role_base_models and distributed.data_parallel == DataParallel.AUTO:
+        return dataclasses.replace(distributed, data_parallel=DataParallel.DDP)
+    return distributed
 
 
 def experiment_name(config: RunConfig, env_id: str) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -20,6 +20,7 @@ from models.loading import DTYPES
 from models.policy import LanguagePolicy
 from train import checkpoint_files, distributed
 from train.distributed import Ranks
+from train.members import Member
 from train.reporting import write_out
 from train.rollouts import Rollouts
 
@@ -52,12 +53,14 @@ class Progress:
 class Checkpointer:
     """Writes and reads ``<run_dir>/checkpoints`` (keeping the newest ``keep_checkpoints``; 0: all) and
     ``<run_dir>/best`` (weights in ``save_dtype``). ``writer``: rank 0's TensorBoard writer (flushed before
-    each checkpoint)."""
+    each checkpoint); ``members``: the roles on base models of their own, each saved and restored with its
+    optimizer and scheduler as the policy is (``<run>/best`` holds the policy alone)."""
 
     def __init__(self, run_dir: Path, keep_checkpoints: int, policy: LanguagePolicy, optimizer: torch.optim.Optimizer,
                  scheduler, rollouts: Rollouts, minibatch_rng: torch.Generator, ranks: Ranks, writer,
-                 run_flags: dict[str, Any], implicit_prm=None, save_dtype: str = "float32"):
-        self.run_dir, self.keep_checkpoints = Path(run_dir), keep_checkpoints
+                 run_flags: dict[str, Any], implicit_prm=None, save_dtype: str = "float32",
+                 members: Sequence[Member] = ()):
+        self.run_dir, self.keep_checkpoints, self.members = Path(run_dir), keep_checkpoints, tuple(members)
         self.policy, self.optimizer, self.scheduler, self.implicit_prm = policy, optimizer, scheduler, implicit_prm
         self.rollouts, self.collector, self.minibatch_rng = rollouts, rollouts.collector, minibatch_rng
         self.ranks, self.writer, self.run_flags = ranks, writer, run_flags
@@ -89,13 +92,15 @@ class Checkpointer:
             rng = {**rng, "rank_rngs": [rank_rng for _, rank_rng in gathered]}
         if self.ranks.is_main:
             write_out(self.writer)  # every point logged before this checkpoint is on disk when it exists
-        optimizers = {"scheduler": self.scheduler.state_dict()}
+        optimizers = {"scheduler": self.scheduler.state_dict(),
+                      "members": {member.role: member.scheduler.state_dict() for member in self.members}}
         if self.implicit_prm is not None:
             optimizers["implicit_prm"] = self.implicit_prm.optimizer.state_dict()
         path = checkpoint_files.save(checkpoints_dir, state["iteration"], policy=self.policy, optimizer=self.optimizer,
                                optimizers=optimizers, rng=rng, state=state, flags=self.run_flags,
                                implicit_prm=self.implicit_prm.model if self.implicit_prm is not None else None,
-                               ranks=self.ranks)
+                               ranks=self.ranks,
+                               members={member.role: (member.policy, member.optimizer) for member in self.members})
         self.last_checkpoint, self.last_saved = path, saved
         if self.ranks.is_main:
             log.info("saved checkpoint %s", path)
@@ -119,6 +124,8 @@ class Checkpointer:
         """Loads ``saved``: the policy's trainable weights and optimizer, scheduler, implicit PRM, RNGs and
         collector (every rank: the train state is read as each rank holds it); returns its counters."""
         checkpoint_files.load_train_state(saved, self.policy, self.optimizer)
+        for member in self.members:
+            checkpoint_files.load_train_state(saved, member.policy, member.optimizer, member.role)
         self.restore_optimizers(saved)
         state, rng = saved.state, saved.rng()
         saved_ranks = state.get("world_size", 1)
@@ -138,19 +145,32 @@ class Checkpointer:
         return progress
 
     def restore_optimizers(self, saved: checkpoint_files.Checkpoint) -> None:
-        """The scheduler, the lr it schedules for this run, and the implicit PRM with its optimizer."""
+        """The schedulers (the policy's, each member's), the lr each schedules for this run, and the implicit PRM
+        with its optimizer."""
         optimizers = saved.optimizers(self.policy.device)
+        saved_members, members = set(optimizers.get("members", {})), {member.role for member in self.members}
+        if saved_members != members:
+            raise checkpoint_files.CheckpointError(
+                f"{saved.path} was trained with roles {sorted(saved_members) or 'none'} on base models of their own, "
+                f"this run has {sorted(members) or 'none'}: resume with the --role_base_model flags it was "
+                "trained with")
         if ("implicit_prm" in optimizers) != (self.implicit_prm is not None):
             raise checkpoint_files.CheckpointError(
                 f"{saved.path} was trained {'with' if 'implicit_prm' in optimizers else 'without'} an implicit PRM, "
                 f"this run {'trains one' if self.implicit_prm is not None else 'trains none'}: resume with the "
                 "algorithm it was trained with")
-        self.scheduler.load_state_dict(optimizers["scheduler"])
-        # Go on at this run's scheduled lr for the step reached: the optimizer saved the lr of the checkpoint's
-        # budget, and a resume may change --num_env_steps (a finished run's linear decay left it at 0).
-        for group, base_lr, factor in zip(self.optimizer.param_groups, self.scheduler.base_lrs,
-                                          self.scheduler.lr_lambdas):
-            group["lr"] = base_lr * factor(self.scheduler.last_epoch)
+        restore_schedule(self.optimizer, self.scheduler, optimizers["scheduler"])
+        for member in self.members:
+            restore_schedule(member.optimizer, member.scheduler, optimizers["members"][member.role])
         if self.implicit_prm is not None:
             saved.load_implicit_prm(self.implicit_prm.model)
             self.implicit_prm.optimizer.load_state_dict(optimizers["implicit_prm"])
+
+
+def restore_schedule(optimizer: torch.optim.Optimizer, scheduler, state: dict[str, Any]) -> None:
+    """``scheduler`` from its saved ``state``, and ``optimizer`` at this run's scheduled lr for the step reached:
+    the optimizer saved the lr of the checkpoint's budget, and a resume may change --num_env_steps (a finished
+    run's linear decay left it at 0)."""
+    scheduler.load_state_dict(state)
+    for group, base_lr, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base_lr * factor(scheduler.last_epoch)

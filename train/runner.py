@@ -38,7 +38,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -46,6 +46,7 @@ from algorithms.base import Algorithm
 from algorithms.buffer import RolloutBuffer
 from models.generation import Generator
 from models.policy import LanguagePolicy
+from models.team import Team
 from train import checkpoint_files, distributed, evaluation
 from train.run_state import Checkpointer, Progress, Snapshot
 from train.collector import Collector
@@ -53,6 +54,7 @@ from train.distributed import Ranks
 from train.evaluation import EvalSampling
 from train.config import RunConfig
 from train.learner import Learner, NonFiniteError
+from train.members import Member
 from train.reporting import Reporter, bar_summary
 from train.rollouts import Rollouts
 
@@ -76,19 +78,22 @@ class Runner:
     size 1)}, the first one's greedy accuracy picking the best checkpoint; ``rollout_policy``/
     ``rollout_generator`` are the copy used by asynchronous collection (required with asynchronous rollouts)."""
 
-    def __init__(self, config: RunConfig, collector: Collector, eval_envs: dict[str | None, Any],
-                 policy: LanguagePolicy,
+    def __init__(self, config: RunConfig, collector: Collector, eval_envs: dict[str | None, Any], team: Team,
                  generator: Generator, algorithm: Algorithm, optimizer: torch.optim.Optimizer, scheduler, writer,
                  run_dir: Path, implicit_prm=None, rollout_policy: LanguagePolicy | None = None,
                  rollout_generator: Generator | None = None, ranks: Ranks = Ranks(),
-                 trained_module: torch.nn.Module | None = None):
+                 trained_module: torch.nn.Module | None = None, members: Sequence[Member] = ()):
         budget, generation, logs = config.budget, config.generation, config.logging
         if generation.async_rollouts and (rollout_policy is None or rollout_generator is None):
             raise ValueError("async_rollouts needs rollout_policy and rollout_generator (a copy of the policy)")
         if algorithm.needs_process_rewards and implicit_prm is None:
             raise ValueError(f"{algorithm.name} needs an implicit PRM for its process rewards")
+        if set(team.members) != {member.role for member in members}:
+            raise ValueError(f"the team's members {sorted(team.members)} are not the members given "
+                             f"{sorted(member.role for member in members)}: build the team from them")
+        policy = team.policy
         self.config, self.collector, self.eval_envs, self.ranks = config, collector, eval_envs, ranks
-        self.policy, self.generator, self.algorithm = policy, generator, algorithm
+        self.policy, self.generator, self.algorithm, self.members = policy, generator, algorithm, tuple(members)
         self.run_flags = config.flags  # saved with every checkpoint
         # an ended held-out episode's verdict: "correct", or "target" (a reward source) where a frozen target finishes
         # the policy's prefix (Prefix-RL by --handoff_steps), so that evaluation measures what the reward pays
@@ -100,15 +105,19 @@ class Runner:
                                  generation.max_policy_lag, ranks, *copy,
                                  max_num_gen_batches=config.rollout.max_num_gen_batches
                                  if config.rollout.filter_groups else None)
-        self.learner = Learner(config.learning, config.rollout, policy,
-                               trained_module if trained_module is not None else policy,
+        self.learner = Learner(config.learning, config.rollout, team,
+                               trained_module if trained_module is not None else team,
                                algorithm, optimizer, collector, minibatch_rng, ranks, implicit_prm,
-                               config.prime)
+                               config.prime, {member.role: member.optimizer for member in members})
         self.scheduler = scheduler  # the lr schedule: steps with each iteration that updated the policy
-        self.reporter = Reporter(writer, ranks, policy.tokenizer, collector.roles, NUM_TEXT_SAMPLES)
+        member_policies = {member.role: member.policy for member in members}
+        self.reporter = Reporter(writer, ranks, policy.tokenizer, collector.roles, NUM_TEXT_SAMPLES,
+                                 {slot: member_policies[role].tokenizer
+                                  for slot, role in collector.role_models.members.items()})
         self.checkpointer = Checkpointer(run_dir, logs.keep_checkpoints, policy, optimizer, scheduler, self.rollouts,
                                          minibatch_rng, ranks, writer, self.run_flags, implicit_prm,
-                                         logs.save_dtype or config.model.dtype)  # None: the training dtype
+                                         logs.save_dtype or config.model.dtype,  # None: the training dtype
+                                         members=self.members)
         self.progress = Progress()
         self.clock = time.perf_counter()  # when progress.seconds was last brought up to date
         self.stop_signal: str | None = None  # name of the signal that asked the run to stop
@@ -208,8 +217,9 @@ class Runner:
                                  ) from None
         progress.nonfinite_steps += trained.nonfinite_steps
         progress.nonfinite_in_a_row = trained.nonfinite_in_a_row
-        if trained.optimizer_steps:  # the schedule advances with iterations that updated the policy
-            self.scheduler.step()
+        if trained.optimizer_steps:  # the schedules advance with iterations that updated the policy
+            for scheduler in (self.scheduler, *(member.scheduler for member in self.members)):
+                scheduler.step()
         stats = (collected.stats | trained.stats | scores.heldout | correction
                  | learner.update_implicit_prm_after(buffer, targets))
         stats |= {"train/nonfinite_steps": float(progress.nonfinite_steps), "histograms": targets.stats,
@@ -240,13 +250,17 @@ class Runner:
         """The generator takes the updated weights; returns its seconds. A failure saves the updated state
         first (one process), then propagates."""
         try:
-            return self.generator.sync(self.policy)
+            return self.sync_engines()
         except Exception:
             if not self.ranks.distributed:
                 self.saved_at_failure = self.save()
                 log.error("iteration %d: the generator did not take the new weights; saved the updated state to %s",
                           iteration, self.saved_at_failure)
             raise
+
+    def sync_engines(self) -> float:
+        """The policy's generator and each member's take their model's current weights; returns the seconds."""
+        return self.generator.sync(self.policy) + sum(member.generator.sync(member.policy) for member in self.members)
 
     @contextlib.contextmanager
     def signals_stop_after_iteration(self, exit_after_stop: bool = False) -> Iterator[None]:
@@ -337,7 +351,7 @@ class Runner:
         """Continues from ``saved``: weights, optimizers, RNGs, collector and counters; the generation
         engines take the restored weights."""
         self.progress = self.checkpointer.restore(saved)
-        self.generator.sync(self.policy)  # the engines were built on the starting weights
+        self.sync_engines()  # the engines were built on the starting weights
         if self.rollouts.rollout_policy is not None:
             self.rollouts.refresh()
         log.info("resumed from %s: iteration %d, %d env steps", saved.path, self.iteration, self.collector.env_steps)

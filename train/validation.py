@@ -405,8 +405,39 @@ def check_evaluation(config: RunConfig) -> None:
                              "(evaluation is otherwise greedy)")
 
 
+def check_members(config: RunConfig) -> None:
+    """Roles on base models of their own (--role_base_model): their --role_lr and --role_lora_rank name such roles;
+    what a first version of them does not support is refused (a critic, PRIME's implicit PRM, asynchronous
+    rollouts, a generation backend other than hf, FSDP)."""
+    multi_agent = config.multi_agent
+    members = multi_agent.base_models_by_role
+    for flag, roles in (("role_lr", multi_agent.lrs_by_role), ("role_lora_rank", multi_agent.lora_ranks_by_role)):
+        stray = sorted(set(roles) - set(members))
+        if stray:
+            raise ValueError(f"--{flag} {stray[0]}=...: role {stray[0]!r} has no --role_base_model (roles with one: "
+                             f"{sorted(members) or 'none'}); add --role_base_model {stray[0]}=DIR or drop it")
+    if not members:
+        return
+    spec, algorithm = ALGORITHMS[config.learning.algorithm], config.learning.algorithm
+    role = next(iter(members))
+    if spec.critic is not None:
+        raise ValueError(f"--role_base_model {role}=... trains critic-free; --algorithm_name={algorithm} needs a "
+                         f"critic: use {'/'.join(algorithms_with(lambda spec: spec.critic is None))}")
+    if spec.prime and config.prime.process_coef > 0:
+        raise ValueError(f"--role_base_model {role}=...: {algorithm}'s implicit PRM (--process_coef="
+                         f"{config.prime.process_coef}) learns on the policy's base alone; pass --process_coef 0")
+    if config.generation.async_rollouts:
+        raise ValueError(f"--role_base_model {role}=... collects synchronously: drop --async_rollouts")
+    if config.generation.backend != Backend.HF:
+        raise ValueError(f"--role_base_model {role}=... generates with HF: use --generation_backend hf (not "
+                         f"{config.generation.backend})")
+    if config.distributed.data_parallel == DataParallel.FSDP:
+        raise ValueError(f"--role_base_model {role}=...: every model of the team is replicated under DDP; use "
+                         "--data_parallel ddp (or auto)")
+
+
 OPTION_PROBLEMS = (bound_problems, name_problems, path_problems, url_problems)
 """The checks of each option alone: each yields every problem it finds."""
 CHECKS = (check_algorithm_options, check_generation, check_rewards, check_env, check_losses, check_prime,
-          check_rollouts, check_evaluation)
+          check_rollouts, check_evaluation, check_members)
 """The checks of options against each other: each raises a ValueError at the first problem it finds."""

@@ -249,7 +249,7 @@ class Collector:
         self.facts = facts = info[FACTS]
         buffer.add_step_results(step, facts.rewards, terminated, truncated, facts.correct)
         self.pay_overlong(buffer, record, tally)
-        self.tally_step(tally, out, envs, agents, info, terminated | truncated)
+        self.tally_step(tally, out, envs, agents, terminated | truncated)
         self.env_steps += len(np.unique(envs))
         return terminated, truncated
 
@@ -272,13 +272,13 @@ class Collector:
                           cut=[out.finish_reasons[k] == FinishReason.LENGTH for k in trained])
 
     def tally_step(self, tally: Tally, out: GenerationOutput, envs: np.ndarray, agents: np.ndarray,
-                   info: dict[str, Any], ended: np.ndarray) -> None:
+                   ended: np.ndarray) -> None:
         """The statistics of one env step: the tokens generated for the pairs ``envs[b], agents[b]``, their
         reward sources, tool calls, the episodes that ended [N] and each role's verified outputs."""
         tally.add("tokens", [len(ids) for ids in out.token_ids])
         self.tally_reward_sources(tally, envs, agents)
-        if "tool_called" in info:  # an env with a tool: the share of actions that called it
-            tally.add("train/tool_calls", info["tool_called"][envs])
+        if self.facts.tool_called is not None:  # an env with a tool: the share of actions that called it
+            tally.add("train/tool_calls", self.facts.tool_called[envs, agents])
         self.tally_ended_episodes(tally, ended)
         self.tally_role_metrics(tally)
 

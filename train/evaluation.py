@@ -191,8 +191,8 @@ def solve_batch(env, generator: Generator, sampling: Sampling, problem_ids: Sequ
         answers[ended] = facts.answers[ended]
         if "prm" in facts.sources:  # [N, A]; NaN where an action was not scored
             prm_scores += facts.sources["prm"][envs, agents].tolist()
-        if "tool_called" in info:  # an env with a tool
-            tool_calls += info["tool_called"][envs].astype(float).tolist()
+        if facts.tool_called is not None:  # an env with a tool
+            tool_calls += facts.tool_called[envs, agents].astype(float).tolist()
         if role_sums is not None:
             add_role_outputs(role_sums, facts, done)
         done |= terminated | truncated

@@ -213,7 +213,8 @@ def test_tool_output_tokens_are_observations_only(untrained_policy_dir):
     prompt's tokens alone; the reward model scores the policy's steps alone."""
     from algorithms.registry import algorithm_spec
     from models.policy import LanguagePolicy
-    from train.collector import Collector, Sampling
+    from train.collector import Collector
+    from train.episodes import Sampling
 
     policy = LanguagePolicy(str(untrained_policy_dir), device="cpu").eval()
     tokenizer = policy.tokenizer

@@ -31,7 +31,6 @@ from envs.modes import Critic, PrimeUpdate
 from models.forward import module_mode
 from models.policy import LanguagePolicy
 from train import distributed
-from train.collector import Collector
 from train.config import LearningConfig, RolloutConfig
 from train.correction import GapMeter, corrected_targets, score_trainer_logprobs
 from train.distributed import Ranks
@@ -69,17 +68,21 @@ class Learner:
     """Trains ``policy`` (through ``trained_module``) with ``algorithm``; ``config``: the run's learning section
     (``train.config.LearningConfig``); ``rollout``: its rollout section (``train.config.RolloutConfig``: the
     correction of samples from another engine); ``minibatch_rng``: the generator that orders minibatches (saved
-    with checkpoints)."""
+    with checkpoints). What it needs of how the batch was collected: the sampling ``temperature`` (log-probs are
+    scored at it), the agent slots' ``roles`` (None: one agent), each slot's LoRA ``adapters`` (empty: none) and
+    what a multi-agent ``critic`` reads (``Critic.PER_ROLE``: a value head per role; None: no such critic)."""
 
     def __init__(self, config: LearningConfig, rollout: RolloutConfig, policy: LanguagePolicy,
                  trained_module: torch.nn.Module, algorithm: Algorithm, optimizer: torch.optim.Optimizer,
-                 collector: Collector, minibatch_rng: torch.Generator, ranks: Ranks, implicit_prm=None,
-                 prime_update: PrimeUpdate = PrimeUpdate.BEFORE):
+                 minibatch_rng: torch.Generator, ranks: Ranks, implicit_prm=None,
+                 prime_update: PrimeUpdate = PrimeUpdate.BEFORE, *, temperature: float,
+                 roles: tuple[str, ...] | None = None, adapters: dict[int, str] | None = None,
+                 critic: Critic | None = None):
         self.config, self.rollout, self.policy, self.trained_module = config, rollout, policy, trained_module
         self.algorithm = algorithm
         self.spec = algorithm_spec(algorithm.name)
-        self.optimizer, self.collector, self.minibatch_rng = optimizer, collector, minibatch_rng
-        self.temperature = collector.sampling.temperature
+        self.optimizer, self.minibatch_rng = optimizer, minibatch_rng
+        self.temperature, self.roles, self.adapters, self.critic = temperature, roles, adapters or {}, critic
         self.ranks, self.implicit_prm, self.prime_update = ranks, implicit_prm, prime_update
 
     def score(self, buffer: RolloutBuffer) -> Scores:
@@ -262,7 +265,7 @@ class Learner:
     def add_role_stats(self, scores, batch, sums: dict, weights: dict) -> None:
         """Each role's mean token entropy, approx KL to the behaviour policy and, with a critic, value loss
         (multi-agent envs), added to ``sums``/``weights`` as ``<role>/<name>`` (logged under ``loss/``)."""
-        roles = self.collector.roles
+        roles = self.roles
         if not roles or scores.entropy is None:
             return
         with torch.no_grad():
@@ -274,14 +277,13 @@ class Learner:
 
     def row_adapters(self, batch) -> list[str] | None:
         """The role adapter each row of ``batch`` acts with (one adapter per role), else None."""
-        adapters = self.collector.role_models.adapters
-        if not adapters:
+        if not self.adapters:
             return None
-        return [adapters[agent] for agent in batch.agents.tolist()]
+        return [self.adapters[agent] for agent in batch.agents.tolist()]
 
     def row_value_heads(self, batch) -> list[int] | None:
         """The value head each row of ``batch`` is read from (per-role critics: its agent's), else None."""
-        if self.collector.critic != Critic.PER_ROLE:
+        if self.critic != Critic.PER_ROLE:
             return None
         return batch.agents.tolist()
 

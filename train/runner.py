@@ -102,8 +102,9 @@ class Runner:
                                  if config.rollout.filter_groups else None)
         self.learner = Learner(config.learning, config.rollout, policy,
                                trained_module if trained_module is not None else policy,
-                               algorithm, optimizer, collector, minibatch_rng, ranks, implicit_prm,
-                               config.prime.prime_update)
+                               algorithm, optimizer, minibatch_rng, ranks, implicit_prm, config.prime.prime_update,
+                               temperature=collector.sampling.temperature, roles=collector.roles,
+                               adapters=collector.role_models.adapters, critic=collector.critic)
         self.scheduler = scheduler  # the lr schedule: steps with each iteration that updated the policy
         self.reporter = Reporter(writer, ranks, policy.tokenizer, collector.roles, NUM_TEXT_SAMPLES)
         self.checkpointer = Checkpointer(run_dir, logs.keep_checkpoints, policy, optimizer, scheduler, self.rollouts,

@@ -34,7 +34,8 @@ import torch
 from algorithms.registry import algorithm_spec
 from envs.multi_agent import MultiAgentMathVectorEnv
 from envs.workflows import Role, TurnContext, Workflow
-from train.collector import Collector, Sampling
+from train.collector import Collector
+from train.episodes import Sampling
 from models.generation import HFGenerator
 from models.packing import right_padded
 from models.policy import LanguagePolicy

@@ -27,7 +27,7 @@ import envs  # noqa: F401  (registers MATH-v0)
 from envs.datasets import MATH500
 from envs.prompts import STEP_DELIMITER
 from envs.vector import MathVectorEnv
-from train.collector import Sampling
+from train.episodes import Sampling
 from train.evaluation import evaluate
 from models.generation import make_generator
 from models.policy import LanguagePolicy

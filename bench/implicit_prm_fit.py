@@ -28,7 +28,8 @@ from algorithms.buffer import Batch
 from algorithms.registry import algorithm_spec
 from envs.vector import MathVectorEnv
 from reward_models.implicit_prm import ImplicitPRM
-from train.collector import Collector, Sampling
+from train.collector import Collector
+from train.episodes import Sampling
 from models.generation import HFGenerator
 from models.policy import LanguagePolicy
 from models.tiny import shipped_models

@@ -55,7 +55,8 @@ class StepFacts:
     keeps; ``outputs`` {metric: [N, A] float64}, each slot's verified output (multi-agent:
     ``envs.multi_agent.ROLE_METRICS``), NaN where it gave none; ``answers`` [N] object, the final answer
     ``correct`` judged (extracted, a str) where an episode ended at this step, None where it had none the
-    grader could read, and elsewhere.
+    grader could read, and elsewhere; ``tool_called`` [N, A] bool, the action was a call of the env's tool,
+    run (None in an env without a tool, and at a reset).
     """
 
     problem_ids: np.ndarray
@@ -70,6 +71,7 @@ class StepFacts:
     clipped: np.ndarray | None = None
     outputs: dict[str, np.ndarray] = field(default_factory=dict)
     answers: np.ndarray | None = None
+    tool_called: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         """A reset's facts: nothing paid, no verdict or answer, nothing clipped."""

@@ -591,7 +591,9 @@ class MathEnv(gymnasium.Env):
                                       returns=np.array([[self.episode.return_so_far]]), correct=scores.correct,
                                       answers=scores.answers,
                                       sources={name: values[:, None] for name, values in scores.sources.items()},
-                                      clipped=np.array([[transition.action_clipped]]))
+                                      clipped=np.array([[transition.action_clipped]]),
+                                      tool_called=(np.array([[transition.tool_code is not None]])
+                                                   if self.task.tools != Tool.NONE else None))
         info.update({f"reward/{name}": float(values[0]) for name, values in scores.sources.items()})
         if self.task.mode == ActionLevel.STEP:
             info["action_clipped"] = transition.action_clipped

@@ -56,8 +56,8 @@ from envs.math_env import UnicodeText
 from envs.modes import ActionLevel, RewardAssignment, member_of
 from envs.rewards import OutcomeReward, RewardMixture, RewardModel, StepContext, score_batch
 from envs.vector import MathVectorEnv
-from envs.workflows import (WORKFLOWS, Limits, Message, Progress, TurnContext, Workflow, resolve_workflow,
-                            state_prompt)
+from envs.workflows import (WORKFLOWS, DialogueLimits, DialogueProgress, Message, TurnContext, Workflow,
+                            resolve_workflow, state_prompt)
 
 ROLE_METRICS = ("answer_correct", "verdict", "verdict_correct", "verdict_precision", "verdict_recall",
                 "verdict_specificity", "fix_rate", "keep_rate")  # the [N, A] infos of each role's verified output
@@ -171,7 +171,7 @@ class Dialogue:
     problem: Problem
     group_id: int
     transcript: list[Message]
-    progress: Progress
+    progress: DialogueProgress
     returns: np.ndarray
 
     def acted(self) -> list[int]:
@@ -216,8 +216,8 @@ class MultiAgentMathVectorEnv(VectorEnv):
         self.problem_env = MathVectorEnv(num_envs, group_size, AutoresetMode.DISABLED, group_offset, total_groups,
                                          **task_kwargs)
         self.task = self.problem_env.task
-        self.limits = Limits(max_turns=min(self.task.max_steps, self.workflow.max_turns or self.task.max_steps),
-                             max_chars=self.task.max_solution_chars)
+        self.limits = DialogueLimits(max_turns=min(self.task.max_steps, self.workflow.max_turns or self.task.max_steps),
+                                     max_chars=self.task.max_solution_chars)
         self.metadata = {**self.metadata, "autoreset_mode": self.autoreset_mode}
         self.num_envs, self.group_size = num_envs, group_size
         self.roles = self.workflow.role_names

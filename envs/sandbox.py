@@ -89,7 +89,7 @@ class Sandbox(Protocol):
 
 
 @dataclass(frozen=True)
-class Limits:
+class SandboxLimits:
     """The limits of one call (see ``PythonSandbox``); sent to every worker as JSON."""
 
     timeout_s: float = 5.0
@@ -108,7 +108,7 @@ class Limits:
 class _Worker:
     """One warm worker process: a request line in (JSON), a reply line out (JSON)."""
 
-    def __init__(self, limits: Limits, base_dir: Path, preload: Sequence[str]):
+    def __init__(self, limits: SandboxLimits, base_dir: Path, preload: Sequence[str]):
         self.base_dir, self.timeout_s = base_dir, limits.timeout_s
         self.cgroup = make_memory_cgroup(base_dir.name)
         config = json.dumps({"limits": asdict(limits), "base_dir": str(base_dir), "preload": list(preload),
@@ -194,7 +194,7 @@ class PythonSandbox:
     def __init__(self, *, timeout_s: float = 5.0, cpu_seconds: int = 5, memory_mb: int = 512,
                  max_output_chars: int = 1024, max_file_mb: int = 16, max_processes: int = 32,
                  workers: int | None = None, preload: Sequence[str] = ("sympy",)):
-        self.limits = Limits(timeout_s, cpu_seconds, memory_mb, max_output_chars, max_file_mb, max_processes)
+        self.limits = SandboxLimits(timeout_s, cpu_seconds, memory_mb, max_output_chars, max_file_mb, max_processes)
         workers = min(8, len(os.sched_getaffinity(0))) if workers is None else workers
         if workers < 1:
             raise ValueError(f"workers={workers} must be >= 1")

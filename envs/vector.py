@@ -50,7 +50,7 @@ class MathVectorEnv(VectorEnv):
       elsewhere), ``final_answer`` (object: the answer it judged, None where none), ``reward/<source>``
       (float64, every source the reward model reported, NaN
       where no step was scored) and, in step mode, ``action_clipped`` (bool) and, with a tool,
-      ``tool_called`` (bool: the action was a tool call, run);
+      ``tool_called`` (bool: the action was a tool call, run; ``facts.tool_called[:, 0]``);
     - SAME_STEP autoreset: gymnasium's ``final_obs`` / ``_final_obs`` and ``final_info`` /
       ``_final_info``, where ``final_info`` holds the ended episodes' metadata arrays (their
       ``correct`` and ``reward/*`` are the top-level arrays already).
@@ -131,7 +131,7 @@ class MathVectorEnv(VectorEnv):
         if self.autoreset_mode == AutoresetMode.NEXT_STEP:  # this step resets, its action is ignored
             for i in np.flatnonzero(self.needs_reset):
                 self.episodes[i] = self._start_episode(i)
-        results, terminated, truncated, called = self._act(actions, acting)
+        results, terminated, truncated = self._act(actions, acting)
         ended = terminated | truncated
         final = {}
         if self.autoreset_mode == AutoresetMode.DISABLED:
@@ -142,16 +142,14 @@ class MathVectorEnv(VectorEnv):
             final = self._restart(ended)
         facts = self._facts(**results)
         info = {**self._info(facts, stepped=True), **final}
-        if self.task.tools != Tool.NONE:
-            info["tool_called"] = called
         return self._observations(), facts.rewards[:, 0], terminated, truncated, info
 
-    def _act(self, actions: Sequence[Any], acting: np.ndarray
-             ) -> tuple[dict[str, Any], np.ndarray, np.ndarray, np.ndarray]:
+    def _act(self, actions: Sequence[Any], acting: np.ndarray) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
         """Applies the actions of the ``acting`` envs, runs their tool calls in one batch and scores them in one
         reward-model call. Returns the
         ``StepFacts`` fields of the results (rewards, returns, sources [N, 1], correct [N], clipped [N, 1],
-        answers [N]; 0 / NaN / False for the envs that did not act), terminated, truncated and tool-called [N]."""
+        answers [N], with a tool tool_called [N, 1]; 0 / NaN / False for the envs that did not act), terminated
+        and truncated [N]."""
         terminated, truncated, clipped, called = (np.zeros(self.num_envs, dtype=bool) for _ in range(4))
         transitions = []
         for i in acting:
@@ -171,7 +169,9 @@ class MathVectorEnv(VectorEnv):
         answers[acting] = scores.answers
         results = {"rewards": rewards[:, None], "returns": returns, "sources": sources,
                    "correct": self._spread(scores.correct, acting), "clipped": clipped[:, None], "answers": answers}
-        return results, terminated, truncated, called
+        if self.task.tools != Tool.NONE:
+            results["tool_called"] = called[:, None]
+        return results, terminated, truncated
 
     def _restart(self, ended: np.ndarray) -> dict[str, Any]:
         """SAME_STEP autoreset: starts the next episode of every ``ended`` env; returns gymnasium's
@@ -283,6 +283,8 @@ class MathVectorEnv(VectorEnv):
             info.update({f"reward/{name}": values[:, 0] for name, values in facts.sources.items()})
             if self.task.mode == ActionLevel.STEP:
                 info["action_clipped"] = facts.clipped[:, 0]
+            if facts.tool_called is not None:
+                info["tool_called"] = facts.tool_called[:, 0]
         return info
 
     def _spread(self, values: np.ndarray, rows: np.ndarray) -> np.ndarray:

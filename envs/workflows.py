@@ -93,7 +93,7 @@ class TurnContext:
 
 
 @dataclass(frozen=True)
-class Limits:
+class DialogueLimits:
     """Truncation: an episode is cut after ``max_turns`` turns, or once its messages hold ``max_chars``
     characters (the prompts that show them would outgrow a model's context)."""
 
@@ -102,7 +102,7 @@ class Limits:
 
 
 @dataclass(frozen=True)
-class Progress:
+class DialogueProgress:
     """Where an episode stands: the index of the next turn and the slots that act in it. No slots:
     the workflow ended the episode (``terminated``); ``truncated``: the limits cut it before."""
 
@@ -274,12 +274,13 @@ class Workflow:
                              f"return distinct increasing slot indices in [0, {len(self.roles)})")
         return slots
 
-    def progress(self, transcript: Sequence[Message], limits: Limits) -> Progress:
+    def progress(self, transcript: Sequence[Message], limits: DialogueLimits) -> DialogueProgress:
         """Where an episode with ``transcript`` stands (turns that were scheduled always hold messages)."""
         turn = transcript[-1].turn + 1 if transcript else 0
         slots = self.scheduled(transcript, turn)
         chars = sum(len(m.text) for m in transcript)
-        return Progress(turn, slots, truncated=bool(slots) and (turn >= limits.max_turns or chars >= limits.max_chars))
+        truncated = bool(slots) and (turn >= limits.max_turns or chars >= limits.max_chars)
+        return DialogueProgress(turn, slots, truncated)
 
     def solution_of(self, transcript: Sequence[Message], index: int) -> str:
         """The solution message ``index`` holds: its text, after the previous message's for a continuing
@@ -335,7 +336,7 @@ class Workflow:
         return max(groups, key=len)[0] if groups else None
 
     def replay(self, problem: str, template: str, transcript: Sequence[Message], slot: int,
-               limits: Limits) -> tuple[Message, ...]:
+               limits: DialogueLimits) -> tuple[Message, ...]:
         """The transcript had slot ``slot`` said its default wherever it acted, every other slot saying
         what it actually said at the same (turn, slot). The schedule runs again on the replayed
         transcript: a slot it adds says its default, a slot it drops is dropped."""

@@ -15,7 +15,7 @@ from envs.vector import MathVectorEnv
 from models.generation import GenerationOutput, HFGenerator, mix_seed
 from models.policy import LanguagePolicy
 from test_train_math import parse
-from train.collector import Sampling
+from train.episodes import Sampling
 from train.config import EvalSet
 from train.eval_metrics import answer_equality, majority_correct, pass_at_k, sample_sizes, sampled_sums
 from train.evaluation import EvalSampling, evaluate_sets

@@ -29,7 +29,7 @@ from test_checkpoint import assert_same_training_state, deterministic_scalars
 from test_distributed import TORCHRUN, worker_pids
 from test_prm_server import serving, stop
 from train import checkpoint_files
-from train.run_state import Progress
+from train.run_state import RunProgress
 from train.runner import STOP_SIGNALS, Runner
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,7 +109,7 @@ def test_once_a_run_stops_only_a_second_sigint_interrupts_it(first, then, exit_a
     three stay ignored until the process exits (train_math), or the handlers before come back (a library
     caller that goes on, e.g. a notebook whose next Ctrl-C must still interrupt)."""
     handlers = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
-    runner = SimpleNamespace(stop_signal=None, progress=Progress())  # all the handlers read of a Runner
+    runner = SimpleNamespace(stop_signal=None, progress=RunProgress())  # all the handlers read of a Runner
     try:
         with Runner.signals_stop_after_iteration(runner, exit_after_stop):
             signal.raise_signal(first)

@@ -21,7 +21,8 @@ from event_files import read_scalars
 from test_front_door import small
 from test_multi_agent_training import ScriptedWords
 from test_trainer import run_train_math
-from train.collector import Collector, Sampling
+from train.collector import Collector
+from train.episodes import Sampling
 from models.policy import LanguagePolicy
 
 GAMMA, LAM = 0.9, 0.8

@@ -23,7 +23,8 @@ from test_front_door import small
 from test_generation import generate_with, role_adapter_policy
 from test_trainer import run_train_math
 from train import evaluation
-from train.collector import Collector, RoleModels, Sampling, Tally
+from train.collector import Collector, Tally
+from train.episodes import RoleModels, Sampling
 from models.generation import GenerationOutput, HFGenerator
 from models.policy import LanguagePolicy, LoraSettings
 

@@ -17,6 +17,7 @@ from gymnasium.utils.env_checker import check_env
 from gymnasium.vector import AutoresetMode
 
 import envs  # noqa: F401  (registers the ids)
+from envs.contract import FACTS
 from envs.datasets import Arith, Problem
 from envs.math_env import TOOL_OUTPUT_CUT, MathEnv, cut_output, plain_tool_turn, trailing_code
 from envs.prompts import format_prompt
@@ -77,10 +78,11 @@ def test_the_output_follows_the_call_and_is_never_a_step():
         assert obs[1] == (prompt + "1/0 is next.\n```python\n1/0\n```" +
                           "\n\n```output\nZeroDivisionError: division by zero\n```\n\n")
         assert info["tool_called"].tolist() == [True, True] and not terminated.any() and not truncated.any()
+        assert info[FACTS].tool_called.tolist() == [[True], [True]]  # the contract's [N, A], what a trainer reads
         obs, rewards, terminated, truncated, info = env.step(["So the answer is \\boxed{42}.", "\\boxed{0}"])
         assert obs[0].endswith("```output\n42\n```\n\nSo the answer is \\boxed{42}.\n\n")
         assert terminated.tolist() == [True, True] and rewards.tolist() == [1.0, 0.0]
-        assert info["tool_called"].tolist() == [False, False]
+        assert info["tool_called"].tolist() == [False, False] and info[FACTS].tool_called.tolist() == [[False]] * 2
         assert env.episodes[0].steps == [CODE_STEP, "So the answer is \\boxed{42}."]
         assert env.episodes[0].tool_calls == 1
         # the reward model read the policy's steps alone: no tool output in any of them
@@ -88,6 +90,25 @@ def test_the_output_follows_the_call_and_is_never_a_step():
         assert not any("```output" in step or "ZeroDivision" in step for c in reward.contexts for step in c.steps)
     finally:
         env.close()
+
+
+def test_the_contract_says_which_actions_called_the_tool_only_in_an_env_with_one():
+    """``StepFacts.tool_called`` [N, A]: the one env and the vector env with a tool say it at each step (None at
+    a reset); an env without a tool says None."""
+    one = MathEnv(problems=[PROBLEM], tools="python", tool_workers=1)
+    try:
+        _, info = one.reset(seed=0)
+        assert info[FACTS].tool_called is None
+        _, _, _, _, info = one.step(CODE_STEP)
+        assert info[FACTS].tool_called.tolist() == [[True]]
+        _, _, _, _, info = one.step("So the answer is \\boxed{42}.")
+        assert info[FACTS].tool_called.tolist() == [[False]]
+    finally:
+        one.close()
+    plain = MathVectorEnv(2, problems=[PROBLEM], max_steps=4)
+    plain.reset(seed=0)
+    _, _, _, _, info = plain.step([CODE_STEP, "x"])
+    assert info[FACTS].tool_called is None and "tool_called" not in info
 
 
 def test_a_call_beyond_max_tool_calls_ends_the_episode_unrun():
@@ -192,7 +213,8 @@ def test_tool_output_tokens_are_observations_only(untrained_policy_dir):
     prompt's tokens alone; the reward model scores the policy's steps alone."""
     from algorithms.registry import algorithm_spec
     from models.policy import LanguagePolicy
-    from train.collector import Collector, Sampling
+    from train.collector import Collector
+    from train.episodes import Sampling
 
     policy = LanguagePolicy(str(untrained_policy_dir), device="cpu").eval()
     tokenizer = policy.tokenizer

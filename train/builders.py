@@ -26,10 +26,11 @@ from envs.prompts import STEP_DELIMITER
 from envs.rewards import OutcomeReward, OverlongPenalty, RewardMixture, RewardModel
 from reward_models.implicit_prm import ImplicitPRM
 from train import checkpoint_files, distributed
-from train.collector import Collector, RoleModels, Sampling
+from train.collector import Collector
 from train.config import (EnvConfig, GenerationConfig, LearningConfig, ModelConfig, RewardConfig, RolloutConfig,
                           RunConfig, ServicesConfig)
 from train.distributed import Ranks
+from train.episodes import RoleModels, Sampling
 from train.members import Member, memory_line
 from models.generation import Generator, make_generator
 from models.loading import check_model_dir, resolve_device

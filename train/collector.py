@@ -10,11 +10,11 @@ TPPO learned to stop answering: held-out accuracy fell to 0 on Arith.) A
 multi-agent env is always collected in whole episodes: an agent's action bootstraps from the value of
 its own next action in the episode (0 after its last), and its critic reads either the joint
 transcript with its role's name (``critic="centralized"``: MAPPO's centralized value, one head) or its
-own prompt with a value head of its own (``critic="per_role"``). At each
-step the (env, agent) pairs that act get one action each, all generated in one call. The collector
+own prompt with a value head of its own (``critic="per_role"``). The episodes are played by
+``train.episodes.play``, the loop evaluation plays too; the collector records each step it yields. It
 reads the env only through ``envs.contract``: ``env.agents`` (A slots, their roles, which are trained;
 observations [N], or [N][A] with several agents) and each step's ``StepFacts`` (which slots act next,
-rewards [N, A] scored in the env, every source's share, verdicts). The rewards go to the buffer once,
+rewards [N, A] scored in the env, every source's share, verdicts, tool calls). The rewards go to the buffer once,
 ``RolloutBuffer.add_step_results``: a reward that reaches an agent after its last action (a team outcome paid
 when another agent ended the episode), and the end of the episode, land on that last action.
 
@@ -28,7 +28,6 @@ the same whichever process, and whichever batch, it is generated in.
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -41,122 +40,9 @@ from algorithms.registry import AlgorithmSpec, collects_whole_episodes
 from envs.contract import FACTS, Agents, StepFacts
 from envs.modes import Critic, CriticGranularity, FinishReason
 from envs.rewards import OverlongPenalty
-from models.generation import GenerationOutput, Generator, mix_seed
+from models.generation import Generator, mix_seed
 from models.policy import LanguagePolicy
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How actions are generated. ``stop``: strings that end an action (the step delimiter when an
-    action is one step; None when it is a whole solution). ``eos_text``: appended to a step that
-    ended on EOS, so the env (whose end marker it is) ends the episode even without an answer.
-    ``token_actions``: an action is the one generated token id (the env's token mode)."""
-
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    stop: tuple[str, ...] | None = None
-    eos_text: str = ""
-    token_actions: bool = False
-
-    def generate_kwargs(self, greedy: bool = False) -> dict[str, Any]:
-        """``Generator.generate``'s keywords for one sample per prompt; ``greedy`` for evaluation (temperature 0:
-        top-p and the seed do not matter)."""
-        return dict(n=1, max_new_tokens=self.max_new_tokens, temperature=0.0 if greedy else self.temperature,
-                    top_p=self.top_p, stop=list(self.stop) if self.stop is not None else None)
-
-    def actions(self, out: GenerationOutput) -> list[str] | list[int]:
-        """The env actions of ``out``'s samples: texts, or token ids in token mode."""
-        if self.token_actions:
-            return [ids[0] for ids in out.token_ids]
-        if self.stop is None:
-            return list(out.texts)
-        return [text + self.eos_text if reason == FinishReason.EOS else text
-                for text, reason in zip(out.texts, out.finish_reasons)]
-
-    def env_actions(self, out: GenerationOutput, acting: np.ndarray, num_envs: int) -> list[str] | np.ndarray:
-        """Actions for all ``num_envs`` envs: ``out``'s for the envs ``acting``, a placeholder (ignored by an env
-        that is not acting) for the others."""
-        actions = self.actions(out)
-        if self.token_actions:
-            every = np.zeros(num_envs, dtype=np.int64)
-            every[acting] = actions
-            return every
-        every = [""] * num_envs
-        for k, i in enumerate(acting):
-            every[i] = actions[k]
-        return every
-
-
-def acting_pairs(facts: StepFacts, done: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(envs, agents) [B]: the (env, agent) pairs that act now (``facts.acting``), among the envs not ``done`` [N]."""
-    return np.nonzero(facts.acting & ~done[:, None])
-
-
-def pair_prompts(agents: Agents, obs: Sequence, envs: np.ndarray, slots: np.ndarray) -> list[str]:
-    """The observations of the pairs ``envs[b], slots[b]`` (one per env, or [N][A] with several agents)."""
-    if not agents.multi:
-        return [obs[i] for i in envs]
-    return [obs[i][a] for i, a in zip(envs, slots)]
-
-
-def pair_actions(env, sampling: Sampling, out: GenerationOutput, envs: np.ndarray,
-                 slots: np.ndarray) -> list | np.ndarray:
-    """The env's actions from ``out``'s samples of the pairs ``envs[b], slots[b]``: one per env, or (several
-    agents) one message per agent slot of each env, with placeholders where nobody acts."""
-    if not env.agents.multi:
-        return sampling.env_actions(out, envs, env.num_envs)
-    actions = [[""] * env.agents.count for _ in range(env.num_envs)]
-    for i, a, action in zip(envs, slots, sampling.actions(out)):
-        actions[i][a] = action
-    return actions
-
-
-@dataclass(frozen=True)
-class RoleModels:
-    """What generates for each agent slot of a multi-agent env: the policy through its generator (by default),
-    under the slot's own LoRA adapter (``adapters``: one adapter per role), or a model of the slot's own
-    (``generators``: a frozen role's, or a member's, ``members`` naming the member's role), sampled as
-    ``samplings`` says for that slot (e.g. a target's longer budget)."""
-
-    adapters: dict[int, str] = field(default_factory=dict)
-    generators: dict[int, Generator] = field(default_factory=dict)
-    samplings: dict[int, Sampling] = field(default_factory=dict)
-    members: dict[int, str] = field(default_factory=dict)
-
-    def voices(self, agents: Sequence[int]) -> list[str | None] | None:
-        """What scores each row of agent ``agents[b]`` in the update (``models.team.Team``): its member's role, its
-        role adapter, or None (the policy); None when every row is the policy's own."""
-        voices = {**self.adapters, **self.members}
-        return [voices.get(agent) for agent in agents] if voices else None
-
-    def generate_calls(self, sampling: Sampling, generator: Generator, prompts: list[str], agents: np.ndarray,
-                       seeds: list[int] | None = None,
-                       greedy: bool = False) -> list[tuple[list[int], Generator, dict[str, Any]]]:
-        """The ``generate`` calls that sample one action per prompt [B] whose agent is ``agents[b]``: one per
-        group of pairs with one speaker, in order of first appearance, as (the group's positions, its generator,
-        the call's keywords: its prompts, ``seeds`` (None: unseeded) and sampling). The policy's pairs form one
-        group, each with its role's adapter; each frozen role's pairs a group of their own."""
-        speakers = [a if a in self.generators else None for a in agents.tolist()]  # None: the policy
-        calls = []
-        for speaker in dict.fromkeys(speakers):
-            index = [k for k, s in enumerate(speakers) if s == speaker]
-            if speaker is None:
-                adapters = [self.adapters.get(int(agents[k])) for k in index]
-                kwargs = {**sampling.generate_kwargs(greedy), "adapters": adapters if any(adapters) else None}
-            else:
-                kwargs = self.samplings.get(speaker, sampling).generate_kwargs(greedy)
-            kwargs["prompts"] = [prompts[k] for k in index]
-            kwargs["seed"] = None if seeds is None else [seeds[k] for k in index]
-            calls.append((index, generator if speaker is None else self.generators[speaker], kwargs))
-        return calls
-
-    def generate(self, sampling: Sampling, generator: Generator, prompts: list[str], agents: np.ndarray,
-                 seeds: list[int] | None = None, greedy: bool = False) -> GenerationOutput:
-        """One action per prompt [B], each from its agent's speaker (``generate_calls``), in prompt order."""
-        parts = [(index, speaker.generate(**kwargs))
-                 for index, speaker, kwargs in self.generate_calls(sampling, generator, prompts, agents, seeds, greedy)]
-        return parts[0][1] if len(parts) == 1 else GenerationOutput.interleave(parts, len(prompts))
+from train.episodes import EnvStep, RoleModels, Sampling, play
 
 
 @dataclass
@@ -212,29 +98,24 @@ class Collector:
 
     @torch.no_grad()
     def collect(self, policy: LanguagePolicy, generator: Generator, seed: int) -> tuple[RolloutBuffer, Tally]:
-        """One rollout of ``episode_length`` steps (episodic: until every episode ended). At each step the
-        acting (env, agent) pairs' actions are generated, one ``generate`` call per speaker
-        (``RoleModels.generate``), then taken in the env (``step``)."""
+        """One rollout of ``episode_length`` steps (episodic: until every episode ended), played by
+        ``train.episodes.play`` with each action drawn from a seed of (``seed``, the step, the global sample
+        index); each step is recorded (``record``) as it comes."""
         num_envs, spec = self.env.num_envs, self.spec
         buffer = RolloutBuffer(self.episode_length, num_envs, self.num_agents, self.sampling.max_new_tokens,
                                policy.device, token_values=spec.critic is CriticGranularity.TOKEN)
         if self.whole_episodes:
             self.obs, info = self.env.reset()
             self.facts = info[FACTS]
-        done = np.zeros(num_envs, dtype=bool)
         tally = Tally()
-        for step in range(self.episode_length):
-            envs, agents = acting_pairs(self.facts, done)
-            if len(envs) == 0:
-                break
-            started = time.perf_counter()
-            seeds = [mix_seed(seed, step, (self.env_offset + i) * self.num_agents + a) for i, a in zip(envs, agents)]
-            prompts = pair_prompts(self.env.agents, self.obs, envs, agents)
-            out = self.role_models.generate(self.sampling, generator, prompts, agents, seeds)
-            tally.seconds["generate"] += time.perf_counter() - started
-            terminated, truncated = self.step(step, out, envs, agents, policy, buffer, tally)
-            if self.whole_episodes:
-                done |= terminated | truncated
+
+        def seed_of(step: int, env: int, agent: int) -> int:
+            return mix_seed(seed, step, (self.env_offset + env) * self.num_agents + agent)
+
+        for stepped in play(self.env, self.obs, self.facts, generator, self.sampling, self.role_models, seed_of,
+                            steps=self.episode_length, whole_episodes=self.whole_episodes):
+            self.obs, self.facts = stepped.obs, stepped.facts
+            self.record(stepped, policy, buffer, tally)
         if self.whole_episodes and spec.critic is not None:
             buffer.next_values = buffer.next_action_values()
         elif spec.critic is not None:
@@ -244,50 +125,46 @@ class Collector:
         tally.add("rollout/truncated_share", buffer.cut[buffer.live].double().cpu().numpy())
         return buffer, tally
 
-    def step(self, step: int, out: GenerationOutput, envs: np.ndarray, agents: np.ndarray, policy: LanguagePolicy,
-             buffer: RolloutBuffer, tally: Tally) -> tuple[np.ndarray, np.ndarray]:
-        """One env step: the actions ``out`` generated for the (env, agent) pairs ``envs[b], agents[b]`` recorded
-        and taken; returns the env's (terminated, truncated) [N]."""
-        record = self.step_record(step, out, envs, agents, policy)
+    def record(self, stepped: EnvStep, policy: LanguagePolicy, buffer: RolloutBuffer, tally: Tally) -> None:
+        """One env step into ``buffer``: the trained agents' actions with the critic's values, their rewards and
+        the overlong penalty; its statistics and seconds into ``tally``."""
+        record = self.step_record(stepped, policy)
         buffer.add(record)
-        started = time.perf_counter()
-        self.obs, _, terminated, truncated, info = self.env.step(pair_actions(self.env, self.sampling, out, envs,
-                                                                              agents))
-        tally.seconds["reward"] += time.perf_counter() - started
-        self.facts = facts = info[FACTS]
-        buffer.add_step_results(step, facts.rewards, terminated, truncated, facts.correct)
+        buffer.add_step_results(stepped.t, stepped.facts.rewards, stepped.terminated, stepped.truncated,
+                                stepped.facts.correct)
         self.pay_overlong(buffer, record, tally)
-        self.tally_step(tally, out, envs, agents, info, terminated | truncated)
-        self.env_steps += len(np.unique(envs))
-        return terminated, truncated
+        self.tally_step(tally, stepped)
+        self.env_steps += len(np.unique(stepped.envs))
 
-    def step_record(self, step: int, out: GenerationOutput, envs: np.ndarray, agents: np.ndarray,
-                    policy: LanguagePolicy) -> StepRecord:
-        """What the buffer keeps of ``out``'s samples [B] of the pairs ``envs[b], agents[b]``: those of the
-        trained agents (all, with one agent), with the critic's values of them."""
-        trained = np.flatnonzero(self.trained_agents[agents]).tolist()
-        envs, agents = envs[trained], agents[trained]
+    def step_record(self, stepped: EnvStep, policy: LanguagePolicy) -> StepRecord:
+        """What the buffer keeps of the samples [B] ``stepped`` took: those of the trained agents (all, with one
+        agent), with the critic's values of them on the facts they acted on."""
+        out = stepped.out
+        trained = np.flatnonzero(self.trained_agents[stepped.agents]).tolist()
+        envs, agents = stepped.envs[trained], stepped.agents[trained]
         prompt_ids = [out.prompt_token_ids[k] for k in trained]
         action_ids = [out.token_ids[k] for k in trained]
-        critic_prompts = self.critic_prompts(policy, envs, agents)
+        critic_prompts = self.critic_prompts(policy, stepped.before, envs, agents)
         values, token_values = self.critic_values(policy, critic_prompts or prompt_ids, action_ids,
                                                   agents.tolist() if self.critic == Critic.PER_ROLE else None)
-        return StepRecord(step=step, envs=envs, agents=agents, prompt_ids=prompt_ids, action_ids=action_ids,
+        return StepRecord(step=stepped.t, envs=envs, agents=agents, prompt_ids=prompt_ids, action_ids=action_ids,
                           rollout_logprobs=[out.logprobs[k] for k in trained],
-                          group_ids=torch.as_tensor(self.facts.group_ids[envs]),
+                          group_ids=torch.as_tensor(stepped.before.group_ids[envs]),
                           texts=[out.texts[k] for k in trained], values=values, token_values=token_values,
                           critic_prompt_ids=critic_prompts,
                           cut=[out.finish_reasons[k] == FinishReason.LENGTH for k in trained])
 
-    def tally_step(self, tally: Tally, out: GenerationOutput, envs: np.ndarray, agents: np.ndarray,
-                   info: dict[str, Any], ended: np.ndarray) -> None:
-        """The statistics of one env step: the tokens generated for the pairs ``envs[b], agents[b]``, their
-        reward sources, tool calls, the episodes that ended [N] and each role's verified outputs."""
-        tally.add("tokens", [len(ids) for ids in out.token_ids])
+    def tally_step(self, tally: Tally, stepped: EnvStep) -> None:
+        """The statistics of one env step: its seconds, the tokens generated for the pairs that acted, their
+        reward sources, tool calls, the episodes that ended and each role's verified outputs."""
+        envs, agents = stepped.envs, stepped.agents
+        tally.seconds["generate"] += stepped.generate_seconds
+        tally.seconds["reward"] += stepped.env_seconds
+        tally.add("tokens", [len(ids) for ids in stepped.out.token_ids])
         self.tally_reward_sources(tally, envs, agents)
-        if "tool_called" in info:  # an env with a tool: the share of actions that called it
-            tally.add("train/tool_calls", info["tool_called"][envs])
-        self.tally_ended_episodes(tally, ended)
+        if self.facts.tool_called is not None:  # an env with a tool: the share of actions that called it
+            tally.add("train/tool_calls", self.facts.tool_called[envs, agents])
+        self.tally_ended_episodes(tally, stepped.ended)
         self.tally_role_metrics(tally)
 
     def pay_overlong(self, buffer: RolloutBuffer, record: StepRecord, tally: Tally) -> None:
@@ -331,12 +208,13 @@ class Collector:
                 if said.any():
                     tally.add(f"train/{role}/{metric}", values[said, a])
 
-    def critic_prompts(self, policy: LanguagePolicy, envs: np.ndarray, agents: np.ndarray) -> list[list[int]] | None:
+    def critic_prompts(self, policy: LanguagePolicy, facts: StepFacts, envs: np.ndarray,
+                       agents: np.ndarray) -> list[list[int]] | None:
         """Token ids [B] of the joint transcripts a centralized critic reads for the pairs ``envs[b], agents[b]``
-        about to act (the env's ``facts.states``); None when the critic reads the actor's prompt."""
+        acting on ``facts`` (its ``states``); None when the critic reads the actor's prompt."""
         if self.critic != Critic.CENTRALIZED or len(envs) == 0:
             return None
-        return policy.tokenizer([self.facts.states[i, a] for i, a in zip(envs, agents)])["input_ids"]
+        return policy.tokenizer([facts.states[i, a] for i, a in zip(envs, agents)])["input_ids"]
 
     def critic_values(self, policy: LanguagePolicy, prompts: list[list[int]], actions: list[list[int]],
                       heads: list[int] | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:

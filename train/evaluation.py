@@ -4,8 +4,9 @@ mean@n (``train.eval_metrics``). Several held-out sets are evaluated one after t
 under its own name (``evaluate_sets``).
 
 The eval env is a vector env over held-out problems with one env per problem of a batch (group size
-1, no autoreset); each batch is reset to the next ``num_envs`` problem ids and stepped until every
-episode ended, generating only for the episodes still going (in a multi-agent env: for the agents
+1, no autoreset); each batch is reset to the next ``num_envs`` problem ids and played by the training
+collector's loop (``train.episodes.play``), without a buffer, until every episode ended, generating only
+for the episodes still going (in a multi-agent env: for the agents
 that act; the solution length counts every agent's tokens, the verdict is the team's final answer, and
 each role's verified outputs are averaged as ``eval/<role>/<metric>``: its answers' accuracy, a judge's
 acceptance rate and verdict accuracy). The n samples of a problem are n rows of the same batches (one
@@ -29,12 +30,12 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from envs.contract import FACTS
+from envs.contract import FACTS, StepFacts
 from envs.multi_agent import ROLE_METRICS
 from models.generation import Generator, mix_seed
 from train import distributed
-from train.collector import RoleModels, Sampling, acting_pairs, pair_actions, pair_prompts
 from train.distributed import Ranks
+from train.episodes import RoleModels, Sampling, play
 from train.eval_metrics import sampled_sums
 
 
@@ -166,46 +167,40 @@ def solve(env, generator: Generator, sampling: Sampling, problem_ids: Sequence[s
 def solve_batch(env, generator: Generator, sampling: Sampling, problem_ids: Sequence[str], role_models: RoleModels,
                 role_sums: np.ndarray | None = None, verdict: str = "correct",
                 seeds: Sequence[int] | None = None) -> Solved:
-    """The episodes of the problems ``problem_ids`` (at most ``env.num_envs``): greedy, or sampled with row b's
-    action at env step t by agent a drawn from ``mix_seed(seeds[b], t, a)``. Verdicts as ``verdict`` says
-    (see ``evaluate``); adds each role's verified outputs into ``role_sums`` [2 (sum, count), A,
-    len(ROLE_METRICS)] (multi-agent envs), when given."""
+    """The episodes of the problems ``problem_ids`` (at most ``env.num_envs``), played by ``train.episodes.play``:
+    greedy, or sampled with row b's action at env step t by agent a drawn from ``mix_seed(seeds[b], t, a)``.
+    Verdicts as ``verdict`` says (see ``evaluate``); adds each role's verified outputs into ``role_sums``
+    [2 (sum, count), A, len(ROLE_METRICS)] (multi-agent envs), when given."""
     count = len(problem_ids)
     padded = list(problem_ids) + [problem_ids[0]] * (env.num_envs - count)  # the env has a fixed size; extras ignored
     obs, info = env.reset(options={"problem_ids": padded})
-    done = np.zeros(env.num_envs, dtype=bool)
-    done[count:] = True
     tokens, verdicts, prm_scores, tool_calls = np.zeros(env.num_envs), np.zeros(env.num_envs), [], []
     answers = np.full(env.num_envs, None, dtype=object)
-    step = 0
-    while not done.all():
-        envs, agents = acting_pairs(info[FACTS], done)
-        step_seeds = None if seeds is None else [mix_seed(seeds[i], step, int(a)) for i, a in zip(envs, agents)]
-        out = role_models.generate(sampling, generator, pair_prompts(env.agents, obs, envs, agents), agents, step_seeds,
-                                   greedy=seeds is None)
-        obs, _, terminated, truncated, info = env.step(pair_actions(env, sampling, out, envs, agents))
-        facts = info[FACTS]
-        np.add.at(tokens, envs, [len(ids) for ids in out.token_ids])
-        ended = (terminated | truncated) & ~done
+
+    def seed_of(step: int, row: int, agent: int) -> int:
+        return mix_seed(seeds[row], step, int(agent))
+
+    for stepped in play(env, obs, info[FACTS], generator, sampling, role_models, None if seeds is None else seed_of,
+                        in_play=np.arange(env.num_envs) < count):
+        facts, envs, agents, ended = stepped.facts, stepped.envs, stepped.agents, stepped.ended
+        np.add.at(tokens, envs, [len(ids) for ids in stepped.out.token_ids])
         verdicts[ended] = np.nan_to_num(facts.correct if verdict == "correct" else facts.sources[verdict][:, 0])[ended]
         answers[ended] = facts.answers[ended]
         if "prm" in facts.sources:  # [N, A]; NaN where an action was not scored
             prm_scores += facts.sources["prm"][envs, agents].tolist()
-        if "tool_called" in info:  # an env with a tool
-            tool_calls += info["tool_called"][envs].astype(float).tolist()
+        if facts.tool_called is not None:  # an env with a tool
+            tool_calls += facts.tool_called[envs, agents].astype(float).tolist()
         if role_sums is not None:
-            add_role_outputs(role_sums, facts, done)
-        done |= terminated | truncated
-        step += 1
+            add_role_outputs(role_sums, facts, stepped.in_play)
     return Solved(verdicts[:count].tolist(), tokens[:count].tolist(), answers[:count].tolist(), prm_scores,
                   tool_calls)
 
 
-def add_role_outputs(role_sums: np.ndarray, facts, done: np.ndarray) -> None:
-    """Adds each role's verified outputs of this step (``facts.outputs``) into ``role_sums``, but those of the
-    envs ``done`` [N] (their episode had ended, or they only pad the batch)."""
+def add_role_outputs(role_sums: np.ndarray, facts: StepFacts, in_play: np.ndarray) -> None:
+    """Adds each role's verified outputs of this step (``facts.outputs``) of the envs ``in_play`` [N] into
+    ``role_sums`` (not those whose episode had ended, or that only pad the batch)."""
     for m, metric in enumerate(ROLE_METRICS):
         if metric in facts.outputs:
-            values = facts.outputs[metric][~done]  # [N, A], NaN where the slot said none
+            values = facts.outputs[metric][in_play]  # [N', A], NaN where the slot said none
             role_sums[0, :, m] += np.nansum(values, axis=0)
             role_sums[1, :, m] += (~np.isnan(values)).sum(0)

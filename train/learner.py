@@ -36,7 +36,6 @@ from models.forward import module_mode
 from models.packing import take
 from models.team import Team
 from train import distributed
-from train.collector import Collector
 from train.config import LearningConfig, PrimeConfig, RolloutConfig
 from train.correction import GapMeter, corrected_targets, score_trainer_logprobs
 from train.distributed import Ranks
@@ -80,20 +79,25 @@ class Learner:
     ``algorithm``; ``optimizer`` steps the policy, ``member_optimizers`` ({role: optimizer}) each member, each
     model's gradient clipped on its own. ``config``: the run's learning section (``train.config.LearningConfig``);
     ``rollout``: its rollout section (``train.config.RolloutConfig``: the correction of samples from another
-    engine); ``minibatch_rng``: the generator that orders minibatches (saved with checkpoints)."""
+    engine); ``minibatch_rng``: the generator that orders minibatches (saved with checkpoints). What it needs of
+    how the batch was collected: the sampling ``temperature`` (log-probs are scored at it), the agent slots'
+    ``roles`` (None: one agent), what scores each slot's rows (``voices``: its LoRA adapter or its member's role,
+    ``RoleModels.voices``; a slot missing is the policy's own) and what a multi-agent ``critic`` reads
+    (``Critic.PER_ROLE``: a value head per role; None: no such critic)."""
 
     def __init__(self, config: LearningConfig, rollout: RolloutConfig, team: Team,
                  trained_module: torch.nn.Module, algorithm: Algorithm, optimizer: torch.optim.Optimizer,
-                 collector: Collector, minibatch_rng: torch.Generator, ranks: Ranks, implicit_prm=None,
-                 prime: PrimeConfig = PrimeConfig(),
-                 member_optimizers: Mapping[str, torch.optim.Optimizer] | None = None):
+                 minibatch_rng: torch.Generator, ranks: Ranks, implicit_prm=None, prime: PrimeConfig = PrimeConfig(),
+                 member_optimizers: Mapping[str, torch.optim.Optimizer] | None = None, *, temperature: float,
+                 roles: tuple[str, ...] | None = None, voices: dict[int, str] | None = None,
+                 critic: Critic | None = None):
         self.config, self.rollout, self.policy, self.trained_module = config, rollout, team, trained_module
         self.algorithm = algorithm
         self.spec = algorithm_spec(algorithm.name)
-        self.collector, self.minibatch_rng = collector, minibatch_rng
+        self.minibatch_rng = minibatch_rng
         # None: the policy's optimizer; a role: its member's
         self.optimizers: dict[str | None, torch.optim.Optimizer] = {None: optimizer, **(member_optimizers or {})}
-        self.temperature = collector.sampling.temperature
+        self.temperature, self.roles, self.voices, self.critic = temperature, roles, voices or {}, critic
         self.ranks, self.implicit_prm, self.prime = ranks, implicit_prm, prime
 
     def score(self, buffer: RolloutBuffer) -> Scores:
@@ -292,7 +296,7 @@ class Learner:
     def add_role_stats(self, scores, batch, sums: dict, weights: dict) -> None:
         """Each role's mean token entropy, approx KL to the behaviour policy and, with a critic, value loss
         (multi-agent envs), added to ``sums``/``weights`` as ``<role>/<name>`` (logged under ``loss/``)."""
-        roles = self.collector.roles
+        roles = self.roles
         if not roles or scores.entropy is None:
             return
         with torch.no_grad():
@@ -303,13 +307,15 @@ class Learner:
             weights[key] += count
 
     def row_adapters(self, batch) -> list[str | None] | None:
-        """What scores each row of ``batch``: its member's role or its role adapter (``RoleModels.voices``), else
-        None."""
-        return self.collector.role_models.voices(batch.agents.tolist())
+        """What scores each row of ``batch``: its member's role or its role adapter (``voices``), else None; None
+        when every row is the policy's own."""
+        if not self.voices:
+            return None
+        return [self.voices.get(agent) for agent in batch.agents.tolist()]
 
     def row_value_heads(self, batch) -> list[int] | None:
         """The value head each row of ``batch`` is read from (per-role critics: its agent's), else None."""
-        if self.collector.critic != Critic.PER_ROLE:
+        if self.critic != Critic.PER_ROLE:
             return None
         return batch.agents.tolist()
 

@@ -16,9 +16,10 @@ fills its own share (no collective: ranks stay free to draw different numbers of
 thread too). The rounds after the first are their own cost, logged as ``time/refill``.
 
 From ``Runner.train_iteration`` to the generation backend: ``Rollouts.next`` -> ``Collector.collect`` ->
-``Generator.generate`` (one call per speaker at each env step); with dynamic sampling ``Rollouts.next`` ->
-``refilled`` -> ``Collector.collect`` -> ``Generator.generate``. Asynchronously the background thread runs
-the same ``Collector.collect`` (or ``refilled``) that ``Rollouts.next`` submits.
+``episodes.play`` -> ``Generator.generate`` (one call per speaker at each env step); with dynamic sampling
+``Rollouts.next`` -> ``refilled`` -> ``Collector.collect`` -> ``episodes.play`` -> ``Generator.generate``.
+Asynchronously the background thread runs the same ``Collector.collect`` (or ``refilled``) that
+``Rollouts.next`` submits.
 """
 
 from __future__ import annotations

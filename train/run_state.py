@@ -31,7 +31,7 @@ Snapshot = tuple[dict[str, Any], dict[str, Any]]
 
 
 @dataclass
-class Progress:
+class RunProgress:
     """The runner's counters, saved with every checkpoint; only the runner changes them, from what the
     parts it calls return. ``iteration``: completed iterations (the next one to run); ``version``: updates
     so far (the policy version); ``rollout_version``: the version the asynchronous rollout copy holds;
@@ -68,7 +68,7 @@ class Checkpointer:
         self.last_checkpoint: Path | None = None
         self.last_saved: tuple[int, int] | None = None  # (iteration, evaluations) last_checkpoint holds
 
-    def snapshot(self, progress: Progress) -> Snapshot:
+    def snapshot(self, progress: RunProgress) -> Snapshot:
         """The counters and the collector's handed-over state (env, episode returns, env steps); python, numpy
         and torch RNGs and ``minibatch_rng`` (saved as "shuffle"). The JSON keeps one flat layout, so
         checkpoints of earlier versions resume."""
@@ -120,7 +120,7 @@ class Checkpointer:
             log.info("new best held-out accuracy %.3f at iteration %d: policy saved to %s", accuracy, iteration, path)
         return path
 
-    def restore(self, saved: checkpoint_files.Checkpoint) -> Progress:
+    def restore(self, saved: checkpoint_files.Checkpoint) -> RunProgress:
         """Loads ``saved``: the policy's trainable weights and optimizer, scheduler, implicit PRM, RNGs and
         collector (every rank: the train state is read as each rank holds it); returns its counters."""
         checkpoint_files.load_train_state(saved, self.policy, self.optimizer)
@@ -140,7 +140,7 @@ class Checkpointer:
         checkpoint_files.set_rng_state(rng)
         self.minibatch_rng.set_state(rng["shuffle"])
         # a checkpoint written before a counter existed leaves that counter at its default
-        progress = Progress(**{f.name: state[f.name] for f in fields(Progress) if f.name in state})
+        progress = RunProgress(**{f.name: state[f.name] for f in fields(RunProgress) if f.name in state})
         self.last_checkpoint, self.last_saved = saved.path, (progress.iteration, len(progress.history))
         return progress
 

@@ -1,5 +1,5 @@
 """The one training loop every algorithm shares. ``Runner.train_iteration`` calls the parts in the order the
-data flows, each call returning what it produced, and keeps the counters (``Progress``) itself:
+data flows, each call returning what it produced, and keeps the counters (``RunProgress``) itself:
 
     evaluate when due (train.evaluation) -> collect the batch (Rollouts.next) -> score it with the reference
     and reward models (Learner.score) -> advantages (Learner.targets) -> minibatch steps (Learner.train)
@@ -48,7 +48,7 @@ from models.generation import Generator
 from models.policy import LanguagePolicy
 from models.team import Team
 from train import checkpoint_files, distributed, evaluation
-from train.run_state import Checkpointer, Progress, Snapshot
+from train.run_state import Checkpointer, RunProgress, Snapshot
 from train.collector import Collector
 from train.distributed import Ranks
 from train.evaluation import EvalSampling
@@ -60,7 +60,7 @@ from train.rollouts import Rollouts
 
 log = logging.getLogger(__name__)
 
-__all__ = ["NonFiniteError", "Progress", "Runner"]
+__all__ = ["NonFiniteError", "RunProgress", "Runner"]
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 """Signals that stop the run after the current iteration, with a checkpoint: Ctrl-C, a scheduler's stop
@@ -107,8 +107,10 @@ class Runner:
                                  if config.rollout.filter_groups else None)
         self.learner = Learner(config.learning, config.rollout, team,
                                trained_module if trained_module is not None else team,
-                               algorithm, optimizer, collector, minibatch_rng, ranks, implicit_prm,
-                               config.prime, {member.role: member.optimizer for member in members})
+                               algorithm, optimizer, minibatch_rng, ranks, implicit_prm, config.prime,
+                               {member.role: member.optimizer for member in members},
+                               temperature=collector.sampling.temperature, roles=collector.roles,
+                               voices=collector.role_models.voices, critic=collector.critic)
         self.scheduler = scheduler  # the lr schedule: steps with each iteration that updated the policy
         member_policies = {member.role: member.policy for member in members}
         self.reporter = Reporter(writer, ranks, policy.tokenizer, collector.roles, NUM_TEXT_SAMPLES,
@@ -118,7 +120,7 @@ class Runner:
                                          minibatch_rng, ranks, writer, self.run_flags, implicit_prm,
                                          logs.save_dtype or config.model.dtype,  # None: the training dtype
                                          members=self.members)
-        self.progress = Progress()
+        self.progress = RunProgress()
         self.clock = time.perf_counter()  # when progress.seconds was last brought up to date
         self.stop_signal: str | None = None  # name of the signal that asked the run to stop
         self.saved_at_failure: Path | None = None  # the checkpoint written when an iteration failed

@@ -35,6 +35,7 @@ class Team(nn.Module):
                              "role one of the two")
         self.policy = policy
         self.members = nn.ModuleDict(dict(members or {}))
+        self.train(policy.training)  # the policy's mode, which module_mode restores after the update
 
     @property
     def tokenizer(self):

@@ -644,8 +644,8 @@ def test_the_async_rollout_copy_holds_bfloat16_weights_in_a_bfloat16_run(untrain
     def recorded(self, *args):
         runner_copy = seen["rollouts"].rollout_policy
         seen["copy"] = {p.dtype for p in runner_copy.causal_lm.parameters()}
-        seen["trainer"] = {p.dtype for p in self.policy.causal_lm.parameters()}
-        trained, copied = self.policy.causal_lm.state_dict(), runner_copy.causal_lm.state_dict()
+        seen["trainer"] = {p.dtype for p in self.team.policy.causal_lm.parameters()}
+        trained, copied = self.team.policy.causal_lm.state_dict(), runner_copy.causal_lm.state_dict()
         seen["rounded"] = all(torch.equal(trained[name].to(torch.bfloat16), copied[name]) for name in trained)
         return train(self, *args)
 

@@ -178,8 +178,9 @@ def test_prime_implicit_prm_learns_to_predict_outcomes(tiny_models, tmp_path):
     """PRIME's claim that an implicit PRM learns from outcome labels alone: each batch's held-out ROC-AUC
     over every sampled answer (its outcome score, beta * sum log(pi_psi / pi_ref), against the verified answers,
     of answers it has not trained on; ``--implicit_prm_heldout_all``). An uninformed score has AUC 0.5 (sd about
-    0.04 on one batch of 256, 0.013 on the mean of ten). On the shipped build (the learning grid's rloo_prime, 128 envs, seeds 0 and 1): 0.64 and 0.66 on
-    average from the fourth to the 25th iteration, 0.65 and 0.70 over iterations 16-25."""
+    0.04 on one batch of 256, 0.013 on the mean of ten). On the shipped build (the learning grid's rloo_prime, 128
+    envs, seeds 0 and 1): 0.64 and 0.66 on average from the fourth to the 25th iteration, 0.65 and 0.70 over
+    iterations 16-25."""
     run_dir = run_train_math(["--algorithm_name", "RLOO", "--model_name_or_path", str(tiny_models.policy),
                               "--eval_interval", "0", "--logdir", str(tmp_path), "--save_interval", "0",
                               *GRPO_SAMPLING, "--group_size", "8",

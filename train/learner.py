@@ -91,7 +91,7 @@ class Learner:
                  member_optimizers: Mapping[str, torch.optim.Optimizer] | None = None, *, temperature: float,
                  roles: tuple[str, ...] | None = None, voices: dict[int, str] | None = None,
                  critic: Critic | None = None):
-        self.config, self.rollout, self.policy, self.trained_module = config, rollout, team, trained_module
+        self.config, self.rollout, self.team, self.trained_module = config, rollout, team, trained_module
         self.algorithm = algorithm
         self.spec = algorithm_spec(algorithm.name)
         self.minibatch_rng = minibatch_rng
@@ -105,13 +105,13 @@ class Learner:
         action (KL), the implicit PRM's token rewards (PRIME: ``process_rewards``) and, under ``rollout_is``,
         the trainer's log-probs (``score_trainer_logprobs``)."""
         heldout = self.process_rewards(buffer) if self.algorithm.needs_process_rewards else {}
-        with self.policy.gathered(), torch.no_grad():
+        with self.team.gathered(), torch.no_grad():
             if self.algorithm.needs_reference:
                 rows = buffer.rows()
-                ref = self.policy.ref_log_probs(rows.prompts, (rows.action_ids, rows.action_lengths), self.temperature,
+                ref = self.team.ref_log_probs(rows.prompts, (rows.action_ids, rows.action_lengths), self.temperature,
                                                 adapters=self.row_adapters(rows))
                 buffer.ref_logprobs = buffer.scatter_tokens(rows.index, ref)
-            gap = (score_trainer_logprobs(self.policy, buffer, self.temperature, self.row_adapters)
+            gap = (score_trainer_logprobs(self.team, buffer, self.temperature, self.row_adapters)
                    if self.rollout.rollout_is else GapMeter())
         return Scores(heldout, gap)
 
@@ -162,7 +162,7 @@ class Learner:
         (``skipped_nonfinite`` raises ``NonFiniteError`` at the ``max_nonfinite_steps``-th in a row)."""
         sums, weights = defaultdict(float), defaultdict(float)
         grad_norms, steps, skipped, stopped_early = [], 0, 0, False
-        with module_mode(self.policy, training=True):  # checkpointing acts; eval mode again for sampling
+        with module_mode(self.team, training=True):  # checkpointing acts; eval mode again for sampling
             for minibatch in self.minibatches(buffer, targets):
                 measured = None if self.rollout.rollout_is or steps else gap  # the policy before any step
                 kl, stepped, nonfinite = self.minibatch_step(minibatch, sums, weights, grad_norms, measured)
@@ -207,10 +207,11 @@ class Learner:
 
     def implicit_prm_ranking(self, buffer: RolloutBuffer, index: torch.Tensor, scores: torch.Tensor,
                              name: str) -> dict[str, float]:
-        """PRIME: how well the implicit PRM predicts outcomes: ``implicit_prm/<name>_auc`` and ``_accuracy``, the ROC-AUC and accuracy (score > 0) of its outcome scores ``scores`` [B] of the slots
-        ``index`` [B] against whether their episode's answer verified. Over the filtered groups, each holding a
-        right and a wrong answer to one problem, the AUC is how well it ranks answers to the same problem: what
-        the process stream's leave-one-out advantages read. Every rank's rows count; the AUC is NaN while the
+        """PRIME: how well the implicit PRM predicts outcomes: ``implicit_prm/<name>_auc`` and ``_accuracy``, the
+        ROC-AUC and accuracy (score > 0) of its outcome scores ``scores`` [B] of the slots ``index`` [B] against
+        whether their episode's answer verified. Over the filtered groups, each holding a right and a wrong answer
+        to one problem, the AUC is how well it ranks answers to the same problem: what the process stream's
+        leave-one-out advantages read. Every rank's rows count; the AUC is NaN while the
         rows hold one class only."""
         labels, scores = buffer.episode_correct_at(index).cpu(), scores.float().cpu()
         if self.ranks.distributed:
@@ -322,14 +323,14 @@ class Learner:
     def gradient_sync(self, last: bool) -> contextlib.AbstractContextManager:
         """DDP reduces gradients at the minibatch's last backward only (no_sync before it); FSDP2 reduces
         at every backward, keeping only its shard of the gradient between micro-batches."""
-        if not self.ranks.distributed or last or self.policy.sharded:
+        if not self.ranks.distributed or last or self.team.sharded:
             return contextlib.nullcontext()
         return self.trained_module.no_sync()
 
     def idle_backward(self) -> None:
         """A backward of zero loss through DDP or FSDP2 on one placeholder token: this rank's part of the
         gradient reduction when it has fewer micro-batches than another rank (no gradient of its own)."""
-        pad = self.policy.tokenizer.pad_token_id
+        pad = self.team.tokenizer.pad_token_id
         scores = self.trained_module([[pad]], [[pad]], self.temperature, with_entropy=True,
                                 with_values=self.spec.critic is not None)
         zero = scores.logprobs.sum() * 0.0

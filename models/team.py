@@ -55,8 +55,9 @@ class Team(nn.Module):
                ) -> Iterator[tuple[nn.Module, list[int], list[str | None] | None]]:
         """(the model, its rows, their policy adapters or None) for each model that scores some of ``size`` rows."""
         voices = list(voices) if voices is not None else [None] * size
-        for model_name in dict.fromkeys(voice if voice in self.members else None for voice in voices):
-            rows = [row for row, voice in enumerate(voices) if (voice if voice in self.members else None) == model_name]
+        models = [voice if voice in self.members else None for voice in voices]  # None: the policy
+        for model_name in dict.fromkeys(models):
+            rows = [row for row, model in enumerate(models) if model == model_name]
             if model_name is not None:
                 yield self.members[model_name], rows, None
             else:

@@ -565,6 +565,7 @@ def test_the_implicit_prm_step_in_micro_batches_equals_one_batch(untrained_polic
     prm = learner.implicit_prm
     rows = buffer.rows()
     assert len(learner.micro_batch_rows(buffer, rows)) > 2
+    assert learner.micro_batch_rows(buffer, buffer.rows(torch.zeros_like(buffer.live))) == []  # a rank without rows
     weights, optimizer = copy.deepcopy(prm.model.state_dict()), copy.deepcopy(prm.optimizer.state_dict())
     loss, scores = learner.implicit_prm_step(buffer, rows)
     parts = [p.detach().clone() for p in prm.model.actor_parameters()]

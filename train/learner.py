@@ -378,7 +378,10 @@ class Learner:
 
     def micro_batch_rows(self, buffer: RolloutBuffer, rows: Batch) -> list[torch.Tensor]:
         """The positions in ``rows`` [B] of each micro-batch of at most ``micro_batch_tokens`` forwarded
-        positions (``RolloutBuffer.within_tokens``; 0: one micro-batch)."""
+        positions (``RolloutBuffer.within_tokens``; 0: one micro-batch); none for no rows (a rank whose groups the
+        filter dropped joins the step with zero gradients)."""
+        if not rows.num_samples:
+            return []
         if not self.config.micro_batch_tokens:
             return [torch.arange(rows.num_samples)]
         position = {slot: row for row, slot in enumerate(rows.index.tolist())}

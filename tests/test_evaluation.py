@@ -4,6 +4,7 @@ mean@n, readable answers, and several named held-out sets; hand-computed cases, 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -170,6 +171,17 @@ def test_one_unnamed_set_keeps_the_plain_keys(tiny_tokenizer):
     assert set(result) == {"eval/accuracy", "eval/mean_length", "eval/readable", "eval/accuracy_readable",
                            "time/eval"}
     assert result["eval/accuracy"] == 0.5
+
+
+def test_a_set_of_several_levels_logs_each_levels_greedy_accuracy(tiny_tokenizer):
+    """HALF right at level 1; SEVEN (no answer) and THREE (4) wrong at level 2; the limit leaves out level 3."""
+    problems = [replace(HALF, level=1), replace(SEVEN, level=2), replace(THREE, level=2),
+                replace(THREE, id="x", level=3)]
+    result = evaluate_sets({None: held_out(problems)}, ScriptedSolver(tiny_tokenizer), Sampling(max_new_tokens=16),
+                           limit=3)
+    assert result["eval/accuracy"] == pytest.approx(1 / 3)
+    assert {key: value for key, value in result.items() if "level" in key} == {"eval/accuracy_level_1": 1.0,
+                                                                                  "eval/accuracy_level_2": 0.0}
 
 
 def test_samples_of_the_tiny_policy_are_reproducible_and_batch_independent(untrained_policy_dir):

@@ -17,7 +17,9 @@ ranks. Under data parallelism each rank solves every world_size-th problem and t
 ranks.
 
 Besides accuracy, ``readable`` is the share of greedy solutions whose final answer the grader could
-extract and ``accuracy_readable`` the accuracy among those: format failures apart from wrong answers.
+extract and ``accuracy_readable`` the accuracy among those: format failures apart from wrong answers. A set
+whose problems carry more than one level (MATH's 1-5, Arith's number of operations) also logs the greedy
+accuracy of each as ``accuracy_level_<level>``: a mean over levels can hide a gain on one and a loss on another.
 """
 
 from __future__ import annotations
@@ -102,6 +104,8 @@ def evaluate(env, generator: Generator, sampling: Sampling, limit: int, ranks: R
     role_sums = np.zeros((2, len(roles), len(ROLE_METRICS)))  # (sum, count) of each role's metrics
     greedy = solve(env, generator, sampling, problem_ids, role_models, verdict, role_sums)
     result = greedy_metrics(greedy, role_sums, roles, verdict == "correct")
+    result.update(level_accuracies(greedy.verdicts, [env.problems[i].level for i in indices],
+                                   [problem.level for problem in env.problems[:limit]]))
     if sampled.samples:
         result.update(sampled_metrics(env, generator, sampling, indices, role_models, verdict, sampled))
     return {**{prefix + key: float(value) for key, value in result.items()}, "time/eval": time.perf_counter() - started}
@@ -135,6 +139,22 @@ def greedy_metrics(greedy: Solved, role_sums: np.ndarray, roles: Sequence[str], 
             if role_sums[1, a, m]:
                 result[f"{role}/{metric}"] = role_sums[0, a, m] / role_sums[1, a, m]
     return result
+
+
+def level_accuracies(verdicts: Sequence[float], row_levels: Sequence[int | None],
+                     all_levels: Sequence[int | None]) -> dict[str, float]:
+    """``accuracy_level_<L>``: the mean verdict of the rows of each level L (``row_levels``, this rank's rows),
+    summed over every rank; the levels are those of ``all_levels`` (every rank's problems, so that every rank
+    reduces the same list). Empty where the problems hold fewer than two levels."""
+    levels = sorted({level for level in all_levels if level is not None})
+    if len(levels) < 2:
+        return {}
+    by_row = np.asarray([-1 if level is None else level for level in row_levels])
+    verdicts = np.asarray(verdicts, dtype=np.float64)
+    sums = [verdicts[by_row == level].sum() for level in levels] + [(by_row == level).sum() for level in levels]
+    reduced = distributed.all_reduce_sum(sums)
+    return {f"accuracy_level_{level}": reduced[i] / reduced[len(levels) + i]
+            for i, level in enumerate(levels) if reduced[len(levels) + i]}
 
 
 def sampled_metrics(env, generator: Generator, sampling: Sampling, indices: Sequence[int], role_models: RoleModels,

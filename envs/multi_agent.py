@@ -208,8 +208,9 @@ class MultiAgentMathVectorEnv(VectorEnv):
         results = self._score(first_new)
         results["clipped"] = clipped
         for dialogue, rewards in zip(self.dialogues, results["rewards"]):
-            dialogue.returns += rewards
-        results["returns"] = np.array([dialogue.returns for dialogue in self.dialogues])  # before an autoreset
+            dialogue.return_so_far += rewards
+        # before an autoreset replaces them
+        results["return_so_far"] = np.array([dialogue.return_so_far for dialogue in self.dialogues])
         terminated = np.array([i in first_new and d.progress.terminated for i, d in enumerate(self.dialogues)])
         truncated = np.array([i in first_new and d.progress.truncated for i, d in enumerate(self.dialogues)])
         ended = terminated | truncated
@@ -350,7 +351,7 @@ class MultiAgentMathVectorEnv(VectorEnv):
         slots' returns so far."""
         return {"workflow": self.workflow.name, "roles": list(self.roles), "draws": self.problem_env.get_state(),
                 "transcripts": [[[m.turn, m.slot, m.text] for m in d.transcript] for d in self.dialogues],
-                "returns": [d.returns.tolist() for d in self.dialogues]}
+                "returns": [d.return_so_far.tolist() for d in self.dialogues]}
 
     def set_state(self, state: dict[str, Any]) -> tuple[tuple[tuple[str, ...], ...], dict]:
         """Continues exactly where ``get_state`` was called (same workflow, problems, ``num_envs`` and

@@ -125,13 +125,13 @@ class DialogueProgress:
 @dataclass
 class Dialogue:
     """One env's episode: its problem and group id (the ``problem_env``'s draw), the messages so far, where it
-    stands and each slot's return so far, ``returns`` [A]."""
+    stands and each slot's return so far, ``return_so_far`` [A]."""
 
     problem: Problem
     group_id: int
     transcript: list[Message]
     progress: DialogueProgress
-    returns: np.ndarray
+    return_so_far: np.ndarray
 
     def acted(self) -> list[int]:
         """The slots that have said something in this episode."""

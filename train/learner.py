@@ -9,7 +9,7 @@ before its rewards are computed (``--prime_update before``, PRIME's default), or
 Roles on base models of their own (``train.members``): the team (``models.team.Team``) scores each row with its
 role's model, one loss trains them all, and each model's optimizer steps on its own clipped gradient.
 
-Data parallelism: ``trained_module`` is the team wrapped in DDP, or the team with its policy sharded by FSDP2;
+Data parallelism: ``parallel_module`` is the team wrapped in DDP, or the team with its policy sharded by FSDP2;
 each rank trains on its own rollout with losses normalised by the global minibatch totals, and statistics are
 added over ranks.
 """
@@ -37,7 +37,7 @@ from models.packing import take
 from models.team import Team
 from train import distributed
 from train.config import LearningConfig, PrimeConfig, RolloutConfig
-from train.correction import GapMeter, corrected_targets, score_trainer_logprobs
+from train.correction import GapMeter, corrected_targets, score_old_log_probs
 from train.distributed import Ranks
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class Scores:
 
 
 @dataclass(frozen=True)
-class Trained:
+class TrainResult:
     """What ``Learner.train`` did: ``optimizer_steps`` taken, ``nonfinite_steps`` skipped for a non-finite loss
     or gradient norm, the ``nonfinite_in_a_row`` at its end (counting those before it), and the statistics
     logged (losses, gradient norm, the log-prob gap, early stop, trained samples)."""
@@ -75,7 +75,7 @@ class Trained:
 
 
 class Learner:
-    """Trains ``team`` (the policy and its members, ``models.team.Team``; through ``trained_module``) with
+    """Trains ``team`` (the policy and its members, ``models.team.Team``; through ``parallel_module``) with
     ``algorithm``; ``optimizer`` steps the policy, ``member_optimizers`` ({role: optimizer}) each member, each
     model's gradient clipped on its own. ``config``: the run's learning section (``train.config.LearningConfig``);
     ``rollout``: its rollout section (``train.config.RolloutConfig``: the correction of samples from another
@@ -86,12 +86,12 @@ class Learner:
     (``Critic.PER_ROLE``: a value head per role; None: no such critic)."""
 
     def __init__(self, config: LearningConfig, rollout: RolloutConfig, team: Team,
-                 trained_module: torch.nn.Module, algorithm: Algorithm, optimizer: torch.optim.Optimizer,
+                 parallel_module: torch.nn.Module, algorithm: Algorithm, optimizer: torch.optim.Optimizer,
                  minibatch_rng: torch.Generator, ranks: Ranks, implicit_prm=None, prime: PrimeConfig = PrimeConfig(),
                  member_optimizers: Mapping[str, torch.optim.Optimizer] | None = None, *, temperature: float,
                  roles: tuple[str, ...] | None = None, voices: dict[int, str] | None = None,
                  critic: Critic | None = None):
-        self.config, self.rollout, self.team, self.trained_module = config, rollout, team, trained_module
+        self.config, self.rollout, self.team, self.parallel_module = config, rollout, team, parallel_module
         self.algorithm = algorithm
         self.spec = algorithm_spec(algorithm.name)
         self.minibatch_rng = minibatch_rng
@@ -103,15 +103,15 @@ class Learner:
     def score(self, buffer: RolloutBuffer) -> Scores:
         """Writes into ``buffer`` what the loss needs of other models: the reference log-probs of every live
         action (KL), the implicit PRM's token rewards (PRIME: ``process_rewards``) and, under ``rollout_is``,
-        the trainer's log-probs (``score_trainer_logprobs``)."""
+        the trainer's log-probs (``score_old_log_probs``)."""
         heldout = self.process_rewards(buffer) if self.algorithm.needs_process_rewards else {}
         with self.team.gathered(), torch.no_grad():
             if self.algorithm.needs_reference:
                 rows = buffer.rows()
                 ref = self.team.ref_log_probs(rows.prompts, (rows.action_ids, rows.action_lengths), self.temperature,
                                                 adapters=self.row_adapters(rows))
-                buffer.ref_logprobs = buffer.scatter_tokens(rows.index, ref)
-            gap = (score_trainer_logprobs(self.team, buffer, self.temperature, self.row_adapters)
+                buffer.ref_log_probs = buffer.scatter_tokens(rows.index, ref)
+            gap = (score_old_log_probs(self.team, buffer, self.temperature, self.row_adapters)
                    if self.rollout.rollout_is else GapMeter())
         return Scores(heldout, gap)
 
@@ -126,12 +126,12 @@ class Learner:
         kept = self.algorithm.kept(buffer)
         rows = buffer.rows(kept)
         actions = (rows.action_ids, rows.action_lengths)
-        reference = self.implicit_prm.reference_logprobs(rows.prompts, actions)  # frozen: one pass serves both
+        reference = self.implicit_prm.reference_log_probs(rows.prompts, actions)  # frozen: one pass serves both
         stats = {}
         if self.prime.prime_update is PrimeUpdate.BEFORE:
             stats["loss/implicit_prm"], unseen = self.implicit_prm_step(buffer, rows, reference)
         process, scores = self.implicit_prm.token_rewards(rows.prompts, actions, batch_max=self.batch_max,
-                                                          ref_logprobs=reference)
+                                                          ref_log_probs=reference)
         if self.prime.prime_update is PrimeUpdate.AFTER:
             unseen = scores
         else:  # the scores its rewards carry, after its step on these episodes (PRIME's code: dpo_acc_after)
@@ -155,7 +155,7 @@ class Learner:
         return corrected_targets(buffer, self.algorithm.advantages(buffer), self.rollout)
 
     def train(self, buffer: RolloutBuffer, targets: AdvantageEstimate, gap: GapMeter, iteration: int,
-              nonfinite_steps: int, nonfinite_in_a_row: int) -> Trained:
+              nonfinite_steps: int, nonfinite_in_a_row: int) -> TrainResult:
         """``ppo_epoch`` epochs of minibatch steps on ``targets``, stopped once a minibatch's approx KL passes
         ``target_kl``. ``gap``: measured here on the forward passes before the first step unless the scoring
         pass did (``rollout_is``). ``nonfinite_steps``/``nonfinite_in_a_row``: the run's skipped steps so far
@@ -182,9 +182,9 @@ class Learner:
             for name in self.optimizers} | {
             "train/optimizer_steps": float(steps), "train/early_stopped": float(stopped_early)}
         if steps:  # no step, no sample trained on
-            trained = float(buffer.trained(targets).sum())
+            trained = float(buffer.update_slots(targets).sum())
             stats["train/trained_samples"] = float(distributed.all_reduce_sum([trained])[0])
-        return Trained(steps, skipped, nonfinite_in_a_row, stats)
+        return TrainResult(steps, skipped, nonfinite_in_a_row, stats)
 
     def minibatches(self, buffer: RolloutBuffer, targets: AdvantageEstimate) -> Iterator[list[Batch]]:
         """``ppo_epoch`` epochs of ``buffer``'s minibatches (``RolloutBuffer.minibatches``), each epoch ordered
@@ -272,13 +272,13 @@ class Learner:
                              gap: GapMeter | None = None) -> tuple[dict[str, torch.Tensor], bool]:
         """One micro-batch's forward and backward, its statistics added into ``sums``/``weights``; returns
         (its statistics, whether its loss was finite)."""
-        scores = self.trained_module(batch.prompts, (batch.action_ids, batch.action_lengths), self.temperature,
+        scores = self.parallel_module(batch.prompts, (batch.action_ids, batch.action_lengths), self.temperature,
                                 with_entropy=True, with_values=self.spec.critic is not None,
                                 adapters=self.row_adapters(batch), critic_prompts=batch.critic_prompts,
                                 value_heads=self.row_value_heads(batch))
         loss, micro_stats = self.algorithm.loss(scores, batch)
         if gap is not None:
-            gap.add(scores.logprobs, batch.old_logprobs, batch.token_mask)
+            gap.add(scores.log_probs, batch.old_log_probs, batch.token_mask)
         finite = bool(torch.isfinite(loss))
         (loss * self.ranks.world_size).backward()
         for key, value in micro_stats.items():
@@ -302,7 +302,7 @@ class Learner:
             return
         with torch.no_grad():
             value_loss = self.algorithm.value_loss_rows(scores, batch) if scores.values is not None else None
-            rows = row_statistics(scores.logprobs, scores.entropy, batch, value_loss)
+            rows = row_statistics(scores.log_probs, scores.entropy, batch, value_loss)
         for key, (total, count) in role_sums(rows, batch.agents, roles).items():
             sums[key] += total
             weights[key] += count
@@ -325,15 +325,15 @@ class Learner:
         at every backward, keeping only its shard of the gradient between micro-batches."""
         if not self.ranks.distributed or last or self.team.sharded:
             return contextlib.nullcontext()
-        return self.trained_module.no_sync()
+        return self.parallel_module.no_sync()
 
     def idle_backward(self) -> None:
         """A backward of zero loss through DDP or FSDP2 on one placeholder token: this rank's part of the
         gradient reduction when it has fewer micro-batches than another rank (no gradient of its own)."""
         pad = self.team.tokenizer.pad_token_id
-        scores = self.trained_module([[pad]], [[pad]], self.temperature, with_entropy=True,
+        scores = self.parallel_module([[pad]], [[pad]], self.temperature, with_entropy=True,
                                 with_values=self.spec.critic is not None)
-        zero = scores.logprobs.sum() * 0.0
+        zero = scores.log_probs.sum() * 0.0
         if scores.values is not None:
             zero = zero + scores.values.sum() * 0.0
         zero.backward()
@@ -351,10 +351,10 @@ class Learner:
 
     def update_implicit_prm_after(self, buffer: RolloutBuffer, targets: AdvantageEstimate) -> dict[str, float]:
         """PRIME under ``--prime_update after``: one step of the implicit PRM on the actions the policy trained on
-        (``buffer.trained(targets)``); returns its loss. Nothing (``{}``) without a PRM or under ``before``."""
+        (``buffer.update_slots(targets)``); returns its loss. Nothing (``{}``) without a PRM or under ``before``."""
         if self.implicit_prm is None or self.prime.prime_update is not PrimeUpdate.AFTER:
             return {}
-        return {"loss/implicit_prm": self.implicit_prm_step(buffer, buffer.rows(buffer.trained(targets)))[0]}
+        return {"loss/implicit_prm": self.implicit_prm_step(buffer, buffer.rows(buffer.update_slots(targets)))[0]}
 
     def implicit_prm_step(self, buffer: RolloutBuffer, rows: Batch,
                           reference: torch.Tensor | None = None) -> tuple[float, torch.Tensor]:

@@ -23,7 +23,7 @@ Surviving faults:
   updated state the same way. Under torchrun the other ranks cannot join a save: nothing is written, and
   the last checkpoint stays the one to resume.
 
-Data parallelism (``train.distributed``): ``trained_module`` is the module the optimizer steps (the policy
+Data parallelism (``train.distributed``): ``parallel_module`` is the module the optimizer steps (the policy
 wrapped in DDP, or under FSDP2 the sharded policy itself); statistics,
 evaluation results and the stop signal are reduced over ranks; rank 0 alone logs and writes checkpoints,
 which hold every rank's collector state and RNGs.
@@ -82,7 +82,7 @@ class Runner:
                  generator: Generator, algorithm: Algorithm, optimizer: torch.optim.Optimizer, scheduler, writer,
                  run_dir: Path, implicit_prm=None, rollout_policy: LanguagePolicy | None = None,
                  rollout_generator: Generator | None = None, ranks: Ranks = Ranks(),
-                 trained_module: torch.nn.Module | None = None, members: Sequence[Member] = ()):
+                 parallel_module: torch.nn.Module | None = None, members: Sequence[Member] = ()):
         budget, generation, logs = config.budget, config.generation, config.logging
         if generation.async_rollouts and (rollout_policy is None or rollout_generator is None):
             raise ValueError("async_rollouts needs rollout_policy and rollout_generator (a copy of the policy)")
@@ -106,7 +106,7 @@ class Runner:
                                  max_num_gen_batches=config.rollout.max_num_gen_batches
                                  if config.rollout.filter_groups else None)
         self.learner = Learner(config.learning, config.rollout, team,
-                               trained_module if trained_module is not None else team,
+                               parallel_module if parallel_module is not None else team,
                                algorithm, optimizer, minibatch_rng, ranks, implicit_prm, config.prime,
                                {member.role: member.optimizer for member in members},
                                temperature=collector.sampling.temperature, roles=collector.roles,

@@ -84,8 +84,8 @@ class APPO(BaseAlgorithm):
         config = self.config
         return value_loss(value, batch.old_values, batch.returns, config.value_clip_param, config.huber_delta)
 
-    def skippable_rows(self, batch: Batch) -> torch.Tensor:
-        return torch.zeros(batch.num_samples, dtype=torch.bool)
+    def skippable_rows(self, advantages: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(advantages.shape[0], dtype=torch.bool)
 
 
 def normalized(advantages: torch.Tensor, live: torch.Tensor, reduce_sum: SumReducer = lambda tensor: tensor,

@@ -75,8 +75,9 @@ class Algorithm(Protocol):
         summing over micro-batches gives the minibatch loss) and detached micro-batch statistics."""
         ...
 
-    def skippable_rows(self, batch: Batch) -> torch.Tensor:
-        """[B] rows whose loss and gradient are exactly zero (the runner need not forward them)."""
+    def skippable_rows(self, advantages: torch.Tensor) -> torch.Tensor:
+        """[B] rows whose loss and gradient are exactly zero, from their ``advantages`` [B] or [B, L] (the runner
+        need not forward them)."""
         ...
 
     def value_loss_rows(self, scores: ActionScores, batch: Batch) -> torch.Tensor | None:

@@ -357,7 +357,7 @@ class RolloutBuffer:
 
     def minibatches(self, targets: AdvantageEstimate, num_mini_batch: int, micro_batches: int,
                     generator: torch.Generator | None = None,
-                    skip: Callable[[Batch], torch.Tensor] | None = None,
+                    skip: Callable[[torch.Tensor], torch.Tensor] | None = None,
                     reduce_totals: Callable[[np.ndarray], np.ndarray] | None = None,
                     max_tokens: int = 0) -> Iterator[list[Batch]]:
         """Shuffles the trained slots into ``num_mini_batch`` minibatches (one optimizer step each),
@@ -365,9 +365,9 @@ class RolloutBuffer:
         into micro-batches of at most ``max_tokens`` forwarded tokens (``within_tokens``; 0: no limit).
 
         Sizes differ by at most one when the counts do not divide; every micro-batch carries its
-        minibatch's sample and token totals, so each sample weighs the same. ``skip(batch) -> [B]``
-        drops rows whose loss is exactly zero before they are forwarded; they still count in the
-        totals, so the gradient is unchanged.
+        minibatch's sample and token totals, so each sample weighs the same. ``skip(advantages) -> [B]``,
+        given the rows' advantages ([B] or [B, L]), drops rows whose loss is exactly zero before they are
+        forwarded; they still count in the totals, so the gradient is unchanged.
 
         Data parallelism: ``reduce_totals`` maps this process's ``[num_mini_batch, 2]`` (samples, tokens)
         to the totals over every process, so a sample weighs the same whichever process holds it; every
@@ -382,7 +382,7 @@ class RolloutBuffer:
             if samples == 0:  # no process holds a row of it
                 continue
             if skip is not None:
-                minibatch = self.unskipped(minibatch, skip, samples, tokens, targets)
+                minibatch = self.unskipped(minibatch, skip, targets)
             chunks = self.micro_batch_indices(minibatch, micro_batches, max_tokens)
             if chunks or reduce_totals is not None:  # all rows skipped (one process): no gradient, no step
                 yield [self.batch(chunk, samples, tokens, targets) for chunk in chunks]
@@ -405,12 +405,14 @@ class RolloutBuffer:
             totals = reduce_totals(totals)
         return totals.astype(np.int64).tolist()
 
-    def unskipped(self, minibatch: torch.Tensor, skip: Callable[[Batch], torch.Tensor], samples: int, tokens: int,
+    def unskipped(self, minibatch: torch.Tensor, skip: Callable[[torch.Tensor], torch.Tensor],
                   targets: AdvantageEstimate) -> torch.Tensor:
-        """The slots of ``minibatch`` [B] whose rows ``skip`` does not drop (it reads them as a Batch)."""
+        """The slots of ``minibatch`` [B] whose rows ``skip`` does not drop (it reads their advantages, as a
+        Batch of these slots holds them)."""
         if len(minibatch) == 0:
             return minibatch
-        return minibatch[~skip(self.batch(minibatch, samples, tokens, targets)).to(minibatch.device)]
+        advantages = self.slot_rows(targets.advantages, minibatch, self.row_width(minibatch))
+        return minibatch[~skip(advantages).to(minibatch.device)]
 
     def micro_batch_indices(self, minibatch: torch.Tensor, micro_batches: int, max_tokens: int) -> list[torch.Tensor]:
         """The slots ``minibatch`` [B] cut into up to ``micro_batches`` non-empty parts of sizes that differ by at
@@ -452,16 +454,13 @@ class RolloutBuffer:
         """The slots ``index`` [B] as a Batch, actions trimmed to their longest length; advantages and
         returns from ``targets`` (None without)."""
         lengths = self.action_lengths.flatten()[index]
-        width = max(int(lengths.max()) if len(index) else 1, 1)
+        width = self.row_width(index)
 
         def tokens(x: torch.Tensor | None) -> torch.Tensor | None:
-            return None if x is None else x.reshape(self.num_slots, -1)[index, :width]
+            return None if x is None else self.token_rows(x, index, width)
 
         def per_slot(x: torch.Tensor | None) -> torch.Tensor | None:
-            """[B] for per-action tensors, [B, L] for per-token ones."""
-            if x is None:
-                return None
-            return x.flatten()[index] if x.dim() == 3 else tokens(x)
+            return None if x is None else self.slot_rows(x, index, width)
 
         token_mask = torch.arange(width, device=self.device) < lengths[:, None]
         old_values = tokens(self.token_values) if self.token_values is not None else per_slot(self.values)
@@ -485,6 +484,19 @@ class RolloutBuffer:
             minibatch_tokens=max(minibatch_tokens, 1),
             rollout_weights=tokens(self.rollout_weights),
         )
+
+    def row_width(self, index: torch.Tensor) -> int:
+        """The token width of the rows of the slots ``index`` [B]: their longest action (at least 1)."""
+        lengths = self.action_lengths.flatten()[index]
+        return max(int(lengths.max()) if len(index) else 1, 1)
+
+    def token_rows(self, x: torch.Tensor, index: torch.Tensor, width: int) -> torch.Tensor:
+        """[B, width] the per-token tensor ``x`` [T, N, A, L] at the slots ``index`` [B]."""
+        return x.reshape(self.num_slots, -1)[index, :width]
+
+    def slot_rows(self, x: torch.Tensor, index: torch.Tensor, width: int) -> torch.Tensor:
+        """``x`` at the slots ``index`` [B]: [B] of a per-action tensor [T, N, A], [B, width] of a per-token one."""
+        return x.flatten()[index] if x.dim() == 3 else self.token_rows(x, index, width)
 
     def rows(self, slots: torch.Tensor | None = None) -> Batch:
         """The slots where ``slots`` [T, N, A] (default: every live slot) is True, as one Batch without

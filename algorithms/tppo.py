@@ -102,5 +102,5 @@ class TPPO(BaseAlgorithm):
         """[B] each action's mean token value loss."""
         return masked_mean(self.token_value_loss(scores, batch), batch.token_mask.to(scores.log_probs.dtype), dim=-1)
 
-    def skippable_rows(self, batch: Batch) -> torch.Tensor:
-        return torch.zeros(batch.num_samples, dtype=torch.bool)
+    def skippable_rows(self, advantages: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(advantages.shape[0], dtype=torch.bool)

@@ -20,7 +20,7 @@ import contextlib
 import logging
 import math
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Mapping
 
 import numpy as np
@@ -60,6 +60,41 @@ class Scores:
 
     heldout: dict[str, float]
     gap: GapMeter
+
+
+@dataclass
+class UpdateStats:
+    """The update's statistics as they add up: ``sums[key] / weights[key]`` is each loss term's mean over the
+    samples (or a role's rows) it was measured on; ``grad_norms``: one {None: the policy's, role: a member's}
+    per optimizer step taken."""
+
+    sums: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    weights: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    grad_norms: list[dict[str | None, float]] = field(default_factory=list)
+
+    def add(self, key: str, total: float, weight: float) -> None:
+        self.sums[key] += total
+        self.weights[key] += weight
+
+
+@dataclass
+class NonfiniteCount:
+    """Optimizer steps skipped for a non-finite loss or gradient norm: ``before`` this update in the run,
+    ``in_update`` in it, the latest ``in_a_row`` of all of them in a row."""
+
+    before: int
+    in_a_row: int
+    in_update: int = 0
+
+
+@dataclass(frozen=True)
+class MinibatchStep:
+    """What one minibatch's step did: its approx ``kl``, whether the optimizers ``stepped``, and what was
+    non-finite when that skipped the step ("loss", "gradient norm (nan)"; else None)."""
+
+    kl: float
+    stepped: bool
+    nonfinite: str | None
 
 
 @dataclass(frozen=True)
@@ -159,32 +194,51 @@ class Learner:
         """``ppo_epoch`` epochs of minibatch steps on ``targets``, stopped once a minibatch's approx KL passes
         ``target_kl``. ``gap``: measured here on the forward passes before the first step unless the scoring
         pass did (``rollout_is``). ``nonfinite_steps``/``nonfinite_in_a_row``: the run's skipped steps so far
-        (``skipped_nonfinite`` raises ``NonFiniteError`` at the ``max_nonfinite_steps``-th in a row)."""
-        sums, weights = defaultdict(float), defaultdict(float)
-        grad_norms, steps, skipped, stopped_early = [], 0, 0, False
+        (``count_nonfinite`` raises ``NonFiniteError`` at the ``max_nonfinite_steps``-th in a row)."""
+        stats, nonfinite = UpdateStats(), NonfiniteCount(nonfinite_steps, nonfinite_in_a_row)
+        steps, stopped_early = 0, False
         with module_mode(self.team, training=True):  # checkpointing acts; eval mode again for sampling
             for minibatch in self.minibatches(buffer, targets):
-                measured = None if self.rollout.rollout_is or steps else gap  # the policy before any step
-                kl, stepped, nonfinite = self.minibatch_step(minibatch, sums, weights, grad_norms, measured)
-                steps += stepped
-                if stepped:
-                    nonfinite_in_a_row = 0
-                elif nonfinite is not None:
-                    skipped, nonfinite_in_a_row = skipped + 1, nonfinite_in_a_row + 1
-                    self.skipped_nonfinite(nonfinite, iteration, nonfinite_steps + skipped, nonfinite_in_a_row)
-                stopped_early = kl_early_stop(kl, self.config.target_kl)
+                step = self.minibatch_step(minibatch, stats, self.gap_before_first_step(gap, steps))
+                steps += step.stepped
+                self.count_nonfinite(step, nonfinite, iteration)
+                stopped_early = kl_early_stop(step.kl, self.config.target_kl)
                 if stopped_early:
                     break
+        logged = self.logged_stats(stats, gap, steps, stopped_early, buffer, targets)
+        return TrainResult(steps, nonfinite.in_update, nonfinite.in_a_row, logged)
+
+    def gap_before_first_step(self, gap: GapMeter, steps: int) -> GapMeter | None:
+        """Where a forward pass adds its log-probs' distance to the sampler's: ``gap`` while no step has been taken
+        (the policy the sampler copied), None after the first step or when the scoring pass measured it
+        (``rollout_is``)."""
+        return None if self.rollout.rollout_is or steps else gap
+
+    def count_nonfinite(self, step: MinibatchStep, count: NonfiniteCount, iteration: int) -> None:
+        """Counts ``step`` into ``count``: a step taken ends a run of non-finite ones; one skipped for a non-finite
+        value is logged and the ``max_nonfinite_steps``-th in a row raises (``skipped_nonfinite``)."""
+        if step.stepped:
+            count.in_a_row = 0
+        elif step.nonfinite is not None:
+            count.in_update, count.in_a_row = count.in_update + 1, count.in_a_row + 1
+            self.skipped_nonfinite(step.nonfinite, iteration, count.before + count.in_update, count.in_a_row)
+
+    def logged_stats(self, stats: UpdateStats, gap: GapMeter, steps: int, stopped_early: bool,
+                     buffer: RolloutBuffer, targets: AdvantageEstimate) -> dict[str, float]:
+        """What the update logs: the losses' means (over every rank), the log-prob gap, each model's mean gradient
+        norm, the optimizer steps, the early stop and, when a step was taken, the samples trained on."""
+        sums, weights = stats.sums, stats.weights
         if self.ranks.distributed:
             sums, weights = distributed.sum_by_key(sums, weights)
-        stats = {f"loss/{key}": sums[key] / weights[key] for key in sums} | gap.stats() | {
-            grad_norm_key(name): float(np.mean([norms[name] for norms in grad_norms])) if grad_norms else 0.0
+        norms = stats.grad_norms
+        logged = {f"loss/{key}": sums[key] / weights[key] for key in sums} | gap.stats() | {
+            grad_norm_key(name): float(np.mean([step_norms[name] for step_norms in norms])) if norms else 0.0
             for name in self.optimizers} | {
             "train/optimizer_steps": float(steps), "train/early_stopped": float(stopped_early)}
         if steps:  # no step, no sample trained on
             trained = float(buffer.update_slots(targets).sum())
-            stats["train/trained_samples"] = float(distributed.all_reduce_sum([trained])[0])
-        return TrainResult(steps, skipped, nonfinite_in_a_row, stats)
+            logged["train/trained_samples"] = float(distributed.all_reduce_sum([trained])[0])
+        return logged
 
     def minibatches(self, buffer: RolloutBuffer, targets: AdvantageEstimate) -> Iterator[list[Batch]]:
         """``ppo_epoch`` epochs of ``buffer``'s minibatches (``RolloutBuffer.minibatches``), each epoch ordered
@@ -221,26 +275,39 @@ class Learner:
         return {f"implicit_prm/{name}_auc": roc_auc(scores, labels) if both else math.nan,
                 f"implicit_prm/{name}_accuracy": float(((scores > 0).float() == labels).float().mean())}
 
-    def minibatch_step(self, minibatch: list[Batch], sums: dict, weights: dict, grad_norms: list,
-                       gap: GapMeter | None = None) -> tuple[float, bool, str | None]:
-        """Accumulates the micro-batches' gradients, clips, steps; returns (the minibatch's approx KL, whether
-        the optimizers stepped, what was non-finite when that skipped the step: "loss", "gradient norm (nan)",
-        else None). ``gap``: where the forward passes' distance to the sampler's log-probs is added (None: not
-        measured); ``grad_norms``: where a step's gradient norms ({None: the policy's, role: a member's}) are
-        appended. One model's non-finite gradient skips every model's step, as one loss made them all.
+    def minibatch_step(self, minibatch: list[Batch], stats: UpdateStats,
+                       gap: GapMeter | None = None) -> MinibatchStep:
+        """Accumulates the micro-batches' gradients, clips, steps. ``gap``: where the forward passes' distance to
+        the sampler's log-probs is added (None: not measured); ``stats``: where the losses' statistics and a step's
+        gradient norms go. One model's non-finite gradient skips every model's step, as one loss made them all.
 
         Several ranks: DDP and FSDP2 average the gradients over ranks, so each loss (normalised by the
         global totals) is scaled by the world size. Every rank runs as many forward and backward passes as
-        the rank with the most micro-batches (both need them matched), the missing ones zero-gradient
-        passes (``idle_backward``).
+        the rank with the most micro-batches (``matched_passes``), and the minibatch's KL and finiteness are
+        taken over every rank, so that all ranks step or skip together.
 
         Gradients exist only inside this call: they are freed on its way out, stepped or not (held, they
         are a model's worth of memory through the next iteration's generation and evaluation)."""
-        passes = len(minibatch)
+        passes = self.matched_passes(minibatch)
+        if passes == 0:
+            return MinibatchStep(0.0, False, None)  # every rank skipped every row: no gradient, no step
+        kl_sum, kl_weight, finite_loss = self.accumulate_gradients(minibatch, passes, stats, gap)
         if self.ranks.distributed:
-            passes = int(distributed.all_reduce_max([passes])[0])
-            if passes == 0:
-                return 0.0, False, None  # every rank skipped every row: no gradient, no step (as in one process)
+            kl_sum, kl_weight, nonfinite = distributed.all_reduce_sum([kl_sum, kl_weight, float(not finite_loss)])
+            finite_loss = nonfinite == 0
+        return self.optimizer_step(kl_sum / max(kl_weight, 1), finite_loss, stats)
+
+    def matched_passes(self, minibatch: list[Batch]) -> int:
+        """The forward and backward passes this rank runs for ``minibatch``: its micro-batches or, with several
+        ranks, the most any rank has (DDP and FSDP2 need them matched; the missing ones are ``idle_backward``)."""
+        if not self.ranks.distributed:
+            return len(minibatch)
+        return int(distributed.all_reduce_max([len(minibatch)])[0])
+
+    def accumulate_gradients(self, minibatch: list[Batch], passes: int, stats: UpdateStats,
+                             gap: GapMeter | None) -> tuple[float, int, bool]:
+        """``passes`` forward and backward passes: the micro-batches', then idle ones; returns the approx KL summed
+        over the samples, their count, and whether every loss was finite."""
         kl_sum, kl_weight, finite_loss = 0.0, 0, True
         for k in range(passes):
             with self.gradient_sync(last=k == passes - 1):
@@ -248,30 +315,31 @@ class Learner:
                     self.idle_backward()
                     continue
                 batch = minibatch[k]
-                micro_stats, finite = self.micro_batch_backward(batch, sums, weights, gap)
+                micro_stats, finite = self.micro_batch_backward(batch, stats, gap)
                 finite_loss &= finite
             kl_sum += float(micro_stats["approx_kl"]) * batch.num_samples
             kl_weight += batch.num_samples
-        if self.ranks.distributed:
-            kl_sum, kl_weight, nonfinite = distributed.all_reduce_sum([kl_sum, kl_weight, float(not finite_loss)])
-            finite_loss = nonfinite == 0
+        return kl_sum, kl_weight, finite_loss
+
+    def optimizer_step(self, kl: float, finite_loss: bool, stats: UpdateStats) -> MinibatchStep:
+        """Clips each model's gradient and steps every optimizer when the loss and every gradient norm are finite,
+        recording the norms in ``stats``; frees the gradients either way."""
         norms = {name: self.clipped_grad_norm(optimizer) for name, optimizer in self.optimizers.items()}
-        kl = kl_sum / max(kl_weight, 1)
         bad_norm = next((norm for norm in norms.values() if not math.isfinite(norm)), None)
         stepped = finite_loss and bad_norm is None
         if stepped:
-            grad_norms.append(norms)
+            stats.grad_norms.append(norms)
         for optimizer in self.optimizers.values():
             if stepped:
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         nonfinite = None if stepped else "loss" if not finite_loss else f"gradient norm ({bad_norm})"
-        return kl, stepped, nonfinite
+        return MinibatchStep(kl, stepped, nonfinite)
 
-    def micro_batch_backward(self, batch, sums: dict, weights: dict,
+    def micro_batch_backward(self, batch, stats: UpdateStats,
                              gap: GapMeter | None = None) -> tuple[dict[str, torch.Tensor], bool]:
-        """One micro-batch's forward and backward, its statistics added into ``sums``/``weights``; returns
-        (its statistics, whether its loss was finite)."""
+        """One micro-batch's forward and backward, its statistics added into ``stats``; returns (its statistics,
+        whether its loss was finite)."""
         scores = self.parallel_module(batch.prompts, (batch.action_ids, batch.action_lengths), self.temperature,
                                 with_entropy=True, with_values=self.spec.critic is not None,
                                 adapters=self.row_adapters(batch), critic_prompts=batch.critic_prompts,
@@ -282,9 +350,8 @@ class Learner:
         finite = bool(torch.isfinite(loss))
         (loss * self.ranks.world_size).backward()
         for key, value in micro_stats.items():
-            sums[key] += float(value) * batch.num_samples
-            weights[key] += batch.num_samples
-        self.add_role_stats(scores, batch, sums, weights)
+            stats.add(key, float(value) * batch.num_samples, batch.num_samples)
+        self.add_role_stats(scores, batch, stats)
         return micro_stats, finite
 
     def clipped_grad_norm(self, optimizer: torch.optim.Optimizer) -> float:
@@ -294,9 +361,9 @@ class Learner:
         grad_norm = torch.nn.utils.clip_grad_norm_(parameters, self.config.max_grad_norm or math.inf)
         return float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)  # FSDP2: sharded
 
-    def add_role_stats(self, scores, batch, sums: dict, weights: dict) -> None:
+    def add_role_stats(self, scores, batch, stats: UpdateStats) -> None:
         """Each role's mean token entropy, approx KL to the behaviour policy and, with a critic, value loss
-        (multi-agent envs), added to ``sums``/``weights`` as ``<role>/<name>`` (logged under ``loss/``)."""
+        (multi-agent envs), added to ``stats`` as ``<role>/<name>`` (logged under ``loss/``)."""
         roles = self.roles
         if not roles or scores.entropy is None:
             return
@@ -304,8 +371,7 @@ class Learner:
             value_loss = self.algorithm.value_loss_rows(scores, batch) if scores.values is not None else None
             rows = row_statistics(scores.log_probs, scores.entropy, batch, value_loss)
         for key, (total, count) in role_sums(rows, batch.agents, roles).items():
-            sums[key] += total
-            weights[key] += count
+            stats.add(key, total, count)
 
     def row_adapters(self, batch) -> list[str | None] | None:
         """What scores each row of ``batch``: its member's role or its role adapter (``voices``), else None; None

@@ -211,18 +211,18 @@ class Runner:
         scores = learner.score(buffer)  # reference log-probs, implicit-PRM token rewards, trainer log-probs
         targets, correction = learner.targets(buffer)  # advantages (and critic targets), rollout-corrected
         try:
-            trained = learner.train(buffer, targets, scores.gap, iteration, progress.nonfinite_steps,
-                                    progress.nonfinite_in_a_row)
+            result = learner.train(buffer, targets, scores.gap, iteration, progress.nonfinite_steps,
+                                   progress.nonfinite_in_a_row)
         except NonFiniteError as error:
             raise NonFiniteError(f"{error}. Last good checkpoint: {self.last_checkpoint or 'none written yet'}. Check "
                                  "the rewards and the learning rate (--lr, --max_grad_norm) before resuming from it"
                                  ) from None
-        progress.nonfinite_steps += trained.nonfinite_steps
-        progress.nonfinite_in_a_row = trained.nonfinite_in_a_row
-        if trained.optimizer_steps:  # the schedules advance with iterations that updated the policy
+        progress.nonfinite_steps += result.nonfinite_steps
+        progress.nonfinite_in_a_row = result.nonfinite_in_a_row
+        if result.optimizer_steps:  # the schedules advance with iterations that updated the policy
             for scheduler in (self.scheduler, *(member.scheduler for member in self.members)):
                 scheduler.step()
-        stats = (collected.stats | trained.stats | scores.heldout | correction
+        stats = (collected.stats | result.stats | scores.heldout | correction
                  | learner.update_implicit_prm_after(buffer, targets))
         stats |= {"train/nonfinite_steps": float(progress.nonfinite_steps), "histograms": targets.stats,
                   "time/update": time.perf_counter() - started, **learner.learning_rates()}

@@ -66,9 +66,9 @@ class APPO(BaseAlgorithm):
             "advantages": advantages[live], "returns": returns[live], "values": buffer.values[live]})
 
     def loss(self, scores: ActionScores, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        config, mask = self.config, batch.token_mask.to(scores.logprobs.dtype)
-        log_prob = scores.logprobs.sum(-1)  # [B] joint log-prob of the action
-        old_log_prob = batch.old_logprobs.sum(-1)
+        config, mask = self.config, batch.token_mask.to(scores.log_probs.dtype)
+        log_prob = scores.log_probs.sum(-1)  # [B] joint log-prob of the action
+        old_log_prob = batch.old_log_probs.sum(-1)
         surrogate = clipped_surrogate(log_prob - old_log_prob, batch.advantages, config.clip_low, config.clip_high,
                                       config.clip_ratio_c)
         critic_loss = self.value_loss_rows(scores, batch)
@@ -84,8 +84,8 @@ class APPO(BaseAlgorithm):
         config = self.config
         return value_loss(value, batch.old_values, batch.returns, config.value_clip_param, config.huber_delta)
 
-    def skippable_rows(self, batch: Batch) -> torch.Tensor:
-        return torch.zeros(batch.num_samples, dtype=torch.bool)
+    def skippable_rows(self, advantages: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(advantages.shape[0], dtype=torch.bool)
 
 
 def normalized(advantages: torch.Tensor, live: torch.Tensor, reduce_sum: SumReducer = lambda tensor: tensor,

@@ -25,11 +25,11 @@ from algorithms.rollout_correction import rollout_weighted
 class ActionScores(Protocol):
     """What a loss reads from the policy's forward pass over one micro-batch of B actions of L tokens.
 
-    logprobs: [B, L] log-probs of the action tokens. entropy: [B, L] or None. values: [B, L] the
+    log_probs: [B, L] log-probs of the action tokens. entropy: [B, L] or None. values: [B, L] the
     critic's V(prompt, a_<k) (so ``values[:, 0]`` is V(s_t)), or None without a critic.
     """
 
-    logprobs: torch.Tensor
+    log_probs: torch.Tensor
     entropy: torch.Tensor | None
     values: torch.Tensor | None
 
@@ -52,7 +52,7 @@ def decoupled_gae(estimate: Callable[[float], tuple[torch.Tensor, torch.Tensor]]
 class Algorithm(Protocol):
     """What the runner needs from an algorithm (its episodic/critic traits are in ``algorithms.registry``).
 
-    ``needs_reference``: the loss reads ``batch.ref_logprobs`` (KL to the reference policy).
+    ``needs_reference``: the loss reads ``batch.ref_log_probs`` (KL to the reference policy).
     ``needs_process_rewards``: ``advantages`` reads ``buffer.token_rewards`` (implicit PRM) of the slots
     ``kept`` returns.
     """
@@ -75,8 +75,9 @@ class Algorithm(Protocol):
         summing over micro-batches gives the minibatch loss) and detached micro-batch statistics."""
         ...
 
-    def skippable_rows(self, batch: Batch) -> torch.Tensor:
-        """[B] rows whose loss and gradient are exactly zero (the runner need not forward them)."""
+    def skippable_rows(self, advantages: torch.Tensor) -> torch.Tensor:
+        """[B] rows whose loss and gradient are exactly zero, from their ``advantages`` [B] or [B, L] (the runner
+        need not forward them)."""
         ...
 
     def value_loss_rows(self, scores: ActionScores, batch: Batch) -> torch.Tensor | None:
@@ -137,7 +138,7 @@ def reward_kl(buffer: RolloutBuffer, config: AlgorithmConfig) -> torch.Tensor | 
     is not in the reward."""
     if not (config.use_kl_in_reward and config.kl_coef > 0):
         return None
-    return kl_estimate(buffer.rollout_logprobs, buffer.ref_logprobs, config.kl_penalty) * buffer.token_mask()
+    return kl_estimate(buffer.rollout_log_probs, buffer.ref_log_probs, config.kl_penalty) * buffer.token_mask()
 
 
 def make_algorithm(name: str, config: AlgorithmConfig) -> Algorithm:
@@ -152,14 +153,14 @@ def token_policy_loss(scores: ActionScores, batch: Batch, advantages: torch.Tens
     in the reward, - entropy bonus), aggregated by ``config.loss_agg_mode``; shared by the critic-free
     algorithms and TPPO. ``advantages``: [B, L] or [B, 1]. The ratio is per token or per sequence
     (``importance_sampling_level``, GSPO)."""
-    mask = batch.token_mask.to(scores.logprobs.dtype)
-    log_ratio = importance_log_ratio(scores.logprobs, batch.old_logprobs, mask, config.importance_sampling_level)
+    mask = batch.token_mask.to(scores.log_probs.dtype)
+    log_ratio = importance_log_ratio(scores.log_probs, batch.old_log_probs, mask, config.importance_sampling_level)
     surrogate = clipped_surrogate(log_ratio, advantages, config.clip_low, config.clip_high, config.clip_ratio_c)
     per_token = rollout_weighted(surrogate.loss, batch)
     stats = {**clip_stats(surrogate, mask, config),
-             "approx_kl": masked_mean(kl_k3(batch.old_logprobs, scores.logprobs), mask)}
+             "approx_kl": masked_mean(kl_k3(batch.old_log_probs, scores.log_probs), mask)}
     if config.kl_in_loss:
-        kl = kl_estimate(scores.logprobs, batch.ref_logprobs, config.kl_loss_type)
+        kl = kl_estimate(scores.log_probs, batch.ref_log_probs, config.kl_loss_type)
         per_token = per_token + config.kl_coef * kl
         stats["kl_ref"] = masked_mean(kl, mask)
     if scores.entropy is not None:

@@ -39,7 +39,7 @@ class StepRecord:
     """What one env step adds to the buffer: the actions taken at ``step`` by the B trained (env, agent) pairs
     ``envs[b], agents[b]``.
 
-    prompt_ids / action_ids / rollout_logprobs: B lists (the prompt, the generated tokens and the sampler's
+    prompt_ids / action_ids / rollout_log_probs: B lists (the prompt, the generated tokens and the sampler's
     log-probs of them, up to L each). group_ids: [B] prompt groups. texts: B decoded actions. values: [B] V(s_t)
     (None without a critic). token_values: [B, L'] with L' <= L (a token critic). critic_prompt_ids: B lists,
     what the critic read instead of the prompt (a multi-agent env's joint transcript), to read again at the
@@ -51,7 +51,7 @@ class StepRecord:
     agents: Sequence[int]
     prompt_ids: Sequence[list[int]]
     action_ids: Sequence[list[int]]
-    rollout_logprobs: Sequence[list[float]]
+    rollout_log_probs: Sequence[list[float]]
     group_ids: torch.Tensor
     texts: Sequence[str]
     values: torch.Tensor | None = None
@@ -77,9 +77,9 @@ class Batch:
     action_ids: torch.Tensor  # [B, L]
     action_lengths: torch.Tensor  # [B]
     token_mask: torch.Tensor  # [B, L] bool, from lengths
-    old_logprobs: torch.Tensor  # [B, L] the ratio's denominator: the sampler's log-probs, or the trainer's (rollout_is)
+    old_log_probs: torch.Tensor  # [B, L] the ratio's denominator: the sampler's log-probs or (rollout_is) the trainer's
     old_values: torch.Tensor | None  # [B] or [B, L] critic values at collection
-    ref_logprobs: torch.Tensor | None  # [B, L]
+    ref_log_probs: torch.Tensor | None  # [B, L]
     advantages: torch.Tensor | None  # [B] or [B, L]; None outside training (e.g. reference passes)
     returns: torch.Tensor | None  # [B] or [B, L]
     num_samples: int
@@ -107,8 +107,8 @@ class RolloutBuffer:
     Filled by ``add`` (one call per env step, for the (env, agent) pairs that acted) and ``add_step_results`` (what
     the env paid for them, once per env step). Collection also
     writes ``next_values`` [T, N, A], the value to bootstrap from after each action (0 where the
-    episode ended, terminated or truncated), and before the update ``ref_logprobs`` / ``token_rewards`` where the
-    algorithm reads them, and with rollout correction ``trainer_logprobs`` (the trainer's scores of the
+    episode ended, terminated or truncated), and before the update ``ref_log_probs`` / ``token_rewards`` where the
+    algorithm reads them, and with rollout correction ``old_log_probs`` (the trainer's scores of the
     actions before the update, which the ratio is then taken against) and ``rollout_weights``.
     """
 
@@ -121,14 +121,14 @@ class RolloutBuffer:
         tokens = (*self.shape, max_action_tokens)
         self.action_ids = torch.zeros(tokens, dtype=torch.long, **slots)
         self.action_lengths = torch.zeros(self.shape, dtype=torch.long, **slots)
-        self.rollout_logprobs = torch.zeros(tokens, **slots)
+        self.rollout_log_probs = torch.zeros(tokens, **slots)
         self.values = torch.zeros(self.shape, **slots)  # V(s_t), action-level critic
         self.token_values = torch.zeros(tokens, **slots) if token_values else None  # V_{t,j}, token critic
         self.next_values = torch.zeros(self.shape, **slots)
         self.rewards = torch.zeros(self.shape, **slots)
         self.token_rewards: torch.Tensor | None = None  # [T, N, A, L] per-token rewards (implicit PRM)
-        self.ref_logprobs: torch.Tensor | None = None  # [T, N, A, L]
-        self.trainer_logprobs: torch.Tensor | None = None  # [T, N, A, L] the trainer's, before the update
+        self.ref_log_probs: torch.Tensor | None = None  # [T, N, A, L]
+        self.old_log_probs: torch.Tensor | None = None  # [T, N, A, L] the trainer's (None: the sampler's are)
         self.rollout_weights: torch.Tensor | None = None  # [T, N, A, L] or [T, N, A, 1] rollout correction
         self.cut = torch.zeros(self.shape, dtype=torch.bool, **slots)  # the action stopped at max_action_tokens
         self.terminated = torch.zeros(self.shape, dtype=torch.bool, **slots)
@@ -161,7 +161,7 @@ class RolloutBuffer:
         at = (record.step, envs, agents)
         self.action_ids[at] = _right_pad([list(a) for a in record.action_ids], self.max_action_tokens, 0, torch.long,
                                          self.device)
-        self.rollout_logprobs[at] = _right_pad([list(lp) for lp in record.rollout_logprobs], self.max_action_tokens,
+        self.rollout_log_probs[at] = _right_pad([list(lp) for lp in record.rollout_log_probs], self.max_action_tokens,
                                                0.0, torch.float32, self.device)
         self.action_lengths[at] = torch.tensor(lengths, dtype=torch.long, device=self.device)
         self.group_ids[at] = record.group_ids.to(self.device)
@@ -351,13 +351,13 @@ class RolloutBuffer:
         num_steps, num_envs, num_agents = self.shape
         return x.permute(1, 2, 0, 3).reshape(num_envs * num_agents, num_steps * x.shape[-1])
 
-    def trained(self, targets: AdvantageEstimate) -> torch.Tensor:
+    def update_slots(self, targets: AdvantageEstimate) -> torch.Tensor:
         """[T, N, A] the live slots ``targets`` trains on."""
         return self.live if targets.keep is None else self.live & targets.keep
 
     def minibatches(self, targets: AdvantageEstimate, num_mini_batch: int, micro_batches: int,
                     generator: torch.Generator | None = None,
-                    skip: Callable[[Batch], torch.Tensor] | None = None,
+                    skip: Callable[[torch.Tensor], torch.Tensor] | None = None,
                     reduce_totals: Callable[[np.ndarray], np.ndarray] | None = None,
                     max_tokens: int = 0) -> Iterator[list[Batch]]:
         """Shuffles the trained slots into ``num_mini_batch`` minibatches (one optimizer step each),
@@ -365,9 +365,9 @@ class RolloutBuffer:
         into micro-batches of at most ``max_tokens`` forwarded tokens (``within_tokens``; 0: no limit).
 
         Sizes differ by at most one when the counts do not divide; every micro-batch carries its
-        minibatch's sample and token totals, so each sample weighs the same. ``skip(batch) -> [B]``
-        drops rows whose loss is exactly zero before they are forwarded; they still count in the
-        totals, so the gradient is unchanged.
+        minibatch's sample and token totals, so each sample weighs the same. ``skip(advantages) -> [B]``,
+        given the rows' advantages ([B] or [B, L]), drops rows whose loss is exactly zero before they are
+        forwarded; they still count in the totals, so the gradient is unchanged.
 
         Data parallelism: ``reduce_totals`` maps this process's ``[num_mini_batch, 2]`` (samples, tokens)
         to the totals over every process, so a sample weighs the same whichever process holds it; every
@@ -382,7 +382,7 @@ class RolloutBuffer:
             if samples == 0:  # no process holds a row of it
                 continue
             if skip is not None:
-                minibatch = self.unskipped(minibatch, skip, samples, tokens, targets)
+                minibatch = self.unskipped(minibatch, skip, targets)
             chunks = self.micro_batch_indices(minibatch, micro_batches, max_tokens)
             if chunks or reduce_totals is not None:  # all rows skipped (one process): no gradient, no step
                 yield [self.batch(chunk, samples, tokens, targets) for chunk in chunks]
@@ -391,7 +391,7 @@ class RolloutBuffer:
                           generator: torch.Generator | None) -> tuple[torch.Tensor, ...]:
         """``num_mini_batch`` tensors of flat slot indices (into T * N * A): the trained slots, shuffled by one
         ``randperm`` of ``generator``, split into sizes that differ by at most one."""
-        slots = self.trained(targets).flatten().nonzero().squeeze(1)
+        slots = self.update_slots(targets).flatten().nonzero().squeeze(1)
         order = slots[torch.randperm(len(slots), generator=generator, device="cpu").to(slots.device)]
         return torch.tensor_split(order, num_mini_batch)
 
@@ -405,12 +405,14 @@ class RolloutBuffer:
             totals = reduce_totals(totals)
         return totals.astype(np.int64).tolist()
 
-    def unskipped(self, minibatch: torch.Tensor, skip: Callable[[Batch], torch.Tensor], samples: int, tokens: int,
+    def unskipped(self, minibatch: torch.Tensor, skip: Callable[[torch.Tensor], torch.Tensor],
                   targets: AdvantageEstimate) -> torch.Tensor:
-        """The slots of ``minibatch`` [B] whose rows ``skip`` does not drop (it reads them as a Batch)."""
+        """The slots of ``minibatch`` [B] whose rows ``skip`` does not drop (it reads their advantages, as a
+        Batch of these slots holds them)."""
         if len(minibatch) == 0:
             return minibatch
-        return minibatch[~skip(self.batch(minibatch, samples, tokens, targets)).to(minibatch.device)]
+        advantages = self.slot_rows(targets.advantages, minibatch, self.row_width(minibatch))
+        return minibatch[~skip(advantages).to(minibatch.device)]
 
     def micro_batch_indices(self, minibatch: torch.Tensor, micro_batches: int, max_tokens: int) -> list[torch.Tensor]:
         """The slots ``minibatch`` [B] cut into up to ``micro_batches`` non-empty parts of sizes that differ by at
@@ -452,16 +454,13 @@ class RolloutBuffer:
         """The slots ``index`` [B] as a Batch, actions trimmed to their longest length; advantages and
         returns from ``targets`` (None without)."""
         lengths = self.action_lengths.flatten()[index]
-        width = max(int(lengths.max()) if len(index) else 1, 1)
+        width = self.row_width(index)
 
         def tokens(x: torch.Tensor | None) -> torch.Tensor | None:
-            return None if x is None else x.reshape(self.num_slots, -1)[index, :width]
+            return None if x is None else self.token_rows(x, index, width)
 
         def per_slot(x: torch.Tensor | None) -> torch.Tensor | None:
-            """[B] for per-action tensors, [B, L] for per-token ones."""
-            if x is None:
-                return None
-            return x.flatten()[index] if x.dim() == 3 else tokens(x)
+            return None if x is None else self.slot_rows(x, index, width)
 
         token_mask = torch.arange(width, device=self.device) < lengths[:, None]
         old_values = tokens(self.token_values) if self.token_values is not None else per_slot(self.values)
@@ -474,9 +473,9 @@ class RolloutBuffer:
             action_ids=tokens(self.action_ids),
             action_lengths=lengths,
             token_mask=token_mask,
-            old_logprobs=tokens(self.rollout_logprobs if self.trainer_logprobs is None else self.trainer_logprobs),
+            old_log_probs=tokens(self.rollout_log_probs if self.old_log_probs is None else self.old_log_probs),
             old_values=old_values,
-            ref_logprobs=tokens(self.ref_logprobs),
+            ref_log_probs=tokens(self.ref_log_probs),
             advantages=per_slot(targets.advantages) if targets is not None else None,
             returns=per_slot(targets.returns) if targets is not None else None,
             num_samples=len(index),
@@ -485,6 +484,19 @@ class RolloutBuffer:
             minibatch_tokens=max(minibatch_tokens, 1),
             rollout_weights=tokens(self.rollout_weights),
         )
+
+    def row_width(self, index: torch.Tensor) -> int:
+        """The token width of the rows of the slots ``index`` [B]: their longest action (at least 1)."""
+        lengths = self.action_lengths.flatten()[index]
+        return max(int(lengths.max()) if len(index) else 1, 1)
+
+    def token_rows(self, x: torch.Tensor, index: torch.Tensor, width: int) -> torch.Tensor:
+        """[B, width] the per-token tensor ``x`` [T, N, A, L] at the slots ``index`` [B]."""
+        return x.reshape(self.num_slots, -1)[index, :width]
+
+    def slot_rows(self, x: torch.Tensor, index: torch.Tensor, width: int) -> torch.Tensor:
+        """``x`` at the slots ``index`` [B]: [B] of a per-action tensor [T, N, A], [B, width] of a per-token one."""
+        return x.flatten()[index] if x.dim() == 3 else self.token_rows(x, index, width)
 
     def rows(self, slots: torch.Tensor | None = None) -> Batch:
         """The slots where ``slots`` [T, N, A] (default: every live slot) is True, as one Batch without

@@ -72,5 +72,5 @@ class GRPO(BaseAlgorithm):
     def loss(self, scores: ActionScores, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return token_policy_loss(scores, batch, batch.advantages[:, None], self.config)
 
-    def skippable_rows(self, batch: Batch) -> torch.Tensor:
-        return zero_advantage_rows(batch.advantages, self.config)
+    def skippable_rows(self, advantages: torch.Tensor) -> torch.Tensor:
+        return zero_advantage_rows(advantages, self.config)

@@ -16,13 +16,13 @@ def kl_early_stop(approx_kl: float, target_kl: float) -> bool:
     return bool(target_kl) and approx_kl > target_kl
 
 
-def row_statistics(logprobs: torch.Tensor, entropy: torch.Tensor, batch: Batch,
+def row_statistics(log_probs: torch.Tensor, entropy: torch.Tensor, batch: Batch,
                    value_loss: torch.Tensor | None) -> dict[str, torch.Tensor]:
     """[B] per action of ``batch``: its mean token entropy, its approx KL (k3, joint log-prob) to the
-    behaviour policy and, given (``value_loss`` [B]), its value loss. ``logprobs``, ``entropy``: [B, L]."""
-    mask = batch.token_mask.to(logprobs.dtype)
+    behaviour policy and, given (``value_loss`` [B]), its value loss. ``log_probs``, ``entropy``: [B, L]."""
+    mask = batch.token_mask.to(log_probs.dtype)
     rows = {"entropy": masked_mean(entropy, mask, dim=-1),
-            "approx_kl": kl_k3(batch.old_logprobs.sum(-1), logprobs.sum(-1))}
+            "approx_kl": kl_k3(batch.old_log_probs.sum(-1), log_probs.sum(-1))}
     if value_loss is not None:
         rows["value_loss"] = value_loss
     return {name: values.detach() for name, values in rows.items()}

@@ -87,7 +87,7 @@ class TPPO(BaseAlgorithm):
             "advantages": advantages[mask], "returns": returns[mask], "values": buffer.token_values[mask]})
 
     def loss(self, scores: ActionScores, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        config, mask = self.config, batch.token_mask.to(scores.logprobs.dtype)
+        config, mask = self.config, batch.token_mask.to(scores.log_probs.dtype)
         policy_loss, stats = token_policy_loss(scores, batch, batch.advantages, config)
         critic_loss = self.token_value_loss(scores, batch)
         stats["value_loss"] = aggregate(critic_loss, mask, config.loss_agg_mode, config.loss_scale_factor).detach()
@@ -100,7 +100,7 @@ class TPPO(BaseAlgorithm):
 
     def value_loss_rows(self, scores: ActionScores, batch: Batch) -> torch.Tensor:
         """[B] each action's mean token value loss."""
-        return masked_mean(self.token_value_loss(scores, batch), batch.token_mask.to(scores.logprobs.dtype), dim=-1)
+        return masked_mean(self.token_value_loss(scores, batch), batch.token_mask.to(scores.log_probs.dtype), dim=-1)
 
-    def skippable_rows(self, batch: Batch) -> torch.Tensor:
-        return torch.zeros(batch.num_samples, dtype=torch.bool)
+    def skippable_rows(self, advantages: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(advantages.shape[0], dtype=torch.bool)

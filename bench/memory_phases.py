@@ -121,14 +121,14 @@ class PhaseMeter:
         from algorithms.buffer import forwarded_positions
         from models.packing import distinct_rows, token_lengths, token_rows
 
-        trained_module = learner.trained_module
+        parallel_module = learner.parallel_module
 
         def counted(prompts, actions, *args, **kwargs):
             distinct, _ = distinct_rows(token_rows(prompts))
             self.passes.append(forwarded_positions(list(map(len, distinct)), token_lengths(actions)))
-            return trained_module(prompts, actions, *args, **kwargs)
+            return parallel_module(prompts, actions, *args, **kwargs)
 
-        learner.trained_module = counted
+        learner.parallel_module = counted
 
     def close(self) -> None:
         self.stop.set()

@@ -47,7 +47,7 @@ class StepFacts:
     slot; multi-agent envs).
 
     Of the actions just taken (none at a reset): ``rewards`` [N, A] float64, what each slot was paid, every
-    reward source combined; ``returns`` [N, A] float64, each slot's rewards summed over the episode they
+    reward source combined; ``return_so_far`` [N, A] float64, each slot's rewards summed over the episode they
     belong to (where an episode ended at this step, its whole return: the one place returns are summed for
     the record; a trainer's own returns are what its buffer kept); ``sources`` {name: [N, A] float64}, each
     source's own reward, NaN where it scored nothing; ``correct`` [N] float64, the verified verdict where an
@@ -65,7 +65,7 @@ class StepFacts:
     acting: np.ndarray
     states: np.ndarray | None = None
     rewards: np.ndarray | None = None
-    returns: np.ndarray | None = None
+    return_so_far: np.ndarray | None = None
     sources: dict[str, np.ndarray] = field(default_factory=dict)
     correct: np.ndarray | None = None
     clipped: np.ndarray | None = None
@@ -78,8 +78,8 @@ class StepFacts:
         shape = self.acting.shape
         if self.rewards is None:
             self.rewards = np.zeros(shape)
-        if self.returns is None:
-            self.returns = np.zeros(shape)
+        if self.return_so_far is None:
+            self.return_so_far = np.zeros(shape)
         if self.correct is None:
             self.correct = np.full(shape[0], np.nan)
         if self.clipped is None:

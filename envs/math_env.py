@@ -588,7 +588,7 @@ class MathEnv(gymnasium.Env):
         self.episode.return_so_far += float(scores.rewards[0])
         info = self.task.info(self.episode)
         info[FACTS] = self.task.facts([self.episode], [not self.episode.done], rewards=scores.rewards[:, None],
-                                      returns=np.array([[self.episode.return_so_far]]), correct=scores.correct,
+                                      return_so_far=np.array([[self.episode.return_so_far]]), correct=scores.correct,
                                       answers=scores.answers,
                                       sources={name: values[:, None] for name, values in scores.sources.items()},
                                       clipped=np.array([[transition.action_clipped]]),

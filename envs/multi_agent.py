@@ -10,7 +10,7 @@ workflow ended the episode / ``max_steps`` turns or ``max_solution_chars`` chara
 Rewards come from ``reward_model``'s sources (``--reward``; default: "outcome" alone), combined by
 ``envs.rewards.RewardMixture.combine`` as on the single-agent env:
 
-- "outcome" is the verified outcome, credited by ``reward_assignment``: ``team``, the final answer's
+- "outcome" is the verified outcome, credited (``envs.credit``) by ``reward_assignment``: ``team``, the final answer's
   verdict (1/0) to every slot that acted in the episode; ``individual``, each message's own verified
   output (an answer's verdict; a judge's verdict agreeing with the truth; a role with neither gets the
   team outcome); ``counterfactual``, the team outcome minus that of ``Workflow.replay`` with the slot's
@@ -41,7 +41,6 @@ refused (every slot of a resetting env would generate a message only to throw it
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import gymnasium
@@ -49,15 +48,15 @@ import numpy as np
 from gymnasium import spaces
 from gymnasium.vector import AutoresetMode, VectorEnv
 
-from envs.datasets import Problem
-from envs.grader import grade_batch
 from envs.contract import FACTS, Agents, StepFacts
+from envs.credit import Credit, MessageRef
+from envs.datasets import Problem
 from envs.math_env import UnicodeText
 from envs.modes import ActionLevel, RewardAssignment, member_of
 from envs.rewards import OutcomeReward, RewardMixture, RewardModel, StepContext, score_batch
 from envs.vector import MathVectorEnv
-from envs.workflows import (WORKFLOWS, DialogueLimits, DialogueProgress, Message, TurnContext, Workflow,
-                            resolve_workflow, state_prompt)
+from envs.workflows import (WORKFLOWS, Dialogue, DialogueLimits, Message, TurnContext, Workflow, resolve_workflow,
+                            state_prompt)
 
 ROLE_METRICS = ("answer_correct", "verdict", "verdict_correct", "verdict_precision", "verdict_recall",
                 "verdict_specificity", "fix_rate", "keep_rate")  # the [N, A] infos of each role's verified output
@@ -68,10 +67,6 @@ SINGLE_AGENT_KEYWORDS = {  # MathTask keywords that mean nothing for whole messa
     "tools": "a role's code blocks are not run between messages; the single-agent MATH-Tool-v0 and Arith-Tool-v0 "
              "run them",
 }
-
-MessageRef = tuple[int, int]  # (env index, index of the message in that env's transcript)
-Candidates = tuple[str | None, ...]  # the answers a final answer is chosen from (None: a message without one)
-
 
 def check_task_keywords(task_kwargs: dict[str, Any]) -> None:
     """Refuses, saying why, the MathTask keywords a multi-agent env cannot honour."""
@@ -118,67 +113,6 @@ def saved_returns(state: dict[str, Any]) -> list[list[float]]:
     return state.get("returns", [[0.0] * len(state["roles"])] * len(state["transcripts"]))
 
 
-class AnswerChecks:
-    """The answer comparisons one env step needs: asked first, then decided in one ``grade_batch`` call."""
-
-    def __init__(self) -> None:
-        self.asked: dict[tuple[str, str], None] = {}  # an ordered set of (pred, gold) pairs
-        self.verdicts: dict[tuple[str, str], bool] = {}
-
-    def ask(self, pred: str | None, gold: str) -> None:
-        if pred is not None:
-            self.asked[(pred, gold)] = None
-
-    def ask_candidates(self, candidates: Candidates, gold: str) -> None:
-        """Each candidate against ``gold``, and pairwise, each before the later ones (a vote groups the
-        equivalent ones)."""
-        for k, answer in enumerate(candidates):
-            self.ask(answer, gold)
-            for other in candidates[k + 1:]:
-                if other is not None:
-                    self.ask(answer, other)
-
-    def grade(self, timeout: float) -> None:
-        pairs = list(self.asked)
-        if pairs:
-            verdicts = grade_batch([pred for pred, _ in pairs], [gold for _, gold in pairs], timeout=timeout)
-            self.verdicts = dict(zip(pairs, verdicts))
-
-    def equivalent(self, pred: str | None, gold: str) -> bool:
-        """The verdict on a pair that was asked (None, no answer, is never right)."""
-        return pred is not None and self.verdicts[(pred, gold)]
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """An ended episode's final-answer candidates: ``actual``, those of its transcript; ``without`` {slot:
-    candidates}, for counterfactual credit, those of its replay with the slot's messages replaced by its role's
-    default (``Workflow.replay``), one per slot that acted (empty under the other credits)."""
-
-    actual: Candidates
-    without: dict[int, Candidates]
-
-    def all_candidates(self) -> list[Candidates]:
-        """The actual candidates, then each replay's: the order their comparisons are asked in."""
-        return [self.actual, *self.without.values()]
-
-
-@dataclass
-class Dialogue:
-    """One env's episode: its problem and group id (the ``problem_env``'s draw), the messages so far, where it
-    stands and each slot's return so far, ``returns`` [A]."""
-
-    problem: Problem
-    group_id: int
-    transcript: list[Message]
-    progress: DialogueProgress
-    returns: np.ndarray
-
-    def acted(self) -> list[int]:
-        """The slots that have said something in this episode."""
-        return sorted({m.slot for m in self.transcript})
-
-
 class MultiAgentMathVectorEnv(VectorEnv):
     """``num_envs`` episodes of ``workflow`` (a ``Workflow`` or a built-in's name: "chain", "debate",
     "prefix"). ``group_size``, ``group_offset``, ``total_groups`` as MathVectorEnv's; the other keywords
@@ -211,13 +145,14 @@ class MultiAgentMathVectorEnv(VectorEnv):
                             "envs.rewards.RewardModel (e.g. envs.rewards.RewardMixture) or None")
         check_task_keywords(task_kwargs)
         self.workflow = resolve_workflow(workflow)
-        self.reward_assignment, self.grade_timeout = reward_assignment, grade_timeout
+        self.grade_timeout = grade_timeout
         self.reward = RewardMixture.of(reward_model if reward_model is not None else OutcomeReward())
         self.problem_env = MathVectorEnv(num_envs, group_size, AutoresetMode.DISABLED, group_offset, total_groups,
                                          **task_kwargs)
         self.task = self.problem_env.task
         self.limits = DialogueLimits(max_turns=min(self.task.max_steps, self.workflow.max_turns or self.task.max_steps),
                                      max_chars=self.task.max_solution_chars)
+        self.credit = Credit(self.workflow, reward_assignment, self.task.template, self.limits)
         self.metadata = {**self.metadata, "autoreset_mode": self.autoreset_mode}
         self.num_envs, self.group_size = num_envs, group_size
         self.roles = self.workflow.role_names
@@ -273,8 +208,9 @@ class MultiAgentMathVectorEnv(VectorEnv):
         results = self._score(first_new)
         results["clipped"] = clipped
         for dialogue, rewards in zip(self.dialogues, results["rewards"]):
-            dialogue.returns += rewards
-        results["returns"] = np.array([dialogue.returns for dialogue in self.dialogues])  # before an autoreset
+            dialogue.return_so_far += rewards
+        # before an autoreset replaces them
+        results["return_so_far"] = np.array([dialogue.return_so_far for dialogue in self.dialogues])
         terminated = np.array([i in first_new and d.progress.terminated for i, d in enumerate(self.dialogues)])
         truncated = np.array([i in first_new and d.progress.truncated for i, d in enumerate(self.dialogues)])
         ended = terminated | truncated
@@ -297,64 +233,18 @@ class MultiAgentMathVectorEnv(VectorEnv):
 
     def _score(self, first_new: dict[int, int]) -> dict[str, Any]:
         """The ``StepFacts`` fields of the messages from ``first_new`` on (but ``clipped``), ``answers`` the final
-        answer [N] of each episode that ended, all comparisons decided in one grading call; the rewards [N, A]
-        are every reward source's, combined by the mixture."""
-        checks = AnswerChecks()
+        answer [N] of each episode that ended, all comparisons decided in one grading call (``envs.credit``); the
+        rewards [N, A] are every reward source's, combined by the mixture."""
         new_messages = [(i, index) for i, start in first_new.items()
                         for index in range(start, len(self.dialogues[i].transcript))]
-        verified, revisions = self._ask_message_checks(new_messages, checks)
-        outcomes = {i: self._outcome(i) for i in first_new if self.dialogues[i].progress.ended}
-        self._ask_outcome_checks(outcomes, checks)
-        checks.grade(self.grade_timeout)
-        outputs = self._message_outputs(new_messages, verified, checks)
-        correct, final_answers = self._final_answers(outcomes, checks)
-        credit = self._credit(outputs, outcomes, correct, checks)
-        outputs.update(self._role_rates(new_messages, outputs, revisions, checks))
+        ended = [i for i in first_new if self.dialogues[i].progress.ended]
+        credit = self.credit.step(self.dialogues, new_messages, ended, self.grade_timeout)
         source_rewards, sources = self._solution_sources(new_messages)
         if "outcome" in self.reward.weights:
-            source_rewards["outcome"] = credit
-            sources["outcome"] = np.where(self._credited(new_messages, outcomes), credit, np.nan)
-        return {"rewards": self.reward.combine(source_rewards), "sources": sources, "correct": correct,
-                "answers": final_answers, "outputs": outputs}
-
-    def _ask_message_checks(self, new_messages: list[MessageRef],
-                            checks: AnswerChecks) -> tuple[dict[MessageRef, str | None], dict[MessageRef, str | None]]:
-        """Asks ``checks`` about the answers the ``new_messages`` are verified by. Returns ``verified``
-        {message: answer}, the answer a message's individual credit verifies (an answering role's own, a
-        judge's the one it judges), and ``revisions`` {answering message: the judged answer it revises
-        (``Workflow.revised``)}."""
-        verified, revisions = {}, {}
-        for i, index in new_messages:
-            dialogue = self.dialogues[i]
-            role = self.workflow.roles[dialogue.transcript[index].slot]
-            verified_index = index if role.answers else None
-            if role.judges is not None:
-                verified_index = self.workflow.judged(dialogue.transcript, index)
-            if verified_index is not None:
-                verified[(i, index)] = self.workflow.answer_of(dialogue.transcript, verified_index)
-                checks.ask(verified[(i, index)], dialogue.problem.answer)
-            revised_index = self.workflow.revised(dialogue.transcript, index) if role.answers else None
-            if revised_index is not None:
-                revisions[(i, index)] = self.workflow.answer_of(dialogue.transcript, revised_index)
-                checks.ask(revisions[(i, index)], dialogue.problem.answer)
-        return verified, revisions
-
-    def _ask_outcome_checks(self, outcomes: dict[int, Outcome], checks: AnswerChecks) -> None:
-        """Asks ``checks`` about every candidate of the ended episodes' ``outcomes``: against the gold answer,
-        and pairwise (a vote groups equivalent candidates)."""
-        for i, outcome in outcomes.items():
-            for candidates in outcome.all_candidates():
-                checks.ask_candidates(candidates, self.dialogues[i].problem.answer)
-
-    def _credited(self, new_messages: list[MessageRef], outcomes: dict[int, Outcome]) -> np.ndarray:
-        """[N, A] the slots the outcome credit concerns at this step: those that spoke, and every slot that
-        acted in an episode that ended."""
-        credited = np.zeros((self.num_envs, self.num_agents), dtype=bool)
-        for i, index in new_messages:
-            credited[i, self.dialogues[i].transcript[index].slot] = True
-        for i in outcomes:
-            credited[i, self.dialogues[i].acted()] = True
-        return credited
+            source_rewards["outcome"] = credit.rewards
+            sources["outcome"] = np.where(credit.credited, credit.rewards, np.nan)
+        return {"rewards": self.reward.combine(source_rewards), "sources": sources, "correct": credit.correct,
+                "answers": credit.final_answers, "outputs": credit.outputs}
 
     def _solution_sources(self, new_messages: list[MessageRef]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         """Every reward source but "outcome" on the solution messages among ``new_messages`` (answering roles'),
@@ -387,89 +277,6 @@ class MultiAgentMathVectorEnv(VectorEnv):
         dialogue = self.dialogues[env_index]
         return StepContext(dialogue.problem, (), self.workflow.solution_of(dialogue.transcript, index), done=True,
                            group_id=dialogue.group_id)
-
-    def _outcome(self, env_index: int) -> Outcome:
-        """The ``Outcome`` of env ``env_index``'s ended episode: its transcript's final-answer candidates and,
-        for counterfactual credit, those of its replay without each slot that acted."""
-        dialogue = self.dialogues[env_index]
-        without = {}
-        if self.reward_assignment == RewardAssignment.COUNTERFACTUAL:
-            for slot in dialogue.acted():
-                replay = self.workflow.replay(dialogue.problem.problem, self.task.template, dialogue.transcript, slot,
-                                              self.limits)
-                without[slot] = self.workflow.candidates(replay)
-        return Outcome(self.workflow.candidates(dialogue.transcript), without)
-
-    def _solved(self, env_index: int, candidates: Candidates, checks: AnswerChecks) -> tuple[str | None, float]:
-        """The final answer chosen from ``candidates`` and its graded verdict (1.0 / 0.0) on env ``env_index``'s
-        problem."""
-        final = self.workflow.final_answer(candidates, checks.equivalent)
-        return final, float(checks.equivalent(final, self.dialogues[env_index].problem.answer))
-
-    def _final_answers(self, outcomes: dict[int, Outcome], checks: AnswerChecks) -> tuple[np.ndarray, np.ndarray]:
-        """``correct`` [N] float64 and ``final_answers`` [N] object of the ended episodes' transcripts, NaN and
-        None elsewhere."""
-        correct, final_answers = np.full(self.num_envs, np.nan), np.full(self.num_envs, None, dtype=object)
-        for i, outcome in outcomes.items():
-            final_answers[i], correct[i] = self._solved(i, outcome.actual, checks)
-        return correct, final_answers
-
-    def _message_outputs(self, new_messages: list[MessageRef], verified: dict[MessageRef, str | None],
-                         checks: AnswerChecks) -> dict[str, np.ndarray]:
-        """Each new message's verified output [N, A], NaN where a slot gave none: ``answer_correct`` (an
-        answering role's answer), ``verdict`` (a judge's, 1 accept) and ``verdict_correct`` (the verdict
-        agrees with the truth of the answer it judged)."""
-        shape = (self.num_envs, self.num_agents)
-        answer_correct, verdict, verdict_correct = (np.full(shape, np.nan) for _ in range(3))
-        for i, index in new_messages:
-            message = self.dialogues[i].transcript[index]
-            role = self.workflow.roles[message.slot]
-            if role.judges is not None:
-                verdict[i, message.slot] = role.verdict(message.text, verified.get((i, index))) is True
-            if (i, index) in verified:
-                right = checks.equivalent(verified[(i, index)], self.dialogues[i].problem.answer)
-                if role.answers:
-                    answer_correct[i, message.slot] = right
-                else:
-                    verdict_correct[i, message.slot] = verdict[i, message.slot] == right
-        return {"answer_correct": answer_correct, "verdict": verdict, "verdict_correct": verdict_correct}
-
-    def _credit(self, outputs: dict[str, np.ndarray], outcomes: dict[int, Outcome], correct: np.ndarray,
-                checks: AnswerChecks) -> np.ndarray:
-        """The "outcome" source's rewards [N, A] by ``reward_assignment``: ``individual`` pays each message's
-        verified output as it is said; at an episode's end every slot that acted is paid ``correct`` (team),
-        ``correct`` less its counterfactual's (counterfactual) or, under individual credit, ``correct`` when
-        its role has no output of its own to verify."""
-        rewards = np.zeros((self.num_envs, self.num_agents))
-        if self.reward_assignment == RewardAssignment.INDIVIDUAL:
-            rewards = np.nan_to_num(np.fmax(outputs["answer_correct"], outputs["verdict_correct"]))
-        roles = self.workflow.roles
-        for i, outcome in outcomes.items():
-            acted = self.dialogues[i].acted()
-            if self.reward_assignment == RewardAssignment.COUNTERFACTUAL:
-                rewards[i, acted] = [correct[i] - self._solved(i, outcome.without[slot], checks)[1] for slot in acted]
-            elif self.reward_assignment == RewardAssignment.TEAM:
-                rewards[i, acted] = correct[i]
-            else:
-                rewards[i, [s for s in acted if not roles[s].answers and roles[s].judges is None]] = correct[i]
-        return rewards
-
-    def _role_rates(self, new_messages: list[MessageRef], outputs: dict[str, np.ndarray],
-                    revisions: dict[MessageRef, str | None], checks: AnswerChecks) -> dict[str, np.ndarray]:
-        """The verdicts and the revising answers of ``new_messages`` split by the truth of what they judged or
-        revised, [N, A] each, NaN outside the condition (see the module docstring)."""
-        verdict, verdict_correct = outputs["verdict"], outputs["verdict_correct"]
-        nan = np.full_like(verdict, np.nan)
-        judged_right = np.where(np.isnan(verdict_correct), nan, np.where(verdict_correct == 1, verdict, 1 - verdict))
-        rates = {"verdict_precision": np.where(verdict == 1, judged_right, nan),
-                 "verdict_recall": np.where(judged_right == 1, verdict, nan),
-                 "verdict_specificity": np.where(judged_right == 0, 1 - verdict, nan),
-                 "fix_rate": nan.copy(), "keep_rate": nan.copy()}
-        for (i, index), revised_answer in revisions.items():
-            slot = self.dialogues[i].transcript[index].slot
-            key = "keep_rate" if checks.equivalent(revised_answer, self.dialogues[i].problem.answer) else "fix_rate"
-            rates[key][i, slot] = outputs["answer_correct"][i, slot]
-        return rates
 
     def _restart(self, ended: np.ndarray) -> dict[str, Any]:
         """SAME_STEP autoreset: starts the next episode of every ``ended`` env; returns gymnasium's
@@ -544,7 +351,7 @@ class MultiAgentMathVectorEnv(VectorEnv):
         slots' returns so far."""
         return {"workflow": self.workflow.name, "roles": list(self.roles), "draws": self.problem_env.get_state(),
                 "transcripts": [[[m.turn, m.slot, m.text] for m in d.transcript] for d in self.dialogues],
-                "returns": [d.returns.tolist() for d in self.dialogues]}
+                "returns": [d.return_so_far.tolist() for d in self.dialogues]}
 
     def set_state(self, state: dict[str, Any]) -> tuple[tuple[tuple[str, ...], ...], dict]:
         """Continues exactly where ``get_state`` was called (same workflow, problems, ``num_envs`` and

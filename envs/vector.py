@@ -147,7 +147,7 @@ class MathVectorEnv(VectorEnv):
     def _act(self, actions: Sequence[Any], acting: np.ndarray) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
         """Applies the actions of the ``acting`` envs, runs their tool calls in one batch and scores them in one
         reward-model call. Returns the
-        ``StepFacts`` fields of the results (rewards, returns, sources [N, 1], correct [N], clipped [N, 1],
+        ``StepFacts`` fields of the results (rewards, return_so_far, sources [N, 1], correct [N], clipped [N, 1],
         answers [N], with a tool tool_called [N, 1]; 0 / NaN / False for the envs that did not act), terminated
         and truncated [N]."""
         terminated, truncated, clipped, called = (np.zeros(self.num_envs, dtype=bool) for _ in range(4))
@@ -163,11 +163,12 @@ class MathVectorEnv(VectorEnv):
         rewards[acting] = scores.rewards
         for episode, reward in zip(self.episodes, rewards):
             episode.return_so_far += float(reward)
-        returns = np.array([[episode.return_so_far] for episode in self.episodes])  # before an autoreset replaces them
+        # before an autoreset replaces them
+        return_so_far = np.array([[episode.return_so_far] for episode in self.episodes])
         sources = {name: self._spread(values, acting)[:, None] for name, values in scores.sources.items()}
         answers = np.full(self.num_envs, None, dtype=object)
         answers[acting] = scores.answers
-        results = {"rewards": rewards[:, None], "returns": returns, "sources": sources,
+        results = {"rewards": rewards[:, None], "return_so_far": return_so_far, "sources": sources,
                    "correct": self._spread(scores.correct, acting), "clipped": clipped[:, None], "answers": answers}
         if self.task.tools != Tool.NONE:
             results["tool_called"] = called[:, None]

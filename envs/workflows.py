@@ -60,6 +60,9 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import numpy as np
+
+from envs.datasets import Problem
 from envs.grader import extract_answer, strings_equiv
 from envs.modes import AnswerRule, VerdictKind, member_of
 from envs.prompts import format_prompt
@@ -117,6 +120,22 @@ class DialogueProgress:
     @property
     def ended(self) -> bool:
         return self.terminated or self.truncated
+
+
+@dataclass
+class Dialogue:
+    """One env's episode: its problem and group id (the ``problem_env``'s draw), the messages so far, where it
+    stands and each slot's return so far, ``return_so_far`` [A]."""
+
+    problem: Problem
+    group_id: int
+    transcript: list[Message]
+    progress: DialogueProgress
+    return_so_far: np.ndarray
+
+    def acted(self) -> list[int]:
+        """The slots that have said something in this episode."""
+        return sorted({m.slot for m in self.transcript})
 
 
 def parse_verdict(text: str) -> bool | None:

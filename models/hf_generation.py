@@ -137,7 +137,7 @@ class _Samples:
     """What B rows generated so far: ``[B, S]`` buffers (S = max_new_tokens) and where rows ended."""
 
     token_ids: torch.Tensor  # [B, S] (pad after a row's end)
-    logprobs: torch.Tensor  # [B, S]
+    log_probs: torch.Tensor  # [B, S]
     ends: torch.Tensor  # [B] tokens generated when the row ended; 0 while it goes on
     on_eos: torch.Tensor  # [B] ended on an EOS token (else on a stop string)
 
@@ -154,8 +154,8 @@ class _Samples:
         reasons = [FinishReason.LENGTH if end == 0 else FinishReason.EOS if eos else FinishReason.STOP
                    for end, eos in zip(self.ends.tolist(), self.on_eos.tolist())]
         token_ids = [ids[:length] for ids, length in zip(self.token_ids.tolist(), lengths)]
-        logprobs = [lps[:length] for lps, length in zip(self.logprobs.tolist(), lengths)]
-        return token_ids, logprobs, reasons
+        log_probs = [lps[:length] for lps, length in zip(self.log_probs.tolist(), lengths)]
+        return token_ids, log_probs, reasons
 
 
 class HFGenerator:
@@ -209,16 +209,16 @@ class HFGenerator:
         """``n`` samples per prompt with the active adapter, sample k drawn from ``seeds[k]`` (None: greedy)."""
         tokenizer = self.policy.tokenizer
         rows = [ids for ids in prompt_ids for _ in range(n)]
-        token_ids, logprobs, reasons = [None] * len(rows), [None] * len(rows), [None] * len(rows)
+        token_ids, log_probs, reasons = [None] * len(rows), [None] * len(rows), [None] * len(rows)
         for batch in length_batches([len(row) for row in rows], max_new_tokens, self.batch_size,
                                     self.max_batch_tokens, self.length_buckets):
             uniforms = (uniform_draws([seeds[i] for i in batch], max_new_tokens, self.policy.device)
                         if seeds is not None else None)
             outputs = self._generate_rows([rows[i] for i in batch], max_new_tokens, sampler, uniforms, stop)
-            for i, row_ids, row_logprobs, reason in zip(batch, *outputs):
-                token_ids[i], logprobs[i], reasons[i] = row_ids, row_logprobs, reason
+            for i, row_ids, row_log_probs, reason in zip(batch, *outputs):
+                token_ids[i], log_probs[i], reasons[i] = row_ids, row_log_probs, reason
         return GenerationOutput(texts=finish_texts(tokenizer, token_ids, reasons, stop), token_ids=token_ids,
-                                logprobs=logprobs, finish_reasons=reasons, prompt_token_ids=rows)
+                                rollout_log_probs=log_probs, finish_reasons=reasons, prompt_token_ids=rows)
 
     def _generate_rows(self, rows: list[list[int]], max_new_tokens: int, sampler: Sampler,
                        uniforms: torch.Tensor | None, stop: list[str] | None,
@@ -260,8 +260,8 @@ class HFGenerator:
         for step in range(max_new_tokens):
             rows = running.nonzero().squeeze(1)  # [A] the rows that sample this step
             live = sample_of_row[rows]
-            tokens, logprobs = sampler(logits[rows], uniforms[live, step] if uniforms is not None else None)  # [A]
-            samples.token_ids[live, step], samples.logprobs[live, step] = tokens, logprobs
+            tokens, log_probs = sampler(logits[rows], uniforms[live, step] if uniforms is not None else None)  # [A]
+            samples.token_ids[live, step], samples.log_probs[live, step] = tokens, log_probs
             is_eos = torch.isin(tokens, eos_ids)
             ended = is_eos
             if stop_criterion is not None:  # matched in the generated tokens only, as vLLM does

@@ -409,11 +409,11 @@ class LanguagePolicy(ShardedPolicy, PolicyWeights, nn.Module):
             with self.using_adapter(None):
                 hidden = self._hidden_at_actions(self.causal_lm, batch)
             return self._token_scores(self.causal_lm, hidden, batch, temperature,
-                                      with_entropy=False).logprobs
+                                      with_entropy=False).log_probs
         reference = self._reference_model()
         hidden = self._hidden_at_actions(reference, batch)
         return self._token_scores(reference, hidden, batch, temperature,
-                                  with_entropy=False).logprobs
+                                  with_entropy=False).log_probs
 
     def _reference_model(self) -> PreTrainedModel:
         """The frozen starting weights, loaded on first use so runs without KL never hold a copy."""

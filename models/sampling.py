@@ -23,14 +23,14 @@ class GenerationOutput:
 
     texts: list[str]
     token_ids: list[list[int]]
-    logprobs: list[list[float]]  # behaviour log-prob of each generated token (see module docstring)
+    rollout_log_probs: list[list[float]]  # the sampler's log-prob of each generated token (see module docstring)
     finish_reasons: list[FinishReason]
     prompt_token_ids: list[list[int]]  # the prompt of each sample
 
     @classmethod
     def interleave(cls, parts: Sequence[tuple[Sequence[int], "GenerationOutput"]], size: int) -> "GenerationOutput":
         """One output of ``size`` samples from ``parts``: (the positions its samples take, an output)."""
-        names = ("texts", "token_ids", "logprobs", "finish_reasons", "prompt_token_ids")
+        names = ("texts", "token_ids", "rollout_log_probs", "finish_reasons", "prompt_token_ids")
         fields = {name: [None] * size for name in names}
         for positions, part in parts:
             for name, values in fields.items():

@@ -26,7 +26,7 @@ CHUNK_ELEMENTS = 2 ** 24  # logits per chunk: a [rows, V] float32 chunk takes 64
 class ActionScores:
     """Per-token scores of actions; every tensor is 0 where ``mask`` is False."""
 
-    logprobs: torch.Tensor  # [B, L] log pi(a_k | prompt, a_<k) under logits / temperature
+    log_probs: torch.Tensor  # [B, L] log pi(a_k | prompt, a_<k) under logits / temperature
     mask: torch.Tensor  # [B, L] bool
     entropy: torch.Tensor | None = None  # [B, L] entropy of that temperature-scaled distribution
     values: torch.Tensor | None = None  # [B, L] V(prompt, a_<k); values[:, 0] = V(prompt)
@@ -39,7 +39,7 @@ class ActionScores:
             if getattr(parts[0][1], name) is None:
                 return None
             return interleave_rows([(rows, getattr(scores, name)) for rows, scores in parts], size)
-        return cls(**{name: merged(name) for name in ("logprobs", "mask", "entropy", "values")})
+        return cls(**{name: merged(name) for name in ("log_probs", "mask", "entropy", "values")})
 
 
 def interleave_rows(parts: Sequence[tuple[list[int], torch.Tensor]], size: int) -> torch.Tensor:
@@ -81,7 +81,7 @@ def token_scores(lm_head: nn.Module, hidden: torch.Tensor, token_ids: torch.Tens
     chunks = [checkpoint(score, part, part_targets, use_reentrant=False) if recompute else score(part, part_targets)
               for part, part_targets in zip(rows.split(size), targets.split(size))]
     scattered = [scatter_rows(torch.cat(parts), mask) for parts in zip(*chunks)]
-    return ActionScores(logprobs=scattered[0], mask=mask, entropy=scattered[1] if with_entropy else None)
+    return ActionScores(log_probs=scattered[0], mask=mask, entropy=scattered[1] if with_entropy else None)
 
 
 def scatter_rows(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

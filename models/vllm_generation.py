@@ -166,7 +166,7 @@ class VLLMGenerator:
         reasons = [_finish_reason(sample) for sample in samples]
         return GenerationOutput(
             texts=finish_texts(self.tokenizer, token_ids, reasons, stop), token_ids=token_ids,
-            logprobs=[list(sample.logprobs.logprobs) for sample in samples], finish_reasons=reasons,
+            rollout_log_probs=[list(sample.logprobs.logprobs) for sample in samples], finish_reasons=reasons,
             prompt_token_ids=[ids for ids in prompt_ids for _ in range(n)],
         )
 

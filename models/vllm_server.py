@@ -106,7 +106,8 @@ class ServerGenerator:
         texts = (finish_texts(self.tokenizer, token_ids, reasons, stop) if self.tokenizer is not None
                  else [choice["text"] for choice in choices])
         return GenerationOutput(
-            texts=texts, token_ids=token_ids, logprobs=[choice["logprobs"]["token_logprobs"] for choice in choices],
+            texts=texts, token_ids=token_ids,
+            rollout_log_probs=[choice["logprobs"]["token_logprobs"] for choice in choices],
             finish_reasons=reasons, prompt_token_ids=[choice.get("prompt_token_ids") or [] for choice in choices],
         )
 

@@ -58,7 +58,7 @@ class ImplicitPRM:
         self.optimizer = torch.optim.AdamW(self.model.actor_parameters(), lr=lr, fused=True)  # no temporaries
 
     @torch.no_grad()
-    def reference_logprobs(self, prompts: TokenBatch, actions: TokenBatch) -> torch.Tensor:
+    def reference_log_probs(self, prompts: TokenBatch, actions: TokenBatch) -> torch.Tensor:
         """[B, L] log pi_ref of the actions, 0 past each one's end. pi_ref is frozen, so a batch's are computed once
         and passed to ``update`` and ``token_rewards`` (each computes them itself when not given)."""
         if not token_lengths(actions):
@@ -66,29 +66,29 @@ class ImplicitPRM:
         return self.model.ref_log_probs(prompts, actions)
 
     def log_ratios(self, prompts: TokenBatch, actions: TokenBatch,
-                   ref_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log pi_psi - log pi_ref [B, L] with grad through psi, action mask [B, L]); ``ref_logprobs`` [B, L]:
-        ``reference_logprobs`` of the same rows, computed here when None."""
+                   ref_log_probs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log pi_psi - log pi_ref [B, L] with grad through psi, action mask [B, L]); ``ref_log_probs`` [B, L]:
+        ``reference_log_probs`` of the same rows, computed here when None."""
         scores = self.model.score_actions(prompts, actions, with_entropy=False)
-        if ref_logprobs is None:
-            ref_logprobs = self.reference_logprobs(prompts, actions)
-        mask = scores.mask.to(scores.logprobs.dtype)
-        return (scores.logprobs - ref_logprobs.to(scores.logprobs.device)) * mask, scores.mask
+        if ref_log_probs is None:
+            ref_log_probs = self.reference_log_probs(prompts, actions)
+        mask = scores.mask.to(scores.log_probs.dtype)
+        return (scores.log_probs - ref_log_probs.to(scores.log_probs.device)) * mask, scores.mask
 
     @torch.no_grad()
     def token_rewards(self, prompts: TokenBatch, actions: TokenBatch, step_ends: torch.Tensor | None = None,
                       batch_max: Callable[[float], float] = float,
-                      ref_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      ref_log_probs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(process rewards [B, L], outcome scores [B]). The rewards: beta * log-ratio per token, or per step
         (summed over each step and paid at the step's last token; ``step_ends`` [B, L] marks those tokens,
         default: each action is one step), scaled by ``norm``; ``batch_max`` takes this process's largest
         |return-to-go| to the batch's (under data parallelism: the maximum over every process, which each process
         joins, with no rows too). The outcome scores: beta * sum_t log-ratio, its prediction of each action's
-        outcome (> 0: right), read off the same pass. ``ref_logprobs``: as ``log_ratios``."""
+        outcome (> 0: right), read off the same pass. ``ref_log_probs``: as ``log_ratios``."""
         if not token_lengths(actions):
             rewards, mask = torch.zeros(0, 0), torch.zeros(0, 0, dtype=torch.bool)
         else:
-            log_ratio, mask = self.log_ratios(prompts, actions, ref_logprobs)
+            log_ratio, mask = self.log_ratios(prompts, actions, ref_log_probs)
             rewards = self.beta * log_ratio
         scores = rewards.sum(-1)
         if self.granularity is ImplicitPrmGranularity.STEP:
@@ -110,24 +110,24 @@ class ImplicitPRM:
 
     def update(self, prompts: TokenBatch, actions: TokenBatch, labels: torch.Tensor, total: int | None = None,
                sum_gradients: Callable[[list[torch.Tensor]], None] | None = None,
-               ref_logprobs: torch.Tensor | None = None) -> tuple[float, torch.Tensor]:
+               ref_log_probs: torch.Tensor | None = None) -> tuple[float, torch.Tensor]:
         """One optimizer step on one batch: ``accumulate`` then ``step``. Returns ``accumulate``'s (loss, scores);
         ``total`` defaults to B."""
         loss, scores = self.accumulate(prompts, actions, labels, len(labels) if total is None else total,
-                                       ref_logprobs)
+                                       ref_log_probs)
         self.step(sum_gradients)
         return loss, scores
 
     def accumulate(self, prompts: TokenBatch, actions: TokenBatch, labels: torch.Tensor, total: int,
-                   ref_logprobs: torch.Tensor | None = None) -> tuple[float, torch.Tensor]:
+                   ref_log_probs: torch.Tensor | None = None) -> tuple[float, torch.Tensor]:
         """Adds to the gradients BCE(sigmoid(beta * sum_t log-ratio), labels [B] in {0, 1}) summed over these
         rows and divided by ``total`` (the samples of the whole step, over every micro-batch and process), so
         that micro-batches add up to the step's mean. Returns (that loss, the outcome scores [B] it was taken
         at: before the step, its predictions of outcomes it has not trained on, as PRIME's code reads its
-        accuracy before the update). ``ref_logprobs``: as ``log_ratios``."""
+        accuracy before the update). ``ref_log_probs``: as ``log_ratios``."""
         if not len(labels):
             return 0.0, torch.zeros(0)
-        log_ratio, _ = self.log_ratios(prompts, actions, ref_logprobs)
+        log_ratio, _ = self.log_ratios(prompts, actions, ref_log_probs)
         logits = self.beta * log_ratio.sum(-1)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels.to(logits), reduction="sum") / total
         loss.backward()

@@ -14,27 +14,25 @@ Per-step reward (``aggregation``): ``step`` pays each new step its own score (de
 ``min``, ``product`` and ``mean`` pay the aggregate of all step scores once, when the episode ends.
 
 KV cache (shepherd, on by default): the env scores each trajectory once per step, its text one step
-longer each time. The PRM keeps the key/values and step scores of each text it scored (``PastCache``,
-an LRU capped in bytes) and runs a later text through the model only from where the cached encoding
-of its previous text ends, all such trajectories in one padded forward. Whether a text extends a
-cached one is checked on token ids (a tokenizer may merge across the step boundary); texts that do
-not, and first steps, are scored in full in the same forward. Scores equal full recomputation up to
-float rounding, and each step runs only its own tokens, so longer solutions gain more. The
-classifier type always recomputes in full (its heads, some in remote code, are not split from
+longer each time. The PRM keeps the key/values and step scores of each text it scored
+(``reward_models.kv_cache.PastCache``, an LRU capped in bytes) and runs a later text through the model
+only from where the cached encoding of its previous text ends, all such trajectories in one padded
+forward. Whether a text extends a cached one is checked on token ids (a tokenizer may merge across the
+step boundary); texts that do not, and first steps, are scored in full in the same forward. Scores equal
+full recomputation up to float rounding, and each step runs only its own tokens, so longer solutions gain
+more. The classifier type always recomputes in full (its heads, some in remote code, are not split from
 their trunk here).
 """
 
 from __future__ import annotations
 
 import json
-from collections import OrderedDict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import torch
-from transformers import AutoConfig, AutoModel, AutoModelForTokenClassification, DynamicCache, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModel, AutoModelForTokenClassification, PreTrainedTokenizerBase
 
 from envs.modes import PrmAggregation, PrmType, member_of
 from envs.prompts import DEFAULT_TEMPLATE, SHEPHERD_STEP_TAG, STEP_DELIMITER, format_prompt, shepherd_text, split_steps
@@ -42,6 +40,7 @@ from envs.rewards import RewardOutput, StepContext
 from models.forward import kv_cache_keyword
 from models.loading import ModelDirError, inference_dtype, load_causal_lm, load_tokenizer, resolve_device
 from models.packing import right_padded
+from reward_models.kv_cache import Past, PastCache, padded_past
 
 DEFAULT_KV_CACHE_MB = 1024.0
 """The shepherd PRM's default KV cache cap: 256k tokens of the tiny PRM (4 KiB each), 8k of a 7B
@@ -140,87 +139,6 @@ def aggregate_step_scores(step_scores: Sequence[np.ndarray], how: PrmAggregation
                  PrmAggregation.MEAN: np.mean}
     how = member_of(tuple(functions), how, "aggregation")
     return np.array([functions[how](s) if len(s) else np.nan for s in step_scores], dtype=np.float64)
-
-
-@dataclass(frozen=True)
-class Past:
-    """What the PRM keeps of one scored text of T tokens.
-
-    ids: the T token ids (the text's encoding, truncation included).
-    kv: [2 * layers, kv_heads, T, head_dim], the keys and values of every layer (keys of layer i at
-        2i, values at 2i + 1), with RoPE already applied at positions 0..T-1.
-    scores: [S] the scores of the S markers among the T tokens.
-    """
-
-    ids: tuple[int, ...]
-    kv: torch.Tensor
-    scores: np.ndarray
-
-    @property
-    def length(self) -> int:
-        return len(self.ids)
-
-    @property
-    def nbytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
-
-
-class PastCache:
-    """An LRU of ``Past`` entries keyed by the text they encode, holding at most ``max_bytes`` of
-    key/values (an entry larger than that is not kept). Keyed by text so that finding the previous
-    call's entry costs no second tokenization; its ids are still compared with the new encoding."""
-
-    def __init__(self, max_bytes: int):
-        if max_bytes <= 0:
-            raise ValueError(f"max_bytes={max_bytes} must be > 0")
-        self.max_bytes = max_bytes
-        self.nbytes = 0
-        self.entries: OrderedDict[str, Past] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self.entries)
-
-    def get(self, text: str) -> Past | None:
-        """The entry of ``text`` (now the most recently used), or None."""
-        past = self.entries.get(text)
-        if past is not None:
-            self.entries.move_to_end(text)
-        return past
-
-    def put(self, text: str, past: Past) -> None:
-        """Keeps ``past`` as the most recently used entry, evicting the least recently used ones
-        until the total fits ``max_bytes``."""
-        self.pop(text)
-        if past.nbytes > self.max_bytes:
-            return
-        self.entries[text] = past
-        self.nbytes += past.nbytes
-        while self.nbytes > self.max_bytes:
-            _, evicted = self.entries.popitem(last=False)
-            self.nbytes -= evicted.nbytes
-
-    def pop(self, text: str) -> None:
-        past = self.entries.pop(text, None)
-        if past is not None:
-            self.nbytes -= past.nbytes
-
-    def clear(self) -> None:
-        self.entries.clear()
-        self.nbytes = 0
-
-
-def padded_past(pasts: Sequence[Past | None], width: int) -> DynamicCache:
-    """The B pasts as one cache of [B, kv_heads, width, head_dim] per layer, each left-padded with
-    zeros (masked by the caller; zeros, not garbage, since 0 * NaN would leak through the mask)."""
-    if width == 0:
-        return DynamicCache()  # no config: every layer a full DynamicLayer, none cropped to a window
-    kv = next(p.kv for p in pasts if p is not None)
-    two_layers, heads, _, head_dim = kv.shape
-    padded = kv.new_zeros(two_layers, len(pasts), heads, width, head_dim)
-    for b, past in enumerate(pasts):
-        if past is not None:
-            padded[:, b, :, width - past.length :] = past.kv
-    return DynamicCache(ddp_cache_data=[(padded[i], padded[i + 1]) for i in range(0, two_layers, 2)])
 
 
 def marked_pieces(step: str, marker: str) -> list[str]:

@@ -190,7 +190,7 @@ def test_rloo_keeps_the_filtered_groups_and_standardises_their_returns(normalize
     torch.set_default_dtype(torch.float32)  # the buffer's dtype in training (the fixture restores float64)
     buffer = RolloutBuffer(1, 6, 1, 3)
     buffer.add(StepRecord(step=0, envs=list(range(6)), agents=[0] * 6, prompt_ids=[[1]] * 6,
-                          action_ids=[[2], [2, 3], [2, 3, 4], [2], [2, 3], [2]], rollout_logprobs=[[0.0]] * 6,
+                          action_ids=[[2], [2, 3], [2, 3, 4], [2], [2, 3], [2]], rollout_log_probs=[[0.0]] * 6,
                           group_ids=torch.tensor([0, 0, 1, 1, 2, 2]), texts=["x"] * 6))
     correct = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0])
     buffer.add_step_results(0, correct[:, None].numpy(), torch.ones(6, dtype=torch.bool).numpy(),
@@ -221,10 +221,10 @@ def test_role_statistics_by_hand():
     """Three actions of two tokens (the last one token long): agents 0, 1, 0 of roles (writer, judge).
     Entropy is each action's mean over its own tokens, approx KL the k3 of its joint log-probs."""
     batch = SimpleNamespace(token_mask=torch.tensor([[True, True], [True, True], [True, False]]),
-                            old_logprobs=torch.tensor([[-1.0, -1.0], [-0.5, -0.5], [-2.0, 0.0]]))
-    logprobs = torch.tensor([[-1.0, -1.0], [-1.0, -0.5], [-1.0, 0.0]])
+                            old_log_probs=torch.tensor([[-1.0, -1.0], [-0.5, -0.5], [-2.0, 0.0]]))
+    log_probs = torch.tensor([[-1.0, -1.0], [-1.0, -0.5], [-1.0, 0.0]])
     entropy = torch.tensor([[1.0, 3.0], [0.5, 0.5], [4.0, 100.0]])
-    rows = row_statistics(logprobs, entropy, batch, value_loss=torch.tensor([0.1, 0.2, 0.3]))
+    rows = row_statistics(log_probs, entropy, batch, value_loss=torch.tensor([0.1, 0.2, 0.3]))
     torch.testing.assert_close(rows["entropy"], torch.tensor([2.0, 0.5, 4.0]))
     # k3 = exp(d) - 1 - d with d = new - old joint log-prob: 0, -0.5, 1.0
     torch.testing.assert_close(rows["approx_kl"], torch.tensor([0.0, math.exp(-0.5) - 0.5, math.exp(1.0) - 2.0]))

@@ -25,11 +25,11 @@ def filled_buffer(num_steps: int = 2, num_envs: int = 7, max_tokens: int = 5,
         envs = list(range(num_envs - 1 if step == 1 else num_envs))
         lengths = torch.randint(1, max_tokens + 1, (len(envs),), generator=g).tolist()
         actions = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
-        logprobs = [(-torch.rand(n, generator=g)).tolist() for n in lengths]
+        log_probs = [(-torch.rand(n, generator=g)).tolist() for n in lengths]
         rewards = np.zeros((num_envs, 1))
         rewards[envs, 0] = torch.rand(len(envs), generator=g).numpy()
         buffer.add(StepRecord(step=step, envs=envs, agents=[0] * len(envs), prompt_ids=[[1, 2, 3]] * len(envs),
-                              action_ids=actions, rollout_logprobs=logprobs,
+                              action_ids=actions, rollout_log_probs=log_probs,
                               group_ids=torch.tensor([e // 2 for e in envs]),
                               texts=["x"] * len(envs), values=torch.randn(len(envs), generator=g)))
         buffer.add_step_results(step, rewards, np.zeros(num_envs, dtype=bool), np.zeros(num_envs, dtype=bool),
@@ -45,7 +45,7 @@ def test_step_results_pay_each_agent_at_its_latest_action():
     nan = float("nan")
     for step, agent in ((0, 0), (1, 1), (2, 0)):
         buffer.add(StepRecord(step=step, envs=[0, 1], agents=[agent, 0], prompt_ids=[[1]] * 2, action_ids=[[2]] * 2,
-                              rollout_logprobs=[[0.0]] * 2, group_ids=torch.tensor([0, 1]), texts=["x"] * 2))
+                              rollout_log_probs=[[0.0]] * 2, group_ids=torch.tensor([0, 1]), texts=["x"] * 2))
         rewards = np.array([[0.5, 0.0], [0.0, 0.0]]) if step == 0 else np.zeros((2, 2))
         if step == 2:
             rewards = np.array([[1.0, 1.0], [0.0, 7.0]])  # env 1's agent 1 has no action to take its 7
@@ -63,7 +63,7 @@ def test_step_results_pay_each_agent_at_its_latest_action():
 def test_token_mask_comes_from_lengths_not_pad_ids():
     buffer = RolloutBuffer(1, 2, 1, 4)
     buffer.add(StepRecord(step=0, envs=[0, 1], agents=[0, 0], prompt_ids=[[5], [6]], action_ids=[[0, 0, 7], [0]],
-                          rollout_logprobs=[[-1.0] * 3, [-2.0]],
+                          rollout_log_probs=[[-1.0] * 3, [-2.0]],
                           group_ids=torch.zeros(2, dtype=torch.long), texts=["a", "b"]))
     assert buffer.token_mask()[0, :, 0].tolist() == [[True, True, True, False], [True, False, False, False]]
     batch = buffer.rows()
@@ -74,7 +74,7 @@ def scores_from(theta: torch.Tensor, batch) -> ActionScores:
     """A stand-in policy: log-softmax of one parameter vector, read at the action ids."""
     all_log_probs = theta.log_softmax(-1)
     entropy = -(all_log_probs.exp() * all_log_probs).sum() * batch.action_ids.float().sin()  # varies per token
-    return ActionScores(logprobs=torch.where(batch.token_mask, all_log_probs[batch.action_ids], 0.0),
+    return ActionScores(log_probs=torch.where(batch.token_mask, all_log_probs[batch.action_ids], 0.0),
                         mask=batch.token_mask, entropy=torch.where(batch.token_mask, entropy, 0.0),
                         values=theta[batch.action_ids].tanh())
 
@@ -124,7 +124,7 @@ def test_a_token_budget_cuts_micro_batches_by_forwarded_positions_keeping_a_prom
     buffer = RolloutBuffer(1, len(rows), 1, 5)
     buffer.add(StepRecord(step=0, envs=list(range(len(rows))), agents=[0] * len(rows),
                           prompt_ids=[prompts[g] for g, _ in rows],
-                          action_ids=[[7] * n for _, n in rows], rollout_logprobs=[[-1.0] * n for _, n in rows],
+                          action_ids=[[7] * n for _, n in rows], rollout_log_probs=[[-1.0] * n for _, n in rows],
                           group_ids=torch.tensor([ord(g) for g, _ in rows]), texts=["x"] * len(rows)))
 
     def cut(max_tokens: int) -> list[list[int]]:

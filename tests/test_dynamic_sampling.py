@@ -24,7 +24,7 @@ def episodic_buffer(returns: list[float], group_ids: list[int], group_offset: in
     buffer = RolloutBuffer(1, num_envs, 1, 2)
     buffer.add(StepRecord(step=0, envs=range(num_envs), agents=[0] * num_envs,
                           prompt_ids=[[n] for n in range(num_envs)],
-                          action_ids=[[n, n] for n in range(num_envs)], rollout_logprobs=[[-0.5, -0.25]] * num_envs,
+                          action_ids=[[n, n] for n in range(num_envs)], rollout_log_probs=[[-0.5, -0.25]] * num_envs,
                           group_ids=torch.tensor(group_ids) + group_offset, texts=[f"t{n}" for n in range(num_envs)],
                           cut=[n % 2 == 1 for n in range(num_envs)]))
     buffer.add_step_results(0, np.array(returns)[:, None], np.ones(num_envs, dtype=bool),
@@ -50,7 +50,7 @@ def test_concat_envs_carries_every_slot_of_the_chosen_envs():
     assert joined.cut[0, :, 0].tolist() == [False, True, False, True]
     assert joined.prompt_ids == [[0], [1], [0], [1]] and joined.texts == ["t0", "t1", "t0", "t1"]
     assert joined.live.all() and joined.steps_filled == 1
-    torch.testing.assert_close(joined.rollout_logprobs[0, :, 0], torch.tensor([[-0.5, -0.25]] * 4))
+    torch.testing.assert_close(joined.rollout_log_probs[0, :, 0], torch.tensor([[-0.5, -0.25]] * 4))
     # GRPO on the joined batch: each group's own baseline, returns (1, 0) -> +-z
     targets = make_algorithm("GRPO", AlgorithmConfig()).advantages(joined)
     z = 0.5 / (np.sqrt(0.5) + 1e-4)

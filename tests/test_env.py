@@ -64,7 +64,8 @@ def test_reference_solution_is_rewarded_and_terminates():
     assert results[-1][3]["correct"] is True and results[-1][3]["reward/outcome"] == 1.0
     # the same step as the one env of the contract: rewards [1, 1], the episode's return, its verdict
     last = results[-1][3][FACTS]
-    assert last.rewards.tolist() == [[1.0]] and last.returns.tolist() == [[1.0]] and last.correct.tolist() == [1.0]
+    assert last.rewards.tolist() == [[1.0]] and last.return_so_far.tolist() == [[1.0]]
+    assert last.correct.tolist() == [1.0]
     assert last.sources["outcome"].tolist() == [[1.0]] and last.acting.tolist() == [[False]]
     assert last.turns.tolist() == [len(steps)]
     assert env.render() is None

@@ -131,7 +131,7 @@ class ScriptedSolver:
             answer = greedy if temperature == 0 else sampled[asked[problem]]
             texts.append("I do not know." if answer is None else f"The answer is \\boxed{{{answer}}}.")
         ids = [self.tokenizer(text)["input_ids"] for text in texts]
-        return GenerationOutput(texts=texts, token_ids=ids, logprobs=[[0.0] * len(i) for i in ids],
+        return GenerationOutput(texts=texts, token_ids=ids, rollout_log_probs=[[0.0] * len(i) for i in ids],
                                 finish_reasons=["eos"] * len(texts), prompt_token_ids=[[1]] * len(texts))
 
     def sync(self, policy) -> float:

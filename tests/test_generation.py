@@ -42,7 +42,7 @@ def teach(policy: LanguagePolicy, lessons: dict[str, str], steps: int = 80, lr: 
     for _ in range(steps):
         optimizer.zero_grad()
         scores = policy.score_actions(prompt_ids, completion_ids, with_entropy=False, adapters=adapters)
-        (-scores.logprobs.sum()).backward()
+        (-scores.log_probs.sum()).backward()
         optimizer.step()
     policy.eval()
 
@@ -83,13 +83,13 @@ def taught_policy(untrained_policy_dir):
 
 @pytest.mark.parametrize("padding_side", ["left", "right"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_rollout_logprobs_equal_policy_recomputation(policy, temperature, padding_side):
+def test_rollout_log_probs_equal_policy_recomputation(policy, temperature, padding_side):
     out = HFGenerator(policy).generate(PROMPTS, n=2, max_new_tokens=12, temperature=temperature, seed=0)
     with torch.no_grad():
         scores = policy.score_actions(out.prompt_token_ids, out.token_ids, temperature, padding_side=padding_side)
-    behaviour = padded(out.logprobs)
-    assert behaviour.shape == scores.logprobs.shape
-    assert (behaviour - scores.logprobs).abs().max() <= 1e-5
+    behaviour = padded(out.rollout_log_probs)
+    assert behaviour.shape == scores.log_probs.shape
+    assert (behaviour - scores.log_probs).abs().max() <= 1e-5
 
 
 def test_logprobs_stay_exact_as_rows_leave_the_batch(taught_policy):
@@ -101,7 +101,7 @@ def test_logprobs_stay_exact_as_rows_leave_the_batch(taught_policy):
     assert len({len(ids) for ids in out.token_ids}) > 2, "rows should end at different steps"
     with torch.no_grad():
         scores = taught_policy.score_actions(out.prompt_token_ids, out.token_ids, temperature)
-    assert (padded(out.logprobs) - scores.logprobs).abs().max() <= 1e-5
+    assert (padded(out.rollout_log_probs) - scores.log_probs).abs().max() <= 1e-5
     for ids, text, reason in zip(out.token_ids, out.texts, out.finish_reasons):
         assert (reason == "stop") == text.endswith(STEP_DELIMITER)
         assert (reason == "eos") == (ids[-1] == taught_policy.tokenizer.eos_token_id)
@@ -143,13 +143,13 @@ def test_filtered_sampling_logprobs_are_those_of_the_filtered_distribution(polic
     temperature = 0.8
     out = HFGenerator(policy).generate(PROMPTS[:2], n=2, max_new_tokens=6, temperature=temperature,
                                        top_k=top_k, top_p=top_p, seed=1)
-    for prompt, tokens, logprobs in zip(out.prompt_token_ids, out.token_ids, out.logprobs):
+    for prompt, tokens, log_probs in zip(out.prompt_token_ids, out.token_ids, out.rollout_log_probs):
         with torch.no_grad():
             logits = policy.causal_lm(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
         filtered = filter_logits(logits / temperature, top_k, top_p).log_softmax(-1)
         expected = filtered.gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
         assert expected.isfinite().all(), "sampled a token outside the top-k/top-p set"
-        torch.testing.assert_close(torch.tensor(logprobs), expected, atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.tensor(log_probs), expected, atol=1e-4, rtol=0)
 
 
 def test_filter_logits_keeps_top_k_and_the_nucleus():
@@ -169,7 +169,7 @@ def test_stop_string_eos_and_length_finish_reasons(taught_policy):
     ended = generator.generate(PROMPTS[:1], max_new_tokens=40, temperature=0.0)
     assert ended.finish_reasons == ["eos"]
     assert ended.texts == [SOLUTION] and ended.token_ids[0][-1] == tokenizer.eos_token_id
-    assert len(ended.logprobs[0]) == len(ended.token_ids[0])
+    assert len(ended.rollout_log_probs[0]) == len(ended.token_ids[0])
     newline_first = generator.generate(PROMPTS[1:2], max_new_tokens=40, temperature=0.0, stop=[STEP_DELIMITER])
     assert newline_first.texts == [NEWLINE_FIRST.split(STEP_DELIMITER)[0] + STEP_DELIMITER]
     cut = generator.generate(PROMPTS[:1], max_new_tokens=3, temperature=0.0, stop=[STEP_DELIMITER])
@@ -234,7 +234,7 @@ def test_length_buckets_change_no_sample(policy, temperature):
     assert outs[0].token_ids == outs[1].token_ids == outs[2].token_ids
     assert outs[0].prompt_token_ids == outs[1].prompt_token_ids
     for other in outs[1:]:
-        assert (padded(outs[0].logprobs) - padded(other.logprobs)).abs().max() <= 1e-5
+        assert (padded(outs[0].rollout_log_probs) - padded(other.rollout_log_probs)).abs().max() <= 1e-5
 
 
 @pytest.mark.slow
@@ -277,7 +277,7 @@ def test_repeated_prompts_sample_exactly_as_n_samples_of_one(policy):
     generator = HFGenerator(policy)
     as_n = generator.generate(PROMPTS[:2], n=3, max_new_tokens=8, seed=5)
     as_copies = generator.generate([p for p in PROMPTS[:2] for _ in range(3)], n=1, max_new_tokens=8, seed=5)
-    assert as_copies.token_ids == as_n.token_ids and as_copies.logprobs == as_n.logprobs
+    assert as_copies.token_ids == as_n.token_ids and as_copies.rollout_log_probs == as_n.rollout_log_probs
     assert as_copies.prompt_token_ids == as_n.prompt_token_ids
 
 
@@ -301,7 +301,7 @@ def test_role_adapters_in_one_call_sample_exactly_as_a_call_per_adapter(untraine
             alone = generate_with(policy, generator, adapter, [prompts[i] for i in index],
                                   seed=[seeds[i] for i in index], **sampling)
             samples = [i * sampling["n"] + j for i in index for j in range(sampling["n"])]
-            for field in ("token_ids", "logprobs", "texts", "finish_reasons", "prompt_token_ids"):
+            for field in ("token_ids", "rollout_log_probs", "texts", "finish_reasons", "prompt_token_ids"):
                 assert [getattr(mixed, field)[k] for k in samples] == getattr(alone, field), (adapter, field)
     with pytest.raises(ValueError, match=r"adapters \['critic'\] are not role adapters"):
         generator.generate(PROMPTS, adapters=["solver", "critic", None])
@@ -348,11 +348,11 @@ def test_bfloat16_policies_generate_score_and_train(untrained_policy_dir, policy
     low = LanguagePolicy(untrained_policy_dir, device="cpu", **precision)
     out = HFGenerator(low).generate(PROMPTS, n=2, max_new_tokens=8, seed=0)
     with torch.no_grad():
-        scores = low.score_actions(out.prompt_token_ids, out.token_ids).logprobs
-        full_precision = policy.score_actions(out.prompt_token_ids, out.token_ids).logprobs
-    assert (padded(out.logprobs) - scores).abs().max() < 2e-2
+        scores = low.score_actions(out.prompt_token_ids, out.token_ids).log_probs
+        full_precision = policy.score_actions(out.prompt_token_ids, out.token_ids).log_probs
+    assert (padded(out.rollout_log_probs) - scores).abs().max() < 2e-2
     assert (scores - full_precision).abs().max() < 5e-2
-    low.score_actions(out.prompt_token_ids, out.token_ids).logprobs.sum().backward()
+    low.score_actions(out.prompt_token_ids, out.token_ids).log_probs.sum().backward()
     grads = [p.grad for p in low.actor_parameters()]
     assert all(g is not None and g.isfinite().all() for g in grads)
     stored = torch.bfloat16 if "low_precision_weights" in precision else torch.float32
@@ -386,7 +386,7 @@ def test_a_bfloat16_lora_leaves_its_input_casts_to_autocast(untrained_policy_dir
         low.zero_grad()
         CountCopies.copies = 0
         with CountCopies():
-            scores = low.score_actions(prompts, actions).logprobs
+            scores = low.score_actions(prompts, actions).log_probs
             scores.sum().backward()
         return scores.detach(), [p.grad.clone() for p in low.actor_parameters()], CountCopies.copies
 
@@ -407,7 +407,7 @@ def test_a_fresh_lora_acts_as_full_fine_tuning_with_bfloat16_weights(untrained_p
         low = LanguagePolicy(untrained_policy_dir, device="cpu", dtype="bfloat16", **precision)
         out = HFGenerator(low).generate(PROMPTS, max_new_tokens=12, temperature=0.0)
         with torch.no_grad():
-            outputs[name] = out.token_ids, low.score_actions(out.prompt_token_ids, out.token_ids).logprobs
+            outputs[name] = out.token_ids, low.score_actions(out.prompt_token_ids, out.token_ids).log_probs
     assert outputs["lora"][0] == outputs["bf16-weights"][0]
     assert torch.equal(outputs["lora"][1], outputs["bf16-weights"][1])
     assert not torch.equal(outputs["lora"][1], outputs["fp32-master"][1])

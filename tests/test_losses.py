@@ -41,11 +41,11 @@ def fixed_batch(per_token_advantages: bool) -> tuple[Batch, SimpleNamespace]:
     values = draw(torch.randn, size, width)
     batch = Batch(index=torch.arange(size), agents=torch.zeros(size, dtype=torch.long), prompts=[[1]] * size,
                   critic_prompts=None, action_ids=torch.zeros(size, width, dtype=torch.long), action_lengths=lengths,
-                  token_mask=torch.arange(width)[None] < lengths[:, None], old_logprobs=old, old_values=values,
-                  ref_logprobs=ref, advantages=advantages, returns=draw(torch.randn, size, width),
+                  token_mask=torch.arange(width)[None] < lengths[:, None], old_log_probs=old, old_values=values,
+                  ref_log_probs=ref, advantages=advantages, returns=draw(torch.randn, size, width),
                   num_samples=size, num_tokens=int(lengths.sum()), minibatch_samples=2 * size,
                   minibatch_tokens=2 * int(lengths.sum()))
-    scores = SimpleNamespace(logprobs=new, entropy=draw(torch.rand, size, width),
+    scores = SimpleNamespace(log_probs=new, entropy=draw(torch.rand, size, width),
                              values=(values + 0.1).requires_grad_())
     return batch, scores
 
@@ -64,7 +64,7 @@ def test_default_settings_give_the_loss_of_before_bit_for_bit(name, per_token, s
     value, stats = make_algorithm(name, AlgorithmConfig(**settings)).loss(scores, batch)
     value.backward()
     assert value.item() == loss
-    assert scores.logprobs.grad.sum().item() == gradient_sum
+    assert scores.log_probs.grad.sum().item() == gradient_sum
     assert stats["clip_fraction"] == stats["clip_fraction_low"] + stats["clip_fraction_high"]
     assert "dual_clip_fraction" not in stats
 
@@ -167,33 +167,33 @@ def test_kl_loss_type_sets_the_loss_term():
             for kind in ("k1", "k2", "k3")}
     plain, _ = make_algorithm("GRPO", AlgorithmConfig()).loss(scores, batch)
     for kind, (value, stats) in loss.items():
-        estimate = kl_estimate(scores.logprobs, batch.ref_logprobs, kind)
+        estimate = kl_estimate(scores.log_probs, batch.ref_log_probs, kind)
         mask = batch.token_mask.float()
         expected_kl = (estimate * mask).sum() / mask.sum()
         torch.testing.assert_close(stats["kl_ref"], expected_kl.detach())
         torch.testing.assert_close(value, plain + 0.5 * expected_kl * batch.weight(LossAgg.TOKEN_MEAN))
 
 
-def one_step_buffer(rewards: list[float], lengths: list[int], logprobs: list[list[float]], ref: list[list[float]],
+def one_step_buffer(rewards: list[float], lengths: list[int], log_probs: list[list[float]], ref: list[list[float]],
                     group_ids: list[int]) -> RolloutBuffer:
     """One step of len(rewards) single-agent episodes, each ending at once with its reward."""
     count, width = len(rewards), max(lengths)
     buffer = RolloutBuffer(1, count, 1, width)
     buffer.add(StepRecord(step=0, envs=list(range(count)), agents=[0] * count, prompt_ids=[[1]] * count,
                           action_ids=[[5] * n for n in lengths],
-                          rollout_logprobs=[row[:n] for row, n in zip(logprobs, lengths)],
+                          rollout_log_probs=[row[:n] for row, n in zip(log_probs, lengths)],
                           group_ids=torch.tensor(group_ids), texts=["x"] * count))
     done = np.ones(count, dtype=bool)
     buffer.add_step_results(0, np.array(rewards, dtype=np.float32)[:, None], done, ~done,
                             np.array(rewards, dtype=np.float32))
-    buffer.ref_logprobs = torch.tensor(ref, dtype=torch.float32)[None, :, None, :]
+    buffer.ref_log_probs = torch.tensor(ref, dtype=torch.float32)[None, :, None, :]
     return buffer
 
 
 def test_grpo_with_the_kl_in_the_reward_by_hand():
     """k1 per token, summed over the episode and times beta = 0.1, comes off its reward before the group's
     centring (--scale_rewards none): KL sums 0.5 + 0 and 0 + 0, 1.0 and 0.2."""
-    buffer = one_step_buffer([1.0, 0.0, 1.0, 0.0], [2, 2, 1, 1], logprobs=[[-1.0, -1.0]] * 4,
+    buffer = one_step_buffer([1.0, 0.0, 1.0, 0.0], [2, 2, 1, 1], log_probs=[[-1.0, -1.0]] * 4,
                              ref=[[-1.5, -1.0], [-1.0, -1.0], [-2.0, 0.0], [-1.2, 0.0]], group_ids=[0, 0, 1, 1])
     config = AlgorithmConfig(kl_coef=0.1, use_kl_in_reward=True, kl_penalty="k1", scale_rewards="none")
     targets = make_algorithm("GRPO", config).advantages(buffer)
@@ -226,9 +226,9 @@ def test_reinforce_pp_normalises_returns_over_the_batch(name):
     """Four episodes, two groups; k1 KL in the reward with beta 0.1. The advantages are the returns-to-go of
     ``reinforce_pp_returns`` standardised over every real token of the batch (unbiased std)."""
     lengths, rewards, group_ids = [2, 1, 3, 1], [1.0, 0.0, 0.0, 1.0], [0, 0, 1, 1]
-    logprobs = [[-1.0, -1.0, -1.0]] * 4
+    log_probs = [[-1.0, -1.0, -1.0]] * 4
     ref = [[-1.5, -1.0, 0.0], [-1.2, 0.0, 0.0], [-1.0, -1.1, -1.3], [-0.5, 0.0, 0.0]]
-    buffer = one_step_buffer(rewards, lengths, logprobs, ref, group_ids)
+    buffer = one_step_buffer(rewards, lengths, log_probs, ref, group_ids)
     config = AlgorithmConfig(kl_coef=0.1, use_kl_in_reward=True)
     targets = make_algorithm(name, config).advantages(buffer)
     kl = [[0.5, 0.0], [0.2], [0.0, 0.1, 0.3], [-0.5]]  # k1 = log pi - log ref

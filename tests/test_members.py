@@ -29,12 +29,12 @@ def test_a_team_scores_each_row_with_its_voice_and_trains_that_model_alone(untra
     prompts, actions, voices = [[5, 6, 7], [8, 9], [10]], [[10, 11], [12], [13, 14, 15]], [None, "verifier", None]
     scores = team(prompts, actions, adapters=voices)
     with torch.no_grad():
-        own = policy.score_actions([prompts[0], prompts[2]], [actions[0], actions[2]]).logprobs
-        members = member.score_actions([prompts[1]], [actions[1]]).logprobs
-    torch.testing.assert_close(scores.logprobs[[0, 2]].detach(), own)
-    torch.testing.assert_close(scores.logprobs[1, :1].detach(), members[0])
+        own = policy.score_actions([prompts[0], prompts[2]], [actions[0], actions[2]]).log_probs
+        members = member.score_actions([prompts[1]], [actions[1]]).log_probs
+    torch.testing.assert_close(scores.log_probs[[0, 2]].detach(), own)
+    torch.testing.assert_close(scores.log_probs[1, :1].detach(), members[0])
     assert torch.equal(scores.mask.sum(1), torch.tensor([2, 1, 3]))
-    scores.logprobs[1].sum().backward()
+    scores.log_probs[1].sum().backward()
     assert all(p.grad is None or not p.grad.any() for p in policy.parameters())
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in member.parameters() if p.requires_grad)
     reference = team.ref_log_probs(prompts, actions, adapters=voices)

@@ -34,7 +34,7 @@ def interleaved_buffer(token_critic: bool = False) -> RolloutBuffer:
     buffer = RolloutBuffer(3, 1, 2, max_action_tokens=1, token_values=token_critic)
     for step, agent, value in ((0, 0, 0.2), (1, 1, 0.4), (2, 0, 0.5)):
         buffer.add(StepRecord(step=step, envs=[0], agents=[agent], prompt_ids=[[1]], action_ids=[[2]],
-                              rollout_logprobs=[[0.0]],
+                              rollout_log_probs=[[0.0]],
                               group_ids=torch.tensor([0]), texts=["x"], values=torch.tensor([value]),
                               token_values=torch.tensor([[value]]) if token_critic else None))
         ended = np.array([step == 2])
@@ -68,7 +68,7 @@ def one_token_episode_buffer(token_critic: bool) -> RolloutBuffer:
     buffer = RolloutBuffer(3, 1, 1, max_action_tokens=1, token_values=token_critic)
     for step, value in enumerate((0.5, 0.9, 0.7)):
         buffer.add(StepRecord(step=step, envs=[0], agents=[0], prompt_ids=[[1]], action_ids=[[2]],
-                              rollout_logprobs=[[0.0]],
+                              rollout_log_probs=[[0.0]],
                               group_ids=torch.tensor([0]), texts=["x"], values=torch.tensor([value]),
                               token_values=torch.tensor([[value]]) if token_critic else None))
         buffer.add_step_results(step, np.array([[float(step == 2)]]), np.array([step == 2]), np.array([False]),

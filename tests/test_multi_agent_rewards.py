@@ -99,7 +99,7 @@ def test_the_outcome_source_is_the_credit_and_only_paid_when_named():
     assert both.agents.roles == ("solver", "verifier", "refiner") and both.agents.trainable == (True,) * 3
     _, rewards, terminated, _, info = both.step([["", ACCEPT, ""]] * 2)  # right verdicts end both episodes
     assert terminated.all() and rewards.tolist() == [[0, 3, 0]] * 2
-    assert info[FACTS].returns.tolist() == [[3.5, 3, 0]] * 2  # each slot's whole episode
+    assert info[FACTS].return_so_far.tolist() == [[3.5, 3, 0]] * 2  # each slot's whole episode
 
 
 def test_steps_reward_per_role_by_hand():

@@ -40,7 +40,7 @@ class ScriptedWords:
     def generate(self, prompts, n=1, seed=None, **sampling) -> GenerationOutput:
         texts = [self.say(prompt) for prompt in prompts for _ in range(n)]
         ids = [self.tokenizer(text)["input_ids"] for text in texts]
-        return GenerationOutput(texts=texts, token_ids=ids, logprobs=[[0.0] * len(i) for i in ids],
+        return GenerationOutput(texts=texts, token_ids=ids, rollout_log_probs=[[0.0] * len(i) for i in ids],
                                 finish_reasons=["eos"] * len(texts),
                                 prompt_token_ids=[self.tokenizer(p)["input_ids"] for p in prompts for _ in range(n)])
 
@@ -138,7 +138,7 @@ def two_round_buffer() -> RolloutBuffer:
     spoke = [([0, 0, 1, 1, 2, 2, 3, 3], [0, 1] * 4), ([0, 0, 1, 1, 2, 2, 3], [0, 1] * 3 + [0])]  # (envs, agents)
     for turn, (envs, agents) in enumerate(spoke):
         buffer.add(StepRecord(step=turn, envs=envs, agents=agents, prompt_ids=[[1]] * len(envs),
-                              action_ids=[[2]] * len(envs), rollout_logprobs=[[0.0]] * len(envs),
+                              action_ids=[[2]] * len(envs), rollout_log_probs=[[0.0]] * len(envs),
                               group_ids=torch.zeros(len(envs), dtype=torch.long), texts=["x"] * len(envs)))
         ended = np.full(4, turn == 1)
         buffer.add_step_results(turn, np.array(paid[turn], dtype=float), ended, np.zeros(4, dtype=bool),
@@ -291,22 +291,22 @@ def test_an_update_of_one_roles_adapter_leaves_the_other_roles_and_the_base_bit_
             torch.nn.init.normal_(param, std=0.1)
     base = {name: param.detach().clone() for name, param in policy.named_parameters() if not param.requires_grad}
 
-    def logprobs(role: str) -> torch.Tensor:
+    def log_probs(role: str) -> torch.Tensor:
         with torch.no_grad():
-            return policy.score_actions(prompts, actions, adapters=[role] * 2).logprobs
+            return policy.score_actions(prompts, actions, adapters=[role] * 2).log_probs
 
-    before = {role: logprobs(role) for role in ("solver", "verifier")}
+    before = {role: log_probs(role) for role in ("solver", "verifier")}
     optimizer = torch.optim.AdamW(policy.param_groups(1e-2), weight_decay=0.1)
-    loss = -policy(prompts, actions, adapters=["solver", "solver"]).logprobs.sum()
+    loss = -policy(prompts, actions, adapters=["solver", "solver"]).log_probs.sum()
     loss.backward()
     assert all(param.grad is None for name, param in policy.named_parameters() if ".verifier." in name)
     optimizer.step()
-    assert torch.equal(logprobs("verifier"), before["verifier"])
-    assert not torch.equal(logprobs("solver"), before["solver"])
+    assert torch.equal(log_probs("verifier"), before["verifier"])
+    assert not torch.equal(log_probs("solver"), before["solver"])
     assert all(torch.equal(param, base[name]) for name, param in policy.named_parameters() if name in base)
     # rows of both roles in one call score as each role alone does
-    mixed = policy.score_actions(prompts, actions, adapters=["verifier", "solver"]).logprobs.detach()
-    torch.testing.assert_close(mixed, torch.stack([logprobs("verifier")[0], logprobs("solver")[1]]))
+    mixed = policy.score_actions(prompts, actions, adapters=["verifier", "solver"]).log_probs.detach()
+    torch.testing.assert_close(mixed, torch.stack([log_probs("verifier")[0], log_probs("solver")[1]]))
 
 
 def test_train_math_trains_the_chain_and_logs_each_role(untrained_policy_dir, tmp_path):

@@ -42,7 +42,7 @@ def pairs(policy):
 def one_step(policy: LanguagePolicy, prompts, actions, lr: float = 1e-2) -> None:
     """One Adam step raising the log-likelihood of ``actions``."""
     optimizer = torch.optim.Adam(policy.actor_parameters(), lr=lr)
-    loss = -policy.score_actions(prompts, actions, with_entropy=False).logprobs.sum()
+    loss = -policy.score_actions(prompts, actions, with_entropy=False).log_probs.sum()
     loss.backward()
     optimizer.step()
 
@@ -61,16 +61,16 @@ def direct_scores(policy: LanguagePolicy, prompt: list[int], action: list[int], 
 def test_batched_scores_equal_direct_unbatched_computation(policy, pairs, padding_side, temperature):
     prompts, actions = pairs
     scores = policy.score_actions(prompts, actions, temperature, padding_side=padding_side, with_values=True)
-    assert scores.logprobs.shape == scores.mask.shape == scores.entropy.shape == scores.values.shape == (3, 5)
+    assert scores.log_probs.shape == scores.mask.shape == scores.entropy.shape == scores.values.shape == (3, 5)
     assert scores.mask.sum(1).tolist() == [2, 5, 1]
     for row, (prompt, action) in enumerate(zip(prompts, actions)):
-        logprobs, entropy = direct_scores(policy, prompt, action, temperature)
+        log_probs, entropy = direct_scores(policy, prompt, action, temperature)
         length = len(action)
-        torch.testing.assert_close(scores.logprobs[row, :length], logprobs, atol=1e-5, rtol=0)
+        torch.testing.assert_close(scores.log_probs[row, :length], log_probs, atol=1e-5, rtol=0)
         torch.testing.assert_close(scores.entropy[row, :length], entropy, atol=1e-5, rtol=0)
         alone = policy.score_actions([prompt], [action], temperature, with_values=True)
         torch.testing.assert_close(scores.values[row, :length], alone.values[0], atol=1e-5, rtol=0)
-        assert scores.logprobs[row, length:].eq(0).all() and scores.values[row, length:].eq(0).all()
+        assert scores.log_probs[row, length:].eq(0).all() and scores.values[row, length:].eq(0).all()
 
 
 def test_padded_tensor_input_equals_list_input(policy, pairs):
@@ -79,8 +79,8 @@ def test_padded_tensor_input_equals_list_input(policy, pairs):
                                                    padding_value=7), torch.tensor([len(r) for r in rows]))
                   for rows in (prompts, actions)]
     with torch.no_grad():
-        torch.testing.assert_close(policy.score_actions(*as_tensors).logprobs,
-                                   policy.score_actions(prompts, actions).logprobs)
+        torch.testing.assert_close(policy.score_actions(*as_tensors).log_probs,
+                                   policy.score_actions(prompts, actions).log_probs)
 
 
 def test_pack_builds_masks_and_positions_from_lengths():
@@ -103,11 +103,11 @@ def test_one_optimizer_step_changes_outputs_and_not_the_reference(untrained_poli
     policy = LanguagePolicy(untrained_policy_dir, device="cpu", lora=MODES[mode])
     prompts, actions = pairs
     with torch.no_grad():
-        before = policy.score_actions(prompts, actions).logprobs
+        before = policy.score_actions(prompts, actions).log_probs
         torch.testing.assert_close(policy.ref_log_probs(prompts, actions), before)
     one_step(policy, prompts, actions)
     with torch.no_grad():
-        after = policy.score_actions(prompts, actions).logprobs
+        after = policy.score_actions(prompts, actions).log_probs
         reference = policy.ref_log_probs(prompts, actions)
     assert (after - before).abs().max() > 1e-3
     torch.testing.assert_close(reference, before)
@@ -129,7 +129,7 @@ def test_save_load_round_trip_and_plain_transformers_load(untrained_policy_dir, 
     restored = LanguagePolicy.load(saved, device="cpu")
     with torch.no_grad():
         got = restored.score_actions(prompts, actions, with_values=True)
-        torch.testing.assert_close(got.logprobs, expected.logprobs, atol=1e-5, rtol=0)
+        torch.testing.assert_close(got.log_probs, expected.log_probs, atol=1e-5, rtol=0)
         torch.testing.assert_close(got.values, expected.values, atol=1e-5, rtol=0)
         torch.testing.assert_close(restored.ref_log_probs(prompts, actions), expected_reference, atol=1e-5, rtol=0)
         plain = AutoModelForCausalLM.from_pretrained(saved)
@@ -193,7 +193,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(untrained_policy_dir, p
         torch.manual_seed(0)  # same LoRA init both times
         policy = LanguagePolicy(untrained_policy_dir, device="cpu", lora=MODES[mode],
                                 gradient_checkpointing=checkpointing).train()
-        policy.score_actions(*pairs).logprobs.sum().backward()
+        policy.score_actions(*pairs).log_probs.sum().backward()
         grads.append(torch.cat([p.grad.flatten() for p in policy.actor_parameters()]))
     torch.testing.assert_close(grads[0], grads[1])
 
@@ -233,7 +233,7 @@ def grouped_rows(pad: int) -> tuple[list[list[int]], list[list[int]]]:
 def scores_and_grads(policy: LanguagePolicy, prompts, actions):
     """Scores at T=0.7 with values, and the gradients of their sum (then zeroed)."""
     scores = policy.score_actions(prompts, actions, 0.7, with_values=True)
-    (scores.logprobs.sum() + scores.entropy.sum() + scores.values.sum()).backward()
+    (scores.log_probs.sum() + scores.entropy.sum() + scores.values.sum()).backward()
     grads = {name: p.grad.clone() for name, p in policy.named_parameters() if p.grad is not None}
     policy.zero_grad(set_to_none=True)
     return scores, grads
@@ -241,7 +241,7 @@ def scores_and_grads(policy: LanguagePolicy, prompts, actions):
 
 def assert_same_scores_and_grads(first, second) -> None:
     (scores, grads), (other_scores, other_grads) = first, second
-    for name in ("logprobs", "mask", "entropy", "values"):
+    for name in ("log_probs", "mask", "entropy", "values"):
         torch.testing.assert_close(getattr(scores, name), getattr(other_scores, name), atol=1e-5, rtol=1e-5)
     assert grads.keys() == other_grads.keys() and len(other_grads) > 0
     for name, grad in other_grads.items():
@@ -370,8 +370,8 @@ def sharded_start(policy_dir: str, out_dir: str) -> None:
     policy.fully_shard(init_device_mesh("cpu", (2,)))
     prompts, actions = grouped_rows(policy.tokenizer.pad_token_id)
     with torch.no_grad():
-        logprobs = policy(prompts[:3], actions[:3]).logprobs  # the call runs FSDP2's gathering hooks
-    torch.save({"on_meta": on_meta, "whole": policy.whole_state_dict(), "logprobs": logprobs,
+        log_probs = policy(prompts[:3], actions[:3]).log_probs  # the call runs FSDP2's gathering hooks
+    torch.save({"on_meta": on_meta, "whole": policy.whole_state_dict(), "log_probs": log_probs,
                 "buffers": dict(policy.named_buffers())}, f"{out_dir}/rank_{dist.get_rank()}.pt")
     dist.destroy_process_group()
 
@@ -396,14 +396,14 @@ def test_fsdp_ranks_start_from_rank_0s_weights(untrained_policy_dir, tmp_path):
     expected = {f"model.{name}": tensor for name, tensor in plain.causal_lm.state_dict().items()}
     with torch.no_grad():
         first_rows = [rows[:3] for rows in grouped_rows(plain.tokenizer.pad_token_id)]
-        expected_logprobs = plain.score_actions(*first_rows).logprobs
+        expected_log_probs = plain.score_actions(*first_rows).log_probs
     for rank in ranks:
         assert rank["whole"].keys() == expected.keys() | {"value_head.weight", "value_head.bias"}
         for name, tensor in expected.items():
             assert torch.equal(rank["whole"][name], tensor), name
         for name, buffer in plain.named_buffers():
             assert torch.equal(rank["buffers"][name], buffer), name
-        torch.testing.assert_close(rank["logprobs"], expected_logprobs, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(rank["log_probs"], expected_log_probs, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(rank["whole"]["value_head.weight"], ranks[0]["whole"]["value_head.weight"],
                                    atol=0, rtol=0)
 

@@ -13,7 +13,8 @@ from transformers import AutoModelForCausalLM, MistralConfig, MistralForCausalLM
 from envs.datasets import Arith
 from envs.prompts import split_steps
 from envs.rewards import StepContext
-from reward_models.prm import Past, PastCache, ProcessRewardModel
+from reward_models.kv_cache import Past, PastCache
+from reward_models.prm import ProcessRewardModel
 from train.flags import config_from_flags
 
 PROBLEMS = Arith().problems(12, seed=5)

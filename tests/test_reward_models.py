@@ -209,10 +209,10 @@ def test_implicit_prm_reward_by_hand_and_update_direction(untrained_policy_dir):
     assert loss_after < loss_before == pytest.approx(math.log(2))
     assert after[labels == 1].min() > after[labels == 0].max(), after
 
-    ref_logprobs = prm.reference_logprobs(prompts, actions)
+    ref_log_probs = prm.reference_log_probs(prompts, actions)
     rewards, scores = prm.token_rewards(prompts, actions)
     torch.testing.assert_close(scores, prm.outcome_scores(prompts, actions))
-    given, _ = prm.token_rewards(prompts, actions, ref_logprobs=ref_logprobs)  # the frozen reference's, passed in
+    given, _ = prm.token_rewards(prompts, actions, ref_log_probs=ref_log_probs)  # the frozen reference's, passed in
     assert torch.equal(given, rewards)
     reference = AutoModelForCausalLM.from_pretrained(untrained_policy_dir)
     for b in range(4):

@@ -65,7 +65,7 @@ def corrected_buffer(trainer_shift: list[float], config: RolloutConfig):
     the sampler's plus ``trainer_shift[n]`` on each token of env n."""
     buffer = episodic_buffer([1.0, 0.0, 1.0, 1.0], [0, 0, 1, 1])
     shift = torch.tensor(trainer_shift)[None, :, None, None] * buffer.token_mask()
-    buffer.trainer_logprobs = buffer.rollout_logprobs + shift
+    buffer.old_log_probs = buffer.rollout_log_probs + shift
     targets = make_algorithm("GRPO", AlgorithmConfig()).advantages(buffer)
     return buffer, targets, *corrected_targets(buffer, targets, config)
 
@@ -80,8 +80,8 @@ def test_tis_weights_each_token_by_its_capped_ratio():
     assert stats["rollout/is_capped_share"] == pytest.approx(2 / 8)
     # the batch's ratio is taken against the trainer's log-probs; the weight multiplies the policy gradient
     batch = buffer.batch(torch.arange(4), 4, 8, targets)
-    torch.testing.assert_close(batch.old_logprobs, buffer.trainer_logprobs[0, :, 0])
-    scores = SimpleNamespace(logprobs=batch.old_logprobs.clone(), entropy=None, values=None)  # ratio 1
+    torch.testing.assert_close(batch.old_log_probs, buffer.old_log_probs[0, :, 0])
+    scores = SimpleNamespace(log_probs=batch.old_log_probs.clone(), entropy=None, values=None)  # ratio 1
     loss, stats = make_algorithm("GRPO", AlgorithmConfig()).loss(scores, batch)
     z = 0.5 / (math.sqrt(0.5) + 1e-4)  # group 0's advantages (z, -z); group 1's are 0
     assert float(loss) == pytest.approx(-(1.0 * z - 1.5 * z) * 2 / 8, rel=1e-5)  # token mean of -w * A
@@ -105,10 +105,10 @@ def test_every_option_off_leaves_the_batch_as_collected():
     targets = make_algorithm("GRPO", AlgorithmConfig()).advantages(buffer)
     same, stats = corrected_targets(buffer, targets, RolloutConfig())
     assert same is targets and stats == {}
-    assert buffer.trainer_logprobs is None and buffer.rollout_weights is None
+    assert buffer.old_log_probs is None and buffer.rollout_weights is None
     batch = buffer.batch(torch.arange(4), 4, 8, targets)
     assert batch.rollout_weights is None
-    torch.testing.assert_close(batch.old_logprobs, buffer.rollout_logprobs[0, :, 0])
+    torch.testing.assert_close(batch.old_log_probs, buffer.rollout_log_probs[0, :, 0])
 
 
 @pytest.mark.parametrize("argv, message", [

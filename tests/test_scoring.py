@@ -24,9 +24,9 @@ def scores_and_grads(score, lm_head: torch.nn.Module, hidden: torch.Tensor, weig
     """(log-probs, entropies, d/d hidden, d/d lm_head weight) of a weighted sum of both scores."""
     hidden = hidden.detach().requires_grad_(True)
     lm_head.zero_grad(set_to_none=True)
-    logprobs, entropy = score(hidden)
-    ((logprobs * weights[0]).sum() + (entropy * weights[1]).sum()).backward()
-    return logprobs.detach(), entropy.detach(), hidden.grad, lm_head.weight.grad.clone()
+    log_probs, entropy = score(hidden)
+    ((log_probs * weights[0]).sum() + (entropy * weights[1]).sum()).backward()
+    return log_probs.detach(), entropy.detach(), hidden.grad, lm_head.weight.grad.clone()
 
 
 def assert_parity(lm_head: torch.nn.Module, hidden: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
@@ -35,11 +35,11 @@ def assert_parity(lm_head: torch.nn.Module, hidden: torch.Tensor, ids: torch.Ten
 
     def chunked(h):
         scores = token_scores(lm_head, h, ids, mask, temperature, True, rows_per_chunk=rows_per_chunk)
-        return scores.logprobs, scores.entropy
+        return scores.log_probs, scores.entropy
 
     expected = scores_and_grads(lambda h: plain_scores(lm_head, h, ids, mask, temperature), lm_head, hidden, weights)
     got = scores_and_grads(chunked, lm_head, hidden, weights)
-    for name, want, have in zip(("logprobs", "entropy", "grad hidden", "grad lm_head"), expected, got):
+    for name, want, have in zip(("log_probs", "entropy", "grad hidden", "grad lm_head"), expected, got):
         torch.testing.assert_close(have, want, atol=1e-5, rtol=1e-5, msg=name)
     assert bool((got[0][~mask] == 0).all() and (got[2][~mask] == 0).all())
 
@@ -80,8 +80,8 @@ def test_without_gradients_nothing_is_recomputed_and_scores_match(untrained_poli
         hidden = model.get_decoder()(input_ids=ids).last_hidden_state
         scores = token_scores(model.get_output_embeddings(), hidden, ids, mask, 1.0, False, rows_per_chunk=2)
         expected, _ = plain_scores(model.get_output_embeddings(), hidden, ids, mask, 1.0)
-    assert scores.entropy is None and scores.logprobs.grad_fn is None
-    torch.testing.assert_close(scores.logprobs, expected, atol=1e-5, rtol=1e-5)
+    assert scores.entropy is None and scores.log_probs.grad_fn is None
+    torch.testing.assert_close(scores.log_probs, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_temperature_must_be_positive():

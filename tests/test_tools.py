@@ -197,8 +197,8 @@ class ScriptedGenerator:
         action_ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
         with torch.no_grad():
             scores = self.policy.score_actions(prompt_ids, action_ids, temperature or 1.0, with_entropy=False)
-        logprobs = [scores.logprobs[b, :len(ids)].tolist() for b, ids in enumerate(action_ids)]
-        return GenerationOutput(texts, action_ids, logprobs, ["stop"] * len(texts), prompt_ids)
+        log_probs = [scores.log_probs[b, :len(ids)].tolist() for b, ids in enumerate(action_ids)]
+        return GenerationOutput(texts, action_ids, log_probs, ["stop"] * len(texts), prompt_ids)
 
     def answer(self) -> str:
         self.answers += 1

@@ -341,19 +341,19 @@ def test_a_micro_batch_token_budget_bounds_each_pass_and_trains_the_same_weights
                            budget=BudgetConfig(num_iterations=1, eval_interval=0),
                            logging=LoggingConfig(save_interval=0, save_best=False))
         runner = build_runner(config, tmp_path / str(budget), SummaryWriter(str(tmp_path / str(budget))))
-        forwarded, trained_module, learner_train, losses = [], runner.learner.trained_module, runner.learner.train, {}
+        forwarded, parallel_module, learner_train, losses = [], runner.learner.parallel_module, runner.learner.train, {}
 
         def counted(prompts, actions, *args, **kwargs):
             distinct, _ = distinct_rows([list(prompt) for prompt in prompts])
             forwarded.append(forwarded_positions(list(map(len, distinct)), token_lengths(actions)))
-            return trained_module(prompts, actions, *args, **kwargs)
+            return parallel_module(prompts, actions, *args, **kwargs)
 
         def logged(*args, **kwargs):
             trained = learner_train(*args, **kwargs)
             losses.update({key: value for key, value in trained.stats.items() if key.startswith("loss/")})
             return trained
 
-        runner.learner.trained_module, runner.learner.train = counted, logged
+        runner.learner.parallel_module, runner.learner.train = counted, logged
         runner.train_iteration(0, {})
         return forwarded, losses, [p.detach().clone() for p in runner.policy.actor_parameters()]
 

@@ -36,10 +36,10 @@ def one_step_buffer(policy: LanguagePolicy, critic: str | None) -> RolloutBuffer
     with torch.no_grad():
         scores = policy.score_actions(prompts, actions, with_values=True)
     scores.values.zero_()
-    logprobs = [scores.logprobs[i, :len(a)].tolist() for i, a in enumerate(actions)]
+    log_probs = [scores.log_probs[i, :len(a)].tolist() for i, a in enumerate(actions)]
     buffer = RolloutBuffer(1, 2, 1, 6, token_values=critic == "token")
     buffer.add(StepRecord(step=0, envs=[0, 1], agents=[0, 0], prompt_ids=prompts, action_ids=actions,
-                          rollout_logprobs=logprobs,
+                          rollout_log_probs=log_probs,
                           group_ids=torch.zeros(2, dtype=torch.long), texts=["a", "b"], values=scores.values[:, 0],
                           token_values=scores.values if critic == "token" else None))
     buffer.add_step_results(0, np.array([[1.0], [0.0]]), np.ones(2, dtype=bool), np.zeros(2, dtype=bool),
@@ -48,8 +48,8 @@ def one_step_buffer(policy: LanguagePolicy, critic: str | None) -> RolloutBuffer
     return buffer
 
 
-def joint_logprobs(policy, batch) -> torch.Tensor:
-    return policy.score_actions(batch.prompts, (batch.action_ids, batch.action_lengths)).logprobs.sum(-1)
+def joint_log_probs(policy, batch) -> torch.Tensor:
+    return policy.score_actions(batch.prompts, (batch.action_ids, batch.action_lengths)).log_probs.sum(-1)
 
 
 @pytest.mark.parametrize("name", list(ALGORITHMS))
@@ -61,7 +61,7 @@ def test_one_update_moves_log_probs_with_the_advantage(policy, name):
     signs = targets.advantages.reshape(2, -1)[:, 0].sign()
     assert signs.tolist() == [1.0, -1.0], f"{name}: the right answer must get the positive advantage"
     with torch.no_grad():
-        before = joint_logprobs(policy, batch)
+        before = joint_log_probs(policy, batch)
     state = {k: v.clone() for k, v in policy.state_dict().items()}
     optimizer = torch.optim.SGD(policy.actor_parameters(), lr=0.02)
     scores = policy.score_actions(batch.prompts, (batch.action_ids, batch.action_lengths), with_values=True)
@@ -69,7 +69,7 @@ def test_one_update_moves_log_probs_with_the_advantage(policy, name):
     loss.backward()
     optimizer.step()
     with torch.no_grad():
-        after = joint_logprobs(policy, batch)
+        after = joint_log_probs(policy, batch)
     policy.load_state_dict(state)
     assert after[0] > before[0] and after[1] < before[1], f"{name}: {before.tolist()} -> {after.tolist()}"
     assert all(math.isfinite(float(v)) for v in stats.values())
@@ -81,10 +81,10 @@ def test_grpo_gives_each_episode_its_group_advantage_on_every_step():
     # group 0 = envs 0, 1; group 1 = envs 2, 3. Env 0 takes two steps (0.5 each), the others one.
     step0 = dict(rewards=[0.5, 0.0, 1.0, 1.0], ends=[False, True, True, True], correct=[nan, 0.0, 1.0, 1.0])
     buffer.add(StepRecord(step=0, envs=range(4), agents=[0] * 4, prompt_ids=[[1]] * 4, action_ids=[[2]] * 4,
-                          rollout_logprobs=[[-1.0]] * 4, group_ids=torch.tensor([0, 0, 1, 1]), texts=["s"] * 4))
+                          rollout_log_probs=[[-1.0]] * 4, group_ids=torch.tensor([0, 0, 1, 1]), texts=["s"] * 4))
     buffer.add_step_results(0, np.array(step0["rewards"])[:, None], np.array(step0["ends"]), np.zeros(4, dtype=bool),
                   np.array(step0["correct"]))
-    buffer.add(StepRecord(step=1, envs=[0], agents=[0], prompt_ids=[[1]], action_ids=[[2]], rollout_logprobs=[[-1.0]],
+    buffer.add(StepRecord(step=1, envs=[0], agents=[0], prompt_ids=[[1]], action_ids=[[2]], rollout_log_probs=[[-1.0]],
                           group_ids=torch.tensor([0]), texts=["s"]))
     buffer.add_step_results(1, np.array([[0.5], [0.0], [0.0], [0.0]]), np.array([True, False, False, False]),
                   np.zeros(4, dtype=bool), np.array([1.0, nan, nan, nan]))
@@ -93,14 +93,14 @@ def test_grpo_gives_each_episode_its_group_advantage_on_every_step():
     z = 0.5 / (math.sqrt(0.5) + 1e-4)  # returns (1, 0): mean 0.5, unbiased std sqrt(0.5)
     expected = torch.tensor([[z, -z, 0.0, 0.0], [z, 0.0, 0.0, 0.0]])
     torch.testing.assert_close(targets.advantages[..., 0], expected)
-    assert targets.keep is None and buffer.trained(targets).sum() == 5
+    assert targets.keep is None and buffer.update_slots(targets).sum() == 5
 
 
 def test_rloo_filters_groups_outside_the_accuracy_bounds():
     buffer = RolloutBuffer(1, 6, 1, 2)
     correct = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0])  # groups: all right, mixed, all wrong
     buffer.add(StepRecord(step=0, envs=range(6), agents=[0] * 6, prompt_ids=[[1]] * 6, action_ids=[[2, 3]] * 6,
-                          rollout_logprobs=[[-1.0, -1.0]] * 6,
+                          rollout_log_probs=[[-1.0, -1.0]] * 6,
                           group_ids=torch.tensor([0, 0, 1, 1, 2, 2]), texts=["s"] * 6))
     buffer.add_step_results(0, correct.numpy()[:, None], np.ones(6, dtype=bool), np.zeros(6, dtype=bool),
                             correct.numpy())

@@ -113,7 +113,7 @@ def test_infos_are_full_arrays_of_the_action_just_taken():
     assert info["action_clipped"].tolist() == [True, False, False] and terminated.tolist() == [False, True, False]
     # the trainer's view of the same step: one agent slot
     np.testing.assert_array_equal(facts.rewards, np.array(expected)[:, None])
-    np.testing.assert_array_equal(facts.returns, facts.rewards)  # every episode's first step
+    np.testing.assert_array_equal(facts.return_so_far, facts.rewards)  # every episode's first step
     np.testing.assert_array_equal(facts.sources["length"], np.array(expected)[:, None])
     np.testing.assert_array_equal(facts.correct, info["correct"])
     assert facts.clipped[:, 0].tolist() == [True, False, False] and facts.acting[:, 0].tolist() == [True, False, True]
@@ -124,7 +124,8 @@ def test_infos_are_full_arrays_of_the_action_just_taken():
     np.testing.assert_array_equal(info["correct"], [np.nan, np.nan, 0.0])
     assert rewards[1] == 0.0 and info["step"].tolist() == [2, 0, 2] and not info["action_clipped"].any()
     assert info[FACTS].acting[:, 0].tolist() == [True, True, False]
-    np.testing.assert_allclose(info[FACTS].returns[:, 0], [0.41, 0.0, 0.02 + len("The answer is \\boxed{-1}.") / 100])
+    np.testing.assert_allclose(info[FACTS].return_so_far[:, 0],
+                               [0.41, 0.0, 0.02 + len("The answer is \\boxed{-1}.") / 100])
 
 
 def test_draws_without_replacement_per_epoch_and_reproducible():
@@ -227,4 +228,4 @@ def test_an_episode_saved_by_an_older_build_resumes_with_its_return():
     assert env.episodes[1].return_so_far == 0.25 and env.episodes[1].steps == ["thinking"]
     _, rewards, terminated, _, info = env.step(["more", f"The answer is \\boxed{{{problem.answer}}}."])
     assert terminated[1] and rewards[1] == 1.0
-    assert info[FACTS].returns[1, 0] == 1.25
+    assert info[FACTS].return_so_far[1, 0] == 1.25

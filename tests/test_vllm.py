@@ -84,8 +84,8 @@ def test_after_sync_vllm_matches_hf_on_the_new_weights(engine, policy_dir, lora)
     assert after.finish_reasons == reference.finish_reasons and after.texts == reference.texts
     sampled = engine.generate(prompts, n=4, max_new_tokens=16, temperature=0.7, stop=[STEP_DELIMITER], seed=3)
     with torch.no_grad():
-        recomputed = policy.score_actions(sampled.prompt_token_ids, sampled.token_ids, temperature=0.7).logprobs
-    max_diff = (padded(sampled.logprobs) - recomputed).abs().max().item()
+        recomputed = policy.score_actions(sampled.prompt_token_ids, sampled.token_ids, temperature=0.7).log_probs
+    max_diff = (padded(sampled.rollout_log_probs) - recomputed).abs().max().item()
     print(f"[{'lora' if lora else 'full'}] sync {seconds * 1e3:.0f} ms, "
           f"vLLM vs policy log-prob max abs diff {max_diff:.2e}")
     assert max_diff <= 1e-3
@@ -99,7 +99,7 @@ def test_vllm_samples_are_seeded_and_prompt_major(engine, policy_dir):
     assert first.token_ids == again.token_ids and first.token_ids != other.token_ids
     prompt_ids = [policy.tokenizer(p)["input_ids"] for p in PROMPTS]
     assert first.prompt_token_ids == [ids for ids in prompt_ids for _ in range(3)]
-    assert all(len(lps) == len(ids) for lps, ids in zip(first.logprobs, first.token_ids))
+    assert all(len(lps) == len(ids) for lps, ids in zip(first.rollout_log_probs, first.token_ids))
 
 
 def test_seeded_samples_of_a_batch_longer_than_one_engine_step(engine):
@@ -189,8 +189,8 @@ def test_role_adapters_in_one_vllm_call_match_hf_under_each_adapter(role_engine,
                                    adapters=ROLE_OF_PROMPT)
     with torch.no_grad():
         recomputed = role_policy.score_actions(sampled.prompt_token_ids, sampled.token_ids, temperature=0.7,
-                                          adapters=[a for a in ROLE_OF_PROMPT for _ in range(2)]).logprobs
-    assert (padded(sampled.logprobs) - recomputed).abs().max().item() <= 1e-3
+                                          adapters=[a for a in ROLE_OF_PROMPT for _ in range(2)]).log_probs
+    assert (padded(sampled.rollout_log_probs) - recomputed).abs().max().item() <= 1e-3
     with pytest.raises(ValueError, match=r"adapters \['refiner'\] are not role adapters"):
         role_engine.generate(ROLE_PROMPTS[:1], adapters=["refiner"], **GREEDY)
 

@@ -86,8 +86,8 @@ def assert_matches_hf(generator: ServerGenerator, policy: LanguagePolicy) -> Non
     assert served.texts == reference.texts and served.finish_reasons == reference.finish_reasons
     sampled = generator.generate(prompts, n=2, max_new_tokens=16, temperature=0.7, stop=[STEP_DELIMITER], seed=3)
     with torch.no_grad():
-        recomputed = policy.score_actions(sampled.prompt_token_ids, sampled.token_ids, temperature=0.7).logprobs
-    assert (padded(sampled.logprobs) - recomputed).abs().max().item() <= 1e-3
+        recomputed = policy.score_actions(sampled.prompt_token_ids, sampled.token_ids, temperature=0.7).log_probs
+    assert (padded(sampled.rollout_log_probs) - recomputed).abs().max().item() <= 1e-3
     again = generator.generate(prompts, n=2, max_new_tokens=16, temperature=0.7, stop=[STEP_DELIMITER], seed=3)
     assert again.token_ids == sampled.token_ids
 

@@ -457,7 +457,7 @@ def build_runner(config: RunConfig, run_dir: Path, writer, saved: checkpoint_fil
     members = build_members(config, policy.device)
     team = Team(policy, {member.role: member.policy for member in members})
     # first: under FSDP2 the ranks but 0 hold no weights until sharded, and the parameters become new objects
-    trained_module = build_trained_module(team, ranks, data_parallel)
+    parallel_module = build_trained_module(team, ranks, data_parallel)
     template = build_template(env.prompt_template, policy.tokenizer, env.system_prompt, env.answer_instruction)
     reward_model = build_reward_model(config, str(policy.device), template)
     train_env, eval_envs = build_envs(config, reward_model, policy.tokenizer, template, ranks)
@@ -481,7 +481,7 @@ def build_runner(config: RunConfig, run_dir: Path, writer, saved: checkpoint_fil
                           critic=learning.critic_view, overlong=overlong_penalty(config.rollout, sampling))
     runner = Runner(config, collector, eval_envs, team, generator, algorithm, optimizer, scheduler, writer,
                     run_dir, implicit_prm=implicit_prm, rollout_policy=rollout_policy,
-                    rollout_generator=rollout_generator, ranks=ranks, trained_module=trained_module,
+                    rollout_generator=rollout_generator, ranks=ranks, parallel_module=parallel_module,
                     members=members)
     if saved is not None:
         runner.restore(saved)

@@ -311,27 +311,27 @@ def save_train_state(directory: Path, policy: LanguagePolicy, optimizer: torch.o
     (``in_policy_dir``) as DCP, keyed by parameter name (every rank writes its shard of a sharded policy; a
     whole one is written once)."""
     model_state, optimizer_state = get_state_dict(policy, optimizer, options=TRAIN_STATE_OPTIONS)
-    trained = trained_names(policy)
-    referenced = in_policy_dir(policy, trained)
-    model_state = {name: tensor for name, tensor in model_state.items() if name in trained - referenced}
+    trainable = trainable_names(policy)
+    referenced = in_policy_dir(policy, trainable)
+    model_state = {name: tensor for name, tensor in model_state.items() if name in trainable - referenced}
     with one_process_quietly():
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=directory,
                  no_dist=not dist.is_initialized())
 
 
-def trained_names(policy: LanguagePolicy) -> set[str]:
+def trainable_names(policy: LanguagePolicy) -> set[str]:
     """Names of the parameters the optimizer steps (a tied weight under each of its names). The state dict
     DCP gives without frozen parameters still holds a frozen tied weight (a LoRA base's output embedding),
     which this leaves out."""
     return {name for name, param in policy.named_parameters(remove_duplicate=False) if param.requires_grad}
 
 
-def in_policy_dir(policy: LanguagePolicy, trained: set[str]) -> set[str]:
+def in_policy_dir(policy: LanguagePolicy, trainable: set[str]) -> set[str]:
     """The trainable parameters ``policy/`` holds bit for bit, which ``train_state/`` therefore leaves out:
     under full fine-tuning every weight of the causal LM (``policy/`` writes them at the precision the
     optimizer steps them). LoRA adapters and value heads stay in ``train_state/`` (they are small, and
     ``policy/`` holds the adapters merged)."""
-    return set() if policy.lora is not None else {name for name in trained if name.startswith("model.")}
+    return set() if policy.lora is not None else {name for name in trainable if name.startswith("model.")}
 
 
 @contextlib.contextmanager
@@ -488,10 +488,10 @@ def load_train_state(saved: Checkpoint, policy: LanguagePolicy, optimizer: torch
     metadata = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
     stored = {key.removeprefix("model."): tuple(meta.size) for key, meta in metadata.items()
               if key.startswith("model.")}
-    trained = trained_names(policy)
+    trainable = trainable_names(policy)
     # a DTensor's shape is the whole one
-    built = {key: tuple(tensor.shape) for key, tensor in model_state.items() if key in trained}
-    referenced = in_policy_dir(policy, trained)
+    built = {key: tuple(tensor.shape) for key, tensor in model_state.items() if key in trainable}
+    referenced = in_policy_dir(policy, trainable)
     needed = {key: shape for key, shape in built.items() if key not in referenced}
     # older checkpoints stored the referenced weights too, and a LoRA base's tied output embedding
     if not needed.items() <= stored.items() or not stored.keys() <= model_state.keys():

@@ -89,7 +89,7 @@ class Collector:
         # what the critic reads in a multi-agent env (one agent: its prompt, one head)
         self.critic = critic if agents.multi and spec.critic is not None else None
         # [A] the agents whose actions are trained on: a workflow's frozen roles act but are not trained
-        self.trained_agents = np.array(agents.trainable)
+        self.trainable_agents = np.array(agents.trainable)
         self.role_models = role_models
         self.overlong = overlong  # DAPO's length penalty, added to each trained action's reward (None: none)
         self.obs, info = env.reset(seed=seed)
@@ -140,7 +140,7 @@ class Collector:
         """What the buffer keeps of the samples [B] ``stepped`` took: those of the trained agents (all, with one
         agent), with the critic's values of them on the facts they acted on."""
         out = stepped.out
-        trained = np.flatnonzero(self.trained_agents[stepped.agents]).tolist()
+        trained = np.flatnonzero(self.trainable_agents[stepped.agents]).tolist()
         envs, agents = stepped.envs[trained], stepped.agents[trained]
         prompt_ids = [out.prompt_token_ids[k] for k in trained]
         action_ids = [out.token_ids[k] for k in trained]
@@ -148,7 +148,7 @@ class Collector:
         values, token_values = self.critic_values(policy, critic_prompts or prompt_ids, action_ids,
                                                   agents.tolist() if self.critic == Critic.PER_ROLE else None)
         return StepRecord(step=stepped.t, envs=envs, agents=agents, prompt_ids=prompt_ids, action_ids=action_ids,
-                          rollout_logprobs=[out.logprobs[k] for k in trained],
+                          rollout_log_probs=[out.rollout_log_probs[k] for k in trained],
                           group_ids=torch.as_tensor(stepped.before.group_ids[envs]),
                           texts=[out.texts[k] for k in trained], values=values, token_values=token_values,
                           critic_prompt_ids=critic_prompts,
@@ -180,10 +180,10 @@ class Collector:
     def tally_ended_episodes(self, tally: Tally, ended: np.ndarray) -> None:
         """Returns (summed over agents, and per role in a multi-agent env) and verdicts of the episodes
         that ended [N]."""
-        tally.add("train/reward", self.facts.returns[ended].sum(1))
+        tally.add("train/reward", self.facts.return_so_far[ended].sum(1))
         tally.add("train/accuracy", np.nan_to_num(self.facts.correct[ended]))
         for a, role in enumerate(self.roles or ()):
-            tally.add(f"train/{role}/reward", self.facts.returns[ended, a])
+            tally.add(f"train/{role}/reward", self.facts.return_so_far[ended, a])
 
     def tally_reward_sources(self, tally: Tally, envs: np.ndarray, agents: np.ndarray) -> None:
         """Each reward source's reward of the actions ``envs[b], agents[b]`` just taken (``reward/<source>``

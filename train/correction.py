@@ -2,7 +2,7 @@
 
 Cut-off answers (``mask_truncated_completions``, TRL's): actions the generator stopped at its token limit
 leave the loss; their returns still entered their group's baseline. Rollout correction (``rollout_is``,
-verl's): the trainer scores every action before the update (``trainer_logprobs``, which the ratio is then
+verl's): the trainer scores every action before the update (``old_log_probs``, which the ratio is then
 taken against), and each action is weighted by its truncated trainer/sampler ratio or masked where the
 ratio leaves a band (``algorithms.rollout_correction``).
 
@@ -59,7 +59,7 @@ def corrected_targets(buffer: RolloutBuffer, targets: AdvantageEstimate,
                       rollout: RolloutConfig) -> tuple[AdvantageEstimate, dict]:
     """``targets`` without the actions the options drop (cut-off ones; those outside the rollout-IS band), the
     TIS weights written to ``buffer.rollout_weights``, and the statistics to log. Unchanged with every option
-    off. ``buffer.trainer_logprobs`` must be set when ``rollout.rollout_is``."""
+    off. ``buffer.old_log_probs`` must be set when ``rollout.rollout_is``."""
     live = buffer.live
     drop = torch.zeros_like(live)
     parts: dict[str, tuple[float, float]] = {}
@@ -67,7 +67,7 @@ def corrected_targets(buffer: RolloutBuffer, targets: AdvantageEstimate,
         drop |= buffer.cut
     if rollout.rollout_is:
         mask = buffer.token_mask().float()
-        log_rho = log_ratio(buffer.trainer_logprobs, buffer.rollout_logprobs, mask, rollout.rollout_is_level)
+        log_rho = log_ratio(buffer.old_log_probs, buffer.rollout_log_probs, mask, rollout.rollout_is_level)
         counted = mask if rollout.rollout_is_level == RolloutIsLevel.TOKEN else live[..., None].float()
         if rollout.rollout_is_mode == RolloutIsMode.TRUNCATE:
             buffer.rollout_weights = truncated_weights(log_rho, rollout.rollout_is_threshold)
@@ -80,21 +80,21 @@ def corrected_targets(buffer: RolloutBuffer, targets: AdvantageEstimate,
             parts["rollout/is_masked_share"] = float(outside.sum()), float(live.sum())
     stats = rank_means(parts) if parts else {}
     if drop.any():
-        targets = dataclasses.replace(targets, keep=buffer.trained(targets) & ~drop)
+        targets = dataclasses.replace(targets, keep=buffer.update_slots(targets) & ~drop)
     return targets, stats
 
 
 @torch.no_grad()
-def score_trainer_logprobs(policy, buffer: RolloutBuffer, temperature: float, adapters) -> GapMeter:
-    """Writes the trainer's log-probs of every live action to ``buffer.trainer_logprobs`` (``adapters``: the
+def score_old_log_probs(policy, buffer: RolloutBuffer, temperature: float, adapters) -> GapMeter:
+    """Writes the trainer's log-probs of every live action to ``buffer.old_log_probs`` (``adapters``: the
     rows' role adapters or None) and returns their gap to the sampler's."""
     rows = buffer.rows()
     meter = GapMeter()
     if rows.num_samples == 0:
-        buffer.trainer_logprobs = torch.zeros_like(buffer.rollout_logprobs)
+        buffer.old_log_probs = torch.zeros_like(buffer.rollout_log_probs)
         return meter
     scores = policy.score_actions(rows.prompts, (rows.action_ids, rows.action_lengths), temperature,
                              with_entropy=False, adapters=adapters(rows))
-    buffer.trainer_logprobs = buffer.scatter_tokens(rows.index, scores.logprobs)
-    meter.add(scores.logprobs, rows.old_logprobs, rows.token_mask)
+    buffer.old_log_probs = buffer.scatter_tokens(rows.index, scores.log_probs)
+    meter.add(scores.log_probs, rows.old_log_probs, rows.token_mask)
     return meter

@@ -9,7 +9,7 @@ before its rewards are computed (``--prime_update before``, PRIME's default), or
 Roles on base models of their own (``train.members``): the team (``models.team.Team``) scores each row with its
 role's model, one loss trains them all, and each model's optimizer steps on its own clipped gradient.
 
-Data parallelism: ``trained_module`` is the team wrapped in DDP, or the team with its policy sharded by FSDP2;
+Data parallelism: ``parallel_module`` is the team wrapped in DDP, or the team with its policy sharded by FSDP2;
 each rank trains on its own rollout with losses normalised by the global minibatch totals, and statistics are
 added over ranks.
 """
@@ -20,7 +20,7 @@ import contextlib
 import logging
 import math
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Mapping
 
 import numpy as np
@@ -37,7 +37,7 @@ from models.packing import take
 from models.team import Team
 from train import distributed
 from train.config import LearningConfig, PrimeConfig, RolloutConfig
-from train.correction import GapMeter, corrected_targets, score_trainer_logprobs
+from train.correction import GapMeter, corrected_targets, score_old_log_probs
 from train.distributed import Ranks
 
 log = logging.getLogger(__name__)
@@ -62,8 +62,43 @@ class Scores:
     gap: GapMeter
 
 
+@dataclass
+class UpdateStats:
+    """The update's statistics as they add up: ``sums[key] / weights[key]`` is each loss term's mean over the
+    samples (or a role's rows) it was measured on; ``grad_norms``: one {None: the policy's, role: a member's}
+    per optimizer step taken."""
+
+    sums: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    weights: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    grad_norms: list[dict[str | None, float]] = field(default_factory=list)
+
+    def add(self, key: str, total: float, weight: float) -> None:
+        self.sums[key] += total
+        self.weights[key] += weight
+
+
+@dataclass
+class NonfiniteCount:
+    """Optimizer steps skipped for a non-finite loss or gradient norm: ``before`` this update in the run,
+    ``in_update`` in it, the latest ``in_a_row`` of all of them in a row."""
+
+    before: int
+    in_a_row: int
+    in_update: int = 0
+
+
 @dataclass(frozen=True)
-class Trained:
+class MinibatchStep:
+    """What one minibatch's step did: its approx ``kl``, whether the optimizers ``stepped``, and what was
+    non-finite when that skipped the step ("loss", "gradient norm (nan)"; else None)."""
+
+    kl: float
+    stepped: bool
+    nonfinite: str | None
+
+
+@dataclass(frozen=True)
+class TrainResult:
     """What ``Learner.train`` did: ``optimizer_steps`` taken, ``nonfinite_steps`` skipped for a non-finite loss
     or gradient norm, the ``nonfinite_in_a_row`` at its end (counting those before it), and the statistics
     logged (losses, gradient norm, the log-prob gap, early stop, trained samples)."""
@@ -75,7 +110,7 @@ class Trained:
 
 
 class Learner:
-    """Trains ``team`` (the policy and its members, ``models.team.Team``; through ``trained_module``) with
+    """Trains ``team`` (the policy and its members, ``models.team.Team``; through ``parallel_module``) with
     ``algorithm``; ``optimizer`` steps the policy, ``member_optimizers`` ({role: optimizer}) each member, each
     model's gradient clipped on its own. ``config``: the run's learning section (``train.config.LearningConfig``);
     ``rollout``: its rollout section (``train.config.RolloutConfig``: the correction of samples from another
@@ -86,12 +121,12 @@ class Learner:
     (``Critic.PER_ROLE``: a value head per role; None: no such critic)."""
 
     def __init__(self, config: LearningConfig, rollout: RolloutConfig, team: Team,
-                 trained_module: torch.nn.Module, algorithm: Algorithm, optimizer: torch.optim.Optimizer,
+                 parallel_module: torch.nn.Module, algorithm: Algorithm, optimizer: torch.optim.Optimizer,
                  minibatch_rng: torch.Generator, ranks: Ranks, implicit_prm=None, prime: PrimeConfig = PrimeConfig(),
                  member_optimizers: Mapping[str, torch.optim.Optimizer] | None = None, *, temperature: float,
                  roles: tuple[str, ...] | None = None, voices: dict[int, str] | None = None,
                  critic: Critic | None = None):
-        self.config, self.rollout, self.team, self.trained_module = config, rollout, team, trained_module
+        self.config, self.rollout, self.team, self.parallel_module = config, rollout, team, parallel_module
         self.algorithm = algorithm
         self.spec = algorithm_spec(algorithm.name)
         self.minibatch_rng = minibatch_rng
@@ -103,15 +138,15 @@ class Learner:
     def score(self, buffer: RolloutBuffer) -> Scores:
         """Writes into ``buffer`` what the loss needs of other models: the reference log-probs of every live
         action (KL), the implicit PRM's token rewards (PRIME: ``process_rewards``) and, under ``rollout_is``,
-        the trainer's log-probs (``score_trainer_logprobs``)."""
+        the trainer's log-probs (``score_old_log_probs``)."""
         heldout = self.process_rewards(buffer) if self.algorithm.needs_process_rewards else {}
         with self.team.gathered(), torch.no_grad():
             if self.algorithm.needs_reference:
                 rows = buffer.rows()
                 ref = self.team.ref_log_probs(rows.prompts, (rows.action_ids, rows.action_lengths), self.temperature,
                                                 adapters=self.row_adapters(rows))
-                buffer.ref_logprobs = buffer.scatter_tokens(rows.index, ref)
-            gap = (score_trainer_logprobs(self.team, buffer, self.temperature, self.row_adapters)
+                buffer.ref_log_probs = buffer.scatter_tokens(rows.index, ref)
+            gap = (score_old_log_probs(self.team, buffer, self.temperature, self.row_adapters)
                    if self.rollout.rollout_is else GapMeter())
         return Scores(heldout, gap)
 
@@ -126,12 +161,12 @@ class Learner:
         kept = self.algorithm.kept(buffer)
         rows = buffer.rows(kept)
         actions = (rows.action_ids, rows.action_lengths)
-        reference = self.implicit_prm.reference_logprobs(rows.prompts, actions)  # frozen: one pass serves both
+        reference = self.implicit_prm.reference_log_probs(rows.prompts, actions)  # frozen: one pass serves both
         stats = {}
         if self.prime.prime_update is PrimeUpdate.BEFORE:
             stats["loss/implicit_prm"], unseen = self.implicit_prm_step(buffer, rows, reference)
         process, scores = self.implicit_prm.token_rewards(rows.prompts, actions, batch_max=self.batch_max,
-                                                          ref_logprobs=reference)
+                                                          ref_log_probs=reference)
         if self.prime.prime_update is PrimeUpdate.AFTER:
             unseen = scores
         else:  # the scores its rewards carry, after its step on these episodes (PRIME's code: dpo_acc_after)
@@ -155,36 +190,55 @@ class Learner:
         return corrected_targets(buffer, self.algorithm.advantages(buffer), self.rollout)
 
     def train(self, buffer: RolloutBuffer, targets: AdvantageEstimate, gap: GapMeter, iteration: int,
-              nonfinite_steps: int, nonfinite_in_a_row: int) -> Trained:
+              nonfinite_steps: int, nonfinite_in_a_row: int) -> TrainResult:
         """``ppo_epoch`` epochs of minibatch steps on ``targets``, stopped once a minibatch's approx KL passes
         ``target_kl``. ``gap``: measured here on the forward passes before the first step unless the scoring
         pass did (``rollout_is``). ``nonfinite_steps``/``nonfinite_in_a_row``: the run's skipped steps so far
-        (``skipped_nonfinite`` raises ``NonFiniteError`` at the ``max_nonfinite_steps``-th in a row)."""
-        sums, weights = defaultdict(float), defaultdict(float)
-        grad_norms, steps, skipped, stopped_early = [], 0, 0, False
+        (``count_nonfinite`` raises ``NonFiniteError`` at the ``max_nonfinite_steps``-th in a row)."""
+        stats, nonfinite = UpdateStats(), NonfiniteCount(nonfinite_steps, nonfinite_in_a_row)
+        steps, stopped_early = 0, False
         with module_mode(self.team, training=True):  # checkpointing acts; eval mode again for sampling
             for minibatch in self.minibatches(buffer, targets):
-                measured = None if self.rollout.rollout_is or steps else gap  # the policy before any step
-                kl, stepped, nonfinite = self.minibatch_step(minibatch, sums, weights, grad_norms, measured)
-                steps += stepped
-                if stepped:
-                    nonfinite_in_a_row = 0
-                elif nonfinite is not None:
-                    skipped, nonfinite_in_a_row = skipped + 1, nonfinite_in_a_row + 1
-                    self.skipped_nonfinite(nonfinite, iteration, nonfinite_steps + skipped, nonfinite_in_a_row)
-                stopped_early = kl_early_stop(kl, self.config.target_kl)
+                step = self.minibatch_step(minibatch, stats, self.gap_before_first_step(gap, steps))
+                steps += step.stepped
+                self.count_nonfinite(step, nonfinite, iteration)
+                stopped_early = kl_early_stop(step.kl, self.config.target_kl)
                 if stopped_early:
                     break
+        logged = self.logged_stats(stats, gap, steps, stopped_early, buffer, targets)
+        return TrainResult(steps, nonfinite.in_update, nonfinite.in_a_row, logged)
+
+    def gap_before_first_step(self, gap: GapMeter, steps: int) -> GapMeter | None:
+        """Where a forward pass adds its log-probs' distance to the sampler's: ``gap`` while no step has been taken
+        (the policy the sampler copied), None after the first step or when the scoring pass measured it
+        (``rollout_is``)."""
+        return None if self.rollout.rollout_is or steps else gap
+
+    def count_nonfinite(self, step: MinibatchStep, count: NonfiniteCount, iteration: int) -> None:
+        """Counts ``step`` into ``count``: a step taken ends a run of non-finite ones; one skipped for a non-finite
+        value is logged and the ``max_nonfinite_steps``-th in a row raises (``skipped_nonfinite``)."""
+        if step.stepped:
+            count.in_a_row = 0
+        elif step.nonfinite is not None:
+            count.in_update, count.in_a_row = count.in_update + 1, count.in_a_row + 1
+            self.skipped_nonfinite(step.nonfinite, iteration, count.before + count.in_update, count.in_a_row)
+
+    def logged_stats(self, stats: UpdateStats, gap: GapMeter, steps: int, stopped_early: bool,
+                     buffer: RolloutBuffer, targets: AdvantageEstimate) -> dict[str, float]:
+        """What the update logs: the losses' means (over every rank), the log-prob gap, each model's mean gradient
+        norm, the optimizer steps, the early stop and, when a step was taken, the samples trained on."""
+        sums, weights = stats.sums, stats.weights
         if self.ranks.distributed:
             sums, weights = distributed.sum_by_key(sums, weights)
-        stats = {f"loss/{key}": sums[key] / weights[key] for key in sums} | gap.stats() | {
-            grad_norm_key(name): float(np.mean([norms[name] for norms in grad_norms])) if grad_norms else 0.0
+        norms = stats.grad_norms
+        logged = {f"loss/{key}": sums[key] / weights[key] for key in sums} | gap.stats() | {
+            grad_norm_key(name): float(np.mean([step_norms[name] for step_norms in norms])) if norms else 0.0
             for name in self.optimizers} | {
             "train/optimizer_steps": float(steps), "train/early_stopped": float(stopped_early)}
         if steps:  # no step, no sample trained on
-            trained = float(buffer.trained(targets).sum())
-            stats["train/trained_samples"] = float(distributed.all_reduce_sum([trained])[0])
-        return Trained(steps, skipped, nonfinite_in_a_row, stats)
+            trained = float(buffer.update_slots(targets).sum())
+            logged["train/trained_samples"] = float(distributed.all_reduce_sum([trained])[0])
+        return logged
 
     def minibatches(self, buffer: RolloutBuffer, targets: AdvantageEstimate) -> Iterator[list[Batch]]:
         """``ppo_epoch`` epochs of ``buffer``'s minibatches (``RolloutBuffer.minibatches``), each epoch ordered
@@ -221,26 +275,39 @@ class Learner:
         return {f"implicit_prm/{name}_auc": roc_auc(scores, labels) if both else math.nan,
                 f"implicit_prm/{name}_accuracy": float(((scores > 0).float() == labels).float().mean())}
 
-    def minibatch_step(self, minibatch: list[Batch], sums: dict, weights: dict, grad_norms: list,
-                       gap: GapMeter | None = None) -> tuple[float, bool, str | None]:
-        """Accumulates the micro-batches' gradients, clips, steps; returns (the minibatch's approx KL, whether
-        the optimizers stepped, what was non-finite when that skipped the step: "loss", "gradient norm (nan)",
-        else None). ``gap``: where the forward passes' distance to the sampler's log-probs is added (None: not
-        measured); ``grad_norms``: where a step's gradient norms ({None: the policy's, role: a member's}) are
-        appended. One model's non-finite gradient skips every model's step, as one loss made them all.
+    def minibatch_step(self, minibatch: list[Batch], stats: UpdateStats,
+                       gap: GapMeter | None = None) -> MinibatchStep:
+        """Accumulates the micro-batches' gradients, clips, steps. ``gap``: where the forward passes' distance to
+        the sampler's log-probs is added (None: not measured); ``stats``: where the losses' statistics and a step's
+        gradient norms go. One model's non-finite gradient skips every model's step, as one loss made them all.
 
         Several ranks: DDP and FSDP2 average the gradients over ranks, so each loss (normalised by the
         global totals) is scaled by the world size. Every rank runs as many forward and backward passes as
-        the rank with the most micro-batches (both need them matched), the missing ones zero-gradient
-        passes (``idle_backward``).
+        the rank with the most micro-batches (``matched_passes``), and the minibatch's KL and finiteness are
+        taken over every rank, so that all ranks step or skip together.
 
         Gradients exist only inside this call: they are freed on its way out, stepped or not (held, they
         are a model's worth of memory through the next iteration's generation and evaluation)."""
-        passes = len(minibatch)
+        passes = self.matched_passes(minibatch)
+        if passes == 0:
+            return MinibatchStep(0.0, False, None)  # every rank skipped every row: no gradient, no step
+        kl_sum, kl_weight, finite_loss = self.accumulate_gradients(minibatch, passes, stats, gap)
         if self.ranks.distributed:
-            passes = int(distributed.all_reduce_max([passes])[0])
-            if passes == 0:
-                return 0.0, False, None  # every rank skipped every row: no gradient, no step (as in one process)
+            kl_sum, kl_weight, nonfinite = distributed.all_reduce_sum([kl_sum, kl_weight, float(not finite_loss)])
+            finite_loss = nonfinite == 0
+        return self.optimizer_step(kl_sum / max(kl_weight, 1), finite_loss, stats)
+
+    def matched_passes(self, minibatch: list[Batch]) -> int:
+        """The forward and backward passes this rank runs for ``minibatch``: its micro-batches or, with several
+        ranks, the most any rank has (DDP and FSDP2 need them matched; the missing ones are ``idle_backward``)."""
+        if not self.ranks.distributed:
+            return len(minibatch)
+        return int(distributed.all_reduce_max([len(minibatch)])[0])
+
+    def accumulate_gradients(self, minibatch: list[Batch], passes: int, stats: UpdateStats,
+                             gap: GapMeter | None) -> tuple[float, int, bool]:
+        """``passes`` forward and backward passes: the micro-batches', then idle ones; returns the approx KL summed
+        over the samples, their count, and whether every loss was finite."""
         kl_sum, kl_weight, finite_loss = 0.0, 0, True
         for k in range(passes):
             with self.gradient_sync(last=k == passes - 1):
@@ -248,43 +315,43 @@ class Learner:
                     self.idle_backward()
                     continue
                 batch = minibatch[k]
-                micro_stats, finite = self.micro_batch_backward(batch, sums, weights, gap)
+                micro_stats, finite = self.micro_batch_backward(batch, stats, gap)
                 finite_loss &= finite
             kl_sum += float(micro_stats["approx_kl"]) * batch.num_samples
             kl_weight += batch.num_samples
-        if self.ranks.distributed:
-            kl_sum, kl_weight, nonfinite = distributed.all_reduce_sum([kl_sum, kl_weight, float(not finite_loss)])
-            finite_loss = nonfinite == 0
+        return kl_sum, kl_weight, finite_loss
+
+    def optimizer_step(self, kl: float, finite_loss: bool, stats: UpdateStats) -> MinibatchStep:
+        """Clips each model's gradient and steps every optimizer when the loss and every gradient norm are finite,
+        recording the norms in ``stats``; frees the gradients either way."""
         norms = {name: self.clipped_grad_norm(optimizer) for name, optimizer in self.optimizers.items()}
-        kl = kl_sum / max(kl_weight, 1)
         bad_norm = next((norm for norm in norms.values() if not math.isfinite(norm)), None)
         stepped = finite_loss and bad_norm is None
         if stepped:
-            grad_norms.append(norms)
+            stats.grad_norms.append(norms)
         for optimizer in self.optimizers.values():
             if stepped:
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         nonfinite = None if stepped else "loss" if not finite_loss else f"gradient norm ({bad_norm})"
-        return kl, stepped, nonfinite
+        return MinibatchStep(kl, stepped, nonfinite)
 
-    def micro_batch_backward(self, batch, sums: dict, weights: dict,
+    def micro_batch_backward(self, batch, stats: UpdateStats,
                              gap: GapMeter | None = None) -> tuple[dict[str, torch.Tensor], bool]:
-        """One micro-batch's forward and backward, its statistics added into ``sums``/``weights``; returns
-        (its statistics, whether its loss was finite)."""
-        scores = self.trained_module(batch.prompts, (batch.action_ids, batch.action_lengths), self.temperature,
+        """One micro-batch's forward and backward, its statistics added into ``stats``; returns (its statistics,
+        whether its loss was finite)."""
+        scores = self.parallel_module(batch.prompts, (batch.action_ids, batch.action_lengths), self.temperature,
                                 with_entropy=True, with_values=self.spec.critic is not None,
                                 adapters=self.row_adapters(batch), critic_prompts=batch.critic_prompts,
                                 value_heads=self.row_value_heads(batch))
         loss, micro_stats = self.algorithm.loss(scores, batch)
         if gap is not None:
-            gap.add(scores.logprobs, batch.old_logprobs, batch.token_mask)
+            gap.add(scores.log_probs, batch.old_log_probs, batch.token_mask)
         finite = bool(torch.isfinite(loss))
         (loss * self.ranks.world_size).backward()
         for key, value in micro_stats.items():
-            sums[key] += float(value) * batch.num_samples
-            weights[key] += batch.num_samples
-        self.add_role_stats(scores, batch, sums, weights)
+            stats.add(key, float(value) * batch.num_samples, batch.num_samples)
+        self.add_role_stats(scores, batch, stats)
         return micro_stats, finite
 
     def clipped_grad_norm(self, optimizer: torch.optim.Optimizer) -> float:
@@ -294,18 +361,17 @@ class Learner:
         grad_norm = torch.nn.utils.clip_grad_norm_(parameters, self.config.max_grad_norm or math.inf)
         return float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)  # FSDP2: sharded
 
-    def add_role_stats(self, scores, batch, sums: dict, weights: dict) -> None:
+    def add_role_stats(self, scores, batch, stats: UpdateStats) -> None:
         """Each role's mean token entropy, approx KL to the behaviour policy and, with a critic, value loss
-        (multi-agent envs), added to ``sums``/``weights`` as ``<role>/<name>`` (logged under ``loss/``)."""
+        (multi-agent envs), added to ``stats`` as ``<role>/<name>`` (logged under ``loss/``)."""
         roles = self.roles
         if not roles or scores.entropy is None:
             return
         with torch.no_grad():
             value_loss = self.algorithm.value_loss_rows(scores, batch) if scores.values is not None else None
-            rows = row_statistics(scores.logprobs, scores.entropy, batch, value_loss)
+            rows = row_statistics(scores.log_probs, scores.entropy, batch, value_loss)
         for key, (total, count) in role_sums(rows, batch.agents, roles).items():
-            sums[key] += total
-            weights[key] += count
+            stats.add(key, total, count)
 
     def row_adapters(self, batch) -> list[str | None] | None:
         """What scores each row of ``batch``: its member's role or its role adapter (``voices``), else None; None
@@ -325,15 +391,15 @@ class Learner:
         at every backward, keeping only its shard of the gradient between micro-batches."""
         if not self.ranks.distributed or last or self.team.sharded:
             return contextlib.nullcontext()
-        return self.trained_module.no_sync()
+        return self.parallel_module.no_sync()
 
     def idle_backward(self) -> None:
         """A backward of zero loss through DDP or FSDP2 on one placeholder token: this rank's part of the
         gradient reduction when it has fewer micro-batches than another rank (no gradient of its own)."""
         pad = self.team.tokenizer.pad_token_id
-        scores = self.trained_module([[pad]], [[pad]], self.temperature, with_entropy=True,
+        scores = self.parallel_module([[pad]], [[pad]], self.temperature, with_entropy=True,
                                 with_values=self.spec.critic is not None)
-        zero = scores.logprobs.sum() * 0.0
+        zero = scores.log_probs.sum() * 0.0
         if scores.values is not None:
             zero = zero + scores.values.sum() * 0.0
         zero.backward()
@@ -351,10 +417,10 @@ class Learner:
 
     def update_implicit_prm_after(self, buffer: RolloutBuffer, targets: AdvantageEstimate) -> dict[str, float]:
         """PRIME under ``--prime_update after``: one step of the implicit PRM on the actions the policy trained on
-        (``buffer.trained(targets)``); returns its loss. Nothing (``{}``) without a PRM or under ``before``."""
+        (``buffer.update_slots(targets)``); returns its loss. Nothing (``{}``) without a PRM or under ``before``."""
         if self.implicit_prm is None or self.prime.prime_update is not PrimeUpdate.AFTER:
             return {}
-        return {"loss/implicit_prm": self.implicit_prm_step(buffer, buffer.rows(buffer.trained(targets)))[0]}
+        return {"loss/implicit_prm": self.implicit_prm_step(buffer, buffer.rows(buffer.update_slots(targets)))[0]}
 
     def implicit_prm_step(self, buffer: RolloutBuffer, rows: Batch,
                           reference: torch.Tensor | None = None) -> tuple[float, torch.Tensor]:

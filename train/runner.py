@@ -23,7 +23,7 @@ Surviving faults:
   updated state the same way. Under torchrun the other ranks cannot join a save: nothing is written, and
   the last checkpoint stays the one to resume.
 
-Data parallelism (``train.distributed``): ``trained_module`` is the module the optimizer steps (the policy
+Data parallelism (``train.distributed``): ``parallel_module`` is the module the optimizer steps (the policy
 wrapped in DDP, or under FSDP2 the sharded policy itself); statistics,
 evaluation results and the stop signal are reduced over ranks; rank 0 alone logs and writes checkpoints,
 which hold every rank's collector state and RNGs.
@@ -82,7 +82,7 @@ class Runner:
                  generator: Generator, algorithm: Algorithm, optimizer: torch.optim.Optimizer, scheduler, writer,
                  run_dir: Path, implicit_prm=None, rollout_policy: LanguagePolicy | None = None,
                  rollout_generator: Generator | None = None, ranks: Ranks = Ranks(),
-                 trained_module: torch.nn.Module | None = None, members: Sequence[Member] = ()):
+                 parallel_module: torch.nn.Module | None = None, members: Sequence[Member] = ()):
         budget, generation, logs = config.budget, config.generation, config.logging
         if generation.async_rollouts and (rollout_policy is None or rollout_generator is None):
             raise ValueError("async_rollouts needs rollout_policy and rollout_generator (a copy of the policy)")
@@ -106,7 +106,7 @@ class Runner:
                                  max_num_gen_batches=config.rollout.max_num_gen_batches
                                  if config.rollout.filter_groups else None)
         self.learner = Learner(config.learning, config.rollout, team,
-                               trained_module if trained_module is not None else team,
+                               parallel_module if parallel_module is not None else team,
                                algorithm, optimizer, minibatch_rng, ranks, implicit_prm, config.prime,
                                {member.role: member.optimizer for member in members},
                                temperature=collector.sampling.temperature, roles=collector.roles,
@@ -211,18 +211,18 @@ class Runner:
         scores = learner.score(buffer)  # reference log-probs, implicit-PRM token rewards, trainer log-probs
         targets, correction = learner.targets(buffer)  # advantages (and critic targets), rollout-corrected
         try:
-            trained = learner.train(buffer, targets, scores.gap, iteration, progress.nonfinite_steps,
-                                    progress.nonfinite_in_a_row)
+            result = learner.train(buffer, targets, scores.gap, iteration, progress.nonfinite_steps,
+                                   progress.nonfinite_in_a_row)
         except NonFiniteError as error:
             raise NonFiniteError(f"{error}. Last good checkpoint: {self.last_checkpoint or 'none written yet'}. Check "
                                  "the rewards and the learning rate (--lr, --max_grad_norm) before resuming from it"
                                  ) from None
-        progress.nonfinite_steps += trained.nonfinite_steps
-        progress.nonfinite_in_a_row = trained.nonfinite_in_a_row
-        if trained.optimizer_steps:  # the schedules advance with iterations that updated the policy
+        progress.nonfinite_steps += result.nonfinite_steps
+        progress.nonfinite_in_a_row = result.nonfinite_in_a_row
+        if result.optimizer_steps:  # the schedules advance with iterations that updated the policy
             for scheduler in (self.scheduler, *(member.scheduler for member in self.members)):
                 scheduler.step()
-        stats = (collected.stats | trained.stats | scores.heldout | correction
+        stats = (collected.stats | result.stats | scores.heldout | correction
                  | learner.update_implicit_prm_after(buffer, targets))
         stats |= {"train/nonfinite_steps": float(progress.nonfinite_steps), "histograms": targets.stats,
                   "time/update": time.perf_counter() - started, **learner.learning_rates()}

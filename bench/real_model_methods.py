@@ -4,7 +4,8 @@
                                        [--eval_interval N] [--eval_limit 500] [--model DIR] [--out DIR]
 
 SmolLM2-135M-Instruct (``python -m models.smollm2``) under its chat template on the real-model bench's task
-(``bench.real_model_learning.ARITH``: sums of two or three one-digit numbers, 500 held out), full fine-tuning
+(``bench.real_model_learning.ARITH``: sums of two or three one-digit numbers, 500 held out; Prefix-RL's rows
+take ``PREFIX_ARITH``, below), full fine-tuning
 at lr 2e-5, sampling at temperature 0.3, 8 prompts x 8 samples an iteration, both cores to one process.
 Every run is evaluated greedily on the held-out problems at its start, every ``--eval_interval`` iterations
 and at its end. Methods, each beside its control:
@@ -17,8 +18,9 @@ and at its end. Methods, each beside its control:
   (``--val_only``): ``target_alone``, the target solving alone with the team's whole budget
   (``PREFIX_TOKENS + TARGET_TOKENS`` tokens), and ``writer_alone``, each seed's trained writer (its last
   checkpoint) solving alone with the same budget: what the target adds to the writer's prefix.
-  The task: the target alone is right on about a fifth of it (weak, not at zero: a group of 8 often holds
-  a right and a wrong answer, so the writer has a signal from the start).
+  The task, ``PREFIX_ARITH``: sums of three one-digit numbers, train and held-out problems of the one form.
+  The target alone is right on about a tenth of them (weak, not at zero: a group of 8 often holds a right
+  and a wrong answer, so the writer has a signal from the start).
 - ``prime``: PRIME (RLOO with the implicit PRM, started from the reference model and updated online,
   ``--prime_update before``, ``--prime_norm batch_norm``, its stream weighted 1:1 with the outcome's, 4x
   oversampling and the [0.2, 0.8] prompt filter: the defaults) against ``rloo_filter``, the paper's control:
@@ -47,7 +49,7 @@ import json
 import math
 import shutil
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
@@ -58,26 +60,35 @@ PREFIX_TOKENS, TARGET_TOKENS = 32, 128  # Prefix-RL's writer budget (the paper's
 PREFIX_KL = 0.05  # the writer's KL to its reference (the loss's k3 term), as Prefix-RL's PPO code keeps one
 PRM_LR = 4e-5  # PRIME's paper: the PRM at twice the policy's lr (1e-6 against 5e-7)
 SAMPLES_PER_ITERATION = 64  # 8 prompts x 8 samples
-TASK_FLAGS = ("--env_kwargs", json.dumps({"arith": ARITH}), "--prompt_template", "chat", "--reward", "outcome:1.0",
-              "--temperature", "0.3", "--group_size", "8", "--lr", "2e-5", "--lr_schedule", "constant",
-              "--warmup_iterations", "2", "--torch_threads", "2", "--noasync_rollouts",
-              "--micro_batch_tokens", str(MICRO_BATCH_TOKENS), "--keep_checkpoints", "1", "--save_interval", "5",
-              "--nosave_best")
-"""The real-model bench's task and GRPO settings (bench.real_model_learning), shared by every row."""
+PREFIX_ARITH = {**ARITH, "min_ops": 2}
+"""Prefix-RL's task: sums of three one-digit numbers (1,000 distinct), 500 held out and 500 to train on, both
+drawn from the one form. The shared task's held-out set takes all 100 two-number sums, a form its training set
+never holds: a writer trained there learns prefixes for three numbers and is tested on two."""
+
+
+def task_flags(arith: dict[str, object]) -> tuple[str, ...]:
+    """The real-model bench's task (``arith``) and GRPO settings (bench.real_model_learning), shared by every
+    row."""
+    return ("--env_kwargs", json.dumps({"arith": arith}), "--prompt_template", "chat", "--reward", "outcome:1.0",
+            "--temperature", "0.3", "--group_size", "8", "--lr", "2e-5", "--lr_schedule", "constant",
+            "--warmup_iterations", "2", "--torch_threads", "2", "--noasync_rollouts",
+            "--micro_batch_tokens", str(MICRO_BATCH_TOKENS), "--keep_checkpoints", "1", "--save_interval", "5",
+            "--nosave_best")
 
 
 @dataclass(frozen=True)
 class Row:
     """One row: its train_math flags ({model}, {target}: the model directories; {writer}: the seed's trained
-    writer), the samples each of its iterations generates, the env steps an episode takes, whether it only
-    evaluates (``--val_only``), and whether it depends on the seed (a frozen model's greedy accuracy does not:
-    one run, counted once in the standard errors)."""
+    writer), its task, the samples each of its iterations generates, the env steps an episode takes, whether it
+    only evaluates (``--val_only``), and whether it depends on the seed (a frozen model's greedy accuracy does
+    not: one run, counted once in the standard errors)."""
 
     flags: tuple[str, ...]
     samples_per_iteration: int = SAMPLES_PER_ITERATION
     turns: int = 1
     val_only: bool = False
     seeded: bool = True
+    arith: dict[str, object] = field(default_factory=lambda: ARITH)
 
 
 PREFIX_TEAM = ("--env_id", "Arith-Prefix-v0", "--role_model", "solver={target}", "--reward_assignment", "individual",
@@ -86,9 +97,9 @@ PREFIX_TEAM = ("--env_id", "Arith-Prefix-v0", "--role_model", "solver={target}",
 ALONE = ("--max_new_tokens", str(PREFIX_TOKENS + TARGET_TOKENS), "--n_rollout_threads", "64")
 RLOO = ("--algorithm_name", "RLOO", "--max_new_tokens", "128", "--n_rollout_threads", "64")
 ROWS: dict[str, Row] = {
-    "prefix_rl": Row(("--model_name_or_path", "{model}", *PREFIX_TEAM), turns=2),
-    "target_alone": Row(("--model_name_or_path", "{target}", *ALONE), val_only=True, seeded=False),
-    "writer_alone": Row(("--model_name_or_path", "{writer}", *ALONE), val_only=True),
+    "prefix_rl": Row(("--model_name_or_path", "{model}", *PREFIX_TEAM), turns=2, arith=PREFIX_ARITH),
+    "target_alone": Row(("--model_name_or_path", "{target}", *ALONE), val_only=True, seeded=False, arith=PREFIX_ARITH),
+    "writer_alone": Row(("--model_name_or_path", "{writer}", *ALONE), val_only=True, arith=PREFIX_ARITH),
     "prime": Row(("--model_name_or_path", "{model}", *RLOO, "--implicit_prm_lr", str(PRM_LR)), 4 * 64),
     "rloo_filter": Row(("--model_name_or_path", "{model}", *RLOO, "--process_coef", "0"), 4 * 64),
     "rloo": Row(("--model_name_or_path", "{model}", *RLOO, "--process_coef", "0", "--oversample_factor", "1",
@@ -129,7 +140,7 @@ def row_flags(row: str, seed: int, args: argparse.Namespace, models: dict[str, s
     """train_math's flags for one row and seed (its logdir and --resume aside): ``--iterations`` x
     ``SAMPLES_PER_ITERATION`` generated samples, evaluated at the same sample counts in every row."""
     spec = ROWS[row]
-    flags = [flag.format(**models) for flag in spec.flags] + list(TASK_FLAGS) + [
+    flags = [flag.format(**models) for flag in spec.flags] + list(task_flags(spec.arith)) + [
         "--seed", str(seed), "--eval_limit", str(args.eval_limit), "--eval_batch_size", str(min(args.eval_limit, 250)),
         "--experiment_name", row]
     if spec.val_only:

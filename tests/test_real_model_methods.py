@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from bench.real_model_methods import (METHODS, PREFIX_KL, PREFIX_TOKENS, ROWS, SAMPLES_PER_ITERATION, TARGET_TOKENS,
-                                      comparison, mean_and_error, parse_args, row_flags, weights_digest)
+from bench.real_model_methods import (METHODS, PREFIX_ARITH, PREFIX_KL, PREFIX_TOKENS, ROWS, SAMPLES_PER_ITERATION,
+                                      TARGET_TOKENS, comparison, mean_and_error, parse_args, row_flags, weights_digest)
 
 
 def history(*accuracies: float) -> list[dict[str, float]]:
@@ -54,6 +54,20 @@ def test_every_row_is_a_train_math_command_that_resolves(row, untrained_policy_d
         assert config.learning.kl_coef == PREFIX_KL and config.learning.kl_loss_type == "low_var_kl"
     if row in METHODS["prime"][1]:
         assert config.prime.process_coef == 0
+
+
+def test_prefix_rl_trains_and_is_tested_on_one_form_of_problem():
+    """Its rows take three-number sums; their train and held-out sets are disjoint and of that one form (the
+    shared task's held-out set holds every two-number sum, its training set none)."""
+    from envs.datasets import Arith
+
+    assert {ROWS[row].arith["min_ops"] for row in ("prefix_rl", *METHODS["prefix_rl"][1])} == {2}
+    knobs = {key: PREFIX_ARITH[key] for key in ("digits", "min_ops", "max_ops", "operators")}
+    train, test = Arith(**knobs).split(PREFIX_ARITH["num_train"], PREFIX_ARITH["num_test"], 0)
+    assert (len(train), len(test)) == (500, 500) and not {p.id for p in train} & {p.id for p in test}
+    assert {p.level for p in train} == {p.level for p in test} == {2}
+    shared_train, shared_test = Arith(**{**knobs, "min_ops": 1}).split(500, 500, 0)
+    assert {p.level for p in shared_train} == {2} and sum(p.level == 1 for p in shared_test) == 100
 
 
 def test_the_weights_digest_sees_a_changed_weight(tmp_path):

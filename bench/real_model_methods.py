@@ -327,14 +327,16 @@ def plot(rows: list[dict[str, object]], x: str, path: Path, title: str) -> Path 
     trained = [row for row in rows if not ROWS[str(row["row"])].val_only]
     right = max((float(row[x]) for row in trained), default=1.0)
     for index, name in enumerate(dict.fromkeys(str(row["row"]) for row in rows)):
+        metric = ROWS[name].metric
+        shown = name if metric == "eval/accuracy" else f"{name} ({metric.split('/')[-1]})"
         for seed in dict.fromkeys(row["seed"] for row in rows if row["row"] == name):
             mine = [row for row in rows if row["row"] == name and row["seed"] == seed]
             xs, ys = [float(row[x]) for row in mine], [float(row["accuracy"]) for row in mine]
             if ROWS[name].val_only:
                 xs, ys = [0.0, right], [ys[0], ys[0]]
             axes.plot(xs, ys, color=f"C{index}", marker="" if ROWS[name].val_only else "o",
-                      linestyle="--" if ROWS[name].val_only else "-", label=f"{name} seed {seed}")
-    axes.set(xlabel=X_LABELS[x], ylabel="held-out accuracy (greedy; single_majk: maj@k)", title=title)
+                      linestyle="--" if ROWS[name].val_only else "-", label=f"{shown} seed {seed}")
+    axes.set(xlabel=X_LABELS[x], ylabel="held-out accuracy (greedy unless named)", title=title)
     axes.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=120)

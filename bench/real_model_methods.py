@@ -1,17 +1,18 @@
 """The project's own methods against their controls on a real pretrained model, through ``train_math.py``.
 
-    python -m bench.real_model_methods --method prefix_rl|prime [--seeds 0 1] [--iterations N]
-                                       [--eval_interval N] [--eval_limit 500] [--model DIR] [--out DIR]
+    python -m bench.real_model_methods --method prefix_rl|prime|workflow [--seeds 0 1] [--iterations N]
+                                       [--eval_interval N] [--eval_limit 500] [--token_margin 1.5]
+                                       [--model DIR] [--out DIR]
 
 SmolLM2-135M-Instruct (``python -m models.smollm2``) under its chat template on the real-model bench's task
 (``bench.real_model_learning.ARITH``: sums of two or three one-digit numbers, 500 held out; Prefix-RL's rows
-take ``PREFIX_ARITH``, below), full fine-tuning at lr 2e-5 (Prefix-RL's writer: LoRA), sampling at temperature
-0.3, 8 prompts x 8 samples an iteration, both cores to one process.
+take ``PREFIX_ARITH``, below), full fine-tuning at lr 2e-5 (Prefix-RL's writer and the workflow's roles: LoRA),
+sampling at temperature 0.3, 8 prompts x 8 samples an iteration, both cores to one process.
 Every run is evaluated greedily on the held-out problems at its start, every ``--eval_interval`` iterations
 and at its end. Methods, each beside its control:
 
-- ``prefix_rl``: Prefix-RL (``Arith-Prefix-v0``). The writer, a LoRA adapter (``PREFIX_LORA_RANK``, lr
-  ``PREFIX_LORA_LR``: the papers train an adapter), writes at most ``PREFIX_TOKENS`` tokens; a frozen
+- ``prefix_rl``: Prefix-RL (``Arith-Prefix-v0``). The writer, a LoRA adapter (``LORA``: the papers train an
+  adapter), writes at most ``PREFIX_TOKENS`` tokens; a frozen
   target, SmolLM2-135M-Instruct in a directory of its own (``<out>/target``, its weights hashed before and
   after every run), continues the solution for at most ``TARGET_TOKENS`` greedily; the writer is paid the
   verified answer of prefix and continuation (``--reward_assignment individual``), and its loss holds a KL to
@@ -27,18 +28,40 @@ and at its end. Methods, each beside its control:
   oversampling and the [0.2, 0.8] prompt filter: the defaults) against ``rloo_filter``, the paper's control:
   the same RLOO, oversampling and filter with the outcome alone (``--process_coef 0``); ``rloo``, plain RLOO
   without oversampling or filter, beside them. The implicit PRM's learning rate is ``PRM_LR``.
+- ``workflow``: a debate (``Arith-Debate-v0``: 3 debaters x 2 rounds, each round's answers shown to every
+  debater in the next, majority vote over the last round), one LoRA adapter per debater on the shared base
+  (``--noshare_policy``, rank 16, lr 1e-4, as the real-model bench's LoRA mode), each debater paid its own
+  verified answer every round (``--reward_assignment individual``), GRPO over PettingLLMs' AT-GRPO groups (a
+  message z-scored among the messages its debater said at that round of that problem: ``--agent_groups
+  at_grpo``); 4 problems x 8 debates an iteration, ``WORKFLOW_SAMPLES`` = 6 messages each. Controls:
+  ``grpo_equal_tokens``, the single agent (one LoRA adapter, the same rank and lr) trained with GRPO, compared
+  at equal generated tokens (below); ``single_majk``, the untrained single agent's maj@6 (``--eval_samples 6``
+  at the training temperature, 0.3): a vote over as many samples per problem as the debate says; and
+  ``workflow_untrained``, the debate before training (``--val_only``: greedy, the adapters still the base).
 
 Comparisons are at equal generated samples: each row's ``env_steps`` counts every sample generated
 (oversampled ones included), and each run gets ``--iterations`` x ``SAMPLES_PER_ITERATION`` of them (so an
-oversampling row runs a quarter of the iterations). Per comparison one line ends
-``METHOD A -> B vs CONTROL A -> C at equal samples (+D points, Z standard errors)``: A the start, B and C the
-two-seed means of the final accuracies, D = B - C, and Z = D over the standard error of that difference,
-each mean's standard error the larger of the binomial one (sqrt(sum p(1-p)/n) / seeds) and the spread of
-the seeds (their sd / sqrt(seeds)).
+oversampling row runs a quarter of the iterations, the debate a third: each of its iterations generates 192
+messages, and its ``env_steps`` counts 2 a debate, its turns). The GRPO row is compared at equal generated
+tokens instead: train_math logs the tokens the rollouts generated (``generated_tokens``: every role's, in each
+evaluation's history entry), the GRPO row trains ``--token_margin`` times the debate's samples (its answers may
+be shorter than the debaters' messages, and shorten as it learns), and its evaluation compared is, per seed,
+the first whose generated tokens reach the debate's at its end (a line per seed says where, and how many
+tokens that was; its curve goes on beyond): it evaluates every third of ``--eval_interval``, which bounds how
+far past them that is. Where the run ended short of the debate's tokens, its last evaluation is compared and
+the comparison line names the ratio instead of "equal generated tokens" (run again with a larger
+``--token_margin`` in another ``--out``).
+
+Per comparison one line ends ``METHOD A -> B vs CONTROL A -> C at equal samples (+D points, Z standard
+errors)`` (``at equal generated tokens`` for the GRPO row): A the start, B and C the two-seed means of the
+final accuracies (the row's metric: greedy accuracy, maj@6 for ``single_majk``), D = B - C, and Z = D over the
+standard error of that difference, each mean's standard error the larger of the binomial one
+(sqrt(sum p(1-p)/n) / seeds) and the spread of the seeds (their sd / sqrt(seeds)).
 
 Outputs in ``--out``: ``runs/<row>/seed_<s>/`` (train_math's logdir and ``train.log``), ``curve.csv`` (one
-line per row, seed and evaluation), ``curve_samples.png`` and ``curve_minutes.png`` (with matplotlib). Runs
-that finished are reused; an interrupted one continues from its last checkpoint.
+line per row, seed and evaluation), ``curve_samples.png`` (``curve_tokens.png`` for the workflow) and
+``curve_minutes.png`` (with matplotlib). Runs that finished are reused; an interrupted one continues from its
+last checkpoint.
 """
 
 from __future__ import annotations
@@ -54,26 +77,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from bench.learning_table import newest_run_dir, train_math_history
+from bench.learning_table import Results, newest_run_dir, train_math_history
 from bench.real_model_learning import ARITH, MICRO_BATCH_TOKENS, default_model, pyplot, standard_error
 
 PREFIX_TOKENS, TARGET_TOKENS = 32, 128  # Prefix-RL's writer budget (the paper's 32-64 tokens) and the target's
 PREFIX_KL = 0.05  # the writer's KL to its reference (the loss's k3 term), as Prefix-RL's PPO code keeps one
-PREFIX_LORA_RANK, PREFIX_LORA_LR = 16, 1e-4  # the writer is a LoRA adapter, as the papers train it (the real-model
-# bench's LoRA settings)
 PRM_LR = 4e-5  # PRIME's paper: the PRM at twice the policy's lr (1e-6 against 5e-7)
 SAMPLES_PER_ITERATION = 64  # 8 prompts x 8 samples
+DEBATERS, ROUNDS = 3, 2  # Arith-Debate-v0's
+WORKFLOW_SAMPLES = DEBATERS * ROUNDS  # messages a debate says per problem: the single agent's k for maj@k
+DEBATES = 32  # 4 problems x 8 debates an iteration (groups of 8 per debater and round)
 PREFIX_ARITH = {**ARITH, "min_ops": 2}
 """Prefix-RL's task: sums of three one-digit numbers (1,000 distinct), 500 held out and 500 to train on, both
 drawn from the one form. The shared task's held-out set takes all 100 two-number sums, a form its training set
 never holds: a writer trained there learns prefixes for three numbers and is tested on two."""
 
 
-def task_flags(arith: dict[str, object], lr: float) -> tuple[str, ...]:
-    """The real-model bench's task (``arith``) and GRPO settings (bench.real_model_learning) at learning rate
-    ``lr``, shared by every row."""
+def task_flags(arith: dict[str, object]) -> tuple[str, ...]:
+    """The real-model bench's task (``arith``) and GRPO settings (bench.real_model_learning), shared by every
+    row."""
     return ("--env_kwargs", json.dumps({"arith": arith}), "--prompt_template", "chat", "--reward", "outcome:1.0",
-            "--temperature", "0.3", "--group_size", "8", "--lr", str(lr), "--lr_schedule", "constant",
+            "--temperature", "0.3", "--group_size", "8", "--lr", "2e-5", "--lr_schedule", "constant",
             "--warmup_iterations", "2", "--torch_threads", "2", "--noasync_rollouts",
             "--micro_batch_tokens", str(MICRO_BATCH_TOKENS), "--keep_checkpoints", "1", "--save_interval", "5",
             "--nosave_best")
@@ -82,39 +106,72 @@ def task_flags(arith: dict[str, object], lr: float) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class Row:
     """One row: its train_math flags ({model}, {target}: the model directories; {writer}: the seed's trained
-    writer), its task and learning rate, the samples each of its iterations generates, the env steps an episode
-    takes, whether it only evaluates (``--val_only``), and whether it depends on the seed (a frozen model's
-    greedy accuracy does not: one run, counted once in the standard errors)."""
+    writer), the samples each of its iterations generates, the envs it steps (None: one per sample) and the env
+    steps an episode takes, whether it only evaluates (``--val_only``), and whether it depends on the seed (a
+    frozen model's greedy accuracy does not: one run, counted once in the standard errors). ``overrides``: flags
+    that replace the task's and the bench's (absl keeps a repeated flag's last value); ``budget``: its generated
+    samples relative to ``--iterations`` x 64 (``--token_margin`` where None); ``eval_density``: its evaluations
+    per ``--eval_interval``; ``metric``: the history's key compared; ``equal_tokens``: compared at the trained
+    row's generated tokens (module docstring); ``arith``: its task."""
 
     flags: tuple[str, ...]
     samples_per_iteration: int = SAMPLES_PER_ITERATION
+    envs_per_iteration: int | None = None
     turns: int = 1
     val_only: bool = False
     seeded: bool = True
+    overrides: tuple[str, ...] = ()
+    budget: float | None = 1.0
+    eval_density: int = 1
+    metric: str = "eval/accuracy"
+    equal_tokens: bool = False
     arith: dict[str, object] = field(default_factory=lambda: ARITH)
-    lr: float = 2e-5  # full fine-tuning's (bench.real_model_learning)
+
+
+@dataclass(frozen=True)
+class Method:
+    """A trained row and its controls, the first control the one it must beat; ``x``: the curves' axis of
+    compute, ``env_steps`` (generated samples) or ``generated_tokens``."""
+
+    trained: str
+    controls: tuple[str, ...]
+    x: str = "env_steps"
 
 
 PREFIX_TEAM = ("--env_id", "Arith-Prefix-v0", "--role_model", "solver={target}", "--reward_assignment", "individual",
                "--max_new_tokens", str(PREFIX_TOKENS), "--target_max_new_tokens", str(TARGET_TOKENS),
-               "--n_rollout_threads", "64", "--kl_coef", str(PREFIX_KL), "--kl_loss_type", "low_var_kl",
-               "--lora_rank", str(PREFIX_LORA_RANK))
+               "--n_rollout_threads", "64", "--kl_coef", str(PREFIX_KL), "--kl_loss_type", "low_var_kl")
 ALONE = ("--max_new_tokens", str(PREFIX_TOKENS + TARGET_TOKENS), "--n_rollout_threads", "64")
 RLOO = ("--algorithm_name", "RLOO", "--max_new_tokens", "128", "--n_rollout_threads", "64")
+SINGLE = ("--model_name_or_path", "{model}", "--max_new_tokens", "128", "--n_rollout_threads", "64")
+DEBATE = ("--model_name_or_path", "{model}", "--env_id", "Arith-Debate-v0", "--noshare_policy",
+          "--reward_assignment", "individual", "--agent_groups", "at_grpo", "--max_new_tokens", "128",
+          "--n_rollout_threads", str(DEBATES))
+LORA = ("--lora_rank", "16", "--lr", "1e-4")  # the real-model bench's LoRA mode
+# a held-out batch of 32 debates generates 96 messages a round, its second round's prompts holding the first's
+DEBATE_OVERRIDES = (*LORA, "--eval_batch_size", "32")
 ROWS: dict[str, Row] = {
-    "prefix_rl": Row(("--model_name_or_path", "{model}", *PREFIX_TEAM), turns=2, arith=PREFIX_ARITH,
-                     lr=PREFIX_LORA_LR),
+    "prefix_rl": Row(("--model_name_or_path", "{model}", *PREFIX_TEAM), turns=2, overrides=LORA, arith=PREFIX_ARITH),
     "target_alone": Row(("--model_name_or_path", "{target}", *ALONE), val_only=True, seeded=False, arith=PREFIX_ARITH),
     "writer_alone": Row(("--model_name_or_path", "{writer}", *ALONE), val_only=True, arith=PREFIX_ARITH),
     "prime": Row(("--model_name_or_path", "{model}", *RLOO, "--implicit_prm_lr", str(PRM_LR)), 4 * 64),
     "rloo_filter": Row(("--model_name_or_path", "{model}", *RLOO, "--process_coef", "0"), 4 * 64),
     "rloo": Row(("--model_name_or_path", "{model}", *RLOO, "--process_coef", "0", "--oversample_factor", "1",
                  "--accuracy_lower_bound", "0", "--accuracy_upper_bound", "1")),
+    "workflow": Row(DEBATE, DEBATES * WORKFLOW_SAMPLES, DEBATES, ROUNDS, overrides=DEBATE_OVERRIDES),
+    "workflow_untrained": Row(DEBATE, val_only=True, seeded=False, overrides=DEBATE_OVERRIDES),
+    # evaluated 3 times as often: where it reaches the debate's tokens is found within a third of an interval
+    "grpo_equal_tokens": Row(SINGLE, overrides=LORA, budget=None, eval_density=3, equal_tokens=True),
+    "single_majk": Row((*SINGLE, "--eval_samples", str(WORKFLOW_SAMPLES), "--eval_temperature", "0.3"),
+                       val_only=True, metric=f"eval/maj_at_{WORKFLOW_SAMPLES}"),
 }
-METHODS = {"prefix_rl": ("prefix_rl", ("target_alone", "writer_alone")), "prime": ("prime", ("rloo_filter", "rloo"))}
-"""Each method's trained row and its controls, the first control the one it must beat."""
-CSV_KEYS = ("row", "seed", "iteration", "env_steps", "minutes", "accuracy", "standard_error", "readable",
-            "mean_length")
+METHODS = {"prefix_rl": Method("prefix_rl", ("target_alone", "writer_alone")),
+           "prime": Method("prime", ("rloo_filter", "rloo")),
+           "workflow": Method("workflow", ("grpo_equal_tokens", "single_majk", "workflow_untrained"),
+                              x="generated_tokens")}
+CSV_KEYS = ("row", "seed", "iteration", "env_steps", "generated_tokens", "minutes", "metric", "accuracy",
+            "standard_error", "readable", "mean_length")
+X_LABELS = {"env_steps": "generated samples", "generated_tokens": "generated tokens", "minutes": "training minutes"}
 
 
 def weights_digest(directory: Path) -> str:
@@ -144,26 +201,28 @@ def writer_dir(out: Path, seed: int) -> Path:
 
 def row_flags(row: str, seed: int, args: argparse.Namespace, models: dict[str, str]) -> list[str]:
     """train_math's flags for one row and seed (its logdir and --resume aside): ``--iterations`` x
-    ``SAMPLES_PER_ITERATION`` generated samples, evaluated at the same sample counts in every row."""
+    ``SAMPLES_PER_ITERATION`` generated samples times the row's budget, evaluated at the same sample counts in
+    every row."""
     spec = ROWS[row]
-    flags = [flag.format(**models) for flag in spec.flags] + list(task_flags(spec.arith, spec.lr)) + [
+    flags = [flag.format(**models) for flag in spec.flags] + list(task_flags(spec.arith)) + [
         "--seed", str(seed), "--eval_limit", str(args.eval_limit), "--eval_batch_size", str(min(args.eval_limit, 250)),
-        "--experiment_name", row]
+        "--experiment_name", row, *spec.overrides]
     if spec.val_only:
         return flags + ["--val_only"]
-    iterations = args.iterations * SAMPLES_PER_ITERATION // spec.samples_per_iteration
-    interval = max(1, args.eval_interval * SAMPLES_PER_ITERATION // spec.samples_per_iteration)
-    return flags + ["--num_env_steps", str(iterations * spec.samples_per_iteration * spec.turns),
-                    "--eval_interval", str(interval)]
+    budget = args.token_margin if spec.budget is None else spec.budget
+    iterations = round(budget * args.iterations * SAMPLES_PER_ITERATION) // spec.samples_per_iteration
+    interval = max(1, args.eval_interval * SAMPLES_PER_ITERATION // (spec.samples_per_iteration * spec.eval_density))
+    envs = spec.envs_per_iteration or spec.samples_per_iteration
+    return flags + ["--num_env_steps", str(iterations * envs * spec.turns), "--eval_interval", str(interval)]
 
 
-def run_method(args: argparse.Namespace) -> dict[str, dict[int, list[dict[str, float]]]]:
+def run_method(args: argparse.Namespace) -> Results:
     """{row: {seed: evaluation history}} of the method's rows; raises if a run changed the target's weights."""
-    trained, controls = METHODS[args.method]
+    method = METHODS[args.method]
     models = {"model": args.model, "target": str(target_copy(Path(args.model), args.out))}
     digest = weights_digest(Path(models["target"]))
-    results: dict[str, dict[int, list[dict[str, float]]]] = {}
-    for row in (trained, *controls):
+    results: Results = {}
+    for row in (method.trained, *method.controls):
         results[row] = {}
         for seed in args.seeds if ROWS[row].seeded else args.seeds[:1]:
             seed_models = {**models, "writer": str(writer_dir(args.out, seed)) if row == "writer_alone" else ""}
@@ -175,46 +234,93 @@ def run_method(args: argparse.Namespace) -> dict[str, dict[int, list[dict[str, f
     return results
 
 
-def mean_and_error(histories: dict[int, list[dict[str, float]]], n: int) -> tuple[float, float]:
-    """(the seeds' mean final accuracy, its standard error: the larger of the binomial one and the seeds'
+def at_tokens(history: list[dict[str, float]], tokens: float) -> list[dict[str, float]]:
+    """``history`` up to its first evaluation at or past ``tokens`` generated tokens (all of it if none is)."""
+    for index, evaluation in enumerate(history):
+        if evaluation["generated_tokens"] >= tokens:
+            return history[:index + 1]
+    return history
+
+
+def align_at_tokens(results: Results, trained: str) -> tuple[Results, dict[str, dict[int, float]]]:
+    """``results`` with each equal-tokens row's history of seed s cut at the trained row's generated tokens at
+    the end of seed s (``at_tokens``), and {row: {seed: its tokens there over the trained row's}}."""
+    aligned, ratios = dict(results), {}
+    for row in (name for name in results if ROWS[name].equal_tokens):
+        if set(results[row]) != set(results[trained]):
+            raise ValueError(f"{row} ran seeds {sorted(results[row])} and {trained} {sorted(results[trained])}: "
+                             "an equal-tokens comparison pairs each seed's runs")
+        aligned[row], ratios[row] = {}, {}
+        for seed, history in results[row].items():
+            tokens = results[trained][seed][-1]["generated_tokens"]
+            aligned[row][seed] = at_tokens(history, tokens)
+            ratios[row][seed] = aligned[row][seed][-1]["generated_tokens"] / tokens
+    return aligned, ratios
+
+
+def mean_and_error(histories: dict[int, list[dict[str, float]]], n: int,
+                   metric: str = "eval/accuracy") -> tuple[float, float]:
+    """(the seeds' mean final ``metric``, its standard error: the larger of the binomial one and the seeds'
     spread, sd / sqrt(seeds))."""
-    finals = [history[-1]["eval/accuracy"] for history in histories.values()]
+    finals = [history[-1][metric] for history in histories.values()]
     k = len(finals)
     binomial = math.sqrt(sum(standard_error(p, n) ** 2 for p in finals)) / k
     spread = statistics.stdev(finals) / math.sqrt(k) if k > 1 else 0.0
     return statistics.fmean(finals), max(binomial, spread)
 
 
-def difference(method: str, control: str, results: dict[str, dict[int, list[dict[str, float]]]],
-               n: int) -> tuple[float, float]:
-    """(the method's mean final accuracy minus the control's, that difference in standard errors)."""
-    (b, b_error), (c, c_error) = mean_and_error(results[method], n), mean_and_error(results[control], n)
+def difference(method: str, control: str, results: Results, n: int) -> tuple[float, float]:
+    """(the method's mean final metric minus the control's, that difference in standard errors)."""
+    (b, b_error), (c, c_error) = (mean_and_error(results[row], n, ROWS[row].metric) for row in (method, control))
     error = math.hypot(b_error, c_error)
     return b - c, (b - c) / error if error else math.inf
 
 
-def comparison(method: str, control: str, results: dict[str, dict[int, list[dict[str, float]]]], n: int) -> str:
-    """``METHOD A -> B vs CONTROL A' -> C at equal samples (+D points, Z standard errors)``."""
+def comparison(method: str, control: str, results: Results, n: int, basis: str = "equal samples") -> str:
+    """``METHOD A -> B vs CONTROL A' -> C at BASIS (+D points, Z standard errors)``, each row's own metric."""
     start, end = {}, {}
     for row in (method, control):
-        start[row] = statistics.fmean(history[0]["eval/accuracy"] for history in results[row].values())
-        end[row] = mean_and_error(results[row], n)[0]
+        metric = ROWS[row].metric
+        start[row] = statistics.fmean(history[0][metric] for history in results[row].values())
+        end[row] = mean_and_error(results[row], n, metric)[0]
     gain, z = difference(method, control, results, n)
     return (f"{method} {start[method]:.3f} -> {end[method]:.3f} vs {control} {start[control]:.3f} -> "
-            f"{end[control]:.3f} at equal samples ({100 * gain:+.1f} points, {z:.1f} standard errors)")
+            f"{end[control]:.3f} at {basis} ({100 * gain:+.1f} points, {z:.1f} standard errors)")
 
 
-def curve_rows(results: dict[str, dict[int, list[dict[str, float]]]], n: int) -> list[dict[str, object]]:
+def comparisons(method: Method, results: Results, n: int) -> list[str]:
+    """The method's lines: one per equal-tokens row and seed (where it was compared), then one per control."""
+    aligned, ratios = align_at_tokens(results, method.trained)
+    lines = []
+    for row, by_seed in ratios.items():
+        for seed, ratio in by_seed.items():
+            compared = aligned[row][seed][-1]
+            lines.append(f"{row} seed {seed}: compared at iteration {compared['iteration']}, "
+                         f"{compared['generated_tokens']:,.0f} generated tokens ({ratio:.2f}x {method.trained}'s)")
+    for control in method.controls:
+        basis = "equal samples"
+        if ROWS[control].equal_tokens:
+            short = min(ratios[control].values())
+            basis = ("equal generated tokens" if short >= 1 else
+                     f"{short:.2f}x {method.trained}'s generated tokens (short of equal: raise --token_margin)")
+        lines.append(comparison(method.trained, control, aligned, n, basis))
+    return lines
+
+
+def curve_rows(results: Results, n: int) -> list[dict[str, object]]:
+    """One CSV row per row, seed and evaluation; ``accuracy`` is the row's metric, named in ``metric``
+    (``generated_tokens`` empty in a history logged before train_math counted them)."""
     return [{"row": row, "seed": seed, "iteration": h["iteration"], "env_steps": h["env_steps"],
-             "minutes": round(h["seconds"] / 60, 2), "accuracy": h["eval/accuracy"],
-             "standard_error": round(standard_error(h["eval/accuracy"], n), 4), "readable": h.get("eval/readable", ""),
-             "mean_length": round(h["eval/mean_length"], 1)}
+             "generated_tokens": h.get("generated_tokens", ""), "minutes": round(h["seconds"] / 60, 2),
+             "metric": ROWS[row].metric, "accuracy": h[ROWS[row].metric],
+             "standard_error": round(standard_error(h[ROWS[row].metric], n), 4),
+             "readable": h.get("eval/readable", ""), "mean_length": round(h["eval/mean_length"], 1)}
             for row, by_seed in results.items() for seed, history in by_seed.items() for h in history]
 
 
 def plot(rows: list[dict[str, object]], x: str, path: Path, title: str) -> Path | None:
-    """Held-out accuracy against ``x`` (env_steps or minutes), one line per row and seed; an evaluation-only
-    row is a horizontal line."""
+    """Held-out accuracy (each row's metric) against ``x`` (a key of ``X_LABELS``), one line per row and seed;
+    an evaluation-only row is a horizontal line."""
     plt = pyplot()
     if plt is None:
         return None
@@ -222,15 +328,16 @@ def plot(rows: list[dict[str, object]], x: str, path: Path, title: str) -> Path 
     trained = [row for row in rows if not ROWS[str(row["row"])].val_only]
     right = max((float(row[x]) for row in trained), default=1.0)
     for index, name in enumerate(dict.fromkeys(str(row["row"]) for row in rows)):
+        metric = ROWS[name].metric
+        shown = name if metric == "eval/accuracy" else f"{name} ({metric.split('/')[-1]})"
         for seed in dict.fromkeys(row["seed"] for row in rows if row["row"] == name):
             mine = [row for row in rows if row["row"] == name and row["seed"] == seed]
             xs, ys = [float(row[x]) for row in mine], [float(row["accuracy"]) for row in mine]
             if ROWS[name].val_only:
                 xs, ys = [0.0, right], [ys[0], ys[0]]
             axes.plot(xs, ys, color=f"C{index}", marker="" if ROWS[name].val_only else "o",
-                      linestyle="--" if ROWS[name].val_only else "-", label=f"{name} seed {seed}")
-    axes.set(xlabel="generated samples" if x == "env_steps" else "training minutes",
-             ylabel="held-out greedy accuracy", title=title)
+                      linestyle="--" if ROWS[name].val_only else "-", label=f"{shown} seed {seed}")
+    axes.set(xlabel=X_LABELS[x], ylabel="held-out accuracy (greedy unless named)", title=title)
     axes.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
@@ -244,12 +351,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "in the cache, from python -m models.smollm2).")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--iterations", type=int, default=16, help="Budget in iterations of 64 generated samples "
-                        "(an oversampling row runs a quarter as many iterations of four times the samples).")
+                        "(an oversampling row runs a quarter as many iterations of four times the samples, the "
+                        "debate a third as many of 192 messages).")
     parser.add_argument("--eval_interval", type=int, default=8, help="Evaluate every this many iterations of 64 "
                         "samples (and at the start and end).")
     parser.add_argument("--eval_limit", type=int, default=500, help="Held-out problems per evaluation.")
+    parser.add_argument("--token_margin", type=float, default=1.5, help="The workflow method's GRPO row trains this "
+                        "many times the debate's generated samples, so that its generated tokens reach the "
+                        "debate's (compared there).")
     parser.add_argument("--out", type=Path, default=Path("runs/real_model_methods"))
     args = parser.parse_args(argv)
+    if args.token_margin < 1:
+        parser.error(f"--token_margin {args.token_margin} is below 1: the GRPO row would generate fewer samples "
+                     "than the debate and could not reach its tokens; give 1 or more")
     args.model = args.model or default_model()
     args.out = args.out.resolve()
     return args
@@ -258,17 +372,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    method = METHODS[args.method]
     results = run_method(args)
     rows = curve_rows(results, args.eval_limit)
     with open(args.out / "curve.csv", "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=CSV_KEYS)
         writer.writeheader()
         writer.writerows(rows)
-    for x, name in (("env_steps", "curve_samples.png"), ("minutes", "curve_minutes.png")):
+    x_name = "tokens" if method.x == "generated_tokens" else "samples"
+    for x, name in ((method.x, f"curve_{x_name}.png"), ("minutes", "curve_minutes.png")):
         plot(rows, x, args.out / name, f"{args.method} on SmolLM2-135M-Instruct")
-    trained, controls = METHODS[args.method]
-    for control in controls:
-        print(comparison(trained, control, results, args.eval_limit), flush=True)
+    for line in comparisons(method, results, args.eval_limit):
+        print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -620,15 +620,18 @@ def test_the_last_checkpoint_is_written_once_and_a_resume_evaluates_each_iterati
 
 
 def test_async_rollouts_count_only_the_batches_trained_on(untrained_policy_dir, tmp_path):
-    """Under asynchronous rollouts the next batch is collected while one trains: evaluations and
-    train/env_steps count the batches handed to the trainer only (4 env steps an iteration). The untrained
-    policy earns no outcome reward, so every GRPO advantage is 0 and no iteration steps the optimizer:
-    none logs train/trained_samples."""
+    """Under asynchronous rollouts the next batch is collected while one trains: evaluations,
+    train/env_steps and train/generated_tokens count the batches handed to the trainer only (4 env steps an
+    iteration, each a solution of train/action_tokens tokens on average). The untrained policy earns no outcome
+    reward, so every GRPO advantage is 0 and no iteration steps the optimizer: none logs train/trained_samples."""
     run_dir = Path(run_train_math(flags_for(untrained_policy_dir, tmp_path, "GRPO", 4, "--async_rollouts")))
     history = json.loads((run_dir / "eval_history.json").read_text())
     assert [(h["iteration"], h["env_steps"]) for h in history] == [(0, 0), (2, 8), (4, 16)]
     scalars = read_scalars(run_dir)
     assert scalars["train/env_steps"] == [(i, 4.0 * (i + 1)) for i in range(4)]
+    tokens = [value for _, value in scalars["train/generated_tokens"]]
+    assert np.diff([0.0, *tokens]) == pytest.approx([4 * mean for _, mean in scalars["train/action_tokens"]])
+    assert [h["generated_tokens"] for h in history] == [0, tokens[1], tokens[3]] and tokens[0] > 0
     assert scalars["train/optimizer_steps"] == [(i, 0.0) for i in range(4)]
     assert "train/trained_samples" not in scalars
 

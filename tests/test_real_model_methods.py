@@ -1,19 +1,25 @@
-"""bench/real_model_methods.py's arithmetic and presets: the comparison line, the standard errors, the rows'
-flags as train_math resolves them (the runs themselves are the bench's, and the real_model tests')."""
+"""bench/real_model_methods.py's arithmetic and presets: the comparison line, the standard errors, the
+equal-token alignment, the rows' flags as train_math resolves them, and (slow) the workflow method end to end on
+the tiny policy (the real-model runs themselves are the bench's, and the real_model tests')."""
 
 from __future__ import annotations
 
+import csv
 import math
+import shutil
 
 import pytest
 
-from bench.real_model_methods import (METHODS, PREFIX_ARITH, PREFIX_KL, PREFIX_LORA_LR, PREFIX_LORA_RANK,
-                                      PREFIX_TOKENS, ROWS, SAMPLES_PER_ITERATION, TARGET_TOKENS, comparison,
-                                      mean_and_error, parse_args, row_flags, weights_digest)
+from bench.real_model_methods import (DEBATES, METHODS, PREFIX_ARITH, PREFIX_KL, PREFIX_TOKENS, ROWS,
+                                      SAMPLES_PER_ITERATION, TARGET_TOKENS, WORKFLOW_SAMPLES, Method, align_at_tokens,
+                                      comparison, comparisons, main, mean_and_error, parse_args, row_flags,
+                                      weights_digest)
 
 
-def history(*accuracies: float) -> list[dict[str, float]]:
-    return [{"eval/accuracy": a, "iteration": i, "env_steps": 64 * i, "seconds": 60.0 * i, "eval/mean_length": 9.0}
+def history(*accuracies: float, tokens_per_iteration: int = 1000, metric: str = "eval/accuracy"
+            ) -> list[dict[str, float]]:
+    return [{metric: a, "eval/accuracy": a, "iteration": i, "env_steps": 64 * i, "seconds": 60.0 * i,
+             "generated_tokens": tokens_per_iteration * i, "eval/mean_length": 9.0}
             for i, a in enumerate(accuracies)]
 
 
@@ -33,16 +39,21 @@ def test_the_comparison_line_states_both_runs_the_gain_and_its_standard_errors()
                     f"{0.42 / error:.1f} standard errors)")
 
 
-@pytest.mark.parametrize("row", list(ROWS))
-def test_every_row_is_a_train_math_command_that_resolves(row, untrained_policy_dir, tmp_path):
-    """Parsed and resolved by train_math's own flags; equal generated samples at every evaluation."""
+def parsed_row(row: str, policy_dir, tmp_path, *argv: str):
+    """train_math's config of ``row``'s flags for seed 0, every model ``policy_dir``."""
     from test_train_math import parse
 
-    args = parse_args(["--method", "prime", "--model", str(untrained_policy_dir), "--iterations", "16",
-                       "--eval_interval", "8", "--out", str(tmp_path)])
-    model = str(untrained_policy_dir)
-    config = parse(*row_flags(row, 0, args, {"model": model, "target": model, "writer": model}),
-                   "--logdir", str(tmp_path))
+    args = parse_args(["--method", "prime", "--model", str(policy_dir), "--out", str(tmp_path), *argv])
+    model = str(policy_dir)
+    return parse(*row_flags(row, 0, args, {"model": model, "target": model, "writer": model}), "--logdir",
+                 str(tmp_path))
+
+
+@pytest.mark.parametrize("row", [row for name in ("prefix_rl", "prime")
+                                 for row in (METHODS[name].trained, *METHODS[name].controls)])
+def test_every_row_is_a_train_math_command_that_resolves(row, untrained_policy_dir, tmp_path):
+    """Parsed and resolved by train_math's own flags; equal generated samples at every evaluation."""
+    config = parsed_row(row, untrained_policy_dir, tmp_path, "--iterations", "16", "--eval_interval", "8")
     assert config.env.prompt_template == "chat" and config.generation.temperature == 0.3
     if ROWS[row].val_only:
         assert config.budget.val_only and config.generation.max_new_tokens == PREFIX_TOKENS + TARGET_TOKENS
@@ -53,10 +64,10 @@ def test_every_row_is_a_train_math_command_that_resolves(row, untrained_policy_d
     if row == "prefix_rl":
         assert config.generation.max_new_tokens == PREFIX_TOKENS and config.prefix_rl.target_max_new_tokens == 128
         assert config.learning.kl_coef == PREFIX_KL and config.learning.kl_loss_type == "low_var_kl"
-        assert (config.model.lora_rank, config.learning.lr) == (PREFIX_LORA_RANK, PREFIX_LORA_LR)
+        assert (config.model.lora_rank, config.learning.lr) == (16, 1e-4)  # the writer: a LoRA adapter
     else:
         assert (config.model.lora_rank, config.learning.lr) == (0, 2e-5)
-    if row in METHODS["prime"][1]:
+    if row in METHODS["prime"].controls:
         assert config.prime.process_coef == 0
 
 
@@ -65,7 +76,7 @@ def test_prefix_rl_trains_and_is_tested_on_one_form_of_problem():
     shared task's held-out set holds every two-number sum, its training set none)."""
     from envs.datasets import Arith
 
-    assert {ROWS[row].arith["min_ops"] for row in ("prefix_rl", *METHODS["prefix_rl"][1])} == {2}
+    assert {ROWS[row].arith["min_ops"] for row in ("prefix_rl", *METHODS["prefix_rl"].controls)} == {2}
     knobs = {key: PREFIX_ARITH[key] for key in ("digits", "min_ops", "max_ops", "operators")}
     train, test = Arith(**knobs).split(PREFIX_ARITH["num_train"], PREFIX_ARITH["num_test"], 0)
     assert (len(train), len(test)) == (500, 500) and not {p.id for p in train} & {p.id for p in test}
@@ -99,3 +110,103 @@ def test_a_writer_that_is_its_own_target_scores_the_same_alone_and_in_the_team(u
                            [p.answer for p in problems], args, temperature=1.0)
     assert result["team"] == result["writer_alone"] and 1 <= result["distinct"] <= 4
     assert 0 <= result["mixed_groups"] <= 1 and result["prefix_tokens"] <= 4
+
+
+@pytest.mark.parametrize("row", ["workflow", "workflow_untrained", "grpo_equal_tokens", "single_majk"])
+def test_the_workflow_rows_resolve_to_a_debate_of_adapters_and_its_single_agent_controls(row, untrained_policy_dir,
+                                                                                          tmp_path):
+    """24 iterations of 64 samples: the debate's 8 iterations of 32 debates x 6 messages, the GRPO row 1.5 times
+    that in iterations of 64, evaluated 3 times as often; both on LoRA rank 16 at lr 1e-4 (overriding the task's
+    full fine-tuning lr)."""
+    config = parsed_row(row, untrained_policy_dir, tmp_path, "--iterations", "24", "--eval_interval", "6")
+    assert config.env.prompt_template == "chat" and config.generation.temperature == 0.3
+    assert config.generation.max_new_tokens == 128 and config.budget.val_only == ROWS[row].val_only
+    if row.startswith("workflow"):
+        assert config.env.env_id == "Arith-Debate-v0" and config.env.num_envs == DEBATES
+        assert not config.multi_agent.share_policy and config.model.lora_rank == 16 and config.learning.lr == 1e-4
+        assert config.multi_agent.agent_groups == "at_grpo" and config.multi_agent.reward_assignment == "individual"
+        assert config.budget.eval_batch_size == 32
+    if row == "workflow":
+        assert config.budget.num_iterations * DEBATES * WORKFLOW_SAMPLES == 24 * SAMPLES_PER_ITERATION
+        assert config.budget.eval_interval == 2  # 6 x 64 samples
+    if row == "grpo_equal_tokens":
+        assert config.env.env_id == "Arith-v0" and config.model.lora_rank == 16 and config.learning.lr == 1e-4
+        assert config.budget.num_iterations == 36 and config.budget.eval_interval == 2  # 3 times as often
+    if row == "single_majk":
+        assert config.budget.eval_samples == WORKFLOW_SAMPLES and config.budget.eval_temperature == 0.3
+        assert ROWS[row].metric == "eval/maj_at_6"
+
+
+def test_the_grpo_row_is_compared_at_its_first_evaluation_reaching_the_workflows_tokens():
+    """Seed 0's debate ends at 2,000 generated tokens, seed 1's at 2,400; GRPO evaluations every 700 tokens
+    reach them at 2,100 (iteration 3) and 2,800 (iteration 4): 0.4 there, whatever came after."""
+    results = {"workflow": {0: history(0.2, 0.5, tokens_per_iteration=2000),
+                            1: history(0.2, 0.5, tokens_per_iteration=2400)},
+               "grpo_equal_tokens": {seed: history(0.2, 0.3, 0.3, 0.4, 0.4, 0.9, tokens_per_iteration=700)
+                                     for seed in (0, 1)},
+               "single_majk": {0: history(0.3, metric="eval/maj_at_6"), 1: history(0.3, metric="eval/maj_at_6")},
+               "workflow_untrained": {0: history(0.2)}}
+    aligned, ratios = align_at_tokens(results, "workflow")
+    assert [h["iteration"] for h in aligned["grpo_equal_tokens"][0]] == [0, 1, 2, 3]
+    assert [h["iteration"] for h in aligned["grpo_equal_tokens"][1]] == [0, 1, 2, 3, 4]
+    assert ratios == {"grpo_equal_tokens": {0: 2100 / 2000, 1: 2800 / 2400}}
+    lines = comparisons(METHODS["workflow"], results, 500)
+    assert lines[:2] == ["grpo_equal_tokens seed 0: compared at iteration 3, 2,100 generated tokens (1.05x workflow's)",
+                         "grpo_equal_tokens seed 1: compared at iteration 4, 2,800 generated tokens (1.17x workflow's)"]
+    # standard errors: sqrt(2 x .25 / 500) / 2 and sqrt(2 x .24 / 500) / 2, no spread between the seeds
+    z = 0.1 / math.hypot(math.sqrt(0.5 / 500) / 2, math.sqrt(0.48 / 500) / 2)
+    assert f"{z:.1f}" == "4.5" and lines[2] == ("workflow 0.200 -> 0.500 vs grpo_equal_tokens 0.200 -> 0.400 at "
+                                                "equal generated tokens (+10.0 points, 4.5 standard errors)")
+    assert lines[3].startswith("workflow 0.200 -> 0.500 vs single_majk 0.300 -> 0.300 at equal samples (+20.0 points")
+    assert lines[4].startswith("workflow 0.200 -> 0.500 vs workflow_untrained 0.200 -> 0.200 at equal samples")
+
+
+def test_a_grpo_row_short_of_the_workflows_tokens_says_so_instead_of_equal():
+    results = {"workflow": {0: history(0.2, 0.5, tokens_per_iteration=2000)},
+               "grpo_equal_tokens": {0: history(0.2, 0.3, 0.4, tokens_per_iteration=800)}}
+    aligned, ratios = align_at_tokens(results, "workflow")
+    assert len(aligned["grpo_equal_tokens"][0]) == 3 and ratios["grpo_equal_tokens"][0] == 0.8
+    line = comparisons(Method("workflow", ("grpo_equal_tokens",), "generated_tokens"), results, 500)[-1]
+    assert line.startswith("workflow 0.200 -> 0.500 vs grpo_equal_tokens 0.200 -> 0.400 at 0.80x workflow's "
+                           "generated tokens (short of equal: raise --token_margin) (+10.0 points")
+
+
+@pytest.mark.slow
+def test_the_workflow_method_runs_end_to_end_on_the_tiny_policy(tiny_models, tmp_path, monkeypatch, capsys):
+    """The bench's workflow method on the shipped tiny policy (given a ChatML template: the bench prompts through
+    the chat template), its messages cut to 16 tokens and 8 held-out problems: one debate iteration of 192
+    messages, the GRPO row on to its first evaluation past the debate's generated tokens, the untrained single
+    agent's maj@6 and the untrained debate; the CSV holds every row and the comparison lines are printed."""
+    from dataclasses import replace
+
+    from transformers import AutoTokenizer
+
+    from test_prompting import CHATML
+
+    model = tmp_path / "policy"
+    shutil.copytree(tiny_models.policy, model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.chat_template = CHATML
+    tokenizer.save_pretrained(model)
+    for row in METHODS["workflow"].controls + ("workflow",):
+        monkeypatch.setitem(ROWS, row, replace(ROWS[row], overrides=(*ROWS[row].overrides, "--max_new_tokens", "16")))
+    out = tmp_path / "bench"
+    main(["--method", "workflow", "--model", str(model), "--seeds", "0", "--iterations", "3", "--eval_interval", "3",
+          "--eval_limit", "8", "--out", str(out)])
+    lines = capsys.readouterr().out.strip().splitlines()
+    with open(out / "curve.csv") as handle:
+        curve = list(csv.DictReader(handle))
+    rows = {line["row"]: [] for line in curve}
+    for line in curve:
+        rows[line["row"]].append(line)
+    assert [int(line["iteration"]) for line in rows["workflow"]] == [0, 1]
+    workflow_tokens = int(rows["workflow"][-1]["generated_tokens"])
+    assert 0 < workflow_tokens <= 192 * 16  # one iteration of 32 debates x 6 messages of at most 16 tokens
+    grpo = [int(line["generated_tokens"]) for line in rows["grpo_equal_tokens"]]
+    assert grpo[0] == 0 and grpo[-1] >= workflow_tokens  # 4 iterations of 64: 1.5 times the debate's messages
+    assert rows["single_majk"][0]["metric"] == f"eval/maj_at_{WORKFLOW_SAMPLES}" and len(rows["single_majk"]) == 1
+    assert len(rows["workflow_untrained"]) == 1
+    assert lines[-4].startswith("grpo_equal_tokens seed 0: compared at iteration ")
+    assert "vs grpo_equal_tokens" in lines[-3] and " at equal generated tokens (" in lines[-3]
+    assert "vs single_majk" in lines[-2] and "vs workflow_untrained" in lines[-1]
+    assert (out / "curve_tokens.png").is_file() == (out / "curve_minutes.png").is_file()

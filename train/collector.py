@@ -71,9 +71,14 @@ class Tally:
         return self.sums[key] / self.counts[key] if self.counts.get(key) else float("nan")
 
 
+COUNTS = ("env_steps", "generated_tokens")
+"""The collector's running counts, saved in its state: env steps taken, and tokens generated for every acting
+(env, agent) pair (a frozen role's included: what the rollouts cost)."""
+
+
 class Collector:
     """Owns the training env's episodes between iterations: the current observations and infos, each
-    env's running episode return and the env steps taken (all saved with checkpoints)."""
+    env's running episode return, the env steps taken and the tokens generated (all saved with checkpoints)."""
 
     def __init__(self, env, spec: AlgorithmSpec, episode_length: int, sampling: Sampling, seed: int,
                  env_offset: int = 0, role_models: RoleModels = RoleModels(), critic: Critic = Critic.CENTRALIZED,
@@ -95,6 +100,7 @@ class Collector:
         self.obs, info = env.reset(seed=seed)
         self.facts: StepFacts = info[FACTS]
         self.env_steps = 0
+        self.generated_tokens = 0
 
     @torch.no_grad()
     def collect(self, policy: LanguagePolicy, generator: Generator, seed: int) -> tuple[RolloutBuffer, Tally]:
@@ -135,6 +141,7 @@ class Collector:
         self.pay_overlong(buffer, record, tally)
         self.tally_step(tally, stepped)
         self.env_steps += len(np.unique(stepped.envs))
+        self.generated_tokens += sum(len(ids) for ids in stepped.out.token_ids)
 
     def step_record(self, stepped: EnvStep, policy: LanguagePolicy) -> StepRecord:
         """What the buffer keeps of the samples [B] ``stepped`` took: those of the trained agents (all, with one
@@ -236,23 +243,25 @@ class Collector:
 
     def get_state(self) -> dict[str, Any]:
         """JSON-serialisable: the env's state (problem sampler, episodes in progress with their returns so
-        far) and the env steps taken."""
-        return {"env": self.env.get_state(), "env_steps": self.env_steps}
+        far), the env steps taken and the tokens generated."""
+        return {"env": self.env.get_state(), "env_steps": self.env_steps, "generated_tokens": self.generated_tokens}
 
     def merge_states(self, states: Sequence[dict[str, Any]]) -> dict[str, Any]:
         """The collector state of one process holding every rank's envs (``states`` in rank order)."""
         return {"env": self.env.merge_states([state["env"] for state in states]),
-                "env_steps": sum(state["env_steps"] for state in states)}
+                **{name: sum(state[name] for state in states) for name in COUNTS}}
 
     def split_state(self, state: dict[str, Any], rank: int) -> dict[str, Any]:
-        """This collector's share of a merged state (its envs: ``env_offset`` on); rank 0 keeps the count
-        of env steps, so the ranks' counts still add up to it."""
+        """This collector's share of a merged state (its envs: ``env_offset`` on); rank 0 keeps the ``COUNTS``,
+        so the ranks' counts still add up to them (a count the checkpoint predates starts at 0)."""
         num_envs, group_size = self.env.num_envs, self.env.group_size
         return {"env": self.env.split_state(state["env"], self.env_offset // group_size, num_envs // group_size),
-                "env_steps": state["env_steps"] if rank == 0 else 0}
+                **{name: state.get(name, 0) if rank == 0 else 0 for name in COUNTS}}
 
     def set_state(self, state: dict[str, Any]) -> None:
         """Continues exactly where ``get_state`` was called."""
         self.obs, info = self.env.set_state(state["env"])
         self.facts = info[FACTS]
         self.env_steps = state["env_steps"]
+        # a checkpoint written before the token count existed: counted from its resume on
+        self.generated_tokens = state.get("generated_tokens", 0)

@@ -37,8 +37,10 @@ class Reporter:
         return tqdm(range(start, total), initial=start, total=total, desc=name, dynamic_ncols=True,
                     disable=not self.ranks.is_main)
 
-    def log_iteration(self, iteration: int, buffer: RolloutBuffer, stats: dict[str, Any], env_steps: int) -> None:
-        """TensorBoard scalars and histograms (rank 0's own rollout, for the histograms and samples)."""
+    def log_iteration(self, iteration: int, buffer: RolloutBuffer, stats: dict[str, Any],
+                      counts: dict[str, int]) -> None:
+        """TensorBoard scalars and histograms (rank 0's own rollout, for the histograms and samples); ``counts``
+        ({name: count so far}, e.g. env_steps) as ``train/<name>``."""
         if not self.ranks.is_main:
             return
         self.last_buffer = buffer
@@ -52,7 +54,8 @@ class Reporter:
         for key, value in stats.items():
             if isinstance(value, (int, float)) and math.isfinite(value):
                 self.writer.add_scalar(key, value, iteration)
-        self.writer.add_scalar("train/env_steps", env_steps, iteration)
+        for name, count in counts.items():
+            self.writer.add_scalar(f"train/{name}", count, iteration)
 
     def log_evaluation(self, iteration: int, result: dict[str, float], env_steps: int,
                        num_problems: dict[str | None, int]) -> None:

@@ -36,7 +36,7 @@ from algorithms.buffer import RolloutBuffer
 from models.generation import Generator, mix_seed
 from models.policy import LanguagePolicy
 from train import distributed
-from train.collector import Collector, Tally
+from train.collector import COUNTS, Collector, Tally
 from train.distributed import Ranks
 
 
@@ -143,9 +143,12 @@ class Rollouts:
         the batch in flight, if one is."""
         return self.pending_start if self.pending is not None else self.collector.get_state()
 
-    def env_steps(self) -> int:
-        """Env steps of the batches handed to the trainer, by every rank together."""
-        return int(distributed.all_reduce_sum([self.handed_over_state()["env_steps"]])[0])
+    def counts(self) -> dict[str, int]:
+        """{name: count} of the collector's ``COUNTS`` over the batches handed to the trainer, by every rank
+        together."""
+        state = self.handed_over_state()
+        totals = distributed.all_reduce_sum([state[name] for name in COUNTS])
+        return {name: int(total) for name, total in zip(COUNTS, totals)}
 
     def close(self) -> None:
         if self.pool is not None:

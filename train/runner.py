@@ -317,23 +317,24 @@ class Runner:
             result = evaluation.evaluate_sets(self.eval_envs, self.generator, self.collector.sampling,
                                               self.config.budget.eval_limit, self.ranks, self.collector.role_models,
                                               self.eval_verdict, self.eval_sampling)
-        env_steps = self.rollouts.env_steps()
+        counts = self.rollouts.counts()
         best_before = max((h["eval/accuracy"] for h in self.history), default=-math.inf)
         # seconds: the training time the policy evaluated here took, every evaluation so far excluded
         self.progress.eval_seconds += result["time/eval"]
         seconds = self.elapsed() - self.progress.eval_seconds
-        self.history.append({"iteration": iteration, "env_steps": env_steps, "seconds": seconds, **result})
+        self.history.append({"iteration": iteration, **counts, "seconds": seconds, **result})
         new_best = result["eval/accuracy"] > best_before  # the same on every rank
         if self.config.logging.save_best and not self.config.budget.val_only and new_best:
             self.save_best(iteration, result["eval/accuracy"])
         limit = self.config.budget.eval_limit
         num_problems = {name: min(limit, len(env.problems)) for name, env in self.eval_envs.items()}
-        self.reporter.log_evaluation(iteration, result, env_steps, num_problems)
+        self.reporter.log_evaluation(iteration, result, counts["env_steps"], num_problems)
         return result
 
     def log(self, iteration: int, buffer: RolloutBuffer, stats: dict[str, Any]) -> None:
-        """The iteration's statistics (``Reporter.log_iteration``; env steps added over ranks)."""
-        self.reporter.log_iteration(iteration, buffer, stats, self.rollouts.env_steps())
+        """The iteration's statistics (``Reporter.log_iteration``; env steps and generated tokens added over
+        ranks)."""
+        self.reporter.log_iteration(iteration, buffer, stats, self.rollouts.counts())
 
     def snapshot(self) -> Snapshot:
         """(JSON state, RNG states) of everything but weights and optimizers (``Checkpointer.snapshot``)."""

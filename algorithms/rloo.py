@@ -1,7 +1,8 @@
-"""RLOO with PRIME's reward combination: leave-one-out baselines computed separately for the
-outcome stream (verified answer) and the implicit-PRM process stream (per-token rewards), then
-summed, turned into per-token returns and standardised over the batch (PRIME, arXiv 2502.01456; the
-standardisation is its released code's, which puts the two streams' weights on a common scale)."""
+"""RLOO with PRIME's reward combination: leave-one-out centring computed separately for the outcome
+stream (verified answer) and the implicit-PRM process stream (per-token rewards), then summed, turned into
+per-token returns and standardised over the batch (PRIME, arXiv 2502.01456). The centring and the
+standardisation are its released code's (``compute_rloo_returns``): the standardisation puts the two streams'
+weights on a common scale."""
 
 from __future__ import annotations
 
@@ -14,11 +15,23 @@ from algorithms.losses import discounted_reverse_cumsum, group_index, group_mean
 from envs.modes import AgentGroups
 
 
-def leave_one_out_baseline(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-    """b_i = mean of the OTHER members' scores in i's group; scores, group_ids, result: [B]."""
+def leave_one_out_centred(rewards: torch.Tensor, reward_mask: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """PRIME's leave-one-out centring of one reward stream, per token [B, L], 0 off ``reward_mask``.
+
+    rewards: [B, L] the stream's rewards; reward_mask: [B, L] where the stream pays (every real token for the
+        process stream, each response's last token for the outcome); group_ids: [B].
+    With m_j the mean of response j's rewards over its ``reward_mask`` and n its group's size:
+        a_{i,t} = (n r_{i,t} - sum_j m_j) / (n - 1) = r_{i,t} - mean_{j != i} m_j + (r_{i,t} - m_i) / (n - 1),
+    the sum over all n responses of the group, i's own included. A stream paid once per response (the outcome:
+    r_{i,t} = m_i) gets the plain leave-one-out baseline, r_i - mean_{j != i} r_j; a token of the process stream
+    keeps in addition its own deviation from its response's mean, over n - 1.
+    """
     groups, sizes = group_index(group_ids, min_size=2)
-    sums = group_means(scores, groups, sizes) * sizes
-    return (sums[groups] - scores) / (sizes[groups] - 1).to(scores.dtype)
+    mask = reward_mask.to(rewards.dtype)
+    means = (rewards * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    group_sums = (group_means(means, groups, sizes) * sizes)[groups, None]
+    n = sizes[groups, None].to(rewards.dtype)
+    return (n * rewards - group_sums) / (n - 1) * mask
 
 
 def rloo_returns(
@@ -32,21 +45,19 @@ def rloo_returns(
 ) -> torch.Tensor:
     """Per-token returns [B, L] used as advantages.
 
-    outcome: [B] verified reward of each response, paid at its last token, minus the
-        leave-one-out mean of its group's outcomes.
-    process: [B, L] implicit-PRM token rewards (optional); each token's reward minus the
-        leave-one-out mean, over the group's other responses, of their mean token reward.
+    outcome: [B] verified reward of each response, paid at its last token.
+    process: [B, L] implicit-PRM token rewards (optional), paid on every real token.
     token_mask: [B, L] 1 on each response's real tokens (from true lengths).
+    Each stream is centred within its group by ``leave_one_out_centred`` (a^o, a^p), before the returns are taken.
     Returns sum_{s >= t} gamma^(s-t) (outcome_coef * a^o_s + process_coef * a^p_s) on real tokens.
     """
     mask = token_mask.to(outcome.dtype)
     lengths = mask.sum(-1).long()
     last_token = torch.nn.functional.one_hot((lengths - 1).clamp(min=0), mask.shape[-1]).to(outcome.dtype) * mask
-    centered = outcome_coef * (outcome - leave_one_out_baseline(outcome, group_ids))[:, None] * last_token
+    centred = outcome_coef * leave_one_out_centred(outcome[:, None] * last_token, last_token, group_ids)
     if process is not None:
-        mean_process = (process * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-        centered = centered + process_coef * (process - leave_one_out_baseline(mean_process, group_ids)[:, None]) * mask
-    return discounted_reverse_cumsum(centered, gamma) * mask
+        centred = centred + process_coef * leave_one_out_centred(process, mask, group_ids)
+    return discounted_reverse_cumsum(centred, gamma) * mask
 
 
 def filter_groups(
@@ -62,8 +73,8 @@ def filter_groups(
 
 
 class RLOO(BaseAlgorithm):
-    """RLOO with PRIME: outcome and implicit-PRM token rewards get separate leave-one-out
-    baselines within each prompt group (``rloo_returns``); groups whose accuracy lies outside
+    """RLOO with PRIME: outcome and implicit-PRM token rewards are centred separately within each prompt
+    group (``rloo_returns``); groups whose accuracy lies outside
     [accuracy_lower_bound, accuracy_upper_bound] are dropped first (PRIME's online filter, ``kept``),
     keeping at most ``max_groups``. With ``normalize_advantages`` the returns are standardised over the
     kept tokens of the batch. The loss is the per-token clipped surrogate on those advantages; a KL in the

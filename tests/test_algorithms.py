@@ -8,7 +8,7 @@ from algorithms.appo import gae
 from algorithms.base import roc_auc
 from algorithms.grpo import group_advantages
 from algorithms.losses import aggregate, clipped_surrogate, discounted_reverse_cumsum, huber, kl_k3, value_loss
-from algorithms.rloo import filter_groups, leave_one_out_baseline, rloo_returns
+from algorithms.rloo import filter_groups, leave_one_out_centred, rloo_returns
 from algorithms.statistics import kl_early_stop, role_sums, row_statistics
 from algorithms.tppo import tppo_advantages
 
@@ -153,13 +153,31 @@ def test_tppo_vectorised_equals_loop(seed):
     torch.testing.assert_close(returns, expected_ret, atol=1e-6, rtol=0)
 
 
-def test_rloo_leave_one_out_by_hand():
-    scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 3.0, 5.0])
-    groups = torch.tensor([0, 0, 0, 0, 1, 1])
-    torch.testing.assert_close(leave_one_out_baseline(scores, groups),
-                               torch.tensor([1 / 3, 2 / 3, 2 / 3, 1 / 3, 5.0, 3.0]))
+def test_rloo_centring_is_prime_codes_by_hand():
+    """PRIME's compute_rloo_returns on one group of n = 3: a_it = (3 r_it - sum_j m_j) / 2, m_j response j's mean.
+    Process stream, lengths 2, 2, 1: means 0.2, 0.1, 0.4 (sum 0.7), so
+        response 0: (0.9 - 0.7) / 2 = 0.1,   (0.3 - 0.7) / 2 = -0.2
+        response 1: (0.0 - 0.7) / 2 = -0.35, (0.6 - 0.7) / 2 = -0.05
+        response 2: (1.2 - 0.7) / 2 = 0.25
+    (response 0's first token: 0.3 less the others' mean (0.1 + 0.4) / 2 = 0.05, plus its own deviation
+    (0.3 - 0.2) / 2 = 0.05). Outcome stream 1, 0, 1 at the last tokens: (3 o - 2) / 2 = 0.5, -1, 0.5, the plain
+    leave-one-out baseline (1 - (0 + 1) / 2 = 0.5). Returns: reverse cumsums of the two streams' sum,
+        response 0: [0.1, -0.2 + 0.5] -> [0.4, 0.3]; response 1: [-0.35, -0.05 - 1] -> [-1.4, -1.05];
+        response 2: [0.25 + 0.5] -> [0.75]."""
+    groups = torch.tensor([7, 7, 7])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 1.0], [1.0, 0.0]])
+    process = torch.tensor([[0.3, 0.1], [0.0, 0.2], [0.4, 5.0]])  # 5.0 sits on padding: ignored
+    torch.testing.assert_close(leave_one_out_centred(process, mask, groups),
+                               torch.tensor([[0.1, -0.2], [-0.35, -0.05], [0.25, 0.0]]))
+    outcome = torch.tensor([1.0, 0.0, 1.0])
+    returns = rloo_returns(outcome, groups, mask, process)
+    torch.testing.assert_close(returns, torch.tensor([[0.4, 0.3], [-1.4, -1.05], [0.75, 0.0]]))
     with pytest.raises(ValueError, match="use group_size >= 2"):
-        leave_one_out_baseline(scores, torch.tensor([0, 0, 0, 0, 1, 2]))
+        leave_one_out_centred(process, mask, torch.tensor([7, 7, 8]))
+    # one reward per response, groups of 4 and 2: each score less the mean of its group's others
+    scores, paid = torch.tensor([[1.0], [0.0], [0.0], [1.0], [3.0], [5.0]]), torch.ones(6, 1)
+    torch.testing.assert_close(leave_one_out_centred(scores, paid, torch.tensor([0, 0, 0, 0, 1, 1])),
+                               torch.tensor([[2 / 3], [-2 / 3], [-2 / 3], [2 / 3], [-2.0], [2.0]]))
 
 
 def test_rloo_returns_prime_combination_by_hand():
@@ -168,10 +186,10 @@ def test_rloo_returns_prime_combination_by_hand():
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
     process = torch.tensor([[0.3, 0.0, 0.3], [0.1, 0.3, 9.0]])  # 9.0 sits on padding: ignored
     returns = rloo_returns(outcome, groups, mask, process, outcome_coef=2.0, process_coef=0.5, gamma=1.0)
-    # outcome stream: +1 at token 2 of response 0, -1 at token 1 of response 1 (times 2)
-    # process stream: means 0.2 and 0.2 -> each token minus the other's mean 0.2 (times 0.5)
-    a0 = torch.tensor([0.05, -0.1, 0.05 + 2.0])
-    a1 = torch.tensor([-0.05, 0.05 - 2.0, 0.0])
+    # outcome stream (n = 2): 2 o - (1 + 0) = +1 at token 2 of response 0, -1 at token 1 of response 1 (times 2)
+    # process stream: means 0.2 and 0.2 (sum 0.4) -> 2 r - 0.4 on each token (times 0.5)
+    a0 = torch.tensor([0.1, -0.2, 0.1 + 2.0])
+    a1 = torch.tensor([-0.1, 0.1 - 2.0, 0.0])
     expected = torch.stack([a0.flip(0).cumsum(0).flip(0), a1.flip(0).cumsum(0).flip(0) * mask[1]])
     torch.testing.assert_close(returns, expected)
     outcome_only = rloo_returns(outcome, groups, mask)

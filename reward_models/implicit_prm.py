@@ -23,9 +23,6 @@ from envs.modes import ImplicitPrmGranularity, PrimeNorm, member_of
 from models.packing import TokenBatch, token_lengths
 from models.policy import LanguagePolicy, LoraSettings
 
-MAX_GRAD_NORM = 1.0  # PRIME's reward-model optimizer clips its gradient norm here (verl's grad_clip)
-
-
 class ImplicitPRM:
     """The implicit PRM of the module docstring. The trainer decides when it learns (it calls
     ``update``, or ``accumulate`` per micro-batch then ``step``); the checkpoint saves ``model`` and ``optimizer``.
@@ -34,7 +31,9 @@ class ImplicitPRM:
         model_dir: the Hugging Face causal LM it starts from (psi and the frozen reference).
         beta: the scale of the log-ratio, in the rewards and in the outcome loss.
         granularity, norm: see the module docstring.
-        lr: AdamW learning rate of ``update``.
+        lr: AdamW learning rate of ``update`` (no weight decay, as PRIME's reward-model optimizer: a decay would
+            pull psi towards zero, not towards pi_ref, and move every log-ratio with no outcome behind it).
+        grad_clip: the gradient norm each step is clipped to (PRIME's run script: 10).
         device, dtype, lora: as for ``LanguagePolicy``.
     """
 
@@ -44,6 +43,7 @@ class ImplicitPRM:
         beta: float = 0.05,
         granularity: ImplicitPrmGranularity = ImplicitPrmGranularity.TOKEN,
         lr: float = 1e-6,
+        grad_clip: float = 10.0,
         norm: PrimeNorm = PrimeNorm.BATCH_NORM,
         device: str = "auto",
         dtype: str = "float32",
@@ -53,9 +53,12 @@ class ImplicitPRM:
         self.norm = member_of(tuple(PrimeNorm), norm, "implicit PRM norm")
         if beta <= 0:
             raise ValueError(f"implicit PRM beta={beta} must be > 0")
-        self.beta = beta
+        if grad_clip <= 0:
+            raise ValueError(f"implicit PRM grad_clip={grad_clip} must be > 0 (PRIME's run script clips at 10)")
+        self.beta, self.grad_clip = beta, grad_clip
         self.model = LanguagePolicy(model_dir, device=device, dtype=dtype, lora=lora)
-        self.optimizer = torch.optim.AdamW(self.model.actor_parameters(), lr=lr, fused=True)  # no temporaries
+        self.optimizer = torch.optim.AdamW(self.model.actor_parameters(), lr=lr, weight_decay=0.0,
+                                           fused=True)  # fused: no temporaries
 
     @torch.no_grad()
     def reference_log_probs(self, prompts: TokenBatch, actions: TokenBatch) -> torch.Tensor:
@@ -133,8 +136,9 @@ class ImplicitPRM:
         loss.backward()
         return float(loss.detach()), logits.detach()
 
-    def step(self, sum_gradients: Callable[[list[torch.Tensor]], None] | None = None) -> None:
-        """The optimizer step on the accumulated gradients, their norm clipped to ``MAX_GRAD_NORM``.
+    def step(self, sum_gradients: Callable[[list[torch.Tensor]], None] | None = None) -> float:
+        """The optimizer step on the accumulated gradients, their norm clipped to ``grad_clip``; returns that norm
+        before the clip.
 
         Data parallelism: ``sum_gradients`` adds the gradients (in place) over the processes before the step; a
         process with no samples joins with zero gradients."""
@@ -144,9 +148,11 @@ class ImplicitPRM:
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
             sum_gradients([param.grad for param in parameters])
-        torch.nn.utils.clip_grad_norm_([param for param in parameters if param.grad is not None], MAX_GRAD_NORM)
+        grad_norm = torch.nn.utils.clip_grad_norm_([param for param in parameters if param.grad is not None],
+                                                   self.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)  # a model's worth, not held between updates
+        return float(grad_norm)
 
 
 def _sum_per_step(rewards: torch.Tensor, step_ends: torch.Tensor) -> torch.Tensor:

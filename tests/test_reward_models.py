@@ -236,6 +236,31 @@ def test_implicit_prm_reward_by_hand_and_update_direction(untrained_policy_dir):
                                rewards / (2 * largest + 1e-6))
 
 
+def test_implicit_prm_step_clips_its_gradient_norm(untrained_policy_dir):
+    """``grad_clip`` (PRIME's reward_model optim.grad_clip): ``step`` returns the gradient norm before the clip, and
+    the step is taken on the clipped gradient. AdamW's first step moves a weight by about lr whatever the gradient's
+    scale, unless the gradient is below its eps (1e-8): a clip of 1e-12 puts it there, and the weights barely move."""
+    with pytest.raises(ValueError, match="grad_clip=0.0 must be > 0"):
+        ImplicitPRM(untrained_policy_dir, grad_clip=0.0, device="cpu")
+    moved, norms = {}, {}
+    for clip in (10.0, 1e-12):
+        prm = ImplicitPRM(untrained_policy_dir, beta=0.5, lr=1e-3, grad_clip=clip, device="cpu")
+        tokenizer = prm.model.tokenizer
+        prompts = [tokenizer.encode(format_prompt(p.problem)) for p in PROBLEMS[:4]]
+        actions = [tokenizer.encode(join_steps(split_steps(p.solution)), add_special_tokens=False)
+                   for p in PROBLEMS[:4]]
+        start = [p.detach().clone() for p in prm.model.actor_parameters()]
+        prm.accumulate(prompts, actions, torch.tensor([1.0, 0.0, 1.0, 0.0]), 4)
+        by_hand = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad)
+                                                        for p in prm.model.actor_parameters()]))
+        norms[clip] = prm.step()
+        assert norms[clip] == pytest.approx(float(by_hand), rel=1e-5)
+        moved[clip] = max(float((a - b.detach()).abs().max()) for a, b in zip(start, prm.model.actor_parameters()))
+    assert norms[10.0] == pytest.approx(norms[1e-12])
+    assert moved[10.0] == pytest.approx(1e-3, rel=1e-3)
+    assert moved[1e-12] < 1e-3 * moved[10.0]
+
+
 # ---------------------------------------------------------------------------------------------
 # Trained tiny models (slow)
 # ---------------------------------------------------------------------------------------------

@@ -547,12 +547,12 @@ def test_the_implicit_prm_steps_before_or_after_scoring_a_batch(untrained_policy
     order, token_mask = buffer.episode_token_order()
     returns = buffer.to_episodes(buffer.token_rewards, order)
     if prime_update == "before":
-        assert stepped and "loss/implicit_prm" in stats
+        assert stepped and "loss/implicit_prm" in stats and stats["implicit_prm/grad_norm"] > 0
         assert (returns.sum(-1) < 0).all()
         to_go = returns.flip(-1).cumsum(-1).flip(-1)
         assert float(to_go[token_mask].abs().max()) == pytest.approx(1.0, abs=1e-5)
     else:
-        assert not stepped and "loss/implicit_prm" not in stats
+        assert not stepped and "loss/implicit_prm" not in stats and "implicit_prm/grad_norm" not in stats
         assert float(returns.abs().max()) == 0.0
 
 
@@ -567,13 +567,14 @@ def test_the_implicit_prm_step_in_micro_batches_equals_one_batch(untrained_polic
     assert len(learner.micro_batch_rows(buffer, rows)) > 2
     assert learner.micro_batch_rows(buffer, buffer.rows(torch.zeros_like(buffer.live))) == []  # a rank without rows
     weights, optimizer = copy.deepcopy(prm.model.state_dict()), copy.deepcopy(prm.optimizer.state_dict())
-    loss, scores = learner.implicit_prm_step(buffer, rows)
+    stats, scores = learner.implicit_prm_step(buffer, rows)
     parts = [p.detach().clone() for p in prm.model.actor_parameters()]
     prm.model.load_state_dict(weights)
     prm.optimizer.load_state_dict(optimizer)
     learner.config = dataclasses.replace(learner.config, micro_batch_tokens=0)
-    whole_loss, whole_scores = learner.implicit_prm_step(buffer, rows)
-    assert loss == pytest.approx(whole_loss, abs=1e-5)
+    whole_stats, whole_scores = learner.implicit_prm_step(buffer, rows)
+    assert stats["loss/implicit_prm"] == pytest.approx(whole_stats["loss/implicit_prm"], abs=1e-5)
+    assert stats["implicit_prm/grad_norm"] == pytest.approx(whole_stats["implicit_prm/grad_norm"], rel=1e-4)
     torch.testing.assert_close(scores, whole_scores, atol=1e-5, rtol=0)
     for part, whole in zip(parts, prm.model.actor_parameters()):  # an AdamW step moves a weight ~lr = 1e-3
         torch.testing.assert_close(part, whole.detach(), atol=1e-5, rtol=0)

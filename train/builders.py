@@ -470,7 +470,8 @@ def build_runner(config: RunConfig, run_dir: Path, writer, saved: checkpoint_fil
     implicit_prm = None
     if algorithm.needs_process_rewards:
         implicit_prm = ImplicitPRM(directory, beta=config.prime.implicit_prm_beta, lr=config.prime.implicit_prm_lr,
-                                   norm=config.prime.prime_norm, device=str(policy.device), dtype=config.model.dtype,
+                                   grad_clip=config.prime.implicit_prm_grad_clip, norm=config.prime.prime_norm,
+                                   device=str(policy.device), dtype=config.model.dtype,
                                    lora=lora_settings(config.model.lora_rank))
     optimizer, scheduler = build_optimizer(learning, policy, config.budget.num_iterations)
     sampling = sampling_of(config.generation, env.action_level, policy.tokenizer.eos_token or "")

@@ -325,6 +325,8 @@ class PrimeConfig:
                                     "--group_size of those passing the accuracy filter.", lower_bound=1)
     implicit_prm_beta: float = option(0.05, "PRIME: implicit PRM beta.")
     implicit_prm_lr: float = option(1e-3, "PRIME: implicit PRM learning rate (PRIME's paper used 1e-6 on 7B models).")
+    implicit_prm_grad_clip: float = option(10.0, "PRIME: the implicit PRM's gradient norm is clipped to this before "
+                                           "each of its steps (PRIME's reward_model optim.grad_clip: 10).")
     process_coef: float = option(1.0, "PRIME: weight of the implicit-PRM reward stream against the outcome stream's 1 "
                                  "(0: RLOO on the outcome stream alone, and no implicit PRM is built or trained).")
     prime_update: PrimeUpdate = option(PrimeUpdate.BEFORE, "PRIME: when the implicit PRM takes its step on a batch's "

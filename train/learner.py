@@ -157,14 +157,14 @@ class Learner:
         carry what their outcomes taught it. Returns how well it ranks their outcomes (``implicit_prm_ranking``):
         ``heldout``, by its scores before its step on them, read off the pass its step or its rewards take, with
         ``--implicit_prm_heldout_all`` ``heldout_all`` over every live episode too, and under ``before``
-        ``after_step``, by the scores its rewards carry; and under ``before`` its loss."""
+        ``after_step``, by the scores its rewards carry; and under ``before`` its step's loss and gradient norm."""
         kept = self.algorithm.kept(buffer)
         rows = buffer.rows(kept)
         actions = (rows.action_ids, rows.action_lengths)
         reference = self.implicit_prm.reference_log_probs(rows.prompts, actions)  # frozen: one pass serves both
         stats = {}
         if self.prime.prime_update is PrimeUpdate.BEFORE:
-            stats["loss/implicit_prm"], unseen = self.implicit_prm_step(buffer, rows, reference)
+            stats, unseen = self.implicit_prm_step(buffer, rows, reference)
         process, scores = self.implicit_prm.token_rewards(rows.prompts, actions, batch_max=self.batch_max,
                                                           ref_log_probs=reference)
         if self.prime.prime_update is PrimeUpdate.AFTER:
@@ -417,20 +417,22 @@ class Learner:
 
     def update_implicit_prm_after(self, buffer: RolloutBuffer, targets: AdvantageEstimate) -> dict[str, float]:
         """PRIME under ``--prime_update after``: one step of the implicit PRM on the actions the policy trained on
-        (``buffer.update_slots(targets)``); returns its loss. Nothing (``{}``) without a PRM or under ``before``."""
+        (``buffer.update_slots(targets)``); returns its loss and gradient norm. Nothing (``{}``) without a PRM or
+        under ``before``."""
         if self.implicit_prm is None or self.prime.prime_update is not PrimeUpdate.AFTER:
             return {}
-        return {"loss/implicit_prm": self.implicit_prm_step(buffer, buffer.rows(buffer.update_slots(targets)))[0]}
+        return self.implicit_prm_step(buffer, buffer.rows(buffer.update_slots(targets)))[0]
 
     def implicit_prm_step(self, buffer: RolloutBuffer, rows: Batch,
-                          reference: torch.Tensor | None = None) -> tuple[float, torch.Tensor]:
+                          reference: torch.Tensor | None = None) -> tuple[dict[str, float], torch.Tensor]:
         """One step of the implicit PRM on ``rows``, labelled by whether their episode's answer verified, its
         gradients accumulated over micro-batches of at most ``micro_batch_tokens`` forwarded positions as the
-        policy's are (``reference``: the rows' reference log-probs [B, L], when already computed); returns its
-        loss (NaN when no rank has a row) and its outcome scores [B] of ``rows`` before the step."""
+        policy's are (``reference``: the rows' reference log-probs [B, L], when already computed); returns
+        ``loss/implicit_prm`` and ``implicit_prm/grad_norm`` (the norm before ``--implicit_prm_grad_clip``; both
+        NaN when no rank has a row) and its outcome scores [B] of ``rows`` before the step."""
         total = int(distributed.all_reduce_sum([rows.num_samples])[0])  # over every rank
         if total == 0:
-            return math.nan, torch.zeros(0)
+            return {"loss/implicit_prm": math.nan, "implicit_prm/grad_norm": math.nan}, torch.zeros(0)
         labels = buffer.episode_correct_at(rows.index)
         loss, scores = 0.0, torch.zeros(rows.num_samples)
         for part in self.micro_batch_rows(buffer, rows):
@@ -439,8 +441,9 @@ class Learner:
                 take(rows.prompts, part.tolist()), (rows.action_ids[part, :width], rows.action_lengths[part]),
                 labels[part], total, None if reference is None else reference[part, :width])
             loss += part_loss
-        self.implicit_prm.step(distributed.sum_in_place if self.ranks.distributed else None)
-        return float(distributed.all_reduce_sum([loss])[0]), scores
+        grad_norm = self.implicit_prm.step(distributed.sum_in_place if self.ranks.distributed else None)
+        return {"loss/implicit_prm": float(distributed.all_reduce_sum([loss])[0]),
+                "implicit_prm/grad_norm": grad_norm}, scores
 
     def micro_batch_rows(self, buffer: RolloutBuffer, rows: Batch) -> list[torch.Tensor]:
         """The positions in ``rows`` [B] of each micro-batch of at most ``micro_batch_tokens`` forwarded

@@ -33,8 +33,8 @@ OPTIONS = {flag_name(field): (section, field) for section, kind in sections().it
 
 APPLIES_TO = {
     **dict.fromkeys(("accuracy_lower_bound", "accuracy_upper_bound", "oversample_factor", "implicit_prm_beta",
-                     "implicit_prm_lr", "process_coef", "prime_update", "prime_norm", "normalize_advantages",
-                     "implicit_prm_heldout_all"),
+                     "implicit_prm_lr", "implicit_prm_grad_clip", "process_coef", "prime_update", "prime_norm",
+                     "normalize_advantages", "implicit_prm_heldout_all"),
                     algorithms_with(lambda spec: spec.prime)),
     "scale_rewards": algorithms_with(lambda spec: spec.scales_rewards),
     "agent_groups": algorithms_with(lambda spec: spec.grouped),
@@ -46,7 +46,7 @@ APPLIES_TO = {
 }
 """Options that only some algorithms read: {flag name: the algorithms that read it}."""
 
-POSITIVE = ("lr", "critic_lr", "clip_param", "temperature", "eval_temperature")
+POSITIVE = ("lr", "critic_lr", "clip_param", "temperature", "eval_temperature", "implicit_prm_grad_clip")
 NON_NEGATIVE = ("max_grad_norm", "entropy_coef", "target_kl", "value_coef", "value_clip_param", "huber_delta",
                 "kl_coef", "implicit_prm_beta", "implicit_prm_lr", "process_coef")
 PROBABILITIES = ("top_p", "eval_top_p")  # in (0, 1]: a nucleus holds some mass

@@ -23,6 +23,7 @@ from envs.modes import ImplicitPrmGranularity, PrimeNorm, member_of
 from models.packing import TokenBatch, token_lengths
 from models.policy import LanguagePolicy, LoraSettings
 
+
 class ImplicitPRM:
     """The implicit PRM of the module docstring. The trainer decides when it learns (it calls
     ``update``, or ``accumulate`` per micro-batch then ``step``); the checkpoint saves ``model`` and ``optimizer``.

@@ -75,9 +75,10 @@ def filter_groups(
 class RLOO(BaseAlgorithm):
     """RLOO with PRIME: outcome and implicit-PRM token rewards are centred separately within each prompt
     group (``rloo_returns``); groups whose accuracy lies outside [accuracy_lower_bound, accuracy_upper_bound]
-    are dropped first (PRIME's online filter, ``kept``), keeping at most ``max_groups``. With ``normalize_advantages`` the returns are standardised over the
-    kept tokens of the batch. The loss is the per-token clipped surrogate on those advantages; a KL in the
-    reward (``use_kl_in_reward``) is summed into the outcome stream."""
+    are dropped first (PRIME's online filter, ``kept``), keeping at most ``max_groups``. With
+    ``normalize_advantages`` the returns are standardised over the kept tokens of the batch. The loss is the
+    per-token clipped surrogate on those advantages; a KL in the reward (``use_kl_in_reward``) is summed into
+    the outcome stream."""
 
     name = "RLOO"
 

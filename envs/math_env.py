@@ -199,8 +199,14 @@ class ProblemSampler:
         self.position = state["position"]
 
 
-RENAMED_STATE_KEYS = {"paid": "return_so_far"}
-"""Keys of an ``Episode.get_state`` saved by an older build -> their field now, so its checkpoints resume."""
+RENAMED_STATE_KEYS = {"paid": "return_so_far", "returns": "return_so_far"}
+"""Keys of an env state saved by an older build (an ``Episode.get_state``'s ``paid``, a multi-agent env's
+``returns``) -> their name now, so its checkpoints resume."""
+
+
+def renamed_state_keys(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with each key an older build saved under its name now (``RENAMED_STATE_KEYS``)."""
+    return {RENAMED_STATE_KEYS.get(key, key): value for key, value in state.items()}
 
 
 @dataclass
@@ -404,7 +410,7 @@ class MathTask:
     def restore_episode(self, state: dict[str, Any]) -> Episode:
         """The episode ``Episode.get_state`` described."""
         problem = self.sampler.get(state["problem_id"])
-        rest = {RENAMED_STATE_KEYS.get(key, key): value for key, value in state.items() if key != "problem_id"}
+        rest = {key: value for key, value in renamed_state_keys(state).items() if key != "problem_id"}
         return Episode(problem=problem, prompt=self.prompt(problem), **rest)
 
     def observation(self, episode: Episode) -> str:

@@ -47,7 +47,7 @@ def rollouts(policy_dir: Path, episodes: int, seed: int) -> tuple[Batch, torch.T
 
 def subset(rows: Batch, index: torch.Tensor) -> tuple[list[list[int]], tuple[torch.Tensor, torch.Tensor]]:
     """(prompts, (action ids, action lengths)) of the rows ``index``."""
-    return [rows.prompts[i] for i in index.tolist()], (rows.action_ids[index], rows.action_lengths[index])
+    return [rows.prompt_ids[i] for i in index.tolist()], (rows.action_ids[index], rows.action_lengths[index])
 
 
 @torch.no_grad()

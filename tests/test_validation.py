@@ -27,7 +27,7 @@ REFUSED = [
     ({"top_p": 0.0}, "--top_p=0.0: must be in (0, 1]"),
     ({"gamma": 1.5}, "--gamma=1.5: must be in [0, 1]"),
     ({"dtype": "float16"}, FLOAT16_TRAINING),
-    ({"device": "gpu"}, "--device=gpu: must be auto, cpu, cuda or cuda:N"),
+    ({"device": "gpu"}, "--device=gpu: must be auto, cpu, cuda, cuda:N or mps"),
     ({"experiment_name": "a/b"}, "(it names a directory)"),
     ({"dataset_path": "/no/such/problems.jsonl"}, "does not exist; pass an existing path or leave --dataset_path out"),
     ({"model_name_or_path": "./no/such/dir"}, "leave --model_name_or_path out"),
@@ -154,7 +154,7 @@ def test_every_option_wrong_alone_is_refused_on_a_line_of_its_own():
     with pytest.raises(ValueError) as error:
         resolved(from_code(overrides))
     assert str(error.value).splitlines() == ["--lr=-1.0: must be > 0", "--top_p=0.0: must be in (0, 1]",
-                                             "--device=gpu: must be auto, cpu, cuda or cuda:N"]
+                                             "--device=gpu: must be auto, cpu, cuda, cuda:N or mps"]
     assert refusal_from_flags(overrides) == str(error.value)
     with pytest.raises(ValueError) as error:
         resolved(from_code({"clip_ratio_c": 0.5, "max_num_gen_batches": 3, "system_prompt": "Be brief."}))

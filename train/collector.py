@@ -77,8 +77,9 @@ COUNTS = ("env_steps", "generated_tokens")
 
 
 class Collector:
-    """Owns the training env's episodes between iterations: the current observations and infos, each
-    env's running episode return, the env steps taken and the tokens generated (all saved with checkpoints)."""
+    """Owns the training env's episodes between iterations: the current observations and their ``StepFacts``
+    (each env's running episode return among them), the env steps taken and the tokens generated (all saved with
+    checkpoints)."""
 
     def __init__(self, env, spec: AlgorithmSpec, episode_length: int, sampling: Sampling, seed: int,
                  env_offset: int = 0, role_models: RoleModels = RoleModels(), critic: Critic = Critic.CENTRALIZED,

@@ -376,7 +376,7 @@ class Learner:
 
     def row_adapters(self, batch) -> list[str | None] | None:
         """What scores each row of ``batch``: its member's role or its role adapter (``voices``), else None; None
-        when every row is the policy's own."""
+        when no slot has one (every row is the policy's own)."""
         if not self.voices:
             return None
         return [self.voices.get(agent) for agent in batch.agents.tolist()]

@@ -89,9 +89,10 @@ def test_every_section_built_from_its_flags_defaults_is_its_own_default(name):
 def test_every_train_math_flag_is_one_option_of_one_section():
     """No flag is defined outside the options (so none has a second default), and each --helpfull section
     is one RunConfig section."""
-    from train.flags import FLAGS, SECTIONS
+    from train.flags import FLAGS, SECTIONS, section_module
 
-    by_module = {module.__name__: {flag.name for flag in FLAGS.get_flags_for_module(module.__name__)}
-                 for module in SECTIONS.values()}
+    by_module = {section: {flag.name for flag in FLAGS.get_flags_for_module(section_module(section))}
+                 for section in SECTIONS.values()}
     by_section = {name: {flag_name(field) for field in options(section)} for name, section in RUN_SECTIONS.items()}
-    assert sorted(map(sorted, by_module.values())) == sorted(map(sorted, by_section.values()))
+    assert sorted(SECTIONS.values()) == sorted(RUN_SECTIONS) and by_module == by_section
+

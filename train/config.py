@@ -1,7 +1,7 @@
 """A run's configuration: one typed, frozen dataclass per part, and the single source of each option.
 
 A user option is a field declared with ``train.options.option`` (its default and help written once);
-its absl flag is generated from it (train/flags/, one module per section, in --helpfull's order), so
+its absl flag is generated from it (train/flags.py, section by section, in --helpfull's order), so
 ``RunConfig()`` and ``train_math.py`` without flags start from the same values. A default of None means
 "resolved from other options": the help says to what, and ``train.resolve.resolved`` works it out, in
 one place, for a config from flags and one built in code alike. Fields declared without ``option`` are

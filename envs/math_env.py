@@ -48,6 +48,7 @@ CODE_FENCE, CLOSING_FENCE = "```python", "```"
 OUTPUT_SLOT = "{output}"
 TOOL_OUTPUT_CUT = "\n... (output cut)"
 TOOL_TIMEOUT_S, MAX_TOOL_OUTPUT_CHARS = 5.0, 1024  # a tool call's defaults: wall-clock seconds, output length
+MAX_TOOL_CALLS = 4  # an episode's default
 
 
 def plain_tool_turn(step_delimiter: str = STEP_DELIMITER) -> str:
@@ -342,7 +343,7 @@ class MathTask:
         handoff_steps: int | None = None,
         shuffle: bool = True,
         tools: Tool | str | None = None,
-        max_tool_calls: int = 4,
+        max_tool_calls: int = MAX_TOOL_CALLS,
         max_tool_output_chars: int = MAX_TOOL_OUTPUT_CHARS,
         tool_timeout_s: float = TOOL_TIMEOUT_S,
         tool_turn: str | None = None,

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import pytest
 from absl import flags
 
-from train.config import RunConfig
+from train.config import EnvConfig, RunConfig
 from train.options import define_flags, flag_name, option, options, section_from_flags
 
 
@@ -96,3 +96,13 @@ def test_every_train_math_flag_is_one_option_of_one_section():
     by_section = {name: {flag_name(field) for field in options(section)} for name, section in RUN_SECTIONS.items()}
     assert sorted(SECTIONS.values()) == sorted(RUN_SECTIONS) and by_module == by_section
 
+
+def test_the_tool_options_help_names_the_env_defaults():
+    """--max_tool_calls, --max_tool_response_length and --tool_timeout default to the env's own (None); their help
+    names those values, which live in envs.math_env (too heavy to import where the flags are defined)."""
+    from envs.math_env import MAX_TOOL_CALLS, MAX_TOOL_OUTPUT_CHARS, TOOL_TIMEOUT_S
+
+    helps = {field.name: field.metadata["help"] for field in options(EnvConfig)}
+    for name, default in (("max_tool_calls", MAX_TOOL_CALLS), ("max_tool_output_chars", MAX_TOOL_OUTPUT_CHARS),
+                          ("tool_timeout", TOOL_TIMEOUT_S)):
+        assert helps[name].endswith(f"Default: the env's ({default:g})."), helps[name]

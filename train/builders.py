@@ -386,7 +386,7 @@ def build_members(config: RunConfig, device: torch.device) -> list[Member]:
     return members
 
 
-def build_trained_module(team: Team, ranks: Ranks, data_parallel: DataParallel) -> torch.nn.Module:
+def build_parallel_module(team: Team, ranks: Ranks, data_parallel: DataParallel) -> torch.nn.Module:
     """The module the update calls: the team (the policy and its members), or under torchrun the team with its
     policy sharded with FSDP2 (``data_parallel`` fsdp, or auto with full fine-tuning; with members auto resolves
     to ddp) or the team wrapped in DDP (ddp, or auto with LoRA; parameters a step leaves unused, such as an idle
@@ -457,7 +457,7 @@ def build_runner(config: RunConfig, run_dir: Path, writer, saved: checkpoint_fil
     members = build_members(config, policy.device)
     team = Team(policy, {member.role: member.policy for member in members})
     # first: under FSDP2 the ranks but 0 hold no weights until sharded, and the parameters become new objects
-    parallel_module = build_trained_module(team, ranks, data_parallel)
+    parallel_module = build_parallel_module(team, ranks, data_parallel)
     template = build_template(env.prompt_template, policy.tokenizer, env.system_prompt, env.answer_instruction)
     reward_model = build_reward_model(config, str(policy.device), template)
     train_env, eval_envs = build_envs(config, reward_model, policy.tokenizer, template, ranks)

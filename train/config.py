@@ -22,9 +22,9 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from typing import TYPE_CHECKING
 
 from algorithms.registry import ALGORITHMS
-from envs.modes import (ActionLevel, AgentGroups, Backend, Critic, DataParallel, DType, Grader, ImportanceSamplingLevel,
-                        KLEstimator, LossAgg, LrSchedule, PrimeNorm, PrimeUpdate, PrmType, PromptTemplate,
-                        RewardAssignment, RolloutIsLevel, RolloutIsMode, ScaleRewards, Tool)
+from envs.modes import (LOSS_AGG_ALIASES, ActionLevel, AgentGroups, Backend, Critic, DataParallel, DType, Grader,
+                        ImportanceSamplingLevel, KLEstimator, LossAgg, LrSchedule, PrimeNorm, PrimeUpdate, PrmType,
+                        PromptTemplate, RewardAssignment, RolloutIsLevel, RolloutIsMode, ScaleRewards, Tool)
 from train.options import option
 
 if TYPE_CHECKING:
@@ -302,8 +302,7 @@ class LearningConfig:
         LossAgg.TOKEN_MEAN, "How per-token losses become one (verl's names): token-mean (every token weighs the "
         "same, DAPO), seq-mean-token-mean (every action weighs the same, GRPO), seq-mean-token-sum, "
         "seq-mean-token-sum-norm (each action's token sum over a fixed length, --loss_scale_factor: Dr. GRPO). "
-        "token_mean and seq_mean: the first two.", aliases={"token_mean": LossAgg.TOKEN_MEAN,
-                                                            "seq_mean": LossAgg.SEQ_MEAN_TOKEN_MEAN})
+        "token_mean and seq_mean: the first two.", aliases=LOSS_AGG_ALIASES)
     loss_scale_factor: int | None = option(
         None, "The fixed length seq-mean-token-sum-norm divides each action's token sum by (verl's "
         "loss_scale_factor). Default with that mode: --max_new_tokens.", lower_bound=1)

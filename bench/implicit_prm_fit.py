@@ -62,7 +62,7 @@ def heldout(prm: ImplicitPRM, rows: Batch, labels: torch.Tensor, batch: int) -> 
 def fit(policy_dir: Path, train: tuple[Batch, torch.Tensor], test: tuple[Batch, torch.Tensor], lr: float,
         beta: float, batch: int, report_every: int, seed: int) -> dict:
     torch.manual_seed(seed)
-    prm = ImplicitPRM(policy_dir, beta=beta, lr=lr, device="cpu")
+    prm = ImplicitPRM(LanguagePolicy(policy_dir, device="cpu"), beta=beta, lr=lr)
     rows, labels = train
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
     curve, losses, started = [], [], time.perf_counter()

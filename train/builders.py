@@ -107,9 +107,10 @@ def lora_settings(rank: int) -> LoraSettings | None:
 def language_policy(directory: str, model: ModelConfig, device: str | torch.device, *, lora_rank: int = 0,
                     trained: bool = False, **settings: Any) -> LanguagePolicy:
     """The one way a run builds a LanguagePolicy (its policy, a member, the rollout copy, a frozen role, the
-    target): the model in ``directory`` on ``device`` in the run's --dtype, in eval mode (no dropout: recomputed
-    log-probs must match the sampler's). ``lora_rank``: its LoRA (0: none); ``trained``: it learns, so
-    --gradient_checkpointing applies; ``settings``: LanguagePolicy's other keywords (critic, role adapters...)."""
+    target, PRIME's implicit PRM): the model in ``directory`` on ``device`` in the run's --dtype, in eval mode (no
+    dropout: recomputed log-probs must match the sampler's). ``lora_rank``: its LoRA (0: none); ``trained``: it
+    learns through the policy's update, so --gradient_checkpointing applies; ``settings``: LanguagePolicy's other
+    keywords (critic, role adapters...)."""
     checkpointing = {"gradient_checkpointing": model.gradient_checkpointing} if trained else {}
     return LanguagePolicy(directory, device=device, dtype=model.dtype, lora=lora_settings(lora_rank),
                           **checkpointing, **settings).eval()
@@ -469,9 +470,10 @@ def build_runner(config: RunConfig, run_dir: Path, writer, saved: checkpoint_fil
     algorithm = build_algorithm(config, ranks)
     implicit_prm = None
     if algorithm.needs_process_rewards:
-        implicit_prm = ImplicitPRM(directory, beta=config.prime.implicit_prm_beta, lr=config.prime.implicit_prm_lr,
-                                   norm=config.prime.prime_norm, device=str(policy.device), dtype=config.model.dtype,
-                                   lora=lora_settings(config.model.lora_rank))
+        implicit_prm = ImplicitPRM(language_policy(directory, config.model, str(policy.device),
+                                                   lora_rank=config.model.lora_rank),
+                                   beta=config.prime.implicit_prm_beta, lr=config.prime.implicit_prm_lr,
+                                   norm=config.prime.prime_norm)
     optimizer, scheduler = build_optimizer(learning, policy, config.budget.num_iterations)
     sampling = sampling_of(config.generation, env.action_level, policy.tokenizer.eos_token or "")
     collector = Collector(train_env, algorithm_spec(learning.algorithm), env.episode_length, sampling,

@@ -279,14 +279,13 @@ def build_envs(config: RunConfig, reward_model: RewardModel, tokenizer, template
 
 def algorithm_config(config: RunConfig, ranks: Ranks = Ranks()) -> AlgorithmConfig:
     """The algorithms' hyper-parameters: each from the option of the same name in the algorithm or PRIME
-    section (0 turning the value clip and the Huber loss off), the multi-agent group baseline from --agent_groups;
-    under torchrun RLOO keeps its share of the filtered groups on each rank."""
+    section, the multi-agent group baseline from --agent_groups; under torchrun RLOO keeps its share of the
+    filtered groups on each rank."""
     learning, prime = config.learning, config.prime
     named = {part.name: getattr(section, part.name) for part in dataclasses.fields(AlgorithmConfig)
              for section in (learning, prime) if hasattr(section, part.name)}
     return AlgorithmConfig(**{
-        **named, "value_clip_param": learning.value_clip_param or None, "huber_delta": learning.huber_delta or None,
-        "use_kl_in_reward": bool(learning.use_kl_in_reward),
+        **named, "use_kl_in_reward": bool(learning.use_kl_in_reward),
         "max_groups": learning.prompt_groups // ranks.world_size if learning.prompt_groups is not None else None,
         "agent_groups": config.multi_agent.agent_groups})
 

@@ -7,7 +7,7 @@ REINFORCE_PP or REINFORCE_PP_BASELINE (``algorithms.registry.ALGORITHMS``).
     python -u train_math.py --dataset_path ./math_500.jsonl --model_name_or_path ./Qwen2.5-Math-1.5B \\
         --prm_model_name_or_path ./math-shepherd-mistral-7b-prm --algorithm_name APPO --num_mini_batch 4 --ppo_epoch 1
 
-Flags are parsed (train/flags/); a resume gives the flags this command line left out their checkpoint's values;
+Flags are parsed (train/flags.py); a resume gives the flags this command line left out their checkpoint's values;
 then they are validated (train/validation.py, before anything heavy is imported or loaded) and resolved once
 into a RunConfig (train/config.py), and the run is composed from it by train/builders.py.
 TensorBoard logs and checkpoints go to <logdir>/<experiment>/<run>; ``--resume auto`` continues the

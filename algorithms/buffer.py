@@ -72,8 +72,8 @@ class Batch:
 
     index: torch.Tensor  # [B] flat slot indices into T * N * A
     agents: torch.Tensor  # [B] the agent slot of each row
-    prompts: list[list[int]]
-    critic_prompts: list[list[int]] | None  # what the critic reads instead of the prompt (None: the prompt)
+    prompt_ids: list[list[int]]  # [B] token ids of each row's prompt
+    critic_prompt_ids: list[list[int]] | None  # what the critic reads instead of the prompt (None: the prompt)
     action_ids: torch.Tensor  # [B, L]
     action_lengths: torch.Tensor  # [B]
     token_mask: torch.Tensor  # [B, L] bool, from lengths
@@ -467,8 +467,8 @@ class RolloutBuffer:
         return Batch(
             index=index,
             agents=index % self.shape[2],
-            prompts=[self.prompt_ids[i] for i in index.tolist()],
-            critic_prompts=(None if self.critic_prompt_ids is None
+            prompt_ids=[self.prompt_ids[i] for i in index.tolist()],
+            critic_prompt_ids=(None if self.critic_prompt_ids is None
                             else [self.critic_prompt_ids[i] for i in index.tolist()]),
             action_ids=tokens(self.action_ids),
             action_lengths=lengths,

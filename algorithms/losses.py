@@ -124,17 +124,17 @@ def value_loss(
     values: torch.Tensor,
     old_values: torch.Tensor,
     returns: torch.Tensor,
-    clip_param: float | None,
-    huber_delta: float | None = None,
+    clip_param: float,
+    huber_delta: float = 0.0,
 ) -> torch.Tensor:
     """Elementwise critic loss: max(f(R - V), f(R - V_clipped)) with V_clipped kept within
-    ``clip_param`` of the values at collection time (no clipping if None); f is the Huber loss with
-    ``huber_delta`` or 0.5 * squared error."""
+    ``clip_param`` of the values at collection time (no clipping if 0); f is the Huber loss with
+    ``huber_delta`` (0: 0.5 * squared error)."""
     def f(error: torch.Tensor) -> torch.Tensor:
-        return huber(error, huber_delta) if huber_delta is not None else 0.5 * error**2
+        return huber(error, huber_delta) if huber_delta else 0.5 * error**2
 
     loss = f(returns - values)
-    if clip_param is None:
+    if not clip_param:
         return loss
     clipped_values = old_values + (values - old_values).clamp(-clip_param, clip_param)
     return torch.maximum(loss, f(returns - clipped_values))

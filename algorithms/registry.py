@@ -21,8 +21,8 @@ class AlgorithmConfig:
     """Hyper-parameters shared by the algorithms (each reads the ones it needs)."""
 
     clip_param: float = 0.2
-    value_clip_param: float | None = 0.2  # None: no value clipping
-    huber_delta: float | None = None  # None: 0.5 * squared error
+    value_clip_param: float = 0.2  # 0: no value clipping
+    huber_delta: float = 0.0  # 0: 0.5 * squared error
     value_coef: float = 0.5
     entropy_coef: float = 0.0
     gamma: float = 1.0

@@ -47,7 +47,7 @@ def rollouts(policy_dir: Path, episodes: int, seed: int) -> tuple[Batch, torch.T
 
 def subset(rows: Batch, index: torch.Tensor) -> tuple[list[list[int]], tuple[torch.Tensor, torch.Tensor]]:
     """(prompts, (action ids, action lengths)) of the rows ``index``."""
-    return [rows.prompts[i] for i in index.tolist()], (rows.action_ids[index], rows.action_lengths[index])
+    return [rows.prompt_ids[i] for i in index.tolist()], (rows.action_ids[index], rows.action_lengths[index])
 
 
 @torch.no_grad()
@@ -62,7 +62,7 @@ def heldout(prm: ImplicitPRM, rows: Batch, labels: torch.Tensor, batch: int) -> 
 def fit(policy_dir: Path, train: tuple[Batch, torch.Tensor], test: tuple[Batch, torch.Tensor], lr: float,
         beta: float, batch: int, report_every: int, seed: int) -> dict:
     torch.manual_seed(seed)
-    prm = ImplicitPRM(policy_dir, beta=beta, lr=lr, device="cpu")
+    prm = ImplicitPRM(LanguagePolicy(policy_dir, device="cpu"), beta=beta, lr=lr)
     rows, labels = train
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
     curve, losses, started = [], [], time.perf_counter()

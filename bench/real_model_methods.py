@@ -81,7 +81,7 @@ from bench.learning_table import Results, newest_run_dir, train_math_history
 from bench.real_model_learning import ARITH, MICRO_BATCH_TOKENS, default_model, pyplot, standard_error
 
 PREFIX_TOKENS, TARGET_TOKENS = 32, 128  # Prefix-RL's writer budget (the paper's 32-64 tokens) and the target's
-PREFIX_KL = 0.05  # the writer's KL to its reference (the loss's k3 term), as Prefix-RL's PPO code keeps one
+PREFIX_KL = 0.05  # the writer's KL to its reference (the loss's low_var_kl term), as Prefix-RL's PPO code keeps one
 PRM_LR = 4e-5  # PRIME's paper: the PRM at twice the policy's lr (1e-6 against 5e-7)
 SAMPLES_PER_ITERATION = 64  # 8 prompts x 8 samples
 DEBATERS, ROUNDS = 3, 2  # Arith-Debate-v0's

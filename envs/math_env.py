@@ -48,6 +48,7 @@ CODE_FENCE, CLOSING_FENCE = "```python", "```"
 OUTPUT_SLOT = "{output}"
 TOOL_OUTPUT_CUT = "\n... (output cut)"
 TOOL_TIMEOUT_S, MAX_TOOL_OUTPUT_CHARS = 5.0, 1024  # a tool call's defaults: wall-clock seconds, output length
+MAX_TOOL_CALLS = 4  # an episode's default
 
 
 def plain_tool_turn(step_delimiter: str = STEP_DELIMITER) -> str:
@@ -199,8 +200,14 @@ class ProblemSampler:
         self.position = state["position"]
 
 
-RENAMED_STATE_KEYS = {"paid": "return_so_far"}
-"""Keys of an ``Episode.get_state`` saved by an older build -> their field now, so its checkpoints resume."""
+RENAMED_STATE_KEYS = {"paid": "return_so_far", "returns": "return_so_far"}
+"""Keys of an env state saved by an older build (an ``Episode.get_state``'s ``paid``, a multi-agent env's
+``returns``) -> their name now, so its checkpoints resume."""
+
+
+def renamed_state_keys(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with each key an older build saved under its name now (``RENAMED_STATE_KEYS``)."""
+    return {RENAMED_STATE_KEYS.get(key, key): value for key, value in state.items()}
 
 
 @dataclass
@@ -336,7 +343,7 @@ class MathTask:
         handoff_steps: int | None = None,
         shuffle: bool = True,
         tools: Tool | str | None = None,
-        max_tool_calls: int = 4,
+        max_tool_calls: int = MAX_TOOL_CALLS,
         max_tool_output_chars: int = MAX_TOOL_OUTPUT_CHARS,
         tool_timeout_s: float = TOOL_TIMEOUT_S,
         tool_turn: str | None = None,
@@ -404,7 +411,7 @@ class MathTask:
     def restore_episode(self, state: dict[str, Any]) -> Episode:
         """The episode ``Episode.get_state`` described."""
         problem = self.sampler.get(state["problem_id"])
-        rest = {RENAMED_STATE_KEYS.get(key, key): value for key, value in state.items() if key != "problem_id"}
+        rest = {key: value for key, value in renamed_state_keys(state).items() if key != "problem_id"}
         return Episode(problem=problem, prompt=self.prompt(problem), **rest)
 
     def observation(self, episode: Episode) -> str:

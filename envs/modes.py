@@ -149,13 +149,17 @@ class LossAgg(enum.StrEnum):
 
     @classmethod
     def _missing_(cls, value: object) -> LossAgg | None:
-        """The spellings of earlier releases: token_mean, seq_mean."""
-        return {"token_mean": cls.TOKEN_MEAN, "seq_mean": cls.SEQ_MEAN_TOKEN_MEAN}.get(value)
+        """The spellings of earlier releases (``LOSS_AGG_ALIASES``)."""
+        return LOSS_AGG_ALIASES.get(value)
 
     @property
     def per_token(self) -> bool:
         """Whether every token of a minibatch weighs the same (else every action does)."""
         return self is LossAgg.TOKEN_MEAN
+
+
+LOSS_AGG_ALIASES = {"token_mean": LossAgg.TOKEN_MEAN, "seq_mean": LossAgg.SEQ_MEAN_TOKEN_MEAN}
+"""Earlier releases' spellings of two loss aggregations, taken wherever a LossAgg is (code, --loss_agg_mode)."""
 
 
 class KLEstimator(enum.StrEnum):

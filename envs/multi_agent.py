@@ -51,7 +51,7 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 from envs.contract import FACTS, Agents, StepFacts
 from envs.credit import Credit, MessageRef
 from envs.datasets import Problem
-from envs.math_env import UnicodeText
+from envs.math_env import UnicodeText, renamed_state_keys
 from envs.modes import ActionLevel, RewardAssignment, member_of
 from envs.rewards import OutcomeReward, RewardMixture, RewardModel, StepContext, score_batch
 from envs.vector import MathVectorEnv
@@ -107,10 +107,11 @@ def resolve_autoreset_mode(autoreset_mode: AutoresetMode | str) -> AutoresetMode
     return supported[autoreset_mode]
 
 
-def saved_returns(state: dict[str, Any]) -> list[list[float]]:
-    """[N][A] the slots' returns so far in a ``get_state``; zeros in a state without them (its episodes are
-    replaced before a trainer steps them: multi-agent rollouts are whole episodes)."""
-    return state.get("returns", [[0.0] * len(state["roles"])] * len(state["transcripts"]))
+def saved_return_so_far(state: dict[str, Any]) -> list[list[float]]:
+    """[N][A] the slots' returns so far in a ``get_state`` (its keys renamed: ``renamed_state_keys``); zeros in a
+    state without them (its episodes are replaced before a trainer steps them: multi-agent rollouts are whole
+    episodes)."""
+    return state.get("return_so_far", [[0.0] * len(state["roles"])] * len(state["transcripts"]))
 
 
 class MultiAgentMathVectorEnv(VectorEnv):
@@ -351,36 +352,40 @@ class MultiAgentMathVectorEnv(VectorEnv):
         slots' returns so far."""
         return {"workflow": self.workflow.name, "roles": list(self.roles), "draws": self.problem_env.get_state(),
                 "transcripts": [[[m.turn, m.slot, m.text] for m in d.transcript] for d in self.dialogues],
-                "returns": [d.return_so_far.tolist() for d in self.dialogues]}
+                "return_so_far": [d.return_so_far.tolist() for d in self.dialogues]}
 
     def set_state(self, state: dict[str, Any]) -> tuple[tuple[tuple[str, ...], ...], dict]:
         """Continues exactly where ``get_state`` was called (same workflow, problems, ``num_envs`` and
-        ``group_size``); returns the observations and metadata of the restored episodes."""
+        ``group_size``), or where an older build's ``get_state`` was called (``renamed_state_keys``); returns the
+        observations and metadata of the restored episodes."""
+        state = renamed_state_keys(state)
         if (state["workflow"], list(state["roles"])) != (self.workflow.name, list(self.roles)):
             raise ValueError(f"the saved env state is of workflow {state['workflow']!r} with roles {state['roles']}, "
                              f"this env runs {self.workflow.name!r} with {list(self.roles)}; restore it into an env of "
                              "the same workflow")
         self.problem_env.set_state(state["draws"])
         self.dialogues = []
-        for episode, transcript, returns in zip(self.problem_env.episodes, state["transcripts"], saved_returns(state)):
+        for episode, transcript, return_so_far in zip(self.problem_env.episodes, state["transcripts"],
+                                                      saved_return_so_far(state)):
             messages = [Message(turn, slot, self.roles[slot], text) for turn, slot, text in transcript]
             self.dialogues.append(Dialogue(episode.problem, episode.group_id, messages,
-                                           self.workflow.progress(messages, self.limits), np.array(returns)))
+                                           self.workflow.progress(messages, self.limits), np.array(return_so_far)))
         return self._observations(), self._info(self._facts())
 
     @staticmethod
     def merge_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
         """One state of all the envs from the ``get_state`` of consecutive shards (MathVectorEnv.merge_states)."""
         return {**states[0], "draws": MathVectorEnv.merge_states([state["draws"] for state in states]),
-                **{key: [item for state in states for item in state[key]] for key in ("transcripts", "returns")}}
+                **{key: [item for state in states for item in state[key]] for key in ("transcripts", "return_so_far")}}
 
     @staticmethod
     def split_state(state: dict[str, Any], group_offset: int, num_groups: int) -> dict[str, Any]:
         """The state of the shard of ``num_groups`` groups from ``group_offset`` (inverse of ``merge_states``)."""
+        state = renamed_state_keys(state)
         group_size = state["draws"]["group_size"]
         envs = slice(group_offset * group_size, (group_offset + num_groups) * group_size)
         return {**state, "draws": MathVectorEnv.split_state(state["draws"], group_offset, num_groups),
-                "transcripts": state["transcripts"][envs], "returns": saved_returns(state)[envs]}
+                "transcripts": state["transcripts"][envs], "return_so_far": saved_return_so_far(state)[envs]}
 
 
 class MultiAgentMathEnv(gymnasium.Env):

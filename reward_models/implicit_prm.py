@@ -14,14 +14,13 @@ outcome's whatever beta and the PRM's drift are; ``none`` keeps beta * log-ratio
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Callable
 
 import torch
 
 from envs.modes import ImplicitPrmGranularity, PrimeNorm, member_of
 from models.packing import TokenBatch, token_lengths
-from models.policy import LanguagePolicy, LoraSettings
+from models.policy import LanguagePolicy
 
 
 class ImplicitPRM:
@@ -29,26 +28,23 @@ class ImplicitPRM:
     ``update``, or ``accumulate`` per micro-batch then ``step``); the checkpoint saves ``model`` and ``optimizer``.
 
     Args:
-        model_dir: the Hugging Face causal LM it starts from (psi and the frozen reference).
+        model: the causal LM it starts from (psi; its starting weights are the frozen reference), e.g.
+            ``LanguagePolicy(model_dir, device="cpu")``.
         beta: the scale of the log-ratio, in the rewards and in the outcome loss.
         granularity, norm: see the module docstring.
         lr: AdamW learning rate of ``update`` (no weight decay, as PRIME's reward-model optimizer: a decay would
             pull psi towards zero, not towards pi_ref, and move every log-ratio with no outcome behind it).
         grad_clip: the gradient norm each step is clipped to (PRIME's run script: 10).
-        device, dtype, lora: as for ``LanguagePolicy``.
     """
 
     def __init__(
         self,
-        model_dir: str | Path,
+        model: LanguagePolicy,
         beta: float = 0.05,
         granularity: ImplicitPrmGranularity = ImplicitPrmGranularity.TOKEN,
         lr: float = 1e-6,
         grad_clip: float = 10.0,
         norm: PrimeNorm = PrimeNorm.BATCH_NORM,
-        device: str = "auto",
-        dtype: str = "float32",
-        lora: LoraSettings | None = None,
     ):
         self.granularity = member_of(tuple(ImplicitPrmGranularity), granularity, "implicit PRM granularity")
         self.norm = member_of(tuple(PrimeNorm), norm, "implicit PRM norm")
@@ -57,7 +53,7 @@ class ImplicitPRM:
         if grad_clip <= 0:
             raise ValueError(f"implicit PRM grad_clip={grad_clip} must be > 0 (PRIME's run script clips at 10)")
         self.beta, self.grad_clip = beta, grad_clip
-        self.model = LanguagePolicy(model_dir, device=device, dtype=dtype, lora=lora)
+        self.model = model
         self.optimizer = torch.optim.AdamW(self.model.actor_parameters(), lr=lr, weight_decay=0.0,
                                            fused=True)  # fused: no temporaries
 

@@ -93,7 +93,7 @@ def test_value_loss_and_huber_use_absolute_error():
     values, old, returns = torch.tensor([1.0, -1.0]), torch.tensor([0.0, 0.0]), torch.tensor([0.0, 2.0])
     # unclipped MSE: 0.5, 4.5; clipped values (0.2, -0.2): 0.02, 2.42 -> max
     torch.testing.assert_close(value_loss(values, old, returns, clip_param=0.2), torch.tensor([0.5, 4.5]))
-    torch.testing.assert_close(value_loss(values, old, returns, clip_param=None, huber_delta=1.0),
+    torch.testing.assert_close(value_loss(values, old, returns, clip_param=0.0, huber_delta=1.0),
                                torch.tensor([0.5, 2.5]))
 
 

@@ -99,7 +99,7 @@ def accumulated_gradient(buffer, targets, algorithm, num_mini_batch, micro_batch
 def test_gradient_accumulation_equals_full_batch_gradient(name, loss_agg_mode, micro_batches):
     buffer, targets = filled_buffer()  # 13 live slots: no split below divides them evenly
     algorithm = make_algorithm(name, AlgorithmConfig(loss_agg_mode=loss_agg_mode, loss_scale_factor=8,
-                                                       value_clip_param=None, entropy_coef=0.1))
+                                                       value_clip_param=0.0, entropy_coef=0.1))
     (full,) = accumulated_gradient(buffer, targets, algorithm, 1, 1)
     (accumulated,) = accumulated_gradient(buffer, targets, algorithm, 1, micro_batches)
     torch.testing.assert_close(accumulated, full, atol=1e-6, rtol=1e-5)
@@ -162,7 +162,7 @@ def test_minibatches_cover_every_live_slot_once_with_balanced_sizes():
 def test_minibatch_gradients_sum_to_full_gradient_for_sample_weighted_loss():
     """With sample weighting, averaging minibatch gradients by their sizes gives the full one."""
     buffer, targets = filled_buffer()
-    algorithm = make_algorithm("APPO", AlgorithmConfig(value_clip_param=None))
+    algorithm = make_algorithm("APPO", AlgorithmConfig(value_clip_param=0.0))
     (full,) = accumulated_gradient(buffer, targets, algorithm, 1, 1)
     minibatches = list(buffer.minibatches(targets, 3, 1, torch.Generator().manual_seed(3)))
     parts = accumulated_gradient(buffer, targets, algorithm, 3, 1)

@@ -39,8 +39,8 @@ def fixed_batch(per_token_advantages: bool) -> tuple[Batch, SimpleNamespace]:
     advantages = (draw(torch.randn, size, width) if per_token_advantages
                   else torch.tensor([1.0, -0.5, 0.25, -1.5], dtype=torch.float32))
     values = draw(torch.randn, size, width)
-    batch = Batch(index=torch.arange(size), agents=torch.zeros(size, dtype=torch.long), prompts=[[1]] * size,
-                  critic_prompts=None, action_ids=torch.zeros(size, width, dtype=torch.long), action_lengths=lengths,
+    batch = Batch(index=torch.arange(size), agents=torch.zeros(size, dtype=torch.long), prompt_ids=[[1]] * size,
+                  critic_prompt_ids=None, action_ids=torch.zeros(size, width, dtype=torch.long), action_lengths=lengths,
                   token_mask=torch.arange(width)[None] < lengths[:, None], old_log_probs=old, old_values=values,
                   ref_log_probs=ref, advantages=advantages, returns=draw(torch.randn, size, width),
                   num_samples=size, num_tokens=int(lengths.sum()), minibatch_samples=2 * size,

@@ -10,6 +10,7 @@ from gymnasium.vector import AutoresetMode
 
 from envs.datasets import Arith, Problem
 from envs.math_env import MathTask
+from envs.contract import FACTS
 from envs.multi_agent import MultiAgentMathEnv, MultiAgentMathVectorEnv, register_builtin
 from envs.prompts import format_prompt
 from envs.vector import MathVectorEnv
@@ -287,6 +288,26 @@ def test_split_and_merge_states():
     assert env.merge_states(shards) == state
     shard = MultiAgentMathVectorEnv(num_envs=2, group_size=2, group_offset=1, total_groups=2, problems=PROBLEMS)
     assert shard.set_state(shards[1])[0] == obs[2:]
+
+
+def test_a_state_saved_by_an_older_build_resumes_with_its_returns_so_far():
+    """A state saved before the slots' running returns were named ``return_so_far`` holds them under ``returns``:
+    it resumes (whole and split into shards) with those returns, and the next step's rewards add to them."""
+    env, twin = chain_env(num_envs=2, group_size=1), chain_env(num_envs=2, group_size=1)
+    _, info = env.reset(seed=0)
+    say = scripted([[right, ACCEPT]] * 2)
+    *_, info = env.step(act(env, info, say))
+    state = json.loads(json.dumps(env.get_state()))
+    state["return_so_far"] = [[0.25, 0.0, 0.0], [0.5, 0.0, 0.0]]
+    old = {("returns" if key == "return_so_far" else key): value for key, value in state.items()}
+    twin.set_state(old)
+    assert twin.get_state() == state
+    assert [env.split_state(old, group, 1) for group in range(2)] == [env.split_state(state, group, 1)
+                                                                     for group in range(2)]
+    actions = act(env, info, say)
+    (*_, expected), (_, rewards, terminated, _, got) = env.step(actions), twin.step(actions)
+    assert terminated.all() and rewards[:, 0].tolist() == [1.0, 1.0]
+    assert got[FACTS].return_so_far.tolist() == (expected[FACTS].return_so_far + state["return_so_far"]).tolist()
 
 
 def test_hostile_actions_are_clipped_or_refused():

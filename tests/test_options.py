@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import pytest
 from absl import flags
 
-from train.config import RunConfig
+from train.config import EnvConfig, RunConfig
 from train.options import define_flags, flag_name, option, options, section_from_flags
 
 
@@ -89,9 +89,20 @@ def test_every_section_built_from_its_flags_defaults_is_its_own_default(name):
 def test_every_train_math_flag_is_one_option_of_one_section():
     """No flag is defined outside the options (so none has a second default), and each --helpfull section
     is one RunConfig section."""
-    from train.flags import FLAGS, SECTIONS
+    from train.flags import FLAGS, SECTIONS, section_module
 
-    by_module = {module.__name__: {flag.name for flag in FLAGS.get_flags_for_module(module.__name__)}
-                 for module in SECTIONS.values()}
+    by_module = {section: {flag.name for flag in FLAGS.get_flags_for_module(section_module(section))}
+                 for section in SECTIONS.values()}
     by_section = {name: {flag_name(field) for field in options(section)} for name, section in RUN_SECTIONS.items()}
-    assert sorted(map(sorted, by_module.values())) == sorted(map(sorted, by_section.values()))
+    assert sorted(SECTIONS.values()) == sorted(RUN_SECTIONS) and by_module == by_section
+
+
+def test_the_tool_options_help_names_the_env_defaults():
+    """--max_tool_calls, --max_tool_response_length and --tool_timeout default to the env's own (None); their help
+    names those values, which live in envs.math_env (too heavy to import where the flags are defined)."""
+    from envs.math_env import MAX_TOOL_CALLS, MAX_TOOL_OUTPUT_CHARS, TOOL_TIMEOUT_S
+
+    helps = {field.name: field.metadata["help"] for field in options(EnvConfig)}
+    for name, default in (("max_tool_calls", MAX_TOOL_CALLS), ("max_tool_output_chars", MAX_TOOL_OUTPUT_CHARS),
+                          ("tool_timeout", TOOL_TIMEOUT_S)):
+        assert helps[name].endswith(f"Default: the env's ({default:g})."), helps[name]

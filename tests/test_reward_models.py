@@ -186,7 +186,7 @@ def hand_log_prob_sum(model, prompt_ids, action_ids) -> float:
 
 
 def test_implicit_prm_reward_by_hand_and_update_direction(untrained_policy_dir):
-    prm = ImplicitPRM(untrained_policy_dir, beta=0.5, lr=1e-4, norm="none", device="cpu")
+    prm = ImplicitPRM(LanguagePolicy(untrained_policy_dir, device="cpu"), beta=0.5, lr=1e-4, norm="none")
     tokenizer = prm.model.tokenizer
     prompts = [tokenizer.encode(format_prompt(p.problem)) for p in PROBLEMS[:4]]
     actions = [tokenizer.encode(join_steps(split_steps(p.solution)), add_special_tokens=False) for p in PROBLEMS[:4]]
@@ -219,7 +219,8 @@ def test_implicit_prm_reward_by_hand_and_update_direction(untrained_policy_dir):
         by_hand = prm.beta * (hand_log_prob_sum(prm.model.causal_lm, prompts[b], actions[b])
                               - hand_log_prob_sum(reference, prompts[b], actions[b]))
         assert float(rewards[b].sum()) == pytest.approx(by_hand, abs=1e-4)
-    step_prm = ImplicitPRM(untrained_policy_dir, beta=0.5, granularity="step", norm="none", device="cpu")
+    step_prm = ImplicitPRM(LanguagePolicy(untrained_policy_dir, device="cpu"), beta=0.5, granularity="step",
+                           norm="none")
     step_prm.model.load_state_dict(prm.model.state_dict())
     step_rewards, _ = step_prm.token_rewards(prompts, actions)
     torch.testing.assert_close(step_rewards.sum(-1), rewards.sum(-1), atol=1e-5, rtol=0)
@@ -241,10 +242,10 @@ def test_implicit_prm_step_clips_its_gradient_norm(untrained_policy_dir):
     the step is taken on the clipped gradient. AdamW's first step moves a weight by about lr whatever the gradient's
     scale, unless the gradient is below its eps (1e-8): a clip of 1e-12 puts it there, and the weights barely move."""
     with pytest.raises(ValueError, match="grad_clip=0.0 must be > 0"):
-        ImplicitPRM(untrained_policy_dir, grad_clip=0.0, device="cpu")
+        ImplicitPRM(LanguagePolicy(untrained_policy_dir, device="cpu"), grad_clip=0.0)
     moved, norms = {}, {}
     for clip in (10.0, 1e-12):
-        prm = ImplicitPRM(untrained_policy_dir, beta=0.5, lr=1e-3, grad_clip=clip, device="cpu")
+        prm = ImplicitPRM(LanguagePolicy(untrained_policy_dir, device="cpu"), beta=0.5, lr=1e-3, grad_clip=clip)
         tokenizer = prm.model.tokenizer
         prompts = [tokenizer.encode(format_prompt(p.problem)) for p in PROBLEMS[:4]]
         actions = [tokenizer.encode(join_steps(split_steps(p.solution)), add_special_tokens=False)

@@ -265,8 +265,7 @@ def test_a_run_config_defaults_to_what_the_command_line_defaults_to():
 
 def test_the_algorithms_defaults_are_the_options_defaults():
     """``AlgorithmConfig()`` (the algorithms' own defaults, used in code) and the one the default options give
-    agree; RLOO's kept groups come from --n_rollout_threads / --group_size, and an option that is 0 for off
-    is None there."""
+    agree; RLOO's kept groups come from --n_rollout_threads / --group_size, and 0 is off in both."""
     import dataclasses
 
     from algorithms.registry import AlgorithmConfig
@@ -280,7 +279,7 @@ def test_the_algorithms_defaults_are_the_options_defaults():
                        prime=PrimeConfig(process_coef=0.5, oversample_factor=1),
                        multi_agent=MultiAgentConfig(agent_groups=AgentGroups.JOINT))
     assert algorithm_config(config) == dataclasses.replace(
-        AlgorithmConfig(), clip_param=0.1, value_clip_param=None, huber_delta=2.0, process_coef=0.5,
+        AlgorithmConfig(), clip_param=0.1, value_clip_param=0.0, huber_delta=2.0, process_coef=0.5,
         agent_groups=AgentGroups.JOINT)
 
 

@@ -49,7 +49,7 @@ def one_step_buffer(policy: LanguagePolicy, critic: str | None) -> RolloutBuffer
 
 
 def joint_log_probs(policy, batch) -> torch.Tensor:
-    return policy.score_actions(batch.prompts, (batch.action_ids, batch.action_lengths)).log_probs.sum(-1)
+    return policy.score_actions(batch.prompt_ids, (batch.action_ids, batch.action_lengths)).log_probs.sum(-1)
 
 
 @pytest.mark.parametrize("name", list(ALGORITHMS))
@@ -64,7 +64,7 @@ def test_one_update_moves_log_probs_with_the_advantage(policy, name):
         before = joint_log_probs(policy, batch)
     state = {k: v.clone() for k, v in policy.state_dict().items()}
     optimizer = torch.optim.SGD(policy.actor_parameters(), lr=0.02)
-    scores = policy.score_actions(batch.prompts, (batch.action_ids, batch.action_lengths), with_values=True)
+    scores = policy.score_actions(batch.prompt_ids, (batch.action_ids, batch.action_lengths), with_values=True)
     loss, stats = algorithm.loss(scores, batch)
     loss.backward()
     optimizer.step()

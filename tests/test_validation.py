@@ -18,7 +18,12 @@ from train.validation import OPTIONS
 
 ROOT = Path(__file__).resolve().parents[1]
 A_DIRECTORY, A_FILE, TARGET = str(ROOT / "docs"), str(MATH500), {"reward": "target", "target_url": "http://127.0.0.1:9"}
-NO_VLLM = pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
+
+
+def without(package: str) -> pytest.MarkDecorator:
+    """Runs a row only where ``package`` is not installed (its refusal names the extra that installs it)."""
+    return pytest.mark.skipif(importlib.util.find_spec(package) is not None, reason=f"{package} is installed here")
+
 
 REFUSED = [
     # each option alone
@@ -27,7 +32,7 @@ REFUSED = [
     ({"top_p": 0.0}, "--top_p=0.0: must be in (0, 1]"),
     ({"gamma": 1.5}, "--gamma=1.5: must be in [0, 1]"),
     ({"dtype": "float16"}, FLOAT16_TRAINING),
-    ({"device": "gpu"}, "--device=gpu: must be auto, cpu, cuda or cuda:N"),
+    ({"device": "gpu"}, "--device=gpu: must be auto, cpu, cuda, cuda:N or mps"),
     ({"experiment_name": "a/b"}, "(it names a directory)"),
     ({"dataset_path": "/no/such/problems.jsonl"}, "does not exist; pass an existing path or leave --dataset_path out"),
     ({"model_name_or_path": "./no/such/dir"}, "leave --model_name_or_path out"),
@@ -35,7 +40,11 @@ REFUSED = [
     ({"resume": A_DIRECTORY}, "has no manifest.json: pass 'auto' or a complete checkpoint"),
     ({"eval_dataset_path": "a=x.jsonl,a="}, "names the set 'a' twice"),
     ({"prm_url": "localhost:8000"}, "--prm_url='localhost:8000': must be http(s)://HOST:PORT"),
-    pytest.param({"generation_backend": "vllm"}, "pip install 'mathrl[vllm]'", marks=NO_VLLM),
+    pytest.param({"generation_backend": "vllm"}, "pip install 'mathrl[vllm]'", marks=without("vllm")),
+    pytest.param({"grader": "math_verify"}, "--grader): the 'math_verify' scorer needs the math_verify package",
+                 marks=without("math_verify")),
+    pytest.param({"dataset_path": "hf://HuggingFaceH4/MATH-500"}, "is a Hugging Face hub dataset, which needs the "
+                 "datasets package", marks=without("datasets")),
     # the algorithm's options, groups and critic
     ({"algorithm_name": "GRPO", "gae_lambda": 0.9}, "--gae_lambda applies to APPO/TPPO"),
     ({"algorithm_name": "APPO", "kl_coef": 0.1}, "--kl_coef applies to GRPO/TPPO/RLOO"),
@@ -107,6 +116,32 @@ REFUSED = [
       "rollout_is_threshold_lower": 1.5}, "--rollout_is_threshold_lower=1.5 must be in (0, 1]"),
     ({"rollout_is": True, "algorithm_name": "APPO"}, "APPO's loss takes one ratio per action"),
     ({"rollout_is": True, "rollout_is_mode": "mask"}, "use --rollout_is_level sequence or geometric"),
+    # a workflow's roles: frozen, trained, on base models of their own
+    ({"env_id": "no_such_module:Arith-v0"}, "cannot import registration module 'no_such_module'"),
+    ({"env_id": "Arith-Chain-v0", "frozen_role": ("judge",)},
+     "--frozen_role judge: the workflow 'chain' has the roles ['solver', 'verifier', 'refiner']"),
+    ({"env_id": "Arith-Debate-v0", "frozen_role": ("debater_0", "debater_1", "debater_2")}, "nothing would train"),
+    ({"env_id": "Arith-Chain-v0", "role_model": ("solver=tests",)},
+     "--role_model solver=...: the frozen roles of --env_id=Arith-Chain-v0 are none"),
+    ({"env_id": "Arith-Prefix-v0", "role_base_model": ("solver=tests",)},
+     "--role_base_model solver=...: the trained roles of --env_id=Arith-Prefix-v0 are ['prefix_writer']"),
+    ({"env_id": "Arith-Prefix-v0", "reward": "outcome,target", "target_url": "http://127.0.0.1:9"},
+     "whose solver role already is the frozen target finishing the prefix"),
+    ({"env_id": "Arith-Chain-v0", "tools": "python"}, "--tools=python: the multi-agent --env_id=Arith-Chain-v0"),
+    ({"env_id": "Arith-Chain-v0", "role_lr": ("verifier=1e-3",)},
+     "--role_lr verifier=...: role 'verifier' has no --role_base_model"),
+    ({"env_id": "Arith-Chain-v0", "role_lora_rank": ("verifier=4",)},
+     "--role_lora_rank verifier=...: role 'verifier' has no --role_base_model"),
+    ({"env_id": "Arith-Chain-v0", "role_base_model": ("verifier=tests",), "algorithm_name": "APPO"},
+     "--role_base_model verifier=... trains critic-free; --algorithm_name=APPO needs a critic"),
+    ({"env_id": "Arith-Chain-v0", "role_base_model": ("verifier=tests",), "algorithm_name": "RLOO"},
+     "RLOO's implicit PRM (--process_coef=1.0) learns on the policy's base alone"),
+    ({"env_id": "Arith-Chain-v0", "role_base_model": ("verifier=tests",), "async_rollouts": True},
+     "collects synchronously: drop --async_rollouts"),
+    ({"env_id": "Arith-Chain-v0", "role_base_model": ("verifier=tests",), "generation_backend": "vllm_server",
+      "vllm_url": "http://127.0.0.1:9"}, "generates with HF: use --generation_backend hf (not vllm_server)"),
+    ({"env_id": "Arith-Chain-v0", "role_base_model": ("verifier=tests",), "data_parallel": "fsdp"},
+     "every model of the team is replicated under DDP"),
 ]
 
 
@@ -122,9 +157,14 @@ def from_code(overrides: dict) -> RunConfig:
 
 
 def command_line(overrides: dict) -> list[str]:
-    """``overrides`` as train_math.py flags."""
-    return [f"--{'' if value else 'no'}{name}" if isinstance(value, bool) else f"--{name}={value}"
-            for name, value in overrides.items()]
+    """``overrides`` as train_math.py flags (a tuple as its repeatable flag, once per item)."""
+    argv = []
+    for name, value in overrides.items():
+        if isinstance(value, bool):
+            argv.append(f"--{'' if value else 'no'}{name}")
+        else:
+            argv += [f"--{name}={item}" for item in (value if isinstance(value, tuple) else (value,))]
+    return argv
 
 
 def refusal_from_flags(overrides: dict) -> str:
@@ -154,7 +194,7 @@ def test_every_option_wrong_alone_is_refused_on_a_line_of_its_own():
     with pytest.raises(ValueError) as error:
         resolved(from_code(overrides))
     assert str(error.value).splitlines() == ["--lr=-1.0: must be > 0", "--top_p=0.0: must be in (0, 1]",
-                                             "--device=gpu: must be auto, cpu, cuda or cuda:N"]
+                                             "--device=gpu: must be auto, cpu, cuda, cuda:N or mps"]
     assert refusal_from_flags(overrides) == str(error.value)
     with pytest.raises(ValueError) as error:
         resolved(from_code({"clip_ratio_c": 0.5, "max_num_gen_batches": 3, "system_prompt": "Be brief."}))

@@ -107,9 +107,10 @@ def lora_settings(rank: int) -> LoraSettings | None:
 def language_policy(directory: str, model: ModelConfig, device: str | torch.device, *, lora_rank: int = 0,
                     trained: bool = False, **settings: Any) -> LanguagePolicy:
     """The one way a run builds a LanguagePolicy (its policy, a member, the rollout copy, a frozen role, the
-    target): the model in ``directory`` on ``device`` in the run's --dtype, in eval mode (no dropout: recomputed
-    log-probs must match the sampler's). ``lora_rank``: its LoRA (0: none); ``trained``: it learns, so
-    --gradient_checkpointing applies; ``settings``: LanguagePolicy's other keywords (critic, role adapters...)."""
+    target, PRIME's implicit PRM): the model in ``directory`` on ``device`` in the run's --dtype, in eval mode (no
+    dropout: recomputed log-probs must match the sampler's). ``lora_rank``: its LoRA (0: none); ``trained``: it
+    learns through the policy's update, so --gradient_checkpointing applies; ``settings``: LanguagePolicy's other
+    keywords (critic, role adapters...)."""
     checkpointing = {"gradient_checkpointing": model.gradient_checkpointing} if trained else {}
     return LanguagePolicy(directory, device=device, dtype=model.dtype, lora=lora_settings(lora_rank),
                           **checkpointing, **settings).eval()
@@ -278,14 +279,13 @@ def build_envs(config: RunConfig, reward_model: RewardModel, tokenizer, template
 
 def algorithm_config(config: RunConfig, ranks: Ranks = Ranks()) -> AlgorithmConfig:
     """The algorithms' hyper-parameters: each from the option of the same name in the algorithm or PRIME
-    section (0 turning the value clip and the Huber loss off), the multi-agent group baseline from --agent_groups;
-    under torchrun RLOO keeps its share of the filtered groups on each rank."""
+    section, the multi-agent group baseline from --agent_groups; under torchrun RLOO keeps its share of the
+    filtered groups on each rank."""
     learning, prime = config.learning, config.prime
     named = {part.name: getattr(section, part.name) for part in dataclasses.fields(AlgorithmConfig)
              for section in (learning, prime) if hasattr(section, part.name)}
     return AlgorithmConfig(**{
-        **named, "value_clip_param": learning.value_clip_param or None, "huber_delta": learning.huber_delta or None,
-        "use_kl_in_reward": bool(learning.use_kl_in_reward),
+        **named, "use_kl_in_reward": bool(learning.use_kl_in_reward),
         "max_groups": learning.prompt_groups // ranks.world_size if learning.prompt_groups is not None else None,
         "agent_groups": config.multi_agent.agent_groups})
 
@@ -386,7 +386,7 @@ def build_members(config: RunConfig, device: torch.device) -> list[Member]:
     return members
 
 
-def build_trained_module(team: Team, ranks: Ranks, data_parallel: DataParallel) -> torch.nn.Module:
+def build_parallel_module(team: Team, ranks: Ranks, data_parallel: DataParallel) -> torch.nn.Module:
     """The module the update calls: the team (the policy and its members), or under torchrun the team with its
     policy sharded with FSDP2 (``data_parallel`` fsdp, or auto with full fine-tuning; with members auto resolves
     to ddp) or the team wrapped in DDP (ddp, or auto with LoRA; parameters a step leaves unused, such as an idle
@@ -457,7 +457,7 @@ def build_runner(config: RunConfig, run_dir: Path, writer, saved: checkpoint_fil
     members = build_members(config, policy.device)
     team = Team(policy, {member.role: member.policy for member in members})
     # first: under FSDP2 the ranks but 0 hold no weights until sharded, and the parameters become new objects
-    parallel_module = build_trained_module(team, ranks, data_parallel)
+    parallel_module = build_parallel_module(team, ranks, data_parallel)
     template = build_template(env.prompt_template, policy.tokenizer, env.system_prompt, env.answer_instruction)
     reward_model = build_reward_model(config, str(policy.device), template)
     train_env, eval_envs = build_envs(config, reward_model, policy.tokenizer, template, ranks)
@@ -469,10 +469,10 @@ def build_runner(config: RunConfig, run_dir: Path, writer, saved: checkpoint_fil
     algorithm = build_algorithm(config, ranks)
     implicit_prm = None
     if algorithm.needs_process_rewards:
-        implicit_prm = ImplicitPRM(directory, beta=config.prime.implicit_prm_beta, lr=config.prime.implicit_prm_lr,
-                                   grad_clip=config.prime.implicit_prm_grad_clip, norm=config.prime.prime_norm,
-                                   device=str(policy.device), dtype=config.model.dtype,
-                                   lora=lora_settings(config.model.lora_rank))
+        implicit_prm = ImplicitPRM(language_policy(directory, config.model, str(policy.device),
+                                                   lora_rank=config.model.lora_rank),
+                                   beta=config.prime.implicit_prm_beta, lr=config.prime.implicit_prm_lr,
+                                   grad_clip=config.prime.implicit_prm_grad_clip, norm=config.prime.prime_norm)
     optimizer, scheduler = build_optimizer(learning, policy, config.budget.num_iterations)
     sampling = sampling_of(config.generation, env.action_level, policy.tokenizer.eos_token or "")
     collector = Collector(train_env, algorithm_spec(learning.algorithm), env.episode_length, sampling,

@@ -77,8 +77,9 @@ COUNTS = ("env_steps", "generated_tokens")
 
 
 class Collector:
-    """Owns the training env's episodes between iterations: the current observations and infos, each
-    env's running episode return, the env steps taken and the tokens generated (all saved with checkpoints)."""
+    """Owns the training env's episodes between iterations: the current observations and their ``StepFacts``
+    (each env's running episode return among them), the env steps taken and the tokens generated (all saved with
+    checkpoints)."""
 
     def __init__(self, env, spec: AlgorithmSpec, episode_length: int, sampling: Sampling, seed: int,
                  env_offset: int = 0, role_models: RoleModels = RoleModels(), critic: Critic = Critic.CENTRALIZED,
@@ -151,14 +152,14 @@ class Collector:
         envs, agents = stepped.envs[trained], stepped.agents[trained]
         prompt_ids = [out.prompt_token_ids[k] for k in trained]
         action_ids = [out.token_ids[k] for k in trained]
-        critic_prompts = self.critic_prompts(policy, stepped.before, envs, agents)
-        values, token_values = self.critic_values(policy, critic_prompts or prompt_ids, action_ids,
+        critic_prompt_ids = self.critic_prompt_ids(policy, stepped.before, envs, agents)
+        values, token_values = self.critic_values(policy, critic_prompt_ids or prompt_ids, action_ids,
                                                   agents.tolist() if self.critic == Critic.PER_ROLE else None)
         return StepRecord(step=stepped.t, envs=envs, agents=agents, prompt_ids=prompt_ids, action_ids=action_ids,
                           rollout_log_probs=[out.rollout_log_probs[k] for k in trained],
                           group_ids=torch.as_tensor(stepped.before.group_ids[envs]),
                           texts=[out.texts[k] for k in trained], values=values, token_values=token_values,
-                          critic_prompt_ids=critic_prompts,
+                          critic_prompt_ids=critic_prompt_ids,
                           cut=[out.finish_reasons[k] == FinishReason.LENGTH for k in trained])
 
     def tally_step(self, tally: Tally, stepped: EnvStep) -> None:
@@ -215,8 +216,8 @@ class Collector:
                 if said.any():
                     tally.add(f"train/{role}/{metric}", values[said, a])
 
-    def critic_prompts(self, policy: LanguagePolicy, facts: StepFacts, envs: np.ndarray,
-                       agents: np.ndarray) -> list[list[int]] | None:
+    def critic_prompt_ids(self, policy: LanguagePolicy, facts: StepFacts, envs: np.ndarray,
+                          agents: np.ndarray) -> list[list[int]] | None:
         """Token ids [B] of the joint transcripts a centralized critic reads for the pairs ``envs[b], agents[b]``
         acting on ``facts`` (its ``states``); None when the critic reads the actor's prompt."""
         if self.critic != Critic.CENTRALIZED or len(envs) == 0:

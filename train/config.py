@@ -1,7 +1,7 @@
 """A run's configuration: one typed, frozen dataclass per part, and the single source of each option.
 
 A user option is a field declared with ``train.options.option`` (its default and help written once);
-its absl flag is generated from it (train/flags/, one module per section, in --helpfull's order), so
+its absl flag is generated from it (train/flags.py, section by section, in --helpfull's order), so
 ``RunConfig()`` and ``train_math.py`` without flags start from the same values. A default of None means
 "resolved from other options": the help says to what, and ``train.resolve.resolved`` works it out, in
 one place, for a config from flags and one built in code alike. Fields declared without ``option`` are
@@ -19,12 +19,13 @@ import enum
 import functools
 import re
 from dataclasses import dataclass, field, fields, is_dataclass
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from algorithms.registry import ALGORITHMS
-from envs.modes import (ActionLevel, AgentGroups, Backend, Critic, DataParallel, DType, Grader, ImportanceSamplingLevel,
-                        KLEstimator, LossAgg, LrSchedule, PrimeNorm, PrimeUpdate, PrmType, PromptTemplate,
-                        RewardAssignment, RolloutIsLevel, RolloutIsMode, ScaleRewards, Tool)
+from algorithms.registry import ALGORITHMS, AlgorithmSpec, algorithms_with
+from envs.modes import (LOSS_AGG_ALIASES, ActionLevel, AgentGroups, Backend, Critic, DataParallel, DType, Grader,
+                        ImportanceSamplingLevel, KLEstimator, LossAgg, LrSchedule, PrimeNorm, PrimeUpdate, PrmType,
+                        PromptTemplate, RewardAssignment, RolloutIsLevel, RolloutIsMode, ScaleRewards, Tool)
 from train.options import option
 
 if TYPE_CHECKING:
@@ -46,6 +47,11 @@ PRM_TYPE_ALIASES = {"ms": "shepherd", "qwen": "classifier"}
 
 AlgorithmName = enum.StrEnum("AlgorithmName", {name: name for name in ALGORITHMS})
 """The registered algorithms (``algorithms.registry.ALGORITHMS``)."""
+
+
+def named(trait: Callable[[AlgorithmSpec], bool]) -> str:
+    """The registered algorithms with ``trait``, as a help text names them (e.g. "APPO/TPPO")."""
+    return "/".join(algorithms_with(trait))
 
 
 @dataclass(frozen=True)
@@ -151,8 +157,10 @@ class EnvConfig:
         "most turns (or the env's max_steps).", lower_bound=1)
     num_envs: int = option(128, "Parallel envs (= samples per iteration); groups of --group_size consecutive envs "
                            "share a problem.", flag="n_rollout_threads", lower_bound=1)
-    group_size: int | None = option(None, "Samples per problem (consecutive envs sharing one). Default: 4 for "
-                                    "GRPO/RLOO (they compare samples within a group), 1 for APPO/TPPO.", lower_bound=1)
+    group_size: int | None = option(
+        None, "Samples per problem (consecutive envs sharing one). Default: 4 for "
+        f"{named(lambda spec: spec.episodic)} (whole episodes, compared within a group where the baseline is the "
+        f"group's), 1 for {named(lambda spec: not spec.episodic)}.", lower_bound=1)
     tools: Tool | None = option(
         None, "Tool the policy may call (--action_level step): 'python' runs a step that ends in a fenced ```python "
         "block in a sandbox and shows its output as the next turn (never trained on, never scored as a step); "
@@ -273,7 +281,8 @@ class LearningConfig:
         3, "A non-finite loss or gradient skips that optimizer step; this many in a row stop the run with an error "
         "(the last checkpoint is kept as the last good one).", lower_bound=1)
     critic: Critic = option(
-        Critic.AUTO, "Train a critic: auto = APPO/TPPO yes, GRPO/RLOO no. On a multi-agent env (APPO/TPPO) it says "
+        Critic.AUTO, f"Train a critic: auto = {named(lambda spec: spec.critic is not None)} yes, the others no. On a "
+        "multi-agent env (with a critic) it says "
         "what the critic reads: centralized (= auto, on): the joint transcript (every message so far) and the "
         "acting role's name, one value head (MAPPO); per_role: each role's own prompt, a value head per role.")
     value_coef: float = option(0.5, "Value loss coefficient.")
@@ -295,15 +304,14 @@ class LearningConfig:
     use_kl_in_reward: bool | None = option(
         None, "The KL to the reference as a penalty beta * KL_t on every token's reward instead of a loss term "
         "(verl's use_kl_in_reward); algorithms with one advantage per action sum it into the action's reward. "
-        "Default: on for REINFORCE_PP(_BASELINE), else off.")
+        f"Default: on for {named(lambda spec: spec.kl_in_reward)}, else off.")
     kl_penalty: KLEstimator = option(KLEstimator.K1, "Estimator of the reward's KL penalty, from the behaviour "
                                      "log-probs (verl's kl_penalty; k1 is verl's 'kl').")
     loss_agg_mode: LossAgg = option(
         LossAgg.TOKEN_MEAN, "How per-token losses become one (verl's names): token-mean (every token weighs the "
         "same, DAPO), seq-mean-token-mean (every action weighs the same, GRPO), seq-mean-token-sum, "
         "seq-mean-token-sum-norm (each action's token sum over a fixed length, --loss_scale_factor: Dr. GRPO). "
-        "token_mean and seq_mean: the first two.", aliases={"token_mean": LossAgg.TOKEN_MEAN,
-                                                            "seq_mean": LossAgg.SEQ_MEAN_TOKEN_MEAN})
+        "token_mean and seq_mean: the first two.", aliases=LOSS_AGG_ALIASES)
     loss_scale_factor: int | None = option(
         None, "The fixed length seq-mean-token-sum-norm divides each action's token sum by (verl's "
         "loss_scale_factor). Default with that mode: --max_new_tokens.", lower_bound=1)
@@ -367,9 +375,10 @@ class MultiAgentConfig:
         (), "ROLE=R (repeatable): the LoRA rank of a --role_base_model role, 0 training all its weights (default "
         "--lora_rank).", flag="role_lora_rank")
     agent_groups: AgentGroups = option(
-        AgentGroups.ROLE, "Multi-agent envs, GRPO/RLOO: the group baseline compares one role's episodes of one "
+        AgentGroups.ROLE, "Multi-agent envs, algorithms with a group baseline: it compares one role's episodes of one "
         "problem, each scored by its return (role, normalised per role), or every role's episodes of the problem "
-        "together (joint, MAGRPO's team baseline); GRPO only: at_grpo (PettingLLMs' AT-GRPO, agent- and turn-wise) "
+        f"together (joint, MAGRPO's team baseline); {named(lambda spec: spec.turn_groups)} only: at_grpo "
+        "(PettingLLMs' AT-GRPO, agent- and turn-wise) "
         "compares one role's actions at one turn of one problem, each scored by the reward of its own turn.")
     reward_assignment: RewardAssignment = option(
         RewardAssignment.TEAM, "Multi-agent envs: how each role is credited. team: the verified final answer, to "
@@ -471,7 +480,8 @@ class BudgetConfig:
     num_env_steps: int = option(
         81_920, "Env steps to take in all, oversampled and background batches included; iterations = "
         "ceil(num_env_steps / (episode_length * envs per iteration)), where envs per iteration = n_rollout_threads "
-        "(x oversample_factor for RLOO); --filter_groups' refill rounds come on top.", lower_bound=1)
+        f"(x oversample_factor for {named(lambda spec: spec.prime)}); --filter_groups' refill rounds come on top.",
+        lower_bound=1)
     eval_interval: int = option(100, "Evaluate every this many iterations (and at the start and end); 0: never.",
                                 lower_bound=0)
     eval_limit: int = option(1000, "Most held-out problems per evaluation.", lower_bound=1)
@@ -502,8 +512,8 @@ class GenerationConfig:
     async_rollouts: bool | None = option(
         None, "Generate the next batch with a copy of the policy in a second thread while the current one trains "
         "(on a CPU: a second core), at most --max_policy_lag updates behind; ratios are taken against the "
-        "rollout log-probs recorded at generation. Default: on with --generation_backend=hf for APPO, and for "
-        "every algorithm on a CPU.")
+        f"rollout log-probs recorded at generation. Default: on with --generation_backend=hf for "
+        f"{named(lambda spec: spec.asynchronous)}, and for every algorithm on a CPU.")
     max_policy_lag: int = option(1, "With --async_rollouts: most policy updates a batch may lag.", lower_bound=1)
 
 
@@ -516,7 +526,8 @@ class RolloutConfig:
     filter_groups: bool = option(
         False, "Dynamic sampling (DAPO; verl's algorithm.filter_groups.enable): keep drawing prompt groups until the "
         "batch holds --n_rollout_threads/--group_size groups whose episode returns are not all equal (on each rank "
-        "its share), at most --max_num_gen_batches rounds; groups of equal returns leave the batch. GRPO and RLOO.")
+        "its share), at most --max_num_gen_batches rounds; groups of equal returns leave the batch. "
+        f"{named(lambda spec: spec.episodic)} ({named(lambda spec: spec.prime)} with --oversample_factor 1).")
     max_num_gen_batches: int = option(
         10, "With --filter_groups: most rounds of generation per iteration (verl's "
         "algorithm.filter_groups.max_num_gen_batches); after the last one the batch trains on the groups it holds.",

@@ -93,8 +93,8 @@ def score_old_log_probs(policy, buffer: RolloutBuffer, temperature: float, adapt
     if rows.num_samples == 0:
         buffer.old_log_probs = torch.zeros_like(buffer.rollout_log_probs)
         return meter
-    scores = policy.score_actions(rows.prompts, (rows.action_ids, rows.action_lengths), temperature,
-                             with_entropy=False, adapters=adapters(rows))
+    scores = policy.score_actions(rows.prompt_ids, (rows.action_ids, rows.action_lengths), temperature,
+                                  with_entropy=False, adapters=adapters(rows))
     buffer.old_log_probs = buffer.scatter_tokens(rows.index, scores.log_probs)
     meter.add(scores.log_probs, rows.old_log_probs, rows.token_mask)
     return meter

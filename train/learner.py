@@ -143,8 +143,8 @@ class Learner:
         with self.team.gathered(), torch.no_grad():
             if self.algorithm.needs_reference:
                 rows = buffer.rows()
-                ref = self.team.ref_log_probs(rows.prompts, (rows.action_ids, rows.action_lengths), self.temperature,
-                                                adapters=self.row_adapters(rows))
+                ref = self.team.ref_log_probs(rows.prompt_ids, (rows.action_ids, rows.action_lengths),
+                                              self.temperature, adapters=self.row_adapters(rows))
                 buffer.ref_log_probs = buffer.scatter_tokens(rows.index, ref)
             gap = (score_old_log_probs(self.team, buffer, self.temperature, self.row_adapters)
                    if self.rollout.rollout_is else GapMeter())
@@ -161,11 +161,11 @@ class Learner:
         kept = self.algorithm.kept(buffer)
         rows = buffer.rows(kept)
         actions = (rows.action_ids, rows.action_lengths)
-        reference = self.implicit_prm.reference_log_probs(rows.prompts, actions)  # frozen: one pass serves both
+        reference = self.implicit_prm.reference_log_probs(rows.prompt_ids, actions)  # frozen: one pass serves both
         stats = {}
         if self.prime.prime_update is PrimeUpdate.BEFORE:
             stats, unseen = self.implicit_prm_step(buffer, rows, reference)
-        process, scores = self.implicit_prm.token_rewards(rows.prompts, actions, batch_max=self.batch_max,
+        process, scores = self.implicit_prm.token_rewards(rows.prompt_ids, actions, batch_max=self.batch_max,
                                                           ref_log_probs=reference)
         if self.prime.prime_update is PrimeUpdate.AFTER:
             unseen = scores
@@ -175,7 +175,8 @@ class Learner:
         stats |= self.implicit_prm_ranking(buffer, rows.index, unseen, "heldout")
         if self.prime.implicit_prm_heldout_all:
             others = buffer.rows(buffer.live & ~kept)
-            other_scores = self.implicit_prm.outcome_scores(others.prompts, (others.action_ids, others.action_lengths))
+            other_scores = self.implicit_prm.outcome_scores(others.prompt_ids,
+                                                            (others.action_ids, others.action_lengths))
             stats |= self.implicit_prm_ranking(buffer, torch.cat([rows.index, others.index]),
                                                torch.cat([unseen.cpu(), other_scores.cpu()]), "heldout_all")
         return stats
@@ -340,10 +341,10 @@ class Learner:
                              gap: GapMeter | None = None) -> tuple[dict[str, torch.Tensor], bool]:
         """One micro-batch's forward and backward, its statistics added into ``stats``; returns (its statistics,
         whether its loss was finite)."""
-        scores = self.parallel_module(batch.prompts, (batch.action_ids, batch.action_lengths), self.temperature,
-                                with_entropy=True, with_values=self.spec.critic is not None,
-                                adapters=self.row_adapters(batch), critic_prompts=batch.critic_prompts,
-                                value_heads=self.row_value_heads(batch))
+        scores = self.parallel_module(batch.prompt_ids, (batch.action_ids, batch.action_lengths), self.temperature,
+                                      with_entropy=True, with_values=self.spec.critic is not None,
+                                      adapters=self.row_adapters(batch), critic_prompts=batch.critic_prompt_ids,
+                                      value_heads=self.row_value_heads(batch))
         loss, micro_stats = self.algorithm.loss(scores, batch)
         if gap is not None:
             gap.add(scores.log_probs, batch.old_log_probs, batch.token_mask)
@@ -375,7 +376,7 @@ class Learner:
 
     def row_adapters(self, batch) -> list[str | None] | None:
         """What scores each row of ``batch``: its member's role or its role adapter (``voices``), else None; None
-        when every row is the policy's own."""
+        when no slot has one (every row is the policy's own)."""
         if not self.voices:
             return None
         return [self.voices.get(agent) for agent in batch.agents.tolist()]
@@ -398,7 +399,7 @@ class Learner:
         gradient reduction when it has fewer micro-batches than another rank (no gradient of its own)."""
         pad = self.team.tokenizer.pad_token_id
         scores = self.parallel_module([[pad]], [[pad]], self.temperature, with_entropy=True,
-                                with_values=self.spec.critic is not None)
+                                      with_values=self.spec.critic is not None)
         zero = scores.log_probs.sum() * 0.0
         if scores.values is not None:
             zero = zero + scores.values.sum() * 0.0
@@ -438,7 +439,7 @@ class Learner:
         for part in self.micro_batch_rows(buffer, rows):
             width = max(int(rows.action_lengths[part].max()), 1)  # as wide as the part's scores: its longest action
             part_loss, scores[part] = self.implicit_prm.accumulate(
-                take(rows.prompts, part.tolist()), (rows.action_ids[part, :width], rows.action_lengths[part]),
+                take(rows.prompt_ids, part.tolist()), (rows.action_ids[part, :width], rows.action_lengths[part]),
                 labels[part], total, None if reference is None else reference[part, :width])
             loss += part_loss
         grad_norm = self.implicit_prm.step(distributed.sum_in_place if self.ranks.distributed else None)

@@ -5,7 +5,7 @@ A section of ``train.config.RunConfig`` declares each user option once::
     temperature: float = option(0.5, "Sampling temperature for rollouts.")
     backend: Backend = option(Backend.HF, "Generation backend.", flag="generation_backend")
 
-``define_flags(GenerationConfig, __name__)`` (in the section's module under train/flags/) defines
+``define_flags(GenerationConfig, "train.flags.generation")`` (train/flags.py, for each section) defines
 ``--temperature`` and ``--generation_backend`` from those fields, so ``RunConfig()`` and
 ``train_math.py`` without flags start from the same values by construction. ``flag=`` keeps OpenR's
 flag name where the field's name is clearer; an Enum type (``X`` or ``X | None``) gives the flag its choices

@@ -144,7 +144,7 @@ def bound_problems(config: RunConfig) -> Iterator[str]:
 def name_problems(config: RunConfig) -> Iterator[str]:
     """--device and --experiment_name spelled as a device and a directory name."""
     if re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", config.model.device) is None:
-        yield f"--device={config.model.device}: must be auto, cpu, cuda or cuda:N"
+        yield f"--device={config.model.device}: must be auto, cpu, cuda, cuda:N or mps"
     name = config.logging.experiment_name
     if name is not None and re.fullmatch(r"[\w.\-]+", name) is None:
         yield f"--experiment_name={name!r}: must be letters, digits, '.', '-' or '_' (it names a directory)"

@@ -1,14 +1,14 @@
 """Every command-line flag of train_math.py, defined once per section; flags only parse.
 
-Each section module (model, env, generation, rollouts, rewards, algorithm, PRIME, multi-agent, Prefix-RL,
-services, distributed, budget, logs) generates its flags from one section of ``train.config.RunConfig``
-(``train.options.define_flags``), so a field's default and help are written once. absl checks each value's
-type, choices and declared bounds; every other check is ``train.validation.validate``'s, which a config built
-in code goes through too, before any model is loaded or heavy module imported, so a wrong path, a bad value
-or a contradictory combination fails at once naming the flag and the fix. After parsing, train_math.py
-resolves --resume first (``--resume auto`` looks in the experiment directory the flags name,
-``experiment_dir``); ``inherit`` then gives every flag the command line left out its value in that checkpoint;
-only then is the RunConfig built, once, validated and with the values that depend on others resolved
+Each section of ``train.config.RunConfig`` (model, env, generation, rollouts, rewards, algorithm, PRIME,
+multi-agent, Prefix-RL, services, distributed, budget, logging) generates its flags
+(``train.options.define_flags``), registered under the section's name for --helpfull, so a field's default and help
+are written once. absl checks each value's type, choices and declared bounds; every other check is
+``train.validation.validate``'s, which a config built in code goes through too, before any model is loaded or heavy
+module imported, so a wrong path, a bad value or a contradictory combination fails at once naming the flag and the
+fix. After parsing, train_math.py resolves --resume first (``--resume auto`` looks in the experiment directory the
+flags name, ``experiment_dir``); ``inherit`` then gives every flag the command line left out its value in that
+checkpoint; only then is the RunConfig built, once, validated and with the values that depend on others resolved
 (``config_from_flags``). No flag changes after that.
 
 OpenR's flags keep their names and meanings (``--dataset_path``, ``--model_name_or_path``,
@@ -24,20 +24,27 @@ from pathlib import Path
 from absl import flags
 
 from train.config import RunConfig, sections
-from train.flags import (algorithm, budget, distributed, env, generation, logs, model, multi_agent, prefix_rl, prime,
-                         rewards, rollout, services)
-from train.options import SECRET_MASK, masked, section_from_flags
+from train.options import SECRET_MASK, define_flags, masked, section_from_flags
 from train.validation import APPLIES_TO
 
 FLAGS = flags.FLAGS
+SECTIONS = {"model": "model", "data and env": "env", "generation": "generation",
+            "rollouts (dynamic sampling, cut-off answers, rollout correction)": "rollout", "rewards": "rewards",
+            "algorithm": "learning", "PRIME (RLOO)": "prime", "multi-agent": "multi_agent", "Prefix-RL": "prefix_rl",
+            "services": "services", "distributed": "distributed", "budget": "budget",
+            "logging and checkpoints": "logging"}
+"""--helpfull's sections, in reading order: {title: the RunConfig section whose options they are}."""
+
+
+def section_module(section: str) -> str:
+    """The module name a RunConfig section's flags are registered under (absl groups flags by module)."""
+    return f"{__name__}.{section}"
+
+
+for _section, _kind in sections().items():
+    define_flags(_kind, section_module(_section))
 for _name, _algorithms in APPLIES_TO.items():  # a flag only some algorithms read says which in its help
     FLAGS[_name].help += f" [{'/'.join(_algorithms)} only]"
-
-SECTIONS = {"model": model, "data and env": env, "generation": generation,
-            "rollouts (dynamic sampling, cut-off answers, rollout correction)": rollout, "rewards": rewards,
-            "algorithm": algorithm, "PRIME (RLOO)": prime, "multi-agent": multi_agent, "Prefix-RL": prefix_rl,
-            "services": services, "distributed": distributed, "budget": budget, "logging and checkpoints": logs}
-"""--helpfull's sections, in reading order: {title: module defining its flags}."""
 
 NEWCOMER_FLAGS = {
     "model": ("model_name_or_path", "prompt_template", "device"),
@@ -53,8 +60,9 @@ HELP_FLAGS = {"--help": False, "-help": False, "-h": False, "-?": False, "--help
 """Help flags on the command line: {flag: whether it asks for every flag}."""
 
 
-def section_flags(module) -> list[flags.Flag]:
-    return sorted(FLAGS.get_flags_for_module(module.__name__), key=lambda flag: flag.name)
+def section_flags(section: str) -> list[flags.Flag]:
+    """The flags of the RunConfig section ``section``, by name."""
+    return sorted(FLAGS.get_flags_for_module(section_module(section)), key=lambda flag: flag.name)
 
 
 def describe(flag: flags.Flag) -> str:
@@ -69,7 +77,7 @@ def describe(flag: flags.Flag) -> str:
 def help_text(usage: str, full: bool) -> str:
     """--help (the newcomer's flags, grouped) or --helpfull (every flag, by section) under ``usage``."""
     if full:
-        groups = {title: section_flags(module) for title, module in SECTIONS.items()}
+        groups = {title: section_flags(section) for title, section in SECTIONS.items()}
         tail = ("absl's own flags also apply: --flagfile=FILE reads flags from FILE (one per line); --verbosity, "
                 "--logtostderr and the rest of absl.logging's.")
     else:
@@ -84,7 +92,8 @@ def help_text(usage: str, full: bool) -> str:
 def flag_dict(flag_values: flags.FlagValues = FLAGS) -> dict:
     """{name: value} of every flag the sections define (saved with checkpoints, logged as TensorBoard text),
     a secret one (--service_api_key) as ``SECRET_MASK``."""
-    found = [flag for module in SECTIONS.values() for flag in flag_values.get_flags_for_module(module.__name__)]
+    found = [flag for section in SECTIONS.values()
+             for flag in flag_values.get_flags_for_module(section_module(section))]
     return {flag.name: masked(flag.name, flag.value) for flag in sorted(found, key=lambda flag: flag.name)}
 
 

@@ -142,12 +142,22 @@ def train_math_history(flags: Sequence[str], logdir: Path) -> list[dict[str, flo
     return history
 
 
+def same_values(recorded: list[str], flags: list[str]) -> bool:
+    """Whether two flag lists say the same, numbers compared by value (``2e-05`` is ``2e-5``)."""
+    def value(token: str) -> str | float:
+        try:
+            return float(token)
+        except ValueError:
+            return token
+    return len(recorded) == len(flags) and all(value(a) == value(b) for a, b in zip(recorded, flags))
+
+
 def check_same_command(logdir: Path, flags: list[str]) -> None:
     """Records the run's flags in ``LOGDIR/command.json``; raises if a run of other flags has already
     trained there (a checkpoint or a finished history; a run that never got that far is replaced)."""
     recorded = logdir / COMMAND_FILE
     before = json.loads(recorded.read_text()) if recorded.is_file() else None
-    if before == flags:
+    if before is not None and same_values(before, flags):
         return
     if before is not None and ((logdir / HISTORY_FILE).is_file() or any(logdir.glob("*/run_*/checkpoints/iter_*"))):
         raise ValueError(f"{logdir} holds a run of other flags: it ran {shlex.join(before)}, this command asks "

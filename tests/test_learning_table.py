@@ -129,6 +129,17 @@ def test_a_logdir_that_trained_with_other_flags_is_refused(tmp_path):
         learning_table.check_same_command(tmp_path, ["--seed", "0"])
 
 
+def test_a_recorded_number_spelled_otherwise_is_the_same_run(tmp_path):
+    """A bench that writes ``2e-5`` where an earlier one recorded ``2e-05`` asks for the same run."""
+    learning_table.check_same_command(tmp_path, ["--lr", "2e-05", "--seed", "0"])
+    (tmp_path / "row" / "run_1" / "checkpoints" / "iter_2").mkdir(parents=True)
+    learning_table.check_same_command(tmp_path, ["--lr", "2e-5", "--seed", "0"])
+    with pytest.raises(ValueError, match="holds a run of other flags"):
+        learning_table.check_same_command(tmp_path, ["--lr", "3e-5", "--seed", "0"])
+    with pytest.raises(ValueError, match="holds a run of other flags"):
+        learning_table.check_same_command(tmp_path, ["--lr", "2e-5", "--seed", "0", "--val_only"])
+
+
 @pytest.mark.slow
 def test_a_small_grid_runs_end_to_end_and_a_second_call_skips_finished_runs(tiny_models, tmp_path):
     """Two rows (GRPO and the target alone), one seed, 4 iterations of 16 envs; the second call trains

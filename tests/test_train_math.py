@@ -579,6 +579,36 @@ def test_the_implicit_prm_step_in_micro_batches_equals_one_batch(untrained_polic
         torch.testing.assert_close(part, whole.detach(), atol=1e-5, rtol=0)
 
 
+def test_the_implicit_prm_takes_one_step_per_mini_batch_each_on_the_next_share(untrained_policy_dir, tmp_path,
+                                                                            monkeypatch):
+    """``--implicit_prm_num_mini_batch 2`` (PRIME's reward_model.mini_batch_size at half the batch): two steps, the
+    first on the first half of the rows and the second on the rest, each share's scores taken before its own
+    step; the same as two one-step updates on the halves in order."""
+    runner = prime_runner(untrained_policy_dir, tmp_path, monkeypatch, implicit_prm_num_mini_batch=2)
+    learner, buffer = runner.learner, runner.rollouts.next(0, 0, 0).buffer
+    prm = learner.implicit_prm
+    rows = buffer.rows()
+    weights, optimizer = copy.deepcopy(prm.model.state_dict()), copy.deepcopy(prm.optimizer.state_dict())
+    steps = []
+    monkeypatch.setattr(prm, "step", lambda *args, _step=prm.step: steps.append(_step(*args)) or steps[-1])
+    stats, scores = learner.implicit_prm_step(buffer, rows)
+    assert len(steps) == 2 and stats["implicit_prm/grad_norm"] == pytest.approx(sum(steps) / 2)
+    two_steps = [p.detach().clone() for p in prm.model.actor_parameters()]
+    prm.model.load_state_dict(weights)
+    prm.optimizer.load_state_dict(optimizer)
+    learner.prime = dataclasses.replace(learner.prime, implicit_prm_num_mini_batch=1)
+    half = rows.num_samples // 2
+    by_half = []
+    for share in (torch.arange(half), torch.arange(half, rows.num_samples)):
+        mask = torch.zeros(buffer.num_slots, dtype=torch.bool)
+        mask[rows.index[share]] = True
+        by_half.append(learner.implicit_prm_step(buffer, buffer.rows(mask.reshape(buffer.live.shape)))[1])
+    torch.testing.assert_close(scores, torch.cat(by_half), atol=1e-6, rtol=0)
+    assert float(scores[:half].abs().max()) == 0.0 < float(scores[half:].abs().max())  # psi = ref, then a step
+    for stepped, sequential in zip(two_steps, prm.model.actor_parameters()):
+        torch.testing.assert_close(stepped, sequential.detach(), atol=1e-6, rtol=0)
+
+
 def test_val_only_evaluates_once_and_trains_and_saves_nothing(untrained_policy_dir, tmp_path):
     """verl's trainer.val_only: the held-out evaluation of the model as given, in eval_history.json and
     TensorBoard, with no iteration, checkpoint or best/ policy."""

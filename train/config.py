@@ -335,6 +335,10 @@ class PrimeConfig:
     implicit_prm_lr: float = option(1e-3, "PRIME: implicit PRM learning rate (PRIME's paper used 1e-6 on 7B models).")
     implicit_prm_grad_clip: float = option(10.0, "PRIME: the implicit PRM's gradient norm is clipped to this before "
                                            "each of its steps (PRIME's reward_model optim.grad_clip: 10).")
+    implicit_prm_num_mini_batch: int = option(
+        1, "PRIME: optimizer steps the implicit PRM takes on each batch, each on the next 1/N of the episodes it "
+        "learns from (PRIME's reward_model.mini_batch_size is that batch / N; its run script's batch makes N 4).",
+        lower_bound=1)
     process_coef: float = option(1.0, "PRIME: weight of the implicit-PRM reward stream against the outcome stream's 1 "
                                  "(0: RLOO on the outcome stream alone, and no implicit PRM is built or trained).")
     prime_update: PrimeUpdate = option(PrimeUpdate.BEFORE, "PRIME: when the implicit PRM takes its step on a batch's "

@@ -426,34 +426,42 @@ class Learner:
 
     def implicit_prm_step(self, buffer: RolloutBuffer, rows: Batch,
                           reference: torch.Tensor | None = None) -> tuple[dict[str, float], torch.Tensor]:
-        """One step of the implicit PRM on ``rows``, labelled by whether their episode's answer verified, its
-        gradients accumulated over micro-batches of at most ``micro_batch_tokens`` forwarded positions as the
+        """``--implicit_prm_num_mini_batch`` steps of the implicit PRM on ``rows``, each on the next share of them
+        in order (PRIME's code iterates its batch unshuffled), labelled by whether their episode's answer verified,
+        its gradients accumulated over micro-batches of at most ``micro_batch_tokens`` forwarded positions as the
         policy's are (``reference``: the rows' reference log-probs [B, L], when already computed); returns
-        ``loss/implicit_prm`` and ``implicit_prm/grad_norm`` (the norm before ``--implicit_prm_grad_clip``; both
-        NaN when no rank has a row) and its outcome scores [B] of ``rows`` before the step."""
-        total = int(distributed.all_reduce_sum([rows.num_samples])[0])  # over every rank
-        if total == 0:
-            return {"loss/implicit_prm": math.nan, "implicit_prm/grad_norm": math.nan}, torch.zeros(0)
+        ``loss/implicit_prm`` and ``implicit_prm/grad_norm`` (the means over its steps of the loss and of the norm
+        before ``--implicit_prm_grad_clip``; both NaN when no rank has a row) and its outcome scores [B] of
+        ``rows``, each taken before the step on its share."""
         labels = buffer.episode_correct_at(rows.index)
-        loss, scores = 0.0, torch.zeros(rows.num_samples)
-        for part in self.micro_batch_rows(buffer, rows):
-            width = max(int(rows.action_lengths[part].max()), 1)  # as wide as the part's scores: its longest action
-            part_loss, scores[part] = self.implicit_prm.accumulate(
-                take(rows.prompt_ids, part.tolist()), (rows.action_ids[part, :width], rows.action_lengths[part]),
-                labels[part], total, None if reference is None else reference[part, :width])
-            loss += part_loss
-        grad_norm = self.implicit_prm.step(distributed.sum_in_place if self.ranks.distributed else None)
-        return {"loss/implicit_prm": float(distributed.all_reduce_sum([loss])[0]),
-                "implicit_prm/grad_norm": grad_norm}, scores
+        scores, losses, norms = torch.zeros(rows.num_samples), [], []
+        for share in torch.tensor_split(torch.arange(rows.num_samples), self.prime.implicit_prm_num_mini_batch):
+            total = int(distributed.all_reduce_sum([len(share)])[0])  # over every rank
+            if total == 0:
+                continue
+            loss = 0.0
+            for part in self.micro_batch_rows(buffer, rows, share):
+                width = max(int(rows.action_lengths[part].max()), 1)  # as wide as the part's scores: its longest
+                part_loss, scores[part] = self.implicit_prm.accumulate(
+                    take(rows.prompt_ids, part.tolist()), (rows.action_ids[part, :width], rows.action_lengths[part]),
+                    labels[part], total, None if reference is None else reference[part, :width])
+                loss += part_loss
+            norms.append(self.implicit_prm.step(distributed.sum_in_place if self.ranks.distributed else None))
+            losses.append(float(distributed.all_reduce_sum([loss])[0]))
+        if not losses:
+            return {"loss/implicit_prm": math.nan, "implicit_prm/grad_norm": math.nan}, scores
+        return {"loss/implicit_prm": float(np.mean(losses)), "implicit_prm/grad_norm": float(np.mean(norms))}, scores
 
-    def micro_batch_rows(self, buffer: RolloutBuffer, rows: Batch) -> list[torch.Tensor]:
-        """The positions in ``rows`` [B] of each micro-batch of at most ``micro_batch_tokens`` forwarded
-        positions (``RolloutBuffer.within_tokens``; 0: one micro-batch); none for no rows (a rank whose groups the
-        filter dropped joins the step with zero gradients)."""
-        if not rows.num_samples:
+    def micro_batch_rows(self, buffer: RolloutBuffer, rows: Batch,
+                         positions: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """The positions in ``rows`` [B] (of ``positions``, default all of them) of each micro-batch of at most
+        ``micro_batch_tokens`` forwarded positions (``RolloutBuffer.within_tokens``; 0: one micro-batch); none for
+        no rows (a rank whose groups the filter dropped joins the step with zero gradients)."""
+        positions = torch.arange(rows.num_samples) if positions is None else positions
+        if not len(positions):
             return []
         if not self.config.micro_batch_tokens:
-            return [torch.arange(rows.num_samples)]
-        position = {slot: row for row, slot in enumerate(rows.index.tolist())}
+            return [positions]
+        position = {slot: row for row, slot in zip(positions.tolist(), rows.index[positions].tolist())}
         return [torch.tensor([position[slot] for slot in part.tolist()], dtype=torch.long)
-                for part in buffer.within_tokens(rows.index, self.config.micro_batch_tokens)]
+                for part in buffer.within_tokens(rows.index[positions], self.config.micro_batch_tokens)]

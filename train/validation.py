@@ -33,8 +33,8 @@ OPTIONS = {flag_name(field): (section, field) for section, kind in sections().it
 
 APPLIES_TO = {
     **dict.fromkeys(("accuracy_lower_bound", "accuracy_upper_bound", "oversample_factor", "implicit_prm_beta",
-                     "implicit_prm_lr", "implicit_prm_grad_clip", "process_coef", "prime_update", "prime_norm",
-                     "normalize_advantages", "implicit_prm_heldout_all"),
+                     "implicit_prm_lr", "implicit_prm_grad_clip", "implicit_prm_num_mini_batch", "process_coef",
+                     "prime_update", "prime_norm", "normalize_advantages", "implicit_prm_heldout_all"),
                     algorithms_with(lambda spec: spec.prime)),
     "scale_rewards": algorithms_with(lambda spec: spec.scales_rewards),
     "agent_groups": algorithms_with(lambda spec: spec.grouped),

@@ -49,8 +49,10 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import hashlib
 import importlib.util
 import io
+import json
 import pstats
 import queue
 import statistics
@@ -271,10 +273,15 @@ class TRLSide:
         ``peft_config``: LoRA on the model (None: full fine-tuning); ``lr_lambda``: the lr's multiplier at each
         optimizer step (None: ``config.lr_scheduler_type``), on a fused AdamW without weight decay as ours."""
         from datasets import Dataset
+        from datasets.table import InMemoryTable
         from transformers import PrinterCallback
         from trl import GRPOTrainer
 
-        dataset = Dataset.from_list([{"prompt": prompt, "problem_id": p.id} for prompt, p in prompts])
+        rows = [{"prompt": prompt, "problem_id": p.id} for prompt, p in prompts]
+        # The rows' digest as the dataset's fingerprint: datasets would hash the arrow table with dill, which
+        # raises on pyarrow's MonthDayNano type (PicklingError, datasets 5.2 with pyarrow 24-26).
+        fingerprint = hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16]
+        dataset = Dataset(InMemoryTable.from_pylist(rows), fingerprint=fingerprint)
         self.trainer = GRPOTrainer(model=str(model), reward_funcs=env_reward_function(
             reward_model, {p.id: p for _, p in prompts}), args=config, train_dataset=dataset, peft_config=peft_config)
         if lr_lambda is not None:  # set before train(), which then builds neither

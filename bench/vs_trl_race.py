@@ -36,7 +36,8 @@ Evaluation: at iteration 0 (the starting weights, the same for both sides: evalu
 evaluated by one evaluator (``HeldOut``): ``train.evaluation`` on the first ``--eval_limit`` held-out problems
 of the task, greedy, with our HF generator, exactly as train_math.py evaluates. Evaluation time is excluded
 from both sides' minutes, which count each side's iterations only (ours: ``Runner.train_iteration``; TRL: from
-resuming its loop to its next optimizer step's end; model loading and start-up excluded).
+resuming its loop to its next optimizer step's end). Loading the models is excluded; each side's first iteration
+holds what its loop sets up on the way (TRL: ``train()``'s accelerator and dataloader; ours: AdamW's moments).
 
 The sides run one after the other (ours, then TRL) for each mode and seed: both in memory at once would
 double the footprint of full fine-tuning. On a machine that others share, the load each side met may differ.

@@ -49,8 +49,10 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import hashlib
 import importlib.util
 import io
+import json
 import pstats
 import queue
 import statistics
@@ -68,10 +70,14 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
+    from peft import LoraConfig
+    from trl import GRPOConfig
+
     from envs.datasets import Problem
     from envs.rewards import RewardModel, RewardOutput, StepContext
     from models.generation import Generator
     from models.policy import LanguagePolicy
+    from train.config import RunConfig
 
 GROUP_SIZE = 8
 PROMPTS_PER_STEP = 8
@@ -111,30 +117,19 @@ class Side(Protocol):
 # -------------------------------------------------------------------------------------------------
 
 class OursSide:
-    """Our Runner on Arith-v0 or MATH-v0 over MATH-500, built by ``train.builders.build_runner`` from
-    train_math.py's flags for GRPO with these settings; the env scores with ``reward_model``."""
+    """Our Runner, built by ``train.builders.build_runner`` from ``config`` (train_math.py's flags, parsed by
+    ``parsed_config``); the env scores with ``reward_model``."""
 
     name = "ours"
 
-    def __init__(self, policy_dir: Path, dataset: str, reward_model: RewardModel, backend: str, run_dir: Path) -> None:
+    def __init__(self, config: RunConfig, reward_model: RewardModel, run_dir: Path,
+                 generator_factory: Callable[[LanguagePolicy], Generator] | None = None) -> None:
         from tensorboardX import SummaryWriter
 
-        from envs.datasets import MATH500
         from train import builders
-        from train.flags import FLAGS, config_from_flags
 
-        problems = ["--env_id=Arith-v0"] if dataset == "arith" else ["--env_id=MATH-v0", f"--dataset_path={MATH500}"]
-        FLAGS(["vs_trl", f"--model_name_or_path={policy_dir}", "--algorithm_name=GRPO", *problems,
-               f"--n_rollout_threads={COMPLETIONS_PER_STEP}", f"--group_size={GROUP_SIZE}",
-               f"--num_env_steps={COMPLETIONS_PER_STEP * 1_000_000}", f"--max_new_tokens={MAX_NEW_TOKENS}",
-               f"--temperature={TEMPERATURE}", f"--lr={LR}", "--warmup_iterations=0", "--lr_schedule=constant",
-               f"--max_grad_norm={MAX_GRAD_NORM}", f"--clip_param={CLIP}", "--kl_coef=0", "--loss_agg_mode=token-mean",
-               "--scale_rewards=group", "--eval_interval=0", f"--eval_batch_size={PROMPTS_PER_STEP}",
-               "--save_interval=0", "--nosave_best", f"--seed={SEED}", "--noasync_rollouts", "--device=cpu",
-               "--dtype=float32", f"--generation_backend={backend}", f"--logdir={run_dir}"])
         self.writer = SummaryWriter(str(run_dir))
-        self.runner = builders.build_runner(config_from_flags(FLAGS), run_dir, self.writer,
-                                            generator_factory=make_vllm_generator if backend == "vllm" else None)
+        self.runner = builders.build_runner(config, run_dir, self.writer, generator_factory=generator_factory)
         self.env = self.runner.collector.env
         self.env.unwrapped.task.reward_model = reward_model
         self.iteration = 0
@@ -159,7 +154,32 @@ class OursSide:
                           torch.get_num_threads())
 
     def close(self) -> None:
+        self.runner.close()
         self.writer.close()
+
+
+def parsed_config(argv: Sequence[str]) -> RunConfig:
+    """The run configuration train_math.py builds from the flags ``argv`` (every other flag at its default)."""
+    from train.flags import FLAGS, config_from_flags
+
+    FLAGS.unparse_flags()  # a second side in one process must not inherit the first one's flags
+    FLAGS(["train_math", *argv])
+    return config_from_flags(FLAGS)
+
+
+def ours_flags(policy_dir: Path, dataset: str, backend: str, run_dir: Path) -> list[str]:
+    """train_math.py's flags for GRPO at this bench's settings (module docstring)."""
+    from envs.datasets import MATH500
+
+    problems = ["--env_id=Arith-v0"] if dataset == "arith" else ["--env_id=MATH-v0", f"--dataset_path={MATH500}"]
+    return [f"--model_name_or_path={policy_dir}", "--algorithm_name=GRPO", *problems,
+            f"--n_rollout_threads={COMPLETIONS_PER_STEP}", f"--group_size={GROUP_SIZE}",
+            f"--num_env_steps={COMPLETIONS_PER_STEP * 1_000_000}", f"--max_new_tokens={MAX_NEW_TOKENS}",
+            f"--temperature={TEMPERATURE}", f"--lr={LR}", "--warmup_iterations=0", "--lr_schedule=constant",
+            f"--max_grad_norm={MAX_GRAD_NORM}", f"--clip_param={CLIP}", "--kl_coef=0", "--loss_agg_mode=token-mean",
+            "--scale_rewards=group", "--eval_interval=0", f"--eval_batch_size={PROMPTS_PER_STEP}",
+            "--save_interval=0", "--nosave_best", f"--seed={SEED}", "--noasync_rollouts", "--device=cpu",
+            "--dtype=float32", f"--generation_backend={backend}", f"--logdir={run_dir}"]
 
 
 def equal_reward_share(buffer) -> float:
@@ -226,29 +246,48 @@ def env_reward_function(reward_model: RewardModel, problems: dict[str, Problem])
     return env_reward
 
 
+def trl_config(max_steps: int, out_dir: Path) -> GRPOConfig:
+    """``trl.GRPOConfig`` at this bench's settings (module docstring), its steps taking the dataset in order."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=str(out_dir), per_device_train_batch_size=COMPLETIONS_PER_STEP, gradient_accumulation_steps=1,
+        num_generations=GROUP_SIZE, max_completion_length=MAX_NEW_TOKENS, temperature=TEMPERATURE,
+        learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+        max_grad_norm=MAX_GRAD_NORM, beta=0.0, num_iterations=1, epsilon=CLIP, scale_rewards="group",
+        loss_type="dapo",  # token mean over the batch: our token_mean with one micro-batch
+        bf16=False, gradient_checkpointing=False, use_cpu=True, max_steps=max_steps, seed=SEED,
+        report_to="none", logging_strategy="no", save_strategy="no", disable_tqdm=True,
+        shuffle_dataset=False)  # the prompts are in our steps' order: step k of each side, the same problems
+
+
 class TRLSide:
     """``trl.GRPOTrainer`` configured like ours; ``step`` lets its training loop run one optimizer step."""
 
     name = "TRL"
 
-    def __init__(self, policy_dir: Path, prompts: list[tuple[str, Problem]], reward_model: RewardModel,
-                 max_steps: int, threads: int, out_dir: Path) -> None:
+    def __init__(self, model: str | Path, prompts: list[tuple[str, Problem]], reward_model: RewardModel,
+                 config: GRPOConfig, threads: int, peft_config: LoraConfig | None = None,
+                 lr_lambda: Callable[[int], float] | None = None) -> None:
+        """``prompts``: (prompt text, problem) in the order the steps take them (``config.shuffle_dataset`` off);
+        ``peft_config``: LoRA on the model (None: full fine-tuning); ``lr_lambda``: the lr's multiplier at each
+        optimizer step (None: ``config.lr_scheduler_type``), on a fused AdamW without weight decay as ours."""
         from datasets import Dataset
+        from datasets.table import InMemoryTable
         from transformers import PrinterCallback
-        from trl import GRPOConfig, GRPOTrainer
+        from trl import GRPOTrainer
 
-        dataset = Dataset.from_list([{"prompt": prompt, "problem_id": p.id} for prompt, p in prompts])
-        config = GRPOConfig(
-            output_dir=str(out_dir), per_device_train_batch_size=COMPLETIONS_PER_STEP, gradient_accumulation_steps=1,
-            num_generations=GROUP_SIZE, max_completion_length=MAX_NEW_TOKENS, temperature=TEMPERATURE,
-            learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-            max_grad_norm=MAX_GRAD_NORM, beta=0.0, num_iterations=1, epsilon=CLIP, scale_rewards="group",
-            loss_type="dapo",  # token mean over the batch: our token_mean with one micro-batch
-            bf16=False, gradient_checkpointing=False, use_cpu=True, max_steps=max_steps, seed=SEED,
-            report_to="none", logging_strategy="no", save_strategy="no", disable_tqdm=True,
-            shuffle_dataset=False)  # ``prompts`` are in our steps' order: step k of each side, the same problems
-        self.trainer = GRPOTrainer(model=str(policy_dir), reward_funcs=env_reward_function(
-            reward_model, {p.id: p for _, p in prompts}), args=config, train_dataset=dataset)
+        rows = [{"prompt": prompt, "problem_id": p.id} for prompt, p in prompts]
+        # The rows' digest as the dataset's fingerprint: datasets would hash the arrow table with dill, which
+        # raises on pyarrow's MonthDayNano type (PicklingError, datasets 5.2 with pyarrow 24-26).
+        fingerprint = hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16]
+        dataset = Dataset(InMemoryTable.from_pylist(rows), fingerprint=fingerprint)
+        self.trainer = GRPOTrainer(model=str(model), reward_funcs=env_reward_function(
+            reward_model, {p.id: p for _, p in prompts}), args=config, train_dataset=dataset, peft_config=peft_config)
+        if lr_lambda is not None:  # set before train(), which then builds neither
+            trained = [param for param in self.trainer.model.parameters() if param.requires_grad]
+            self.trainer.optimizer = torch.optim.AdamW(trained, lr=config.learning_rate, weight_decay=0.0, fused=True)
+            self.trainer.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.trainer.optimizer, lr_lambda)
         self.trainer.add_callback(self._pause_callback())
         self.trainer.remove_callback(PrinterCallback)  # its end-of-training dict would land in our table
         self.threads = threads
@@ -459,11 +498,13 @@ def main() -> None:
         policy_dir, label = ((args.policy, str(args.policy)) if args.policy
                              else (shipped_models(team=False).policy, "trained tiny"))
         reward_model = make_reward_model(args.reward)
-        ours = OursSide(policy_dir, args.dataset, reward_model, args.backend, scratch / "ours")
+        ours = OursSide(parsed_config(ours_flags(policy_dir, args.dataset, args.backend, scratch / "ours")),
+                        reward_model, scratch / "ours",
+                        generator_factory=make_vllm_generator if args.backend == "vllm" else None)
         # TRL's loop must outlast the schedule: warm-up, measured and profiled steps.
         total_steps = args.warmup + args.steps + 1
-        trl = TRLSide(policy_dir, ours.upcoming_prompts(total_steps), reward_model, total_steps, args.threads,
-                      scratch / "trl")
+        trl = TRLSide(policy_dir, ours.upcoming_prompts(total_steps), reward_model,
+                      trl_config(total_steps, scratch / "trl"), args.threads)
         print(f"GRPO, {label} policy, {args.dataset} ({len(ours.env.unwrapped.problems)} problems), reward "
               f"{args.reward}, {PROMPTS_PER_STEP} prompts x {GROUP_SIZE} = {COMPLETIONS_PER_STEP} completions per "
               f"step, <= {MAX_NEW_TOKENS} new tokens, T={TEMPERATURE}, lr {LR}, no KL, CPU; ours: "

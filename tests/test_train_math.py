@@ -427,6 +427,15 @@ def test_openr_command_runs_with_tiny_models_and_writes_readable_events(tiny_mod
     assert len(scalars["train/reward"]) == 2
 
 
+def test_the_lr_factor_warms_up_from_the_first_update_then_holds_or_decays():
+    from envs.modes import LrSchedule
+    from train.builders import lr_factor
+
+    assert [lr_factor(step, 2, LrSchedule.CONSTANT, 6) for step in range(6)] == [0.5, 1.0, 1.0, 1.0, 1.0, 1.0]
+    assert [lr_factor(step, 2, LrSchedule.LINEAR, 6) for step in range(6)] == [0.5, 1.0, 1.0, 0.75, 0.5, 0.25]
+    assert lr_factor(0, 0, LrSchedule.CONSTANT, 6) == 1.0
+
+
 def test_an_optimizer_step_allocates_no_temporary_of_a_parameters_size(untrained_policy_dir):
     """The update's memory peaks in the optimizer step (weights, gradients and both moments alive), so the
     step updates in place: after the first step has made the moments, nothing it allocates is as large as

@@ -306,18 +306,24 @@ def build_optimizer(learning: LearningConfig, policy: LanguagePolicy, iterations
     The fused kernel updates each parameter in one pass; the per-parameter loop torch picks on a CPU
     allocates two temporaries of the parameter's size on the way (about 1 GB for a 151,936 x 896
     embedding), at the moment the run's memory peaks: weights, gradients and both moments alive."""
-    warmup, schedule = learning.warmup_iterations, learning.lr_schedule
-
-    def factor(iteration: int) -> float:
-        if iteration < warmup:
-            return (iteration + 1) / warmup
-        if schedule == LrSchedule.LINEAR:
-            return max(0.0, 1.0 - (iteration - warmup) / max(iterations - warmup, 1))
-        return 1.0
-
     optimizer = torch.optim.AdamW(policy.param_groups(lr or learning.lr, learning.critic_lr), weight_decay=0.0,
                                   fused=True)
+
+    def factor(iteration: int) -> float:  # a function: LambdaLR's state_dict then holds no copy of it
+        return lr_factor(iteration, learning.warmup_iterations, learning.lr_schedule, iterations)
+
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def lr_factor(step: int, warmup: int, schedule: LrSchedule, iterations: int) -> float:
+    """The lr's multiplier at the ``step``-th update (from 0): linear warm-up over ``warmup`` updates, starting
+    at 1 / warmup (not at 0: the first update moves the weights), then constant or linear decay to 0 at
+    ``iterations``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == LrSchedule.LINEAR:
+        return max(0.0, 1.0 - (step - warmup) / max(iterations - warmup, 1))
+    return 1.0
 
 
 def build_generators(config: RunConfig, policy: LanguagePolicy, directory: str, sync_dir: Path,

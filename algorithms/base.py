@@ -4,7 +4,8 @@ An algorithm is pure tensor math: ``advantages`` reads a filled ``RolloutBuffer`
 ``AdvantageEstimate`` (advantages, returns, which slots to train on) without changing the buffer; ``loss``
 turns the policy's scores of one micro-batch into a scalar. What it reads from a policy is named by
 the ``ActionScores`` protocol; the trainer owns models, generation and optimisation. Algorithms are
-registered, with the traits the trainer needs, in ``algorithms.registry``.
+registered, with the traits the trainer needs, in ``algorithms.registry``; their settings are
+``algorithms.config.AlgorithmConfig``.
 """
 
 from __future__ import annotations

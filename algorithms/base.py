@@ -4,11 +4,13 @@ An algorithm is pure tensor math: ``advantages`` reads a filled ``RolloutBuffer`
 ``AdvantageEstimate`` (advantages, returns, which slots to train on) without changing the buffer; ``loss``
 turns the policy's scores of one micro-batch into a scalar. What it reads from a policy is named by
 the ``ActionScores`` protocol; the trainer owns models, generation and optimisation. Algorithms are
-registered, with the traits the trainer needs, in ``algorithms.registry``.
+registered, with the traits the trainer needs, in ``algorithms.registry``; their settings are
+``algorithms.config.AlgorithmConfig``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from typing import Callable, Protocol
 
@@ -18,7 +20,8 @@ import torch
 from algorithms.buffer import Batch, RolloutBuffer, AdvantageEstimate
 from algorithms.losses import (Surrogate, aggregate, clipped_surrogate, importance_log_ratio, kl_estimate, kl_k3,
                                masked_mean)
-from algorithms.registry import AlgorithmConfig, algorithm_spec
+from algorithms.config import AlgorithmConfig, kl_in_reward
+from algorithms.registry import algorithm_spec
 from algorithms.rollout_correction import rollout_weighted
 
 
@@ -142,8 +145,10 @@ def reward_kl(buffer: RolloutBuffer, config: AlgorithmConfig) -> torch.Tensor | 
 
 
 def make_algorithm(name: str, config: AlgorithmConfig) -> Algorithm:
-    """An instance of the class registered as ``name`` (e.g. "GRPO")."""
+    """An instance of the class registered as ``name`` (e.g. "GRPO"), ``use_kl_in_reward`` left None resolved to
+    its default."""
     module_name, _, class_name = algorithm_spec(name).target.partition(":")
+    config = dataclasses.replace(config, use_kl_in_reward=kl_in_reward(config.use_kl_in_reward, name))
     return getattr(importlib.import_module(module_name), class_name)(config)
 
 

@@ -1,8 +1,8 @@
 """The algorithms the trainer knows, and the traits it must know of each before building one.
 
 Torch-free on purpose: a run's configuration is checked against these traits (an episodic algorithm
-compares samples within prompt groups; only algorithms with a critic take critic options) and its
-hyper-parameters (``AlgorithmConfig``) are resolved before torch is imported. Its modes are the house's
+compares samples within prompt groups; only algorithms with a critic take critic options), and the help texts
+name the algorithms with a trait (``named``), before torch is imported. Its modes are the house's
 (``envs.modes``), the one module of ``envs`` an algorithm imports. The trainer knows an algorithm only by its
 traits, so adding one is a module with a class following ``algorithms.base.Algorithm`` plus one entry in
 ``ALGORITHMS``.
@@ -13,51 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from envs.modes import AgentGroups, CriticGranularity, ImportanceSamplingLevel, KLEstimator, LossAgg, ScaleRewards
-
-
-@dataclass(frozen=True)
-class AlgorithmConfig:
-    """Hyper-parameters shared by the algorithms (each reads the ones it needs)."""
-
-    clip_param: float = 0.2
-    value_clip_param: float = 0.2  # 0: no value clipping
-    huber_delta: float = 0.0  # 0: 0.5 * squared error
-    value_coef: float = 0.5
-    entropy_coef: float = 0.0
-    gamma: float = 1.0
-    gae_lambda: float = 0.95  # the policy's advantages
-    value_lambda: float = 1.0  # the critic's targets (returns); 1.0 = Monte Carlo, free of the critic's own bias
-    scale_rewards: ScaleRewards = ScaleRewards.GROUP
-    kl_coef: float = 0.0
-    kl_loss_type: KLEstimator = KLEstimator.K3  # the KL term of the loss
-    use_kl_in_reward: bool = False  # the KL as a token penalty in the reward instead of a loss term
-    kl_penalty: KLEstimator = KLEstimator.K1  # the reward penalty's estimator, on the rollout log-probs
-    clip_ratio_low: float | None = None  # None: clip_param
-    clip_ratio_high: float | None = None  # None: clip_param (DAPO's clip-higher: above clip_ratio_low)
-    clip_ratio_c: float | None = None  # dual-clip bound (> 1) on the ratio where the advantage is negative; None: off
-    importance_sampling_level: ImportanceSamplingLevel = ImportanceSamplingLevel.TOKEN
-    loss_agg_mode: LossAgg = LossAgg.TOKEN_MEAN
-    loss_scale_factor: int | None = None  # seq-mean-token-sum-norm's divisor (the longest action, max_new_tokens)
-    process_coef: float = 1.0  # RLOO: weight of the implicit-PRM stream (the outcome stream's is 1)
-    normalize_advantages: bool = True  # RLOO: returns standardised over the batch's trained tokens
-    accuracy_lower_bound: float = 0.2  # RLOO: PRIME's prompt filter
-    accuracy_upper_bound: float = 0.8
-    max_groups: int | None = None  # RLOO: groups kept after filtering an oversampled batch
-    agent_groups: AgentGroups = AgentGroups.ROLE  # multi-agent: what a group baseline compares
-
-    @property
-    def clip_low(self) -> float:
-        return self.clip_param if self.clip_ratio_low is None else self.clip_ratio_low
-
-    @property
-    def clip_high(self) -> float:
-        return self.clip_param if self.clip_ratio_high is None else self.clip_ratio_high
-
-    @property
-    def kl_in_loss(self) -> bool:
-        """Whether the loss has a KL-to-reference term (else the KL, if any, is a reward penalty)."""
-        return self.kl_coef > 0 and not self.use_kl_in_reward
+from envs.modes import CriticGranularity
 
 
 @dataclass(frozen=True)
@@ -74,7 +30,8 @@ class AlgorithmSpec:
     ``prime``: PRIME's options apply: an implicit PRM, an accuracy filter on oversampled prompt groups.
     ``kl_in_reward``: the KL to the reference is a token reward by default (else a loss term).
     ``asynchronous``: the next batch is generated while this one trains by default (on any device).
-    ``turn_groups``: a multi-agent baseline may compare one role's actions at one turn (``AgentGroups.AT_GRPO``)."""
+    ``turn_groups``: a multi-agent baseline may compare one role's actions at one turn (``AgentGroups.AT_GRPO``).
+    ``known_as``: the algorithm's name in the literature, where the registered name cannot spell it."""
 
     target: str
     episodic: bool
@@ -86,6 +43,7 @@ class AlgorithmSpec:
     kl_in_reward: bool = False
     asynchronous: bool = False
     turn_groups: bool = False
+    known_as: str | None = None
 
     @property
     def default_group_size(self) -> int:
@@ -101,15 +59,20 @@ ALGORITHMS = {
     "TPPO": AlgorithmSpec("algorithms.tppo:TPPO", episodic=False, critic=CriticGranularity.TOKEN),
     "RLOO": AlgorithmSpec("algorithms.rloo:RLOO", episodic=True, critic=None, grouped=True, prime=True),
     "REINFORCE_PP": AlgorithmSpec("algorithms.reinforce_pp:ReinforcePP", episodic=True, critic=None,
-                                  kl_in_reward=True),
+                                  kl_in_reward=True, known_as="REINFORCE++ (Hu 2025)"),
     "REINFORCE_PP_BASELINE": AlgorithmSpec("algorithms.reinforce_pp:ReinforcePPBaseline", episodic=True, critic=None,
-                                           grouped=True, kl_in_reward=True),
+                                           grouped=True, kl_in_reward=True, known_as="REINFORCE++-baseline (Hu 2025)"),
 }
 
 
 def algorithms_with(trait: Callable[[AlgorithmSpec], bool]) -> tuple[str, ...]:
     """The names of the registered algorithms whose spec has ``trait`` (e.g. ``lambda spec: spec.prime``)."""
     return tuple(name for name, spec in ALGORITHMS.items() if trait(spec))
+
+
+def named(trait: Callable[[AlgorithmSpec], bool]) -> str:
+    """The registered algorithms with ``trait``, as a help text names them (e.g. "APPO/TPPO")."""
+    return "/".join(algorithms_with(trait))
 
 
 def algorithm_spec(name: str) -> AlgorithmSpec:

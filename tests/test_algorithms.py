@@ -202,7 +202,7 @@ def test_rloo_keeps_the_filtered_groups_and_standardises_their_returns(normalize
     returns are +1 and -1 over the outcome's leave-one-out baseline, then (normalize_advantages, PRIME's code)
     standardised over the kept tokens: 3 tokens at +1 and 1 at -1 have mean 0.5 and std 1 (unbiased)."""
     from algorithms.buffer import RolloutBuffer, StepRecord
-    from algorithms.registry import AlgorithmConfig
+    from algorithms.config import AlgorithmConfig
     from algorithms.rloo import RLOO
 
     torch.set_default_dtype(torch.float32)  # the buffer's dtype in training (the fixture restores float64)

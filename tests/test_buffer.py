@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from algorithms.base import make_algorithm
-from algorithms.registry import AlgorithmConfig
+from algorithms.config import AlgorithmConfig
 from algorithms.buffer import AdvantageEstimate, RolloutBuffer, StepRecord
 from envs.modes import LossAgg
 from models.scoring import ActionScores

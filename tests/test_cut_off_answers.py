@@ -8,7 +8,7 @@ import torch
 from absl import flags
 
 from algorithms.base import make_algorithm
-from algorithms.registry import AlgorithmConfig
+from algorithms.config import AlgorithmConfig
 from envs.rewards import OverlongPenalty
 from event_files import read_scalars
 from test_dynamic_sampling import episodic_buffer

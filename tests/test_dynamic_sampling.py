@@ -10,7 +10,7 @@ from absl import flags
 
 from algorithms.base import make_algorithm
 from algorithms.buffer import RolloutBuffer, StepRecord
-from algorithms.registry import AlgorithmConfig
+from algorithms.config import AlgorithmConfig
 from event_files import read_scalars
 from test_train_math import parse
 from test_trainer import run_train_math

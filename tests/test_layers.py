@@ -44,8 +44,8 @@ def project_modules() -> dict[str, Path]:
 
 
 MODULES = project_modules()
-LIGHT_AT_IMPORT = ("algorithms.registry", "envs.modes", "train.config", "train.options", "train.validation",
-                   "train_math",
+LIGHT_AT_IMPORT = ("algorithms.config", "algorithms.options", "algorithms.registry", "envs.modes", "train.config",
+                   "train.options", "train.validation", "train_math",
                    *sorted(m for m in MODULES if m == "train.flags" or m.startswith("train.flags.")))
 
 

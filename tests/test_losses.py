@@ -16,7 +16,7 @@ from absl import flags
 from algorithms.base import make_algorithm
 from algorithms.buffer import Batch, RolloutBuffer, StepRecord
 from algorithms.losses import aggregate, clipped_surrogate, importance_log_ratio, kl_estimate
-from algorithms.registry import AlgorithmConfig
+from algorithms.config import AlgorithmConfig
 from algorithms.reinforce_pp import reinforce_pp_returns
 from envs.modes import LossAgg
 from event_files import read_scalars
@@ -259,6 +259,14 @@ def test_reinforce_pp_normalises_returns_over_the_batch(name):
 def test_combinations_that_mean_nothing_are_refused(argv, message):
     with pytest.raises((flags.Error, ValueError), match=message.replace("(", r"\(").replace(")", r"\)")):
         parse(*argv)
+
+
+def test_the_kl_in_the_reward_left_to_the_algorithm_is_its_default():
+    """``use_kl_in_reward`` left None (the option's default) is REINFORCE++'s token penalty and GRPO's loss term."""
+    assert make_algorithm("REINFORCE_PP", AlgorithmConfig(kl_coef=0.1)).config.use_kl_in_reward is True
+    grpo = make_algorithm("GRPO", AlgorithmConfig(kl_coef=0.1)).config
+    assert grpo.use_kl_in_reward is False and grpo.kl_in_loss
+    assert make_algorithm("REINFORCE_PP", AlgorithmConfig(use_kl_in_reward=False)).config.use_kl_in_reward is False
 
 
 def test_the_recipes_resolve():

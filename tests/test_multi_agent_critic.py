@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from algorithms.appo import APPO
-from algorithms.registry import AlgorithmConfig
+from algorithms.config import AlgorithmConfig
 from algorithms.buffer import RolloutBuffer, StepRecord
 from algorithms.registry import algorithm_spec
 from algorithms.tppo import TPPO

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from algorithms.buffer import RolloutBuffer, StepRecord
+from algorithms.config import AlgorithmConfig
 from algorithms.grpo import GRPO, group_advantages
-from algorithms.registry import AlgorithmConfig, algorithm_spec
+from algorithms.registry import algorithm_spec
 from envs.modes import AgentGroups
 from envs.multi_agent import MultiAgentMathVectorEnv
 from envs.workflows import ACCEPT, REJECT, chain

@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 import pytest
 from absl import flags
 
+from algorithms.options import flag_name, option, options
 from train.config import EnvConfig, RunConfig
-from train.options import define_flags, flag_name, option, options, section_from_flags
+from train.options import define_flags, section_from_flags
 
 
 class Colour(enum.StrEnum):

@@ -12,7 +12,7 @@ import torch
 from absl import flags
 
 from algorithms.base import make_algorithm
-from algorithms.registry import AlgorithmConfig
+from algorithms.config import AlgorithmConfig
 from algorithms.rollout_correction import gap_sums, log_ratio, truncated_weights, within_band
 from event_files import read_scalars
 from test_dynamic_sampling import episodic_buffer

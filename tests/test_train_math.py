@@ -263,24 +263,25 @@ def test_a_run_config_defaults_to_what_the_command_line_defaults_to():
     assert resolved(from_code) == from_code  # idempotent: a resolved config resolves to itself
 
 
-def test_the_algorithms_defaults_are_the_options_defaults():
-    """``AlgorithmConfig()`` (the algorithms' own defaults, used in code) and the one the default options give
-    agree; RLOO's kept groups come from --n_rollout_threads / --group_size, and 0 is off in both."""
-    import dataclasses
-
-    from algorithms.registry import AlgorithmConfig
+def test_the_algorithm_reads_the_options_of_the_run_as_given():
+    """``AlgorithmConfig`` holds the options the learning, PRIME and multi-agent sections extend (declared once,
+    in algorithms.config) as the run gives them, and RLOO's kept groups per rank from --n_rollout_threads /
+    --group_size; the KL in the reward is left to the algorithm until resolved."""
+    from algorithms.config import AlgorithmConfig
     from train.builders import algorithm_config
     from envs.modes import AgentGroups
     from train.config import LearningConfig, MultiAgentConfig, PrimeConfig, RunConfig
+    from train.distributed import Ranks
     from train.resolve import resolved
 
-    assert algorithm_config(resolved(RunConfig())) == AlgorithmConfig(max_groups=128 // 4)
+    assert algorithm_config(RunConfig()) == AlgorithmConfig()
+    assert algorithm_config(resolved(RunConfig())) == AlgorithmConfig(use_kl_in_reward=False, max_groups=128 // 4)
+    assert algorithm_config(resolved(RunConfig()), Ranks(world_size=2)).max_groups == 128 // 4 // 2
     config = RunConfig(learning=LearningConfig(clip_param=0.1, value_clip_param=0.0, huber_delta=2.0),
                        prime=PrimeConfig(process_coef=0.5, oversample_factor=1),
                        multi_agent=MultiAgentConfig(agent_groups=AgentGroups.JOINT))
-    assert algorithm_config(config) == dataclasses.replace(
-        AlgorithmConfig(), clip_param=0.1, value_clip_param=0.0, huber_delta=2.0, process_coef=0.5,
-        agent_groups=AgentGroups.JOINT)
+    assert algorithm_config(config) == AlgorithmConfig(clip_param=0.1, value_clip_param=0.0, huber_delta=2.0,
+                                                       process_coef=0.5, agent_groups=AgentGroups.JOINT)
 
 
 @pytest.mark.parametrize("lora_rank", [0, 8], ids=["full", "lora"])

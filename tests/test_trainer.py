@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from algorithms.base import make_algorithm
-from algorithms.registry import AlgorithmConfig
+from algorithms.config import AlgorithmConfig
 from algorithms.registry import ALGORITHMS
 from algorithms.buffer import RolloutBuffer, StepRecord
 from models.policy import LanguagePolicy

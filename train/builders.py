@@ -18,7 +18,8 @@ from gymnasium.vector import AutoresetMode
 
 import envs  # noqa: F401  (registers the built-in ids)
 from algorithms.base import Algorithm, make_algorithm
-from algorithms.registry import AlgorithmConfig, algorithm_spec
+from algorithms.config import AlgorithmConfig, LossOptions, MultiAgentOptions, PrimeOptions
+from algorithms.registry import algorithm_spec
 from envs.datasets import load_problems
 from envs.math_env import MAX_TOOL_OUTPUT_CHARS, TOOL_TIMEOUT_S
 from envs.modes import ActionLevel, Backend, DataParallel, DType, LrSchedule, PrmType, Tool
@@ -278,16 +279,13 @@ def build_envs(config: RunConfig, reward_model: RewardModel, tokenizer, template
 
 
 def algorithm_config(config: RunConfig, ranks: Ranks = Ranks()) -> AlgorithmConfig:
-    """The algorithms' hyper-parameters: each from the option of the same name in the algorithm or PRIME
-    section, the multi-agent group baseline from --agent_groups; under torchrun RLOO keeps its share of the
-    filtered groups on each rank."""
-    learning, prime = config.learning, config.prime
-    named = {part.name: getattr(section, part.name) for part in dataclasses.fields(AlgorithmConfig)
-             for section in (learning, prime) if hasattr(section, part.name)}
-    return AlgorithmConfig(**{
-        **named, "use_kl_in_reward": bool(learning.use_kl_in_reward),
-        "max_groups": learning.prompt_groups // ranks.world_size if learning.prompt_groups is not None else None,
-        "agent_groups": config.multi_agent.agent_groups})
+    """The algorithms' hyper-parameters: the options the learning, PRIME and multi-agent sections take from
+    ``algorithms.config``, as given; under torchrun RLOO keeps its share of the filtered groups on each rank."""
+    sections = ((config.learning, LossOptions), (config.prime, PrimeOptions), (config.multi_agent, MultiAgentOptions))
+    given = {part.name: getattr(section, part.name) for section, options in sections
+             for part in dataclasses.fields(options)}
+    prompt_groups = config.learning.prompt_groups
+    return AlgorithmConfig(**given, max_groups=None if prompt_groups is None else prompt_groups // ranks.world_size)
 
 
 def build_algorithm(config: RunConfig, ranks: Ranks = Ranks()) -> Algorithm:

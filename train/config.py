@@ -1,13 +1,14 @@
 """A run's configuration: one typed, frozen dataclass per part, and the single source of each option.
 
-A user option is a field declared with ``train.options.option`` (its default and help written once);
+A user option is a field declared with ``algorithms.options.option`` (its default and help written once);
 its absl flag is generated from it (train/flags.py, section by section, in --helpfull's order), so
 ``RunConfig()`` and ``train_math.py`` without flags start from the same values. A default of None means
 "resolved from other options": the help says to what, and ``train.resolve.resolved`` works it out, in
 one place, for a config from flags and one built in code alike. Fields declared without ``option`` are
 resolved values (the env's workflow, envs per iteration, ...), not options. The builders
 (train/builders.py) each take their part, so a library user builds a run without absl:
-``build_runner(RunConfig(...), run_dir, writer)``.
+``build_runner(RunConfig(...), run_dir, writer)``. The options an algorithm reads are declared in
+``algorithms.config``, below this layer: the learning, PRIME and multi-agent sections extend them.
 
 Light on purpose: the flags are generated from these classes before torch is imported (the env package,
 no torch in it, is: the options' types are the house's modes, ``envs.modes``).
@@ -19,14 +20,13 @@ import enum
 import functools
 import re
 from dataclasses import dataclass, field, fields, is_dataclass
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from algorithms.registry import ALGORITHMS, AlgorithmSpec, algorithms_with
-from envs.modes import (LOSS_AGG_ALIASES, ActionLevel, AgentGroups, Backend, Critic, DataParallel, DType, Grader,
-                        ImportanceSamplingLevel, KLEstimator, LossAgg, LrSchedule, PrimeNorm, PrimeUpdate, PrmType,
-                        PromptTemplate, RewardAssignment, RolloutIsLevel, RolloutIsMode, ScaleRewards, Tool)
-from train.options import option
+from algorithms.config import LossOptions, MultiAgentOptions, PrimeOptions
+from algorithms.options import option
+from algorithms.registry import ALGORITHMS, named
+from envs.modes import (ActionLevel, Backend, Critic, DataParallel, DType, Grader, LrSchedule, PrimeNorm,
+                        PrimeUpdate, PrmType, PromptTemplate, RewardAssignment, RolloutIsLevel, RolloutIsMode, Tool)
 
 if TYPE_CHECKING:
     from envs.workflows import Workflow
@@ -47,11 +47,6 @@ PRM_TYPE_ALIASES = {"ms": "shepherd", "qwen": "classifier"}
 
 AlgorithmName = enum.StrEnum("AlgorithmName", {name: name for name in ALGORITHMS})
 """The registered algorithms (``algorithms.registry.ALGORITHMS``)."""
-
-
-def named(trait: Callable[[AlgorithmSpec], bool]) -> str:
-    """The registered algorithms with ``trait``, as a help text names them (e.g. "APPO/TPPO")."""
-    return "/".join(algorithms_with(trait))
 
 
 @dataclass(frozen=True)
@@ -236,11 +231,13 @@ class RewardConfig:
 
 
 @dataclass(frozen=True)
-class LearningConfig:
-    """The algorithm, the optimisation, and the losses' coefficients."""
+class LearningConfig(LossOptions):
+    """The algorithm, the optimisation, and the losses' coefficients (``LossOptions``, which the algorithm reads)."""
 
-    algorithm: AlgorithmName = option(AlgorithmName.GRPO, "RL algorithm; REINFORCE_PP and REINFORCE_PP_BASELINE are "
-                                      "REINFORCE++ and REINFORCE++-baseline (Hu 2025).", flag="algorithm_name")
+    algorithm: AlgorithmName = option(
+        AlgorithmName.GRPO, "RL algorithm; " + ", ".join(f"{name} is {spec.known_as}" for name, spec in
+                                                         ALGORITHMS.items() if spec.known_as) + ".",
+        flag="algorithm_name")
     num_mini_batch: int = option(1, "Minibatches (optimizer steps) per epoch over each rollout.", lower_bound=1)
     ppo_epoch: int = option(1, "Epochs over each rollout.", lower_bound=1)
     gradient_cp_steps: int = option(1, "Gradient accumulation: micro-batches per minibatch.", lower_bound=1)
@@ -258,23 +255,6 @@ class LearningConfig:
         LrSchedule.LINEAR, "After warm-up: linear decay to 0 at the last iteration, or constant. A run resumed with "
         "another --num_env_steps goes on at the new budget's lr for the step it has reached.")
     max_grad_norm: float = option(1.0, "Gradient norm clip (0: off).")
-    clip_param: float = option(0.2, "PPO ratio clip epsilon: the ratio is kept within [1 - eps, 1 + eps] "
-                               "(--clip_ratio_low / --clip_ratio_high set either side apart).")
-    clip_ratio_low: float | None = option(
-        None, "Lower clip epsilon: the ratio's floor is 1 - this where the advantage is negative (verl's "
-        "clip_ratio_low, TRL's epsilon). Default: --clip_param.")
-    clip_ratio_high: float | None = option(
-        None, "Upper clip epsilon: the ratio's ceiling is 1 + this where the advantage is positive; above "
-        "--clip_ratio_low it is DAPO's clip-higher (e.g. 0.28 over 0.2), room for unlikely tokens to grow (verl's "
-        "clip_ratio_high, TRL's epsilon_high). Default: --clip_param.")
-    clip_ratio_c: float | None = option(
-        None, "Dual-clip (Ye et al. 2020): where the advantage is negative the loss is at most c |A|, so a ratio "
-        "far above 1 cannot push the update without bound; > 1, verl uses 3.0 (its clip_ratio_c). Default: off.")
-    importance_sampling_level: ImportanceSamplingLevel = option(
-        ImportanceSamplingLevel.TOKEN, "The clipped ratio per token, or per action: exp of the mean of its tokens' "
-        "log-ratios, clipped as a whole (GSPO, Zheng et al. 2025, which clips at about 3e-4 and 4e-4; TRL's "
-        "importance_sampling_level, verl's policy_loss gspo).")
-    entropy_coef: float = option(0.0, "Entropy bonus coefficient.")
     target_kl: float = option(0.0, "Stop the update early once a minibatch's approx KL to the behaviour policy "
                               "exceeds this (0: off).")
     max_nonfinite_steps: int = option(
@@ -285,36 +265,6 @@ class LearningConfig:
         "multi-agent env (with a critic) it says "
         "what the critic reads: centralized (= auto, on): the joint transcript (every message so far) and the "
         "acting role's name, one value head (MAPPO); per_role: each role's own prompt, a value head per role.")
-    value_coef: float = option(0.5, "Value loss coefficient.")
-    value_clip_param: float = option(0.2, "Value clip around the collection-time values (0: off).")
-    huber_delta: float = option(0.0, "Huber delta of the value loss (0: squared error).")
-    gamma: float = option(1.0, "Discount across env steps.")
-    gae_lambda: float = option(0.95, "GAE lambda of the policy's advantages.")
-    value_lambda: float = option(
-        1.0, "GAE lambda of the critic's targets (Decoupled GAE, as VAPO): 1.0 fits V to the returns the rewards "
-        "give; below 1 a token j steps before the reward sees it with weight lambda^j and V is fitted mostly to its "
-        "own later values.")
-    scale_rewards: ScaleRewards = option(ScaleRewards.GROUP, "Divide centred returns by the group's std, the batch's, "
-                                         "or nothing (Dr.GRPO).")
-    kl_coef: float = option(0.0, "KL-to-reference coefficient beta, in the loss or, with --use_kl_in_reward, in the "
-                            "reward (0: no KL and no reference pass).")
-    kl_loss_type: KLEstimator = option(
-        KLEstimator.K3, "Estimator of the loss's KL term (Schulman's k1, k2, k3; low_var_kl: k3 bounded to [-10, 10] "
-        "as verl's; verl's kl_loss_type).")
-    use_kl_in_reward: bool | None = option(
-        None, "The KL to the reference as a penalty beta * KL_t on every token's reward instead of a loss term "
-        "(verl's use_kl_in_reward); algorithms with one advantage per action sum it into the action's reward. "
-        f"Default: on for {named(lambda spec: spec.kl_in_reward)}, else off.")
-    kl_penalty: KLEstimator = option(KLEstimator.K1, "Estimator of the reward's KL penalty, from the behaviour "
-                                     "log-probs (verl's kl_penalty; k1 is verl's 'kl').")
-    loss_agg_mode: LossAgg = option(
-        LossAgg.TOKEN_MEAN, "How per-token losses become one (verl's names): token-mean (every token weighs the "
-        "same, DAPO), seq-mean-token-mean (every action weighs the same, GRPO), seq-mean-token-sum, "
-        "seq-mean-token-sum-norm (each action's token sum over a fixed length, --loss_scale_factor: Dr. GRPO). "
-        "token_mean and seq_mean: the first two.", aliases=LOSS_AGG_ALIASES)
-    loss_scale_factor: int | None = option(
-        None, "The fixed length seq-mean-token-sum-norm divides each action's token sum by (verl's "
-        "loss_scale_factor). Default with that mode: --max_new_tokens.", lower_bound=1)
     prompt_groups: int | None = None  # resolved: RLOO oversampling: groups kept per iteration over every rank
 
     @property
@@ -324,11 +274,10 @@ class LearningConfig:
 
 
 @dataclass(frozen=True)
-class PrimeConfig:
-    """PRIME: RLOO with an implicit process reward model and accuracy-filtered prompt groups."""
+class PrimeConfig(PrimeOptions):
+    """PRIME: RLOO with an implicit process reward model and accuracy-filtered prompt groups (``PrimeOptions``, which
+    the algorithm reads, and the implicit PRM's own)."""
 
-    accuracy_lower_bound: float = option(0.2, "PRIME: keep prompts whose group accuracy is >= this.")
-    accuracy_upper_bound: float = option(0.8, "PRIME: keep prompts whose group accuracy is <= this.")
     oversample_factor: int = option(4, "PRIME: sample this many times the prompts, keep --n_rollout_threads / "
                                     "--group_size of those passing the accuracy filter.", lower_bound=1)
     implicit_prm_beta: float = option(0.05, "PRIME: implicit PRM beta.")
@@ -339,8 +288,6 @@ class PrimeConfig:
         1, "PRIME: optimizer steps the implicit PRM takes on each batch, each on the next 1/N of the episodes it "
         "learns from (PRIME's reward_model.mini_batch_size is that batch / N; its run script's batch makes N 4).",
         lower_bound=1)
-    process_coef: float = option(1.0, "PRIME: weight of the implicit-PRM reward stream against the outcome stream's 1 "
-                                 "(0: RLOO on the outcome stream alone, and no implicit PRM is built or trained).")
     prime_update: PrimeUpdate = option(PrimeUpdate.BEFORE, "PRIME: when the implicit PRM takes its step on a batch's "
                                        "trained episodes: before scoring them (their rewards then carry their own "
                                        "outcomes) or after the policy's update (one PRM forward pass fewer).")
@@ -350,13 +297,12 @@ class PrimeConfig:
     implicit_prm_heldout_all: bool = option(False, "PRIME: also score every sampled episode, the groups the prompt "
                                             "filter drops included, for implicit_prm/heldout_all_auc (one more "
                                             "PRM and reference pass over all of them).")
-    normalize_advantages: bool = option(True, "RLOO: standardise the summed returns over the batch's trained tokens "
-                                        "(mean 0, std 1), as PRIME's code does.")
 
 
 @dataclass(frozen=True)
-class MultiAgentConfig:
-    """Multi-agent workflows (Arith-Chain-v0, ...): roles' models, credit and group baselines."""
+class MultiAgentConfig(MultiAgentOptions):
+    """Multi-agent workflows (Arith-Chain-v0, ...): roles' models, credit and group baselines (``MultiAgentOptions``,
+    which the algorithm reads)."""
 
     role_models: tuple[str, ...] = option(
         (), "ROLE=DIR (repeatable; DIR a directory or a hub id): a frozen role of a multi-agent workflow (one its "
@@ -378,12 +324,6 @@ class MultiAgentConfig:
     role_lora_ranks: tuple[str, ...] = option(
         (), "ROLE=R (repeatable): the LoRA rank of a --role_base_model role, 0 training all its weights (default "
         "--lora_rank).", flag="role_lora_rank")
-    agent_groups: AgentGroups = option(
-        AgentGroups.ROLE, "Multi-agent envs, algorithms with a group baseline: it compares one role's episodes of one "
-        "problem, each scored by its return (role, normalised per role), or every role's episodes of the problem "
-        f"together (joint, MAGRPO's team baseline); {named(lambda spec: spec.turn_groups)} only: at_grpo "
-        "(PettingLLMs' AT-GRPO, agent- and turn-wise) "
-        "compares one role's actions at one turn of one problem, each scored by the reward of its own turn.")
     reward_assignment: RewardAssignment = option(
         RewardAssignment.TEAM, "Multi-agent envs: how each role is credited. team: the verified final answer, to "
         "every role that acted; individual: each role's own verifiable output (its answer; a verifier's verdict "
@@ -666,6 +606,7 @@ class RunConfig:
     >>> run = resolved(config)
     >>> run.env.env_id, run.env.group_size, run.rewards.spec, run.budget.num_iterations
     ('Arith-v0', 4, 'outcome:1.0,steps:1.0', 8)
+    >>> from envs.modes import LossAgg
     >>> run.learning.loss_agg_mode is LossAgg.TOKEN_MEAN
     True
     >>> resolved(RunConfig(learning=LearningConfig(scale_rewards="std")))

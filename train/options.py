@@ -1,4 +1,4 @@
-"""Options: a config field that carries its own default and help, and the absl flags generated from them.
+"""The absl flags generated from options (``algorithms.options.option``: a field with its own default and help).
 
 A section of ``train.config.RunConfig`` declares each user option once::
 
@@ -22,10 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import inspect
 import sys
 from typing import Any
 
 from absl import flags
+
+from algorithms.options import flag_name, options
 
 SECRET_MASK = "<hidden>"
 """What a secret flag's value is logged and saved as (when it has one)."""
@@ -37,30 +40,9 @@ DEFINE = {"bool": flags.DEFINE_boolean, "int": flags.DEFINE_integer, "float": fl
 """absl's definer for each annotated field type (``X | None`` reads as X)."""
 
 
-def option(default: Any, help: str, *, flag: str | None = None, lower_bound: float | None = None,
-           upper_bound: float | None = None, aliases: dict[str, str] | None = None, secret: bool = False) -> Any:
-    """A dataclass field that is also a command-line flag: ``default`` and ``help`` written once;
-    ``flag``: the flag's name when it differs from the field's (OpenR compatibility); bounds checked at
-    parse time, and in a config built in code by ``train.validation``; ``secret``: a key, never in a repr,
-    a log or a checkpoint. A field whose type is an Enum takes its members' values as the flag's choices,
-    and ``aliases`` ({other name: member value}) as further ones, matched case-insensitively."""
-    metadata = {"help": help, "flag": flag, "lower_bound": lower_bound, "upper_bound": upper_bound,
-                "aliases": aliases or {}, "secret": secret}
-    return dataclasses.field(default=default, metadata=metadata, repr=not secret)
-
-
 def masked(name: str, value: Any) -> Any:
     """A flag's value as logs and checkpoints may hold it: ``SECRET_MASK`` for a secret flag with a value."""
     return SECRET_MASK if name in SECRET_FLAGS and value else value
-
-
-def options(section: type) -> list[dataclasses.Field]:
-    """The fields of ``section`` (a dataclass) declared with ``option``, in declaration order."""
-    return [field for field in dataclasses.fields(section) if "help" in field.metadata]
-
-
-def flag_name(field: dataclasses.Field) -> str:
-    return field.metadata["flag"] or field.name
 
 
 def define_flags(section: type, module_name: str, flag_values: flags.FlagValues = flags.FLAGS) -> None:
@@ -89,10 +71,12 @@ def define_flags(section: type, module_name: str, flag_values: flags.FlagValues 
 
 
 def enum_of(section: type, field: dataclasses.Field) -> type[enum.Enum] | None:
-    """The Enum an option holds (its type ``X`` or ``X | None``, looked up in ``section``'s module), or None."""
+    """The Enum an option holds (its type ``X`` or ``X | None``, looked up in the module of the class of
+    ``section``'s bases that declares it), or None."""
     if isinstance(field.default, enum.Enum):
         return type(field.default)
-    kind = vars(sys.modules[section.__module__]).get(field.type.split(" | ")[0].strip())
+    owner = next(kind for kind in section.__mro__ if field.name in inspect.get_annotations(kind))
+    kind = vars(sys.modules[owner.__module__]).get(field.type.split(" | ")[0].strip())
     return kind if isinstance(kind, type) and issubclass(kind, enum.Enum) else None
 
 

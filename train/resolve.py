@@ -14,13 +14,14 @@ import importlib
 import gymnasium
 
 import envs  # registers the built-in ids
+from algorithms.config import kl_in_reward
 from algorithms.registry import ALGORITHMS, collects_whole_episodes
 from envs.modes import ActionLevel, Backend, Critic, DataParallel, LossAgg, Tool, member_of
 from envs.workflows import Workflow, resolve_workflow
 from models.hub import resolve_model
 from models.remote import api_key_from
 from train.config import DEFAULT_PRM_REWARD, DistributedConfig, EnvConfig, ModelConfig, RunConfig, ServicesConfig
-from train.validation import checked_modes, given, kl_in_reward, reward_sources, validate
+from train.validation import checked_modes, given, reward_sources, validate
 
 MULTI_AGENT_OPTIONS = ("reward_assignment", "role_model", "frozen_role", "role_base_model", "role_lr",
                        "role_lora_rank", "share_policy", "agent_groups")

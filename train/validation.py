@@ -22,11 +22,13 @@ from pathlib import Path
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from algorithms.config import kl_in_reward
 from algorithms.registry import ALGORITHMS, algorithms_with
 from envs.modes import (ActionLevel, AgentGroups, Backend, Critic, DataParallel, DType, LossAgg, PrmType,
                         PromptTemplate, RolloutIsLevel, RolloutIsMode)
 from train.config import DEFAULT_PRM_REWARD, FLOAT16_TRAINING, REWARD_SOURCES, RunConfig, parse_eval_sets, sections
-from train.options import flag_name, options, with_members
+from algorithms.options import flag_name, options
+from train.options import with_members
 
 OPTIONS = {flag_name(field): (section, field) for section, kind in sections().items() for field in options(kind)}
 """{flag name: (RunConfig section, its field)} of every option."""
@@ -69,11 +71,6 @@ def given(config: RunConfig, name: str) -> bool:
     if name == "use_kl_in_reward":  # resolved to the algorithm's default; given when it says otherwise
         return config.learning.use_kl_in_reward not in (None, kl_in_reward(None, config.learning.algorithm))
     return value(config, name) != OPTIONS[name][1].default
-
-
-def kl_in_reward(use_kl_in_reward: bool | None, algorithm: str) -> bool:
-    """--use_kl_in_reward, or its default: the algorithm's own (a token reward for REINFORCE++), else off."""
-    return ALGORITHMS[algorithm].kl_in_reward if use_kl_in_reward is None else use_kl_in_reward
 
 
 def reward_sources(spec: str) -> list[str]:

@@ -48,8 +48,8 @@ per mode) and on stdout, per mode, the mean curves and the line
 ``<mode>: time to TRL's final accuracy: ours M1 min vs TRL M2 min (R x)``. TRL's final accuracy is the mean over
 seeds of its last evaluation; M1 (M2) is the mean over seeds of ours' (TRL's) training minutes at the first
 evaluation whose accuracy, averaged over seeds, is at least that (within 1e-9); M1 is "not reached" if no
-evaluation of ours gets there; R = M1 / M2 ("n/a" when M1 is not reached or M2 is 0: TRL's final accuracy was
-already that of the start).
+evaluation of ours gets there; R = M1 / M2 ("n/a" when M1 is not reached). When TRL ends no higher than the
+start there is no accuracy to race to, and the line says so instead.
 """
 
 from __future__ import annotations
@@ -280,10 +280,13 @@ def time_to_accuracy(curve: Sequence[Point], target: float) -> float | None:
 
 def race_line(ours: Sequence[Point], trl: Sequence[Point]) -> str:
     """``time to TRL's final accuracy: ours M1 min vs TRL M2 min (R x)`` of two mean curves (module docstring)."""
-    target = trl[-1].accuracy
+    target, start = trl[-1].accuracy, trl[0].accuracy
+    if target <= start + AT_LEAST:  # both "reach" it at minute 0: nothing to time
+        return (f"time to TRL's final accuracy: none to time, TRL's final accuracy {target:.3f} is not above the "
+                f"start's {start:.3f}")
     ours_minutes, trl_minutes = time_to_accuracy(ours, target), time_to_accuracy(trl, target)
     ours_text = "not reached" if ours_minutes is None else f"{ours_minutes:.1f} min"
-    ratio = "n/a" if ours_minutes is None or not trl_minutes else f"{ours_minutes / trl_minutes:.2f} x"
+    ratio = "n/a" if ours_minutes is None else f"{ours_minutes / trl_minutes:.2f} x"
     return (f"time to TRL's final accuracy: ours {ours_text} vs TRL {trl_minutes:.1f} min ({ratio}); TRL's final "
             f"accuracy {target:.3f}")
 

@@ -158,8 +158,7 @@ def measure(args: argparse.Namespace) -> tuple[PhaseMeter, int, float]:
     from tensorboardX import SummaryWriter
 
     from train import builders, host
-    from train.flags import FLAGS
-    from train.resolve import config_from_flags
+    from train.flags import FLAGS, config_from_flags
 
     meter = PhaseMeter()
     with tempfile.TemporaryDirectory() as scratch:

@@ -246,18 +246,32 @@ def env_reward_function(reward_model: RewardModel, problems: dict[str, Problem])
     return env_reward
 
 
-def trl_config(max_steps: int, out_dir: Path) -> GRPOConfig:
-    """``trl.GRPOConfig`` at this bench's settings (module docstring), its steps taking the dataset in order."""
+def trl_config(config: RunConfig, out_dir: Path, max_steps: int | None = None,
+               micro_batch_rows: int | None = None) -> GRPOConfig:
+    """``trl.GRPOConfig`` at the settings of our resolved ``config``, its steps taking the dataset in order;
+    ``max_steps`` (default: the run's iterations) and ``micro_batch_rows``, the completions of one forward and
+    backward (default: one group, as ours cuts its update). Raises where ours uses a loss TRL has no counterpart
+    for here."""
+    from envs.modes import LossAgg
     from trl import GRPOConfig
 
+    learning, generation, env = config.learning, config.generation, config.env
+    if learning.loss_agg_mode != LossAgg.TOKEN_MEAN or learning.ppo_epoch != 1 or learning.num_mini_batch != 1:
+        raise ValueError(f"loss_agg_mode={learning.loss_agg_mode}, ppo_epoch={learning.ppo_epoch}, num_mini_batch="
+                         f"{learning.num_mini_batch}: TRL's dapo loss is our token-mean over one minibatch of one "
+                         "epoch; use those")
+    rows = micro_batch_rows or env.group_size
     return GRPOConfig(
-        output_dir=str(out_dir), per_device_train_batch_size=COMPLETIONS_PER_STEP, gradient_accumulation_steps=1,
-        num_generations=GROUP_SIZE, max_completion_length=MAX_NEW_TOKENS, temperature=TEMPERATURE,
-        learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-        max_grad_norm=MAX_GRAD_NORM, beta=0.0, num_iterations=1, epsilon=CLIP, scale_rewards="group",
-        loss_type="dapo",  # token mean over the batch: our token_mean with one micro-batch
-        bf16=False, gradient_checkpointing=False, use_cpu=True, max_steps=max_steps, seed=SEED,
-        report_to="none", logging_strategy="no", save_strategy="no", disable_tqdm=True,
+        output_dir=str(out_dir), per_device_train_batch_size=rows, gradient_accumulation_steps=env.num_envs // rows,
+        num_generations=env.group_size, max_completion_length=generation.max_new_tokens,
+        temperature=generation.temperature, top_p=generation.top_p, learning_rate=learning.lr,
+        lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=learning.max_grad_norm,
+        beta=learning.kl_coef, num_iterations=learning.ppo_epoch, epsilon=learning.clip_param,
+        scale_rewards=str(learning.scale_rewards), loss_type="dapo",  # token mean over the batch: our token-mean
+        mask_truncated_completions=config.rollout.mask_truncated_completions,
+        model_init_kwargs={"dtype": "float32"}, bf16=False, gradient_checkpointing=False, use_cpu=True,
+        max_steps=max_steps or config.budget.num_iterations, seed=config.budget.seed, report_to="none",
+        logging_strategy="no", save_strategy="no", disable_tqdm=True,
         shuffle_dataset=False)  # the prompts are in our steps' order: step k of each side, the same problems
 
 
@@ -487,6 +501,7 @@ def quiet_libraries() -> None:
 
 def main() -> None:
     from models.tiny import shipped_models
+    from train.resolve import resolved
 
     args = parse_args()
     check_dependencies(args.backend)
@@ -498,13 +513,13 @@ def main() -> None:
         policy_dir, label = ((args.policy, str(args.policy)) if args.policy
                              else (shipped_models(team=False).policy, "trained tiny"))
         reward_model = make_reward_model(args.reward)
-        ours = OursSide(parsed_config(ours_flags(policy_dir, args.dataset, args.backend, scratch / "ours")),
-                        reward_model, scratch / "ours",
+        config = parsed_config(ours_flags(policy_dir, args.dataset, args.backend, scratch / "ours"))
+        ours = OursSide(config, reward_model, scratch / "ours",
                         generator_factory=make_vllm_generator if args.backend == "vllm" else None)
         # TRL's loop must outlast the schedule: warm-up, measured and profiled steps.
         total_steps = args.warmup + args.steps + 1
         trl = TRLSide(policy_dir, ours.upcoming_prompts(total_steps), reward_model,
-                      trl_config(total_steps, scratch / "trl"), args.threads)
+                      trl_config(resolved(config), scratch / "trl", total_steps, COMPLETIONS_PER_STEP), args.threads)
         print(f"GRPO, {label} policy, {args.dataset} ({len(ours.env.unwrapped.problems)} problems), reward "
               f"{args.reward}, {PROMPTS_PER_STEP} prompts x {GROUP_SIZE} = {COMPLETIONS_PER_STEP} completions per "
               f"step, <= {MAX_NEW_TOKENS} new tokens, T={TEMPERATURE}, lr {LR}, no KL, CPU; ours: "

@@ -10,7 +10,8 @@ instruction as train_math.py renders them, GRPO in groups of 8, 8 prompts an ite
 128 new tokens, lr 2e-5 (full fine-tuning) or LoRA rank 16 at lr 1e-4, warmed up linearly over 2 updates then
 constant, the verified-answer reward. Ours is that preset's train_math.py configuration
 (``real_model_learning.run_flags``), built by ``train.builders.build_runner`` (``bench.vs_trl.OursSide``). TRL's
-``GRPOTrainer`` (``bench.vs_trl.TRLSide``) takes its settings from the same parsed configuration (``trl_config``):
+``GRPOTrainer`` (``bench.vs_trl.TRLSide``) takes its settings from the same parsed configuration
+(``bench.vs_trl.trl_config``):
 
 - the same model directory in float32 on the CPU, the same prompt texts in the same order (the problems our env
   draws for each iteration; TRL tokenizes a text prompt as our generator does) and the same reward object
@@ -67,11 +68,10 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 
 from bench.real_model_learning import TASKS, default_model, pyplot, run_flags
-from bench.vs_trl import OursSide, Side, TRLSide, check_dependencies, parsed_config, quiet_libraries
+from bench.vs_trl import OursSide, Side, TRLSide, check_dependencies, parsed_config, quiet_libraries, trl_config
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
-    from trl import GRPOConfig
 
     from envs.rewards import RewardModel
     from models.policy import LanguagePolicy
@@ -164,29 +164,6 @@ def race_flags(model: str, mode: str, seed: int, iterations: int, eval_limit: in
                                 eval_limit=eval_limit, seed=seed)
     return [*run_flags(mode, preset), "--prompt_template", prompt_template, "--torch_threads", str(threads),
             "--save_interval", "0", "--nosave_best", "--device", "cpu", "--dtype", "float32"]
-
-
-def trl_config(config: RunConfig, out_dir: Path) -> GRPOConfig:
-    """``trl.GRPOConfig`` at the settings of our resolved ``config`` (module docstring); raises where ours uses
-    one TRL has no counterpart for here."""
-    from envs.modes import LossAgg
-    from trl import GRPOConfig
-
-    learning, generation, env = config.learning, config.generation, config.env
-    if learning.loss_agg_mode != LossAgg.TOKEN_MEAN or learning.ppo_epoch != 1 or learning.num_mini_batch != 1:
-        raise ValueError(f"loss_agg_mode={learning.loss_agg_mode}, ppo_epoch={learning.ppo_epoch}, num_mini_batch="
-                         f"{learning.num_mini_batch}: the race maps token-mean over one minibatch of one epoch "
-                         "onto TRL's dapo loss; use those")
-    return GRPOConfig(
-        output_dir=str(out_dir), per_device_train_batch_size=env.group_size,
-        gradient_accumulation_steps=env.num_envs // env.group_size, num_generations=env.group_size,
-        max_completion_length=generation.max_new_tokens, temperature=generation.temperature, top_p=generation.top_p,
-        learning_rate=learning.lr, weight_decay=0.0, max_grad_norm=learning.max_grad_norm, beta=learning.kl_coef,
-        num_iterations=learning.ppo_epoch, epsilon=learning.clip_param, scale_rewards=str(learning.scale_rewards),
-        loss_type="dapo", mask_truncated_completions=config.rollout.mask_truncated_completions,
-        model_init_kwargs={"dtype": "float32"}, bf16=False, gradient_checkpointing=False, use_cpu=True,
-        max_steps=config.budget.num_iterations, seed=config.budget.seed, report_to="none", logging_strategy="no",
-        save_strategy="no", disable_tqdm=True, shuffle_dataset=False)
 
 
 def trl_side(config: RunConfig, prompts: list, reward_model: RewardModel, threads: int, out_dir: Path) -> TRLSide:

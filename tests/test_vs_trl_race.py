@@ -91,7 +91,7 @@ def test_a_tiny_race_runs_both_modes_end_to_end(tiny_models, tmp_path):
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for mode in ("full", "lora"):
-        assert f"{mode}: time to TRL's final accuracy: ours " in done.stdout
+        assert f"{mode}: time to TRL's final accuracy: " in done.stdout  # timed, or why there is nothing to time
     with open(tmp_path / "race.csv") as handle:
         rows = list(csv.DictReader(handle))
     seeds = [(r["mode"], r["side"], r["iteration"], r["samples"]) for r in rows if r["seed"] == "0"]

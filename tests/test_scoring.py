@@ -1,11 +1,15 @@
-"""Chunked token scoring equals the plain [B, L, V] computation: log-probs, entropies and gradients."""
+"""Chunked token scoring equals the plain [B, L, V] computation: log-probs, entropies and gradients, through the
+closed-form backward of a bias-free Linear head and through the checkpointed autograd of any other head."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
+from models import scoring
 from models.scoring import chunk_rows, token_scores
 
 QWEN_VOCAB = 151_936
@@ -21,7 +25,8 @@ def plain_scores(lm_head: torch.nn.Module, hidden: torch.Tensor, ids: torch.Tens
 
 
 def scores_and_grads(score, lm_head: torch.nn.Module, hidden: torch.Tensor, weights: torch.Tensor):
-    """(log-probs, entropies, d/d hidden, d/d lm_head weight) of a weighted sum of both scores."""
+    """(log-probs, entropies, d/d hidden, d/d lm_head weight) of a weighted sum of both scores (an entropy weight
+    of 0 is the loss without an entropy bonus)."""
     hidden = hidden.detach().requires_grad_(True)
     lm_head.zero_grad(set_to_none=True)
     log_probs, entropy = score(hidden)
@@ -30,8 +35,9 @@ def scores_and_grads(score, lm_head: torch.nn.Module, hidden: torch.Tensor, weig
 
 
 def assert_parity(lm_head: torch.nn.Module, hidden: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
-                  rows_per_chunk: int | None, temperature: float = 0.7) -> None:
+                  rows_per_chunk: int | None, temperature: float = 0.7, entropy_weight: float = 1.0) -> None:
     weights = torch.randn((2, *ids.shape), generator=torch.Generator().manual_seed(2))
+    weights[1] *= entropy_weight
 
     def chunked(h):
         scores = token_scores(lm_head, h, ids, mask, temperature, True, rows_per_chunk=rows_per_chunk)
@@ -52,13 +58,51 @@ def ragged_batch(vocab: int, shape: tuple[int, int], seed: int) -> tuple[torch.T
     return ids, torch.arange(shape[1])[None] < lengths[:, None]
 
 
+@pytest.mark.parametrize("kept_log_probs", [scoring.KEPT_LOG_PROBS_ELEMENTS, 0])
+@pytest.mark.parametrize("entropy_weight", [1.0, 0.0])
 @pytest.mark.parametrize("rows_per_chunk", [None, 3])
-def test_tiny_policy_scores_and_gradients_equal_the_plain_computation(untrained_policy_dir, rows_per_chunk):
+def test_tiny_policy_scores_and_gradients_equal_the_plain_computation(untrained_policy_dir, rows_per_chunk,
+                                                                      entropy_weight, kept_log_probs, monkeypatch):
+    """The closed-form backward from the log-probs its forward kept, and (none kept) from recomputed logits."""
+    monkeypatch.setattr(scoring, "KEPT_LOG_PROBS_ELEMENTS", kept_log_probs)
     model = AutoModelForCausalLM.from_pretrained(untrained_policy_dir, dtype=torch.float32)
     ids, mask = ragged_batch(model.config.vocab_size, (4, 9), seed=0)
     hidden = model.get_decoder()(input_ids=ids).last_hidden_state.detach()
-    assert chunk_rows(model.config.vocab_size) > int(mask.sum())  # default: one chunk, the plain computation
-    assert_parity(model.get_output_embeddings(), hidden, ids, mask, rows_per_chunk)
+    assert chunk_rows(model.config.vocab_size) > int(mask.sum())  # default: one chunk
+    assert isinstance(model.get_output_embeddings(), torch.nn.Linear)  # the closed-form backward
+    assert_parity(model.get_output_embeddings(), hidden, ids, mask, rows_per_chunk, entropy_weight=entropy_weight)
+
+
+@pytest.mark.parametrize("entropy_weight", [1.0, 0.0])
+def test_a_head_with_a_bias_scores_through_autograd_and_equals_the_plain_computation(entropy_weight):
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50)  # not a bias-free Linear: the checkpointed path
+    ids, mask = ragged_batch(50, (3, 7), seed=4)
+    assert_parity(head, torch.randn(3, 7, 16), ids, mask, rows_per_chunk=4, entropy_weight=entropy_weight)
+
+
+def test_under_bfloat16_autocast_scores_and_gradients_match_autograd_in_the_same_dtype():
+    """The closed-form backward runs its matmuls in the forward's autocast dtype, as autograd does: both agree
+    to bfloat16's rounding (the float32 softmax and its gradient are the same computation)."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(32, 300, bias=False)
+    ids, mask = ragged_batch(300, (4, 10), seed=5)
+    hidden, weights = torch.randn(4, 10, 32), torch.randn(2, 4, 10)
+    autocast = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16)
+
+    def via_autograd(h):
+        with autocast():
+            logits = head(h)
+        return plain_scores(lambda _: logits, h, ids, mask, 0.5)
+
+    def closed_form(h):
+        scores = token_scores(head, h, ids, mask, 0.5, True, autocast, rows_per_chunk=7)
+        return scores.log_probs, scores.entropy
+
+    expected = scores_and_grads(via_autograd, head, hidden, weights)
+    got = scores_and_grads(closed_form, head, hidden, weights)
+    for name, want, have in zip(("log_probs", "entropy", "grad hidden", "grad lm_head"), expected, got):
+        torch.testing.assert_close(have, want, atol=2e-2, rtol=2e-2, msg=name)
 
 
 def test_large_vocabulary_qwen2_scores_and_gradients_equal_the_plain_computation():

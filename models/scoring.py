@@ -7,9 +7,8 @@ causal LM the project loads, LoRA included: peft leaves the output layer alone) 
 out (``LinearTokenScores``): it reads the log-probs its forward kept (past ``KEPT_LOG_PROBS_ELEMENTS``
 it recomputes a chunk's logits, one matmul) and takes the gradient of the log-softmax and the entropy from
 their closed forms, instead of replaying the chunk's forward and differentiating its elementwise ops over
-``[n, V]``. Any
-other head runs each chunk under activation checkpointing and autograd. Both give the plain
-computation's values and gradients.
+``[n, V]``. Any other head runs each chunk under activation checkpointing and autograd. Both give the
+plain computation's values and gradients.
 
 Shapes: ``B`` rows, ``L`` action tokens, ``H`` hidden size, ``V`` vocabulary, ``N`` real tokens.
 """
@@ -69,14 +68,14 @@ class LinearTokenScores(torch.autograd.Function):
     """Chosen-token log-probs and entropies of ``softmax(rows @ weight.T / temperature)`` in row chunks, with
     the backward in closed form. With ``z`` the scaled logits, ``log p = z - logsumexp(z)`` and ``H`` the
     entropy: d log p_t / dz = onehot(t) - p and dH / dz = -p * (log p + H). The forward keeps the rows, each
-    row's logsumexp and, up to ``KEPT_LOG_PROBS_ELEMENTS``, the log-probs; past that the backward recomputes a
-    chunk's logits (one matmul). Shapes: ``rows`` [N, H], ``weight`` [V, H], ``targets`` [N]; returns the
+    row's logsumexp and, with ``keep``, the log-probs; without, the backward recomputes a chunk's logits (one
+    matmul). Shapes: ``rows`` [N, H], ``weight`` [V, H], ``targets`` [N]; returns the
     chosen log-probs [N] and the entropies [N] (empty without ``with_entropy``)."""
 
     @staticmethod
     def forward(ctx, rows: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
-                rows_per_chunk: int, with_entropy: bool, autocast: Autocast) -> tuple[torch.Tensor, torch.Tensor]:
-        keep = len(rows) * weight.shape[0] <= KEPT_LOG_PROBS_ELEMENTS  # else the backward recomputes them
+                rows_per_chunk: int, with_entropy: bool, autocast: Autocast,
+                keep: bool) -> tuple[torch.Tensor, torch.Tensor]:
         chosen, log_normalizers, entropies, kept = [], [], [], []
         for part, part_targets in zip(rows.split(rows_per_chunk), targets.split(rows_per_chunk)):
             logits, ctx.matmul_dtype = scaled_logits(part, weight, temperature, autocast)  # [n, V] float32
@@ -122,7 +121,7 @@ class LinearTokenScores(torch.autograd.Function):
                 part_grad = grad_logits.T.mm(rows[part].to(ctx.matmul_dtype)).float()
                 grad_weight = part_grad if grad_weight is None else grad_weight.add_(part_grad)
         grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
-        return grad_rows, grad_weight, None, None, None, None, None
+        return grad_rows, grad_weight, None, None, None, None, None, None
 
 
 def scaled_logits(rows: torch.Tensor, weight: torch.Tensor, temperature: float,
@@ -146,8 +145,10 @@ def token_scores(lm_head: nn.Module, hidden: torch.Tensor, token_ids: torch.Tens
     rows, targets = hidden[mask], token_ids[mask]  # [N, H], [N]
     size = rows_per_chunk or chunk_rows(lm_head.weight.shape[0])
     if isinstance(lm_head, nn.Linear) and lm_head.bias is None:
+        # kept for a backward that will come; past the bound the backward recomputes them
+        keep = torch.is_grad_enabled() and len(rows) * lm_head.weight.shape[0] <= KEPT_LOG_PROBS_ELEMENTS
         chosen, entropy = LinearTokenScores.apply(rows, lm_head.weight, targets, temperature, size, with_entropy,
-                                                  autocast)
+                                                  autocast, keep)
         parts = (chosen, entropy) if with_entropy else (chosen,)
     else:
         parts = checkpointed_scores(lm_head, rows, targets, temperature, size, with_entropy, autocast)

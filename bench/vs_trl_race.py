@@ -43,8 +43,10 @@ holds what its loop sets up on the way (TRL: ``train()``'s accelerator and datal
 The sides run one after the other (ours, then TRL) for each mode and seed: both in memory at once would
 double the footprint of full fine-tuning. On a machine that others share, the load each side met may differ.
 
-Outputs in ``--out``: ``race.csv`` (one row per side, mode, seed and evaluation, and the mean over seeds as seed
-"mean"), ``race.png`` (with matplotlib: accuracy against training minutes and against samples, one panel pair
+Each finished race (a mode and a seed, both sides) is kept in ``--out``/``races/`` with the settings it ran at, and
+a later invocation into the same ``--out`` at the same settings reuses it, so seeds can be added one invocation at
+a time. Outputs in ``--out``: ``race.csv`` (one row per side, mode, seed and evaluation, and the mean over seeds as
+seed "mean"), ``race.png`` (with matplotlib: accuracy against training minutes and against samples, one panel pair
 per mode) and on stdout, per mode, the mean curves and the line
 ``<mode>: time to TRL's final accuracy: ours M1 min vs TRL M2 min (R x)``. TRL's final accuracy is the mean over
 seeds of its last evaluation; M1 (M2) is the mean over seeds of ours' (TRL's) training minutes at the first
@@ -59,6 +61,7 @@ import argparse
 import contextlib
 import csv
 import gc
+import json
 import statistics
 import tempfile
 from dataclasses import asdict, dataclass, fields
@@ -268,6 +271,38 @@ def race_line(ours: Sequence[Point], trl: Sequence[Point]) -> str:
             f"accuracy {target:.3f}")
 
 
+def race_path(out: Path, mode: str, seed: int) -> Path:
+    return out / "races" / f"{mode}_seed_{seed}.json"
+
+
+def race_settings(args: argparse.Namespace) -> dict[str, object]:
+    """What a finished race must share with this invocation to be reused."""
+    return {"model": str(args.model), "iterations": args.iterations, "eval_interval": args.eval_interval,
+            "eval_limit": args.eval_limit, "threads": args.threads, "prompt_template": args.prompt_template}
+
+
+def saved_race(out: Path, points: list[Point], args: argparse.Namespace) -> list[Point]:
+    """Writes one race's evaluations (both sides) and the settings they were run at; returns them."""
+    path = race_path(out, points[0].mode, int(points[0].seed))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"settings": race_settings(args), "points": [asdict(p) for p in points]}, indent=1))
+    return points
+
+
+def finished_race(out: Path, mode: str, seed: int, args: argparse.Namespace) -> list[Point] | None:
+    """The evaluations of the race of ``mode`` and ``seed`` that an earlier invocation finished into ``out``,
+    None if there is none; raises if it ran at other settings (another ``--out`` keeps both)."""
+    path = race_path(out, mode, seed)
+    if not path.is_file():
+        return None
+    saved = json.loads(path.read_text())
+    if saved["settings"] != race_settings(args):
+        raise ValueError(f"{path} holds a race run at {saved['settings']}, not at {race_settings(args)}: give "
+                         "another --out, or delete it to run again")
+    print(f"{mode} seed {seed}: reusing the finished race in {path}", flush=True)
+    return [Point(**point) for point in saved["points"]]
+
+
 # -------------------------------------------------------------------------------------------------
 # Report
 # -------------------------------------------------------------------------------------------------
@@ -350,7 +385,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as scratch:
         for mode in args.modes:
             for seed in args.seeds:
-                points += race(mode, seed, args, Path(scratch) / f"{mode}_{seed}")
+                points += finished_race(args.out, mode, seed, args) or saved_race(
+                    args.out, race(mode, seed, args, Path(scratch) / f"{mode}_{seed}"), args)
     report(points, args.modes, args.out)
 
 

@@ -1,6 +1,7 @@
 """bench/vs_trl_race.py: time to TRL's final accuracy on hand-written curves (reached, not reached, nothing to
-time, reached by TRL before its end), the mean over seeds, the race's flags as train_math reads them, and
-(slow, with TRL installed) a race on the tiny policy end to end."""
+time, reached by TRL before its end), the mean over seeds, the race's flags as train_math reads them, a finished
+race kept and reused (refused at other settings), and (slow, with TRL installed) a race on the tiny policy end to
+end, run again from its kept races."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.vs_trl_race import Point, mean_curve, race_flags, race_line, time_to_accuracy
+from bench.vs_trl_race import (Point, finished_race, mean_curve, parse_args, race_flags, race_line, saved_race,
+                              time_to_accuracy)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -80,6 +82,18 @@ def test_the_race_flags_are_the_arith_preset_evaluated_by_the_race(mode, untrain
     assert config.learning.lr == (1e-4 if mode == "lora" else 2e-5) and config.logging.save_interval == 0
 
 
+def test_a_finished_race_is_reused_at_its_settings_and_refused_at_others(untrained_policy_dir, tmp_path):
+    args = parse_args(["--model", str(untrained_policy_dir), "--iterations", "8", "--out", str(tmp_path)])
+    points = [*curve("ours", (0.0, 0.2), (3.0, 0.4), seed="1"), *curve("TRL", (0.0, 0.2), (8.0, 0.3), seed="1")]
+    assert finished_race(tmp_path, "full", 1, args) is None
+    saved_race(tmp_path, points, args)
+    assert finished_race(tmp_path, "full", 1, args) == points
+    assert finished_race(tmp_path, "full", 0, args) is None and finished_race(tmp_path, "lora", 1, args) is None
+    longer = parse_args(["--model", str(untrained_policy_dir), "--iterations", "16", "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="'iterations': 8.*another --out"):
+        finished_race(tmp_path, "full", 1, longer)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="TRL is not installed: pip install -e '.[bench]'")
 def test_a_tiny_race_runs_both_modes_end_to_end(tiny_models, tmp_path):
@@ -101,3 +115,8 @@ def test_a_tiny_race_runs_both_modes_end_to_end(tiny_models, tmp_path):
     assert start[("full", "ours")] == start[("full", "TRL")]  # one evaluation of the shared starting weights
     assert all(0.0 <= float(r["accuracy"]) <= 1.0 and float(r["minutes"]) >= 0.0 for r in rows)
     assert {r["seed"] for r in rows} == {"0", "mean"}
+    again = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert again.stdout.count("reusing the finished race") == 2 and " ours iteration " not in again.stdout
+    with open(tmp_path / "race.csv") as handle:
+        assert list(csv.DictReader(handle)) == rows

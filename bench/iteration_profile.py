@@ -51,28 +51,29 @@ class PhaseWriter:
 
 
 def real_model_flags() -> list[str]:
-    """The real-model bench's full fine-tuning flags (its budget and evaluation left to this bench)."""
+    """The real-model bench's full fine-tuning flags (its budget and evaluation replaced by this bench's)."""
     from bench.real_model_learning import parse_args, run_flags
 
-    flags = run_flags("full", parse_args(["--modes", "full"]))
-    return flags[:flags.index("--num_env_steps")] + flags[flags.index("--eval_batch_size") + 2:]
+    return run_flags("full", parse_args(["--modes", "full"]))
 
 
-def build(run_dir: Path, extra: list[str], mixed: bool):
+def build(run_dir: Path, base: list[str], extra: list[str], mixed: bool):
+    """The runner of ``base`` flags, then this bench's (synchronous, no evaluation or checkpoint, an open-ended
+    budget), then ``extra`` (absl keeps a repeated flag's last value)."""
     from train import builders
     from train.flags import FLAGS, config_from_flags
 
-    FLAGS(["iteration_profile", *extra, "--noasync_rollouts", "--eval_interval", "0", "--save_interval", "0",
-           "--num_env_steps", str(10**9)])
+    FLAGS(["iteration_profile", *base, "--noasync_rollouts", "--eval_interval", "0", "--save_interval", "0",
+           "--num_env_steps", str(10**9), *extra])
     config = config_from_flags(FLAGS)
     torch.set_num_threads(config.model.torch_threads)
     torch.manual_seed(config.budget.seed)
     writer = PhaseWriter()
     runner = builders.build_runner(config, run_dir, writer)
     if mixed:
-        from bench.vs_trl import TextHashOutcome
+        from bench.vs_trl import reward_every_group
 
-        runner.collector.env.unwrapped.task.reward_model = TextHashOutcome()
+        reward_every_group(runner)
     return runner, writer
 
 
@@ -86,9 +87,9 @@ def main() -> None:
     parser.add_argument("--mixed", action="store_true", help="Every group trains (module docstring).")
     parser.add_argument("extra", nargs="*", help="train_math.py flags after --")
     args = parser.parse_args()
-    flags = [*real_model_flags(), *args.extra] if args.real_model else args.extra
+    base = real_model_flags() if args.real_model else []
     with tempfile.TemporaryDirectory() as run_dir:
-        runner, writer = build(Path(run_dir), flags, args.mixed)
+        runner, writer = build(Path(run_dir), base, args.extra, args.mixed)
         postfix: dict[str, str] = {}
         for iteration in range(args.warmup):
             runner.train_iteration(iteration, postfix)

@@ -104,7 +104,7 @@ def run_ours(args: argparse.Namespace, model_dir: Path, problems: Path, scratch:
 
     from train import builders, host
     from train.flags import FLAGS, config_from_flags
-    from vs_trl import TextHashOutcome
+    from vs_trl import reward_every_group
 
     FLAGS(["memory", f"--model_name_or_path={model_dir}", "--algorithm_name=GRPO", "--env_id=MATH-v0",
            f"--dataset_path={problems}", f"--n_rollout_threads={args.prompts * args.samples}",
@@ -121,7 +121,7 @@ def run_ours(args: argparse.Namespace, model_dir: Path, problems: Path, scratch:
     host.set_up(config.model)  # as train_math.py does
     writer = SummaryWriter(str(scratch))
     runner = builders.build_runner(config, scratch, writer)
-    runner.collector.env.unwrapped.task.reward_model = TextHashOutcome()
+    reward_every_group(runner)
     synchronize(args.device)
     started = time.perf_counter()
     runner.train_iteration(0, {})

@@ -168,9 +168,9 @@ def measure(args: argparse.Namespace) -> tuple[PhaseMeter, int, float]:
         writer = SummaryWriter(scratch)
         runner = builders.build_runner(config, Path(scratch), writer)
         if args.mixed:
-            from bench.vs_trl import TextHashOutcome
+            from bench.vs_trl import reward_every_group
 
-            runner.collector.env.unwrapped.task.reward_model = TextHashOutcome()
+            reward_every_group(runner)
         for owner, method, name in ((runner, "evaluate", "evaluation"), (runner.rollouts, "next", "generation"),
                                     (runner.learner, "score", "scoring"), (runner.learner, "train", "update"),
                                     (runner, "sync_generator", "sync"), (runner.checkpointer, "save", "checkpoint"),

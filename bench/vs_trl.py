@@ -225,6 +225,12 @@ class TextHashOutcome:
         return output
 
 
+def reward_every_group(runner) -> None:
+    """Scores ``runner``'s training env with ``TextHashOutcome``: every group holds differing rewards, so its
+    update trains on every sample (the shape a learning run approaches, from the first iteration)."""
+    runner.collector.env.unwrapped.task.reward_model = TextHashOutcome()
+
+
 def make_reward_model(name: str) -> RewardModel:
     """The reward model both sides score with: ``outcome`` (verified answer) or ``varied``."""
     from envs.rewards import OutcomeReward

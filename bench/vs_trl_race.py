@@ -281,9 +281,9 @@ def race_settings(args: argparse.Namespace) -> dict[str, object]:
             "eval_limit": args.eval_limit, "threads": args.threads, "prompt_template": args.prompt_template}
 
 
-def saved_race(out: Path, points: list[Point], args: argparse.Namespace) -> list[Point]:
+def saved_race(out: Path, mode: str, seed: int, points: list[Point], args: argparse.Namespace) -> list[Point]:
     """Writes one race's evaluations (both sides) and the settings they were run at; returns them."""
-    path = race_path(out, points[0].mode, int(points[0].seed))
+    path = race_path(out, mode, seed)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"settings": race_settings(args), "points": [asdict(p) for p in points]}, indent=1))
     return points
@@ -386,7 +386,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         for mode in args.modes:
             for seed in args.seeds:
                 points += finished_race(args.out, mode, seed, args) or saved_race(
-                    args.out, race(mode, seed, args, Path(scratch) / f"{mode}_{seed}"), args)
+                    args.out, mode, seed, race(mode, seed, args, Path(scratch) / f"{mode}_{seed}"), args)
     report(points, args.modes, args.out)
 
 

@@ -86,7 +86,7 @@ def test_a_finished_race_is_reused_at_its_settings_and_refused_at_others(untrain
     args = parse_args(["--model", str(untrained_policy_dir), "--iterations", "8", "--out", str(tmp_path)])
     points = [*curve("ours", (0.0, 0.2), (3.0, 0.4), seed="1"), *curve("TRL", (0.0, 0.2), (8.0, 0.3), seed="1")]
     assert finished_race(tmp_path, "full", 1, args) is None
-    saved_race(tmp_path, points, args)
+    saved_race(tmp_path, "full", 1, points, args)
     assert finished_race(tmp_path, "full", 1, args) == points
     assert finished_race(tmp_path, "full", 0, args) is None and finished_race(tmp_path, "lora", 1, args) is None
     longer = parse_args(["--model", str(untrained_policy_dir), "--iterations", "16", "--out", str(tmp_path)])

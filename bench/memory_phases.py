@@ -8,7 +8,8 @@ Builds the run as ``python train_math.py`` does (``train.builders.build_runner``
 ``bench.real_model_learning``'s arith flags (SmolLM2-135M-Instruct, GRPO 8 x 8 at temperature 0.3, 128 new
 tokens), evaluating at the start and the end. A thread samples this process's resident set every few
 milliseconds and charges each sample to the phase running then; the process's own peak (``ru_maxrss``, which
-no sample can miss) is charged to the phase during which it rose. ``--mixed`` pays each sample a fixed
+no sample can miss by more than the few pages the kernel syncs lazily, or the highest sample where that is
+higher) is charged to the phase during which it rose. ``--mixed`` pays each sample a fixed
 pseudo-random bonus drawn from its text (``bench.vs_trl.TextHashOutcome``), so every group holds differing
 rewards and the update trains on all 64 samples: the shape a run reaches once it learns, at its first
 iteration.
@@ -78,8 +79,15 @@ class PhaseMeter:
 
     def sample(self) -> None:
         while not self.stop.wait(self.interval):
-            phase = self.phases[self.stack[-1]]
-            phase.peak = max(phase.peak, resident_bytes())
+            self.record(self.stack[-1], resident_bytes())
+
+    def record(self, name: str, resident: int) -> None:
+        """A resident-set reading taken in phase ``name``: its peak, and the process's when it is above the peak
+        known (the kernel updates ``ru_maxrss`` lazily, so a reading can run a few pages ahead of it)."""
+        phase = self.phases[name]
+        phase.peak = max(phase.peak, resident)
+        if resident > self.known_peak:
+            self.known_peak, self.peak_phase = resident, name
 
     def charge_peak(self) -> None:
         """Charges a rise of the process's peak since the last look to the innermost phase running."""
@@ -93,7 +101,7 @@ class PhaseMeter:
         now = resident_bytes()
         entry = self.phases.setdefault(name, Phase(start=now))
         entry.calls += 1
-        entry.peak = max(entry.peak, now)
+        self.record(name, now)
         self.stack.append(name)
         wall, cpu = time.perf_counter(), time.process_time()
         try:
@@ -101,7 +109,7 @@ class PhaseMeter:
         finally:
             entry.seconds += time.perf_counter() - wall
             entry.cpu_seconds += time.process_time() - cpu
-            entry.peak = max(entry.peak, resident_bytes())
+            self.record(name, resident_bytes())
             self.charge_peak()
             self.stack.pop()
 

@@ -2,7 +2,7 @@
 
     python -m bench.real_model_methods --method prefix_rl|prime|workflow [--seeds 0 1] [--iterations N]
                                        [--eval_interval N] [--eval_limit 500] [--token_margin 1.5]
-                                       [--model DIR] [--out DIR]
+                                       [--model DIR] [--out DIR] [--rows ROW ...] [--keep DIR]
 
 SmolLM2-135M-Instruct (``python -m models.smollm2``) under its chat template on the real-model bench's task
 (``bench.real_model_learning.ARITH``: sums of two or three one-digit numbers, 500 held out; Prefix-RL's rows
@@ -61,23 +61,28 @@ standard error of that difference, each mean's standard error the larger of the 
 Outputs in ``--out``: ``runs/<row>/seed_<s>/`` (train_math's logdir and ``train.log``), ``curve.csv`` (one
 line per row, seed and evaluation), ``curve_samples.png`` (``curve_tokens.png`` for the workflow) and
 ``curve_minutes.png`` (with matplotlib). Runs that finished are reused; an interrupted one continues from its
-last checkpoint.
+last checkpoint. A run's outputs are large (checkpoints); its evaluation history is small: with ``--keep DIR``
+each finished run's history is kept in ``DIR/<row>_seed_<s>.json`` with the settings and the commit it ran at,
+and reused from there at the same settings (refused at others), so a bench longer than one sitting can be run a
+row and a seed at a time (``--rows``) and its kept runs carried to another machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import hashlib
 import json
 import math
 import shutil
 import statistics
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from bench.learning_table import Results, newest_run_dir, train_math_history
+from bench.learning_table import ROOT, Results, newest_run_dir, same_values, train_math_history
 from bench.real_model_learning import ARITH, MICRO_BATCH_TOKENS, default_model, pyplot, standard_error
 
 PREFIX_TOKENS, TARGET_TOKENS = 32, 128  # Prefix-RL's writer budget (the paper's 32-64 tokens) and the target's
@@ -216,18 +221,74 @@ def row_flags(row: str, seed: int, args: argparse.Namespace, models: dict[str, s
     return flags + ["--num_env_steps", str(iterations * envs * spec.turns), "--eval_interval", str(interval)]
 
 
+def kept_path(keep: Path, row: str, seed: int) -> Path:
+    return keep / f"{row}_seed_{seed}.json"
+
+
+def kept_settings(row: str, seed: int, args: argparse.Namespace) -> dict[str, object]:
+    """What a kept run must share with this invocation to be reused: the model's weights and the row's
+    flags, its model directories named by their placeholders (the target's copy and the writer's checkpoint live in ``--out``)."""
+    placeholders = {"model": "{model}", "target": "{target}", "writer": "{writer}"}
+    return {"model": model_identity(args.model), "flags": row_flags(row, seed, args, placeholders)}
+
+
+@functools.lru_cache
+def model_identity(model: str) -> str:
+    """A model directory's weights digest (the same weights wherever the directory lies), else the name given."""
+    return f"sha256:{weights_digest(Path(model))}" if Path(model).is_dir() else model
+
+
+def kept_history(keep: Path, row: str, seed: int, args: argparse.Namespace) -> list[dict[str, float]] | None:
+    """The evaluation history of ``row`` and ``seed`` kept in ``keep`` by an earlier invocation, None if there is
+    none; raises if it ran at other settings (another ``--keep`` keeps both)."""
+    path = kept_path(keep, row, seed)
+    if not path.is_file():
+        return None
+    kept = json.loads(path.read_text())
+    settings = kept_settings(row, seed, args)
+    if kept["settings"]["model"] != settings["model"] or not same_values(kept["settings"]["flags"],
+                                                                          settings["flags"]):
+        raise ValueError(f"{path} holds a run of {kept['settings']}, not of {settings}: give another --keep, or "
+                         "delete it to run again")
+    print(f"{row} seed {seed}: reusing the finished run kept in {path} (commit {kept['commit']})", flush=True)
+    return kept["history"]
+
+
+def keep_history(keep: Path, row: str, seed: int, args: argparse.Namespace, history: list[dict[str, float]]) -> None:
+    """Writes one finished run's history, the settings it ran at and the commit it ran on into ``keep``."""
+    path = kept_path(keep, row, seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"settings": kept_settings(row, seed, args), "commit": source_commit(),
+                                "history": history}, indent=1))
+
+
+def source_commit() -> str:
+    """The repository's HEAD commit ("unknown" outside a git checkout), with "+changes" if files differ from it."""
+    def git(*command: str) -> str:
+        done = subprocess.run(["git", *command], cwd=ROOT, capture_output=True, text=True)
+        return done.stdout.strip() if done.returncode == 0 else ""
+    head = git("rev-parse", "HEAD")
+    return (head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")) or "unknown"
+
+
 def run_method(args: argparse.Namespace) -> Results:
-    """{row: {seed: evaluation history}} of the method's rows; raises if a run changed the target's weights."""
-    method = METHODS[args.method]
+    """{row: {seed: evaluation history}} of ``--rows`` (default: the method's rows); raises if a run changed
+    the target's weights. With ``--keep``, a run kept there is reused and a finished one kept."""
     models = {"model": args.model, "target": str(target_copy(Path(args.model), args.out))}
     digest = weights_digest(Path(models["target"]))
     results: Results = {}
-    for row in (method.trained, *method.controls):
+    for row in args.rows:
         results[row] = {}
         for seed in args.seeds if ROWS[row].seeded else args.seeds[:1]:
+            kept = kept_history(args.keep, row, seed, args) if args.keep else None
+            if kept is not None:
+                results[row][seed] = kept
+                continue
             seed_models = {**models, "writer": str(writer_dir(args.out, seed)) if row == "writer_alone" else ""}
             flags = row_flags(row, seed, args, seed_models)
             results[row][seed] = train_math_history(flags, args.out / "runs" / row / f"seed_{seed}")
+            if args.keep:
+                keep_history(args.keep, row, seed, args, results[row][seed])
     if weights_digest(Path(models["target"])) != digest:
         raise RuntimeError(f"the frozen target's weights in {models['target']} changed during the runs")
     print(f"frozen target {models['target']}: weights sha256 {digest[:16]} before and after the runs", flush=True)
@@ -289,7 +350,10 @@ def comparison(method: str, control: str, results: Results, n: int, basis: str =
 
 
 def comparisons(method: Method, results: Results, n: int) -> list[str]:
-    """The method's lines: one per equal-tokens row and seed (where it was compared), then one per control."""
+    """The method's lines: one per equal-tokens row and seed (where it was compared), then one per control that
+    ``results`` holds (none without the trained row)."""
+    if method.trained not in results:
+        return []
     aligned, ratios = align_at_tokens(results, method.trained)
     lines = []
     for row, by_seed in ratios.items():
@@ -297,7 +361,7 @@ def comparisons(method: Method, results: Results, n: int) -> list[str]:
             compared = aligned[row][seed][-1]
             lines.append(f"{row} seed {seed}: compared at iteration {compared['iteration']}, "
                          f"{compared['generated_tokens']:,.0f} generated tokens ({ratio:.2f}x {method.trained}'s)")
-    for control in method.controls:
+    for control in (row for row in method.controls if row in results):
         basis = "equal samples"
         if ROWS[control].equal_tokens:
             short = min(ratios[control].values())
@@ -359,13 +423,27 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--token_margin", type=float, default=1.5, help="The workflow method's GRPO row trains this "
                         "many times the debate's generated samples, so that its generated tokens reach the "
                         "debate's (compared there).")
+    parser.add_argument("--rows", nargs="+", choices=tuple(ROWS), default=None, help="Run these of the method's "
+                        "rows only (default: all of them); comparisons are printed for the controls given beside "
+                        "the trained row.")
     parser.add_argument("--out", type=Path, default=Path("runs/real_model_methods"))
+    parser.add_argument("--keep", type=Path, default=None, help="Directory of finished runs' histories: a run kept "
+                        "there at the same settings is reused instead of run, and a run that finishes is kept "
+                        "there (as ROW_seed_S.json, with its settings and commit), so that rows and seeds can be "
+                        "added one invocation at a time, on another machine too.")
     args = parser.parse_args(argv)
+    method = METHODS[args.method]
+    args.rows = args.rows or [method.trained, *method.controls]
+    foreign = [row for row in args.rows if row not in (method.trained, *method.controls)]
+    if foreign:
+        parser.error(f"--rows {' '.join(foreign)}: not rows of --method {args.method}; its rows are "
+                     f"{' '.join((method.trained, *method.controls))}")
     if args.token_margin < 1:
         parser.error(f"--token_margin {args.token_margin} is below 1: the GRPO row would generate fewer samples "
                      "than the debate and could not reach its tokens; give 1 or more")
     args.model = args.model or default_model()
     args.out = args.out.resolve()
+    args.keep = args.keep.resolve() if args.keep else None
     return args
 
 

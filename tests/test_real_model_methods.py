@@ -12,8 +12,8 @@ import pytest
 
 from bench.real_model_methods import (DEBATES, METHODS, PREFIX_ARITH, PREFIX_KL, PREFIX_TOKENS, ROWS,
                                       SAMPLES_PER_ITERATION, TARGET_TOKENS, WORKFLOW_SAMPLES, Method, align_at_tokens,
-                                      comparison, comparisons, main, mean_and_error, parse_args, row_flags,
-                                      weights_digest)
+                                      comparison, comparisons, keep_history, kept_history, main, mean_and_error,
+                                      model_identity, parse_args, row_flags, weights_digest)
 
 
 def history(*accuracies: float, tokens_per_iteration: int = 1000, metric: str = "eval/accuracy"
@@ -83,6 +83,49 @@ def test_prefix_rl_trains_and_is_tested_on_one_form_of_problem():
     assert {p.level for p in train} == {p.level for p in test} == {2}
     shared_train, shared_test = Arith(**{**knobs, "min_ops": 1}).split(500, 500, 0)
     assert {p.level for p in shared_train} == {2} and sum(p.level == 1 for p in shared_test) == 100
+
+
+def test_a_kept_run_is_reused_at_its_settings_and_refused_at_others(tmp_path):
+    """keep_history writes a finished run's history with its settings; the same row, seed, model and flags read
+    it back (another --out too: the flags name the model directories by placeholder), other flags raise."""
+    args = parse_args(["--method", "prime", "--model", "/models/smollm2", "--out", str(tmp_path / "a"),
+                       "--iterations", "16", "--eval_interval", "8"])
+    keep = tmp_path / "kept"
+    assert kept_history(keep, "prime", 1, args) is None
+    keep_history(keep, "prime", 1, args, history(0.2, 0.5))
+    elsewhere = parse_args(["--method", "prime", "--model", "/models/smollm2", "--out", str(tmp_path / "b"),
+                            "--iterations", "16", "--eval_interval", "8"])
+    assert kept_history(keep, "prime", 1, elsewhere) == history(0.2, 0.5)
+    assert kept_history(keep, "prime", 0, elsewhere) is None  # another seed: not kept
+    longer = parse_args(["--method", "prime", "--model", "/models/smollm2", "--iterations", "32"])
+    with pytest.raises(ValueError, match="give another --keep"):
+        kept_history(keep, "prime", 1, longer)
+    other_model = parse_args(["--method", "prime", "--model", "/models/other", "--iterations", "16",
+                              "--eval_interval", "8"])
+    with pytest.raises(ValueError, match="prime_seed_1.json holds a run of"):
+        kept_history(keep, "prime", 1, other_model)
+
+
+def test_a_model_directory_is_known_by_its_weights_wherever_it_lies(tmp_path):
+    for name, weights in (("a", b"\x01"), ("b", b"\x01"), ("c", b"\x02")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_bytes(weights)
+    assert model_identity(str(tmp_path / "a")) == model_identity(str(tmp_path / "b")) == (
+        f"sha256:{weights_digest(tmp_path / 'a')}")
+    assert model_identity(str(tmp_path / "c")) != model_identity(str(tmp_path / "a"))
+    assert model_identity("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_rows_pick_a_subset_of_the_methods_rows_and_compare_the_controls_present():
+    args = parse_args(["--method", "prime", "--model", "m", "--rows", "rloo_filter"])
+    assert args.rows == ["rloo_filter"]
+    assert parse_args(["--method", "prime", "--model", "m"]).rows == ["prime", "rloo_filter", "rloo"]
+    with pytest.raises(SystemExit):
+        parse_args(["--method", "prime", "--model", "m", "--rows", "workflow"])
+    results = {"prime": {0: history(0.2, 0.6)}, "rloo": {0: history(0.2, 0.5)}}
+    assert [line.split(" at ")[0] for line in comparisons(METHODS["prime"], results, 500)] == [
+        "prime 0.200 -> 0.600 vs rloo 0.200 -> 0.500"]
+    assert comparisons(METHODS["prime"], {"rloo": results["rloo"]}, 500) == []
 
 
 def test_the_weights_digest_sees_a_changed_weight(tmp_path):
@@ -176,7 +219,8 @@ def test_the_workflow_method_runs_end_to_end_on_the_tiny_policy(tiny_models, tmp
     """The bench's workflow method on the shipped tiny policy (given a ChatML template: the bench prompts through
     the chat template), its messages cut to 16 tokens and 8 held-out problems: one debate iteration of 192
     messages, the GRPO row on to its first evaluation past the debate's generated tokens, the untrained single
-    agent's maj@6 and the untrained debate; the CSV holds every row and the comparison lines are printed."""
+    agent's maj@6 and the untrained debate; the CSV holds every row and the comparison lines are printed. Kept
+    (--keep), the same report comes back from another --out without a run."""
     from dataclasses import replace
 
     from transformers import AutoTokenizer
@@ -190,10 +234,20 @@ def test_the_workflow_method_runs_end_to_end_on_the_tiny_policy(tiny_models, tmp
     tokenizer.save_pretrained(model)
     for row in METHODS["workflow"].controls + ("workflow",):
         monkeypatch.setitem(ROWS, row, replace(ROWS[row], overrides=(*ROWS[row].overrides, "--max_new_tokens", "16")))
-    out = tmp_path / "bench"
-    main(["--method", "workflow", "--model", str(model), "--seeds", "0", "--iterations", "3", "--eval_interval", "3",
-          "--eval_limit", "8", "--out", str(out)])
+    out, keep = tmp_path / "bench", tmp_path / "kept"
+    argv = ["--method", "workflow", "--model", str(model), "--seeds", "0", "--iterations", "3", "--eval_interval", "3",
+            "--eval_limit", "8", "--keep", str(keep)]
+    main([*argv, "--out", str(out)])
     lines = capsys.readouterr().out.strip().splitlines()
+    assert sorted(path.name for path in keep.iterdir()) == [
+        "grpo_equal_tokens_seed_0.json", "single_majk_seed_0.json", "workflow_seed_0.json",
+        "workflow_untrained_seed_0.json"]
+    main([*argv, "--out", str(tmp_path / "again")])  # every run kept: none runs again, the same report
+    again = capsys.readouterr().out.strip().splitlines()
+    assert not (tmp_path / "again" / "runs").exists()
+    def report(printed: list[str]) -> list[str]:  # the comparisons (the target's line names its --out)
+        return [line for line in printed if "reusing the finished run" not in line and "frozen target" not in line]
+    assert len(again) - len(report(again)) == 5 and report(again) == report(lines)
     with open(out / "curve.csv") as handle:
         curve = list(csv.DictReader(handle))
     rows = {line["row"]: [] for line in curve}

@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
+import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -93,6 +95,20 @@ def default_model() -> str:
     from models.smollm2 import cache_dir
 
     return str(cache_dir())
+
+
+def weights_digest(directory: Path) -> str:
+    """SHA-256 over the safetensors files of ``directory``, in name order."""
+    digest = hashlib.sha256()
+    for path in sorted(directory.glob("*.safetensors")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+@functools.lru_cache
+def model_identity(model: str) -> str:
+    """A model directory's weights digest (the same weights wherever the directory lies), else the name given."""
+    return f"sha256:{weights_digest(Path(model))}" if Path(model).is_dir() else model
 
 
 def run_flags(mode: str, args: argparse.Namespace) -> list[str]:

@@ -71,8 +71,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import functools
-import hashlib
 import json
 import math
 import shutil
@@ -83,7 +81,8 @@ from pathlib import Path
 from typing import Sequence
 
 from bench.learning_table import ROOT, Results, newest_run_dir, same_values, train_math_history
-from bench.real_model_learning import ARITH, MICRO_BATCH_TOKENS, default_model, pyplot, standard_error
+from bench.real_model_learning import (ARITH, MICRO_BATCH_TOKENS, default_model, model_identity, pyplot,
+                                      standard_error, weights_digest)
 
 PREFIX_TOKENS, TARGET_TOKENS = 32, 128  # Prefix-RL's writer budget (the paper's 32-64 tokens) and the target's
 PREFIX_KL = 0.05  # the writer's KL to its reference (the loss's low_var_kl term), as Prefix-RL's PPO code keeps one
@@ -179,14 +178,6 @@ CSV_KEYS = ("row", "seed", "iteration", "env_steps", "generated_tokens", "minute
 X_LABELS = {"env_steps": "generated samples", "generated_tokens": "generated tokens", "minutes": "training minutes"}
 
 
-def weights_digest(directory: Path) -> str:
-    """SHA-256 over the safetensors files of ``directory``, in name order."""
-    digest = hashlib.sha256()
-    for path in sorted(directory.glob("*.safetensors")):
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
-
-
 def target_copy(model: Path, out: Path) -> Path:
     """``out/target``: the frozen target's own copy of ``model`` (made once)."""
     target = out / "target"
@@ -230,12 +221,6 @@ def kept_settings(row: str, seed: int, args: argparse.Namespace) -> dict[str, ob
     flags, its model directories named by their placeholders (the target's copy and the writer's checkpoint live in ``--out``)."""
     placeholders = {"model": "{model}", "target": "{target}", "writer": "{writer}"}
     return {"model": model_identity(args.model), "flags": row_flags(row, seed, args, placeholders)}
-
-
-@functools.lru_cache
-def model_identity(model: str) -> str:
-    """A model directory's weights digest (the same weights wherever the directory lies), else the name given."""
-    return f"sha256:{weights_digest(Path(model))}" if Path(model).is_dir() else model
 
 
 def kept_history(keep: Path, row: str, seed: int, args: argparse.Namespace) -> list[dict[str, float]] | None:

@@ -43,9 +43,9 @@ holds what its loop sets up on the way (TRL: ``train()``'s accelerator and datal
 The sides run one after the other (ours, then TRL) for each mode and seed: both in memory at once would
 double the footprint of full fine-tuning. On a machine that others share, the load each side met may differ.
 
-Each finished race (a mode and a seed, both sides) is kept in ``--out``/``races/`` with the settings it ran at, and
-a later invocation into the same ``--out`` at the same settings reuses it, so seeds can be added one invocation at
-a time. Outputs in ``--out``: ``race.csv`` (one row per side, mode, seed and evaluation, and the mean over seeds as
+Each finished race (a mode and a seed, both sides) is kept in ``--out``/``races/`` with the settings it ran at (the
+model known by its weights' digest), and a later invocation into the same ``--out`` at the same settings reuses it,
+so seeds can be added one invocation at a time, on another machine too. Outputs in ``--out``: ``race.csv`` (one row per side, mode, seed and evaluation, and the mean over seeds as
 seed "mean"), ``race.png`` (with matplotlib: accuracy against training minutes and against samples, one panel pair
 per mode) and on stdout, per mode, the mean curves and the line
 ``<mode>: time to TRL's final accuracy: ours M1 min vs TRL M2 min (R x)``. TRL's final accuracy is the mean over
@@ -70,7 +70,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from bench.real_model_learning import TASKS, default_model, pyplot, run_flags
+from bench.real_model_learning import TASKS, default_model, model_identity, pyplot, run_flags
 from bench.vs_trl import OursSide, Side, TRLSide, check_dependencies, parsed_config, quiet_libraries, trl_config
 
 if TYPE_CHECKING:
@@ -277,7 +277,7 @@ def race_path(out: Path, mode: str, seed: int) -> Path:
 
 def race_settings(args: argparse.Namespace) -> dict[str, object]:
     """What a finished race must share with this invocation to be reused."""
-    return {"model": str(args.model), "iterations": args.iterations, "eval_interval": args.eval_interval,
+    return {"model": model_identity(args.model), "iterations": args.iterations, "eval_interval": args.eval_interval,
             "eval_limit": args.eval_limit, "threads": args.threads, "prompt_template": args.prompt_template}
 
 
@@ -377,7 +377,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    check_dependencies("hf")
+    if not all(race_path(args.out, mode, seed).is_file() for mode in args.modes for seed in args.seeds):
+        check_dependencies("hf")  # a race to run: TRL's side needs it (kept races rebuild the report without)
     quiet_libraries()
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -10,10 +10,11 @@ import shutil
 
 import pytest
 
+from bench.real_model_learning import model_identity, weights_digest
 from bench.real_model_methods import (DEBATES, METHODS, PREFIX_ARITH, PREFIX_KL, PREFIX_TOKENS, ROWS,
                                       SAMPLES_PER_ITERATION, TARGET_TOKENS, WORKFLOW_SAMPLES, Method, align_at_tokens,
                                       comparison, comparisons, keep_history, kept_history, main, mean_and_error,
-                                      model_identity, parse_args, row_flags, weights_digest)
+                                      parse_args, row_flags)
 
 
 def history(*accuracies: float, tokens_per_iteration: int = 1000, metric: str = "eval/accuracy"

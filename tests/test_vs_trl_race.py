@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -89,6 +90,8 @@ def test_a_finished_race_is_reused_at_its_settings_and_refused_at_others(untrain
     saved_race(tmp_path, "full", 1, points, args)
     assert finished_race(tmp_path, "full", 1, args) == points
     assert finished_race(tmp_path, "full", 0, args) is None and finished_race(tmp_path, "lora", 1, args) is None
+    copy = shutil.copytree(untrained_policy_dir, tmp_path / "copy")  # the same weights in another directory
+    assert finished_race(tmp_path, "full", 1, parse_args(["--model", str(copy), "--iterations", "8"])) == points
     longer = parse_args(["--model", str(untrained_policy_dir), "--iterations", "16", "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="'iterations': 8.*another --out"):
         finished_race(tmp_path, "full", 1, longer)

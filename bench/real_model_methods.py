@@ -37,7 +37,8 @@ and at its end. Methods, each beside its control:
   ``grpo_equal_tokens``, the single agent (one LoRA adapter, the same rank and lr) trained with GRPO, compared
   at equal generated tokens (below); ``single_majk``, the untrained single agent's maj@6 (``--eval_samples 6``
   at the training temperature, 0.3): a vote over as many samples per problem as the debate says; and
-  ``workflow_untrained``, the debate before training (``--val_only``: greedy, the adapters still the base).
+  ``workflow_untrained``, the debate before training: the ``workflow`` row's first evaluation (greedy; a LoRA
+  adapter starts as the base, so every seed's is the same debate), read off its history, not run again.
 
 Comparisons are at equal generated samples: each row's ``env_steps`` counts every sample generated
 (oversampled ones included), and each run gets ``--iterations`` x ``SAMPLES_PER_ITERATION`` of them (so an
@@ -116,7 +117,8 @@ class Row:
     that replace the task's and the bench's (absl keeps a repeated flag's last value); ``budget``: its generated
     samples relative to ``--iterations`` x 64 (``--token_margin`` where None); ``eval_density``: its evaluations
     per ``--eval_interval``; ``metric``: the history's key compared; ``equal_tokens``: compared at the trained
-    row's generated tokens (module docstring); ``arith``: its task."""
+    row's generated tokens (module docstring); ``arith``: its task; ``start_of``: the row is that row's first
+    evaluation (its weights before training), read off its history instead of run (``flags`` empty)."""
 
     flags: tuple[str, ...]
     samples_per_iteration: int = SAMPLES_PER_ITERATION
@@ -130,6 +132,7 @@ class Row:
     metric: str = "eval/accuracy"
     equal_tokens: bool = False
     arith: dict[str, object] = field(default_factory=lambda: ARITH)
+    start_of: str | None = None
 
 
 @dataclass(frozen=True)
@@ -163,7 +166,7 @@ ROWS: dict[str, Row] = {
     "rloo": Row(("--model_name_or_path", "{model}", *RLOO, "--process_coef", "0", "--oversample_factor", "1",
                  "--accuracy_lower_bound", "0", "--accuracy_upper_bound", "1")),
     "workflow": Row(DEBATE, DEBATES * WORKFLOW_SAMPLES, DEBATES, ROUNDS, overrides=DEBATE_OVERRIDES),
-    "workflow_untrained": Row(DEBATE, val_only=True, seeded=False, overrides=DEBATE_OVERRIDES),
+    "workflow_untrained": Row((), val_only=True, seeded=False, start_of="workflow"),
     # evaluated 3 times as often: where it reaches the debate's tokens is found within a third of an interval
     "grpo_equal_tokens": Row(SINGLE, overrides=LORA, budget=None, eval_density=3, equal_tokens=True),
     "single_majk": Row((*SINGLE, "--eval_samples", str(WORKFLOW_SAMPLES), "--eval_temperature", "0.3"),
@@ -263,6 +266,11 @@ def run_method(args: argparse.Namespace) -> Results:
     digest = weights_digest(Path(models["target"]))
     results: Results = {}
     for row in args.rows:
+        start_of = ROWS[row].start_of
+        if start_of is not None:  # parse_args put its row before it
+            first_seed = next(iter(results[start_of]))
+            results[row] = {first_seed: results[start_of][first_seed][:1]}
+            continue
         results[row] = {}
         for seed in args.seeds if ROWS[row].seeded else args.seeds[:1]:
             kept = kept_history(args.keep, row, seed, args) if args.keep else None
@@ -418,11 +426,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "added one invocation at a time, on another machine too.")
     args = parser.parse_args(argv)
     method = METHODS[args.method]
-    args.rows = args.rows or [method.trained, *method.controls]
-    foreign = [row for row in args.rows if row not in (method.trained, *method.controls)]
+    rows = (method.trained, *method.controls)
+    foreign = [row for row in args.rows or () if row not in rows]
     if foreign:
         parser.error(f"--rows {' '.join(foreign)}: not rows of --method {args.method}; its rows are "
-                     f"{' '.join((method.trained, *method.controls))}")
+                     f"{' '.join(rows)}")
+    args.rows = [row for row in rows if args.rows is None or row in args.rows]  # the trained row first
+    for row in args.rows:
+        if ROWS[row].start_of not in (None, *args.rows):
+            parser.error(f"--rows {row} is read off the first evaluation of {ROWS[row].start_of}: give --rows "
+                         f"{ROWS[row].start_of} too")
     if args.token_margin < 1:
         parser.error(f"--token_margin {args.token_margin} is below 1: the GRPO row would generate fewer samples "
                      "than the debate and could not reach its tokens; give 1 or more")

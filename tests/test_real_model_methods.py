@@ -127,6 +127,11 @@ def test_rows_pick_a_subset_of_the_methods_rows_and_compare_the_controls_present
     assert [line.split(" at ")[0] for line in comparisons(METHODS["prime"], results, 500)] == [
         "prime 0.200 -> 0.600 vs rloo 0.200 -> 0.500"]
     assert comparisons(METHODS["prime"], {"rloo": results["rloo"]}, 500) == []
+    assert parse_args(["--method", "workflow", "--model", "m", "--rows", "single_majk", "workflow"]).rows == [
+        "workflow", "single_majk"]  # the trained row first: workflow_untrained is read off its history
+
+    with pytest.raises(SystemExit):  # read off the debate's first evaluation, which would not run
+        parse_args(["--method", "workflow", "--model", "m", "--rows", "workflow_untrained"])
 
 
 def test_the_weights_digest_sees_a_changed_weight(tmp_path):
@@ -156,7 +161,7 @@ def test_a_writer_that_is_its_own_target_scores_the_same_alone_and_in_the_team(u
     assert 0 <= result["mixed_groups"] <= 1 and result["prefix_tokens"] <= 4
 
 
-@pytest.mark.parametrize("row", ["workflow", "workflow_untrained", "grpo_equal_tokens", "single_majk"])
+@pytest.mark.parametrize("row", ["workflow", "grpo_equal_tokens", "single_majk"])
 def test_the_workflow_rows_resolve_to_a_debate_of_adapters_and_its_single_agent_controls(row, untrained_policy_dir,
                                                                                           tmp_path):
     """24 iterations of 64 samples: the debate's 8 iterations of 32 debates x 6 messages, the GRPO row 1.5 times
@@ -241,14 +246,13 @@ def test_the_workflow_method_runs_end_to_end_on_the_tiny_policy(tiny_models, tmp
     main([*argv, "--out", str(out)])
     lines = capsys.readouterr().out.strip().splitlines()
     assert sorted(path.name for path in keep.iterdir()) == [
-        "grpo_equal_tokens_seed_0.json", "single_majk_seed_0.json", "workflow_seed_0.json",
-        "workflow_untrained_seed_0.json"]
+        "grpo_equal_tokens_seed_0.json", "single_majk_seed_0.json", "workflow_seed_0.json"]
     main([*argv, "--out", str(tmp_path / "again")])  # every run kept: none runs again, the same report
     again = capsys.readouterr().out.strip().splitlines()
     assert not (tmp_path / "again" / "runs").exists()
     def report(printed: list[str]) -> list[str]:  # the comparisons (the target's line names its --out)
         return [line for line in printed if "reusing the finished run" not in line and "frozen target" not in line]
-    assert len(again) - len(report(again)) == 5 and report(again) == report(lines)
+    assert len(again) - len(report(again)) == 4 and report(again) == report(lines)
     with open(out / "curve.csv") as handle:
         curve = list(csv.DictReader(handle))
     rows = {line["row"]: [] for line in curve}
@@ -260,7 +264,10 @@ def test_the_workflow_method_runs_end_to_end_on_the_tiny_policy(tiny_models, tmp
     grpo = [int(line["generated_tokens"]) for line in rows["grpo_equal_tokens"]]
     assert grpo[0] == 0 and grpo[-1] >= workflow_tokens  # 4 iterations of 64: 1.5 times the debate's messages
     assert rows["single_majk"][0]["metric"] == f"eval/maj_at_{WORKFLOW_SAMPLES}" and len(rows["single_majk"]) == 1
-    assert len(rows["workflow_untrained"]) == 1
+    untrained, first = ({key: value for key, value in rows[row][0].items() if key != "row"}
+                        for row in ("workflow_untrained", "workflow"))
+    assert len(rows["workflow_untrained"]) == 1 and untrained == first  # the debate's first evaluation, not run
+    assert not (out / "runs" / "workflow_untrained").exists()
     assert lines[-4].startswith("grpo_equal_tokens seed 0: compared at iteration ")
     assert "vs grpo_equal_tokens" in lines[-3] and " at equal generated tokens (" in lines[-3]
     assert "vs single_majk" in lines[-2] and "vs workflow_untrained" in lines[-1]

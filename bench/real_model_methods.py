@@ -221,7 +221,8 @@ def kept_path(keep: Path, row: str, seed: int) -> Path:
 
 def kept_settings(row: str, seed: int, args: argparse.Namespace) -> dict[str, object]:
     """What a kept run must share with this invocation to be reused: the model's weights and the row's
-    flags, its model directories named by their placeholders (the target's copy and the writer's checkpoint live in ``--out``)."""
+    flags, its model directories named by their placeholders (the target's copy and the writer's checkpoint live
+    in ``--out``)."""
     placeholders = {"model": "{model}", "target": "{target}", "writer": "{writer}"}
     return {"model": model_identity(args.model), "flags": row_flags(row, seed, args, placeholders)}
 

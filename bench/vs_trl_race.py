@@ -46,8 +46,9 @@ double the footprint of full fine-tuning. On a machine that others share, the lo
 Each finished race (a mode and a seed, both sides) is kept in ``--out``/``races/`` with the settings it ran at (the
 model known by its weights' digest), and a later invocation into the same ``--out`` at the same settings reuses it,
 so seeds can be added one invocation at a time, on another machine too. Outputs in ``--out``: ``race.csv`` (one
-row per side, mode, seed and evaluation, and the mean over seeds as seed "mean"), ``race.png`` (with matplotlib: accuracy against training minutes and against samples, one panel pair
-per mode) and on stdout, per mode, the mean curves and the line
+row per side, mode, seed and evaluation, and the mean over seeds as seed "mean"), ``race.png`` (with matplotlib:
+accuracy against training minutes and against samples, one panel pair per mode) and on stdout, per mode, the
+mean curves and the line
 ``<mode>: time to TRL's final accuracy: ours M1 min vs TRL M2 min (R x)``. TRL's final accuracy is the mean over
 seeds of its last evaluation; M1 (M2) is the mean over seeds of ours' (TRL's) training minutes at the first
 evaluation whose accuracy, averaged over seeds, is at least that (within 1e-9); M1 is "not reached" if no

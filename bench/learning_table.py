@@ -152,6 +152,32 @@ def same_values(recorded: list[str], flags: list[str]) -> bool:
     return len(recorded) == len(flags) and all(value(a) == value(b) for a, b in zip(recorded, flags))
 
 
+
+def same_settings(recorded: dict[str, object], settings: dict[str, object]) -> bool:
+    """Whether two settings say the same, flag lists compared by ``same_values``."""
+    def same(a: object, b: object) -> bool:
+        return same_values(a, b) if isinstance(a, list) and isinstance(b, list) else a == b
+    return recorded.keys() == settings.keys() and all(same(recorded[key], settings[key]) for key in settings)
+
+
+def kept_record(path: Path, settings: dict[str, object], what: str, option: str) -> dict | None:
+    """The record of a finished ``what`` that ``keep_record`` wrote to ``path``, None if there is none; raises if
+    it ran at other settings (another ``option`` keeps both)."""
+    if not path.is_file():
+        return None
+    record = json.loads(path.read_text())
+    if not same_settings(record["settings"], settings):
+        raise ValueError(f"{path} holds a {what} of {record['settings']}, not of {settings}: give another "
+                         f"{option}, or delete it to run again")
+    print(f"reusing the finished {what} kept in {path}", flush=True)
+    return record
+
+
+def keep_record(path: Path, settings: dict[str, object], **record: object) -> None:
+    """Writes a finished run's ``record`` with the ``settings`` it ran at (what ``kept_record`` reuses it at)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"settings": settings, **record}, indent=1))
+
 def check_same_command(logdir: Path, flags: list[str]) -> None:
     """Records the run's flags in ``LOGDIR/command.json``; raises if a run of other flags has already
     trained there (a checkpoint or a finished history; a run that never got that far is replaced)."""

@@ -81,7 +81,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from bench.learning_table import ROOT, Results, newest_run_dir, same_values, train_math_history
+from bench.learning_table import ROOT, Results, keep_record, kept_record, newest_run_dir, train_math_history
 from bench.real_model_learning import (ARITH, MICRO_BATCH_TOKENS, default_model, model_identity, pyplot,
                                       standard_error, weights_digest)
 
@@ -230,25 +230,13 @@ def kept_settings(row: str, seed: int, args: argparse.Namespace) -> dict[str, ob
 def kept_history(keep: Path, row: str, seed: int, args: argparse.Namespace) -> list[dict[str, float]] | None:
     """The evaluation history of ``row`` and ``seed`` kept in ``keep`` by an earlier invocation, None if there is
     none; raises if it ran at other settings (another ``--keep`` keeps both)."""
-    path = kept_path(keep, row, seed)
-    if not path.is_file():
-        return None
-    kept = json.loads(path.read_text())
-    settings = kept_settings(row, seed, args)
-    if kept["settings"]["model"] != settings["model"] or not same_values(kept["settings"]["flags"],
-                                                                          settings["flags"]):
-        raise ValueError(f"{path} holds a run of {kept['settings']}, not of {settings}: give another --keep, or "
-                         "delete it to run again")
-    print(f"{row} seed {seed}: reusing the finished run kept in {path} (commit {kept['commit']})", flush=True)
-    return kept["history"]
+    record = kept_record(kept_path(keep, row, seed), kept_settings(row, seed, args), "run", "--keep")
+    return None if record is None else record["history"]
 
 
 def keep_history(keep: Path, row: str, seed: int, args: argparse.Namespace, history: list[dict[str, float]]) -> None:
     """Writes one finished run's history, the settings it ran at and the commit it ran on into ``keep``."""
-    path = kept_path(keep, row, seed)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"settings": kept_settings(row, seed, args), "commit": source_commit(),
-                                "history": history}, indent=1))
+    keep_record(kept_path(keep, row, seed), kept_settings(row, seed, args), commit=source_commit(), history=history)
 
 
 def source_commit() -> str:

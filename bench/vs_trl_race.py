@@ -62,7 +62,6 @@ import argparse
 import contextlib
 import csv
 import gc
-import json
 import statistics
 import tempfile
 from dataclasses import asdict, dataclass, fields
@@ -71,6 +70,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
+from bench.learning_table import keep_record, kept_record
 from bench.real_model_learning import TASKS, default_model, model_identity, pyplot, run_flags
 from bench.vs_trl import OursSide, Side, TRLSide, check_dependencies, parsed_config, quiet_libraries, trl_config
 
@@ -284,24 +284,15 @@ def race_settings(args: argparse.Namespace) -> dict[str, object]:
 
 def saved_race(out: Path, mode: str, seed: int, points: list[Point], args: argparse.Namespace) -> list[Point]:
     """Writes one race's evaluations (both sides) and the settings they were run at; returns them."""
-    path = race_path(out, mode, seed)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"settings": race_settings(args), "points": [asdict(p) for p in points]}, indent=1))
+    keep_record(race_path(out, mode, seed), race_settings(args), points=[asdict(point) for point in points])
     return points
 
 
 def finished_race(out: Path, mode: str, seed: int, args: argparse.Namespace) -> list[Point] | None:
     """The evaluations of the race of ``mode`` and ``seed`` that an earlier invocation finished into ``out``,
     None if there is none; raises if it ran at other settings (another ``--out`` keeps both)."""
-    path = race_path(out, mode, seed)
-    if not path.is_file():
-        return None
-    saved = json.loads(path.read_text())
-    if saved["settings"] != race_settings(args):
-        raise ValueError(f"{path} holds a race run at {saved['settings']}, not at {race_settings(args)}: give "
-                         "another --out, or delete it to run again")
-    print(f"{mode} seed {seed}: reusing the finished race in {path}", flush=True)
-    return [Point(**point) for point in saved["points"]]
+    record = kept_record(race_path(out, mode, seed), race_settings(args), "race", "--out")
+    return None if record is None else [Point(**point) for point in record["points"]]
 
 
 # -------------------------------------------------------------------------------------------------

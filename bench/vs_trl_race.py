@@ -2,7 +2,8 @@
 
     pip install -e ".[bench]"
     python -m bench.vs_trl_race [--model DIR] [--modes lora full] [--seeds 0 1] [--iterations 24]
-                                [--eval_interval 8] [--eval_limit 500] [--threads 2] [--out runs/vs_trl_race]
+                                [--ours_iterations N] [--eval_interval 8] [--eval_limit 500] [--threads 2]
+                                [--out runs/vs_trl_race]
 
 The task is ``bench.real_model_learning``'s arith preset: SmolLM2-135M-Instruct (``python -m models.smollm2``)
 on sums of two or three one-digit numbers (``ARITH``), prompts under the model's chat template with the answer
@@ -40,20 +41,24 @@ from both sides' minutes, which count each side's iterations only (ours: ``Runne
 resuming its loop to its next optimizer step's end). Loading the models is excluded; each side's first iteration
 holds what its loop sets up on the way (TRL: ``train()``'s accelerator and dataloader; ours: AdamW's moments).
 
-The sides run one after the other (ours, then TRL) for each mode and seed: both in memory at once would
-double the footprint of full fine-tuning. On a machine that others share, the load each side met may differ.
+Both sides train ``--iterations`` iterations, unless ``--ours_iterations`` lets ours go on past TRL's samples
+(on the problems its env draws next, the lr schedule of its own length): a race stopped at TRL's samples cannot
+time a side that gets to TRL's final accuracy only later. The sides run one after the other (ours, then TRL) for
+each mode and seed: both in memory at once would double the footprint of full fine-tuning. On a machine that
+others share, the load each side met may differ.
 
-Each finished race (a mode and a seed, both sides) is kept in ``--out``/``races/`` with the settings it ran at (the
-model known by its weights' digest), and a later invocation into the same ``--out`` at the same settings reuses it,
-so seeds can be added one invocation at a time, on another machine too. Outputs in ``--out``: ``race.csv`` (one
-row per side, mode, seed and evaluation, and the mean over seeds as seed "mean"), ``race.png`` (with matplotlib:
-accuracy against training minutes and against samples, one panel pair per mode) and on stdout, per mode, the
-mean curves and the line
-``<mode>: time to TRL's final accuracy: ours M1 min vs TRL M2 min (R x)``. TRL's final accuracy is the mean over
-seeds of its last evaluation; M1 (M2) is the mean over seeds of ours' (TRL's) training minutes at the first
-evaluation whose accuracy, averaged over seeds, is at least that (within 1e-9); M1 is "not reached" if no
-evaluation of ours gets there; R = M1 / M2 ("n/a" when M1 is not reached). When TRL ends no higher than the
-start there is no accuracy to race to, and the line says so instead.
+Each side's finished run (a mode, a seed and its iterations) is kept in ``--out``/``races/`` with the settings it
+ran at (the model known by its weights' digest), and a later invocation into the same ``--out`` at the same
+settings reuses it, so seeds can be added one invocation at a time, on another machine too, and ours run longer
+against TRL's kept side. Outputs in ``--out``: ``race.csv`` (one row per side, mode, seed and evaluation, and the
+mean over seeds as seed "mean"), ``race.png`` (with matplotlib: accuracy against training minutes and against
+samples, one panel pair per mode) and on stdout, per mode, the mean curves and the line
+``<mode>: time to TRL's final accuracy: ours M1 min vs TRL M2 min (R x); ...``. TRL's final accuracy is the mean
+over seeds of its last evaluation; M1 (M2) is the mean over seeds of ours' (TRL's) training minutes at the first
+evaluation whose accuracy, averaged over seeds, is at least that (within 1e-9), and the line says at how many
+samples each side got there; M1 is "not reached" if no evaluation of ours gets there; R = M1 / M2 ("n/a" when M1
+is not reached). When TRL ends no higher than the start there is no accuracy to race to, and the line says so
+instead.
 """
 
 from __future__ import annotations
@@ -62,6 +67,7 @@ import argparse
 import contextlib
 import csv
 import gc
+import itertools
 import statistics
 import tempfile
 from dataclasses import asdict, dataclass, fields
@@ -209,33 +215,41 @@ def run_side(side: Side, model: Any, held_out: HeldOut, mode: str, seed: int, it
     return points
 
 
-def race(mode: str, seed: int, args: argparse.Namespace, out_dir: Path) -> list[Point]:
-    """Ours, then TRL, from the same starting weights on the same problems; both sides' evaluations."""
+def race(mode: str, seed: int, args: argparse.Namespace, out_dir: Path,
+         kept: dict[str, list[Point]]) -> dict[str, list[Point]]:
+    """Ours, then TRL, from the same starting weights on the same problems: each side's evaluations, ``kept``'s
+    sides (from an earlier invocation) reused, the others run."""
     from envs.rewards import OutcomeReward
     from train.resolve import resolved
 
-    config = resolved(parsed_config(race_flags(args.model, mode, seed, args.iterations, args.eval_limit,
-                                               args.prompt_template, args.threads)))
-    iterations = config.budget.num_iterations
+    def config_of(iterations: int) -> RunConfig:
+        return resolved(parsed_config(race_flags(args.model, mode, seed, iterations, args.eval_limit,
+                                                 args.prompt_template, args.threads)))
+
+    config = config_of(args.iterations)
     reward_model = OutcomeReward()  # one object scores both sides
     held_out = HeldOut(config, reward_model)
+    points = dict(kept)
     try:
-        ours = OursSide(config, reward_model, out_dir / "ours")
+        ours = OursSide(config_of(args.ours_iterations), reward_model, out_dir / "ours")
         try:
-            prompts = ours.upcoming_prompts(iterations)
-            start, _ = held_out.accuracy(ours.runner.policy)
+            prompts = ours.upcoming_prompts(args.iterations)  # TRL's: the first of ours'
+            start = next(iter(kept.values()))[0].accuracy if kept else held_out.accuracy(ours.runner.policy)[0]
             print(f"{mode} seed {seed}: held-out accuracy at the start {start:.3f}", flush=True)
-            points = run_side(ours, ours.runner.policy, held_out, mode, seed, iterations, args.eval_interval, start)
+            if "ours" not in kept:
+                points["ours"] = run_side(ours, ours.runner.policy, held_out, mode, seed, args.ours_iterations,
+                                          args.eval_interval, start)
         finally:
             ours.close()
         del ours
         gc.collect()  # ours' weights and AdamW states go before TRL's arrive
-        trl = trl_side(config, prompts, reward_model, args.threads, out_dir / "trl")
-        try:
-            points += run_side(trl, trl_model(trl, held_out.tokenizer), held_out, mode, seed, iterations,
-                               args.eval_interval, start)
-        finally:
-            trl.close()
+        if "TRL" not in kept:
+            trl = trl_side(config, prompts, reward_model, args.threads, out_dir / "trl")
+            try:
+                points["TRL"] = run_side(trl, trl_model(trl, held_out.tokenizer), held_out, mode, seed,
+                                         args.iterations, args.eval_interval, start)
+            finally:
+                trl.close()
     finally:
         held_out.close()
     return points
@@ -253,46 +267,64 @@ def mean_curve(points: Sequence[Point], side: str, mode: str) -> list[Point]:
     return curve
 
 
-def time_to_accuracy(curve: Sequence[Point], target: float) -> float | None:
-    """The training minutes of the first evaluation of ``curve`` whose accuracy is at least ``target`` (within
-    ``AT_LEAST``); None if none is."""
-    return next((point.minutes for point in curve if point.accuracy >= target - AT_LEAST), None)
+def first_at(curve: Sequence[Point], target: float) -> Point | None:
+    """The first evaluation of ``curve`` whose accuracy is at least ``target`` (within ``AT_LEAST``); None if none
+    is."""
+    return next((point for point in curve if point.accuracy >= target - AT_LEAST), None)
 
 
 def race_line(ours: Sequence[Point], trl: Sequence[Point]) -> str:
-    """``time to TRL's final accuracy: ours M1 min vs TRL M2 min (R x)`` of two mean curves (module docstring)."""
+    """``time to TRL's final accuracy: ours M1 min vs TRL M2 min (R x); ...`` of two mean curves (module
+    docstring)."""
     target, start = trl[-1].accuracy, trl[0].accuracy
     if target <= start + AT_LEAST:  # both "reach" it at minute 0: nothing to time
         return (f"time to TRL's final accuracy: none to time, TRL's final accuracy {target:.3f} is not above the "
                 f"start's {start:.3f}")
-    ours_minutes, trl_minutes = time_to_accuracy(ours, target), time_to_accuracy(trl, target)
-    ours_text = "not reached" if ours_minutes is None else f"{ours_minutes:.1f} min"
-    ratio = "n/a" if ours_minutes is None else f"{ours_minutes / trl_minutes:.2f} x"
-    return (f"time to TRL's final accuracy: ours {ours_text} vs TRL {trl_minutes:.1f} min ({ratio}); TRL's final "
-            f"accuracy {target:.3f}")
+    ours_at, trl_at = first_at(ours, target), first_at(trl, target)
+    head = f"time to TRL's final accuracy: ours {{}} vs TRL {trl_at.minutes:.1f} min ({{}}); TRL's final accuracy " \
+           f"{target:.3f}"
+    if ours_at is None:
+        return head.format("not reached", "n/a") + f" (ours evaluated to {ours[-1].samples} samples)"
+    return (head.format(f"{ours_at.minutes:.1f} min", f"{ours_at.minutes / trl_at.minutes:.2f} x")
+            + f", reached at {ours_at.samples} samples by ours, {trl_at.samples} by TRL")
 
 
-def race_path(out: Path, mode: str, seed: int) -> Path:
-    return out / "races" / f"{mode}_seed_{seed}.json"
+def side_path(out: Path, mode: str, seed: int, side: str, iterations: int) -> Path:
+    return out / "races" / f"{mode}_seed_{seed}_{side}_{iterations}_iterations.json"
 
 
-def race_settings(args: argparse.Namespace) -> dict[str, object]:
-    """What a finished race must share with this invocation to be reused."""
-    return {"model": model_identity(args.model), "iterations": args.iterations, "eval_interval": args.eval_interval,
-            "eval_limit": args.eval_limit, "threads": args.threads, "prompt_template": args.prompt_template}
+def side_iterations(args: argparse.Namespace) -> dict[str, int]:
+    """{side: the iterations it trains}."""
+    return {"ours": args.ours_iterations, "TRL": args.iterations}
 
 
-def saved_race(out: Path, mode: str, seed: int, points: list[Point], args: argparse.Namespace) -> list[Point]:
-    """Writes one race's evaluations (both sides) and the settings they were run at; returns them."""
-    keep_record(race_path(out, mode, seed), race_settings(args), points=[asdict(point) for point in points])
-    return points
+def side_settings(args: argparse.Namespace, side: str) -> dict[str, object]:
+    """What a side's finished run must share with this invocation to be reused."""
+    return {"model": model_identity(args.model), "iterations": side_iterations(args)[side],
+            "eval_interval": args.eval_interval, "eval_limit": args.eval_limit, "threads": args.threads,
+            "prompt_template": args.prompt_template}
 
 
-def finished_race(out: Path, mode: str, seed: int, args: argparse.Namespace) -> list[Point] | None:
-    """The evaluations of the race of ``mode`` and ``seed`` that an earlier invocation finished into ``out``,
-    None if there is none; raises if it ran at other settings (another ``--out`` keeps both)."""
-    record = kept_record(race_path(out, mode, seed), race_settings(args), "race", "--out")
-    return None if record is None else [Point(**point) for point in record["points"]]
+def saved_race(out: Path, mode: str, seed: int, points: dict[str, list[Point]],
+               args: argparse.Namespace) -> list[Point]:
+    """Writes each side's evaluations in one race and the settings they were run at; returns them, ours first."""
+    for side, iterations in side_iterations(args).items():
+        keep_record(side_path(out, mode, seed, side, iterations), side_settings(args, side),
+                    points=[asdict(point) for point in points[side]])
+    return [point for side in SIDES for point in points[side]]
+
+
+def finished_sides(out: Path, mode: str, seed: int, args: argparse.Namespace) -> dict[str, list[Point]]:
+    """{side: its evaluations} of the sides of the race of ``mode`` and ``seed`` that an earlier invocation
+    finished into ``out`` at these iterations; raises if one ran at other settings (another ``--out`` keeps
+    both)."""
+    kept = {}
+    for side, iterations in side_iterations(args).items():
+        record = kept_record(side_path(out, mode, seed, side, iterations), side_settings(args, side),
+                             f"{side} side", "--out")
+        if record is not None:
+            kept[side] = [Point(**point) for point in record["points"]]
+    return kept
 
 
 # -------------------------------------------------------------------------------------------------
@@ -310,9 +342,10 @@ def report(points: list[Point], modes: Sequence[str], out: Path) -> list[Point]:
         ours, trl = (mean_curve(points, side, mode) for side in SIDES)
         print(f"\n{mode}, mean over seeds: {'iteration':>9} {'samples':>8} {'ours min':>9} {'ours acc':>9} "
               f"{'TRL min':>8} {'TRL acc':>8}")
-        for mine, theirs in zip(ours, trl):
+        for mine, theirs in itertools.zip_longest(ours, trl):  # ours may run past TRL's samples
+            trl_columns = f"{theirs.minutes:8.1f} {theirs.accuracy:8.3f}" if theirs else ""
             print(f"{'':{len(mode) + 22}}{mine.iteration:9d} {mine.samples:8d} {mine.minutes:9.1f} "
-                  f"{mine.accuracy:9.3f} {theirs.minutes:8.1f} {theirs.accuracy:8.3f}")
+                  f"{mine.accuracy:9.3f} {trl_columns}")
         print(f"{mode}: {race_line(ours, trl)}", flush=True)
     plot(points, means, modes, out / "race.png")
     return means
@@ -349,6 +382,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--modes", nargs="+", choices=tuple(TASK.modes), default=list(TASK.modes))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1], help="One race per seed and mode.")
     parser.add_argument("--iterations", type=int, default=TASK.iterations, help="GRPO iterations per side.")
+    parser.add_argument("--ours_iterations", type=int, default=None, help="GRPO iterations of ours (default: "
+                        "--iterations): more lets ours go on past TRL's samples to TRL's final accuracy.")
     parser.add_argument("--eval_interval", type=int, default=TASK.eval_interval,
                         help="Evaluate both sides every this many iterations (and after the last).")
     parser.add_argument("--eval_limit", type=int, default=500, help="Held-out problems per evaluation.")
@@ -360,6 +395,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for name in ("iterations", "eval_interval", "eval_limit", "threads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name}={getattr(args, name)} must be >= 1")
+    args.ours_iterations = args.iterations if args.ours_iterations is None else args.ours_iterations
+    if args.ours_iterations < args.iterations:
+        parser.error(f"--ours_iterations={args.ours_iterations} must be >= --iterations={args.iterations}: both "
+                     "sides train TRL's samples")
     args.model = args.model or default_model()
     if not (Path(args.model) / "config.json").is_file():
         parser.error(f"--model={args.model} is not a model directory (no config.json): run python -m models.smollm2 "
@@ -369,8 +408,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    if not all(race_path(args.out, mode, seed).is_file() for mode in args.modes for seed in args.seeds):
-        check_dependencies("hf")  # a race to run: TRL's side needs it (kept races rebuild the report without)
+    if not all(side_path(args.out, mode, seed, "TRL", args.iterations).is_file() for mode in args.modes
+               for seed in args.seeds):
+        check_dependencies("hf")  # TRL's side to run needs it (kept sides rebuild the report without)
     quiet_libraries()
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -378,8 +418,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as scratch:
         for mode in args.modes:
             for seed in args.seeds:
-                points += finished_race(args.out, mode, seed, args) or saved_race(
-                    args.out, mode, seed, race(mode, seed, args, Path(scratch) / f"{mode}_{seed}"), args)
+                kept = finished_sides(args.out, mode, seed, args)
+                points += ([point for side in SIDES for point in kept[side]] if len(kept) == len(SIDES) else
+                           saved_race(args.out, mode, seed, race(mode, seed, args, Path(scratch) / f"{mode}_{seed}",
+                                                                 kept), args))
     report(points, args.modes, args.out)
 
 

@@ -1,7 +1,8 @@
 """bench/vs_trl_race.py: time to TRL's final accuracy on hand-written curves (reached, not reached, nothing to
-time, reached by TRL before its end), the mean over seeds, the race's flags as train_math reads them, a finished
-race kept and reused (refused at other settings), and (slow, with TRL installed) a race on the tiny policy end to
-end, run again from its kept races."""
+time, reached by TRL before its end, reached by ours past TRL's samples), the mean over seeds, the race's flags as
+train_math reads them, each side's finished run kept and reused (refused at other settings, ours' longer run
+beside its shorter one), and (slow, with TRL installed) a race on the tiny policy end to end, run again from its
+kept sides, and ours run on past TRL's samples against TRL's kept side."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.vs_trl_race import (Point, finished_race, mean_curve, parse_args, race_flags, race_line, saved_race,
-                              time_to_accuracy)
+from bench.vs_trl_race import (Point, finished_sides, first_at, mean_curve, parse_args, race_flags, race_line,
+                              saved_race)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,23 +31,30 @@ def curve(side: str, *evaluations: tuple[float, float], seed: str = "mean") -> l
 TRL = curve("TRL", (0.0, 0.2), (25.0, 0.25), (50.0, 0.45), (75.0, 0.5))
 
 
-def test_time_to_accuracy_is_the_first_evaluation_at_or_above_it():
+def test_the_time_to_an_accuracy_is_the_first_evaluation_at_or_above_it():
     ours = curve("ours", (0.0, 0.2), (10.0, 0.3), (20.0, 0.5), (30.0, 0.6))
-    assert time_to_accuracy(ours, 0.5) == 20.0 and time_to_accuracy(ours, 0.3) == 10.0
-    assert time_to_accuracy(ours, 0.61) is None
-    assert time_to_accuracy(curve("ours", (0.0, 0.1), (5.0, 0.3)), 0.1 + 0.2) == 5.0  # 0.30000000000000004
+    assert first_at(ours, 0.5) == ours[2] and first_at(ours, 0.3).minutes == 10.0
+    assert first_at(ours, 0.61) is None
+    assert first_at(curve("ours", (0.0, 0.1), (5.0, 0.3)), 0.1 + 0.2).minutes == 5.0  # 0.30000000000000004
 
 
 def test_race_line_when_ours_gets_there_first():
     ours = curve("ours", (0.0, 0.2), (10.0, 0.3), (20.0, 0.5), (30.0, 0.6))
     # TRL ends at 0.5, first reached at its last evaluation (75 min); ours has 0.5 at 20 min: 20 / 75 = 0.27
     assert race_line(ours, TRL) == ("time to TRL's final accuracy: ours 20.0 min vs TRL 75.0 min (0.27 x); "
-                                    "TRL's final accuracy 0.500")
+                                    "TRL's final accuracy 0.500, reached at 1024 samples by ours, 1536 by TRL")
+
+
+def test_race_line_when_ours_gets_there_past_trls_samples():
+    ours = curve("ours", (0.0, 0.2), (10.0, 0.3), (20.0, 0.4), (30.0, 0.45), (40.0, 0.55), (50.0, 0.6))
+    assert race_line(ours, TRL) == ("time to TRL's final accuracy: ours 40.0 min vs TRL 75.0 min (0.53 x); "
+                                    "TRL's final accuracy 0.500, reached at 2048 samples by ours, 1536 by TRL")
 
 
 def test_race_line_when_ours_never_gets_there():
     ours = curve("ours", (0.0, 0.2), (10.0, 0.3), (20.0, 0.45), (30.0, 0.49))
-    assert race_line(ours, TRL).startswith("time to TRL's final accuracy: ours not reached vs TRL 75.0 min (n/a)")
+    assert race_line(ours, TRL) == ("time to TRL's final accuracy: ours not reached vs TRL 75.0 min (n/a); TRL's "
+                                    "final accuracy 0.500 (ours evaluated to 1536 samples)")
 
 
 def test_trl_reaching_its_final_accuracy_before_its_end_counts_from_there():
@@ -83,18 +91,30 @@ def test_the_race_flags_are_the_arith_preset_evaluated_by_the_race(mode, untrain
     assert config.learning.lr == (1e-4 if mode == "lora" else 2e-5) and config.logging.save_interval == 0
 
 
-def test_a_finished_race_is_reused_at_its_settings_and_refused_at_others(untrained_policy_dir, tmp_path):
+def test_each_sides_finished_run_is_reused_at_its_settings_and_refused_at_others(untrained_policy_dir, tmp_path):
     args = parse_args(["--model", str(untrained_policy_dir), "--iterations", "8", "--out", str(tmp_path)])
-    points = [*curve("ours", (0.0, 0.2), (3.0, 0.4), seed="1"), *curve("TRL", (0.0, 0.2), (8.0, 0.3), seed="1")]
-    assert finished_race(tmp_path, "full", 1, args) is None
-    saved_race(tmp_path, "full", 1, points, args)
-    assert finished_race(tmp_path, "full", 1, args) == points
-    assert finished_race(tmp_path, "full", 0, args) is None and finished_race(tmp_path, "lora", 1, args) is None
+    ours, trl = curve("ours", (0.0, 0.2), (3.0, 0.4), seed="1"), curve("TRL", (0.0, 0.2), (8.0, 0.3), seed="1")
+    assert finished_sides(tmp_path, "full", 1, args) == {}
+    assert saved_race(tmp_path, "full", 1, {"TRL": trl, "ours": ours}, args) == [*ours, *trl]
+    assert finished_sides(tmp_path, "full", 1, args) == {"ours": ours, "TRL": trl}
+    assert finished_sides(tmp_path, "full", 0, args) == {} and finished_sides(tmp_path, "lora", 1, args) == {}
     copy = shutil.copytree(untrained_policy_dir, tmp_path / "copy")  # the same weights in another directory
-    assert finished_race(tmp_path, "full", 1, parse_args(["--model", str(copy), "--iterations", "8"])) == points
-    longer = parse_args(["--model", str(untrained_policy_dir), "--iterations", "16", "--out", str(tmp_path)])
-    with pytest.raises(ValueError, match="'iterations': 8.*another --out"):
-        finished_race(tmp_path, "full", 1, longer)
+    assert finished_sides(tmp_path, "full", 1, parse_args(["--model", str(copy), "--iterations", "8"])) == {
+        "ours": ours, "TRL": trl}
+    # ours trained longer is another run beside the shorter one; TRL's side, at the same iterations, is reused
+    longer = parse_args(["--model", str(untrained_policy_dir), "--iterations", "8", "--ours_iterations", "24",
+                         "--out", str(tmp_path)])
+    assert finished_sides(tmp_path, "full", 1, longer) == {"TRL": trl}
+    other = parse_args(["--model", str(untrained_policy_dir), "--iterations", "8", "--eval_interval", "2",
+                        "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="'eval_interval': 8.*another --out"):
+        finished_sides(tmp_path, "full", 1, other)
+
+
+def test_ours_cannot_train_fewer_iterations_than_trl(untrained_policy_dir):
+    assert parse_args(["--model", str(untrained_policy_dir), "--iterations", "8"]).ours_iterations == 8
+    with pytest.raises(SystemExit):
+        parse_args(["--model", str(untrained_policy_dir), "--iterations", "8", "--ours_iterations", "4"])
 
 
 @pytest.mark.slow
@@ -120,6 +140,16 @@ def test_a_tiny_race_runs_both_modes_end_to_end(tiny_models, tmp_path):
     assert {r["seed"] for r in rows} == {"0", "mean"}
     again = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert again.stdout.count("reusing the finished race") == 2 and " ours iteration " not in again.stdout
+    assert again.stdout.count("reusing the finished") == 4 and " ours iteration " not in again.stdout
     with open(tmp_path / "race.csv") as handle:
         assert list(csv.DictReader(handle)) == rows
+    longer = subprocess.run([*command[:command.index("--modes")], "--modes", "lora", "--ours_iterations", "3",
+                             *command[command.index("--seeds"):]], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert longer.returncode == 0, longer.stdout[-3000:] + longer.stderr[-3000:]
+    assert "reusing the finished TRL side" in longer.stdout and " TRL  iteration " not in longer.stdout
+    assert " ours iteration   3: " in longer.stdout
+    with open(tmp_path / "race.csv") as handle:
+        rows = [r for r in csv.DictReader(handle) if r["seed"] == "0"]
+    assert [(r["side"], r["iteration"]) for r in rows] == [*(("ours", str(i)) for i in range(4)),
+                                                           *(("TRL", str(i)) for i in range(3))]

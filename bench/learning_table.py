@@ -178,6 +178,7 @@ def keep_record(path: Path, settings: dict[str, object], **record: object) -> No
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"settings": settings, **record}, indent=1))
 
+
 def check_same_command(logdir: Path, flags: list[str]) -> None:
     """Records the run's flags in ``LOGDIR/command.json``; raises if a run of other flags has already
     trained there (a checkpoint or a finished history; a run that never got that far is replaced)."""

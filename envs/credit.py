@@ -14,7 +14,7 @@ from typing import Sequence
 import numpy as np
 
 from envs.grader import grade_batch
-from envs.modes import RewardAssignment
+from envs.modes import AnswerRule, RewardAssignment
 from envs.workflows import Dialogue, DialogueLimits, Workflow
 
 MessageRef = tuple[int, int]  # (env index, index of the message in that env's transcript)
@@ -102,6 +102,7 @@ class Credit:
         correct, final_answers = self._final_answers(dialogues, outcomes, checks)
         rewards = self._credit(dialogues, outputs, outcomes, correct, checks)
         outputs.update(self._role_rates(dialogues, new_messages, outputs, revisions, checks))
+        outputs["agrees_with_vote"] = self._agreement(dialogues, outcomes, checks)
         return StepCredit(outputs, correct, final_answers, rewards, self._credited(dialogues, new_messages, outcomes))
 
     def _ask_message_checks(self, dialogues: Sequence[Dialogue], new_messages: list[MessageRef], checks: AnswerChecks
@@ -220,6 +221,21 @@ class Credit:
             key = "keep_rate" if checks.equivalent(revised_answer, dialogues[i].problem.answer) else "fix_rate"
             rates[key][i, slot] = outputs["answer_correct"][i, slot]
         return rates
+
+    def _agreement(self, dialogues: Sequence[Dialogue], outcomes: dict[int, Outcome],
+                   checks: AnswerChecks) -> np.ndarray:
+        """[N, A] in a vote's ended episodes, each candidate slot's answer in the winning group (1) or not (0: an
+        answer outvoted, or none), NaN elsewhere: the debaters' answers collapsing into one read as 1 for all."""
+        agrees = np.full((len(dialogues), len(self.workflow.roles)), np.nan)
+        if self.workflow.answer is not AnswerRule.VOTE:
+            return agrees
+        for i, outcome in outcomes.items():
+            groups = self.workflow.vote_groups(outcome.actual, checks.equivalent)
+            winners = max(groups, key=len) if groups else []
+            transcript = dialogues[i].transcript
+            for k, index in enumerate(self.workflow.candidate_indices(transcript)):
+                agrees[i, transcript[index].slot] = k in winners
+        return agrees
 
     def _credited(self, dialogues: Sequence[Dialogue], new_messages: list[MessageRef],
                   outcomes: dict[int, Outcome]) -> np.ndarray:

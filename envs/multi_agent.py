@@ -31,8 +31,9 @@ Infos: ``info[FACTS]`` (``StepFacts``: ``states`` is the joint transcript a cent
 each of ``ROLE_METRICS`` [N, A] (NaN where none): ``answer_correct``, ``verdict`` (1 accept, 0 reject or
 unparseable), ``verdict_correct``, and split by the truth so that a mean is a rate, ``verdict_precision``,
 ``verdict_recall``, ``verdict_specificity``, ``fix_rate`` and ``keep_rate`` (a revising answer right,
-where the judged one was wrong / right). SAME_STEP autoreset adds gymnasium's ``final_obs``,
-``final_info`` and their masks.
+where the judged one was wrong / right), and in a vote's ended episodes ``agrees_with_vote`` (a voter's
+answer is in the winning group: debaters whose answers collapse into one read 1 each). SAME_STEP autoreset
+adds gymnasium's ``final_obs``, ``final_info`` and their masks.
 
 Problems and groups are MathVectorEnv's: a MathVectorEnv that never steps, the ``problem_env``, draws them,
 and its state travels in ``get_state``. Autoreset: ``SAME_STEP`` (default) or ``DISABLED``; ``NEXT_STEP`` is
@@ -59,7 +60,8 @@ from envs.workflows import (WORKFLOWS, Dialogue, DialogueLimits, Message, TurnCo
                             state_prompt)
 
 ROLE_METRICS = ("answer_correct", "verdict", "verdict_correct", "verdict_precision", "verdict_recall",
-                "verdict_specificity", "fix_rate", "keep_rate")  # the [N, A] infos of each role's verified output
+                "verdict_specificity", "fix_rate", "keep_rate",
+                "agrees_with_vote")  # the [N, A] infos of each role's verified output
 AUTORESET_MODES = (AutoresetMode.SAME_STEP, AutoresetMode.DISABLED)
 SINGLE_AGENT_KEYWORDS = {  # MathTask keywords that mean nothing for whole messages: why, and what instead
     "handoff_steps": "Prefix-RL is the workflow='prefix' here",

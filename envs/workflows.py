@@ -326,33 +326,46 @@ class Workflow:
         judge = _latest(transcript, index, lambda message: self.roles[message.slot].judges is not None)
         return None if judge is None else self.judged(transcript, judge)
 
-    def candidates(self, transcript: Sequence[Message]) -> tuple[str | None, ...]:
-        """The answers the final answer is chosen from (None: a message without one). ``LAST``: the
-        last answering message's; ``VOTE``: those of the last turn in which answering roles spoke."""
+    def candidate_indices(self, transcript: Sequence[Message]) -> list[int]:
+        """Indices of the messages whose answers the final answer is chosen from: ``LAST``, the last answering
+        message; ``VOTE``, those of the last turn in which answering roles spoke; none when no answering role
+        spoke."""
         answering = [i for i, m in enumerate(transcript) if self.roles[m.slot].answers]
-        if not answering:
-            return (None,)
-        if self.answer is AnswerRule.LAST:
-            return (self.answer_of(transcript, answering[-1]),)
+        if not answering or self.answer is AnswerRule.LAST:
+            return answering[-1:]
         last_turn = transcript[answering[-1]].turn
-        return tuple(self.answer_of(transcript, i) for i in answering if transcript[i].turn == last_turn)
+        return [i for i in answering if transcript[i].turn == last_turn]
 
-    def final_answer(self, candidates: Sequence[str | None], equivalent: Callable[[str, str], bool]) -> str | None:
-        """The final answer among ``candidates``. ``equivalent(a, b)`` is asked only of two candidates,
-        ``a`` before ``b``. Vote: each answer joins the first group whose first answer it is equivalent
-        to; the largest group wins, a tie goes to the earliest group; None when nobody answered."""
-        if self.answer is AnswerRule.LAST:
-            return candidates[-1]
-        groups: list[list[str]] = []
-        for answer in candidates:
+    def candidates(self, transcript: Sequence[Message]) -> tuple[str | None, ...]:
+        """The answers of the ``candidate_indices`` messages (None: a message without one); (None,) when no
+        answering role spoke."""
+        indices = self.candidate_indices(transcript)
+        return tuple(self.answer_of(transcript, i) for i in indices) if indices else (None,)
+
+    @staticmethod
+    def vote_groups(candidates: Sequence[str | None], equivalent: Callable[[str, str], bool]) -> list[list[int]]:
+        """The positions of ``candidates`` as a vote groups them: each answer joins the first group whose first
+        answer it is equivalent to (``equivalent(a, b)`` asked only of two candidates, ``a`` before ``b``); an
+        answer of None joins none. The largest group wins, a tie going to the earliest: the first group of
+        ``max(groups, key=len)``."""
+        groups: list[list[int]] = []
+        for k, answer in enumerate(candidates):
             if answer is None:
                 continue
-            group = next((g for g in groups if equivalent(g[0], answer)), None)
+            group = next((g for g in groups if equivalent(candidates[g[0]], answer)), None)
             if group is None:
-                groups.append([answer])
+                groups.append([k])
             else:
-                group.append(answer)
-        return max(groups, key=len)[0] if groups else None
+                group.append(k)
+        return groups
+
+    def final_answer(self, candidates: Sequence[str | None], equivalent: Callable[[str, str], bool]) -> str | None:
+        """The final answer among ``candidates``: ``LAST``, the last; ``VOTE``, the first answer of the winning
+        group of ``vote_groups``, None when nobody answered."""
+        if self.answer is AnswerRule.LAST:
+            return candidates[-1]
+        groups = self.vote_groups(candidates, equivalent)
+        return candidates[max(groups, key=len)[0]] if groups else None
 
     def replay(self, problem: str, template: str, transcript: Sequence[Message], slot: int,
                limits: DialogueLimits) -> tuple[Message, ...]:

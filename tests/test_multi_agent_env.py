@@ -185,6 +185,7 @@ def test_debate_votes_over_equivalent_answers_written_differently():
     _, rewards, terminated, _, info = env.step([["\\boxed{0.5}", "\\boxed{3}", "\\boxed{\\frac{1}{2}}"]])
     assert terminated.tolist() == [True] and info["final_answer"].tolist() == ["0.5"] and info["correct"][0] == 1
     assert info["answer_correct"].tolist() == [[1, 0, 1]]
+    assert info["agrees_with_vote"].tolist() == [[1, 0, 1]]  # 0.5 and \frac{1}{2} outvote 3
     # without debater_0 the vote ties 3 against \frac{1}{2} and the earlier slot's 3 wins; without either
     # other debater 0.5 still wins
     assert rewards.tolist() == [[1, 0, 0]]
@@ -198,10 +199,25 @@ def test_debate_tie_goes_to_the_lowest_slot(last_round, final, correct, credit):
     env = MultiAgentMathVectorEnv(num_envs=1, problems=HALF, workflow="debate", autoreset_mode=DISABLED,
                                   reward_assignment="counterfactual")
     env.reset(seed=0)
-    env.step([["a", "b", "c"]])
+    _, _, _, _, info = env.step([["a", "b", "c"]])
+    assert np.isnan(info["agrees_with_vote"]).all()  # no vote before the episode ends
     _, rewards, _, _, info = env.step([last_round])
     assert info["final_answer"].tolist() == [final] and info["correct"].tolist() == [correct]
     assert rewards.tolist() == credit
+    assert info["agrees_with_vote"].tolist() == [[1, 0, 0]]  # the winner; the tie's loser; no answer
+
+
+def test_debaters_saying_one_answer_all_agree_with_the_vote_and_a_chain_has_no_vote():
+    env = MultiAgentMathVectorEnv(num_envs=2, problems=HALF, workflow="debate", autoreset_mode=DISABLED)
+    env.reset(seed=0)
+    env.step([["a", "b", "c"]] * 2)
+    _, _, _, _, info = env.step([["\\boxed{7}", "so \\boxed{7}", "\\boxed{7.0}"], ["none", "none", "none"]])
+    assert info["agrees_with_vote"].tolist() == [[1, 1, 1], [0, 0, 0]]
+    chain_env = MultiAgentMathVectorEnv(num_envs=1, problems=HALF, workflow="chain", autoreset_mode=DISABLED)
+    chain_env.reset(seed=0)
+    chain_env.step([["\\boxed{0.5}", "", ""]])
+    _, _, terminated, _, info = chain_env.step([["", "\\boxed{0.5}", ""]])  # the verifier agrees: the chain ends
+    assert terminated.tolist() == [True] and np.isnan(info["agrees_with_vote"]).all()
 
 
 def test_prefix_solver_continues_the_prefix():

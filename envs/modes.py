@@ -232,6 +232,13 @@ class AgentGroups(enum.StrEnum):
     AT_GRPO = "at_grpo"  # one role's actions at one turn of one problem, each scored by its turn's reward (AT-GRPO)
 
 
+class RolloutMode(enum.StrEnum):
+    """How the envs of a multi-agent group play their episodes (training; held-out episodes are independent)."""
+
+    INDEPENDENT = "independent"  # each its own episode of the group's problem
+    TREE = "tree"  # after each turn all continue from the one whose messages earned the most (PettingLLMs)
+
+
 class DataParallel(enum.StrEnum):
     """How the policy is split over the ranks under torchrun."""
 

@@ -35,6 +35,12 @@ where the judged one was wrong / right), and in a vote's ended episodes ``agrees
 answer is in the winning group: debaters whose answers collapse into one read 1 each). SAME_STEP autoreset
 adds gymnasium's ``final_obs``, ``final_info`` and their masks.
 
+Tree rollouts (``rollout_mode="tree"``, PettingLLMs' for AT-GRPO): after every step, the envs of a group whose
+episodes go on at the same turn all continue from the one whose messages of that step earned the most (their
+rewards summed over its slots; a tie goes to the first), each keeping its own return so far. Every later action
+of the group then answers one same prompt, so a role's actions at a turn of a group are a true GRPO group (in
+independent episodes a debater's second-round prompts differ with what the others said in the first).
+
 Problems and groups are MathVectorEnv's: a MathVectorEnv that never steps, the ``problem_env``, draws them,
 and its state travels in ``get_state``. Autoreset: ``SAME_STEP`` (default) or ``DISABLED``; ``NEXT_STEP`` is
 refused (every slot of a resetting env would generate a message only to throw it away).
@@ -43,6 +49,8 @@ refused (every slot of a resetting env would generate a message only to throw it
 from __future__ import annotations
 
 from typing import Any, Sequence
+
+import dataclasses
 
 import gymnasium
 import numpy as np
@@ -53,7 +61,7 @@ from envs.contract import FACTS, Agents, StepFacts
 from envs.credit import Credit, MessageRef
 from envs.datasets import Problem
 from envs.math_env import UnicodeText, renamed_state_keys
-from envs.modes import ActionLevel, RewardAssignment, member_of
+from envs.modes import ActionLevel, RewardAssignment, RolloutMode, member_of
 from envs.rewards import OutcomeReward, RewardMixture, RewardModel, StepContext, score_batch
 from envs.vector import MathVectorEnv
 from envs.workflows import (WORKFLOWS, Dialogue, DialogueLimits, Message, TurnContext, Workflow, resolve_workflow,
@@ -118,7 +126,8 @@ def saved_return_so_far(state: dict[str, Any]) -> list[list[float]]:
 
 class MultiAgentMathVectorEnv(VectorEnv):
     """``num_envs`` episodes of ``workflow`` (a ``Workflow`` or a built-in's name: "chain", "debate",
-    "prefix"). ``group_size``, ``group_offset``, ``total_groups`` as MathVectorEnv's; the other keywords
+    "prefix"). ``group_size``, ``group_offset``, ``total_groups`` as MathVectorEnv's; ``rollout_mode``
+    "independent" or "tree" (the module docstring); the other keywords
     build the shared ``MathTask`` (problem source, template, limits: see ``envs.math_env.MathTask``).
     ``grade_timeout``: seconds the grader may spend on one comparison. ``reward_model``: a ``RewardModel`` or
     a ``RewardMixture`` of sources (None: "outcome" alone), its "outcome" source the ``reward_assignment``
@@ -137,10 +146,12 @@ class MultiAgentMathVectorEnv(VectorEnv):
         reward_assignment: RewardAssignment | str = RewardAssignment.TEAM,
         grade_timeout: float = 1.0,
         reward_model: RewardModel | None = None,
+        rollout_mode: RolloutMode | str = RolloutMode.INDEPENDENT,
         **task_kwargs: Any,
     ):
         self.autoreset_mode = resolve_autoreset_mode(autoreset_mode)
         reward_assignment = member_of(tuple(RewardAssignment), reward_assignment, "reward_assignment")
+        self.rollout_mode = member_of(tuple(RolloutMode), rollout_mode, "rollout_mode")
         if not grade_timeout > 0:
             raise ValueError(f"grade_timeout={grade_timeout!r} must be > 0 seconds")
         if reward_model is not None and not isinstance(reward_model, RewardModel):
@@ -217,6 +228,8 @@ class MultiAgentMathVectorEnv(VectorEnv):
         terminated = np.array([i in first_new and d.progress.terminated for i, d in enumerate(self.dialogues)])
         truncated = np.array([i in first_new and d.progress.truncated for i, d in enumerate(self.dialogues)])
         ended = terminated | truncated
+        if self.rollout_mode is RolloutMode.TREE:
+            self._branch(first_new, results["rewards"])
         final = self._restart(ended) if self.autoreset_mode == AutoresetMode.SAME_STEP and ended.any() else {}
         facts = self._facts(**results)
         info = {**self._info(facts, stepped=True), **final}
@@ -280,6 +293,21 @@ class MultiAgentMathVectorEnv(VectorEnv):
         dialogue = self.dialogues[env_index]
         return StepContext(dialogue.problem, (), self.workflow.solution_of(dialogue.transcript, index), done=True,
                            group_id=dialogue.group_id)
+
+    def _branch(self, stepped: Sequence[int], rewards: np.ndarray) -> None:
+        """Tree rollouts: the envs ``stepped`` whose episodes go on, by group and turn, continue from the one
+        whose messages of this step earned the most (``rewards`` [N, A] summed over its slots; a tie: the first),
+        each keeping its own return so far."""
+        going_on: dict[tuple[int, int], list[int]] = {}
+        for i in stepped:
+            dialogue = self.dialogues[i]
+            if not dialogue.progress.ended:
+                going_on.setdefault((dialogue.group_id, dialogue.progress.turn), []).append(i)
+        for members in going_on.values():
+            best = self.dialogues[members[int(np.argmax(rewards[members].sum(1)))]]
+            for i in members:
+                self.dialogues[i] = dataclasses.replace(best, transcript=list(best.transcript),
+                                                        return_so_far=self.dialogues[i].return_so_far)
 
     def _restart(self, ended: np.ndarray) -> dict[str, Any]:
         """SAME_STEP autoreset: starts the next episode of every ``ended`` env; returns gymnasium's

@@ -220,6 +220,30 @@ def test_debaters_saying_one_answer_all_agree_with_the_vote_and_a_chain_has_no_v
     assert terminated.tolist() == [True] and np.isnan(info["agrees_with_vote"]).all()
 
 
+@pytest.mark.parametrize("rollout_mode", ["tree", "independent"])
+def test_tree_rollouts_continue_a_group_from_its_best_episode(rollout_mode):
+    """Two groups of two debates: in the first, the second debate's round earns the most; in the second, a tie
+    goes to the first. Under tree rollouts every debate of a group then holds the same transcript (its second
+    round's prompts one), each keeping its own return."""
+    env = MultiAgentMathVectorEnv(num_envs=4, group_size=2, problems=HALF, workflow="debate", autoreset_mode=DISABLED,
+                                  reward_assignment="individual", rollout_mode=rollout_mode)
+    env.reset(seed=0)
+    first_round = [["\\boxed{1}", "\\boxed{2}", "\\boxed{3}"], ["\\boxed{0.5}", "\\boxed{3}", "\\boxed{0.5}"],
+                   ["\\boxed{4}", "no idea", "\\boxed{5}"], ["\\boxed{6}", "\\boxed{7}", "no idea"]]
+    obs, rewards, _, _, info = env.step(first_round)
+    assert rewards.tolist() == [[0, 0, 0], [1, 0, 1], [0, 0, 0], [0, 0, 0]]
+    said = [[m.text for m in dialogue.transcript] for dialogue in env.dialogues]
+    if rollout_mode == "tree":
+        assert said == [first_round[1], first_round[1], first_round[2], first_round[2]]
+        assert obs[0] == obs[1] and obs[2] == obs[3] and obs[0] != obs[2]
+    else:
+        assert said == first_round and len(set(obs)) == 4
+    np.testing.assert_array_equal([d.return_so_far for d in env.dialogues], rewards)  # each its own
+    _, rewards, terminated, _, info = env.step([["\\boxed{0.5}"] * 3] * 4)
+    assert terminated.all() and info["correct"].tolist() == [1, 1, 1, 1]
+    assert [d.return_so_far.tolist() for d in env.dialogues] == [[1, 1, 1], [2, 1, 2], [1, 1, 1], [1, 1, 1]]
+
+
 def test_prefix_solver_continues_the_prefix():
     assert [r.trainable for r in prefix().roles] == [True, False] and prefix(co_train=True).roles[1].trainable
     env = MultiAgentMathVectorEnv(num_envs=2, problems=PROBLEMS, workflow="prefix", autoreset_mode=DISABLED,

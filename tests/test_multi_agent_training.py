@@ -168,16 +168,27 @@ def test_at_grpo_compares_one_roles_actions_at_one_turn_by_hand():
     torch.testing.assert_close(per_role[1, :, 0], torch.tensor([0.75, -0.25, -0.25, -0.25]) / (0.5 + 1e-4))
 
 
-def test_train_math_trains_a_debate_with_at_grpo(untrained_policy_dir, tmp_path):
+@pytest.mark.parametrize("rollout_mode", ["independent", "tree"])
+def test_train_math_trains_a_debate_with_at_grpo(rollout_mode, untrained_policy_dir, tmp_path):
     run = run_train_math(small(untrained_policy_dir, tmp_path, "--env_id", "Arith-Debate-v0", "--num_env_steps", "32",
                                "--eval_interval", "0", "--agent_groups", "at_grpo", "--reward_assignment",
-                               "individual", "--kl_coef", "0.05"))
+                               "individual", "--kl_coef", "0.05", "--rollout_mode", rollout_mode))
     scalars = read_scalars(run)
     for role in ("debater_0", "debater_1", "debater_2"):
         assert [step for step, _ in scalars[f"train/{role}/reward"]] == [0, 1], (role, scalars.keys())
         assert [step for step, _ in scalars[f"loss/{role}/entropy"]] == [0, 1]
     # the KL term keeps the untrained debaters' rows in the update: 8 envs x 3 debaters x 2 rounds
     assert [value for _, value in scalars["train/trained_samples"]] == [48.0, 48.0]
+
+
+def test_tree_rollouts_are_the_train_envs_alone(untrained_policy_dir):
+    from test_train_math import parse
+    from train.builders import env_kwargs
+
+    config = parse("--model_name_or_path", str(untrained_policy_dir), "--env_id", "Arith-Debate-v0",
+                   "--rollout_mode", "tree")
+    kwargs = {split: env_kwargs(config, split, None, None, "{problem}")["rollout_mode"] for split in ("train", "test")}
+    assert kwargs == {"train": "tree", "test": "independent"}
 
 
 def test_counterfactual_credit_blames_the_verifier_that_let_a_wrong_answer_through(policy):
@@ -420,6 +431,9 @@ def test_prefix_rl_writer_learns_to_help_the_frozen_target(tiny_models, tmp_path
                                                               "roles ['solver', 'verifier', 'refiner']"),
     (["--env_id", "Arith-Debate-v0", *[arg for k in range(3) for arg in ("--frozen_role", f"debater_{k}")]],
      "nothing would train"),
+    (["--rollout_mode", "tree"], "--rollout_mode concerns the roles of a multi-agent env"),
+    (["--env_id", "Arith-Debate-v0", "--rollout_mode", "tree", "--algorithm_name", "APPO", "--group_size", "1"],
+     "makes groups of one"),
 ])
 def test_multi_agent_flags_that_cannot_work_fail_in_one_line(argv, message):
     from test_train_math import run_cli

@@ -22,7 +22,7 @@ from algorithms.config import AlgorithmConfig, LossOptions, MultiAgentOptions, P
 from algorithms.registry import algorithm_spec
 from envs.datasets import load_problems
 from envs.math_env import MAX_TOOL_OUTPUT_CHARS, TOOL_TIMEOUT_S
-from envs.modes import ActionLevel, Backend, DataParallel, DType, LrSchedule, PrmType, Tool
+from envs.modes import ActionLevel, Backend, DataParallel, DType, LrSchedule, PrmType, RolloutMode, Tool
 from envs.prompts import STEP_DELIMITER
 from envs.rewards import OutcomeReward, OverlongPenalty, RewardMixture, RewardModel
 from reward_models.implicit_prm import ImplicitPRM
@@ -220,8 +220,9 @@ def env_kwargs(config: RunConfig, split: str, reward_model: RewardModel, tokeniz
     env, handoff_steps = config.env, config.prefix_rl.handoff_steps
     source = problem_source(env, split, eval_path)
     if env.workflow is not None:
+        rollout_mode = config.multi_agent.rollout_mode if split == "train" else RolloutMode.INDEPENDENT
         return {**env.user_kwargs, "workflow": env.workflow, "reward_assignment": config.multi_agent.reward_assignment,
-                "reward_model": reward_model, "template": template, **source}
+                "rollout_mode": rollout_mode, "reward_model": reward_model, "template": template, **source}
     kwargs = {**env.user_kwargs, "reward_model": reward_model, "template": template, **source,
               **tool_kwargs(env, tokenizer)}
     if handoff_steps is not None:

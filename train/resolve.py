@@ -16,7 +16,7 @@ import gymnasium
 import envs  # registers the built-in ids
 from algorithms.config import kl_in_reward
 from algorithms.registry import ALGORITHMS, collects_whole_episodes
-from envs.modes import ActionLevel, Backend, Critic, DataParallel, LossAgg, Tool, member_of
+from envs.modes import ActionLevel, Backend, Critic, DataParallel, LossAgg, RolloutMode, Tool, member_of
 from envs.workflows import Workflow, resolve_workflow
 from models.hub import resolve_model
 from models.remote import api_key_from
@@ -24,7 +24,7 @@ from train.config import DEFAULT_PRM_REWARD, DistributedConfig, EnvConfig, Model
 from train.validation import checked_modes, given, reward_sources, validate
 
 MULTI_AGENT_OPTIONS = ("reward_assignment", "role_model", "frozen_role", "role_base_model", "role_lr",
-                       "role_lora_rank", "share_policy", "agent_groups")
+                       "role_lora_rank", "share_policy", "agent_groups", "rollout_mode")
 """Options that concern the roles of a multi-agent env (refused with a single-agent one)."""
 
 
@@ -38,6 +38,9 @@ def resolved(config: RunConfig) -> RunConfig:
     spec = reward_spec(config, env_id)
     check_multi_agent(config, env_id, workflow, spec)
     env = resolved_env(config, env_id, workflow)
+    if config.multi_agent.rollout_mode == RolloutMode.TREE and env.group_size < 2:
+        raise ValueError(f"--rollout_mode tree continues a group's episodes from its best one; --group_size="
+                         f"{env.group_size} makes groups of one: give --group_size >= 2")
     learning, budget, generation = config.learning, config.budget, config.generation
     oversampled = config.prime.oversample_factor > 1
     prompt_groups = env.num_envs // env.group_size if oversampled else None

@@ -374,6 +374,7 @@ def test_hostile_actions_are_clipped_or_refused():
     ({"handoff_steps": 1}, "handoff_steps= is not supported"),
     ({"mode": "token"}, "whole messages"),
     ({"reward_assignment": "shared"}, "reward_assignment='shared' must be one of"),
+    ({"rollout_mode": "forest"}, "rollout_mode='forest' must be one of"),
     ({"workflow": "relay"}, "workflow='relay' is neither"),
 ])
 def test_refused_arguments(kwargs, message):

@@ -218,7 +218,7 @@ def run_side(side: Side, model: Any, held_out: HeldOut, mode: str, seed: int, it
 def race(mode: str, seed: int, args: argparse.Namespace, out_dir: Path,
          kept: dict[str, list[Point]]) -> dict[str, list[Point]]:
     """Ours, then TRL, from the same starting weights on the same problems: each side's evaluations, ``kept``'s
-    sides (from an earlier invocation) reused, the others run."""
+    sides (from an earlier invocation) reused, the others run and kept in ``args.out`` as each finishes."""
     from envs.rewards import OutcomeReward
     from train.resolve import resolved
 
@@ -237,8 +237,8 @@ def race(mode: str, seed: int, args: argparse.Namespace, out_dir: Path,
             start = next(iter(kept.values()))[0].accuracy if kept else held_out.accuracy(ours.runner.policy)[0]
             print(f"{mode} seed {seed}: held-out accuracy at the start {start:.3f}", flush=True)
             if "ours" not in kept:
-                points["ours"] = run_side(ours, ours.runner.policy, held_out, mode, seed, args.ours_iterations,
-                                          args.eval_interval, start)
+                points["ours"] = keep_side(args, mode, seed, "ours", run_side(
+                    ours, ours.runner.policy, held_out, mode, seed, args.ours_iterations, args.eval_interval, start))
         finally:
             ours.close()
         del ours
@@ -246,8 +246,9 @@ def race(mode: str, seed: int, args: argparse.Namespace, out_dir: Path,
         if "TRL" not in kept:
             trl = trl_side(config, prompts, reward_model, args.threads, out_dir / "trl")
             try:
-                points["TRL"] = run_side(trl, trl_model(trl, held_out.tokenizer), held_out, mode, seed,
-                                         args.iterations, args.eval_interval, start)
+                points["TRL"] = keep_side(args, mode, seed, "TRL", run_side(
+                    trl, trl_model(trl, held_out.tokenizer), held_out, mode, seed, args.iterations, args.eval_interval,
+                    start))
             finally:
                 trl.close()
     finally:
@@ -281,12 +282,13 @@ def race_line(ours: Sequence[Point], trl: Sequence[Point]) -> str:
         return (f"time to TRL's final accuracy: none to time, TRL's final accuracy {target:.3f} is not above the "
                 f"start's {start:.3f}")
     ours_at, trl_at = first_at(ours, target), first_at(trl, target)
-    head = f"time to TRL's final accuracy: ours {{}} vs TRL {trl_at.minutes:.1f} min ({{}}); TRL's final accuracy " \
-           f"{target:.3f}"
     if ours_at is None:
-        return head.format("not reached", "n/a") + f" (ours evaluated to {ours[-1].samples} samples)"
-    return (head.format(f"{ours_at.minutes:.1f} min", f"{ours_at.minutes / trl_at.minutes:.2f} x")
-            + f", reached at {ours_at.samples} samples by ours, {trl_at.samples} by TRL")
+        ours_text, ratio, where = "not reached", "n/a", f" (ours evaluated to {ours[-1].samples} samples)"
+    else:
+        ours_text, ratio = f"{ours_at.minutes:.1f} min", f"{ours_at.minutes / trl_at.minutes:.2f} x"
+        where = f", reached at {ours_at.samples} samples by ours, {trl_at.samples} by TRL"
+    return (f"time to TRL's final accuracy: ours {ours_text} vs TRL {trl_at.minutes:.1f} min ({ratio}); TRL's final "
+            f"accuracy {target:.3f}{where}")
 
 
 def side_path(out: Path, mode: str, seed: int, side: str, iterations: int) -> Path:
@@ -305,13 +307,11 @@ def side_settings(args: argparse.Namespace, side: str) -> dict[str, object]:
             "prompt_template": args.prompt_template}
 
 
-def saved_race(out: Path, mode: str, seed: int, points: dict[str, list[Point]],
-               args: argparse.Namespace) -> list[Point]:
-    """Writes each side's evaluations in one race and the settings they were run at; returns them, ours first."""
-    for side, iterations in side_iterations(args).items():
-        keep_record(side_path(out, mode, seed, side, iterations), side_settings(args, side),
-                    points=[asdict(point) for point in points[side]])
-    return [point for side in SIDES for point in points[side]]
+def keep_side(args: argparse.Namespace, mode: str, seed: int, side: str, points: list[Point]) -> list[Point]:
+    """Writes one side's evaluations in one race to ``args.out`` with the settings they ran at; returns them."""
+    keep_record(side_path(args.out, mode, seed, side, side_iterations(args)[side]), side_settings(args, side),
+                points=[asdict(point) for point in points])
+    return points
 
 
 def finished_sides(out: Path, mode: str, seed: int, args: argparse.Namespace) -> dict[str, list[Point]]:
@@ -419,9 +419,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         for mode in args.modes:
             for seed in args.seeds:
                 kept = finished_sides(args.out, mode, seed, args)
-                points += ([point for side in SIDES for point in kept[side]] if len(kept) == len(SIDES) else
-                           saved_race(args.out, mode, seed, race(mode, seed, args, Path(scratch) / f"{mode}_{seed}",
-                                                                 kept), args))
+                sides = kept if len(kept) == len(SIDES) else race(mode, seed, args, Path(scratch) / f"{mode}_{seed}",
+                                                                  kept)
+                points += [point for side in SIDES for point in sides[side]]
     report(points, args.modes, args.out)
 
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.vs_trl_race import (Point, finished_sides, first_at, mean_curve, parse_args, race_flags, race_line,
-                              saved_race)
+from bench.vs_trl_race import (Point, finished_sides, first_at, keep_side, mean_curve, parse_args, race_flags,
+                              race_line)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -95,7 +95,9 @@ def test_each_sides_finished_run_is_reused_at_its_settings_and_refused_at_others
     args = parse_args(["--model", str(untrained_policy_dir), "--iterations", "8", "--out", str(tmp_path)])
     ours, trl = curve("ours", (0.0, 0.2), (3.0, 0.4), seed="1"), curve("TRL", (0.0, 0.2), (8.0, 0.3), seed="1")
     assert finished_sides(tmp_path, "full", 1, args) == {}
-    assert saved_race(tmp_path, "full", 1, {"TRL": trl, "ours": ours}, args) == [*ours, *trl]
+    assert keep_side(args, "full", 1, "TRL", trl) == trl
+    assert finished_sides(tmp_path, "full", 1, args) == {"TRL": trl}  # a side is kept as it finishes
+    keep_side(args, "full", 1, "ours", ours)
     assert finished_sides(tmp_path, "full", 1, args) == {"ours": ours, "TRL": trl}
     assert finished_sides(tmp_path, "full", 0, args) == {} and finished_sides(tmp_path, "lora", 1, args) == {}
     copy = shutil.copytree(untrained_policy_dir, tmp_path / "copy")  # the same weights in another directory

@@ -1,7 +1,7 @@
 """The project's own methods against their controls on a real pretrained model, through ``train_math.py``.
 
     python -m bench.real_model_methods --method prefix_rl|prime|workflow [--seeds 0 1] [--iterations N]
-                                       [--eval_interval N] [--eval_limit 500] [--token_margin 1.5]
+                                       [--eval_interval N] [--eval_limit 500] [--margin 1.5]
                                        [--model DIR] [--out DIR] [--rows ROW ...] [--keep DIR]
 
 SmolLM2-135M-Instruct (``python -m models.smollm2``) under its chat template on the real-model bench's task
@@ -28,6 +28,13 @@ and at its end. Methods, each beside its control:
   oversampling and the [0.2, 0.8] prompt filter: the defaults) against ``rloo_filter``, the paper's control:
   the same RLOO, oversampling and filter with the outcome alone (``--process_coef 0``); ``rloo``, plain RLOO
   without oversampling or filter, beside them. The implicit PRM's learning rate is ``PRM_LR``.
+- ``prime_dynamic``: PRIME with its code's sampling (``DYNAMIC``: each prompt drawn once, ``--filter_groups``
+  generating rounds of 8 prompts x 8 samples until 8 groups with a right and a wrong answer are in the batch)
+  and 4 implicit-PRM steps a batch (``--implicit_prm_num_mini_batch 4``, PRIME's run script's), against
+  ``rloo_dynamic``, the same sampling with the outcome alone. An iteration trains 64 samples and generates as
+  many rounds as it takes, so the two rows generate different numbers of samples in their ``--iterations``:
+  the control trains ``--margin`` times as many iterations and is compared at its first evaluation whose
+  generated samples reach PRIME's at its end (as the GRPO row is at the debate's tokens, below).
 - ``workflow``: a debate (``Arith-Debate-v0``: 3 debaters x 2 rounds, each round's answers shown to every
   debater in the next, majority vote over the last round), one LoRA adapter per debater on the shared base
   (``--noshare_policy``, rank 16, lr 1e-4, as the real-model bench's LoRA mode), each debater paid its own
@@ -45,13 +52,13 @@ Comparisons are at equal generated samples: each row's ``env_steps`` counts ever
 oversampling row runs a quarter of the iterations, the debate a third: each of its iterations generates 192
 messages, and its ``env_steps`` counts 2 a debate, its turns). The GRPO row is compared at equal generated
 tokens instead: train_math logs the tokens the rollouts generated (``generated_tokens``: every role's, in each
-evaluation's history entry), the GRPO row trains ``--token_margin`` times the debate's samples (its answers may
+evaluation's history entry), the GRPO row trains ``--margin`` times the debate's samples (its answers may
 be shorter than the debaters' messages, and shorten as it learns), and its evaluation compared is, per seed,
 the first whose generated tokens reach the debate's at its end (a line per seed says where, and how many
 tokens that was; its curve goes on beyond): it evaluates every third of ``--eval_interval``, which bounds how
-far past them that is. Where the run ended short of the debate's tokens, its last evaluation is compared and
-the comparison line names the ratio instead of "equal generated tokens" (run again with a larger
-``--token_margin`` in another ``--out``).
+far past them that is (the dynamic-sampling control evaluates every half). Where the run ended short, its last
+evaluation is compared and the comparison line names the ratio instead of "equal generated tokens" (run again
+with a larger ``--margin`` in another ``--out``).
 
 Per comparison one line ends ``METHOD A -> B vs CONTROL A -> C at equal samples (+D points, Z standard
 errors)`` (``at equal generated tokens`` for the GRPO row): A the start, B and C the two-seed means of the
@@ -115,9 +122,10 @@ class Row:
     steps an episode takes, whether it only evaluates (``--val_only``), and whether it depends on the seed (a
     frozen model's greedy accuracy does not: one run, counted once in the standard errors). ``overrides``: flags
     that replace the task's and the bench's (absl keeps a repeated flag's last value); ``budget``: its generated
-    samples relative to ``--iterations`` x 64 (``--token_margin`` where None); ``eval_density``: its evaluations
-    per ``--eval_interval``; ``metric``: the history's key compared; ``equal_tokens``: compared at the trained
-    row's generated tokens (module docstring); ``arith``: its task; ``start_of``: the row is that row's first
+    samples relative to ``--iterations`` x 64 (``--margin`` where None); ``eval_density``: its evaluations
+    per ``--eval_interval``; ``metric``: the history's key compared; ``equal_at``: the history's count
+    (``generated_tokens`` or ``env_steps``) at which it is compared with the trained row (module docstring);
+    ``arith``: its task; ``start_of``: the row is that row's first
     evaluation (its weights before training), read off its history instead of run (``flags`` empty)."""
 
     flags: tuple[str, ...]
@@ -130,7 +138,7 @@ class Row:
     budget: float | None = 1.0
     eval_density: int = 1
     metric: str = "eval/accuracy"
-    equal_tokens: bool = False
+    equal_at: str | None = None
     arith: dict[str, object] = field(default_factory=lambda: ARITH)
     start_of: str | None = None
 
@@ -154,6 +162,10 @@ SINGLE = ("--model_name_or_path", "{model}", "--max_new_tokens", "128", "--n_rol
 DEBATE = ("--model_name_or_path", "{model}", "--env_id", "Arith-Debate-v0", "--noshare_policy",
           "--reward_assignment", "individual", "--agent_groups", "at_grpo", "--max_new_tokens", "128",
           "--n_rollout_threads", str(DEBATES))
+# PRIME's code's sampling: every prompt once, rounds of generation until the batch holds 8 groups with a right and
+# a wrong answer (of 8: accuracies 0.125 to 0.875)
+DYNAMIC = ("--oversample_factor", "1", "--filter_groups", "--accuracy_lower_bound", "0.1", "--accuracy_upper_bound",
+           "0.9")
 LORA = ("--lora_rank", "16", "--lr", "1e-4")  # the real-model bench's LoRA mode
 # a held-out batch of 32 debates generates 96 messages a round, its second round's prompts holding the first's
 DEBATE_OVERRIDES = (*LORA, "--eval_batch_size", "32")
@@ -165,15 +177,21 @@ ROWS: dict[str, Row] = {
     "rloo_filter": Row(("--model_name_or_path", "{model}", *RLOO, "--process_coef", "0"), 4 * 64),
     "rloo": Row(("--model_name_or_path", "{model}", *RLOO, "--process_coef", "0", "--oversample_factor", "1",
                  "--accuracy_lower_bound", "0", "--accuracy_upper_bound", "1")),
+    "prime_dynamic": Row(("--model_name_or_path", "{model}", *RLOO, *DYNAMIC, "--implicit_prm_lr", str(PRM_LR),
+                          "--implicit_prm_num_mini_batch", "4")),
+    # evaluated twice as often: where it reaches prime_dynamic's samples is found within half an interval
+    "rloo_dynamic": Row(("--model_name_or_path", "{model}", *RLOO, *DYNAMIC, "--process_coef", "0"), budget=None,
+                        eval_density=2, equal_at="env_steps"),
     "workflow": Row(DEBATE, DEBATES * WORKFLOW_SAMPLES, DEBATES, ROUNDS, overrides=DEBATE_OVERRIDES),
     "workflow_untrained": Row((), val_only=True, seeded=False, start_of="workflow"),
     # evaluated 3 times as often: where it reaches the debate's tokens is found within a third of an interval
-    "grpo_equal_tokens": Row(SINGLE, overrides=LORA, budget=None, eval_density=3, equal_tokens=True),
+    "grpo_equal_tokens": Row(SINGLE, overrides=LORA, budget=None, eval_density=3, equal_at="generated_tokens"),
     "single_majk": Row((*SINGLE, "--eval_samples", str(WORKFLOW_SAMPLES), "--eval_temperature", "0.3"),
                        val_only=True, metric=f"eval/maj_at_{WORKFLOW_SAMPLES}"),
 }
 METHODS = {"prefix_rl": Method("prefix_rl", ("target_alone", "writer_alone")),
            "prime": Method("prime", ("rloo_filter", "rloo")),
+           "prime_dynamic": Method("prime_dynamic", ("rloo_dynamic",)),
            "workflow": Method("workflow", ("grpo_equal_tokens", "single_majk", "workflow_untrained"),
                               x="generated_tokens")}
 CSV_KEYS = ("row", "seed", "iteration", "env_steps", "generated_tokens", "minutes", "metric", "accuracy",
@@ -208,7 +226,7 @@ def row_flags(row: str, seed: int, args: argparse.Namespace, models: dict[str, s
         "--experiment_name", row, *spec.overrides]
     if spec.val_only:
         return flags + ["--val_only"]
-    budget = args.token_margin if spec.budget is None else spec.budget
+    budget = args.margin if spec.budget is None else spec.budget
     iterations = round(budget * args.iterations * SAMPLES_PER_ITERATION) // spec.samples_per_iteration
     interval = max(1, args.eval_interval * SAMPLES_PER_ITERATION // (spec.samples_per_iteration * spec.eval_density))
     envs = spec.envs_per_iteration or spec.samples_per_iteration
@@ -277,27 +295,29 @@ def run_method(args: argparse.Namespace) -> Results:
     return results
 
 
-def at_tokens(history: list[dict[str, float]], tokens: float) -> list[dict[str, float]]:
-    """``history`` up to its first evaluation at or past ``tokens`` generated tokens (all of it if none is)."""
+def at_least(history: list[dict[str, float]], key: str, count: float) -> list[dict[str, float]]:
+    """``history`` up to its first evaluation whose ``key`` is at or past ``count`` (all of it if none is)."""
     for index, evaluation in enumerate(history):
-        if evaluation["generated_tokens"] >= tokens:
+        if evaluation[key] >= count:
             return history[:index + 1]
     return history
 
 
-def align_at_tokens(results: Results, trained: str) -> tuple[Results, dict[str, dict[int, float]]]:
-    """``results`` with each equal-tokens row's history of seed s cut at the trained row's generated tokens at
-    the end of seed s (``at_tokens``), and {row: {seed: its tokens there over the trained row's}}."""
+def align_at(results: Results, trained: str) -> tuple[Results, dict[str, dict[int, float]]]:
+    """``results`` with the history of seed s of each row compared at a count (``Row.equal_at``) cut at the
+    trained row's count at the end of seed s (``at_least``), and {row: {seed: its count there over the trained
+    row's}}."""
     aligned, ratios = dict(results), {}
-    for row in (name for name in results if ROWS[name].equal_tokens):
+    for row in (name for name in results if ROWS[name].equal_at):
+        key = ROWS[row].equal_at
         if set(results[row]) != set(results[trained]):
             raise ValueError(f"{row} ran seeds {sorted(results[row])} and {trained} {sorted(results[trained])}: "
-                             "an equal-tokens comparison pairs each seed's runs")
+                             f"a comparison at equal {X_LABELS[key]} pairs each seed's runs")
         aligned[row], ratios[row] = {}, {}
         for seed, history in results[row].items():
-            tokens = results[trained][seed][-1]["generated_tokens"]
-            aligned[row][seed] = at_tokens(history, tokens)
-            ratios[row][seed] = aligned[row][seed][-1]["generated_tokens"] / tokens
+            count = results[trained][seed][-1][key]
+            aligned[row][seed] = at_least(history, key, count)
+            ratios[row][seed] = aligned[row][seed][-1][key] / count
     return aligned, ratios
 
 
@@ -332,23 +352,24 @@ def comparison(method: str, control: str, results: Results, n: int, basis: str =
 
 
 def comparisons(method: Method, results: Results, n: int) -> list[str]:
-    """The method's lines: one per equal-tokens row and seed (where it was compared), then one per control that
-    ``results`` holds (none without the trained row)."""
+    """The method's lines: one per row compared at a count and seed (where it was compared), then one per
+    control that ``results`` holds (none without the trained row)."""
     if method.trained not in results:
         return []
-    aligned, ratios = align_at_tokens(results, method.trained)
+    aligned, ratios = align_at(results, method.trained)
     lines = []
     for row, by_seed in ratios.items():
+        label = X_LABELS[ROWS[row].equal_at]
         for seed, ratio in by_seed.items():
             compared = aligned[row][seed][-1]
             lines.append(f"{row} seed {seed}: compared at iteration {compared['iteration']}, "
-                         f"{compared['generated_tokens']:,.0f} generated tokens ({ratio:.2f}x {method.trained}'s)")
+                         f"{compared[ROWS[row].equal_at]:,.0f} {label} ({ratio:.2f}x {method.trained}'s)")
     for control in (row for row in method.controls if row in results):
         basis = "equal samples"
-        if ROWS[control].equal_tokens:
-            short = min(ratios[control].values())
-            basis = ("equal generated tokens" if short >= 1 else
-                     f"{short:.2f}x {method.trained}'s generated tokens (short of equal: raise --token_margin)")
+        if ROWS[control].equal_at:
+            short, key = min(ratios[control].values()), ROWS[control].equal_at
+            basis = (("equal samples" if key == "env_steps" else f"equal {X_LABELS[key]}") if short >= 1 else
+                     f"{short:.2f}x {method.trained}'s {X_LABELS[key]} (short of equal: raise --margin)")
         lines.append(comparison(method.trained, control, aligned, n, basis))
     return lines
 
@@ -402,9 +423,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eval_interval", type=int, default=8, help="Evaluate every this many iterations of 64 "
                         "samples (and at the start and end).")
     parser.add_argument("--eval_limit", type=int, default=500, help="Held-out problems per evaluation.")
-    parser.add_argument("--token_margin", type=float, default=1.5, help="The workflow method's GRPO row trains this "
-                        "many times the debate's generated samples, so that its generated tokens reach the "
-                        "debate's (compared there).")
+    parser.add_argument("--margin", type=float, default=1.5, help="A row compared at the trained row's generated "
+                        "tokens or samples (the workflow's GRPO row, the dynamic-sampling control) trains this many "
+                        "times the trained row's budget, so that its count reaches the trained row's (compared "
+                        "there).")
     parser.add_argument("--rows", nargs="+", choices=tuple(ROWS), default=None, help="Run these of the method's "
                         "rows only (default: all of them); comparisons are printed for the controls given beside "
                         "the trained row.")
@@ -425,8 +447,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if ROWS[row].start_of not in (None, *args.rows):
             parser.error(f"--rows {row} is read off the first evaluation of {ROWS[row].start_of}: give --rows "
                          f"{ROWS[row].start_of} too")
-    if args.token_margin < 1:
-        parser.error(f"--token_margin {args.token_margin} is below 1: the GRPO row would generate fewer samples "
+    if args.margin < 1:
+        parser.error(f"--margin {args.margin} is below 1: the GRPO row would generate fewer samples "
                      "than the debate and could not reach its tokens; give 1 or more")
     args.model = args.model or default_model()
     args.out = args.out.resolve()

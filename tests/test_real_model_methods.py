@@ -12,7 +12,7 @@ import pytest
 
 from bench.real_model_learning import model_identity, weights_digest
 from bench.real_model_methods import (DEBATES, METHODS, PREFIX_ARITH, PREFIX_KL, PREFIX_TOKENS, ROWS,
-                                      SAMPLES_PER_ITERATION, TARGET_TOKENS, WORKFLOW_SAMPLES, Method, align_at_tokens,
+                                      SAMPLES_PER_ITERATION, TARGET_TOKENS, WORKFLOW_SAMPLES, Method, align_at,
                                       comparison, comparisons, keep_history, kept_history, main, mean_and_error,
                                       parse_args, row_flags)
 
@@ -50,26 +50,31 @@ def parsed_row(row: str, policy_dir, tmp_path, *argv: str):
                  str(tmp_path))
 
 
-@pytest.mark.parametrize("row", [row for name in ("prefix_rl", "prime")
+@pytest.mark.parametrize("row", [row for name in ("prefix_rl", "prime", "prime_dynamic")
                                  for row in (METHODS[name].trained, *METHODS[name].controls)])
 def test_every_row_is_a_train_math_command_that_resolves(row, untrained_policy_dir, tmp_path):
-    """Parsed and resolved by train_math's own flags; equal generated samples at every evaluation."""
+    """Parsed and resolved by train_math's own flags; equal generated samples at every evaluation (a row
+    compared at the trained row's samples: --margin times the budget, evaluated twice as often)."""
     config = parsed_row(row, untrained_policy_dir, tmp_path, "--iterations", "16", "--eval_interval", "8")
     assert config.env.prompt_template == "chat" and config.generation.temperature == 0.3
     if ROWS[row].val_only:
         assert config.budget.val_only and config.generation.max_new_tokens == PREFIX_TOKENS + TARGET_TOKENS
         return
     samples = config.env.num_envs * (config.prime.oversample_factor if config.learning.algorithm == "RLOO" else 1)
-    assert samples * config.budget.num_iterations == 16 * SAMPLES_PER_ITERATION
-    assert samples * config.budget.eval_interval == 8 * SAMPLES_PER_ITERATION
+    margin, density = (1.5, 2) if ROWS[row].equal_at else (1, 1)
+    assert samples * config.budget.num_iterations == margin * 16 * SAMPLES_PER_ITERATION
+    assert samples * config.budget.eval_interval * density == 8 * SAMPLES_PER_ITERATION
     if row == "prefix_rl":
         assert config.generation.max_new_tokens == PREFIX_TOKENS and config.prefix_rl.target_max_new_tokens == 128
         assert config.learning.kl_coef == PREFIX_KL and config.learning.kl_loss_type == "low_var_kl"
         assert (config.model.lora_rank, config.learning.lr) == (16, 1e-4)  # the writer: a LoRA adapter
     else:
         assert (config.model.lora_rank, config.learning.lr) == (0, 2e-5)
-    if row in METHODS["prime"].controls:
+    if row in (*METHODS["prime"].controls, *METHODS["prime_dynamic"].controls):
         assert config.prime.process_coef == 0
+    if row in ("prime_dynamic", "rloo_dynamic"):  # PRIME's code's sampling: every group with a right and a wrong
+        assert config.prime.oversample_factor == 1 and config.rollout.filter_groups
+        assert (config.prime.accuracy_lower_bound, config.prime.accuracy_upper_bound) == (0.1, 0.9)
 
 
 def test_prefix_rl_trains_and_is_tested_on_one_form_of_problem():
@@ -195,7 +200,7 @@ def test_the_grpo_row_is_compared_at_its_first_evaluation_reaching_the_workflows
                                      for seed in (0, 1)},
                "single_majk": {0: history(0.3, metric="eval/maj_at_6"), 1: history(0.3, metric="eval/maj_at_6")},
                "workflow_untrained": {0: history(0.2)}}
-    aligned, ratios = align_at_tokens(results, "workflow")
+    aligned, ratios = align_at(results, "workflow")
     assert [h["iteration"] for h in aligned["grpo_equal_tokens"][0]] == [0, 1, 2, 3]
     assert [h["iteration"] for h in aligned["grpo_equal_tokens"][1]] == [0, 1, 2, 3, 4]
     assert ratios == {"grpo_equal_tokens": {0: 2100 / 2000, 1: 2800 / 2400}}
@@ -213,11 +218,11 @@ def test_the_grpo_row_is_compared_at_its_first_evaluation_reaching_the_workflows
 def test_a_grpo_row_short_of_the_workflows_tokens_says_so_instead_of_equal():
     results = {"workflow": {0: history(0.2, 0.5, tokens_per_iteration=2000)},
                "grpo_equal_tokens": {0: history(0.2, 0.3, 0.4, tokens_per_iteration=800)}}
-    aligned, ratios = align_at_tokens(results, "workflow")
+    aligned, ratios = align_at(results, "workflow")
     assert len(aligned["grpo_equal_tokens"][0]) == 3 and ratios["grpo_equal_tokens"][0] == 0.8
     line = comparisons(Method("workflow", ("grpo_equal_tokens",), "generated_tokens"), results, 500)[-1]
     assert line.startswith("workflow 0.200 -> 0.500 vs grpo_equal_tokens 0.200 -> 0.400 at 0.80x workflow's "
-                           "generated tokens (short of equal: raise --token_margin) (+10.0 points")
+                           "generated tokens (short of equal: raise --margin) (+10.0 points")
 
 
 @pytest.mark.slow

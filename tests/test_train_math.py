@@ -219,8 +219,10 @@ def test_every_algorithm_runs_an_iteration(untrained_policy_dir, tmp_path, name,
         assert heldout == pytest.approx(1.0 - accuracy)
 
 
-def test_a_run_builds_from_a_run_config_without_absl(untrained_policy_dir, tmp_path):
-    """A library user's run: a RunConfig built by hand, no flag parsed, trains and evaluates."""
+@pytest.mark.parametrize("val_before_train, evaluated", [(True, [0, 2, 3]), (False, [2, 3])])
+def test_a_run_builds_from_a_run_config_without_absl(untrained_policy_dir, tmp_path, val_before_train, evaluated):
+    """A library user's run: a RunConfig built by hand, no flag parsed, trains and evaluates every second
+    iteration and at the end (before the first iteration too unless ``val_before_train`` is off)."""
     from tensorboardX import SummaryWriter
 
     from train.builders import build_runner
@@ -229,15 +231,17 @@ def test_a_run_builds_from_a_run_config_without_absl(untrained_policy_dir, tmp_p
     FLAGS.unparse_flags()
     config = RunConfig(model=ModelConfig(name_or_path=str(untrained_policy_dir), device="cpu"),
                        env=EnvConfig(num_envs=8, group_size=4), generation=GenerationConfig(max_new_tokens=6),
-                       budget=BudgetConfig(num_iterations=2, eval_interval=2, eval_limit=4, eval_batch_size=4),
+                       budget=BudgetConfig(num_iterations=3, eval_interval=2, eval_limit=4, eval_batch_size=4,
+                                           val_before_train=val_before_train),
                        logging=LoggingConfig(save_interval=0, save_best=False))
     writer = SummaryWriter(str(tmp_path))
     history = build_runner(config, tmp_path, writer).run()
     writer.close()
     assert not FLAGS.is_parsed()
-    assert [h["iteration"] for h in history] == [0, 2]
-    assert (tmp_path / "checkpoints" / "iter_2" / "manifest.json").is_file()
-    assert [step for step, _ in read_scalars(tmp_path)["train/reward"]] == [0, 1]
+    assert [h["iteration"] for h in history] == evaluated
+    assert [step for step, _ in read_scalars(tmp_path)["eval/accuracy"]] == evaluated
+    assert (tmp_path / "checkpoints" / "iter_3" / "manifest.json").is_file()
+    assert [step for step, _ in read_scalars(tmp_path)["train/reward"]] == [0, 1, 2]
 
 
 def test_a_run_config_defaults_to_what_the_command_line_defaults_to():

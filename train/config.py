@@ -446,6 +446,9 @@ class BudgetConfig:
     seed: int = option(0, "Seed of torch, numpy, the problem sampler and generation.")
     val_only: bool = option(False, "Evaluate the model once on the held-out set, train nothing, save no "
                             "checkpoint, and stop; its evaluation goes to TensorBoard and eval_history.json.")
+    val_before_train: bool = option(True, "With --eval_interval: evaluate before the first iteration too "
+                                    "(--noval_before_train skips it where the start is known, e.g. a variant of a "
+                                    "run whose LoRA adapters start as the same base).")
     num_iterations: int | None = None  # resolved from num_env_steps (given in code: it wins)
 
 

@@ -200,9 +200,10 @@ class Runner:
         """One iteration, in the order its data flows; each call returns what it produced, and the counters
         (``progress``) are brought up to date here. An exception before the update (evaluation, collection)
         first saves the iteration's start state; a failed sync saves the updated one (module docstring)."""
-        progress, learner = self.progress, self.learner
+        progress, learner, budget = self.progress, self.learner, self.config.budget
+        due = budget.eval_interval and iteration % budget.eval_interval == 0
         with self.start_saved_on_failure(iteration):
-            if self.config.budget.eval_interval and iteration % self.config.budget.eval_interval == 0:
+            if due and (iteration > 0 or budget.val_before_train):
                 postfix["acc"] = f"{self.evaluate_once(iteration)['eval/accuracy']:.3f}"
             collected = self.rollouts.next(iteration, progress.version, progress.rollout_version)
         if collected.refreshed:

@@ -225,6 +225,20 @@ def test_a_grpo_row_short_of_the_workflows_tokens_says_so_instead_of_equal():
                            "generated tokens (short of equal: raise --margin) (+10.0 points")
 
 
+def test_the_dynamic_sampling_control_is_compared_at_prime_s_generated_samples():
+    """PRIME's rounds of generation end seed 0 at 2,112 samples; the control, evaluated at 320, 640, ... samples
+    (5 rounds of 64 between evaluations), reaches them at 2,240 (iteration 7): 0.6 there, whatever came after."""
+    prime = [{**h, "env_steps": 704 * h["iteration"]} for h in history(0.2, 0.4, 0.5, 0.6)]
+    control = [{**h, "env_steps": 320 * h["iteration"]} for h in history(0.2, 0.3, 0.4, 0.4, 0.5, 0.5, 0.5, 0.6, 0.7)]
+    results = {"prime_dynamic": {0: prime}, "rloo_dynamic": {0: control}}
+    aligned, ratios = align_at(results, "prime_dynamic")
+    assert aligned["rloo_dynamic"][0][-1]["iteration"] == 7 and ratios == {"rloo_dynamic": {0: 2240 / 2112}}
+    lines = comparisons(METHODS["prime_dynamic"], results, 200)
+    assert lines[0] == "rloo_dynamic seed 0: compared at iteration 7, 2,240 generated samples (1.06x prime_dynamic's)"
+    assert lines[1].startswith("prime_dynamic 0.200 -> 0.600 vs rloo_dynamic 0.200 -> 0.600 at equal samples "
+                               "(+0.0 points, 0.0 standard errors)")
+
+
 @pytest.mark.slow
 def test_the_workflow_method_runs_end_to_end_on_the_tiny_policy(tiny_models, tmp_path, monkeypatch, capsys):
     """The bench's workflow method on the shipped tiny policy (given a ChatML template: the bench prompts through

@@ -1,6 +1,6 @@
 """The project's own methods against their controls on a real pretrained model, through ``train_math.py``.
 
-    python -m bench.real_model_methods --method prefix_rl|prime|workflow [--seeds 0 1] [--iterations N]
+    python -m bench.real_model_methods --method prefix_rl|prime|prime_dynamic|workflow [--seeds 0 1] [--iterations N]
                                        [--eval_interval N] [--eval_limit 500] [--margin 1.5]
                                        [--model DIR] [--out DIR] [--rows ROW ...] [--keep DIR]
 
@@ -359,11 +359,11 @@ def comparisons(method: Method, results: Results, n: int) -> list[str]:
     aligned, ratios = align_at(results, method.trained)
     lines = []
     for row, by_seed in ratios.items():
-        label = X_LABELS[ROWS[row].equal_at]
+        key = ROWS[row].equal_at
         for seed, ratio in by_seed.items():
             compared = aligned[row][seed][-1]
             lines.append(f"{row} seed {seed}: compared at iteration {compared['iteration']}, "
-                         f"{compared[ROWS[row].equal_at]:,.0f} {label} ({ratio:.2f}x {method.trained}'s)")
+                         f"{compared[key]:,.0f} {X_LABELS[key]} ({ratio:.2f}x {method.trained}'s)")
     for control in (row for row in method.controls if row in results):
         basis = "equal samples"
         if ROWS[control].equal_at:
@@ -448,8 +448,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             parser.error(f"--rows {row} is read off the first evaluation of {ROWS[row].start_of}: give --rows "
                          f"{ROWS[row].start_of} too")
     if args.margin < 1:
-        parser.error(f"--margin {args.margin} is below 1: the GRPO row would generate fewer samples "
-                     "than the debate and could not reach its tokens; give 1 or more")
+        parser.error(f"--margin {args.margin} is below 1: a row compared at the trained row's tokens or samples "
+                     "would train less than the trained row and could not reach them; give 1 or more")
     args.model = args.model or default_model()
     args.out = args.out.resolve()
     args.keep = args.keep.resolve() if args.keep else None

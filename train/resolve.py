@@ -16,7 +16,7 @@ import gymnasium
 import envs  # registers the built-in ids
 from algorithms.config import kl_in_reward
 from algorithms.registry import ALGORITHMS, collects_whole_episodes
-from envs.modes import ActionLevel, Backend, Critic, DataParallel, LossAgg, RolloutMode, Tool, member_of
+from envs.modes import ActionLevel, Backend, Critic, DataParallel, LossAgg, Tool, member_of
 from envs.workflows import Workflow, resolve_workflow
 from models.hub import resolve_model
 from models.remote import api_key_from
@@ -38,9 +38,6 @@ def resolved(config: RunConfig) -> RunConfig:
     spec = reward_spec(config, env_id)
     check_multi_agent(config, env_id, workflow, spec)
     env = resolved_env(config, env_id, workflow)
-    if config.multi_agent.rollout_mode == RolloutMode.TREE and env.group_size < 2:
-        raise ValueError(f"--rollout_mode tree continues a group's episodes from its best one; --group_size="
-                         f"{env.group_size} makes groups of one: give --group_size >= 2")
     learning, budget, generation = config.learning, config.budget, config.generation
     oversampled = config.prime.oversample_factor > 1
     prompt_groups = env.num_envs // env.group_size if oversampled else None

@@ -25,7 +25,7 @@ from typing import Any
 from algorithms.config import kl_in_reward
 from algorithms.registry import ALGORITHMS, algorithms_with
 from envs.modes import (ActionLevel, AgentGroups, Backend, Critic, DataParallel, DType, LossAgg, PrmType,
-                        PromptTemplate, RolloutIsLevel, RolloutIsMode)
+                        PromptTemplate, RolloutIsLevel, RolloutIsMode, RolloutMode)
 from train.config import DEFAULT_PRM_REWARD, FLOAT16_TRAINING, REWARD_SOURCES, RunConfig, parse_eval_sets, sections
 from algorithms.options import flag_name, options
 from train.options import with_members
@@ -205,6 +205,9 @@ def check_algorithm_options(config: RunConfig) -> None:
     if spec.grouped and group_size < 2:
         raise ValueError(f"--algorithm_name={algorithm} compares samples within a prompt group: "
                          f"--group_size={group_size} must be >= 2")
+    if config.multi_agent.rollout_mode == RolloutMode.TREE and group_size < 2:
+        raise ValueError(f"--rollout_mode tree continues a group's episodes from its best one; --group_size="
+                         f"{group_size} makes groups of one: give --group_size >= 2")
     if spec.critic is not None and critic == Critic.OFF:
         raise ValueError(f"--algorithm_name={algorithm} needs a critic (its advantages come from V); drop "
                          f"--critic=off or use {'/'.join(algorithms_with(lambda spec: spec.critic is None))}")

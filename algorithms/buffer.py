@@ -323,6 +323,12 @@ class RolloutBuffer:
             0, index, torch.where(acted, returns, torch.inf), "amin")
         return ids, (highest > lowest).any(-1)
 
+    def cut_groups(self, ids: torch.Tensor) -> torch.Tensor:
+        """[G] True where prompt group ``ids`` [G] holds an action cut at the token limit (PRIME's
+        ``filter_truncated`` drops these)."""
+        cut_envs = (self.cut & self.live).any(0).any(-1)  # [N]
+        return torch.isin(ids, self.prompt_groups()[cut_envs])
+
     @staticmethod
     def concat_envs(parts: Sequence[tuple[RolloutBuffer, torch.Tensor]]) -> RolloutBuffer:
         """One buffer of the envs ``index`` [n_k] of each part's buffer, part after part along N. The parts share

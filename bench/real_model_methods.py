@@ -1,6 +1,7 @@
 """The project's own methods against their controls on a real pretrained model, through ``train_math.py``.
 
-    python -m bench.real_model_methods --method prefix_rl|prime|prime_dynamic|workflow [--seeds 0 1] [--iterations N]
+    python -m bench.real_model_methods --method prefix_rl|prime|prime_dynamic|prime_filter_truncated|workflow
+                                       [--seeds 0 1] [--iterations N]
                                        [--eval_interval N] [--eval_limit 500] [--margin 1.5]
                                        [--model DIR] [--out DIR] [--rows ROW ...] [--keep DIR]
 
@@ -35,6 +36,10 @@ and at its end. Methods, each beside its control:
   many rounds as it takes, so the two rows generate different numbers of samples in their ``--iterations``:
   the control trains ``--margin`` times as many iterations and is compared at its first evaluation whose
   generated samples reach PRIME's at its end (as the GRPO row is at the debate's tokens, below).
+- ``prime_filter_truncated``: the same pair with PRIME's README's truncation filter on both
+  (``FILTER_TRUNCATED``: ``--filter_truncated``, a group holding an answer cut at ``--max_new_tokens`` is not
+  kept either), ``rloo_filter_truncated`` its control: no answer that never stopped trains the policy or the
+  implicit PRM, which otherwise can learn to pay tokens past the answer.
 - ``workflow``: a debate (``Arith-Debate-v0``: 3 debaters x 2 rounds, each round's answers shown to every
   debater in the next, majority vote over the last round), one LoRA adapter per debater on the shared base
   (``--noshare_policy``, rank 16, lr 1e-4, as the real-model bench's LoRA mode), each debater paid its own
@@ -166,9 +171,25 @@ DEBATE = ("--model_name_or_path", "{model}", "--env_id", "Arith-Debate-v0", "--n
 # a wrong answer (of 8: accuracies 0.125 to 0.875)
 DYNAMIC = ("--oversample_factor", "1", "--filter_groups", "--accuracy_lower_bound", "0.1", "--accuracy_upper_bound",
            "0.9")
+# ... and its README's truncation filter: a group in which an answer ran to --max_new_tokens is dropped as well
+FILTER_TRUNCATED = (*DYNAMIC, "--filter_truncated")
 LORA = ("--lora_rank", "16", "--lr", "1e-4")  # the real-model bench's LoRA mode
 # a held-out batch of 32 debates generates 96 messages a round, its second round's prompts holding the first's
 DEBATE_OVERRIDES = (*LORA, "--eval_batch_size", "32")
+
+
+def dynamic_pair(sampling: tuple[str, ...]) -> tuple[Row, Row]:
+    """PRIME with ``sampling`` (rounds of generation, so a count of samples per iteration it does not fix) and 4
+    implicit-PRM steps a batch, and its control: the same sampling with the outcome alone, trained ``--margin``
+    times PRIME's iterations and evaluated twice as often (where it reaches PRIME's samples is found within half an
+    interval)."""
+    prime = Row(("--model_name_or_path", "{model}", *RLOO, *sampling, "--implicit_prm_lr", str(PRM_LR),
+                 "--implicit_prm_num_mini_batch", "4"))
+    control = Row(("--model_name_or_path", "{model}", *RLOO, *sampling, "--process_coef", "0"), budget=None,
+                  eval_density=2, equal_at="env_steps")
+    return prime, control
+
+
 ROWS: dict[str, Row] = {
     "prefix_rl": Row(("--model_name_or_path", "{model}", *PREFIX_TEAM), turns=2, overrides=LORA, arith=PREFIX_ARITH),
     "target_alone": Row(("--model_name_or_path", "{target}", *ALONE), val_only=True, seeded=False, arith=PREFIX_ARITH),
@@ -177,11 +198,8 @@ ROWS: dict[str, Row] = {
     "rloo_filter": Row(("--model_name_or_path", "{model}", *RLOO, "--process_coef", "0"), 4 * 64),
     "rloo": Row(("--model_name_or_path", "{model}", *RLOO, "--process_coef", "0", "--oversample_factor", "1",
                  "--accuracy_lower_bound", "0", "--accuracy_upper_bound", "1")),
-    "prime_dynamic": Row(("--model_name_or_path", "{model}", *RLOO, *DYNAMIC, "--implicit_prm_lr", str(PRM_LR),
-                          "--implicit_prm_num_mini_batch", "4")),
-    # evaluated twice as often: where it reaches prime_dynamic's samples is found within half an interval
-    "rloo_dynamic": Row(("--model_name_or_path", "{model}", *RLOO, *DYNAMIC, "--process_coef", "0"), budget=None,
-                        eval_density=2, equal_at="env_steps"),
+    **dict(zip(("prime_dynamic", "rloo_dynamic"), dynamic_pair(DYNAMIC))),
+    **dict(zip(("prime_filter_truncated", "rloo_filter_truncated"), dynamic_pair(FILTER_TRUNCATED))),
     "workflow": Row(DEBATE, DEBATES * WORKFLOW_SAMPLES, DEBATES, ROUNDS, overrides=DEBATE_OVERRIDES),
     "workflow_untrained": Row((), val_only=True, seeded=False, start_of="workflow"),
     # evaluated 3 times as often: where it reaches the debate's tokens is found within a third of an interval
@@ -192,6 +210,7 @@ ROWS: dict[str, Row] = {
 METHODS = {"prefix_rl": Method("prefix_rl", ("target_alone", "writer_alone")),
            "prime": Method("prime", ("rloo_filter", "rloo")),
            "prime_dynamic": Method("prime_dynamic", ("rloo_dynamic",)),
+           "prime_filter_truncated": Method("prime_filter_truncated", ("rloo_filter_truncated",)),
            "workflow": Method("workflow", ("grpo_equal_tokens", "single_majk", "workflow_untrained"),
                               x="generated_tokens")}
 CSV_KEYS = ("row", "seed", "iteration", "env_steps", "generated_tokens", "minutes", "metric", "accuracy",

@@ -88,6 +88,39 @@ def test_refill_draws_rounds_until_the_batch_holds_the_groups_wanted():
     assert tally.seconds["generate"] == 1.0 and tally.seconds["refill_generate"] == 2.0
 
 
+def test_filter_truncated_refills_past_groups_holding_a_cut_answer():
+    # groups of two, the second env of each cut (episodic_buffer): every group holds a cut answer
+    buffer = episodic_buffer([1.0, 0.0, 1.0, 1.0], [4, 4, 2, 2])
+    assert buffer.cut_groups(torch.tensor([2, 4])).tolist() == [True, True]
+    collect, seeds = scripted_rounds([[1, 0, 0, 1], [0, 1, 1, 1]])
+    buffer, tally = refilled(collect, None, None, seed=0, groups_wanted=1, max_rounds=2, filter_truncated=True)
+    assert len(seeds) == 2  # round 0's varied groups were cut: nothing kept, round 1 drawn, nothing kept either
+    assert tally.mean("rollout/cut_group_share") == 1.0 and tally.mean("rollout/filtered_share") == 1.0
+    assert tally.mean("rollout/filled_share") == 0.0
+    # without the filter round 0's first varied group fills the batch
+    collect, seeds = scripted_rounds([[1, 0, 0, 1], [0, 1, 1, 1]])
+    buffer, tally = refilled(collect, None, None, seed=0, groups_wanted=1, max_rounds=2)
+    assert len(seeds) == 1 and buffer.group_ids[0, :, 0].tolist() == [0, 0]
+    assert "rollout/cut_group_share" not in tally.counts
+
+
+def test_filter_truncated_keeps_groups_whose_answers_all_stopped():
+    uncut = [False] * 4
+    collect, seeds = scripted_rounds([[1, 0, 0, 1], [1, 1, 1, 0]])
+
+    def collect_uncut_second_round(policy, generator, seed):
+        buffer, tally = collect(policy, generator, seed)
+        if len(seeds) == 2:
+            buffer.cut[0, :, 0] = torch.tensor(uncut)
+        return buffer, tally
+
+    buffer, tally = refilled(collect_uncut_second_round, None, None, seed=0, groups_wanted=1, max_rounds=3,
+                             filter_truncated=True)
+    assert len(seeds) == 2 and buffer.group_ids[0, :, 0].tolist() == [101, 101]
+    assert tally.mean("rollout/cut_group_share") == pytest.approx(2 / 4)  # round 0's two groups of four drawn
+    assert tally.mean("rollout/filtered_share") == pytest.approx(3 / 4)  # round 1's first group: equal returns
+
+
 def test_refill_stops_after_the_most_rounds_with_the_groups_it_holds():
     collect, seeds = scripted_rounds([[1, 1, 0, 1], [0, 0, 1, 1], [0, 0, 0, 0]])
     buffer, tally = refilled(collect, None, None, seed=0, groups_wanted=2, max_rounds=2)
@@ -106,6 +139,9 @@ def test_refill_stops_after_the_most_rounds_with_the_groups_it_holds():
     (["--max_num_gen_batches", "3"], "add --filter_groups"),
     (["--algorithm_name", "RLOO", "--filter_groups"], "pass --oversample_factor 1"),
     (["--filter_groups", "--max_num_gen_batches", "0"], "max_num_gen_batches"),
+    (["--filter_truncated"], "add --filter_groups"),
+    (["--filter_groups", "--filter_truncated", "--action_level", "token", "--algorithm_name", "GRPO"],
+     "every action is one token"),
 ])
 def test_meaningless_dynamic_sampling_flags_are_refused(argv, message):
     with pytest.raises((flags.Error, ValueError), match=message):
@@ -116,15 +152,18 @@ def test_dynamic_sampling_flags_reach_the_run_config():
     config = parse("--filter_groups", "--max_num_gen_batches", "3", "--algorithm_name", "RLOO",
                    "--oversample_factor", "1")
     assert config.rollout.filter_groups and config.rollout.max_num_gen_batches == 3
+    assert not config.rollout.filter_truncated
+    assert parse("--filter_groups", "--filter_truncated").rollout.filter_truncated
 
 
-@pytest.mark.parametrize("async_flag", ["--async_rollouts", "--noasync_rollouts"])
-def test_a_run_with_dynamic_sampling_logs_its_rounds_and_their_cost(untrained_policy_dir, tmp_path, async_flag):
+@pytest.mark.parametrize("extra", [["--async_rollouts"], ["--noasync_rollouts", "--filter_truncated"]])
+def test_a_run_with_dynamic_sampling_logs_its_rounds_and_their_cost(untrained_policy_dir, tmp_path, extra):
     run_dir = run_train_math(["--model_name_or_path", str(untrained_policy_dir), "--num_env_steps", "16",
                               "--n_rollout_threads", "8", "--group_size", "4", "--max_new_tokens", "6",
                               "--eval_interval", "0", "--logdir", str(tmp_path), "--save_interval", "0",
-                              "--filter_groups", "--max_num_gen_batches", "3", async_flag])
+                              "--filter_groups", "--max_num_gen_batches", "3", *extra])
     scalars = read_scalars(run_dir)
+    assert ("rollout/cut_group_share" in scalars) == ("--filter_truncated" in extra)
     rounds = [value for _, value in scalars["rollout/gen_rounds"]]
     assert len(rounds) == 2 and all(1 <= r <= 3 for r in rounds)
     filled = [value for _, value in scalars["rollout/filled_share"]]

@@ -50,7 +50,7 @@ def parsed_row(row: str, policy_dir, tmp_path, *argv: str):
                  str(tmp_path))
 
 
-@pytest.mark.parametrize("row", [row for name in ("prefix_rl", "prime", "prime_dynamic")
+@pytest.mark.parametrize("row", [row for name in ("prefix_rl", "prime", "prime_dynamic", "prime_filter_truncated")
                                  for row in (METHODS[name].trained, *METHODS[name].controls)])
 def test_every_row_is_a_train_math_command_that_resolves(row, untrained_policy_dir, tmp_path):
     """Parsed and resolved by train_math's own flags; equal generated samples at every evaluation (a row
@@ -70,11 +70,13 @@ def test_every_row_is_a_train_math_command_that_resolves(row, untrained_policy_d
         assert (config.model.lora_rank, config.learning.lr) == (16, 1e-4)  # the writer: a LoRA adapter
     else:
         assert (config.model.lora_rank, config.learning.lr) == (0, 2e-5)
-    if row in (*METHODS["prime"].controls, *METHODS["prime_dynamic"].controls):
+    pairs = ("prime_dynamic", "prime_filter_truncated")
+    if row in (*METHODS["prime"].controls, *(control for name in pairs for control in METHODS[name].controls)):
         assert config.prime.process_coef == 0
-    if row in ("prime_dynamic", "rloo_dynamic"):  # PRIME's code's sampling: every group with a right and a wrong
-        assert config.prime.oversample_factor == 1 and config.rollout.filter_groups
+    if row in (*pairs, "rloo_dynamic", "rloo_filter_truncated"):  # PRIME's code's sampling: every group with a
+        assert config.prime.oversample_factor == 1 and config.rollout.filter_groups  # right and a wrong answer
         assert (config.prime.accuracy_lower_bound, config.prime.accuracy_upper_bound) == (0.1, 0.9)
+        assert config.rollout.filter_truncated == row.endswith("filter_truncated")
 
 
 def test_prefix_rl_trains_and_is_tested_on_one_form_of_problem():

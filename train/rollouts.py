@@ -11,9 +11,11 @@ still in flight, so a resume collects that batch again from the env state it sta
 Dynamic sampling (DAPO, Yu et al. 2025, section 3.2; verl's ``filter_groups``): a batch is collected in rounds
 of fresh prompt groups, each rank keeping its groups whose episode returns are not all equal (a group of equal
 returns has zero advantage), until it holds as many groups as one round draws, or ``max_num_gen_batches``
-rounds were drawn; then it trains on the groups it holds (a round's whole batch if it kept none). Each rank
-fills its own share (no collective: ranks stay free to draw different numbers of rounds, in the background
-thread too). The rounds after the first are their own cost, logged as ``time/refill``.
+rounds were drawn; then it trains on the groups it holds (a round's whole batch if it kept none). With PRIME's
+``filter_truncated`` a group holding an answer cut at the token limit is not kept either: no answer that never
+stopped trains the policy or the implicit PRM. Each rank fills its own share (no collective: ranks stay free to
+draw different numbers of rounds, in the background thread too). The rounds after the first are their own cost,
+logged as ``time/refill``.
 
 From ``Runner.train_iteration`` to the generation backend: ``Rollouts.next`` -> ``Collector.collect`` ->
 ``episodes.play`` -> ``Generator.generate`` (one call per speaker at each env step); with dynamic sampling
@@ -41,26 +43,34 @@ from train.distributed import Ranks
 
 
 def refilled(collect: Callable[[LanguagePolicy, Generator, int], tuple[RolloutBuffer, Tally]], policy: LanguagePolicy,
-             generator: Generator, seed: int, groups_wanted: int, max_rounds: int) -> tuple[RolloutBuffer, Tally]:
+             generator: Generator, seed: int, groups_wanted: int, max_rounds: int,
+             filter_truncated: bool = False) -> tuple[RolloutBuffer, Tally]:
     """Dynamic sampling: rounds ``collect(policy, generator, round_seed)`` (``Collector.collect``; the first round
-    at ``seed``) until their groups of varied returns number ``groups_wanted``, at most ``max_rounds``; returns
-    the batch of those groups (the first ones kept, in round order) and the rounds' statistics: every episode
-    drawn, ``rollout/gen_rounds``, ``rollout/filtered_share`` (drawn groups of equal returns) and
-    ``rollout/filled_share`` (the batch's groups over ``groups_wanted``); the seconds of the rounds after the
-    first under ``refill_<phase>``."""
-    parts, tally, kept, drawn, filtered = [], Tally(), 0, 0, 0
+    at ``seed``) until their groups of varied returns number ``groups_wanted``, at most ``max_rounds``; with
+    ``filter_truncated`` a group holding an action cut at the token limit is not kept either. Returns the batch
+    of those groups (the first ones kept, in round order) and the rounds' statistics: every episode drawn,
+    ``rollout/gen_rounds``, ``rollout/filtered_share`` (drawn groups not kept), ``rollout/cut_group_share``
+    (with ``filter_truncated``: drawn groups holding a cut action) and ``rollout/filled_share`` (the batch's
+    groups over ``groups_wanted``); the seconds of the rounds after the first under ``refill_<phase>``."""
+    parts, tally, kept, drawn, filtered, cut = [], Tally(), 0, 0, 0, 0
     for round_ in range(max_rounds):
         buffer, round_tally = collect(policy, generator, seed if round_ == 0 else mix_seed(seed, round_))
         tally.merge(round_tally, seconds_prefix="refill_" if round_ else "")
-        ids, varied = buffer.varied_groups()
-        drawn, filtered = drawn + len(ids), filtered + int((~varied).sum())
-        taken = ids[varied][: groups_wanted - kept]
+        ids, usable = buffer.varied_groups()
+        if filter_truncated:
+            cut_groups = buffer.cut_groups(ids)
+            cut += int(cut_groups.sum())
+            usable &= ~cut_groups
+        drawn, filtered = drawn + len(ids), filtered + int((~usable).sum())
+        taken = ids[usable][: groups_wanted - kept]
         kept += len(taken)
         parts.append((buffer, torch.isin(buffer.prompt_groups(), taken).nonzero().squeeze(1)))
         if kept >= groups_wanted:
             break
     tally.add("rollout/gen_rounds", [round_ + 1])
     tally.add("rollout/filtered_share", [1.0] * filtered + [0.0] * (drawn - filtered))
+    if filter_truncated:
+        tally.add("rollout/cut_group_share", [1.0] * cut + [0.0] * (drawn - cut))
     tally.add("rollout/filled_share", [1.0] * kept + [0.0] * (groups_wanted - kept))
     if kept == 0:  # nothing to learn from: the last round as it came (zero advantages, no step)
         return buffer, tally
@@ -79,19 +89,21 @@ class Collected:
 
 class Rollouts:
     """``rollout_policy``/``rollout_generator``: the copy asynchronous collection uses (None: synchronous).
-    ``max_num_gen_batches``: dynamic sampling's most rounds per batch (None: one collection, unfiltered)."""
+    ``max_num_gen_batches``: dynamic sampling's most rounds per batch (None: one collection, unfiltered);
+    ``filter_truncated``: dynamic sampling also drops groups holding a cut action."""
 
     def __init__(self, collector: Collector, policy: LanguagePolicy, generator: Generator, seed: int,
                  num_iterations: int, max_policy_lag: int, ranks: Ranks,
                  rollout_policy: LanguagePolicy | None = None, rollout_generator: Generator | None = None,
-                 max_num_gen_batches: int | None = None):
+                 max_num_gen_batches: int | None = None, filter_truncated: bool = False):
         self.collector, self.policy, self.generator = collector, policy, generator
         self.seed, self.num_iterations, self.max_policy_lag, self.ranks = seed, num_iterations, max_policy_lag, ranks
         self.rollout_policy, self.rollout_generator = rollout_policy, rollout_generator
         # collect(policy, generator, seed) -> one batch: a collection, or the rounds of them that fill it
         env = collector.env
         self.collect = collector.collect if max_num_gen_batches is None else functools.partial(
-            refilled, collector.collect, groups_wanted=env.num_envs // env.group_size, max_rounds=max_num_gen_batches)
+            refilled, collector.collect, groups_wanted=env.num_envs // env.group_size, max_rounds=max_num_gen_batches,
+            filter_truncated=filter_truncated)
         asynchronous = rollout_policy is not None
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1) if asynchronous else None
         self.pending: concurrent.futures.Future | None = None

@@ -104,7 +104,8 @@ class Runner:
         self.rollouts = Rollouts(collector, policy, generator, budget.seed, budget.num_iterations,
                                  generation.max_policy_lag, ranks, *copy,
                                  max_num_gen_batches=config.rollout.max_num_gen_batches
-                                 if config.rollout.filter_groups else None)
+                                 if config.rollout.filter_groups else None,
+                                 filter_truncated=config.rollout.filter_truncated)
         self.learner = Learner(config.learning, config.rollout, team,
                                parallel_module if parallel_module is not None else team,
                                algorithm, optimizer, minibatch_rng, ranks, implicit_prm, config.prime,

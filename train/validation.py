@@ -351,6 +351,9 @@ def check_rollouts(config: RunConfig) -> None:
     spec = ALGORITHMS[algorithm]
     if given(config, "max_num_gen_batches") and not rollout.filter_groups:
         raise ValueError("--max_num_gen_batches bounds the rounds of --filter_groups; add --filter_groups or drop it")
+    if rollout.filter_truncated and not rollout.filter_groups:
+        raise ValueError("--filter_truncated drops groups while --filter_groups refills the batch; add --filter_groups "
+                         "or drop it (--mask_truncated_completions drops cut actions from the loss alone)")
     if rollout.filter_groups and not spec.episodic:
         raise ValueError(f"--filter_groups keeps prompt groups of varied returns; --algorithm_name={algorithm} "
                          f"collects no groups: use {'/'.join(algorithms_with(lambda spec: spec.episodic))}")
@@ -361,7 +364,7 @@ def check_rollouts(config: RunConfig) -> None:
     for name in ("overlong_buffer_len", "overlong_penalty_factor"):
         if given(config, name) and not rollout.overlong_buffer:
             raise ValueError(f"--{name} shapes the penalty of --overlong_buffer; add --overlong_buffer or drop it")
-    for name in ("overlong_buffer", "mask_truncated_completions"):
+    for name in ("overlong_buffer", "mask_truncated_completions", "filter_truncated"):
         if value(config, name) and config.env.action_level == ActionLevel.TOKEN:
             raise ValueError(f"--{name} concerns actions cut at --max_new_tokens; with --action_level token every "
                              "action is one token: use --action_level solution or step")

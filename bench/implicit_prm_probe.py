@@ -1,0 +1,139 @@
+"""Where PRIME's implicit PRM puts its rewards inside an answer: before the answer, after it, and on stopping.
+
+    python -m bench.implicit_prm_probe --checkpoint RUN_DIR/checkpoints/iter_N [--rounds 1] [--seed 12345]
+
+A PRIME run's checkpoint is restored as a resume would (its flags, policy, implicit PRM and env state); its
+policy then answers ``--rounds`` fresh rollouts of the run's own training batch (its prompts, group size,
+temperature and ``--max_new_tokens``), and its implicit PRM scores every token of every answer,
+r_t = beta * log(pi_psi(y_t) / pi_ref(y_t)), raw (before ``--prime_norm``). Each answer is split at the end of the
+first place its extracted answer appears: the tokens up to there (the solution), the tokens after it (what an
+answer that goes on past its result holds), and the end-of-text token, where the answer stopped. The
+counterfactual: the end-of-text token placed right after the answer, scored in the same context (what the PRM
+pays for stopping there). A PRM that pays the tokens after the answer and charges stopping teaches the policy,
+through the process stream's per-token returns, to run on to ``--max_new_tokens``.
+
+Prints one line of JSON: answers, the share cut at the limit, the share right, and means over the answers with
+an extracted answer: tokens to the answer and after it, the reward summed to the answer and after it, per token
+after it, the end token's where the answer stopped, and the counterfactual stop's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from absl import flags
+
+from envs.grader.extraction import extract_answer
+
+FLAGS = flags.FLAGS
+
+
+def answer_ends(texts: list[str], token_texts: list[list[str]]) -> list[int | None]:
+    """Per answer, the number of its tokens that hold the first occurrence of its extracted answer (None where
+    none is extracted or found). ``token_texts``: each answer's tokens decoded one by one."""
+    ends = []
+    for text, pieces in zip(texts, token_texts):
+        answer = extract_answer(text)
+        at = -1 if answer is None else text.find(answer)
+        if at < 0:
+            ends.append(None)
+            continue
+        reach = np.cumsum([len(piece) for piece in pieces])  # characters decoded after each token
+        ends.append(min(int(np.searchsorted(reach, at + len(answer))) + 1, len(pieces)))
+    return ends
+
+
+def restored_runner(checkpoint: Path, run_dir: Path):
+    """The Runner of ``checkpoint`` (an ``iter_N`` directory) with its own flags, as ``--resume`` builds it."""
+    from train import checkpoint_files
+    from train import flags as train_flags
+    from train.builders import build_runner
+
+    saved = checkpoint_files.load(checkpoint)
+    flag_values = copy.deepcopy(FLAGS)  # train_math's flags, none given: each takes the checkpoint's value
+    flag_values.unparse_flags()
+    flag_values(["implicit_prm_probe"])
+    train_flags.inherit(saved.flags, flag_values)
+    config = train_flags.config_from_flags(flag_values)
+    if config.prime.process_coef == 0 or config.learning.algorithm != "RLOO":
+        raise ValueError(f"{checkpoint} is a run without an implicit PRM (--algorithm_name "
+                         f"{config.learning.algorithm}, --process_coef {config.prime.process_coef}): "
+                         "probe a PRIME run's")
+    return build_runner(config, run_dir, None, saved)
+
+
+@torch.no_grad()
+def probe(checkpoint: Path, rounds: int, seed: int) -> dict[str, float]:
+    """The module docstring's figures for ``rounds`` rollouts of the run at ``checkpoint``."""
+    with tempfile.TemporaryDirectory() as run_dir:
+        runner = restored_runner(checkpoint, Path(run_dir))
+        try:
+            prm, policy = runner.learner.implicit_prm, runner.policy
+            tokenizer, eos = policy.tokenizer, policy.tokenizer.eos_token_id
+            parts = [runner.collector.collect(policy, runner.generator, seed + k)[0] for k in range(rounds)]
+        finally:
+            runner.close()
+    rows = [(buffer, buffer.rows()) for buffer in parts]
+    prompts = [prompt for _, batch in rows for prompt in batch.prompt_ids]
+    ids = [batch.action_ids[k, :length].tolist() for _, batch in rows
+           for k, length in enumerate(batch.action_lengths.tolist())]
+    texts = [buffer.texts[i] for buffer, batch in rows for i in batch.index.tolist()]
+    correct = torch.cat([buffer.episode_correct_at(batch.index) for buffer, batch in rows])
+    cut = torch.cat([buffer.cut.flatten()[batch.index] for buffer, batch in rows]).tolist()
+    rewards = [prm.beta * ratio[:len(answer)] for ratio, answer in zip(log_ratios(prm, prompts, ids), ids)]
+    ends = answer_ends(texts, [tokenizer.batch_decode(torch.tensor(answer)[:, None]) for answer in ids])
+    found = [k for k, end in enumerate(ends) if end is not None]
+    stops = log_ratios(prm, [prompts[k] for k in found], [ids[k][:ends[k]] + [eos] for k in found])
+    stop_rewards = [prm.beta * float(ratio[ends[k]]) for k, ratio in zip(found, stops)]
+    stopped = [k for k in found if not cut[k]]  # its last token is the end-of-text token
+    after = [len(ids[k]) - ends[k] for k in found]
+    reward_after = [float(rewards[k][ends[k]:].sum()) for k in found]
+    return {
+        "answers": len(ids), "cut_share": mean(cut),
+        "correct_share": float(correct.float().mean()), "with_answer": len(found),
+        "tokens_to_answer": mean([ends[k] for k in found]), "tokens_after": mean(after),
+        "reward_to_answer": mean([float(rewards[k][:ends[k]].sum()) for k in found]),
+        "reward_after": mean(reward_after),
+        "reward_per_token_after": sum(reward_after) / sum(after) if sum(after) else math.nan,
+        "end_token_reward": mean([float(rewards[k][-1]) for k in stopped]),
+        "stop_after_answer_reward": mean(stop_rewards),
+    }
+
+
+def mean(values: list[float]) -> float:
+    """Their mean; NaN for none."""
+    return float(np.mean(values)) if values else math.nan
+
+
+def log_ratios(prm, prompts: list[list[int]], actions: list[list[int]], batch: int = 16) -> list[torch.Tensor]:
+    """Per action, log pi_psi - log pi_ref [its length] under ``prm`` (an ``ImplicitPRM``), ``batch`` at a time."""
+    out = []
+    for start in range(0, len(actions), batch):
+        chunk = actions[start:start + batch]
+        lengths = torch.tensor([len(action) for action in chunk])
+        padded = torch.zeros(len(chunk), int(lengths.max()), dtype=torch.long)
+        for k, action in enumerate(chunk):
+            padded[k, :len(action)] = torch.tensor(action)
+        ratio, _ = prm.log_ratios(prompts[start:start + batch], (padded, lengths))
+        out += [row[:length].float().cpu() for row, length in zip(ratio, lengths.tolist())]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", type=Path, required=True, help="A PRIME run's iter_N checkpoint directory.")
+    parser.add_argument("--rounds", type=int, default=1, help="Rollouts of the run's training batch to probe.")
+    parser.add_argument("--seed", type=int, default=12345, help="The rollouts' sampling seed.")
+    args = parser.parse_args()
+    print(json.dumps({"checkpoint": str(args.checkpoint), **probe(args.checkpoint, args.rounds, args.seed)}))
+
+
+if __name__ == "__main__":
+    main()

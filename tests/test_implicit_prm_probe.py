@@ -1,0 +1,62 @@
+"""The implicit-PRM probe: where an answer's extracted result ends, token by token, and a probe of a real PRIME
+run's checkpoint whose figures add up to the PRM's own outcome scores."""
+
+from __future__ import annotations
+
+import glob
+import math
+
+import pytest
+import torch
+
+from bench.implicit_prm_probe import answer_ends, log_ratios, probe, restored_runner
+from test_trainer import run_train_math
+
+
+def test_answer_ends_count_the_tokens_through_the_first_place_the_answer_appears():
+    texts = ["7 + 9 = 16. The answer is 16. The answer is 16.", "no result here", "The answer is 4"]
+    pieces = [["7 + 9", " = 1", "6.", " The answer is", " 16", ".", " The answer is", " 16", "."],
+              ["no", " result", " here"], ["The answer", " is", " 4"]]
+    assert [sum(map(len, p)) for p in pieces] == [len(t) for t in texts]
+    # "16" first appears in the sum, ending inside its third token; none extracted; the last token
+    assert answer_ends(texts, pieces) == [3, None, 3]
+
+
+@pytest.fixture(scope="module")
+def prime_checkpoint(untrained_policy_dir, tmp_path_factory):
+    logdir = tmp_path_factory.mktemp("prime_run")
+    run_train_math(["--model_name_or_path", str(untrained_policy_dir), "--algorithm_name", "RLOO",
+                    "--oversample_factor", "1", "--accuracy_lower_bound", "0", "--num_env_steps", "8",
+                    "--n_rollout_threads", "8", "--group_size", "4", "--max_new_tokens", "8", "--eval_interval",
+                    "0", "--logdir", str(logdir), "--noasync_rollouts"])
+    return sorted(glob.glob(f"{logdir}/*/run_*/checkpoints/iter_*"))[-1]
+
+
+def test_a_prime_checkpoint_is_probed_and_its_rewards_add_up(prime_checkpoint, tmp_path):
+    figures = probe(prime_checkpoint, rounds=2, seed=3)
+    assert figures["answers"] == 16 and 0 <= figures["cut_share"] <= 1 and 0 <= figures["correct_share"] <= 1
+    assert figures["with_answer"] <= figures["answers"]
+    if figures["with_answer"]:
+        assert figures["tokens_to_answer"] + figures["tokens_after"] <= 8 + 1e-9
+        assert math.isfinite(figures["stop_after_answer_reward"])
+    # the probe's log-ratios are the checkpoint's PRM's (not all zero after its step), batched as its own scores
+    runner = restored_runner(prime_checkpoint, tmp_path)
+    try:
+        prm = runner.learner.implicit_prm
+        prompts, actions = [[1, 2, 3], [1, 2], [5]], [[4, 5], [6], [7, 8, 9]]
+        ratio = log_ratios(prm, prompts, actions, batch=2)
+        scores = prm.outcome_scores(prompts, (torch.tensor([[4, 5, 0], [6, 0, 0], [7, 8, 9]]), torch.tensor([2, 1, 3])))
+    finally:
+        runner.close()
+    assert [len(r) for r in ratio] == [2, 1, 3] and any(bool(r.abs().max() > 0) for r in ratio)
+    torch.testing.assert_close(torch.stack([prm.beta * r.sum() for r in ratio]), scores.float().cpu(),
+                               rtol=1e-4, atol=1e-6)
+
+
+def test_a_run_without_an_implicit_prm_is_refused(untrained_policy_dir, tmp_path):
+    run_train_math(["--model_name_or_path", str(untrained_policy_dir), "--num_env_steps", "4",
+                    "--n_rollout_threads", "4", "--group_size", "4", "--max_new_tokens", "4", "--eval_interval", "0",
+                    "--logdir", str(tmp_path), "--noasync_rollouts"])
+    checkpoint = sorted(glob.glob(f"{tmp_path}/*/run_*/checkpoints/iter_*"))[-1]
+    with pytest.raises(ValueError, match="without an implicit PRM"):
+        restored_runner(checkpoint, tmp_path / "probe")

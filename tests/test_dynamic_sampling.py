@@ -97,6 +97,10 @@ def test_filter_truncated_refills_past_groups_holding_a_cut_answer():
     assert len(seeds) == 2  # round 0's varied groups were cut: nothing kept, round 1 drawn, nothing kept either
     assert tally.mean("rollout/cut_group_share") == 1.0 and tally.mean("rollout/filtered_share") == 1.0
     assert tally.mean("rollout/filled_share") == 0.0
+    # the last round comes back without its cut groups: its varied group 100 must not train
+    assert buffer.group_ids[0, :, 0].tolist() == [100, 100, 101, 101] and not buffer.live.any()
+    targets = make_algorithm("GRPO", AlgorithmConfig()).advantages(buffer)
+    assert not targets.advantages.any()
     # without the filter round 0's first varied group fills the batch
     collect, seeds = scripted_rounds([[1, 0, 0, 1], [0, 1, 1, 1]])
     buffer, tally = refilled(collect, None, None, seed=0, groups_wanted=1, max_rounds=2)

@@ -72,7 +72,9 @@ def refilled(collect: Callable[[LanguagePolicy, Generator, int], tuple[RolloutBu
     if filter_truncated:
         tally.add("rollout/cut_group_share", [1.0] * cut + [0.0] * (drawn - cut))
     tally.add("rollout/filled_share", [1.0] * kept + [0.0] * (groups_wanted - kept))
-    if kept == 0:  # nothing to learn from: the last round as it came (zero advantages, no step)
+    if kept == 0:  # nothing to learn from: the last round as it came (zero advantages, no step) ...
+        if filter_truncated:  # ... less its groups holding a cut action, which may hold varied returns
+            buffer.live &= ~torch.isin(buffer.prompt_groups(), ids[cut_groups])[None, :, None]
         return buffer, tally
     return RolloutBuffer.concat_envs([(part, index) for part, index in parts if len(index)]), tally
 

@@ -74,10 +74,15 @@ class LossOptions:
 
 @dataclass(frozen=True)
 class PrimeOptions:
-    """PRIME's options that an algorithm reads: the accuracy filter on prompt groups and the two reward streams."""
+    """PRIME's options that an algorithm reads: the accuracy and truncation filters on prompt groups and the two
+    reward streams."""
 
     accuracy_lower_bound: float = option(0.2, "PRIME: keep prompts whose group accuracy is >= this.")
     accuracy_upper_bound: float = option(0.8, "PRIME: keep prompts whose group accuracy is <= this.")
+    filter_truncated: bool = option(
+        False, "PRIME: drop a prompt group holding an answer cut at --max_new_tokens as well (PRIME's "
+        "data.filter_truncated, verl recipe's data.filter_truncate), so no answer that never stopped trains the "
+        "policy or the implicit PRM; with --filter_groups the rounds go on past such groups.")
     process_coef: float = option(1.0, "PRIME: weight of the implicit-PRM reward stream against the outcome stream's 1 "
                                  "(0: RLOO on the outcome stream alone, and no implicit PRM is built or trained).")
     normalize_advantages: bool = option(True, "RLOO: standardise the summed returns over the batch's trained tokens "

@@ -61,21 +61,26 @@ def rloo_returns(
 
 
 def filter_groups(
-    correct: torch.Tensor, group_ids: torch.Tensor, accuracy_lower_bound: float, accuracy_upper_bound: float
+    correct: torch.Tensor, group_ids: torch.Tensor, accuracy_lower_bound: float, accuracy_upper_bound: float,
+    cut: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """PRIME's online prompt filter: keep mask [B] of responses whose group's accuracy (mean of
-    ``correct`` [B]) lies in [lower, upper]; all-right and all-wrong groups teach nothing, and a group of
-    one (a role that acted in one episode of its group) has no leave-one-out baseline."""
+    ``correct`` [B]) lies in [lower, upper], and (given ``cut`` [B], the responses cut at the token limit)
+    none of whose responses was cut; all-right and all-wrong groups teach nothing, and a group of one (a role
+    that acted in one episode of its group) has no leave-one-out baseline."""
     groups, sizes = group_index(group_ids)
     accuracy = group_means(correct.to(torch.float64), groups, sizes)
     keep = (accuracy >= accuracy_lower_bound) & (accuracy <= accuracy_upper_bound) & (sizes >= 2)
+    if cut is not None:
+        keep &= group_means(cut.to(torch.float64), groups, sizes) == 0
     return keep[groups]
 
 
 class RLOO(BaseAlgorithm):
     """RLOO with PRIME: outcome and implicit-PRM token rewards are centred separately within each prompt
     group (``rloo_returns``); groups whose accuracy lies outside [accuracy_lower_bound, accuracy_upper_bound]
-    are dropped first (PRIME's online filter, ``kept``), keeping at most ``max_groups``. With
+    (with ``filter_truncated``, also those holding a response cut at the token limit) are dropped first
+    (PRIME's online filter, ``kept``), keeping at most ``max_groups``. With
     ``normalize_advantages`` the returns are standardised over the kept tokens of the batch. The loss is the
     per-token clipped surrogate on those advantages; a KL in the reward (``use_kl_in_reward``) is summed into
     the outcome stream."""
@@ -95,8 +100,9 @@ class RLOO(BaseAlgorithm):
         correct = buffer.episode_correct().flatten()
         acted = buffer.acted().flatten()
         keep = torch.zeros_like(acted)
+        cut = (buffer.cut & buffer.live).any(0).flatten() if config.filter_truncated else None  # [E]
         keep[acted] = filter_groups(correct[acted], group_ids[acted], config.accuracy_lower_bound,
-                                    config.accuracy_upper_bound)
+                                    config.accuracy_upper_bound, None if cut is None else cut[acted])
         if config.max_groups is not None:
             kept_groups = group_ids[keep].unique(sorted=False)[: config.max_groups]
             keep &= torch.isin(group_ids, kept_groups)

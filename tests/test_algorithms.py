@@ -230,6 +230,15 @@ def test_filter_groups_by_accuracy():
     assert keep.tolist() == [False] * 4 + [True] * 4 + [False] * 4
 
 
+def test_filter_groups_drops_a_group_holding_a_cut_response():
+    # groups 0 and 1 both half right; a response of group 1 ran to the token limit
+    correct = torch.tensor([1, 0, 1, 0, 1, 0, 0, 1])
+    groups = torch.tensor([0] * 4 + [1] * 4)
+    cut = torch.tensor([False] * 5 + [True] + [False] * 2)
+    assert filter_groups(correct, groups, 0.2, 0.8, cut).tolist() == [True] * 4 + [False] * 4
+    assert filter_groups(correct, groups, 0.2, 0.8).tolist() == [True] * 8
+
+
 def test_kl_early_stop_only_above_a_set_target():
     assert kl_early_stop(0.03, target_kl=0.02) and not kl_early_stop(0.02, target_kl=0.02)
     assert not kl_early_stop(5.0, target_kl=0.0)  # 0: off

@@ -97,10 +97,13 @@ def test_filter_truncated_refills_past_groups_holding_a_cut_answer():
     assert len(seeds) == 2  # round 0's varied groups were cut: nothing kept, round 1 drawn, nothing kept either
     assert tally.mean("rollout/cut_group_share") == 1.0 and tally.mean("rollout/filtered_share") == 1.0
     assert tally.mean("rollout/filled_share") == 0.0
-    # the last round comes back without its cut groups: its varied group 100 must not train
-    assert buffer.group_ids[0, :, 0].tolist() == [100, 100, 101, 101] and not buffer.live.any()
-    targets = make_algorithm("GRPO", AlgorithmConfig()).advantages(buffer)
-    assert not targets.advantages.any()
+    # the last round comes back as it came; RLOO's filter drops its varied group 100, which holds a cut answer
+    assert buffer.group_ids[0, :, 0].tolist() == [100, 100, 101, 101]
+    every_accuracy = {"accuracy_lower_bound": 0.0, "accuracy_upper_bound": 1.0}
+    targets = make_algorithm("RLOO", AlgorithmConfig(filter_truncated=True, **every_accuracy)).advantages(buffer)
+    assert not targets.advantages.any() and not targets.keep.any()
+    unfiltered = make_algorithm("RLOO", AlgorithmConfig(**every_accuracy)).advantages(buffer)
+    assert unfiltered.keep[0, :, 0].tolist() == [True, True, True, True] and unfiltered.advantages.any()
     # without the filter round 0's first varied group fills the batch
     collect, seeds = scripted_rounds([[1, 0, 0, 1], [0, 1, 1, 1]])
     buffer, tally = refilled(collect, None, None, seed=0, groups_wanted=1, max_rounds=2)
@@ -143,9 +146,8 @@ def test_refill_stops_after_the_most_rounds_with_the_groups_it_holds():
     (["--max_num_gen_batches", "3"], "add --filter_groups"),
     (["--algorithm_name", "RLOO", "--filter_groups"], "pass --oversample_factor 1"),
     (["--filter_groups", "--max_num_gen_batches", "0"], "max_num_gen_batches"),
-    (["--filter_truncated"], "add --filter_groups"),
-    (["--filter_groups", "--filter_truncated", "--action_level", "token", "--algorithm_name", "GRPO"],
-     "every action is one token"),
+    (["--filter_truncated"], "--filter_truncated applies to RLOO"),
+    (["--algorithm_name", "RLOO", "--filter_truncated", "--action_level", "token"], "every action is one token"),
 ])
 def test_meaningless_dynamic_sampling_flags_are_refused(argv, message):
     with pytest.raises((flags.Error, ValueError), match=message):
@@ -156,11 +158,12 @@ def test_dynamic_sampling_flags_reach_the_run_config():
     config = parse("--filter_groups", "--max_num_gen_batches", "3", "--algorithm_name", "RLOO",
                    "--oversample_factor", "1")
     assert config.rollout.filter_groups and config.rollout.max_num_gen_batches == 3
-    assert not config.rollout.filter_truncated
-    assert parse("--filter_groups", "--filter_truncated").rollout.filter_truncated
+    assert not config.prime.filter_truncated
+    assert parse("--algorithm_name", "RLOO", "--filter_truncated").prime.filter_truncated
 
 
-@pytest.mark.parametrize("extra", [["--async_rollouts"], ["--noasync_rollouts", "--filter_truncated"]])
+@pytest.mark.parametrize("extra", [["--async_rollouts"], ["--noasync_rollouts", "--algorithm_name", "RLOO",
+                                                            "--oversample_factor", "1", "--filter_truncated"]])
 def test_a_run_with_dynamic_sampling_logs_its_rounds_and_their_cost(untrained_policy_dir, tmp_path, extra):
     run_dir = run_train_math(["--model_name_or_path", str(untrained_policy_dir), "--num_env_steps", "16",
                               "--n_rollout_threads", "8", "--group_size", "4", "--max_new_tokens", "6",

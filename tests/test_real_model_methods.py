@@ -76,7 +76,7 @@ def test_every_row_is_a_train_math_command_that_resolves(row, untrained_policy_d
     if row in (*pairs, "rloo_dynamic", "rloo_filter_truncated"):  # PRIME's code's sampling: every group with a
         assert config.prime.oversample_factor == 1 and config.rollout.filter_groups  # right and a wrong answer
         assert (config.prime.accuracy_lower_bound, config.prime.accuracy_upper_bound) == (0.1, 0.9)
-        assert config.rollout.filter_truncated == row.endswith("filter_truncated")
+        assert config.prime.filter_truncated == row.endswith("filter_truncated")
 
 
 def test_prefix_rl_trains_and_is_tested_on_one_form_of_problem():

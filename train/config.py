@@ -485,9 +485,6 @@ class RolloutConfig:
         10, "With --filter_groups: most rounds of generation per iteration (verl's "
         "algorithm.filter_groups.max_num_gen_batches); after the last one the batch trains on the groups it holds.",
         lower_bound=1)
-    filter_truncated: bool = option(
-        False, "With --filter_groups: a prompt group holding an action cut at --max_new_tokens is dropped too "
-        "(PRIME's data.filter_truncated), so no cut answer trains the policy or the implicit PRM.")
     mask_truncated_completions: bool = option(
         False, "Drop actions cut at --max_new_tokens from the loss (TRL's mask_truncated_completions); they still "
         "count in their group's baseline.")

@@ -12,10 +12,9 @@ Dynamic sampling (DAPO, Yu et al. 2025, section 3.2; verl's ``filter_groups``): 
 of fresh prompt groups, each rank keeping its groups whose episode returns are not all equal (a group of equal
 returns has zero advantage), until it holds as many groups as one round draws, or ``max_num_gen_batches``
 rounds were drawn; then it trains on the groups it holds (a round's whole batch if it kept none). With PRIME's
-``filter_truncated`` a group holding an answer cut at the token limit is not kept either: no answer that never
-stopped trains the policy or the implicit PRM. Each rank fills its own share (no collective: ranks stay free to
-draw different numbers of rounds, in the background thread too). The rounds after the first are their own cost,
-logged as ``time/refill``.
+``filter_truncated`` a group holding an answer cut at the token limit is not kept either. Each rank fills its own
+share (no collective: ranks stay free to draw different numbers of rounds, in the background thread too). The
+rounds after the first are their own cost, logged as ``time/refill``.
 
 From ``Runner.train_iteration`` to the generation backend: ``Rollouts.next`` -> ``Collector.collect`` ->
 ``episodes.play`` -> ``Generator.generate`` (one call per speaker at each env step); with dynamic sampling
@@ -72,9 +71,7 @@ def refilled(collect: Callable[[LanguagePolicy, Generator, int], tuple[RolloutBu
     if filter_truncated:
         tally.add("rollout/cut_group_share", [1.0] * cut + [0.0] * (drawn - cut))
     tally.add("rollout/filled_share", [1.0] * kept + [0.0] * (groups_wanted - kept))
-    if kept == 0:  # nothing to learn from: the last round as it came (zero advantages, no step) ...
-        if filter_truncated:  # ... less its groups holding a cut action, which may hold varied returns
-            buffer.live &= ~torch.isin(buffer.prompt_groups(), ids[cut_groups])[None, :, None]
+    if kept == 0:  # nothing to learn from: the last round as it came (RLOO's filter drops its cut groups)
         return buffer, tally
     return RolloutBuffer.concat_envs([(part, index) for part, index in parts if len(index)]), tally
 

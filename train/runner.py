@@ -105,7 +105,7 @@ class Runner:
                                  generation.max_policy_lag, ranks, *copy,
                                  max_num_gen_batches=config.rollout.max_num_gen_batches
                                  if config.rollout.filter_groups else None,
-                                 filter_truncated=config.rollout.filter_truncated)
+                                 filter_truncated=config.prime.filter_truncated)
         self.learner = Learner(config.learning, config.rollout, team,
                                parallel_module if parallel_module is not None else team,
                                algorithm, optimizer, minibatch_rng, ranks, implicit_prm, config.prime,

@@ -34,9 +34,9 @@ OPTIONS = {flag_name(field): (section, field) for section, kind in sections().it
 """{flag name: (RunConfig section, its field)} of every option."""
 
 APPLIES_TO = {
-    **dict.fromkeys(("accuracy_lower_bound", "accuracy_upper_bound", "oversample_factor", "implicit_prm_beta",
-                     "implicit_prm_lr", "implicit_prm_grad_clip", "implicit_prm_num_mini_batch", "process_coef",
-                     "prime_update", "prime_norm", "normalize_advantages", "implicit_prm_heldout_all"),
+    **dict.fromkeys(("accuracy_lower_bound", "accuracy_upper_bound", "filter_truncated", "oversample_factor",
+                     "implicit_prm_beta", "implicit_prm_lr", "implicit_prm_grad_clip", "implicit_prm_num_mini_batch",
+                     "process_coef", "prime_update", "prime_norm", "normalize_advantages", "implicit_prm_heldout_all"),
                     algorithms_with(lambda spec: spec.prime)),
     "scale_rewards": algorithms_with(lambda spec: spec.scales_rewards),
     "agent_groups": algorithms_with(lambda spec: spec.grouped),
@@ -351,9 +351,6 @@ def check_rollouts(config: RunConfig) -> None:
     spec = ALGORITHMS[algorithm]
     if given(config, "max_num_gen_batches") and not rollout.filter_groups:
         raise ValueError("--max_num_gen_batches bounds the rounds of --filter_groups; add --filter_groups or drop it")
-    if rollout.filter_truncated and not rollout.filter_groups:
-        raise ValueError("--filter_truncated drops groups while --filter_groups refills the batch; add --filter_groups "
-                         "or drop it (--mask_truncated_completions drops cut actions from the loss alone)")
     if rollout.filter_groups and not spec.episodic:
         raise ValueError(f"--filter_groups keeps prompt groups of varied returns; --algorithm_name={algorithm} "
                          f"collects no groups: use {'/'.join(algorithms_with(lambda spec: spec.episodic))}")

@@ -12,9 +12,11 @@ counterfactual: the end-of-text token placed right after the answer, scored in t
 pays for stopping there). A PRM that pays the tokens after the answer and charges stopping teaches the policy,
 through the process stream's per-token returns, to run on to ``--max_new_tokens``.
 
-Prints one line of JSON: answers, the share cut at the limit, the share right, and means over the answers with
-an extracted answer: tokens to the answer and after it, the reward summed to the answer and after it, per token
-after it, the end token's where the answer stopped, and the counterfactual stop's.
+Prints one line of JSON: answers, the share cut at the limit, the share right, and for the right answers and the
+wrong ones with an extracted answer (``right/``, ``wrong/``) their number and means: tokens to the answer and after
+it, the reward summed to the answer and after it, per token after it, the end token's where the answer stopped, and
+the counterfactual stop's. What the process stream pays is a reward's difference from the group's: the right
+answers' figures against the wrong ones'.
 """
 
 from __future__ import annotations
@@ -91,19 +93,28 @@ def probe(checkpoint: Path, rounds: int, seed: int) -> dict[str, float]:
     ends = answer_ends(texts, [tokenizer.batch_decode(torch.tensor(answer)[:, None]) for answer in ids])
     found = [k for k, end in enumerate(ends) if end is not None]
     stops = log_ratios(prm, [prompts[k] for k in found], [ids[k][:ends[k]] + [eos] for k in found])
-    stop_rewards = [prm.beta * float(ratio[ends[k]]) for k, ratio in zip(found, stops)]
-    stopped = [k for k in found if not cut[k]]  # its last token is the end-of-text token
-    after = [len(ids[k]) - ends[k] for k in found]
-    reward_after = [float(rewards[k][ends[k]:].sum()) for k in found]
+    stop_rewards = {k: prm.beta * float(ratio[ends[k]]) for k, ratio in zip(found, stops)}
+    right = correct.bool().tolist()
+    return {"answers": len(ids), "cut_share": mean(cut), "correct_share": mean(right),
+            **{f"{name}/{key}": value for name, keep in (("right", True), ("wrong", False))
+               for key, value in split_figures([k for k in found if right[k] == keep], ends, rewards, cut,
+                                               stop_rewards).items()}}
+
+
+def split_figures(answers: list[int], ends: list[int | None], rewards: list[torch.Tensor], cut: list[bool],
+                  stop_rewards: dict[int, float]) -> dict[str, float]:
+    """The module docstring's means over ``answers`` (indices of answers with an extracted answer ending at token
+    ``ends[k]``; ``rewards[k]``: their token rewards; ``cut[k]``: run to the limit; ``stop_rewards[k]``: the
+    end-of-text token's right after the answer)."""
+    after = [len(rewards[k]) - ends[k] for k in answers]
+    reward_after = [float(rewards[k][ends[k]:].sum()) for k in answers]
     return {
-        "answers": len(ids), "cut_share": mean(cut),
-        "correct_share": float(correct.float().mean()), "with_answer": len(found),
-        "tokens_to_answer": mean([ends[k] for k in found]), "tokens_after": mean(after),
-        "reward_to_answer": mean([float(rewards[k][:ends[k]].sum()) for k in found]),
+        "answers": len(answers), "tokens_to_answer": mean([ends[k] for k in answers]), "tokens_after": mean(after),
+        "reward_to_answer": mean([float(rewards[k][:ends[k]].sum()) for k in answers]),
         "reward_after": mean(reward_after),
         "reward_per_token_after": sum(reward_after) / sum(after) if sum(after) else math.nan,
-        "end_token_reward": mean([float(rewards[k][-1]) for k in stopped]),
-        "stop_after_answer_reward": mean(stop_rewards),
+        "end_token_reward": mean([float(rewards[k][-1]) for k in answers if not cut[k]]),
+        "stop_after_answer_reward": mean([stop_rewards[k] for k in answers]),
     }
 
 

@@ -35,10 +35,11 @@ def prime_checkpoint(untrained_policy_dir, tmp_path_factory):
 def test_a_prime_checkpoint_is_probed_and_its_rewards_add_up(prime_checkpoint, tmp_path):
     figures = probe(prime_checkpoint, rounds=2, seed=3)
     assert figures["answers"] == 16 and 0 <= figures["cut_share"] <= 1 and 0 <= figures["correct_share"] <= 1
-    assert figures["with_answer"] <= figures["answers"]
-    if figures["with_answer"]:
-        assert figures["tokens_to_answer"] + figures["tokens_after"] <= 8 + 1e-9
-        assert math.isfinite(figures["stop_after_answer_reward"])
+    assert figures["right/answers"] + figures["wrong/answers"] <= figures["answers"]
+    for name in ("right", "wrong"):
+        if figures[f"{name}/answers"]:
+            assert figures[f"{name}/tokens_to_answer"] + figures[f"{name}/tokens_after"] <= 8 + 1e-9
+            assert math.isfinite(figures[f"{name}/stop_after_answer_reward"])
     # the probe's log-ratios are the checkpoint's PRM's (not all zero after its step), batched as its own scores
     runner = restored_runner(prime_checkpoint, tmp_path)
     try:

@@ -323,11 +323,14 @@ class RolloutBuffer:
             0, index, torch.where(acted, returns, torch.inf), "amin")
         return ids, (highest > lowest).any(-1)
 
+    def episode_cut(self) -> torch.Tensor:
+        """[N, A] True where an action of the agent's episode was cut at the token limit."""
+        return (self.cut & self.live).any(0)
+
     def cut_groups(self, ids: torch.Tensor) -> torch.Tensor:
         """[G] True where prompt group ``ids`` [G] holds an action cut at the token limit (PRIME's
         ``filter_truncated`` drops these)."""
-        cut_envs = (self.cut & self.live).any(0).any(-1)  # [N]
-        return torch.isin(ids, self.prompt_groups()[cut_envs])
+        return torch.isin(ids, self.prompt_groups()[self.episode_cut().any(-1)])
 
     @staticmethod
     def concat_envs(parts: Sequence[tuple[RolloutBuffer, torch.Tensor]]) -> RolloutBuffer:

@@ -100,7 +100,7 @@ class RLOO(BaseAlgorithm):
         correct = buffer.episode_correct().flatten()
         acted = buffer.acted().flatten()
         keep = torch.zeros_like(acted)
-        cut = (buffer.cut & buffer.live).any(0).flatten() if config.filter_truncated else None  # [E]
+        cut = buffer.episode_cut().flatten() if config.filter_truncated else None
         keep[acted] = filter_groups(correct[acted], group_ids[acted], config.accuracy_lower_bound,
                                     config.accuracy_upper_bound, None if cut is None else cut[acted])
         if config.max_groups is not None:

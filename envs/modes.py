@@ -185,6 +185,13 @@ class PrimeNorm(enum.StrEnum):
     NONE = "none"  # beta * log-ratio as it is
 
 
+class ProcessCredit(enum.StrEnum):
+    """How a response's implicit-PRM rewards add up in its process return (the names of PURE, Cheng et al. 2025)."""
+
+    SUM_FORM = "sum_form"  # each reward as it is: the return sums them, so it grows with the length (PRIME's)
+    MIN_FORM = "min_form"  # weighted by softmax(-r / T) over the response: a weighted mean, near its lowest reward
+
+
 class RolloutIsLevel(enum.StrEnum):
     """Where the trainer/sampler probability ratio of rollout correction is taken."""
 

@@ -6,10 +6,14 @@ sigmoid(beta * sum_t log(pi_psi / pi_ref)) is fitted to the verified labels with
 each rollout batch (``update``); its token log-ratios are then dense process rewards. pi_ref is the
 PRM's own starting weights, frozen.
 
-Granularity: ``token`` (a reward per token) or ``step`` (the sum over a step, paid at its last
-token). Norm (PRIME's ``prime_norm``): ``batch_norm`` divides a batch's rewards by the largest
-|return-to-go| among them, so that the process stream's returns lie in [-1, 1] like the verified
-outcome's whatever beta and the PRM's drift are; ``none`` keeps beta * log-ratio.
+Granularity: ``token`` (a reward per token) or ``step`` (the sum over a step, paid at its last token).
+Credit (PURE, Cheng et al. 2025, arXiv 2504.15275): ``sum_form`` pays each reward as it is, so a response's
+process return is their sum and grows with its length wherever its rewards lie above its group's; ``min_form``
+weights each response's rewards by softmax(-r / T) over its reward positions, so the return is a weighted mean
+near the lowest one, bounded by the rewards' range whatever the length. Norm (PRIME's ``prime_norm``):
+``batch_norm`` divides a batch's rewards by the largest |return-to-go| among them, so that the process stream's
+returns lie in [-1, 1] like the verified outcome's whatever beta and the PRM's drift are; ``none`` keeps
+beta * log-ratio.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from envs.modes import ImplicitPrmGranularity, PrimeNorm, member_of
+from envs.modes import ImplicitPrmGranularity, PrimeNorm, ProcessCredit, member_of
 from models.packing import TokenBatch, token_lengths
 from models.policy import LanguagePolicy
 
@@ -35,6 +39,7 @@ class ImplicitPRM:
         lr: AdamW learning rate of ``update`` (no weight decay, as PRIME's reward-model optimizer: a decay would
             pull psi towards zero, not towards pi_ref, and move every log-ratio with no outcome behind it).
         grad_clip: the gradient norm each step is clipped to (PRIME's run script: 10).
+        credit, min_form_temperature: see the module docstring (PURE's T: 0.1).
     """
 
     def __init__(
@@ -45,9 +50,15 @@ class ImplicitPRM:
         lr: float = 1e-6,
         grad_clip: float = 10.0,
         norm: PrimeNorm = PrimeNorm.BATCH_NORM,
+        credit: ProcessCredit = ProcessCredit.SUM_FORM,
+        min_form_temperature: float = 0.1,
     ):
         self.granularity = member_of(tuple(ImplicitPrmGranularity), granularity, "implicit PRM granularity")
         self.norm = member_of(tuple(PrimeNorm), norm, "implicit PRM norm")
+        self.credit = member_of(tuple(ProcessCredit), credit, "implicit PRM credit")
+        if min_form_temperature <= 0:
+            raise ValueError(f"min_form_temperature={min_form_temperature} must be > 0 (PURE's: 0.1)")
+        self.min_form_temperature = min_form_temperature
         if beta <= 0:
             raise ValueError(f"implicit PRM beta={beta} must be > 0")
         if grad_clip <= 0:
@@ -81,10 +92,10 @@ class ImplicitPRM:
                       ref_log_probs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(process rewards [B, L], outcome scores [B]). The rewards: beta * log-ratio per token, or per step
         (summed over each step and paid at the step's last token; ``step_ends`` [B, L] marks those tokens,
-        default: each action is one step), scaled by ``norm``; ``batch_max`` takes this process's largest
-        |return-to-go| to the batch's (under data parallelism: the maximum over every process, which each process
-        joins, with no rows too). The outcome scores: beta * sum_t log-ratio, its prediction of each action's
-        outcome (> 0: right), read off the same pass. ``ref_log_probs``: as ``log_ratios``."""
+        default: each action is one step), weighted by ``credit``, scaled by ``norm``; ``batch_max`` takes this
+        process's largest |return-to-go| to the batch's (under data parallelism: the maximum over every process,
+        which each process joins, with no rows too). The outcome scores: beta * sum_t log-ratio, its prediction of
+        each action's outcome (> 0: right), read off the same pass. ``ref_log_probs``: as ``log_ratios``."""
         if not token_lengths(actions):
             rewards, mask = torch.zeros(0, 0), torch.zeros(0, 0, dtype=torch.bool)
         else:
@@ -95,6 +106,9 @@ class ImplicitPRM:
             if step_ends is None:
                 step_ends = mask & ~torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], dim=1)
             rewards = _sum_per_step(rewards, step_ends.to(mask.device))
+            mask = step_ends.to(mask.device) & mask
+        if self.credit is ProcessCredit.MIN_FORM:
+            rewards = min_form(rewards, mask, self.min_form_temperature)
         if self.norm is PrimeNorm.BATCH_NORM:
             returns_to_go = rewards.flip(-1).cumsum(-1).flip(-1)
             largest = float(returns_to_go.abs().max()) if rewards.numel() else 0.0
@@ -150,6 +164,15 @@ class ImplicitPRM:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)  # a model's worth, not held between updates
         return float(grad_norm)
+
+
+def min_form(rewards: torch.Tensor, positions: torch.Tensor, temperature: float) -> torch.Tensor:
+    """PURE's min-form credit: [B, L] ``rewards`` times w = softmax(-rewards / temperature) over each row's reward
+    ``positions`` [B, L] (0 elsewhere), so that a row's sum is a weighted mean of its rewards, near their minimum as
+    the temperature falls and their plain mean as it grows."""
+    logits = (-rewards / temperature).masked_fill(~positions, -torch.inf)
+    weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a row without positions: all weights 0
+    return weights * rewards
 
 
 def _sum_per_step(rewards: torch.Tensor, step_ends: torch.Tensor) -> torch.Tensor:

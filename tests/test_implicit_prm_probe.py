@@ -1,5 +1,5 @@
 """The implicit-PRM probe: where an answer's extracted result ends, token by token, and a probe of a real PRIME
-run's checkpoint whose figures add up to the PRM's own outcome scores."""
+run's checkpoint (min-form credit: its PRM restored as it trained) whose log-ratios are the PRM's own."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from envs.modes import ProcessCredit
 from bench.implicit_prm_probe import answer_ends, log_ratios, probe, restored_runner
 from test_trainer import run_train_math
 
@@ -28,7 +29,7 @@ def prime_checkpoint(untrained_policy_dir, tmp_path_factory):
     run_train_math(["--model_name_or_path", str(untrained_policy_dir), "--algorithm_name", "RLOO",
                     "--oversample_factor", "1", "--accuracy_lower_bound", "0", "--num_env_steps", "8",
                     "--n_rollout_threads", "8", "--group_size", "4", "--max_new_tokens", "8", "--eval_interval",
-                    "0", "--logdir", str(logdir), "--noasync_rollouts"])
+                    "0", "--logdir", str(logdir), "--noasync_rollouts", "--process_credit_assignment", "min_form"])
     return sorted(glob.glob(f"{logdir}/*/run_*/checkpoints/iter_*"))[-1]
 
 
@@ -44,6 +45,7 @@ def test_a_prime_checkpoint_is_probed_and_its_rewards_add_up(prime_checkpoint, t
     runner = restored_runner(prime_checkpoint, tmp_path)
     try:
         prm = runner.learner.implicit_prm
+        assert prm.credit == ProcessCredit.MIN_FORM and prm.min_form_temperature == 0.1  # the run's, restored
         prompts, actions = [[1, 2, 3], [1, 2], [5]], [[4, 5], [6], [7, 8, 9]]
         ratio = log_ratios(prm, prompts, actions, batch=2)
         scores = prm.outcome_scores(prompts, (torch.tensor([[4, 5, 0], [6, 0, 0], [7, 8, 9]]), torch.tensor([2, 1, 3])))

@@ -13,10 +13,10 @@ from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForTokenClassif
 
 from algorithms.base import roc_auc
 from envs.datasets import Arith, Problem
-from envs.modes import PrimeNorm
+from envs.modes import PrimeNorm, ProcessCredit
 from envs.prompts import format_prompt, join_steps, split_steps
 from envs.rewards import StepContext
-from reward_models.implicit_prm import ImplicitPRM
+from reward_models.implicit_prm import ImplicitPRM, min_form
 from reward_models.prm import (MIN_LABEL_ODDS, ProcessRewardModel, aggregate_step_scores, check_prm_dir,
                                single_token_id)
 from reward_models.target_solver import TargetSolver
@@ -235,6 +235,39 @@ def test_implicit_prm_reward_by_hand_and_update_direction(untrained_policy_dir):
     # under data parallelism the batch's maximum is every process's: a larger one elsewhere scales these down
     torch.testing.assert_close(prm.token_rewards(prompts, actions, batch_max=lambda mine: 2 * mine)[0],
                                rewards / (2 * largest + 1e-6))
+
+
+def test_min_form_weights_each_row_towards_its_lowest_reward_by_hand():
+    rewards = torch.tensor([[0.5, -0.5, 0.0, 9.0], [0.2, 0.2, 0.0, 0.0]])
+    positions = torch.tensor([[True, True, True, False], [True, True, False, False]])
+    weighted = min_form(rewards, positions, temperature=0.1)
+    first = torch.softmax(torch.tensor([-5.0, 5.0, 0.0]), 0)  # -r / T over the row's three positions
+    torch.testing.assert_close(weighted[0], torch.cat([first * torch.tensor([0.5, -0.5, 0.0]), torch.zeros(1)]))
+    torch.testing.assert_close(weighted[1], torch.tensor([0.1, 0.1, 0.0, 0.0]))  # equal rewards: their mean
+    assert float(weighted[0].sum()) == pytest.approx(-0.5 * float(first[1]) + 0.5 * float(first[0]))
+    assert -0.5 < float(weighted[0].sum()) < -0.49  # near the minimum, -0.5
+    # a large temperature gives the plain mean; a row without positions stays 0
+    torch.testing.assert_close(min_form(rewards, positions, 1e9)[0, :3].sum(), torch.tensor(0.0))
+    assert not min_form(rewards, torch.zeros_like(positions), 0.1).any()
+
+
+def test_implicit_prm_min_form_weights_its_token_rewards(untrained_policy_dir):
+    """After a step the PRM's min_form rewards are its sum_form ones through ``min_form``: their sum lies within
+    the rewards' range instead of adding them up; the outcome score stays the plain sum."""
+    prm = ImplicitPRM(LanguagePolicy(untrained_policy_dir, device="cpu"), beta=0.5, lr=1e-3, norm="none")
+    tokenizer = prm.model.tokenizer
+    prompt = tokenizer.encode(format_prompt(PROBLEMS[0].problem))
+    answer = tokenizer.encode(join_steps(split_steps(PROBLEMS[0].solution)), add_special_tokens=False)
+    prm.update([prompt] * 2, [answer] * 2, torch.tensor([1.0, 0.0]))  # psi leaves ref: rewards not all 0
+    raw, _ = prm.token_rewards([prompt], [answer])
+    prm.credit = ProcessCredit.MIN_FORM
+    weighted, scores = prm.token_rewards([prompt], [answer])
+    positions = (torch.arange(raw.shape[1]) < len(answer))[None]
+    torch.testing.assert_close(weighted, min_form(raw, positions, prm.min_form_temperature))
+    torch.testing.assert_close(scores, raw.sum(-1))
+    assert raw.min() <= weighted.sum() <= raw.max()
+    with pytest.raises(ValueError, match="min_form_temperature"):
+        ImplicitPRM(LanguagePolicy(untrained_policy_dir, device="cpu"), min_form_temperature=0.0)
 
 
 def test_implicit_prm_step_clips_its_gradient_norm(untrained_policy_dir):

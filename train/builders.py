@@ -477,7 +477,9 @@ def build_runner(config: RunConfig, run_dir: Path, writer, saved: checkpoint_fil
         implicit_prm = ImplicitPRM(language_policy(directory, config.model, str(policy.device),
                                                    lora_rank=config.model.lora_rank),
                                    beta=config.prime.implicit_prm_beta, lr=config.prime.implicit_prm_lr,
-                                   grad_clip=config.prime.implicit_prm_grad_clip, norm=config.prime.prime_norm)
+                                   grad_clip=config.prime.implicit_prm_grad_clip, norm=config.prime.prime_norm,
+                                   credit=config.prime.process_credit_assignment,
+                                   min_form_temperature=config.prime.min_form_temperature)
     optimizer, scheduler = build_optimizer(learning, policy, config.budget.num_iterations)
     sampling = sampling_of(config.generation, env.action_level, policy.tokenizer.eos_token or "")
     collector = Collector(train_env, algorithm_spec(learning.algorithm), env.episode_length, sampling,

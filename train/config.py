@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from algorithms.config import LossOptions, MultiAgentOptions, PrimeOptions
 from algorithms.options import option
 from algorithms.registry import ALGORITHMS, named
-from envs.modes import (ActionLevel, Backend, Critic, DataParallel, DType, Grader, LrSchedule, PrimeNorm,
+from envs.modes import (ActionLevel, Backend, Critic, DataParallel, DType, Grader, LrSchedule, PrimeNorm, ProcessCredit,
                         PrimeUpdate, PrmType, PromptTemplate, RewardAssignment, RolloutIsLevel, RolloutIsMode,
                         RolloutMode, Tool)
 
@@ -295,6 +295,13 @@ class PrimeConfig(PrimeOptions):
     prime_norm: PrimeNorm = option(PrimeNorm.BATCH_NORM, "PRIME: batch_norm divides a batch's process rewards by their "
                                    "largest |return-to-go| (process returns in [-1, 1], as the outcome's); none: "
                                    "implicit_prm_beta * log-ratio as is.")
+    process_credit_assignment: ProcessCredit = option(
+        ProcessCredit.SUM_FORM, "PRIME: how a response's implicit-PRM rewards add up in its process return, in PURE's "
+        "names (Cheng et al. 2025): sum_form pays each as it is (the return grows with the length), min_form weights "
+        "them by softmax(-r / --min_form_temperature) over the response (a weighted mean near the lowest), before "
+        "--prime_norm.")
+    min_form_temperature: float = option(0.1, "PRIME with --process_credit_assignment min_form: the softmax "
+                                         "temperature T (PURE's 0.1; large: the plain mean).")
     implicit_prm_heldout_all: bool = option(False, "PRIME: also score every sampled episode, the groups the prompt "
                                             "filter drops included, for implicit_prm/heldout_all_auc (one more "
                                             "PRM and reference pass over all of them).")

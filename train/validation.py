@@ -25,7 +25,7 @@ from typing import Any
 from algorithms.config import kl_in_reward
 from algorithms.registry import ALGORITHMS, algorithms_with
 from envs.modes import (ActionLevel, AgentGroups, Backend, Critic, DataParallel, DType, LossAgg, PrmType,
-                        PromptTemplate, RolloutIsLevel, RolloutIsMode, RolloutMode)
+                        ProcessCredit, PromptTemplate, RolloutIsLevel, RolloutIsMode, RolloutMode)
 from train.config import DEFAULT_PRM_REWARD, FLOAT16_TRAINING, REWARD_SOURCES, RunConfig, parse_eval_sets, sections
 from algorithms.options import flag_name, options
 from train.options import with_members
@@ -36,7 +36,8 @@ OPTIONS = {flag_name(field): (section, field) for section, kind in sections().it
 APPLIES_TO = {
     **dict.fromkeys(("accuracy_lower_bound", "accuracy_upper_bound", "filter_truncated", "oversample_factor",
                      "implicit_prm_beta", "implicit_prm_lr", "implicit_prm_grad_clip", "implicit_prm_num_mini_batch",
-                     "process_coef", "prime_update", "prime_norm", "normalize_advantages", "implicit_prm_heldout_all"),
+                     "process_coef", "prime_update", "prime_norm", "normalize_advantages", "implicit_prm_heldout_all",
+                     "process_credit_assignment", "min_form_temperature"),
                     algorithms_with(lambda spec: spec.prime)),
     "scale_rewards": algorithms_with(lambda spec: spec.scales_rewards),
     "agent_groups": algorithms_with(lambda spec: spec.grouped),
@@ -338,10 +339,15 @@ def check_losses(config: RunConfig) -> None:
 
 
 def check_prime(config: RunConfig) -> None:
-    """PRIME's accuracy band."""
+    """PRIME's accuracy band and min-form temperature."""
     low, high = config.prime.accuracy_lower_bound, config.prime.accuracy_upper_bound
     if not 0 <= low <= high <= 1:
         raise ValueError(f"need 0 <= --accuracy_lower_bound ({low}) <= --accuracy_upper_bound ({high}) <= 1")
+    if given(config, "min_form_temperature") and config.prime.process_credit_assignment != ProcessCredit.MIN_FORM:
+        raise ValueError("--min_form_temperature shapes --process_credit_assignment min_form; add it or drop the "
+                         "temperature")
+    if config.prime.min_form_temperature <= 0:
+        raise ValueError(f"--min_form_temperature={config.prime.min_form_temperature} must be > 0 (PURE's: 0.1)")
 
 
 def check_rollouts(config: RunConfig) -> None:

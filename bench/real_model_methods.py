@@ -1,7 +1,7 @@
 """The project's own methods against their controls on a real pretrained model, through ``train_math.py``.
 
-    python -m bench.real_model_methods --method prefix_rl|prime|prime_dynamic|prime_filter_truncated|workflow
-                                       [--seeds 0 1] [--iterations N]
+    python -m bench.real_model_methods --method prefix_rl|prime|prime_dynamic|prime_filter_truncated|prime_min_form
+                                       |workflow [--seeds 0 1] [--iterations N]
                                        [--eval_interval N] [--eval_limit 500] [--margin 1.5]
                                        [--model DIR] [--out DIR] [--rows ROW ...] [--keep DIR]
 
@@ -40,6 +40,10 @@ and at its end. Methods, each beside its control:
   (``FILTER_TRUNCATED``: ``--filter_truncated``, a group holding an answer cut at ``--max_new_tokens`` is not
   kept either), ``rloo_filter_truncated`` its control: no answer that never stopped trains the policy or the
   implicit PRM, which otherwise can learn to pay tokens past the answer.
+- ``prime_min_form``: ``prime_dynamic`` with PURE's min-form credit (``--process_credit_assignment min_form``: each
+  response's process rewards weighted towards its lowest, so that its process return does not grow with its
+  length) against the same control, ``rloo_dynamic`` (whose outcome-only run is the same, and kept runs of it are
+  reused).
 - ``workflow``: a debate (``Arith-Debate-v0``: 3 debaters x 2 rounds, each round's answers shown to every
   debater in the next, majority vote over the last round), one LoRA adapter per debater on the shared base
   (``--noshare_policy``, rank 16, lr 1e-4, as the real-model bench's LoRA mode), each debater paid its own
@@ -178,16 +182,18 @@ LORA = ("--lora_rank", "16", "--lr", "1e-4")  # the real-model bench's LoRA mode
 DEBATE_OVERRIDES = (*LORA, "--eval_batch_size", "32")
 
 
-def dynamic_pair(sampling: tuple[str, ...]) -> tuple[Row, Row]:
-    """PRIME with ``sampling`` (rounds of generation, so a count of samples per iteration it does not fix) and 4
-    implicit-PRM steps a batch, and its control: the same sampling with the outcome alone, trained ``--margin``
-    times PRIME's iterations and evaluated twice as often (where it reaches PRIME's samples is found within half an
-    interval)."""
-    prime = Row(("--model_name_or_path", "{model}", *RLOO, *sampling, "--implicit_prm_lr", str(PRM_LR),
-                 "--implicit_prm_num_mini_batch", "4"))
-    control = Row(("--model_name_or_path", "{model}", *RLOO, *sampling, "--process_coef", "0"), budget=None,
-                  eval_density=2, equal_at="env_steps")
-    return prime, control
+def dynamic_prime(sampling: tuple[str, ...], *options: str) -> Row:
+    """PRIME with ``sampling`` (rounds of generation, so a count of samples per iteration it does not fix), 4
+    implicit-PRM steps a batch and ``options``."""
+    return Row(("--model_name_or_path", "{model}", *RLOO, *sampling, "--implicit_prm_lr", str(PRM_LR),
+                "--implicit_prm_num_mini_batch", "4", *options))
+
+
+def dynamic_control(sampling: tuple[str, ...]) -> Row:
+    """``dynamic_prime``'s control: the same sampling with the outcome alone, trained ``--margin`` times PRIME's
+    iterations and evaluated twice as often (where it reaches PRIME's samples is found within half an interval)."""
+    return Row(("--model_name_or_path", "{model}", *RLOO, *sampling, "--process_coef", "0"), budget=None,
+               eval_density=2, equal_at="env_steps")
 
 
 ROWS: dict[str, Row] = {
@@ -198,8 +204,11 @@ ROWS: dict[str, Row] = {
     "rloo_filter": Row(("--model_name_or_path", "{model}", *RLOO, "--process_coef", "0"), 4 * 64),
     "rloo": Row(("--model_name_or_path", "{model}", *RLOO, "--process_coef", "0", "--oversample_factor", "1",
                  "--accuracy_lower_bound", "0", "--accuracy_upper_bound", "1")),
-    **dict(zip(("prime_dynamic", "rloo_dynamic"), dynamic_pair(DYNAMIC))),
-    **dict(zip(("prime_filter_truncated", "rloo_filter_truncated"), dynamic_pair(FILTER_TRUNCATED))),
+    "prime_dynamic": dynamic_prime(DYNAMIC),
+    "rloo_dynamic": dynamic_control(DYNAMIC),
+    "prime_filter_truncated": dynamic_prime(FILTER_TRUNCATED),
+    "rloo_filter_truncated": dynamic_control(FILTER_TRUNCATED),
+    "prime_min_form": dynamic_prime(DYNAMIC, "--process_credit_assignment", "min_form"),
     "workflow": Row(DEBATE, DEBATES * WORKFLOW_SAMPLES, DEBATES, ROUNDS, overrides=DEBATE_OVERRIDES),
     "workflow_untrained": Row((), val_only=True, seeded=False, start_of="workflow"),
     # evaluated 3 times as often: where it reaches the debate's tokens is found within a third of an interval
@@ -211,6 +220,7 @@ METHODS = {"prefix_rl": Method("prefix_rl", ("target_alone", "writer_alone")),
            "prime": Method("prime", ("rloo_filter", "rloo")),
            "prime_dynamic": Method("prime_dynamic", ("rloo_dynamic",)),
            "prime_filter_truncated": Method("prime_filter_truncated", ("rloo_filter_truncated",)),
+           "prime_min_form": Method("prime_min_form", ("rloo_dynamic",)),
            "workflow": Method("workflow", ("grpo_equal_tokens", "single_majk", "workflow_untrained"),
                               x="generated_tokens")}
 CSV_KEYS = ("row", "seed", "iteration", "env_steps", "generated_tokens", "minutes", "metric", "accuracy",

@@ -89,7 +89,7 @@ def probe(checkpoint: Path, rounds: int, seed: int) -> dict[str, float]:
     texts = [buffer.texts[i] for buffer, batch in rows for i in batch.index.tolist()]
     correct = torch.cat([buffer.episode_correct_at(batch.index) for buffer, batch in rows])
     cut = torch.cat([buffer.cut.flatten()[batch.index] for buffer, batch in rows]).tolist()
-    rewards = [prm.beta * ratio[:len(answer)] for ratio, answer in zip(log_ratios(prm, prompts, ids), ids)]
+    rewards = [prm.beta * ratio for ratio in log_ratios(prm, prompts, ids)]
     ends = answer_ends(texts, [tokenizer.batch_decode(torch.tensor(answer)[:, None]) for answer in ids])
     found = [k for k, end in enumerate(ends) if end is not None]
     stops = log_ratios(prm, [prompts[k] for k in found], [ids[k][:ends[k]] + [eos] for k in found])
@@ -128,12 +128,8 @@ def log_ratios(prm, prompts: list[list[int]], actions: list[list[int]], batch: i
     out = []
     for start in range(0, len(actions), batch):
         chunk = actions[start:start + batch]
-        lengths = torch.tensor([len(action) for action in chunk])
-        padded = torch.zeros(len(chunk), int(lengths.max()), dtype=torch.long)
-        for k, action in enumerate(chunk):
-            padded[k, :len(action)] = torch.tensor(action)
-        ratio, _ = prm.log_ratios(prompts[start:start + batch], (padded, lengths))
-        out += [row[:length].float().cpu() for row, length in zip(ratio, lengths.tolist())]
+        ratio, _ = prm.log_ratios(prompts[start:start + batch], chunk)
+        out += [row[:len(action)].float().cpu() for row, action in zip(ratio, chunk)]
     return out
 
 

@@ -17,6 +17,12 @@ wrong ones with an extracted answer (``right/``, ``wrong/``) their number and me
 it, the reward summed to the answer and after it, per token after it, the end token's where the answer stopped, and
 the counterfactual stop's. What the process stream pays is a reward's difference from the group's: the right
 answers' figures against the wrong ones'.
+
+Then what each stream gives the policy gradient (``stream/``), over the groups the run would train on (its prompt
+filter, ``kept``): the implicit PRM's rewards as the run's learner takes them (its credit and ``--prime_norm``;
+before the step the run's PRM would take on them first), each stream's per-token returns as ``rloo_returns`` centres
+them, their standard deviations over the real tokens, the process stream's share of their summed variance, their
+correlation, and the share of tokens where the two returns agree in sign (of those where the outcome's is not 0).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import numpy as np
 import torch
 from absl import flags
 
+from algorithms.rloo import rloo_returns
 from envs.grader.extraction import extract_answer
 
 FLAGS = flags.FLAGS
@@ -80,6 +87,7 @@ def probe(checkpoint: Path, rounds: int, seed: int) -> dict[str, float]:
             prm, policy = runner.learner.implicit_prm, runner.policy
             tokenizer, eos = policy.tokenizer, policy.tokenizer.eos_token_id
             parts = [runner.collector.collect(policy, runner.generator, seed + k)[0] for k in range(rounds)]
+            streams = stream_figures(*kept_streams(runner, parts))
         finally:
             runner.close()
     rows = [(buffer, buffer.rows()) for buffer in parts]
@@ -98,7 +106,49 @@ def probe(checkpoint: Path, rounds: int, seed: int) -> dict[str, float]:
     return {"answers": len(ids), "cut_share": mean(cut), "correct_share": mean(right),
             **{f"{name}/{key}": value for name, keep in (("right", True), ("wrong", False))
                for key, value in split_figures([k for k in found if right[k] == keep], ends, rewards, cut,
-                                               stop_rewards).items()}}
+                                               stop_rewards).items()},
+            **{f"stream/{key}": value for key, value in streams.items()}}
+
+
+def kept_streams(runner, parts: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(outcome [B], process rewards [B, L], token mask [B, L], group ids [B]) of the episodes of ``parts`` (the
+    runner's rollout buffers, one action an episode) that pass the run's prompt filter, groups told apart across
+    parts."""
+    outcome, process, masks, groups = [], [], [], []
+    for part, buffer in enumerate(parts):
+        rows = buffer.rows(runner.learner.algorithm.kept(buffer))
+        episodes = rows.index % (buffer.shape[1] * buffer.shape[2])
+        rewards, _ = runner.learner.implicit_prm.token_rewards(rows.prompt_ids, (rows.action_ids, rows.action_lengths))
+        process.append(rewards.float().cpu())
+        masks.append(torch.arange(rewards.shape[1]) < rows.action_lengths.cpu()[:, None])
+        outcome.append(buffer.episode_returns().flatten()[episodes].cpu())
+        groups.append(buffer.episode_group_ids().flatten()[episodes].cpu() + part * buffer.num_slots)
+    width = max(rewards.shape[1] for rewards in process)
+    return (torch.cat(outcome), torch.cat([padded(rewards, width) for rewards in process]),
+            torch.cat([padded(mask, width) for mask in masks]), torch.cat(groups))
+
+
+def padded(x: torch.Tensor, width: int) -> torch.Tensor:
+    """[B, L] right-padded with zeros (False) to [B, width]."""
+    return torch.nn.functional.pad(x, (0, width - x.shape[1]))
+
+
+def stream_figures(outcome: torch.Tensor, process: torch.Tensor, token_mask: torch.Tensor,
+                   group_ids: torch.Tensor) -> dict[str, float]:
+    """The module docstring's ``stream/`` figures. outcome: [B]; process: [B, L] token rewards; token_mask: [B, L];
+    group_ids: [B]."""
+    if not len(outcome):
+        return {"responses": 0}
+    mask = token_mask.bool()
+    returns_o = rloo_returns(outcome.double(), group_ids, mask)[mask]
+    returns_p = rloo_returns(torch.zeros_like(outcome, dtype=torch.float64), group_ids, mask,
+                             process=process.double())[mask]
+    var_o, var_p = returns_o.var(correction=0), returns_p.var(correction=0)
+    signed = returns_o != 0
+    return {"responses": len(outcome), "outcome_std": float(var_o.sqrt()), "process_std": float(var_p.sqrt()),
+            "process_variance_share": float(var_p / (var_o + var_p)),
+            "correlation": float(torch.corrcoef(torch.stack([returns_o, returns_p]))[0, 1]),
+            "sign_agreement": float((returns_o.sign() == returns_p.sign())[signed].double().mean())}
 
 
 def split_figures(answers: list[int], ends: list[int | None], rewards: list[torch.Tensor], cut: list[bool],

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from envs.modes import ProcessCredit
-from bench.implicit_prm_probe import answer_ends, log_ratios, probe, restored_runner
+from bench.implicit_prm_probe import answer_ends, log_ratios, probe, restored_runner, stream_figures
 from test_trainer import run_train_math
 
 
@@ -21,6 +21,26 @@ def test_answer_ends_count_the_tokens_through_the_first_place_the_answer_appears
     assert [sum(map(len, p)) for p in pieces] == [len(t) for t in texts]
     # "16" first appears in the sum, ending inside its third token; none extracted; the last token
     assert answer_ends(texts, pieces) == [3, None, 3]
+
+
+def test_stream_figures_compare_the_two_streams_per_token_returns_by_hand():
+    # group 0: a right answer of 2 tokens (process rewards 0.2, 0.0) and a wrong one of 1 (-0.2); group 1: a right
+    # and a wrong answer of 1 token each (-0.1, 0.1). Pairs: the outcome's leave-one-out returns are +-1; the
+    # process stream's a_t = 2 r_t - (m_i + m_j), then summed to go: group 0 [0.5, 0.1] -> [0.6, 0.1] and -0.3,
+    # group 1 -0.2 and 0.2
+    outcome = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    process = torch.tensor([[0.2, 0.0], [-0.2, 0.0], [-0.1, 0.0], [0.1, 0.0]])
+    mask = torch.tensor([[True, True], [True, False], [True, False], [True, False]])
+    figures = stream_figures(outcome, process, mask, torch.tensor([0, 0, 1, 1]))
+    returns_o = torch.tensor([1.0, 1.0, -1.0, 1.0, -1.0], dtype=torch.float64)
+    returns_p = torch.tensor([0.6, 0.1, -0.3, -0.2, 0.2], dtype=torch.float64)
+    assert figures["responses"] == 4
+    assert figures["outcome_std"] == pytest.approx(float(returns_o.std(correction=0)))
+    assert figures["process_std"] == pytest.approx(float(returns_p.std(correction=0)))
+    var_o, var_p = returns_o.var(correction=0), returns_p.var(correction=0)
+    assert figures["process_variance_share"] == pytest.approx(float(var_p / (var_o + var_p)))
+    assert figures["correlation"] == pytest.approx(float(torch.corrcoef(torch.stack([returns_o, returns_p]))[0, 1]))
+    assert figures["sign_agreement"] == pytest.approx(3 / 5)  # group 1's two tokens disagree
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +57,7 @@ def test_a_prime_checkpoint_is_probed_and_its_rewards_add_up(prime_checkpoint, t
     figures = probe(prime_checkpoint, rounds=2, seed=3)
     assert figures["answers"] == 16 and 0 <= figures["cut_share"] <= 1 and 0 <= figures["correct_share"] <= 1
     assert figures["right/answers"] + figures["wrong/answers"] <= figures["answers"]
+    assert 0 < figures["stream/responses"] <= 16 and figures["stream/process_std"] > 0
     for name in ("right", "wrong"):
         if figures[f"{name}/answers"]:
             assert figures[f"{name}/tokens_to_answer"] + figures[f"{name}/tokens_after"] <= 8 + 1e-9

@@ -58,6 +58,12 @@ def test_a_prime_checkpoint_is_probed_and_its_rewards_add_up(prime_checkpoint, t
     assert figures["answers"] == 16 and 0 <= figures["cut_share"] <= 1 and 0 <= figures["correct_share"] <= 1
     assert figures["right/answers"] + figures["wrong/answers"] <= figures["answers"]
     assert 0 < figures["stream/responses"] <= 16 and figures["stream/process_std"] > 0
+    assert figures["stream/credit"] == "min_form"  # the run's
+    # the same rollouts re-scored with the other credit: the answers and the outcome stream as they were
+    summed = probe(prime_checkpoint, rounds=2, seed=3, credit=ProcessCredit.SUM_FORM)
+    assert summed["stream/credit"] == "sum_form" and summed["correct_share"] == figures["correct_share"]
+    assert summed["stream/outcome_std"] == pytest.approx(figures["stream/outcome_std"])
+    assert summed["stream/process_std"] != pytest.approx(figures["stream/process_std"])
     for name in ("right", "wrong"):
         if figures[f"{name}/answers"]:
             assert figures[f"{name}/tokens_to_answer"] + figures[f"{name}/tokens_after"] <= 8 + 1e-9

@@ -22,9 +22,9 @@ answers' figures against the wrong ones'.
 Then what each stream gives the policy gradient (``stream/``), over the groups the run would train on (its prompt
 filter, ``kept``): the implicit PRM's rewards as the run's learner takes them (its credit, or
 ``--process_credit_assignment``'s on the same answers, and its ``--prime_norm``; before the step the run's PRM would
-take on them first), each stream's per-token returns as ``rloo_returns`` centres
-them, their standard deviations over the real tokens, the process stream's share of their summed variance, their
-correlation, and the share of tokens where the two returns agree in sign (of those where the outcome's is not 0).
+take on them first), each stream's per-token returns as ``rloo_returns`` centres them, their standard deviations
+over the real tokens, the process stream's share of their summed variance, their correlation, and the share of
+tokens where the two returns agree in sign (of those where the outcome's is not 0).
 """
 
 from __future__ import annotations
@@ -91,9 +91,9 @@ def probe(checkpoint: Path, rounds: int, seed: int, credit: ProcessCredit | None
             prm, policy = runner.learner.implicit_prm, runner.policy
             tokenizer, eos = policy.tokenizer, policy.tokenizer.eos_token_id
             parts = [runner.collector.collect(policy, runner.generator, seed + k)[0] for k in range(rounds)]
-            runner.learner.implicit_prm.credit = credit or runner.learner.implicit_prm.credit
-            streams = {"credit": str(runner.learner.implicit_prm.credit),
-                       **stream_figures(*kept_streams(runner, parts))}
+            if credit is not None:  # the PRM's own attribute: its token_rewards read it
+                prm.credit = credit
+            streams = {"credit": str(prm.credit), **stream_figures(*kept_streams(runner, parts))}
         finally:
             runner.close()
     rows = [(buffer, buffer.rows()) for buffer in parts]

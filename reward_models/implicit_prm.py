@@ -105,8 +105,8 @@ class ImplicitPRM:
         if self.granularity is ImplicitPrmGranularity.STEP:
             if step_ends is None:
                 step_ends = mask & ~torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], dim=1)
-            rewards = _sum_per_step(rewards, step_ends.to(mask.device))
-            mask = step_ends.to(mask.device) & mask
+            step_ends = step_ends.to(mask.device)
+            rewards, mask = _sum_per_step(rewards, step_ends), step_ends & mask
         if self.credit is ProcessCredit.MIN_FORM:
             rewards = min_form(rewards, mask, self.min_form_temperature)
         if self.norm is PrimeNorm.BATCH_NORM:

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING
 from algorithms.config import LossOptions, MultiAgentOptions, PrimeOptions
 from algorithms.options import option
 from algorithms.registry import ALGORITHMS, named
-from envs.modes import (ActionLevel, Backend, Critic, DataParallel, DType, Grader, LrSchedule, PrimeNorm, ProcessCredit,
-                        PrimeUpdate, PrmType, PromptTemplate, RewardAssignment, RolloutIsLevel, RolloutIsMode,
+from envs.modes import (ActionLevel, Backend, Critic, DataParallel, DType, Grader, LrSchedule, PrimeNorm, PrimeUpdate,
+                        PrmType, ProcessCredit, PromptTemplate, RewardAssignment, RolloutIsLevel, RolloutIsMode,
                         RolloutMode, Tool)
 
 if TYPE_CHECKING:

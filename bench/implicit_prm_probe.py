@@ -1,7 +1,7 @@
 """Where PRIME's implicit PRM puts its rewards inside an answer: before the answer, after it, and on stopping.
 
     python -m bench.implicit_prm_probe --checkpoint RUN_DIR/checkpoints/iter_N [--rounds 1] [--seed 12345]
-        [--process_credit_assignment sum_form|min_form]
+        [--process_credit_assignment sum_form|min_form] [--prime_granularity token|whole|step]
 
 A PRIME run's checkpoint is restored as a resume would (its flags, policy, implicit PRM and env state); its
 policy then answers ``--rounds`` fresh rollouts of the run's own training batch (its prompts, group size,
@@ -20,11 +20,11 @@ the counterfactual stop's. What the process stream pays is a reward's difference
 answers' figures against the wrong ones'.
 
 Then what each stream gives the policy gradient (``stream/``), over the groups the run would train on (its prompt
-filter, ``kept``): the implicit PRM's rewards as the run's learner takes them (its credit, or
-``--process_credit_assignment``'s on the same answers, and its ``--prime_norm``; before the step the run's PRM would
-take on them first), each stream's per-token returns as ``rloo_returns`` centres them, their standard deviations
-over the real tokens, the process stream's share of their summed variance, their correlation, and the share of
-tokens where the two returns agree in sign (of those where the outcome's is not 0).
+filter, ``kept``): the implicit PRM's rewards as the run's learner takes them (its credit and granularity, or
+``--process_credit_assignment``'s and ``--prime_granularity``'s on the same answers, and its ``--prime_norm``; before
+the step the run's PRM would take on them first), each stream's per-token returns as ``rloo_returns`` centres them,
+their standard deviations over the real tokens, the process stream's share of their summed variance, their
+correlation, and the share of tokens where the two returns agree in sign (of those where the outcome's is not 0).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from absl import flags
 
 from algorithms.rloo import rloo_returns
 from envs.grader.extraction import extract_answer
-from envs.modes import ProcessCredit
+from envs.modes import ImplicitPrmGranularity, ProcessCredit
 
 FLAGS = flags.FLAGS
 
@@ -82,18 +82,22 @@ def restored_runner(checkpoint: Path, run_dir: Path):
 
 
 @torch.no_grad()
-def probe(checkpoint: Path, rounds: int, seed: int, credit: ProcessCredit | None = None) -> dict[str, float | str]:
+def probe(checkpoint: Path, rounds: int, seed: int, credit: ProcessCredit | None = None,
+          granularity: ImplicitPrmGranularity | None = None) -> dict[str, float | str]:
     """The module docstring's figures for ``rounds`` rollouts of the run at ``checkpoint``; the ``stream/`` ones
-    with the process credit ``credit`` (default: the run's)."""
+    with the process credit ``credit`` and the reward ``granularity`` (default: the run's)."""
     with tempfile.TemporaryDirectory() as run_dir:
         runner = restored_runner(checkpoint, Path(run_dir))
         try:
             prm, policy = runner.learner.implicit_prm, runner.policy
             tokenizer, eos = policy.tokenizer, policy.tokenizer.eos_token_id
             parts = [runner.collector.collect(policy, runner.generator, seed + k)[0] for k in range(rounds)]
-            if credit is not None:  # the PRM's own attribute: its token_rewards read it
+            if credit is not None:  # the PRM's own attributes: its token_rewards read them
                 prm.credit = credit
-            streams = {"credit": str(prm.credit), **stream_figures(*kept_streams(runner, parts))}
+            if granularity is not None:
+                prm.granularity = granularity
+            streams = {"credit": str(prm.credit), "granularity": str(prm.granularity),
+                       **stream_figures(*kept_streams(runner, parts))}
         finally:
             runner.close()
     rows = [(buffer, buffer.rows()) for buffer in parts]
@@ -196,8 +200,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=12345, help="The rollouts' sampling seed.")
     parser.add_argument("--process_credit_assignment", type=ProcessCredit, choices=tuple(ProcessCredit), default=None,
                         help="The process credit the stream figures take (default: the run's).")
+    parser.add_argument("--prime_granularity", type=ImplicitPrmGranularity, choices=tuple(ImplicitPrmGranularity),
+                        default=None, help="Where the stream figures' process rewards are paid (default: the run's).")
     args = parser.parse_args()
-    figures = probe(args.checkpoint, args.rounds, args.seed, args.process_credit_assignment)
+    figures = probe(args.checkpoint, args.rounds, args.seed, args.process_credit_assignment, args.prime_granularity)
     print(json.dumps({"checkpoint": str(args.checkpoint), **figures}))
 
 

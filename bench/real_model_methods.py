@@ -1,7 +1,7 @@
 """The project's own methods against their controls on a real pretrained model, through ``train_math.py``.
 
     python -m bench.real_model_methods --method prefix_rl|prime|prime_dynamic|prime_filter_truncated|prime_min_form
-                                       |workflow [--seeds 0 1] [--iterations N]
+                                       |prime_min_form_step|workflow [--seeds 0 1] [--iterations N]
                                        [--eval_interval N] [--eval_limit 500] [--margin 1.5]
                                        [--model DIR] [--out DIR] [--rows ROW ...] [--keep DIR]
 
@@ -44,6 +44,8 @@ and at its end. Methods, each beside its control:
   response's process rewards weighted towards its lowest, so that its process return does not grow with its
   length) against the same control, ``rloo_dynamic`` (whose outcome-only run is the same, and kept runs of it are
   reused).
+- ``prime_min_form_step``: ``prime_min_form`` over steps, as PURE weighs them (``--prime_granularity step``: each
+  step's summed rewards, a step ending at a blank line), against the same control.
 - ``workflow``: a debate (``Arith-Debate-v0``: 3 debaters x 2 rounds, each round's answers shown to every
   debater in the next, majority vote over the last round), one LoRA adapter per debater on the shared base
   (``--noshare_policy``, rank 16, lr 1e-4, as the real-model bench's LoRA mode), each debater paid its own
@@ -209,6 +211,8 @@ ROWS: dict[str, Row] = {
     "prime_filter_truncated": dynamic_prime(FILTER_TRUNCATED),
     "rloo_filter_truncated": dynamic_control(FILTER_TRUNCATED),
     "prime_min_form": dynamic_prime(DYNAMIC, "--process_credit_assignment", "min_form"),
+    "prime_min_form_step": dynamic_prime(DYNAMIC, "--process_credit_assignment", "min_form", "--prime_granularity",
+                                         "step"),
     "workflow": Row(DEBATE, DEBATES * WORKFLOW_SAMPLES, DEBATES, ROUNDS, overrides=DEBATE_OVERRIDES),
     "workflow_untrained": Row((), val_only=True, seeded=False, start_of="workflow"),
     # evaluated 3 times as often: where it reaches the debate's tokens is found within a third of an interval
@@ -221,6 +225,7 @@ METHODS = {"prefix_rl": Method("prefix_rl", ("target_alone", "writer_alone")),
            "prime_dynamic": Method("prime_dynamic", ("rloo_dynamic",)),
            "prime_filter_truncated": Method("prime_filter_truncated", ("rloo_filter_truncated",)),
            "prime_min_form": Method("prime_min_form", ("rloo_dynamic",)),
+           "prime_min_form_step": Method("prime_min_form_step", ("rloo_dynamic",)),
            "workflow": Method("workflow", ("grpo_equal_tokens", "single_majk", "workflow_untrained"),
                               x="generated_tokens")}
 CSV_KEYS = ("row", "seed", "iteration", "env_steps", "generated_tokens", "minutes", "metric", "accuracy",

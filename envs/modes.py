@@ -96,8 +96,9 @@ class PrmAggregation(enum.StrEnum):
 class ImplicitPrmGranularity(enum.StrEnum):
     """Where PRIME's implicit PRM pays its log-ratio rewards."""
 
-    TOKEN = "token"  # a reward per token
-    STEP = "step"  # the sum over a step, paid at its last token
+    TOKEN = "token"  # a reward per token (PRIME's default)
+    WHOLE = "whole"  # the response's sum, paid at its last token (PRIME's and verl's other granularity)
+    STEP = "step"  # each step's sum, paid at its last token; steps end at blank lines (PURE's) and at the end
 
 
 class Backend(enum.StrEnum):

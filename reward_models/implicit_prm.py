@@ -6,7 +6,9 @@ sigmoid(beta * sum_t log(pi_psi / pi_ref)) is fitted to the verified labels with
 each rollout batch (``update``); its token log-ratios are then dense process rewards. pi_ref is the
 PRM's own starting weights, frozen.
 
-Granularity: ``token`` (a reward per token) or ``step`` (the sum over a step, paid at its last token).
+Granularity (PRIME's ``prime_granularity``, PURE's steps): ``token`` pays a reward per token, ``whole`` the response's
+sum at its last token, ``step`` each step's sum at the step's last token, where a step ends at a blank line ("\n\n",
+the separator PURE prompts for and splits at) and at the response's end.
 Credit (PURE, Cheng et al. 2025, arXiv 2504.15275): ``sum_form`` pays each reward as it is, so a response's
 process return is their sum and grows with its length wherever its rewards lie above its group's; ``min_form``
 weights each response's rewards by softmax(-r / T) over its reward positions, so the return is a weighted mean
@@ -18,12 +20,14 @@ beta * log-ratio.
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from envs.modes import ImplicitPrmGranularity, PrimeNorm, ProcessCredit, member_of
-from models.packing import TokenBatch, token_lengths
+from models.packing import TokenBatch, right_padded, token_lengths
 from models.policy import LanguagePolicy
 
 
@@ -68,6 +72,11 @@ class ImplicitPRM:
         self.optimizer = torch.optim.AdamW(self.model.actor_parameters(), lr=lr, weight_decay=0.0,
                                            fused=True)  # fused: no temporaries
 
+    @functools.cached_property
+    def blank_lines(self) -> BlankLines:
+        """Where the model's tokenizer ends blank lines (``step`` granularity's step ends); found on first use."""
+        return BlankLines.of(self.model.tokenizer)
+
     @torch.no_grad()
     def reference_log_probs(self, prompts: TokenBatch, actions: TokenBatch) -> torch.Tensor:
         """[B, L] log pi_ref of the actions, 0 past each one's end. pi_ref is frozen, so a batch's are computed once
@@ -87,26 +96,26 @@ class ImplicitPRM:
         return (scores.log_probs - ref_log_probs.to(scores.log_probs.device)) * mask, scores.mask
 
     @torch.no_grad()
-    def token_rewards(self, prompts: TokenBatch, actions: TokenBatch, step_ends: torch.Tensor | None = None,
-                      batch_max: Callable[[float], float] = float,
+    def token_rewards(self, prompts: TokenBatch, actions: TokenBatch, batch_max: Callable[[float], float] = float,
                       ref_log_probs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(process rewards [B, L], outcome scores [B]). The rewards: beta * log-ratio per token, or per step
-        (summed over each step and paid at the step's last token; ``step_ends`` [B, L] marks those tokens,
-        default: each action is one step), weighted by ``credit``, scaled by ``norm``; ``batch_max`` takes this
-        process's largest |return-to-go| to the batch's (under data parallelism: the maximum over every process,
-        which each process joins, with no rows too). The outcome scores: beta * sum_t log-ratio, its prediction of
-        each action's outcome (> 0: right), read off the same pass. ``ref_log_probs``: as ``log_ratios``."""
+        """(process rewards [B, L], outcome scores [B]). The rewards: beta * log-ratio per token, or summed over
+        the response or each of its steps (``granularity``), weighted by ``credit``, scaled by ``norm``;
+        ``batch_max`` takes this process's largest |return-to-go| to the batch's (under data parallelism: the
+        maximum over every process, which each process joins, with no rows too). The outcome scores: beta * sum_t
+        log-ratio, its prediction of each action's outcome (> 0: right), read off the same pass.
+        ``ref_log_probs``: as ``log_ratios``."""
         if not token_lengths(actions):
             rewards, mask = torch.zeros(0, 0), torch.zeros(0, 0, dtype=torch.bool)
         else:
             log_ratio, mask = self.log_ratios(prompts, actions, ref_log_probs)
             rewards = self.beta * log_ratio
         scores = rewards.sum(-1)
-        if self.granularity is ImplicitPrmGranularity.STEP:
-            if step_ends is None:
-                step_ends = mask & ~torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], dim=1)
-            step_ends = step_ends.to(mask.device)
-            rewards, mask = _sum_per_step(rewards, step_ends), step_ends & mask
+        if self.granularity is not ImplicitPrmGranularity.TOKEN:
+            step_ends = _last_tokens(mask)
+            if self.granularity is ImplicitPrmGranularity.STEP and mask.numel():
+                ids = right_padded(actions, mask.device)[0][:, :mask.shape[1]]
+                step_ends |= self.blank_lines.step_ends(ids, mask)
+            rewards, mask = _sum_per_step(rewards, step_ends), step_ends
         if self.credit is ProcessCredit.MIN_FORM:
             rewards = min_form(rewards, mask, self.min_form_temperature)
         if self.norm is PrimeNorm.BATCH_NORM:
@@ -173,6 +182,43 @@ def min_form(rewards: torch.Tensor, positions: torch.Tensor, temperature: float)
     logits = (-rewards / temperature).masked_fill(~positions, -torch.inf)
     weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a row without positions: all weights 0
     return weights * rewards
+
+
+@dataclass(frozen=True)
+class BlankLines:
+    """Where a tokenizer's tokens end a blank line ("\n\n"): ``ending`` [V1] the ids whose text ends with one
+    (PURE's step separators), ``lone`` [V2] those whose text is a lone "\n", which ends one after a token of
+    ``ending_line`` [V3] (the ids whose text ends with "\n"): SmolLM2's tokenizer writes ".\n\n" in running text
+    as ".", "\n", "\n"."""
+
+    ending: torch.Tensor
+    lone: torch.Tensor
+    ending_line: torch.Tensor
+
+    @classmethod
+    def of(cls, tokenizer) -> BlankLines:
+        texts = tokenizer.batch_decode([[token] for token in range(len(tokenizer))])
+
+        def ids(keep: Callable[[str], bool]) -> torch.Tensor:
+            return torch.tensor([token for token, text in enumerate(texts) if keep(text)], dtype=torch.long)
+
+        return cls(ids(lambda text: text.endswith("\n\n")), ids(lambda text: text == "\n"),
+                   ids(lambda text: text.endswith("\n")))
+
+    def step_ends(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """[B, L] True at each blank line's last token in the ``mask``ed [B, L] action ``ids``: where the text so
+        far ends with "\n\n" and the next token does not go on with another line break (a run of them ends one
+        step)."""
+        previous = torch.cat([torch.full_like(ids[:, :1], -1), ids[:, :-1]], dim=1)
+        blank = (torch.isin(ids, self.ending.to(ids.device))
+                 | torch.isin(ids, self.lone.to(ids.device)) & torch.isin(previous, self.ending_line.to(ids.device)))
+        blank &= mask
+        return blank & ~torch.cat([blank[:, 1:], torch.zeros_like(blank[:, :1])], dim=1)
+
+
+def _last_tokens(mask: torch.Tensor) -> torch.Tensor:
+    """[B, L] True at the last token of each row of the [B, L] ``mask``."""
+    return mask & ~torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], dim=1)
 
 
 def _sum_per_step(rewards: torch.Tensor, step_ends: torch.Tensor) -> torch.Tensor:

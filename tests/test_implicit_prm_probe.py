@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from envs.modes import ProcessCredit
+from envs.modes import ImplicitPrmGranularity, ProcessCredit
 from bench.implicit_prm_probe import answer_ends, log_ratios, probe, restored_runner, stream_figures
 from test_trainer import run_train_math
 
@@ -64,6 +64,11 @@ def test_a_prime_checkpoint_is_probed_and_its_rewards_add_up(prime_checkpoint, t
     assert summed["stream/credit"] == "sum_form" and summed["correct_share"] == figures["correct_share"]
     assert summed["stream/outcome_std"] == pytest.approx(figures["stream/outcome_std"])
     assert summed["stream/process_std"] != pytest.approx(figures["stream/process_std"])
+    # and with each response's rewards summed at its last token (the run's granularity: token)
+    whole = probe(prime_checkpoint, rounds=2, seed=3, granularity=ImplicitPrmGranularity.WHOLE)
+    assert (whole["stream/granularity"], figures["stream/granularity"]) == ("whole", "token")
+    assert whole["stream/outcome_std"] == pytest.approx(figures["stream/outcome_std"])
+    assert whole["stream/process_std"] != pytest.approx(figures["stream/process_std"])
     for name in ("right", "wrong"):
         if figures[f"{name}/answers"]:
             assert figures[f"{name}/tokens_to_answer"] + figures[f"{name}/tokens_after"] <= 8 + 1e-9

@@ -51,7 +51,7 @@ def parsed_row(row: str, policy_dir, tmp_path, *argv: str):
 
 
 @pytest.mark.parametrize("row", [row for name in ("prefix_rl", "prime", "prime_dynamic", "prime_filter_truncated",
-                                                  "prime_min_form")
+                                                  "prime_min_form", "prime_min_form_step")
                                  for row in (METHODS[name].trained, *METHODS[name].controls)])
 def test_every_row_is_a_train_math_command_that_resolves(row, untrained_policy_dir, tmp_path):
     """Parsed and resolved by train_math's own flags; equal generated samples at every evaluation (a row
@@ -75,11 +75,12 @@ def test_every_row_is_a_train_math_command_that_resolves(row, untrained_policy_d
     if row in (*METHODS["prime"].controls, *(control for name in pairs for control in METHODS[name].controls)):
         assert config.prime.process_coef == 0
     # PRIME's code's sampling: every group with a right and a wrong answer
-    if row in (*pairs, "prime_min_form", "rloo_dynamic", "rloo_filter_truncated"):
+    if row in (*pairs, "prime_min_form", "prime_min_form_step", "rloo_dynamic", "rloo_filter_truncated"):
         assert config.prime.oversample_factor == 1 and config.rollout.filter_groups
         assert (config.prime.accuracy_lower_bound, config.prime.accuracy_upper_bound) == (0.1, 0.9)
         assert config.prime.filter_truncated == row.endswith("filter_truncated")
-        assert config.prime.process_credit_assignment == ("min_form" if row == "prime_min_form" else "sum_form")
+        assert config.prime.process_credit_assignment == ("min_form" if "min_form" in row else "sum_form")
+        assert config.prime.prime_granularity == ("step" if row.endswith("_step") else "token")
 
 
 def test_prefix_rl_trains_and_is_tested_on_one_form_of_problem():

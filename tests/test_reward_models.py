@@ -16,7 +16,7 @@ from envs.datasets import Arith, Problem
 from envs.modes import PrimeNorm, ProcessCredit
 from envs.prompts import format_prompt, join_steps, split_steps
 from envs.rewards import StepContext
-from reward_models.implicit_prm import ImplicitPRM, min_form
+from reward_models.implicit_prm import BlankLines, ImplicitPRM, min_form
 from reward_models.prm import (MIN_LABEL_ODDS, ProcessRewardModel, aggregate_step_scores, check_prm_dir,
                                single_token_id)
 from reward_models.target_solver import TargetSolver
@@ -219,12 +219,12 @@ def test_implicit_prm_reward_by_hand_and_update_direction(untrained_policy_dir):
         by_hand = prm.beta * (hand_log_prob_sum(prm.model.causal_lm, prompts[b], actions[b])
                               - hand_log_prob_sum(reference, prompts[b], actions[b]))
         assert float(rewards[b].sum()) == pytest.approx(by_hand, abs=1e-4)
-    step_prm = ImplicitPRM(LanguagePolicy(untrained_policy_dir, device="cpu"), beta=0.5, granularity="step",
-                           norm="none")
-    step_prm.model.load_state_dict(prm.model.state_dict())
-    step_rewards, _ = step_prm.token_rewards(prompts, actions)
-    torch.testing.assert_close(step_rewards.sum(-1), rewards.sum(-1), atol=1e-5, rtol=0)
-    assert int((step_rewards != 0).sum()) == 4  # one summed reward per action, at its last token
+    whole_prm = ImplicitPRM(LanguagePolicy(untrained_policy_dir, device="cpu"), beta=0.5, granularity="whole",
+                            norm="none")
+    whole_prm.model.load_state_dict(prm.model.state_dict())
+    whole_rewards, _ = whole_prm.token_rewards(prompts, actions)
+    torch.testing.assert_close(whole_rewards.sum(-1), rewards.sum(-1), atol=1e-5, rtol=0)
+    assert int((whole_rewards != 0).sum()) == 4  # one summed reward per action, at its last token
 
     # batch_norm (PRIME's default): the same rewards over the batch's largest |return-to-go|
     prm.norm = PrimeNorm.BATCH_NORM
@@ -235,6 +235,47 @@ def test_implicit_prm_reward_by_hand_and_update_direction(untrained_policy_dir):
     # under data parallelism the batch's maximum is every process's: a larger one elsewhere scales these down
     torch.testing.assert_close(prm.token_rewards(prompts, actions, batch_max=lambda mine: 2 * mine)[0],
                                rewards / (2 * largest + 1e-6))
+
+
+def test_blank_lines_end_steps_by_hand():
+    """A blank line ends a step at its last token: a token ending with "\n\n", or a lone "\n" after a token
+    ending with "\n"; a run of line breaks ends one step; tokens past the mask end none."""
+    blank_lines = BlankLines(ending=torch.tensor([9]), lone=torch.tensor([5]), ending_line=torch.tensor([5, 9]))
+    ids = torch.tensor([[1, 5, 5, 2, 9, 3],   # "\n" after a plain token is no blank line; "\n", "\n" is one
+                        [1, 9, 5, 2, 9, 9]])  # "\n\n" then "\n": one step end at the run's last token
+    mask = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])
+    assert blank_lines.step_ends(ids, mask).tolist() == [[False, False, True, False, True, False],
+                                                         [False, False, True, False, False, False]]
+
+
+def test_step_granularity_sums_each_blank_line_delimited_step(untrained_policy_dir):
+    """``step``: each step's summed token rewards, paid at its last token, steps ending at blank lines (the tiny
+    tokenizer's "\n\n" and "\n" tokens both) and at the response's end; ``whole``: the sum at the last token."""
+    prms = {granularity: ImplicitPRM(LanguagePolicy(untrained_policy_dir, device="cpu"), beta=0.5, lr=1e-2,
+                                     norm="none", granularity=granularity)
+            for granularity in ("token", "step", "whole")}
+    tokenizer = prms["token"].model.tokenizer
+    prompts = [tokenizer.encode(format_prompt(p.problem)) for p in PROBLEMS[:2]]
+    actions = [tokenizer.encode(text, add_special_tokens=False)
+               for text in ("2 + 3 = 5.\n\nSo 5 + 1 = 6.\n\n\nThe answer is 6.", "5 + 1 = 6.\n\n")]
+    prms["token"].update(prompts, actions, torch.tensor([1.0, 0.0]))  # psi moves off pi_ref: rewards not 0
+    for granularity in ("step", "whole"):
+        prms[granularity].model.load_state_dict(prms["token"].model.state_dict())
+    rewards = {granularity: prm.token_rewards(prompts, actions)[0] for granularity, prm in prms.items()}
+    assert rewards["token"][0].abs().min() > 0  # the longer action's: every token is paid
+    for row, action in enumerate(actions):
+        texts = [tokenizer.decode(action[:end + 1]) for end in range(len(action))]
+        ends = [end for end, text in enumerate(texts)
+                if end == len(action) - 1 or text.endswith("\n\n") and not texts[end + 1].endswith("\n\n")]
+        assert ends == ([6, 16, 21] if row == 0 else [6])
+        starts = [0] + [end + 1 for end in ends[:-1]]
+        by_hand = torch.zeros_like(rewards["token"][row])
+        for start, end in zip(starts, ends):
+            by_hand[end] = rewards["token"][row, start:end + 1].sum()
+        torch.testing.assert_close(rewards["step"][row], by_hand, atol=1e-6, rtol=0)
+        whole = torch.zeros_like(by_hand)
+        whole[len(action) - 1] = rewards["token"][row].sum()
+        torch.testing.assert_close(rewards["whole"][row], whole, atol=1e-6, rtol=0)
 
 
 def test_min_form_weights_each_row_towards_its_lowest_reward_by_hand():

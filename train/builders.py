@@ -478,6 +478,7 @@ def build_runner(config: RunConfig, run_dir: Path, writer, saved: checkpoint_fil
                                                    lora_rank=config.model.lora_rank),
                                    beta=config.prime.implicit_prm_beta, lr=config.prime.implicit_prm_lr,
                                    grad_clip=config.prime.implicit_prm_grad_clip, norm=config.prime.prime_norm,
+                                   granularity=config.prime.prime_granularity,
                                    credit=config.prime.process_credit_assignment,
                                    min_form_temperature=config.prime.min_form_temperature)
     optimizer, scheduler = build_optimizer(learning, policy, config.budget.num_iterations)

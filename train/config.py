@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING
 from algorithms.config import LossOptions, MultiAgentOptions, PrimeOptions
 from algorithms.options import option
 from algorithms.registry import ALGORITHMS, named
-from envs.modes import (ActionLevel, Backend, Critic, DataParallel, DType, Grader, LrSchedule, PrimeNorm, PrimeUpdate,
-                        PrmType, ProcessCredit, PromptTemplate, RewardAssignment, RolloutIsLevel, RolloutIsMode,
-                        RolloutMode, Tool)
+from envs.modes import (ActionLevel, Backend, Critic, DataParallel, DType, Grader, ImplicitPrmGranularity, LrSchedule,
+                        PrimeNorm, PrimeUpdate, PrmType, ProcessCredit, PromptTemplate, RewardAssignment,
+                        RolloutIsLevel, RolloutIsMode, RolloutMode, Tool)
 
 if TYPE_CHECKING:
     from envs.workflows import Workflow
@@ -295,6 +295,10 @@ class PrimeConfig(PrimeOptions):
     prime_norm: PrimeNorm = option(PrimeNorm.BATCH_NORM, "PRIME: batch_norm divides a batch's process rewards by their "
                                    "largest |return-to-go| (process returns in [-1, 1], as the outcome's); none: "
                                    "implicit_prm_beta * log-ratio as is.")
+    prime_granularity: ImplicitPrmGranularity = option(
+        ImplicitPrmGranularity.TOKEN, "PRIME: where the implicit PRM pays its rewards: token, a reward per token; "
+        "whole, the response's sum at its last token; step, each step's sum at its last token, a step ending at a "
+        "blank line (\"\\n\\n\", PURE's separator) or at the response's end.")
     process_credit_assignment: ProcessCredit = option(
         ProcessCredit.SUM_FORM, "PRIME: how a response's implicit-PRM rewards add up in its process return, in PURE's "
         "names (Cheng et al. 2025): sum_form pays each as it is (the return grows with the length), min_form weights "

@@ -37,7 +37,7 @@ APPLIES_TO = {
     **dict.fromkeys(("accuracy_lower_bound", "accuracy_upper_bound", "filter_truncated", "oversample_factor",
                      "implicit_prm_beta", "implicit_prm_lr", "implicit_prm_grad_clip", "implicit_prm_num_mini_batch",
                      "process_coef", "prime_update", "prime_norm", "normalize_advantages", "implicit_prm_heldout_all",
-                     "process_credit_assignment", "min_form_temperature"),
+                     "process_credit_assignment", "min_form_temperature", "prime_granularity"),
                     algorithms_with(lambda spec: spec.prime)),
     "scale_rewards": algorithms_with(lambda spec: spec.scales_rewards),
     "agent_groups": algorithms_with(lambda spec: spec.grouped),

@@ -28,6 +28,7 @@ from models.generation import HFGenerator
 from models.hf_generation import eos_token_ids
 from models.policy import LanguagePolicy
 from models.prompting import build_template
+from reward_models.implicit_prm import BlankLines
 from event_files import read_scalars
 
 pytestmark = pytest.mark.real_model
@@ -64,6 +65,22 @@ def test_it_loads_with_its_real_tokenizer(policy):
     assert tokenizer.eos_token == tokenizer.pad_token == "<|im_end|>" and tokenizer.chat_template
     assert len(tokenizer(STEP_DELIMITER)["input_ids"]) == 1
     assert tokenizer.convert_ids_to_tokens(tokenizer("a\n\nb")["input_ids"]) == ["a", "Ċ", "Ċ", "b"]
+
+
+def test_its_blank_lines_end_implicit_prm_steps_alone_and_inside_text(policy):
+    """The step granularity's blank lines in its real tokenizer: "\\n\\n" one token alone, two "\\n" inside
+    text; either way a step ends at the blank line's last token."""
+    tokenizer = policy.tokenizer
+    blank_lines = BlankLines.of(tokenizer)
+    inside = tokenizer("2 + 3 = 5.\n\nSo 5.", add_special_tokens=False)["input_ids"]
+    alone = [*tokenizer(STEP_DELIMITER, add_special_tokens=False)["input_ids"],
+             *tokenizer("So 5.", add_special_tokens=False)["input_ids"]]
+    assert len(alone) < len(inside)
+    padding = len(inside) - len(alone)
+    ends = blank_lines.step_ends(torch.tensor([inside, alone + [0] * padding]),
+                                 torch.tensor([[True] * len(inside), [True] * len(alone) + [False] * padding]))
+    assert [tokenizer.decode(inside[:end + 1]) for end in ends[0].nonzero().flatten().tolist()] == ["2 + 3 = 5.\n\n"]
+    assert ends[1].nonzero().flatten().tolist() == [0]  # the lone "\n\n" token
 
 
 @pytest.mark.parametrize("system", [None, "Put the final answer in \\boxed{}."])

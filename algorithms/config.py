@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 from algorithms.options import option
 from algorithms.registry import algorithm_spec, named
-from envs.modes import LOSS_AGG_ALIASES, AgentGroups, ImportanceSamplingLevel, KLEstimator, LossAgg, ScaleRewards
+from envs.modes import (LOSS_AGG_ALIASES, AgentGroups, ImportanceSamplingLevel, KLEstimator, LossAgg, ProcessBaseline,
+                        ScaleRewards)
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,11 @@ class PrimeOptions:
                                  "(0: RLOO on the outcome stream alone, and no implicit PRM is built or trained).")
     normalize_advantages: bool = option(True, "RLOO: standardise the summed returns over the batch's trained tokens "
                                         "(mean 0, std 1), as PRIME's code does.")
+    reward_baseline: ProcessBaseline = option(
+        ProcessBaseline.TOKEN, "PRIME: the implicit-PRM stream's leave-one-out baseline (PURE's name): token takes "
+        "the group's other responses' mean reward per token at each token, so a response's process return loses "
+        "their mean times its own length (PRIME's code); response takes their mean process return, whatever its "
+        "length.")
 
 
 @dataclass(frozen=True)

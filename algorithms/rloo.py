@@ -12,26 +12,34 @@ from algorithms.appo import normalized
 from algorithms.base import ActionScores, BaseAlgorithm, reward_kl, token_policy_loss, zero_advantage_rows
 from algorithms.buffer import Batch, RolloutBuffer, AdvantageEstimate
 from algorithms.losses import discounted_reverse_cumsum, group_index, group_means
-from envs.modes import AgentGroups
+from envs.modes import AgentGroups, ProcessBaseline
 
 
-def leave_one_out_centred(rewards: torch.Tensor, reward_mask: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+def leave_one_out_centred(rewards: torch.Tensor, reward_mask: torch.Tensor, group_ids: torch.Tensor,
+                          baseline: ProcessBaseline = ProcessBaseline.TOKEN) -> torch.Tensor:
     """PRIME's leave-one-out centring of one reward stream, per token [B, L], 0 off ``reward_mask``.
 
     rewards: [B, L] the stream's rewards; reward_mask: [B, L] where the stream pays (every real token for the
         process stream, each response's last token for the outcome); group_ids: [B].
-    With m_j the mean of response j's rewards over its ``reward_mask`` and n its group's size:
+    With R_j the sum of response j's rewards, |j| the size of its ``reward_mask``, n its group's size, and m_j
+    R_j / |j| (``token``, PRIME's code) or R_j / |i| (``response``, response i's own size):
         a_{i,t} = (n r_{i,t} - sum_j m_j) / (n - 1) = r_{i,t} - mean_{j != i} m_j + (r_{i,t} - m_i) / (n - 1),
     the sum over all n responses of the group, i's own included. A stream paid once per response (the outcome:
-    r_{i,t} = m_i) gets the plain leave-one-out baseline, r_i - mean_{j != i} r_j; a token of the process stream
-    keeps in addition its own deviation from its response's mean, over n - 1.
+    r_{i,t} = m_i) gets the plain leave-one-out baseline, r_i - mean_{j != i} r_j, either way; a token of the
+    process stream keeps in addition its own deviation from its response's mean, over n - 1. Summed over response
+    i, ``token`` gives R_i - |i| mean_{j != i} R_j / |j| (a baseline that grows with its length), ``response``
+    R_i - mean_{j != i} R_j.
     """
     groups, sizes = group_index(group_ids, min_size=2)
     mask = reward_mask.to(rewards.dtype)
-    means = (rewards * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-    group_sums = (group_means(means, groups, sizes) * sizes)[groups, None]
+    counts = mask.sum(-1).clamp(min=1)  # [B] |j|
+    totals = (rewards * mask).sum(-1)  # [B] R_j
+    per_response = baseline is ProcessBaseline.RESPONSE
+    group_sums = (group_means(totals if per_response else totals / counts, groups, sizes) * sizes)[groups]
+    if per_response:  # sum_j R_j spread evenly over response i's own positions
+        group_sums = group_sums / counts
     n = sizes[groups, None].to(rewards.dtype)
-    return (n * rewards - group_sums) / (n - 1) * mask
+    return (n * rewards - group_sums[:, None]) / (n - 1) * mask
 
 
 def rloo_returns(
@@ -42,13 +50,15 @@ def rloo_returns(
     outcome_coef: float = 1.0,
     process_coef: float = 1.0,
     gamma: float = 1.0,
+    process_baseline: ProcessBaseline = ProcessBaseline.TOKEN,
 ) -> torch.Tensor:
     """Per-token returns [B, L] used as advantages.
 
     outcome: [B] verified reward of each response, paid at its last token.
     process: [B, L] implicit-PRM token rewards (optional), paid on every real token.
     token_mask: [B, L] 1 on each response's real tokens (from true lengths).
-    Each stream is centred within its group by ``leave_one_out_centred`` (a^o, a^p), before the returns are taken.
+    Each stream is centred within its group by ``leave_one_out_centred`` (a^o, a^p; the process stream's with
+    ``process_baseline``), before the returns are taken.
     Returns sum_{s >= t} gamma^(s-t) (outcome_coef * a^o_s + process_coef * a^p_s) on real tokens.
     """
     mask = token_mask.to(outcome.dtype)
@@ -56,7 +66,7 @@ def rloo_returns(
     last_token = torch.nn.functional.one_hot((lengths - 1).clamp(min=0), mask.shape[-1]).to(outcome.dtype) * mask
     centred = outcome_coef * leave_one_out_centred(outcome[:, None] * last_token, last_token, group_ids)
     if process is not None:
-        centred = centred + process_coef * leave_one_out_centred(process, mask, group_ids)
+        centred = centred + process_coef * leave_one_out_centred(process, mask, group_ids, process_baseline)
     return discounted_reverse_cumsum(centred, gamma) * mask
 
 
@@ -128,7 +138,8 @@ class RLOO(BaseAlgorithm):
         if keep.any():
             advantages[keep] = rloo_returns(outcome[keep], group_ids[keep], token_mask[keep],
                                             None if process is None else process[keep],
-                                            process_coef=config.process_coef, gamma=config.gamma)
+                                            process_coef=config.process_coef, gamma=config.gamma,
+                                            process_baseline=config.reward_baseline)
         advantages = buffer.from_episodes(advantages, order)
         kept_tokens = buffer.token_mask() & kept_slots[..., None]
         if config.normalize_advantages:

@@ -2,6 +2,7 @@
 
     python -m bench.implicit_prm_probe --checkpoint RUN_DIR/checkpoints/iter_N [--rounds 1] [--seed 12345]
         [--process_credit_assignment sum_form|min_form] [--prime_granularity token|whole|step]
+        [--reward_baseline token|response]
 
 A PRIME run's checkpoint is restored as a resume would (its flags, policy, implicit PRM and env state); its
 policy then answers ``--rounds`` fresh rollouts of the run's own training batch (its prompts, group size,
@@ -22,9 +23,13 @@ answers' figures against the wrong ones'.
 Then what each stream gives the policy gradient (``stream/``), over the groups the run would train on (its prompt
 filter, ``kept``): the implicit PRM's rewards as the run's learner takes them (its credit and granularity, or
 ``--process_credit_assignment``'s and ``--prime_granularity``'s on the same answers, and its ``--prime_norm``; before
-the step the run's PRM would take on them first), each stream's per-token returns as ``rloo_returns`` centres them,
+the step the run's PRM would take on them first), each stream's per-token returns as ``rloo_returns`` centres them
+(with the run's ``--reward_baseline``, or the one given),
 their standard deviations over the real tokens, the process stream's share of their summed variance, their
-correlation, and the share of tokens where the two returns agree in sign (of those where the outcome's is not 0).
+correlation, and the share of tokens where the two returns agree in sign (of those where the outcome's is not 0);
+and how each stream's return at an answer's first token (what the whole answer is pushed by) correlates with its
+length beyond its group's mean (``*_length_correlation``): the outcome's says whether longer answers were right
+more often, the process stream's whether it pays length beyond that.
 """
 
 from __future__ import annotations
@@ -40,9 +45,10 @@ import numpy as np
 import torch
 from absl import flags
 
+from algorithms.losses import group_index, group_means
 from algorithms.rloo import rloo_returns
 from envs.grader.extraction import extract_answer
-from envs.modes import ImplicitPrmGranularity, ProcessCredit
+from envs.modes import ImplicitPrmGranularity, ProcessBaseline, ProcessCredit
 
 FLAGS = flags.FLAGS
 
@@ -83,9 +89,11 @@ def restored_runner(checkpoint: Path, run_dir: Path):
 
 @torch.no_grad()
 def probe(checkpoint: Path, rounds: int, seed: int, credit: ProcessCredit | None = None,
-          granularity: ImplicitPrmGranularity | None = None) -> dict[str, float | str]:
+          granularity: ImplicitPrmGranularity | None = None,
+          baseline: ProcessBaseline | None = None) -> dict[str, float | str]:
     """The module docstring's figures for ``rounds`` rollouts of the run at ``checkpoint``; the ``stream/`` ones
-    with the process credit ``credit`` and the reward ``granularity`` (default: the run's)."""
+    with the process credit ``credit``, the reward ``granularity`` and the process ``baseline`` (default: the
+    run's)."""
     with tempfile.TemporaryDirectory() as run_dir:
         runner = restored_runner(checkpoint, Path(run_dir))
         try:
@@ -96,8 +104,9 @@ def probe(checkpoint: Path, rounds: int, seed: int, credit: ProcessCredit | None
                 prm.credit = credit
             if granularity is not None:
                 prm.granularity = granularity
-            streams = {"credit": str(prm.credit), "granularity": str(prm.granularity),
-                       **stream_figures(*kept_streams(runner, parts))}
+            baseline = baseline or runner.learner.algorithm.config.reward_baseline
+            streams = {"credit": str(prm.credit), "granularity": str(prm.granularity), "baseline": str(baseline),
+                       **stream_figures(*kept_streams(runner, parts), baseline)}
         finally:
             runner.close()
     rows = [(buffer, buffer.rows()) for buffer in parts]
@@ -143,22 +152,33 @@ def padded(x: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, width - x.shape[1]))
 
 
-def stream_figures(outcome: torch.Tensor, process: torch.Tensor, token_mask: torch.Tensor,
-                   group_ids: torch.Tensor) -> dict[str, float]:
+def stream_figures(outcome: torch.Tensor, process: torch.Tensor, token_mask: torch.Tensor, group_ids: torch.Tensor,
+                   baseline: ProcessBaseline = ProcessBaseline.TOKEN) -> dict[str, float]:
     """The module docstring's ``stream/`` figures. outcome: [B]; process: [B, L] token rewards; token_mask: [B, L];
-    group_ids: [B]."""
+    group_ids: [B]; baseline: the process stream's (``leave_one_out_centred``)."""
     if not len(outcome):
         return {"responses": 0}
     mask = token_mask.bool()
-    returns_o = rloo_returns(outcome.double(), group_ids, mask)[mask]
-    returns_p = rloo_returns(torch.zeros_like(outcome, dtype=torch.float64), group_ids, mask,
-                             process=process.double())[mask]
+    by_token_o = rloo_returns(outcome.double(), group_ids, mask)
+    by_token_p = rloo_returns(torch.zeros_like(outcome, dtype=torch.float64), group_ids, mask,
+                              process=process.double(), process_baseline=baseline)
+    returns_o, returns_p = by_token_o[mask], by_token_p[mask]
     var_o, var_p = returns_o.var(correction=0), returns_p.var(correction=0)
     signed = returns_o != 0
+    lengths = mask.sum(-1).double()
+    groups, sizes = group_index(group_ids)
+    longer = lengths - group_means(lengths, groups, sizes)[groups]  # [B] tokens beyond its group's mean length
     return {"responses": len(outcome), "outcome_std": float(var_o.sqrt()), "process_std": float(var_p.sqrt()),
             "process_variance_share": float(var_p / (var_o + var_p)),
-            "correlation": float(torch.corrcoef(torch.stack([returns_o, returns_p]))[0, 1]),
-            "sign_agreement": float((returns_o.sign() == returns_p.sign())[signed].double().mean())}
+            "correlation": float(correlation(returns_o, returns_p)),
+            "sign_agreement": float((returns_o.sign() == returns_p.sign())[signed].double().mean()),
+            "outcome_length_correlation": float(correlation(by_token_o[:, 0], longer)),
+            "process_length_correlation": float(correlation(by_token_p[:, 0], longer))}
+
+
+def correlation(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Pearson's correlation of [N] ``x`` and [N] ``y``."""
+    return torch.corrcoef(torch.stack([x, y]))[0, 1]
 
 
 def split_figures(answers: list[int], ends: list[int | None], rewards: list[torch.Tensor], cut: list[bool],
@@ -202,8 +222,11 @@ def main() -> None:
                         help="The process credit the stream figures take (default: the run's).")
     parser.add_argument("--prime_granularity", type=ImplicitPrmGranularity, choices=tuple(ImplicitPrmGranularity),
                         default=None, help="Where the stream figures' process rewards are paid (default: the run's).")
+    parser.add_argument("--reward_baseline", type=ProcessBaseline, choices=tuple(ProcessBaseline), default=None,
+                        help="The process stream's baseline in the stream figures (default: the run's).")
     args = parser.parse_args()
-    figures = probe(args.checkpoint, args.rounds, args.seed, args.process_credit_assignment, args.prime_granularity)
+    figures = probe(args.checkpoint, args.rounds, args.seed, args.process_credit_assignment, args.prime_granularity,
+                    args.reward_baseline)
     print(json.dumps({"checkpoint": str(args.checkpoint), **figures}))
 
 

@@ -193,6 +193,14 @@ class ProcessCredit(enum.StrEnum):
     MIN_FORM = "min_form"  # weighted by softmax(-r / T) over the response: a weighted mean, near its lowest reward
 
 
+class ProcessBaseline(enum.StrEnum):
+    """What the process stream's leave-one-out baseline takes from a response's process return (PURE's
+    ``--reward_baseline``, Cheng et al. 2025)."""
+
+    TOKEN = "token"  # the others' mean reward per token times its own length (PRIME's code; PURE's default)
+    RESPONSE = "response"  # the others' mean process return, whatever its length
+
+
 class RolloutIsLevel(enum.StrEnum):
     """Where the trainer/sampler probability ratio of rollout correction is taken."""
 

@@ -11,6 +11,7 @@ from algorithms.losses import aggregate, clipped_surrogate, discounted_reverse_c
 from algorithms.rloo import filter_groups, leave_one_out_centred, rloo_returns
 from algorithms.statistics import kl_early_stop, role_sums, row_statistics
 from algorithms.tppo import tppo_advantages
+from envs.modes import ProcessBaseline
 
 
 
@@ -178,6 +179,28 @@ def test_rloo_centring_is_prime_codes_by_hand():
     scores, paid = torch.tensor([[1.0], [0.0], [0.0], [1.0], [3.0], [5.0]]), torch.ones(6, 1)
     torch.testing.assert_close(leave_one_out_centred(scores, paid, torch.tensor([0, 0, 0, 0, 1, 1])),
                                torch.tensor([[2 / 3], [-2 / 3], [-2 / 3], [2 / 3], [-2.0], [2.0]]))
+
+
+def test_the_response_baseline_takes_the_others_mean_process_return_whatever_the_length_by_hand():
+    """One group of n = 2, process rewards [0.3, 0.1] (R_0 = 0.4, 2 tokens) and [-0.2] (R_1 = -0.2, 1 token).
+    token (PRIME's code): m = 0.2, -0.2, sum 0; a = 2 r: response 0 [0.6, 0.2], its return 0.8 = R_0 - 2 x (-0.2),
+    the other's per-token mean taken twice; response 1 -0.4 = R_1 - 1 x 0.2.
+    response: sum_j R_j = 0.2 spread over each response's own tokens: response 0 2 r - 0.1 = [0.5, 0.1], its
+    return 0.6 = R_0 - R_1; response 1 2 r - 0.2 = -0.6 = R_1 - R_0."""
+    groups, mask = torch.tensor([3, 3]), torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    process = torch.tensor([[0.3, 0.1], [-0.2, 0.0]])
+    token = leave_one_out_centred(process, mask, groups)
+    response = leave_one_out_centred(process, mask, groups, ProcessBaseline.RESPONSE)
+    torch.testing.assert_close(token, torch.tensor([[0.6, 0.2], [-0.4, 0.0]]))
+    torch.testing.assert_close(response, torch.tensor([[0.5, 0.1], [-0.6, 0.0]]))
+    torch.testing.assert_close(response.sum(-1), torch.tensor([0.4 - -0.2, -0.2 - 0.4]))
+    # through rloo_returns: the first token's process return is the response's, less the other's
+    returns = rloo_returns(torch.zeros(2), groups, mask, process, process_baseline=ProcessBaseline.RESPONSE)
+    torch.testing.assert_close(returns[:, 0], torch.tensor([0.6, -0.6]))
+    # a stream paid once per response is centred alike by both
+    scores, paid = torch.tensor([[1.0], [0.0], [3.0]]), torch.ones(3, 1)
+    torch.testing.assert_close(leave_one_out_centred(scores, paid, torch.tensor([0, 0, 0]), ProcessBaseline.RESPONSE),
+                               leave_one_out_centred(scores, paid, torch.tensor([0, 0, 0])))
 
 
 def test_rloo_returns_prime_combination_by_hand():

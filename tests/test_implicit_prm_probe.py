@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from envs.modes import ImplicitPrmGranularity, ProcessCredit
+from envs.modes import ImplicitPrmGranularity, ProcessBaseline, ProcessCredit
 from bench.implicit_prm_probe import answer_ends, log_ratios, probe, restored_runner, stream_figures
 from test_trainer import run_train_math
 
@@ -41,6 +41,11 @@ def test_stream_figures_compare_the_two_streams_per_token_returns_by_hand():
     assert figures["process_variance_share"] == pytest.approx(float(var_p / (var_o + var_p)))
     assert figures["correlation"] == pytest.approx(float(torch.corrcoef(torch.stack([returns_o, returns_p]))[0, 1]))
     assert figures["sign_agreement"] == pytest.approx(3 / 5)  # group 1's two tokens disagree
+    # first-token returns against the length beyond the group's mean (group 0: +0.5 and -0.5; group 1: 0 and 0)
+    longer = torch.tensor([0.5, -0.5, 0.0, 0.0], dtype=torch.float64)
+    for stream, first in (("outcome", [1.0, -1.0, 1.0, -1.0]), ("process", [0.6, -0.3, -0.2, 0.2])):
+        expected = torch.corrcoef(torch.stack([torch.tensor(first, dtype=torch.float64), longer]))[0, 1]
+        assert figures[f"{stream}_length_correlation"] == pytest.approx(float(expected))
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +74,11 @@ def test_a_prime_checkpoint_is_probed_and_its_rewards_add_up(prime_checkpoint, t
     assert (whole["stream/granularity"], figures["stream/granularity"]) == ("whole", "token")
     assert whole["stream/outcome_std"] == pytest.approx(figures["stream/outcome_std"])
     assert whole["stream/process_std"] != pytest.approx(figures["stream/process_std"])
+    # and with the response baseline: the outcome stream as it was, the process stream's returns moved
+    response = probe(prime_checkpoint, rounds=2, seed=3, baseline=ProcessBaseline.RESPONSE)
+    assert (response["stream/baseline"], figures["stream/baseline"]) == ("response", "token")
+    assert response["stream/outcome_std"] == pytest.approx(figures["stream/outcome_std"])
+    assert response["stream/process_std"] != pytest.approx(figures["stream/process_std"])
     for name in ("right", "wrong"):
         if figures[f"{name}/answers"]:
             assert figures[f"{name}/tokens_to_answer"] + figures[f"{name}/tokens_after"] <= 8 + 1e-9

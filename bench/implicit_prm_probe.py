@@ -24,9 +24,9 @@ Then what each stream gives the policy gradient (``stream/``), over the groups t
 filter, ``kept``): the implicit PRM's rewards as the run's learner takes them (its credit and granularity, or
 ``--process_credit_assignment``'s and ``--prime_granularity``'s on the same answers, and its ``--prime_norm``; before
 the step the run's PRM would take on them first), each stream's per-token returns as ``rloo_returns`` centres them
-(with the run's ``--reward_baseline``, or the one given),
-their standard deviations over the real tokens, the process stream's share of their summed variance, their
-correlation, and the share of tokens where the two returns agree in sign (of those where the outcome's is not 0);
+(with the run's ``--reward_baseline``, or the one given), their standard deviations over the real tokens, the
+process stream's share of their summed variance, their correlation, and the share of tokens where the two returns
+agree in sign (of those where the outcome's is not 0);
 and how each stream's return at an answer's first token (what the whole answer is pushed by) correlates with its
 length beyond its group's mean (``*_length_correlation``): the outcome's says whether longer answers were right
 more often, the process stream's whether it pays length beyond that.

@@ -111,7 +111,7 @@ class ImplicitPRM:
             rewards = self.beta * log_ratio
         scores = rewards.sum(-1)
         if self.granularity is not ImplicitPrmGranularity.TOKEN:
-            step_ends = _last_tokens(mask)
+            step_ends = _run_ends(mask)
             if self.granularity is ImplicitPrmGranularity.STEP and mask.numel():
                 ids = right_padded(actions, mask.device)[0][:, :mask.shape[1]]
                 step_ends |= self.blank_lines.step_ends(ids, mask)
@@ -212,12 +212,12 @@ class BlankLines:
         previous = torch.cat([torch.full_like(ids[:, :1], -1), ids[:, :-1]], dim=1)
         blank = (torch.isin(ids, self.ending.to(ids.device))
                  | torch.isin(ids, self.lone.to(ids.device)) & torch.isin(previous, self.ending_line.to(ids.device)))
-        blank &= mask
-        return blank & ~torch.cat([blank[:, 1:], torch.zeros_like(blank[:, :1])], dim=1)
+        return _run_ends(blank & mask)
 
 
-def _last_tokens(mask: torch.Tensor) -> torch.Tensor:
-    """[B, L] True at the last token of each row of the [B, L] ``mask``."""
+def _run_ends(mask: torch.Tensor) -> torch.Tensor:
+    """[B, L] True at the last position of each run of True in the [B, L] ``mask`` (of a right-padded token mask:
+    each row's last token)."""
     return mask & ~torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], dim=1)
 
 
